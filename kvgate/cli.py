@@ -1,0 +1,144 @@
+"""kvgate's command line: replay traces on a target, or gate a target on a corpus.
+
+    kvgate replay TRACE... --target {model,vllm} [--level api|strict]
+    kvgate gate [--target vllm|model] [--corpus DIR] [--level api|strict]
+                [--junit-xml PATH] [--plugin MODULE]
+
+Exit codes: 0 every trace conforms, 1 some trace diverged, 2 invalid input
+(a trace, an unsupported config, an unknown or unavailable target, bad
+arguments), told in one line on stderr and never with a traceback.
+
+Every trace is loaded and validated before anything is replayed. Against
+`--target vllm` the model runs in lockstep; against `--target model` only the
+traces' own expectations apply. Targets are imported only when chosen, so
+`--target model` never imports vLLM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import NoReturn, cast
+
+from kvgate.conformance.config import UnsupportedConfig
+from kvgate.conformance.replay import LEVELS, Level, TargetFactory, one_line, replay
+from kvgate.conformance.report import TerminalReport, write_junit
+from kvgate.conformance.target import Target
+from kvgate.conformance.trace import Trace, TraceError, bundled_corpus, load_corpus, load_trace
+
+# Where each target lives, as "module:factory", imported only when chosen.
+TARGETS: dict[str, str] = {
+    "model": "kvgate.model:ModelTarget",
+    "vllm": "kvgate.impl.vllm_target:VllmTarget",
+}
+# The target every other one is compared with, step by step.
+LOCKSTEP_MODEL = "model"
+
+
+class InputError(Exception):
+    """Bad input that is not a trace's fault (arguments, targets); exit 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    # argparse prints usage and exits on a bad argument; we want one line.
+    def error(self, message: str) -> NoReturn:
+        raise InputError(message)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        args = _parser().parse_args(argv)
+        if args.command == "replay":
+            traces = [load_trace(path) for path in args.traces]
+        else:
+            traces = load_corpus(args.corpus or bundled_corpus())
+        return _run(traces, args.target, args.level, args.plugin, args.junit_xml)
+    except (TraceError, InputError) as error:
+        print(f"kvgate: error: {error}", file=sys.stderr)
+        return 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="kvgate", description="Conformance gate for vLLM's KV-cache manager.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    replay_cmd = commands.add_parser("replay", help="replay traces on a target")
+    replay_cmd.add_argument("traces", nargs="+", type=Path, metavar="TRACE")
+    replay_cmd.add_argument("--target", required=True, choices=sorted(TARGETS))
+
+    gate_cmd = commands.add_parser("gate", help="replay a corpus; exit 0 only if all conform")
+    gate_cmd.add_argument("--target", default="vllm", choices=sorted(TARGETS))
+    gate_cmd.add_argument(
+        "--corpus", type=Path, metavar="DIR", help="default: the corpus kvgate ships"
+    )
+
+    for command in (replay_cmd, gate_cmd):
+        command.add_argument("--level", default="strict", choices=LEVELS)
+        command.add_argument("--junit-xml", type=Path, metavar="PATH")
+        command.add_argument(
+            "--plugin", metavar="MODULE", help="a vLLM plugin module for --target vllm"
+        )
+    return parser
+
+
+def _run(
+    traces: Sequence[Trace],
+    target_name: str,
+    level: Level,
+    plugin: str | None,
+    junit_xml: Path | None,
+) -> int:
+    if plugin is not None and target_name != "vllm":
+        raise InputError("--plugin: only --target vllm loads plugins")
+    factory = _target_factory(target_name)
+    if plugin is not None:
+        # VllmTarget(config, plugin=...): the one target that loads plugins.
+        factory = functools.partial(cast(Callable[..., Target], factory), plugin=plugin)
+    model = None if target_name == LOCKSTEP_MODEL else _target_factory(LOCKSTEP_MODEL)
+
+    report = TerminalReport(sys.stdout)
+    for trace in traces:
+        target = _build(factory, trace)
+        try:
+            if not report.results:
+                report.target(target.capabilities)
+            result = replay(trace, target, model, level)
+        finally:
+            target.close()
+        report.add(result)
+    report.finish()
+
+    if junit_xml is not None:
+        try:
+            write_junit(report.results, junit_xml)
+        except OSError as error:
+            raise InputError(f"--junit-xml: cannot write {junit_xml}: {error.strerror}") from None
+    return 0 if all(r.passed for r in report.results) else 1
+
+
+def _target_factory(name: str) -> TargetFactory:
+    module_name, _, attribute = TARGETS[name].partition(":")
+    if name == "vllm":
+        # vLLM picks its platform when first imported; kvgate drives it on CPU.
+        os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    try:
+        factory = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as error:
+        raise InputError(f"--target {name}: not available here ({one_line(error)})") from None
+    return cast(TargetFactory, factory)
+
+
+def _build(factory: TargetFactory, trace: Trace) -> Target:
+    try:
+        return factory(trace.config)
+    except UnsupportedConfig as error:
+        raise TraceError.unsupported(trace.path, error) from None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

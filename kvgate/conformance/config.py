@@ -1,0 +1,88 @@
+"""A trace's `config`: the manager a trace runs on, as both targets build it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+GroupKind = Literal["full_attention", "mamba_align"]
+
+
+@dataclass(frozen=True)
+class GroupConfig:
+    kind: GroupKind
+    block_size: int
+    speculative_blocks: int = 0
+
+
+@dataclass(frozen=True)
+class Config:
+    num_blocks: int
+    hash_unit: int
+    groups: tuple[GroupConfig, ...]
+    eagle: bool
+    retention_interval: int | None
+    retain_checkpoint: bool
+    scheduler_block_size: int
+    max_model_len: int = 8192
+    max_num_scheduled_tokens: int = 8192
+
+    @property
+    def mamba_group_ids(self) -> tuple[int, ...]:
+        return tuple(i for i, g in enumerate(self.groups) if g.kind == "mamba_align")
+
+    @property
+    def partial_hits(self) -> bool:
+        """Sub-block (hash-unit) hits: some Mamba block is wider than the unit."""
+        return any(self.groups[i].block_size > self.hash_unit for i in self.mamba_group_ids)
+
+
+class UnsupportedConfig(ValueError):
+    """A config outside what a target (or the model) can run.
+
+    `field` names the config key, so the error reads as one line.
+    """
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+        self.message = message
+
+
+def validate(config: Config) -> None:
+    """Refuse what version 1's config space does not cover (see the format)."""
+    groups = config.groups
+    if config.num_blocks < 2:
+        raise UnsupportedConfig("num_blocks", "needs at least 2 blocks (one is the null block)")
+    if config.hash_unit < 1:
+        raise UnsupportedConfig("hash_unit", "must be >= 1")
+    kinds = [g.kind for g in groups]
+    if kinds.count("full_attention") != 1:
+        raise UnsupportedConfig("groups", "exactly one full_attention group is supported")
+    if kinds.count("mamba_align") < 1:
+        raise UnsupportedConfig("groups", "at least one mamba_align group is required")
+    for i, g in enumerate(groups):
+        where = f"groups[{i}]"
+        if g.block_size < 1 or g.block_size % config.hash_unit:
+            raise UnsupportedConfig(
+                f"{where}.block_size",
+                f"block_size {g.block_size} is not a multiple of hash_unit {config.hash_unit}",
+            )
+        if g.speculative_blocks < 0:
+            raise UnsupportedConfig(f"{where}.speculative_blocks", "must be >= 0")
+        if g.kind == "full_attention" and g.speculative_blocks:
+            raise UnsupportedConfig(
+                f"{where}.speculative_blocks", "only mamba_align groups take speculative blocks"
+            )
+        if config.scheduler_block_size % g.block_size:
+            raise UnsupportedConfig(
+                "scheduler_block_size",
+                f"{config.scheduler_block_size} is not a multiple of group {i}'s "
+                f"block_size {g.block_size}",
+            )
+    if config.retention_interval not in (None, 0):
+        raise UnsupportedConfig(
+            "retention_interval", "only null (dense) and 0 (sparse) are supported"
+        )
+    if config.max_model_len < 1 or config.max_num_scheduled_tokens < 1:
+        raise UnsupportedConfig("max_model_len", "must be >= 1")

@@ -1,0 +1,312 @@
+"""Trace ops as manager calls: the scheduler's part, written once.
+
+`OpDriver` turns each primitive op into the manager calls the trace format's
+table names, and keeps what the scheduler keeps between them: token ids, each
+request's pending lookup, the blocks put aside by `pop`. A target supplies
+the manager behind it by implementing the abstract hooks; the model and the
+real vLLM manager therefore see exactly the same call sequence.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from kvgate.conformance.config import Config
+from kvgate.conformance.ops import Segment, Step
+from kvgate.conformance.snapshot import Snapshot
+from kvgate.conformance.target import Capabilities, StepRefused
+from kvgate.conformance.tokens import FreshTokens
+
+R = TypeVar("R")  # the target's request object
+
+
+@dataclass
+class Pending(Generic[R]):
+    """What the driver keeps for one request between ops."""
+
+    request: R
+    hit_blocks: Any = None  # the pending lookup's blocks (target-specific)
+    hit: int = 0
+    has_hit: bool = False
+    ended: bool = False
+
+
+class OpDriver(ABC, Generic[R]):
+    capabilities: Capabilities
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.fresh = FreshTokens()
+        self.requests: dict[str, Pending[R]] = {}
+        self.popped: dict[str, list[Any]] = {}
+
+    # -- hooks a target implements ------------------------------------------------
+
+    @abstractmethod
+    def new_request(self, name: str, tokens: list[int]) -> R: ...
+
+    @abstractmethod
+    def prompt_tokens(self, request: R) -> list[int]: ...
+
+    @abstractmethod
+    def all_tokens(self, request: R) -> list[int]: ...
+
+    @abstractmethod
+    def num_computed(self, request: R) -> int: ...
+
+    @abstractmethod
+    def set_num_computed(self, request: R, n: int) -> None: ...
+
+    @abstractmethod
+    def has_blocks(self, request: R) -> bool:
+        """Whether the request holds blocks (its first allocation is done)."""
+
+    @abstractmethod
+    def append_output(self, request: R, tokens: list[int]) -> None: ...
+
+    @abstractmethod
+    def set_drafts(self, request: R, tokens: list[int]) -> None: ...
+
+    @abstractmethod
+    def mark(self, request: R, status: str) -> None:
+        """Record "running" or "preempted" where the target keeps a status."""
+
+    @abstractmethod
+    def lookup(self, request: R) -> tuple[Any, int]: ...
+
+    @abstractmethod
+    def blocks_needed(self, request: R, hit_blocks: Any, hit: int, admission: bool) -> int: ...
+
+    @abstractmethod
+    def split(self, request: R, num_new: int, hit: int) -> int: ...
+
+    @abstractmethod
+    def allocate_slots(
+        self, request: R, num_new: int, hit: int, hit_blocks: Any, lookahead: int
+    ) -> bool: ...
+
+    @abstractmethod
+    def free(self, request: R) -> None: ...
+
+    @abstractmethod
+    def pop_blocks_for_free(self, request: R) -> list[Any]: ...
+
+    @abstractmethod
+    def free_blocks(self, blocks: list[Any]) -> None: ...
+
+    @abstractmethod
+    def take_copies(self) -> tuple[list[list[int]], list[Any]]:
+        """This step's copies as [src, dst] ids, and their retained endpoints."""
+
+    @abstractmethod
+    def new_step_starts(self) -> None: ...
+
+    @abstractmethod
+    def num_free_blocks(self) -> int: ...
+
+    @abstractmethod
+    def evict(self, n: int) -> None:
+        """Take `n` free blocks (evicting cached states) and free them again."""
+
+    @abstractmethod
+    def pool_clean(self) -> bool:
+        """Every block but the null block free, at ref 0, referenced by nothing."""
+
+    @abstractmethod
+    def hold_positions(self) -> dict[str, dict[int, int]]:
+        """{request: {group: held position}}; {} where the target has no hold."""
+
+    @abstractmethod
+    def state_ref(self, request: R, group: int, position: int) -> int | None:
+        """The ref count of the block keyed in `group` at the request's prefix
+        position `position`, or None when nothing is keyed there."""
+
+    @abstractmethod
+    def attention_cached(self, request: R) -> int:
+        """How many of the request's prompt tokens the attention group has
+        cached from the start, in whole attention blocks."""
+
+    @abstractmethod
+    def snapshot(self) -> Snapshot: ...
+
+    def check_values(self, query: Mapping[str, Any]) -> dict[str, Any]:
+        values: dict[str, Any] = {}
+        if "pool_clean" in query:
+            values["pool_clean"] = self.pool_clean() and not any(self.popped.values())
+        if "free_blocks" in query:
+            values["free_blocks"] = self.num_free_blocks()
+        if "holds" in query:
+            values["holds"] = self.hold_positions()
+        if "ref" in query:
+            values["ref"] = {
+                req: {
+                    group: {
+                        pos: self.state_ref(self.requests[req].request, group, pos)
+                        for pos in positions
+                    }
+                    for group, positions in groups.items()
+                }
+                for req, groups in query["ref"].items()
+            }
+        if "attention_cached" in query:
+            values["attention_cached"] = {
+                req: self.attention_cached(self.requests[req].request)
+                for req in query["attention_cached"]
+            }
+        return values
+
+    def close(self) -> None:
+        self.requests.clear()
+        self.popped.clear()
+
+    # -- the ops ------------------------------------------------------------------
+
+    def apply(self, step: Step) -> dict[str, Any]:
+        handler = getattr(self, f"_op_{step.op}", None)
+        if handler is None:
+            raise StepRefused("op", f"{step.op!r} is not a primitive op")
+        result: dict[str, Any] = handler(step)
+        result["free_blocks"] = self.num_free_blocks()
+        return result
+
+    def _pending(self, step: Step) -> Pending[R]:
+        assert step.req is not None
+        pending = self.requests.get(step.req)
+        if pending is None or pending.ended:
+            raise StepRefused("req", f"no live request {step.req!r}")
+        return pending
+
+    def _resolve(self, segments: tuple[Segment, ...]) -> list[int]:
+        tokens: list[int] = []
+        for segment in segments:
+            if segment.kind == "fresh":
+                tokens += self.fresh.take(segment.count)
+            elif segment.kind == "tokens":
+                tokens += segment.token_ids
+            else:
+                assert segment.req is not None
+                source = self.requests.get(segment.req)
+                if source is None:
+                    raise StepRefused("prompt", f"no request {segment.req!r} to copy")
+                if segment.kind == "all_of":
+                    tokens += self.all_tokens(source.request)
+                else:
+                    tokens += self.prompt_tokens(source.request)
+        return tokens
+
+    def _op_arrive(self, step: Step) -> dict[str, Any]:
+        assert step.req is not None
+        if step.req in self.requests:
+            raise StepRefused("req", f"request {step.req!r} already arrived")
+        tokens = self._resolve(step.prompt)
+        if not tokens:
+            raise StepRefused("prompt", "the prompt is empty")
+        self.requests[step.req] = Pending(self.new_request(step.req, tokens))
+        return {}
+
+    def _op_lookup(self, step: Step) -> dict[str, Any]:
+        pending = self._pending(step)
+        pending.hit_blocks, pending.hit = self.lookup(pending.request)
+        pending.has_hit = True
+        return {"hit": pending.hit}
+
+    def _hit_for_allocation(self, pending: Pending[R]) -> tuple[Any, int]:
+        """The pending lookup applies to the request's first allocation only."""
+        if pending.has_hit and not self.has_blocks(pending.request):
+            return pending.hit_blocks, pending.hit
+        return None, 0
+
+    def _op_reserve(self, step: Step) -> dict[str, Any]:
+        pending = self._pending(step)
+        blocks, hit = self._hit_for_allocation(pending)
+        return {
+            "blocks": self.blocks_needed(pending.request, blocks, hit, admission=True),
+            "step_blocks": self.blocks_needed(pending.request, blocks, hit, admission=False),
+        }
+
+    def _op_allocate(self, step: Step) -> dict[str, Any]:
+        pending = self._pending(step)
+        request = pending.request
+        blocks, hit = self._hit_for_allocation(pending)
+        start = self.num_computed(request) + hit
+        total = len(self.all_tokens(request))
+        if step.tokens == "auto":
+            remaining = min(total - start, self.config.max_num_scheduled_tokens)
+            if remaining <= 0:
+                raise StepRefused("tokens", "auto: nothing is left to compute")
+            num_new = self.split(request, remaining, hit)
+        else:
+            assert isinstance(step.tokens, int)
+            num_new = step.tokens
+        ok = self.allocate_slots(request, num_new, hit, blocks, step.lookahead)
+        if ok:
+            self.set_num_computed(request, start + num_new)
+            pending.has_hit, pending.hit_blocks, pending.hit = False, None, 0
+            self.mark(request, "running")
+        return {
+            "ok": ok,
+            "tokens": num_new,
+            "prompt_done": self.num_computed(request) >= len(self.all_tokens(request)),
+        }
+
+    def _op_decode1(self, step: Step) -> dict[str, Any]:
+        request = self._pending(step).request
+        if self.num_computed(request) >= len(self.all_tokens(request)):
+            # The token the last chunk sampled.
+            self.append_output(request, self.fresh.take(1))
+        self.set_drafts(request, self.fresh.take(step.spec))
+        ok = self.allocate_slots(request, 1 + step.spec, 0, None, step.spec)
+        self.set_drafts(request, [])
+        if ok:
+            self.set_num_computed(request, self.num_computed(request) + 1)
+            self.append_output(request, self.fresh.take(1))
+        return {"ok": ok}
+
+    def _op_step(self, step: Step) -> dict[str, Any]:
+        self.new_step_starts()
+        return {}
+
+    def _op_drain(self, step: Step) -> dict[str, Any]:
+        copies, retained = self.take_copies()
+        self.free_blocks(retained)
+        return {"copies": copies}
+
+    def _op_free(self, step: Step) -> dict[str, Any]:
+        pending = self._pending(step)
+        self.free(pending.request)
+        if step.how == "preempt":
+            # Back to waiting with nothing computed; the output stays.
+            self.set_num_computed(pending.request, 0)
+            self.set_drafts(pending.request, [])
+            pending.has_hit, pending.hit_blocks, pending.hit = False, None, 0
+            self.mark(pending.request, "preempted")
+        else:
+            pending.ended = True
+        return {}
+
+    def _op_pop(self, step: Step) -> dict[str, Any]:
+        pending = self._pending(step)
+        assert step.req is not None
+        self.popped[step.req] = self.pop_blocks_for_free(pending.request)
+        pending.ended = True
+        return {}
+
+    def _op_release(self, step: Step) -> dict[str, Any]:
+        assert step.req is not None
+        if step.req not in self.popped:
+            raise StepRefused("req", f"nothing popped for {step.req!r}")
+        # Tail first, as the scheduler frees a request's blocks.
+        self.free_blocks(list(reversed(self.popped.pop(step.req))))
+        return {}
+
+    def _op_evict(self, step: Step) -> dict[str, Any]:
+        free = self.num_free_blocks()
+        n = free if step.blocks == "all" else step.blocks
+        assert isinstance(n, int)
+        if n > free:
+            raise StepRefused("blocks", f"{n} blocks asked, {free} free")
+        self.evict(n)
+        return {}

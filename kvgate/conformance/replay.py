@@ -1,0 +1,343 @@
+"""Replay a trace on a target, in lockstep with the model, up to the first divergence.
+
+Each primitive step runs on the model first, then on the target. The target's
+observation is compared with the step's `expect` values (level `expect`),
+then with the model's observation (level `api`), then, at `strict`, the two
+snapshots. A mismatch with the model ends the replay as a `Divergence`. A
+mismatch with the trace's own values does not desynchronise anything, so the
+replay records it and goes on: a report then shows the first failure and
+every later expectation the target missed (the seed's total miss at the
+next turn's lookup, say, after an earlier structural check).
+
+A target that raises while it runs a step has diverged at that step: the
+replay reports the exception's one-line summary instead of crashing. A step
+the target refuses (`StepRefused`) is the trace's fault, a `TraceError`,
+unless the model ran the very same step: then the target diverged.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from itertools import count
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+from kvgate.conformance.config import Config, UnsupportedConfig
+from kvgate.conformance.ops import ACTIONS, Step
+from kvgate.conformance.target import Capabilities, StepRefused, Target
+from kvgate.conformance.trace import Trace, TraceError, prefill_lookup, prefill_round
+
+Level = Literal["api", "strict"]
+LEVELS: tuple[Level, ...] = ("api", "strict")
+# Where a divergence was seen: against the trace's own values, or the model's.
+DivergenceLevel = Literal["expect", "api", "strict"]
+
+TargetFactory = Callable[[Config], Target]
+
+HOLD_NOTE = (
+    "target lacks the hold: lockstep model runs with the hold off; "
+    "the trace's expectations still apply"
+)
+
+# A replayer-only observation key: which step ends a prefill's loop, not
+# something a manager's caller sees, so never compared as a value.
+PROMPT_DONE = "prompt_done"
+
+
+class _NotReported:
+    """Stands for a value an observation lacks."""
+
+    def __repr__(self) -> str:
+        return "(not reported)"
+
+
+NOT_REPORTED: Any = _NotReported()
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """The first place a target stopped conforming.
+
+    `expected` comes from the trace at level `expect` and from the model at
+    levels `api` and `strict`; `actual` always comes from the target.
+    """
+
+    trace: str
+    path: Path
+    step: Step
+    level: DivergenceLevel
+    what: str
+    expected: object
+    actual: object
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class ReplayResult:
+    trace: Trace
+    level: Level
+    capabilities: Capabilities
+    steps_run: int  # primitive and check steps run, the diverging one included
+    seconds: float
+    divergence: Divergence | None
+    notes: tuple[str, ...] = ()
+    # Later failures (expectations missed after the first failure, or the
+    # lockstep divergence that ended a replay that had already missed one).
+    also: tuple[Divergence, ...] = ()
+
+    @property
+    def passed(self) -> bool:
+        return self.divergence is None
+
+
+def replay(trace: Trace, target: Target, model: TargetFactory | None, level: Level) -> ReplayResult:
+    """Replay `trace` on `target`, with a lockstep model built by `model` if given.
+
+    The caller owns `target` (builds and closes it); the model is built here,
+    because what it is built from depends on the target: a target without the
+    hold gets a lockstep model with the hold off, so the two stay comparable,
+    while the trace's own expectations still judge the target.
+
+    Raises `TraceError` when the trace asks for something it may not (a
+    refused step, a `check` key the target cannot observe) or the model
+    refuses its config.
+    """
+    started = time.perf_counter()
+    notes: list[str] = []
+    lockstep: Target | None = None
+    if model is not None:
+        config = trace.config
+        if config.retain_checkpoint and not target.capabilities.hold:
+            config = replace(config, retain_checkpoint=False)
+            notes.append(HOLD_NOTE)
+        try:
+            lockstep = model(config)
+        except UnsupportedConfig as error:
+            raise TraceError.unsupported(trace.path, error) from None
+    run = _Lockstep(trace, target, lockstep, level)
+    failures: list[Divergence] = run.missed
+    try:
+        run.all_steps()
+    except _Diverged as diverged:
+        failures = [*run.missed, diverged.divergence]
+    finally:
+        if lockstep is not None:
+            lockstep.close()
+    return ReplayResult(
+        trace=trace,
+        level=level,
+        capabilities=target.capabilities,
+        steps_run=run.steps_run,
+        seconds=time.perf_counter() - started,
+        divergence=failures[0] if failures else None,
+        notes=tuple(notes),
+        also=tuple(failures[1:]),
+    )
+
+
+class _Diverged(Exception):
+    """Unwinds a replay from wherever the first divergence is found."""
+
+    def __init__(self, divergence: Divergence) -> None:
+        super().__init__(divergence.what)
+        self.divergence = divergence
+
+
+T = TypeVar("T")
+
+
+class _Lockstep:
+    def __init__(self, trace: Trace, target: Target, model: Target | None, level: Level) -> None:
+        self.trace = trace
+        self.target = target
+        self.model = model
+        self.level = level
+        self.steps_run = 0
+        self.missed: list[Divergence] = []  # expectations missed so far
+
+    def miss(self, step: Step, what: str, expected: object, actual: object) -> None:
+        self.missed.append(
+            Divergence(self.trace.name, self.trace.path, step, "expect", what, expected, actual)
+        )
+
+    def all_steps(self) -> None:
+        for step in self.trace.primitives:
+            if step.op == "prefill":
+                self.prefill(step)
+            elif step.op == "check":
+                self.check(step)
+            else:
+                self.primitive(step)
+
+    def diverged(
+        self,
+        step: Step,
+        level: DivergenceLevel,
+        what: str,
+        expected: object,
+        actual: object,
+        note: str = "",
+    ) -> _Diverged:
+        return _Diverged(
+            Divergence(self.trace.name, self.trace.path, step, level, what, expected, actual, note)
+        )
+
+    # -- one primitive -----------------------------------------------------
+
+    def primitive(self, step: Step) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """Run one primitive op on both sides and compare; both observations."""
+        self.steps_run += 1
+        modeled = None if self.model is None else self.apply(self.model, "model", step)
+        observed = self.apply(self.target, "target", step)
+        for key, want in step.expect.items():
+            got = observed.get(key, NOT_REPORTED)
+            if not same(want, got):
+                self.miss(step, key, want, got)
+        if modeled is not None:
+            for key in _ordered_keys(step, modeled, observed):
+                want, got = modeled.get(key, NOT_REPORTED), observed.get(key, NOT_REPORTED)
+                if not same(want, got):
+                    raise self.diverged(step, "api", key, want, got)
+        if self.level == "strict" and self.model is not None:
+            self.compare_snapshots(step, self.model)
+        return observed, modeled
+
+    def apply(self, side: Target, who: str, step: Step) -> dict[str, Any]:
+        try:
+            return side.apply(step)
+        except StepRefused as refused:
+            if who == "target" and self.model is not None:
+                # The model ran this step, so the trace was fine: the target diverged.
+                raise self.diverged(
+                    step,
+                    "api",
+                    "refused",
+                    "the step runs (the model ran it)",
+                    f"{refused.field}: {refused.message}",
+                    "the target refused the step",
+                ) from None
+            at = f" (at {step.where()})" if step.origin else ""
+            raise TraceError(
+                self.trace.path, step.index, refused.field, refused.message + at
+            ) from None
+        except Exception as error:
+            raise self.raised(step, who, error) from None
+
+    def guarded(self, step: Step, who: str, call: Callable[[], T]) -> T:
+        """A read of a side's state: an exception there is a divergence too."""
+        try:
+            return call()
+        except Exception as error:
+            raise self.raised(step, who, error) from None
+
+    def raised(self, step: Step, who: str, error: Exception) -> _Diverged:
+        return self.diverged(
+            step, "api", "exception", "no exception", one_line(error), f"raised by the {who}"
+        )
+
+    def compare_snapshots(self, step: Step, model: Target) -> None:
+        expected = self.guarded(step, "model", model.snapshot)
+        actual = self.guarded(step, "target", self.target.snapshot)
+        first = next(iter(expected.differences(actual)), None)
+        if first is not None:
+            what, want, got = first
+            raise self.diverged(step, "strict", what, want, got)
+
+    # -- macros and checks --------------------------------------------------
+
+    def prefill(self, macro: Step) -> None:
+        """`prefill`: lookup, then allocate/step/drain until the target says done.
+
+        Every allocate advances by at least one token, so a prompt that fits
+        in max_model_len is done within that many rounds; going past it, or
+        an allocate that fails or moves nothing, means the prefill is stuck.
+        """
+        self.primitive(prefill_lookup(macro))
+        for round_no in count(1):
+            allocate, step, drain = prefill_round(macro, round_no)
+            observed, modeled = self.primitive(allocate)
+            if observed.get("ok") is not True:
+                raise self.stalled(allocate, observed)
+            done = observed.get(PROMPT_DONE, NOT_REPORTED)
+            if not isinstance(done, bool):
+                raise self.diverged(
+                    allocate, "api", PROMPT_DONE, "true or false", done, "allocate must report it"
+                )
+            if modeled is not None and modeled.get(PROMPT_DONE) != done:
+                raise self.diverged(
+                    allocate,
+                    "api",
+                    PROMPT_DONE,
+                    modeled.get(PROMPT_DONE, NOT_REPORTED),
+                    done,
+                    "the model and the target disagree on whether the prompt is computed",
+                )
+            if not done and (
+                observed.get("tokens") == 0 or round_no >= self.trace.config.max_model_len
+            ):
+                raise self.stalled(allocate, observed)
+            self.primitive(step)
+            self.primitive(drain)
+            if done:
+                return
+
+    def stalled(self, allocate: Step, observed: Mapping[str, Any]) -> _Diverged:
+        return self.diverged(
+            allocate,
+            "expect",
+            "prefill stalled",
+            "the prompt gets computed",
+            f"ok {observed.get('ok')}, tokens {observed.get('tokens')}",
+            "the prefill's allocate loop cannot finish the prompt",
+        )
+
+    def check(self, step: Step) -> None:
+        self.steps_run += 1
+        values = self.guarded(step, "target", lambda: self.target.check_values(step.check))
+        for key, want in step.check.items():
+            if key not in values:
+                raise TraceError(
+                    self.trace.path,
+                    step.index,
+                    key,
+                    f"not observable on {self.target.capabilities.implementation}: "
+                    "the target does not report it",
+                )
+            got = values[key]
+            if key == "holds":
+                want, got = _holding(want), _holding(got)
+            if not same(want, got):
+                self.miss(step, f"check {key}", want, got)
+
+
+def same(a: object, b: object) -> bool:
+    """Equality of observed values: lists equal tuples, but true is not 1."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return type(a) is type(b) and a == b
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    return a == b
+
+
+def one_line(error: BaseException) -> str:
+    """`TypeName: first line of the message`."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+
+
+def _holding(holds: object) -> object:
+    """A holds map without the requests that hold nothing."""
+    if not isinstance(holds, Mapping):
+        return holds
+    return {req: dict(groups) for req, groups in holds.items() if groups}
+
+
+def _ordered_keys(step: Step, *observations: Mapping[str, Any]) -> list[str]:
+    """The keys both sides reported, the op's own first; never `prompt_done`."""
+    reported = {k for o in observations for k in o} - {PROMPT_DONE}
+    own = [k for k in ACTIONS[step.op].expect_keys if k in reported]
+    return own + sorted(reported - set(own))

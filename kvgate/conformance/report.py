@@ -1,0 +1,193 @@
+"""What a replay run tells people (the terminal) and CI (JUnit XML).
+
+Terminal shape, in order: the target's capabilities, a line per trace as it
+finishes, each failing trace's first divergence in a few lines, and a last
+line `N passed, M failed` on its own, for CI parsers.
+"""
+
+from __future__ import annotations
+
+import xml.etree.ElementTree as ET
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TextIO
+
+from kvgate.conformance.replay import Divergence, ReplayResult
+from kvgate.conformance.target import Capabilities
+
+# How much of one value a terminal line shows.
+WIDTH = 100
+# How many differing positions (or keys) of a long value are shown.
+SHOWN_DIFFERENCES = 6
+
+_EXPECTED_FROM = {"expect": "the trace", "api": "the model", "strict": "the model"}
+
+
+class TerminalReport:
+    """Writes the report while the run goes, so a long gate shows progress."""
+
+    def __init__(self, out: TextIO) -> None:
+        self.out = out
+        self.results: list[ReplayResult] = []
+
+    def target(self, capabilities: Capabilities) -> None:
+        self._line(capabilities_line(capabilities))
+
+    def add(self, result: ReplayResult) -> None:
+        self.results.append(result)
+        self._line(trace_line(result))
+
+    def finish(self) -> None:
+        for result in self.results:
+            if not result.passed:
+                self._line("")
+                for line in divergence_lines(result):
+                    self._line(line)
+        if any(not r.passed for r in self.results):
+            self._line("")
+        self._line(summary_line(self.results))
+
+    def _line(self, text: str) -> None:
+        print(text, file=self.out, flush=True)
+
+
+def capabilities_line(capabilities: Capabilities) -> str:
+    """`target: vllm 0.33.0 (partial hits: yes, hold: no)`."""
+    hold = "yes" if capabilities.hold else "no"
+    if capabilities.hold and capabilities.hold_source:
+        hold += f" ({capabilities.hold_source})"
+    partial = "yes" if capabilities.partial_hits else "no"
+    return f"target: {capabilities.implementation} (partial hits: {partial}, hold: {hold})"
+
+
+def trace_line(result: ReplayResult) -> str:
+    verdict = "PASS" if result.passed else "FAIL"
+    return f"{verdict} {result.trace.name} ({result.steps_run} steps, {result.seconds:.2f}s)"
+
+
+def summary_line(results: Sequence[ReplayResult]) -> str:
+    failed = sum(not r.passed for r in results)
+    return f"{len(results) - failed} passed, {failed} failed"
+
+
+def divergence_lines(result: ReplayResult) -> list[str]:
+    """A failing trace's first divergence, short enough for a terminal."""
+    d = result.divergence
+    if d is None:
+        return []
+    expected, actual = show_pair(d.expected, d.actual)
+    lines = [
+        f"{d.trace}: first divergence at {d.step.where()}, level {d.level}",
+        f"  what:     {d.what}",
+        f"  expected: {expected}   (from {_EXPECTED_FROM[d.level]})",
+        f"  actual:   {actual}",
+    ]
+    lines += [f"  note:     {note}" for note in (d.note, *result.notes) if note]
+    lines += [f"  also:     {divergence_summary(later)}" for later in result.also]
+    lines.append(f"  trace:    {d.path}")
+    return lines
+
+
+def divergence_summary(d: Divergence) -> str:
+    """The divergence in one line, as a JUnit failure message."""
+    expected, actual = show_pair(d.expected, d.actual)
+    return f"{d.step.where()}: {d.level}: {d.what}: expected {expected}, actual {actual}"
+
+
+def show_pair(expected: object, actual: object) -> tuple[str, str]:
+    """Both values as text; of two long sequences or mappings, only what differs."""
+    a, b = _text(expected), _text(actual)
+    if len(a) <= WIDTH and len(b) <= WIDTH:
+        return a, b
+    if isinstance(expected, (list, tuple)) and isinstance(actual, (list, tuple)):
+        return _sequence_differences(expected, actual)
+    if isinstance(expected, Mapping) and isinstance(actual, Mapping):
+        return _mapping_differences(expected, actual)
+    return _cut(a), _cut(b)
+
+
+def _sequence_differences(expected: Sequence[object], actual: Sequence[object]) -> tuple[str, str]:
+    missing = object()
+    positions = [
+        i
+        for i in range(max(len(expected), len(actual)))
+        if (expected[i] if i < len(expected) else missing)
+        != (actual[i] if i < len(actual) else missing)
+    ]
+    shown, more = positions[:SHOWN_DIFFERENCES], len(positions) - SHOWN_DIFFERENCES
+
+    def side(values: Sequence[object]) -> str:
+        items = " ".join(f"[{i}]={_text(values[i]) if i < len(values) else '-'}" for i in shown)
+        tail = f" ... ({more} more differ)" if more > 0 else ""
+        return _cut(f"len {len(values)}: {items}{tail}")
+
+    return side(expected), side(actual)
+
+
+def _mapping_differences(
+    expected: Mapping[object, object], actual: Mapping[object, object]
+) -> tuple[str, str]:
+    missing = object()
+    keys = [
+        k
+        for k in sorted({*expected, *actual}, key=str)
+        if expected.get(k, missing) != actual.get(k, missing)
+    ]
+    shown = keys[:SHOWN_DIFFERENCES]
+    tail = f" ... ({len(keys) - len(shown)} more differ)" if len(keys) > len(shown) else ""
+
+    def side(values: Mapping[object, object]) -> str:
+        items = ", ".join(f"{k}: {_text(values[k]) if k in values else '-'}" for k in shown)
+        return _cut(f"{{{items}}}{tail} (differing keys only)")
+
+    return side(expected), side(actual)
+
+
+def _text(value: object) -> str:
+    return value if isinstance(value, str) else repr(value)
+
+
+def _cut(text: str) -> str:
+    return text if len(text) <= WIDTH else text[: WIDTH - 3] + "..."
+
+
+def write_junit(results: Sequence[ReplayResult], path: str | Path, suite: str = "kvgate") -> None:
+    """One testcase per trace; a failing one carries its first divergence."""
+    failed = [r for r in results if not r.passed]
+    root = ET.Element("testsuites")
+    suite_element = ET.SubElement(
+        root,
+        "testsuite",
+        name=suite,
+        tests=str(len(results)),
+        failures=str(len(failed)),
+        errors="0",
+        time=f"{sum(r.seconds for r in results):.3f}",
+    )
+    if results:
+        properties = ET.SubElement(suite_element, "properties")
+        ET.SubElement(
+            properties,
+            "property",
+            name="target",
+            value=capabilities_line(results[0].capabilities).removeprefix("target: "),
+        )
+    for result in results:
+        case = ET.SubElement(
+            suite_element,
+            "testcase",
+            classname=suite,
+            name=result.trace.name,
+            file=str(result.trace.path),
+            time=f"{result.seconds:.3f}",
+        )
+        if result.divergence is not None:
+            failure = ET.SubElement(
+                case,
+                "failure",
+                message=divergence_summary(result.divergence),
+                type=result.divergence.level,
+            )
+            failure.text = "\n".join(divergence_lines(result))
+    ET.indent(root)
+    ET.ElementTree(root).write(path, encoding="utf-8", xml_declaration=True)

@@ -1,0 +1,71 @@
+"""What a replay needs from a target: apply one primitive op, show its state.
+
+Targets: the executable model (`kvgate.model.ModelTarget`) and the real vLLM
+`KVCacheManager` (`kvgate.impl.vllm_target.VllmTarget`). Both implement the op
+semantics of the trace format's table, one manager call per op.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from kvgate.conformance.ops import Step
+from kvgate.conformance.snapshot import Snapshot
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What the implementation behind a target can do."""
+
+    implementation: str  # e.g. "kvgate model", "vllm 0.33.0"
+    partial_hits: bool  # sub-block (hash-unit) Mamba hits with CoW
+    hold: bool  # the partial-tail checkpoint hold (retain_checkpoint)
+    hold_source: str = ""  # which hold implementation ran, when `hold`
+
+
+class StepRefused(Exception):
+    """The trace asks for something this state cannot do (an invalid trace).
+
+    Raised before the target changes anything; `field` names the step field.
+    """
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+        self.message = message
+
+
+class Target(Protocol):
+    capabilities: Capabilities
+
+    def apply(self, step: Step) -> dict[str, Any]:
+        """Run one primitive op (never `check`).
+
+        Returns what the manager's callers saw: the op's `expect` keys that
+        apply (`hit`; `ok`, `tokens`; `blocks`, `step_blocks`; `copies` as a
+        list of [src, dst] ids) and always `free_blocks`.
+
+        `allocate` also reports `prompt_done`: True when, after the call, every
+        token of the request is computed (num_computed_tokens >= num_tokens,
+        output tokens of a preempted request included). It is not a manager
+        observation and is never compared; the replayer reads it to know when
+        a `prefill` macro's allocate loop ends.
+        """
+        ...
+
+    def check_values(self, query: Mapping[str, Any]) -> dict[str, Any]:
+        """The values a `check` step compares, for the keys in `query`.
+
+        `pool_clean`, `free_blocks`, `holds` ({req: {group: pos}}), and the
+        parametrised `ref` ({R: {G: {P: ref or None}}}) and `attention_cached`
+        ({R: tokens}) answered for the requests and positions `query` names.
+        A key missing from the answer is one this target cannot observe: a
+        replay refuses it by name instead of passing it.
+        """
+        ...
+
+    def snapshot(self) -> Snapshot: ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,659 @@
+"""Trace format version 1: read a YAML trace, validate all of it, expand macros.
+
+The format (trace-format.md) is a contract; this module is its only reader.
+Everything is checked before anything is replayed, and every problem is a
+`TraceError` that names the file, the step and the field in one line.
+
+Choices the format leaves to the reader, fixed here:
+
+- `config`: `eagle` and `retain_checkpoint` default to false;
+  `retention_interval` must be written (`null` = unset), because null and 0
+  are different modes and a silent default would hide which one a trace
+  tests; `scheduler_block_size` defaults to the largest `mamba_align` block
+  size; `max_model_len` and `max_num_scheduled_tokens` default to 8192.
+- Step indices count from 0: `step 3` is `steps[3]`.
+- A `check` step's keys are fields of the step: `{op: check, free_blocks: 3}`.
+  Its `holds` is the whole holds map (requests with `{}` count as holding
+  nothing), and its group ids must be `mamba_align` groups.
+- A request's life: `arrive` once; `free` with `finish`/`abort` ends it; `pop`
+  leaves only `release`, which ends it. `all_of`/`prompt_of` may name any
+  request that has arrived, ended or not.
+
+Macros: `decode` is expanded here, since its length is in the trace. The
+length of `prefill`'s allocate loop depends on the target's chunk split, so
+`Trace.primitives` keeps each `prefill` as one step and the replayer expands
+it while it runs, with `prefill_lookup` and `prefill_round` below.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, TypeGuard, cast
+
+import yaml
+from yaml.nodes import MappingNode
+
+from kvgate.conformance.config import (
+    Config,
+    GroupConfig,
+    GroupKind,
+    UnsupportedConfig,
+    validate,
+)
+from kvgate.conformance.ops import (
+    ACTIONS,
+    CHECK_KEYS,
+    EXPECT_TYPES,
+    FIELD_TYPES,
+    FREE_HOW,
+    Action,
+    Segment,
+    Step,
+)
+
+FORMAT = "kvgate-trace/1"
+
+_REQUIRED_KEYS = ("format", "name", "config", "steps")
+_OPTIONAL_KEYS = ("about",)
+
+_CONFIG_REQUIRED = ("num_blocks", "hash_unit", "retention_interval", "groups")
+_CONFIG_OPTIONAL = (
+    "scheduler_block_size",
+    "max_model_len",
+    "max_num_scheduled_tokens",
+    "eagle",
+    "retain_checkpoint",
+)
+_GROUP_KINDS = ("full_attention", "mamba_align")
+_SEGMENT_KINDS = ("fresh", "all_of", "prompt_of", "tokens")
+
+# Macros the replayer expands while it runs (see the module docstring).
+RUNTIME_MACROS = ("prefill",)
+
+
+class TraceError(ValueError):
+    """An invalid trace: one line, `<file>: step <i>: <field>: <message>`.
+
+    `step_index` is None for document-level problems (the `step <i>` part is
+    then left out). Raised by the loader, and by a replay when a target
+    refuses a step the trace should not have asked for.
+    """
+
+    def __init__(self, path: str | Path, step_index: int | None, field: str, message: str) -> None:
+        # One line whatever the message holds (YAML errors span several).
+        self.path = Path(path)
+        self.step_index = step_index
+        self.field = field
+        self.message = " ".join(message.split())
+        super().__init__(str(self))
+
+    def __str__(self) -> str:
+        step = "" if self.step_index is None else f"step {self.step_index}: "
+        return f"{self.path}: {step}{self.field}: {self.message}"
+
+    @classmethod
+    def unsupported(cls, path: str | Path, error: UnsupportedConfig) -> TraceError:
+        """A config a target (or the model, or `validate`) will not run."""
+        return cls(path, None, f"config.{error.field}", error.message)
+
+
+@dataclass(frozen=True)
+class Trace:
+    """A validated trace.
+
+    `steps` are the steps as written, macros included; `primitives` are what
+    the replayer runs: primitive ops, `decode` expanded, `prefill` kept whole.
+    """
+
+    name: str
+    about: str
+    config: Config
+    steps: tuple[Step, ...]
+    primitives: tuple[Step, ...]
+    path: Path
+
+
+def load_trace(path: str | Path) -> Trace:
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise TraceError(path, None, "file", "is not UTF-8 text") from None
+    except OSError as error:
+        raise TraceError(path, None, "file", f"cannot read: {error.strerror}") from None
+    return parse_trace(text, path)
+
+
+def parse_trace(text: str, path: str | Path = "<string>") -> Trace:
+    """Parse a trace from YAML text; `path` is only used to name errors."""
+    return _Reader(Path(path)).trace(_load_yaml(text, Path(path)))
+
+
+def load_corpus(directory: str | Path) -> list[Trace]:
+    """Every `*.yaml` trace in `directory`, sorted by file name.
+
+    An empty corpus is an error: a gate that checks nothing must not pass.
+    """
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise TraceError(directory, None, "corpus", "is not a directory")
+    traces = [load_trace(p) for p in sorted(directory.glob("*.yaml"))]
+    if not traces:
+        raise TraceError(directory, None, "corpus", "holds no *.yaml traces")
+    first_path: dict[str, Path] = {}
+    for trace in traces:
+        if trace.name in first_path:
+            raise TraceError(
+                trace.path,
+                None,
+                "name",
+                f"{trace.name!r} is also the name of {first_path[trace.name]}",
+            )
+        first_path[trace.name] = trace.path
+    return traces
+
+
+def bundled_corpus() -> Path:
+    """The corpus shipped inside the package (package data)."""
+    return Path(__file__).with_name("corpus")
+
+
+def expand(step: Step) -> tuple[Step, ...]:
+    """The primitives a written step stands for, as far as known before replay.
+
+    `decode {req, steps, spec}` becomes `steps` times decode1, step, drain.
+    A `prefill` stays whole (see `RUNTIME_MACROS`); every other op is itself.
+    """
+    if step.op != "decode":
+        return (step,)
+    expanded: list[Step] = []
+    for k in range(step.steps):
+        expanded += [
+            Step("decode1", step.index, 3 * k + 1, "decode", req=step.req, spec=step.spec),
+            Step("step", step.index, 3 * k + 2, "decode"),
+            Step("drain", step.index, 3 * k + 3, "decode"),
+        ]
+    return tuple(expanded)
+
+
+def prefill_lookup(prefill: Step) -> Step:
+    """The `lookup` a prefill starts with; the macro's `expect.hit` applies to it."""
+    return Step("lookup", prefill.index, 1, "prefill", req=prefill.req, expect=dict(prefill.expect))
+
+
+def prefill_round(prefill: Step, round_no: int) -> tuple[Step, Step, Step]:
+    """Round `round_no` (from 1) of a prefill's loop: allocate auto, step, drain."""
+    part = 3 * round_no - 1  # part 1 is the lookup
+    return (
+        Step(
+            "allocate",
+            prefill.index,
+            part,
+            "prefill",
+            req=prefill.req,
+            tokens="auto",
+            lookahead=prefill.lookahead,
+        ),
+        Step("step", prefill.index, part + 1, "prefill"),
+        Step("drain", prefill.index, part + 2, "prefill"),
+    )
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, except that a repeated mapping key is an error.
+
+    PyYAML silently keeps the last of two equal keys, which would let
+    `{req: A, req: B}` through as a valid step.
+    """
+
+    def construct_mapping(self, node: MappingNode, deep: bool = False) -> dict[Hashable, Any]:
+        seen: set[object] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, Hashable) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r}", key_node.start_mark
+                )
+            if isinstance(key, Hashable):
+                seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _load_yaml(text: str, path: Path) -> object:
+    try:
+        documents = list(yaml.load_all(text, Loader=_StrictLoader))
+    except yaml.MarkedYAMLError as error:
+        mark = error.problem_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        raise TraceError(path, None, "yaml", f"{where}{error.problem or error}") from None
+    except yaml.YAMLError as error:
+        raise TraceError(path, None, "yaml", str(error)) from None
+    if len(documents) != 1:
+        raise TraceError(path, None, "document", f"holds {len(documents)} YAML documents, not one")
+    return documents[0]
+
+
+_RequestState = Literal["live", "popped", "ended"]
+
+
+class _Reader:
+    """Validates one trace document, step by step, tracking each request's life."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.requests: dict[str, tuple[_RequestState, str]] = {}  # name -> (state, since)
+        self.config: Config | None = None
+
+    def error(self, index: int | None, field: str, message: str) -> TraceError:
+        return TraceError(self.path, index, field, message)
+
+    # -- document ---------------------------------------------------------
+
+    def trace(self, doc: object) -> Trace:
+        if not isinstance(doc, dict):
+            raise self.error(None, "document", f"must be a mapping, got {_got(doc)}")
+        if "format" not in doc:
+            raise self.error(None, "format", f"missing (write `format: {FORMAT}`)")
+        if doc["format"] != FORMAT:
+            raise self.error(
+                None,
+                "format",
+                f"{_got(doc['format'])} is not supported (this reader reads {FORMAT})",
+            )
+        self.unknown_keys(None, "", doc, _REQUIRED_KEYS + _OPTIONAL_KEYS, "top-level key")
+        self.missing_keys(None, "", doc, _REQUIRED_KEYS)
+        name = doc["name"]
+        if not isinstance(name, str) or not name.strip():
+            raise self.error(None, "name", f"must be a non-empty string, got {_got(name)}")
+        about = doc.get("about", "")
+        if not isinstance(about, str):
+            raise self.error(None, "about", f"must be a string, got {_got(about)}")
+        self.config = self.read_config(doc["config"])
+        raw_steps = doc["steps"]
+        if not isinstance(raw_steps, list) or not raw_steps:
+            raise self.error(None, "steps", f"must be a non-empty list, got {_got(raw_steps)}")
+        steps = tuple(self.step(i, raw) for i, raw in enumerate(raw_steps))
+        return Trace(
+            name=name,
+            about=about,
+            config=self.config,
+            steps=steps,
+            primitives=tuple(p for s in steps for p in expand(s)),
+            path=self.path,
+        )
+
+    def unknown_keys(
+        self,
+        index: int | None,
+        prefix: str,
+        mapping: Mapping[Any, Any],
+        allowed: tuple[str, ...],
+        what: str,
+    ) -> None:
+        for key in mapping:
+            if key not in allowed:
+                raise self.error(
+                    index,
+                    f"{prefix}{key}",
+                    f"unknown {what} (expected one of {', '.join(allowed)})",
+                )
+
+    def missing_keys(
+        self, index: int | None, prefix: str, mapping: Mapping[Any, Any], required: tuple[str, ...]
+    ) -> None:
+        for key in required:
+            if key not in mapping:
+                raise self.error(index, f"{prefix}{key}", "missing")
+
+    # -- config -----------------------------------------------------------
+
+    def read_config(self, raw: object) -> Config:
+        if not isinstance(raw, dict):
+            raise self.error(None, "config", f"must be a mapping, got {_got(raw)}")
+        self.unknown_keys(None, "config.", raw, _CONFIG_REQUIRED + _CONFIG_OPTIONAL, "config key")
+        self.missing_keys(None, "config.", raw, _CONFIG_REQUIRED)
+
+        def count(key: str, default: int | None = None) -> int:
+            value = raw.get(key, default)
+            if not _is_count(value):
+                raise self.error(
+                    None, f"config.{key}", f"must be an integer >= 0, got {_got(value)}"
+                )
+            return value
+
+        def flag(key: str) -> bool:
+            value = raw.get(key, False)
+            if not isinstance(value, bool):
+                raise self.error(None, f"config.{key}", f"must be true or false, got {_got(value)}")
+            return value
+
+        retention = raw["retention_interval"]
+        if retention is not None and not _is_count(retention):
+            raise self.error(
+                None,
+                "config.retention_interval",
+                f"must be null or an integer >= 0, got {_got(retention)}",
+            )
+        groups = self.read_groups(raw["groups"])
+        mamba_sizes = [g.block_size for g in groups if g.kind == "mamba_align"]
+        # Without a mamba group `validate` refuses the config; any default will do.
+        default_scheduler = max(mamba_sizes or [g.block_size for g in groups] or [1])
+        config = Config(
+            num_blocks=count("num_blocks"),
+            hash_unit=count("hash_unit"),
+            groups=groups,
+            eagle=flag("eagle"),
+            retention_interval=retention,
+            retain_checkpoint=flag("retain_checkpoint"),
+            scheduler_block_size=count("scheduler_block_size", default_scheduler),
+            max_model_len=count("max_model_len", 8192),
+            max_num_scheduled_tokens=count("max_num_scheduled_tokens", 8192),
+        )
+        try:
+            validate(config)
+        except UnsupportedConfig as error:
+            raise TraceError.unsupported(self.path, error) from None
+        return config
+
+    def read_groups(self, raw: object) -> tuple[GroupConfig, ...]:
+        if not isinstance(raw, list):
+            raise self.error(None, "config.groups", f"must be a list, got {_got(raw)}")
+        groups = []
+        for i, group in enumerate(raw):
+            where = f"config.groups[{i}]"
+            if not isinstance(group, dict):
+                raise self.error(None, where, f"must be a mapping, got {_got(group)}")
+            self.unknown_keys(
+                None, f"{where}.", group, ("kind", "block_size", "speculative_blocks"), "group key"
+            )
+            self.missing_keys(None, f"{where}.", group, ("kind", "block_size"))
+            kind = group["kind"]
+            if kind not in _GROUP_KINDS:
+                raise self.error(
+                    None, f"{where}.kind", f"{_got(kind)} is not one of {', '.join(_GROUP_KINDS)}"
+                )
+            sizes: list[int] = []
+            for key in ("block_size", "speculative_blocks"):
+                value = group.get(key, 0)
+                if not _is_count(value):
+                    raise self.error(
+                        None, f"{where}.{key}", f"must be an integer >= 0, got {_got(value)}"
+                    )
+                sizes.append(value)
+            groups.append(GroupConfig(cast(GroupKind, kind), *sizes))
+        return tuple(groups)
+
+    # -- steps ------------------------------------------------------------
+
+    def step(self, index: int, raw: object) -> Step:
+        if not isinstance(raw, dict):
+            raise self.error(index, "step", f"must be a mapping with an `op`, got {_got(raw)}")
+        op = raw.get("op")
+        if op is None:
+            raise self.error(index, "op", "missing")
+        if not isinstance(op, str) or op not in ACTIONS:
+            raise self.error(
+                index, "op", f"unknown op {_got(op)} (expected one of {', '.join(ACTIONS)})"
+            )
+        action = ACTIONS[op]
+        if op == "check":
+            return self.check_step(index, raw)
+        fields = ("op", *action.required, *action.optional)
+        self.unknown_keys(
+            index, "", raw, fields + (("expect",) if action.expect_keys else ()), f"field of {op}"
+        )
+        self.missing_keys(index, "", raw, action.required)
+        values = {
+            key: self.field(index, key, value)
+            for key, value in raw.items()
+            if key not in ("op", "expect")
+        }
+        expect = self.expect(index, action, raw.get("expect", {}))
+        self.track_request(index, action, values)
+        return Step(op, index, **values, expect=expect)
+
+    def field(self, index: int, key: str, value: object) -> Any:
+        kind = FIELD_TYPES[key]
+        if kind == "req":
+            if not isinstance(value, str) or not value:
+                raise self.error(
+                    index, key, f"must be a request name (a string), got {_got(value)}"
+                )
+            return value
+        if kind == "prompt":
+            return self.prompt(index, value)
+        if kind == "int":
+            if not _is_count(value):
+                raise self.error(index, key, f"must be an integer >= 0, got {_got(value)}")
+            return value
+        if kind == "int_or_auto":
+            if value != "auto" and not (_is_count(value) and value != 0):
+                raise self.error(index, key, f"must be an integer >= 1 or auto, got {_got(value)}")
+            return value
+        if kind == "int_or_all":
+            if value != "all" and not _is_count(value):
+                raise self.error(index, key, f"must be an integer >= 0 or all, got {_got(value)}")
+            return value
+        if value not in FREE_HOW:
+            raise self.error(index, key, f"{_got(value)} is not one of {', '.join(FREE_HOW)}")
+        return value
+
+    def prompt(self, index: int, raw: object) -> tuple[Segment, ...]:
+        if not isinstance(raw, list) or not raw:
+            raise self.error(
+                index, "prompt", f"must be a non-empty list of segments, got {_got(raw)}"
+            )
+        segments = tuple(self.segment(index, f"prompt[{i}]", s) for i, s in enumerate(raw))
+        # Another request's prompt is never empty, so only literal segments can be.
+        if all(s.kind in ("fresh", "tokens") for s in segments) and not any(
+            s.count or s.token_ids for s in segments
+        ):
+            raise self.error(index, "prompt", "has no tokens")
+        return segments
+
+    def segment(self, index: int, where: str, raw: object) -> Segment:
+        if not isinstance(raw, dict) or len(raw) != 1:
+            raise self.error(
+                index,
+                where,
+                f"must be one of {{fresh: N}}, {{all_of: R}}, {{prompt_of: R}}, {{tokens: [..]}}, "
+                f"got {_got(raw)}",
+            )
+        ((kind, value),) = raw.items()
+        field = f"{where}.{kind}"
+        if kind == "fresh":
+            if not _is_count(value):
+                raise self.error(index, field, f"must be an integer >= 0, got {_got(value)}")
+            return Segment("fresh", count=value)
+        if kind == "tokens":
+            if not isinstance(value, list) or not all(_is_count(t) for t in value):
+                raise self.error(
+                    index, field, f"must be a list of token ids (integers >= 0), got {_got(value)}"
+                )
+            return Segment("tokens", token_ids=tuple(value))
+        if kind in ("all_of", "prompt_of"):
+            if not isinstance(value, str) or value not in self.requests:
+                raise self.error(index, field, f"names no request that has arrived: {_got(value)}")
+            return Segment(kind, req=value)
+        raise self.error(
+            index,
+            where,
+            f"unknown segment kind {_got(kind)} (expected one of {', '.join(_SEGMENT_KINDS)})",
+        )
+
+    def expect(self, index: int, action: Action, raw: object) -> dict[str, Any]:
+        if not isinstance(raw, dict):
+            raise self.error(index, "expect", f"must be a mapping, got {_got(raw)}")
+        self.unknown_keys(index, "expect.", raw, action.expect_keys, f"expect key of {action.name}")
+        expect: dict[str, Any] = {}
+        for key, value in raw.items():
+            kind = EXPECT_TYPES[key]
+            field = f"expect.{key}"
+            if kind == "int" and not _is_count(value):
+                raise self.error(index, field, f"must be an integer >= 0, got {_got(value)}")
+            if kind == "bool" and not isinstance(value, bool):
+                raise self.error(index, field, f"must be true or false, got {_got(value)}")
+            if kind == "copies":
+                value = self.copies(index, field, value)
+            expect[key] = value
+        return expect
+
+    def copies(self, index: int, field: str, raw: object) -> tuple[tuple[int, int], ...]:
+        pairs = raw if isinstance(raw, list) else None
+        if pairs is None or not all(
+            isinstance(p, list) and len(p) == 2 and all(_is_count(i) for i in p) for p in pairs
+        ):
+            raise self.error(
+                index, field, f"must be a list of [src, dst] block-id pairs, got {_got(raw)}"
+            )
+        return tuple((p[0], p[1]) for p in pairs)
+
+    def check_step(self, index: int, raw: dict[Any, Any]) -> Step:
+        keys = [k for k in raw if k != "op"]
+        self.unknown_keys(index, "", {k: None for k in keys}, CHECK_KEYS, "check key")
+        if not keys:
+            raise self.error(
+                index, "op", f"check compares nothing (give one of {', '.join(CHECK_KEYS)})"
+            )
+        check: dict[str, Any] = {}
+        for key in keys:
+            value = raw[key]
+            if key == "pool_clean" and not isinstance(value, bool):
+                raise self.error(index, key, f"must be true or false, got {_got(value)}")
+            if key == "free_blocks" and not _is_count(value):
+                raise self.error(index, key, f"must be an integer >= 0, got {_got(value)}")
+            if key == "holds":
+                value = self.holds(index, value)
+            if key == "ref":
+                value = self.ref_check(index, value)
+            if key == "attention_cached":
+                value = self.requests_mapping(index, key, value)
+                for req, n in value.items():
+                    if not _is_count(n):
+                        raise self.error(
+                            index, f"{key}.{req}", f"must be an integer >= 0, got {_got(n)}"
+                        )
+            check[key] = value
+        return Step("check", index, check=check)
+
+    def ref_check(self, index: int, raw: object) -> dict[str, dict[int, dict[int, int | None]]]:
+        """`{R: {G: {P: N or null}}}`: ref counts of states keyed at R's prefix."""
+        out: dict[str, dict[int, dict[int, int | None]]] = {}
+        for req, groups in self.requests_mapping(index, "ref", raw).items():
+            if not isinstance(groups, dict) or not groups:
+                raise self.error(
+                    index, f"ref.{req}", f"must map group ids to positions, got {_got(groups)}"
+                )
+            out[req] = {}
+            for group, positions in groups.items():
+                where = f"ref.{req}.{group}"
+                assert self.config is not None
+                if not _is_count(group) or group >= len(self.config.groups):
+                    raise self.error(index, where, "names no group of the config")
+                if not isinstance(positions, dict) or not positions:
+                    raise self.error(
+                        index,
+                        where,
+                        f"must map token positions to ref counts, got {_got(positions)}",
+                    )
+                for position, n in positions.items():
+                    if not _is_count(position) or position == 0:
+                        raise self.error(
+                            index, f"{where}.{position}", "must be a token position > 0"
+                        )
+                    if n is not None and not _is_count(n):
+                        raise self.error(
+                            index,
+                            f"{where}.{position}",
+                            f"must be a ref count >= 0 or null, got {_got(n)}",
+                        )
+                out[req][group] = dict(positions)
+        return out
+
+    def requests_mapping(self, index: int, field: str, raw: object) -> dict[str, Any]:
+        """A mapping keyed by the names of requests that have arrived."""
+        if not isinstance(raw, dict):
+            raise self.error(index, field, f"must be a mapping of request names, got {_got(raw)}")
+        for req in raw:
+            if not isinstance(req, str) or req not in self.requests:
+                raise self.error(index, f"{field}.{req}", "names no request that has arrived")
+        return dict(raw)
+
+    def holds(self, index: int, raw: object) -> dict[str, dict[int, int]]:
+        assert self.config is not None
+        mamba = self.config.mamba_group_ids
+        holds: dict[str, dict[int, int]] = {}
+        for req, by_group in self.requests_mapping(index, "holds", raw).items():
+            where = f"holds.{req}"
+            if not isinstance(by_group, dict):
+                raise self.error(
+                    index, where, f"must be a mapping {{group: position}}, got {_got(by_group)}"
+                )
+            for group, position in by_group.items():
+                if group not in mamba or not _is_count(group):
+                    raise self.error(
+                        index,
+                        f"{where}.{group}",
+                        f"is not a mamba_align group id (those are {', '.join(map(str, mamba))})",
+                    )
+                if not _is_count(position):
+                    raise self.error(
+                        index,
+                        f"{where}.{group}",
+                        f"must be a token position >= 0, got {_got(position)}",
+                    )
+            holds[req] = dict(by_group)
+        return holds
+
+    def track_request(self, index: int, action: Action, values: Mapping[str, object]) -> None:
+        """Enforce a request's life: arrive once, nothing after it ended."""
+        req = values.get("req")
+        if not isinstance(req, str):
+            return
+        if action.name == "arrive":
+            if req in self.requests:
+                raise self.error(index, "req", f"request {req!r} has already arrived")
+            self.requests[req] = ("live", f"arrived at step {index}")
+            return
+        if not action.needs_request:
+            return
+        if req not in self.requests:
+            raise self.error(index, "req", f"request {req!r} is used before `arrive`")
+        state, since = self.requests[req]
+        if action.name == "release":
+            if state != "popped":
+                raise self.error(index, "req", f"`release` of {req!r} without a prior `pop`")
+            self.requests[req] = ("ended", f"released at step {index}")
+        elif state == "popped":
+            raise self.error(
+                index, "req", f"request {req!r} was popped ({since}); only `release` may follow"
+            )
+        elif state == "ended":
+            raise self.error(index, "req", f"request {req!r} has ended ({since})")
+        elif action.name == "pop":
+            self.requests[req] = ("popped", f"popped at step {index}")
+        elif action.name == "free" and values.get("how") == "finish":
+            self.requests[req] = ("ended", f"finished at step {index}")
+        elif action.name == "free" and values.get("how") == "abort":
+            self.requests[req] = ("ended", f"aborted at step {index}")
+
+
+def _is_count(value: object) -> TypeGuard[int]:
+    # YAML `true` is a bool, which Python counts as an int; a count it is not.
+    return type(value) is int and value >= 0
+
+
+def _got(value: object) -> str:
+    """A value as the error message shows it, in YAML's spelling where it differs."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, dict):
+        return "a mapping"
+    if isinstance(value, list):
+        return "a list"
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."

@@ -1,0 +1,143 @@
+"""Lazy access to the installed vLLM, for the vLLM target.
+
+Importing vLLM takes many seconds, so nothing here imports it at module
+import time: `load()` does, once per process, and hands back the handful of
+names the adapter uses. The partial-tail hold switch and the optional
+overlay plugin are handled here too, because both must act before vLLM reads
+its environment or builds a manager.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+# The environment switch of the patched vLLM builds that hold a request's
+# newest hashed Mamba state (MambaManager._retained_checkpoints).
+RETAIN_SWITCH = "VLLM_E2_MAMBA_RETAIN_CHECKPOINT"
+# The attribute such a build gives every MambaManager instance.
+HOLD_ATTR = "_retained_checkpoints"
+
+
+@dataclass(frozen=True)
+class VllmApi:
+    """The vLLM names the adapter needs (all typed Any: vLLM is untyped here)."""
+
+    version: str
+    location: str
+    torch: Any
+    envs: Any
+    KVCacheConfig: Any
+    KVCacheGroupSpec: Any
+    FullAttentionSpec: Any
+    MambaSpec: Any
+    KVCacheManager: Any
+    MambaManager: Any
+    Request: Any
+    RequestStatus: Any
+    SamplingParams: Any
+    Scheduler: Any
+    sha256: Any
+    init_none_hash: Any
+    get_request_block_hasher: Any
+    get_block_hash: Any
+    get_group_id: Any
+    make_block_hash_with_group_id: Any
+
+
+@functools.cache
+def load() -> VllmApi:
+    """Import vLLM (CPU) once and return the names the adapter uses."""
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    import torch
+    import vllm
+    from vllm import envs
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.kv_cache_utils import (
+        get_block_hash,
+        get_group_id,
+        get_request_block_hasher,
+        init_none_hash,
+        make_block_hash_with_group_id,
+    )
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.core.single_type_kv_cache_manager import MambaManager
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        MambaSpec,
+    )
+    from vllm.v1.request import Request, RequestStatus
+
+    return VllmApi(
+        version=str(getattr(vllm, "__version__", "unknown")),
+        location=os.path.dirname(str(getattr(vllm, "__file__", ""))),
+        torch=torch,
+        envs=envs,
+        KVCacheConfig=KVCacheConfig,
+        KVCacheGroupSpec=KVCacheGroupSpec,
+        FullAttentionSpec=FullAttentionSpec,
+        MambaSpec=MambaSpec,
+        KVCacheManager=KVCacheManager,
+        MambaManager=MambaManager,
+        Request=Request,
+        RequestStatus=RequestStatus,
+        SamplingParams=SamplingParams,
+        Scheduler=Scheduler,
+        sha256=sha256,
+        init_none_hash=init_none_hash,
+        get_request_block_hasher=get_request_block_hasher,
+        get_block_hash=get_block_hash,
+        get_group_id=get_group_id,
+        make_block_hash_with_group_id=make_block_hash_with_group_id,
+    )
+
+
+def set_retain_switch(on: bool) -> None:
+    """Set the hold switch for the next manager built in this process.
+
+    Safe before vLLM is imported (nothing is read yet) and after (vLLM's
+    environment cache, when enabled, is dropped so the new value is seen).
+    """
+    os.environ[RETAIN_SWITCH] = "1" if on else "0"
+    clear_env_cache()
+
+
+def clear_env_cache() -> None:
+    """Drop vllm.envs' memoized values, if vLLM is loaded and caches them."""
+    import sys
+
+    envs = sys.modules.get("vllm.envs")
+    if envs is None:
+        return
+    getter = getattr(envs, "__getattr__", None)
+    cache_clear = getattr(getter, "cache_clear", None)
+    if callable(cache_clear):
+        cache_clear()
+
+
+_registered: dict[str, ModuleType] = {}
+
+
+def register_plugin(name: str) -> ModuleType:
+    """Import the plugin module `name` and call its `register()`, once per process.
+
+    A plugin is an ordinary importable module; `register()` (optional, no
+    arguments) may patch vLLM classes, e.g. to overlay a hold on an upstream
+    build. A plugin may set `HOLD_SOURCE` (str) to name the hold it provides.
+    """
+    module = _registered.get(name)
+    if module is None:
+        module = importlib.import_module(name)
+        register = getattr(module, "register", None)
+        if callable(register):
+            register()
+        _registered[name] = module
+    return module

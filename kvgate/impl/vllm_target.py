@@ -1,0 +1,606 @@
+"""The real vLLM `KVCacheManager` (v1, CPU) as a kvgate target.
+
+`VllmTarget` drives the installed vLLM one manager call per primitive op, as
+the op semantics of trace format version 1 define them. The op flow itself
+(pending lookups, token bookkeeping, refusals, `prompt_done`) is the shared
+`OpDriver`'s, exactly as for the model; this module supplies the vLLM calls
+behind its hooks and shows the manager's state as a `Snapshot` keyed like the
+model's (prefix keys instead of vLLM's digests).
+
+vLLM is imported lazily, by the first `VllmTarget` or `probe()`, never when
+this module is imported. An exception vLLM raises inside an op propagates
+unchanged (the replayer reports it as a divergence).
+
+Beyond the `Target` protocol: `token_ids(req)`, `num_computed_tokens(req)`
+and `manager` (the vLLM `KVCacheManager` itself), for tests and debugging.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import traceback
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from itertools import compress
+from operator import ne
+from types import ModuleType, SimpleNamespace
+from typing import Any
+
+from kvgate.conformance.config import Config, GroupConfig, UnsupportedConfig
+from kvgate.conformance.driver import OpDriver
+from kvgate.conformance.snapshot import BlockView, Snapshot
+from kvgate.conformance.target import Capabilities
+from kvgate.conformance.tokens import extend_prefix_keys
+from kvgate.impl import _vllm_api
+from kvgate.impl._vllm_api import HOLD_ATTR, RETAIN_SWITCH, VllmApi
+
+__all__ = ["VllmTarget", "probe"]
+
+
+@dataclass(eq=False)
+class _Keys:
+    """A request's prefix keys, and how far its vLLM hashes are indexed."""
+
+    request: Any  # vllm.v1.request.Request
+    # keys[i] names the prefix tokens[: (i + 1) * hash_unit].
+    keys: list[str] = field(default_factory=list)
+    # request.block_hashes[:mapped] are entered in the hash index.
+    mapped: int = 0
+
+
+@dataclass(frozen=True)
+class _Views:
+    """The pool as the last snapshot saw it, indexed by block id."""
+
+    refs: list[int]
+    primary: list[Any]  # BlockHashWithGroupId | None
+    secondary: dict[int, frozenset[Any]]
+    views: list[BlockView]
+
+
+class VllmTarget(OpDriver[Any]):
+    """The installed vLLM's `KVCacheManager`, driven per the trace format.
+
+    The op flow (pending lookups, refusals, token bookkeeping) is the shared
+    `OpDriver`'s, as for the model; this class supplies the vLLM calls.
+    """
+
+    capabilities: Capabilities
+
+    def __init__(self, config: Config, plugin: str | None = None) -> None:
+        super().__init__(config)
+        self.plugin = plugin
+        # The switch must be in the environment before vLLM reads it: set it
+        # before the (first) import, and drop vLLM's env cache after it.
+        _vllm_api.set_retain_switch(config.retain_checkpoint)
+        api = _vllm_api.load()
+        _vllm_api.clear_env_cache()
+        plugin_module = _vllm_api.register_plugin(plugin) if plugin else None
+        api.init_none_hash(api.sha256)
+        self._api: VllmApi = api
+
+        manager = _build_manager(api, config)
+        self._manager: Any = manager
+        self._coordinator: Any = manager.coordinator
+        self._pool: Any = manager.block_pool
+        self._managers: tuple[Any, ...] = tuple(self._coordinator.single_type_managers)
+        self._group_ids: tuple[int, ...] = tuple(int(m.kv_cache_group_id) for m in self._managers)
+        self._hasher: Any = api.get_request_block_hasher(config.hash_unit, api.sha256)
+        # Per request id: its prefix keys; the ids whose tokens grew since the
+        # hash index last saw them.
+        self._keys: dict[str, _Keys] = {}
+        self._dirty: set[str] = set()
+        # vLLM BlockHash (bytes) -> prefix key; BlockHashWithGroupId -> name.
+        self._key_of: dict[bytes, str] = {}
+        self._names: dict[bytes, str] = {}
+        self._last_views: _Views | None = None
+
+        partial = bool(getattr(self._coordinator, "enable_partial_hash_hits", False))
+        # `self` for Scheduler._mamba_block_aligned_split: the attributes it reads.
+        self._split_self = SimpleNamespace(
+            block_size=config.scheduler_block_size,
+            cache_config=SimpleNamespace(block_size=config.scheduler_block_size),
+            hash_block_size=config.hash_unit,
+            mamba_partial_cache_hit=partial and config.hash_unit < config.scheduler_block_size,
+            use_eagle_block_drop=config.eagle,
+            num_hash_lookahead_tokens=0,
+            max_num_scheduled_tokens=config.max_num_scheduled_tokens,
+            scheduler_config=SimpleNamespace(long_prefill_token_threshold=0),
+            mamba_has_prefill_checkpoint_blocks=False,
+            mamba_prefill_checkpoint_alignment=None,
+            mamba_shared_prefix_checkpoint=False,
+        )
+        hold = _holds_partial_tails(api, self._managers, config.retain_checkpoint)
+        self.capabilities = Capabilities(
+            implementation=f"vllm {api.version}",
+            partial_hits=partial,
+            hold=hold,
+            hold_source=_hold_source(self._managers, plugin, plugin_module) if hold else "",
+        )
+
+    # ---------------------------------------------------------------- extras
+
+    @property
+    def manager(self) -> Any:
+        """The vLLM `KVCacheManager` under test."""
+        return self._manager
+
+    def token_ids(self, req: str) -> list[int]:
+        """Request `req`'s prompt and output so far."""
+        return list(self.requests[req].request.all_token_ids)
+
+    def num_computed_tokens(self, req: str) -> int:
+        return int(self.requests[req].request.num_computed_tokens)
+
+    def close(self) -> None:
+        super().close()
+        self._manager = self._coordinator = self._pool = None
+        self._managers = ()
+        self._keys.clear()
+        self._dirty.clear()
+        self._key_of.clear()
+        self._names.clear()
+        self._last_views = None
+
+    # -------------------------------------------------------------- requests
+
+    def new_request(self, name: str, tokens: list[int]) -> Any:
+        request = self._api.Request(
+            request_id=name,
+            prompt_token_ids=tokens,
+            sampling_params=self._api.SamplingParams(max_tokens=self.config.max_model_len),
+            pooling_params=None,
+            block_hasher=self._hasher,
+        )
+        self._keys[name] = _Keys(request)
+        self._dirty.add(name)
+        return request
+
+    def prompt_tokens(self, request: Any) -> list[int]:
+        return request.prompt_token_ids  # type: ignore[no-any-return]
+
+    def all_tokens(self, request: Any) -> list[int]:
+        # vLLM's read-only view: no copy of a long prompt per call.
+        return request.all_token_ids  # type: ignore[no-any-return]
+
+    def num_computed(self, request: Any) -> int:
+        return int(request.num_computed_tokens)
+
+    def set_num_computed(self, request: Any, n: int) -> None:
+        request.num_computed_tokens = n
+
+    def has_blocks(self, request: Any) -> bool:
+        # `.get`: the tables are defaultdicts; a lookup must not create one.
+        rid = request.request_id
+        return any(m.req_to_blocks.get(rid) for m in self._managers)
+
+    def append_output(self, request: Any, tokens: list[int]) -> None:
+        request.append_output_token_ids(tokens)
+        self._dirty.add(request.request_id)
+
+    def set_drafts(self, request: Any, tokens: list[int]) -> None:
+        request.spec_token_ids = tokens
+
+    def mark(self, request: Any, status: str) -> None:
+        statuses = self._api.RequestStatus
+        request.status = statuses.PREEMPTED if status == "preempted" else statuses.RUNNING
+
+    # --------------------------------------------------------- manager calls
+
+    def lookup(self, request: Any) -> tuple[Any, int]:
+        blocks, hit, _ = self._manager.get_computed_blocks(request)
+        return blocks, int(hit)
+
+    def blocks_needed(self, request: Any, hit_blocks: Any, hit: int, admission: bool) -> int:
+        if hit_blocks is None:
+            hit_blocks = self._manager.empty_kv_cache_blocks
+        n = min(request.num_tokens, self.config.max_model_len)
+        computed = request.num_computed_tokens + hit
+        return int(
+            self._coordinator.get_num_blocks_to_allocate(
+                request_id=request.request_id,
+                num_tokens=n,
+                new_computed_blocks=hit_blocks.blocks,
+                num_encoder_tokens=0,
+                total_computed_tokens=computed,
+                num_local_computed_tokens=computed,
+                num_tokens_main_model=n,
+                apply_admission_cap=admission,
+                prefill_end=max(request.num_prompt_tokens, request.num_tokens - 1),
+            )
+        )
+
+    def split(self, request: Any, num_new: int, hit: int) -> int:
+        split = self._api.Scheduler._mamba_block_aligned_split
+        return int(split(self._split_self, request, num_new, hit))
+
+    def allocate_slots(
+        self, request: Any, num_new: int, hit: int, hit_blocks: Any, lookahead: int
+    ) -> bool:
+        got = self._manager.allocate_slots(
+            request,
+            num_new,
+            num_new_computed_tokens=hit,
+            new_computed_blocks=hit_blocks,
+            num_lookahead_tokens=lookahead,
+        )
+        return got is not None
+
+    def free(self, request: Any) -> None:
+        self._manager.free(request)
+
+    def pop_blocks_for_free(self, request: Any) -> list[Any]:
+        return list(self._manager.pop_blocks_for_free(request))
+
+    def free_blocks(self, blocks: list[Any]) -> None:
+        self._pool.free_blocks(blocks)
+
+    def take_copies(self) -> tuple[list[list[int]], list[Any]]:
+        copies, retained = self._manager.take_kv_cache_block_copies()
+        return [[int(c.src_block_id), int(c.dst_block_id)] for c in copies], list(retained)
+
+    def new_step_starts(self) -> None:
+        self._manager.new_step_starts()
+
+    def num_free_blocks(self) -> int:
+        return int(self._pool.get_num_free_blocks())
+
+    def evict(self, n: int) -> None:
+        self._pool.free_blocks(self._pool.get_new_blocks(n))
+
+    # ----------------------------------------------------------- observation
+
+    def pool_clean(self) -> bool:
+        pool = self._pool
+        if pool.get_num_free_blocks() != len(pool.blocks) - 1:
+            return False
+        if any(b.ref_cnt for b in pool.blocks if not b.is_null):
+            return False
+        if self._holds() or self._pending_copies():
+            return False
+        if any(not b.is_null for blocks in self.popped.values() for b in blocks):
+            return False
+        return not any(
+            not b.is_null
+            for m in self._managers
+            for blocks in m.req_to_blocks.values()
+            for b in blocks
+        )
+
+    def hold_positions(self) -> dict[str, dict[int, int]]:
+        return {
+            req: {gid: pos for gid, (pos, _) in groups.items()}
+            for req, groups in self._holds().items()
+        }
+
+    def state_ref(self, request: Any, group: int, position: int) -> int | None:
+        # The block a lookup would hit there: vLLM's own hash map.
+        unit = self.config.hash_unit
+        hashes = request.block_hashes
+        if position <= 0 or position % unit or position // unit > len(hashes):
+            return None
+        key = self._api.make_block_hash_with_group_id(hashes[position // unit - 1], group)
+        block = self._pool.cached_block_hash_to_block.get_one_block(key)
+        return None if block is None else int(block.ref_cnt)
+
+    def attention_cached(self, request: Any) -> int:
+        # Whole full-attention blocks cached from the prompt's start, in every
+        # full-attention group at once (the coordinator's phase-1 scan).
+        attention = [
+            (gid, m)
+            for gid, m in zip(self._group_ids, self._managers, strict=True)
+            if isinstance(m.kv_cache_spec, self._api.FullAttentionSpec)
+        ]
+        if not attention:
+            return 0
+        groups = [gid for gid, _ in attention]
+        block_size = int(attention[0][1].block_size)
+        per_block = block_size // self.config.hash_unit
+        hashes = request.block_hashes
+        usable = min(request.num_prompt_tokens // block_size, len(hashes) // per_block)
+        cached = 0
+        while cached < usable:
+            if self._pool.get_cached_block(hashes[(cached + 1) * per_block - 1], groups) is None:
+                break
+            cached += 1
+        return cached * block_size
+
+    def snapshot(self) -> Snapshot:
+        self._sync_index()
+        return Snapshot(
+            free_queue=tuple(self._free_queue_ids()),
+            blocks=self._block_views(),
+            tables=self._tables(),
+            holds=self._holds(),
+            pending_copies=self._pending_copies(),
+            popped={req: _ids(blocks) for req, blocks in self.popped.items()},
+        )
+
+    # ------------------------------------------------------------ hash index
+
+    def _sync_index(self) -> None:
+        """Enter every new request-level hash into the hash -> key index."""
+        unit = self.config.hash_unit
+        key_of = self._key_of
+        for rid in self._dirty:
+            entry = self._keys[rid]
+            hashes = entry.request.block_hashes
+            n = len(hashes)
+            if entry.mapped >= n:
+                continue
+            keys = entry.keys
+            if len(keys) < n:
+                extend_prefix_keys(keys, entry.request.all_token_ids, unit)
+            if len(keys) < n:
+                raise RuntimeError(f"{rid}: {n} block hashes but {len(keys)} prefix keys")
+            for i in range(entry.mapped, n):
+                known = key_of.setdefault(bytes(hashes[i]), keys[i])
+                if known != keys[i]:
+                    raise RuntimeError(f"{rid}: vLLM hash #{i} names both {known} and {keys[i]}")
+            entry.mapped = n
+        self._dirty.clear()
+
+    def _name(self, hash_with_group: Any) -> str:
+        """`g<group>/<prefix key>` for a vLLM BlockHashWithGroupId."""
+        name = self._names.get(hash_with_group)
+        if name is None:
+            api = self._api
+            key = self._key_of.get(bytes(api.get_block_hash(hash_with_group)))
+            if key is None:
+                raise RuntimeError(
+                    f"block hash {bytes(hash_with_group).hex()[:16]}... is no prefix of "
+                    "any request in this trace"
+                )
+            name = f"g{int(api.get_group_id(hash_with_group))}/{key}"
+            self._names[hash_with_group] = name
+        return name
+
+    # -------------------------------------------------------------- snapshot
+
+    def _free_queue_ids(self) -> list[int]:
+        queue = self._pool.free_block_queue
+        tail = queue.fake_free_list_tail
+        ids: list[int] = []
+        block = queue.fake_free_list_head.next_free_block
+        while block is not None and block is not tail:
+            ids.append(block.block_id)
+            block = block.next_free_block
+        return ids
+
+    def _block_views(self) -> tuple[BlockView, ...]:
+        """Every block's ref count and hash names.
+
+        Only blocks whose ref count or hashes changed since the last snapshot
+        get a new view; finding them is a few C-level passes over the pool.
+        """
+        blocks = self._pool.blocks
+        refs = [b.ref_cnt for b in blocks]
+        primary = [b.block_hash for b in blocks]
+        secondary = {
+            bid: frozenset(hashes)
+            for bid, hashes in self._pool.cached_block_hashes_by_block.items()
+            if hashes
+        }
+        last = self._last_views
+        if last is None:
+            changed: Iterable[int] = range(len(blocks))
+            views: list[BlockView] = [BlockView(0)] * len(blocks)
+        else:
+            views = list(last.views)
+            dirty: set[int] = set()
+            if refs != last.refs:
+                dirty.update(compress(range(len(refs)), map(ne, refs, last.refs)))
+            if primary != last.primary:
+                dirty.update(compress(range(len(primary)), map(ne, primary, last.primary)))
+            if secondary != last.secondary:
+                dirty.update(
+                    bid
+                    for bid in secondary.keys() | last.secondary.keys()
+                    if secondary.get(bid) != last.secondary.get(bid)
+                )
+            changed = dirty
+        for bid in changed:
+            names: tuple[str, ...] = () if primary[bid] is None else (self._name(primary[bid]),)
+            extra = secondary.get(bid)
+            if extra:
+                names += tuple(sorted(self._name(h) for h in extra))
+            views[bid] = BlockView(int(refs[bid]), names)
+        self._last_views = _Views(refs, primary, secondary, views)
+        return tuple(views)
+
+    def _tables(self) -> dict[str, tuple[tuple[int, ...], ...]]:
+        managers = self._managers
+        rids = dict.fromkeys(rid for m in managers for rid in m.req_to_blocks)
+        tables: dict[str, tuple[tuple[int, ...], ...]] = {}
+        for rid in rids:
+            per_group = tuple(_ids(m.req_to_blocks.get(rid, ())) for m in managers)
+            if any(per_group):
+                tables[str(rid)] = per_group
+        return tables
+
+    def _holds(self) -> dict[str, dict[int, tuple[int, int]]]:
+        holds: dict[str, dict[int, tuple[int, int]]] = {}
+        for gid, m in zip(self._group_ids, self._managers, strict=True):
+            held = getattr(m, HOLD_ATTR, None)
+            if not held:
+                continue
+            for rid, (position, block) in held.items():
+                holds.setdefault(str(rid), {})[gid] = (int(position), int(block.block_id))
+        return holds
+
+    def _pending_copies(self) -> tuple[tuple[int, int, int], ...]:
+        return tuple(
+            (gid, int(src.block_id), int(dst.block_id))
+            for gid, m in zip(self._group_ids, self._managers, strict=True)
+            for src, dst in getattr(m, "_pending_cow_copies", ())
+        )
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def _ids(blocks: Sequence[Any]) -> tuple[int, ...]:
+    return tuple(b.block_id for b in blocks)
+
+
+def _group_spec(api: VllmApi, index: int, group: GroupConfig) -> Any:
+    float32 = api.torch.float32
+    if group.kind == "full_attention":
+        return api.FullAttentionSpec(
+            block_size=group.block_size, num_kv_heads=1, head_size=1, dtype=float32
+        )
+    if group.kind == "mamba_align":
+        return api.MambaSpec(
+            block_size=group.block_size,
+            shapes=((1, 1),),
+            dtypes=(float32,),
+            mamba_cache_mode="align",
+            num_speculative_blocks=group.speculative_blocks,
+        )
+    raise UnsupportedConfig(f"groups[{index}].kind", f"unknown group kind {group.kind!r}")
+
+
+def _build_manager(api: VllmApi, config: Config) -> Any:
+    """A `KVCacheManager` for `config`, as the op semantics prescribe.
+
+    Anything vLLM raises while building it becomes `UnsupportedConfig`.
+    """
+    groups = [
+        api.KVCacheGroupSpec([f"layer{i}"], _group_spec(api, i, g))
+        for i, g in enumerate(config.groups)
+    ]
+    try:
+        kv_cache_config = api.KVCacheConfig(
+            num_blocks=config.num_blocks,
+            kv_cache_tensors=[],
+            kv_cache_groups=groups,
+            prefix_cache_retention_interval=config.retention_interval,
+        )
+        return api.KVCacheManager(
+            kv_cache_config,
+            max_model_len=config.max_model_len,
+            scheduler_block_size=config.scheduler_block_size,
+            hash_block_size=config.hash_unit,
+            enable_caching=True,
+            use_eagle=config.eagle,
+        )
+    except Exception as exc:  # vLLM rejects with ValueError or a bare assert
+        message = _describe(exc)
+        raise UnsupportedConfig(_config_field(message), f"vLLM rejects it: {message}") from exc
+
+
+def _describe(exc: BaseException) -> str:
+    """One line: the exception, or for a bare assert the failing source line."""
+    text = " ".join(str(exc).split())
+    if not text:
+        frames = traceback.extract_tb(exc.__traceback__)
+        if frames:
+            last = frames[-1]
+            where = f"{os.path.basename(last.filename)}:{last.lineno}"
+            text = f"at {where}: {' '.join((last.line or '').split())}"
+    text = f"{type(exc).__name__} {text}".strip()
+    return text if len(text) <= 240 else text[:237] + "..."
+
+
+_FIELD_PATTERNS: tuple[tuple[str, str], ...] = (
+    (r"retention", "retention_interval"),
+    (r"scheduler_block_size", "scheduler_block_size"),
+    (r"hash_block_size|hash", "hash_unit"),
+    (r"num_gpu_blocks|num_blocks", "num_blocks"),
+    (r"max_model_len", "max_model_len"),
+    (r"eagle|speculative", "eagle"),
+)
+
+
+def _config_field(message: str) -> str:
+    for pattern, name in _FIELD_PATTERNS:
+        if re.search(pattern, message):
+            return name
+    return "groups"
+
+
+def _is_mamba(api: VllmApi, manager: Any) -> bool:
+    return isinstance(getattr(manager, "kv_cache_spec", None), api.MambaSpec)
+
+
+def _holds_partial_tails(api: VllmApi, managers: Sequence[Any], switch: bool) -> bool:
+    """Whether this build holds partial-tail checkpoints, switch included.
+
+    Probed on the managers themselves: a Mamba manager carrying the hold map,
+    with the build's own switch flag when it exposes one.
+    """
+    return any(
+        hasattr(m, HOLD_ATTR) and bool(getattr(m, "_retain_checkpoint", switch))
+        for m in managers
+        if _is_mamba(api, m)
+    )
+
+
+def _hold_source(managers: Sequence[Any], plugin: str | None, module: ModuleType | None) -> str:
+    """Which implementation of the hold ran: the plugin's, or the vLLM build's."""
+    if module is not None:
+        declared = getattr(module, "HOLD_SOURCE", None)
+        if isinstance(declared, str) and declared:
+            return declared
+        patched = any(
+            not str(getattr(getattr(type(m), attr, None), "__module__", "vllm")).startswith("vllm")
+            for m in managers
+            for attr in ("__init__", "allocate_new_blocks", "pop_blocks_for_free")
+        )
+        if patched:
+            return f"plugin {plugin}"
+    return f"vllm build ({RETAIN_SWITCH})"
+
+
+_PROBE_CONFIG = Config(
+    num_blocks=16,
+    hash_unit=8,
+    groups=(
+        GroupConfig("full_attention", 8),
+        GroupConfig("mamba_align", 32),
+    ),
+    eagle=False,
+    retention_interval=None,
+    retain_checkpoint=True,
+    scheduler_block_size=32,
+)
+
+
+def probe() -> dict[str, Any]:
+    """What the installed vLLM offers, for a gate report's header.
+
+    Keys: `vllm` (version, or None when it cannot be imported, with `error`),
+    `location`, `partial_hits` (sub-block Mamba hits on a hybrid config),
+    `hold` (the partial-tail checkpoint hold exists; probed on a small manager
+    built with the switch on), `hold_switch` (its environment variable),
+    `deferred_free` (`KVCacheManager.pop_blocks_for_free`).
+    """
+    try:
+        api = _vllm_api.load()
+    except Exception as exc:
+        return {"vllm": None, "error": _describe(exc)}
+    info: dict[str, Any] = {
+        "vllm": api.version,
+        "location": api.location,
+        "partial_hits": False,
+        "hold": False,
+        "hold_switch": RETAIN_SWITCH,
+        "deferred_free": callable(getattr(api.KVCacheManager, "pop_blocks_for_free", None)),
+    }
+    previous = os.environ.get(RETAIN_SWITCH)
+    try:
+        _vllm_api.set_retain_switch(True)
+        manager = _build_manager(api, _PROBE_CONFIG)
+        managers = tuple(manager.coordinator.single_type_managers)
+        info["partial_hits"] = bool(getattr(manager.coordinator, "enable_partial_hash_hits", False))
+        info["hold"] = _holds_partial_tails(api, managers, True)
+    except Exception as exc:
+        info["error"] = _describe(exc)
+    finally:
+        if previous is None:
+            os.environ.pop(RETAIN_SWITCH, None)
+        else:
+            os.environ[RETAIN_SWITCH] = previous
+        _vllm_api.clear_env_cache()
+    return info

@@ -1,0 +1,222 @@
+"""The coordinator: fans each manager call out to the groups, and finds the
+prefix hit every group agrees on.
+
+A hybrid hit is only as long as its shortest group: attention may have the
+whole prefix cached while Mamba has no state at or below it, and then the
+hit is 0 (the "total miss").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvgate.conformance.config import Config
+from kvgate.model.groups import FullAttentionManager, cdiv
+from kvgate.model.hold import Holds
+from kvgate.model.mamba import MambaManager
+from kvgate.model.pool import Block, BlockPool
+from kvgate.model.request import Request
+
+GroupManagerT = FullAttentionManager | MambaManager
+HitBlocks = tuple[list[Block], ...]
+
+
+@dataclass
+class _LookupGroup:
+    """Groups looked up together: the attention group, or Mamba groups with
+    equal specs (they share keys, so one lookup serves them all)."""
+
+    group_ids: list[int]
+    is_attention: bool
+    use_eagle: bool
+
+
+def replay_boundaries(num_prompt: int, scheduler_block: int, eagle: bool) -> tuple[int, ...]:
+    """Where a later request replaying this prompt can resume: a resend stops
+    one token short; with eagle, a sibling stops one block below the last
+    whole block, and so does a resend."""
+    if not eagle:
+        return (num_prompt - 1,)
+    resend = (num_prompt - 1) // scheduler_block * scheduler_block
+    extension = num_prompt // scheduler_block * scheduler_block
+    return tuple(sorted({max(resend - scheduler_block, 0), max(extension - scheduler_block, 0)}))
+
+
+class Coordinator:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.pool = BlockPool(config.num_blocks, config.hash_unit)
+        self.holds = Holds(self.pool, config.retain_checkpoint)
+        self.scheduler_block = config.scheduler_block_size
+        self.managers: list[GroupManagerT] = []
+        for group_id, group in enumerate(config.groups):
+            if group.kind == "full_attention":
+                self.managers.append(FullAttentionManager(self.pool, group_id, group.block_size))
+            else:
+                mamba = MambaManager(
+                    self.pool, group_id, group.block_size, group.speculative_blocks, self.holds
+                )
+                mamba.drop_eagle_checkpoint = config.eagle
+                self.managers.append(mamba)
+        self.partial_hits = config.partial_hits
+        self.alignment = config.hash_unit if self.partial_hits else self.scheduler_block
+        lookup_groups: list[_LookupGroup] = []
+        specs: dict[tuple[str, int, int], _LookupGroup] = {}
+        for group_id, group in enumerate(config.groups):
+            self.managers[group_id].alignment = self.alignment
+            self.managers[group_id].use_eagle = config.eagle
+            spec = (group.kind, group.block_size, group.speculative_blocks)
+            if spec in specs:
+                specs[spec].group_ids.append(group_id)
+            else:
+                specs[spec] = _LookupGroup([group_id], group.kind == "full_attention", config.eagle)
+                lookup_groups.append(specs[spec])
+        # Attention first: its left-to-right scan bounds the others.
+        self.lookup_groups = sorted(lookup_groups, key=lambda g: not g.is_attention)
+
+    @property
+    def mambas(self) -> list[MambaManager]:
+        return [m for m in self.managers if isinstance(m, MambaManager)]
+
+    # -- lookup -------------------------------------------------------------
+
+    def find_hit(self, keys: Sequence[str], max_length: int) -> tuple[HitBlocks, int]:
+        """The longest prefix every group has: shrink the candidate length
+        until no group lowers it (one pass for attention plus one Mamba spec)."""
+        unit = self.config.hash_unit
+        hit_length = max_length
+        blocks_by_group: list[list[Block] | None] = [None] * len(self.managers)
+        length_by_group = [0] * len(self.managers)
+        simple = len(self.lookup_groups) == 2 and self.lookup_groups[0].is_attention
+        eagle_verified: set[int] = set()
+        while True:
+            current = hit_length
+            for index, group in enumerate(self.lookup_groups):
+                first = group.group_ids[0]
+                manager = self.managers[first]
+                if group.is_attention and blocks_by_group[first] is not None:
+                    # Attention hits are downward closed: trim, don't re-look.
+                    current = min(current, length_by_group[first])
+                    continue
+                drop_eagle = group.use_eagle and index not in eagle_verified
+                if isinstance(manager, FullAttentionManager):
+                    limit = current
+                    if drop_eagle:
+                        # Match one drop unit past the candidate, then drop it.
+                        size = manager.block_size
+                        margin = unit if self.partial_hits and size > unit else size
+                        limit = min(current + margin, len(keys) * unit)
+                    found, new_length = manager.find_hit(keys, limit, drop_eagle)
+                    per_group = [found]
+                else:
+                    per_group, new_length = manager.find_hit(keys, current, group.group_ids)
+                if drop_eagle:
+                    eagle_verified.add(index)
+                elif new_length < current:
+                    eagle_verified.clear()
+                current = new_length
+                for group_id, found_blocks in zip(group.group_ids, per_group, strict=True):
+                    blocks_by_group[group_id] = found_blocks
+                    length_by_group[group_id] = new_length
+            if current >= hit_length:
+                break
+            hit_length = current
+            if simple:
+                break
+        for group in self.lookup_groups:
+            if group.is_attention:
+                size = self.managers[group.group_ids[0]].block_size
+                for group_id in group.group_ids:
+                    found_blocks = blocks_by_group[group_id]
+                    if found_blocks is not None:
+                        del found_blocks[cdiv(hit_length, size) :]
+        return tuple(b if b is not None else [] for b in blocks_by_group), hit_length
+
+    # -- allocation ---------------------------------------------------------
+
+    def blocks_needed(
+        self,
+        request_id: str,
+        num_tokens: int,
+        hit_blocks: HitBlocks,
+        num_local_computed: int,
+        num_tokens_main: int,
+        admission: bool,
+    ) -> int:
+        total = 0
+        for manager, hit in zip(self.managers, hit_blocks, strict=True):
+            if isinstance(manager, MambaManager):
+                total += manager.blocks_needed(request_id, num_tokens_main, hit, num_local_computed)
+                if admission:
+                    partial = manager.has_partial_hit(hit, num_local_computed)
+                    total += self.holds.admission_extra(manager.group_id, request_id, partial)
+            else:
+                total += manager.blocks_needed(request_id, num_tokens, hit, num_local_computed)
+        return total
+
+    def add_hit_blocks(self, request_id: str, hit_blocks: HitBlocks, num_local: int) -> None:
+        if any(request_id in m.num_cached for m in self.managers):
+            return  # a running request takes no new hit
+        for manager, hit in zip(self.managers, hit_blocks, strict=True):
+            manager.add_hit_blocks(request_id, hit, num_local)
+
+    def allocate(self, request_id: str, num_tokens: int, num_tokens_main: int) -> None:
+        for manager in self.managers:
+            manager.allocate(request_id, num_tokens, num_tokens_main)
+
+    def remove_skipped(self, request_id: str, num_processed: int) -> None:
+        for manager in self.managers:
+            manager.remove_skipped(request_id, num_processed)
+
+    def cacheable_tokens(self, num_computed: int, manager: GroupManagerT) -> int:
+        def aligned(n: int) -> int:
+            return n if self.partial_hits else n // self.scheduler_block * self.scheduler_block
+
+        cacheable = aligned(num_computed)
+        if manager.use_eagle and cacheable > 0:
+            # Eagle matches one block past the aligned boundary, then drops it.
+            return min(num_computed, aligned(num_computed) + manager.block_size)
+        return cacheable
+
+    def cache(self, request: Request, num_computed: int) -> None:
+        boundaries = replay_boundaries(
+            request.num_prompt_tokens, self.scheduler_block, self.config.eagle
+        )
+        for manager in self.managers:
+            manager.cache(
+                request,
+                self.cacheable_tokens(num_computed, manager),
+                self.config.retention_interval,
+                boundaries,
+            )
+
+    # -- ending a request ---------------------------------------------------
+
+    def free(self, request_id: str) -> None:
+        for manager in self.managers:
+            manager.free(request_id)
+        # Holds go last, so the held state is the last of the request's
+        # blocks to be evicted.
+        self.pool.free_blocks(self.holds.release(request_id))
+
+    def pop_blocks(self, request_id: str) -> list[Block]:
+        """The request's blocks for a deferred free, in allocation order.
+
+        Holds come first: the caller frees in reverse order, so they are
+        released last, as on every other free path.
+        """
+        blocks = self.holds.release(request_id)
+        for manager in self.managers:
+            blocks.extend(manager.pop_blocks(request_id))
+        return blocks
+
+    def take_pending_copies(self) -> list[tuple[int, Block, Block]]:
+        copies = []
+        for manager in self.managers:
+            copies.extend((manager.group_id, s, d) for s, d in manager.take_pending_copies())
+        return copies
+
+    def new_step(self) -> None:
+        for manager in self.managers:
+            manager.new_step()

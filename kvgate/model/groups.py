@@ -1,0 +1,203 @@
+"""Per-group managers: what every group does, and the full-attention group.
+
+A group's table for a request is a list of blocks, one per `block_size`
+tokens (null where a state is not kept). A prefix hit that ends inside a
+block (a partial hit, finer than the block) shares that block with its
+owner, so the request's first allocation redirects it to a private copy
+(copy-on-write): the copy's endpoints stay referenced until `drain`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvgate.model.pool import Block, BlockPool, HashKey
+from kvgate.model.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class GroupManager:
+    def __init__(self, pool: BlockPool, group_id: int, block_size: int) -> None:
+        self.pool = pool
+        self.group_id = group_id
+        self.block_size = block_size
+        self.use_eagle = False
+        self.alignment = block_size  # the coordinator lowers it for fine hits
+        self.tables: dict[str, list[Block]] = {}
+        self.num_cached: dict[str, int] = {}  # table blocks already keyed
+        self.partial_hits: dict[str, tuple[int, Block]] = {}  # (index, shared block)
+        self.pending_copies: list[tuple[Block, Block]] = []  # (source, copy)
+
+    def table(self, request_id: str) -> list[Block]:
+        return self.tables.setdefault(request_id, [])
+
+    def has_partial_hit(self, hit_blocks: Sequence[Block], num_local_computed: int) -> bool:
+        return len(hit_blocks) > 0 and num_local_computed % self.block_size != 0
+
+    def skipped_tokens(self, num_computed: int) -> int:
+        return 0
+
+    def add_hit_blocks(self, request_id: str, hit_blocks: Sequence[Block], num_local: int) -> None:
+        """Adopt a request's prefix hit: reference the blocks, pad skipped ones."""
+        table = self.table(request_id)
+        assert not table
+        num_skipped = self.skipped_tokens(num_local) // self.block_size
+        kept = list(hit_blocks[num_skipped:]) if num_skipped > 0 else list(hit_blocks)
+        self.pool.touch(kept)
+        table.extend([self.pool.null_block] * num_skipped)
+        table.extend(kept)
+        self.num_cached[request_id] = len(table)
+        if self.has_partial_hit(kept, num_local):
+            index = num_local // self.block_size
+            self.partial_hits[request_id] = (index, kept[-1])
+            self.num_cached[request_id] = index
+
+    def apply_cow(self, request_id: str, index: int, source: Block, copy: Block) -> None:
+        """Swap a shared partial block for the request's private copy.
+
+        The source keeps the request's hit ref and the copy takes one more, so
+        both survive until the copy has run (`drain` releases them).
+        """
+        table = self.tables[request_id]
+        assert table[index] is source and not source.is_null and source.ref > 0
+        table[index] = copy
+        self.pending_copies.append((source, copy))
+        copy.ref += 1
+
+    def cache_full(
+        self,
+        request: Request,
+        num_tokens: int,
+        mask: Sequence[bool] | None,
+    ) -> None:
+        """Key the request's blocks that `num_tokens` now fills."""
+        rid = request.request_id
+        num_cached = self.num_cached.get(rid, 0)
+        num_hashed = len(request.keys) * self.pool.hash_unit
+        num_full = min(num_tokens, num_hashed) // self.block_size
+        if num_cached >= num_full:
+            return
+        self.pool.cache_full_blocks(
+            request.keys,
+            self.tables[rid],
+            num_cached,
+            num_full,
+            self.block_size,
+            self.group_id,
+            mask,
+        )
+        self.num_cached[rid] = num_full
+
+    def pop_blocks(self, request_id: str) -> list[Block]:
+        """Forget the request; its blocks in table order, leading nulls cut."""
+        table = self.tables.pop(request_id, [])
+        self.num_cached.pop(request_id, None)
+        self.partial_hits.pop(request_id, None)
+        first = next((i for i, b in enumerate(table) if not b.is_null), len(table))
+        return table[first:]
+
+    def free(self, request_id: str) -> None:
+        # Tail first, so the tail of a chain is evicted before its head.
+        self.pool.free_blocks(reversed(self.pop_blocks(request_id)))
+
+    def take_pending_copies(self) -> list[tuple[Block, Block]]:
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
+
+    def new_step(self) -> None:
+        return None
+
+
+class FullAttentionManager(GroupManager):
+    def find_hit(
+        self, keys: Sequence[str], max_length: int, drop_eagle: bool
+    ) -> tuple[list[Block], int]:
+        """Longest cached prefix: whole blocks left to right, then (fine
+        alignment) the first partial block's boundaries high to low."""
+        unit, size, alignment = self.pool.hash_unit, self.block_size, self.alignment
+        fine = alignment < size and size % alignment == 0
+        scale = size // unit
+        hit: list[Block] = []
+        for i in range(min(max_length // size, len(keys) // scale)):
+            found = self.pool.cached_block(keys[(i + 1) * scale - 1], [self.group_id])
+            if not found:
+                break
+            hit.append(found[0])
+        hit_length = len(hit) * size
+        if fine:
+            units_per_block = size // alignment
+            first = len(hit) * units_per_block
+            last = min(first + units_per_block - 1, max_length // alignment, len(keys))
+            for fine_index in range(last - 1, first - 1, -1):
+                found = self.pool.cached_block(keys[fine_index], [self.group_id])
+                if found:
+                    hit.append(found[0])
+                    hit_length = (fine_index + 1) * alignment
+                    break
+        if drop_eagle and hit_length > 0:
+            hit_length -= min(alignment, size)
+        hit_length -= hit_length % alignment
+        del hit[cdiv(hit_length, size) :]
+        return hit, hit_length
+
+    def blocks_needed(
+        self,
+        request_id: str,
+        num_tokens: int,
+        hit_blocks: Sequence[Block],
+        num_local_computed: int,
+    ) -> int:
+        required = cdiv(num_tokens, self.block_size)
+        have = len(self.tables.get(request_id, ()))
+        if request_id in self.num_cached:
+            return max(required - have, 0)
+        num_new = max(required - (len(hit_blocks) + have), 0)
+        evictable = sum(b.ref == 0 and not b.is_null for b in hit_blocks)
+        if self.has_partial_hit(hit_blocks, num_local_computed):
+            num_new += 1  # the private copy of the shared partial block
+        return num_new + evictable
+
+    def allocate(self, request_id: str, num_tokens: int, num_tokens_main: int) -> list[Block]:
+        new: list[Block] = []
+        if request_id in self.partial_hits:
+            index, source = self.partial_hits.pop(request_id)
+            copy = self.pool.get_new_blocks(1)[0]
+            self.apply_cow(request_id, index, source, copy)
+            new.append(copy)
+        table = self.table(request_id)
+        missing = cdiv(num_tokens, self.block_size) - len(table)
+        if missing > 0:
+            blocks = self.pool.get_new_blocks(missing)
+            table.extend(blocks)
+            new.extend(blocks)
+        return new
+
+    def remove_skipped(self, request_id: str, num_processed: int) -> None:
+        return None  # full attention keeps every block until the request ends
+
+    def cache(
+        self,
+        request: Request,
+        num_tokens: int,
+        retention: int | None,
+        boundaries: Sequence[int],
+    ) -> HashKey | None:
+        self.cache_full(request, num_tokens, None)
+        if self.block_size != self.pool.hash_unit:
+            self._cache_prompt_tail(request, num_tokens)
+        return None
+
+    def _cache_prompt_tail(self, request: Request, num_tokens: int) -> None:
+        """Key the prompt's last hash boundary when it ends inside a block."""
+        unit = self.pool.hash_unit
+        limit = request.num_prompt_tokens if self.use_eagle else request.num_prompt_tokens - 1
+        boundary = min(limit // unit, len(request.keys)) * unit
+        if boundary == 0 or boundary > num_tokens or boundary % self.block_size == 0:
+            return
+        table = self.tables[request.request_id]
+        index = boundary // self.block_size
+        if index < len(table):
+            self.pool.cache_partial_block(request.keys, table[index], boundary, self.group_id)

@@ -1,0 +1,81 @@
+"""The partial-tail checkpoint hold (the patched behaviour; off = upstream).
+
+With a hash unit finer than the Mamba block, a request that resumed at a
+partial tail keys no block-boundary state of its own: its only reusable
+state is its own tail, moved into a copy block that no table references. The
+hold gives that block a ref owned by the request until the request is freed,
+so concurrent allocation cannot evict it:
+
+- a running request holds the copy its tail keys moved to;
+- a new request holds the hit source it copied from (it may stop before
+  reaching its own tail);
+- only the newest position is held: a newer one releases the older;
+- when a producer moves its keys to a copy, holds on the source follow them;
+- admission reserves one more block per Mamba group for a partial-tail hit
+  (the held source and the moved tail coexist for a step);
+- every free path releases the holds last, after the request's blocks.
+"""
+
+from __future__ import annotations
+
+from kvgate.model.pool import Block, BlockPool
+
+
+class Holds:
+    def __init__(self, pool: BlockPool, enabled: bool) -> None:
+        self.pool = pool
+        self.enabled = enabled
+        # group id -> request id -> (token position, held block)
+        self.by_group: dict[int, dict[str, tuple[int, Block]]] = {}
+
+    def held(self, group_id: int, request_id: str) -> tuple[int, Block] | None:
+        return self.by_group.get(group_id, {}).get(request_id)
+
+    def hold(self, group_id: int, request_id: str, block: Block) -> bool:
+        """Hold `block`'s keyed state for the request, if newer than its hold."""
+        if not self.enabled or block.is_null or block.hash is None:
+            return False
+        assert block.hash_tokens is not None
+        position = block.hash_tokens
+        holds = self.by_group.setdefault(group_id, {})
+        current = holds.get(request_id)
+        if current is not None and (current[1] is block or current[0] >= position):
+            return False
+        self.pool.touch([block])
+        holds[request_id] = (position, block)
+        if current is not None:
+            self.pool.free_blocks([current[1]])
+        return True
+
+    def follow_moved_keys(self, group_id: int, owner: str, source: Block, copy: Block) -> None:
+        """Other requests holding `source` now hold `copy`, where its keys went."""
+        holds = self.by_group.get(group_id, {})
+        for request_id, (position, block) in list(holds.items()):
+            if request_id != owner and block is source:
+                self.pool.touch([copy])
+                holds[request_id] = (position, copy)
+                self.pool.free_blocks([source])
+
+    def release(self, request_id: str) -> list[Block]:
+        """Forget the request's holds (group order); the caller frees them."""
+        released = []
+        for group_id in sorted(self.by_group):
+            entry = self.by_group[group_id].pop(request_id, None)
+            if entry is not None:
+                released.append(entry[1])
+        return released
+
+    def admission_extra(self, group_id: int, request_id: str, partial_hit: bool) -> int:
+        """The extra block admission reserves in one group for a partial-tail
+        hit: the held source and the moved tail coexist for one step."""
+        if not self.enabled or not partial_hit or self.held(group_id, request_id):
+            return 0
+        return 1
+
+    def as_positions(self) -> dict[str, dict[int, tuple[int, int]]]:
+        """{request: {group: (position, block id)}}."""
+        out: dict[str, dict[int, tuple[int, int]]] = {}
+        for group_id in sorted(self.by_group):
+            for request_id, (position, block) in self.by_group[group_id].items():
+                out.setdefault(request_id, {})[group_id] = (position, block.block_id)
+        return out

@@ -1,0 +1,271 @@
+"""The align-mode Mamba group.
+
+A Mamba request needs only its latest state, so its table is mostly null: a
+running state block, `speculative_blocks` scratch blocks for drafts, and for
+one step the block the previous state is copied from. States are keyed at
+block boundaries (all of them under dense retention; under sparse retention
+only the replay boundaries), plus the prompt's partial-tail boundary when the
+hash unit is finer than the block.
+
+The partial tail lives on the request's running block, which the next chunk
+overwrites; so that chunk moves the tail's keys to a fresh block and queues a
+copy into it (the "moved tail"). Upstream releases that block once the copy
+has run, leaving the request's only reusable state in the free queue; with
+the hold switch on the request holds it (see `hold.py`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvgate.model.groups import GroupManager, cdiv
+from kvgate.model.hold import Holds
+from kvgate.model.pool import Block, BlockPool, HashKey
+from kvgate.model.request import Request
+
+
+def checkpoint_position(num_tokens: int, unit: int, drop_eagle: bool) -> int:
+    """The last reusable state boundary of a prefill of `num_tokens`.
+
+    One token is left for the logits; eagle's dropped unit already leaves it.
+    """
+    limit = num_tokens if drop_eagle else num_tokens - 1
+    position = limit // unit * unit
+    if drop_eagle:
+        position -= unit
+    return max(position, 0)
+
+
+class MambaManager(GroupManager):
+    def __init__(
+        self,
+        pool: BlockPool,
+        group_id: int,
+        block_size: int,
+        speculative_blocks: int,
+        holds: Holds,
+    ) -> None:
+        super().__init__(pool, group_id, block_size)
+        self.speculative_blocks = speculative_blocks
+        self.drop_eagle_checkpoint = False
+        self.holds = holds
+        self.cached_this_step: set[HashKey] = set()
+        self.last_state_index: dict[str, int] = {}
+        self.num_retired: dict[str, int] = {}
+        self.allocated: set[str] = set()  # requests past their first allocation
+
+    # -- lookup -------------------------------------------------------------
+
+    def find_hit(
+        self, keys: Sequence[str], max_length: int, group_ids: Sequence[int]
+    ) -> tuple[list[list[Block]], int]:
+        """The newest cached state at or below `max_length` (right to left).
+
+        Returns per group in `group_ids` the hit as a table: nulls, then the
+        state block.
+        """
+        unit, size, alignment = self.pool.hash_unit, self.block_size, self.alignment
+        scale = size // unit
+        if alignment < size and size % alignment == 0:
+            for fine_index in range(min(max_length // unit, len(keys)) - 1, -1, -1):
+                found = self.pool.cached_block(keys[fine_index], group_ids)
+                if found:
+                    index = fine_index // scale
+                    return [[self.pool.null_block] * index + [b] for b in found], (
+                        fine_index + 1
+                    ) * unit
+            return [[] for _ in group_ids], 0
+        for i in range(max_length // size - 1, -1, -1):
+            if (i + 1) * scale > len(keys):
+                continue
+            found = self.pool.cached_block(keys[(i + 1) * scale - 1], group_ids)
+            if not found:
+                continue
+            if size != alignment and (i + 1) * size % alignment != 0:
+                continue
+            return [[self.pool.null_block] * i + [b] for b in found], (i + 1) * size
+        return [[] for _ in group_ids], 0
+
+    # -- admission and allocation ----------------------------------------------
+
+    def skipped_tokens(self, num_computed: int) -> int:
+        return num_computed - 1  # only the latest state matters
+
+    def blocks_needed(
+        self,
+        request_id: str,
+        num_tokens_main: int,
+        hit_blocks: Sequence[Block],
+        num_local_computed: int,
+    ) -> int:
+        if hit_blocks and hit_blocks[-1].hash in self.cached_this_step:
+            # A state keyed this step is filled by this step's forward: defer
+            # the request by asking for more than the pool has.
+            return self.pool.num_blocks + 1
+        # Draft tokens need no Mamba slots: only the main model's tokens count.
+        required = cdiv(num_tokens_main, self.block_size) + self.speculative_blocks
+        num_new = required - len(hit_blocks) - len(self.table(request_id))
+        partial = (
+            self.has_partial_hit(hit_blocks, num_local_computed) or request_id in self.partial_hits
+        )
+        if partial:
+            num_new = max(num_new, 0) + 1
+        if num_new > 0:
+            cap = 1 + int(partial)
+            if request_id not in self.allocated:
+                cap += self.speculative_blocks
+            num_new = min(num_new, cap)
+        evictable = sum(b.ref == 0 and not b.is_null for b in hit_blocks)
+        return num_new + evictable
+
+    def allocate(self, request_id: str, num_tokens: int, num_tokens_main: int) -> list[Block]:
+        table = self.table(request_id)
+        required = cdiv(num_tokens_main, self.block_size) + self.speculative_blocks
+        partial = self.partial_hits.get(request_id)
+        if required <= len(table) and partial is None:
+            self.allocated.add(request_id)
+            return []
+        prev_len = len(table)
+        running = request_id in self.allocated
+        # The state to copy from this step: the running block (the last
+        # before the scratch blocks), or a new request's hit state.
+        if running:
+            self.last_state_index[request_id] = prev_len - 1 - self.speculative_blocks
+        elif prev_len > 0:
+            self.last_state_index[request_id] = prev_len - 1
+        num_skipped = required - self.speculative_blocks - 1
+        if prev_len < num_skipped:
+            table.extend([self.pool.null_block] * (num_skipped - prev_len))
+        if running:
+            # Scratch blocks the table moves past are reused at its new end.
+            for index in range(prev_len - self.speculative_blocks, prev_len):
+                if index >= num_skipped:
+                    break
+                block = table[index]
+                assert not block.is_null and block.ref == 1 and block.hash is None
+                table.append(block)
+                table[index] = self.pool.null_block
+        num_new = max(required - len(table), 0) + (1 if partial is not None else 0)
+        new_blocks = self.pool.get_new_blocks(num_new)
+        returned = table[prev_len:]
+        if partial is not None:
+            index, source = partial
+            copy, new_blocks = new_blocks[0], new_blocks[1:]
+            if running:
+                # The producer keeps writing `source` (its table is append
+                # only), so the cached tail moves to the copy instead.
+                assert table[index] is source
+                self.pool.move_keys(source, copy)
+                self.holds.follow_moved_keys(self.group_id, request_id, source, copy)
+                self.pending_copies.append((source, copy))
+                source.ref += 1
+                if copy.hash is not None:
+                    self.cached_this_step.add(copy.hash)
+                self.holds.hold(self.group_id, request_id, copy)
+            else:
+                self.apply_cow(request_id, index, source, copy)
+                returned = [copy, *returned]
+                self.holds.hold(self.group_id, request_id, source)
+        table.extend(new_blocks)
+        self.allocated.add(request_id)
+        self.partial_hits.pop(request_id, None)
+        return [*returned, *new_blocks]
+
+    def remove_skipped(self, request_id: str, num_processed: int) -> None:
+        """Free states no longer needed: all below the latest, and the block
+        the previous step copied from."""
+        table = self.table(request_id)
+        if num_processed - 1 > 0:
+            last = min((num_processed - 1) // self.block_size, len(table))
+            first = self.num_retired.get(request_id, 0)
+            if first < last:
+                freed = []
+                for i in range(last - 1, first - 1, -1):
+                    if not table[i].is_null:
+                        freed.append(table[i])
+                        table[i] = self.pool.null_block
+                if freed:
+                    self.pool.free_blocks(freed)
+                self.num_retired[request_id] = last
+        previous = self.last_state_index.get(request_id)
+        if (
+            previous is not None
+            and previous < cdiv(num_processed, self.block_size) - 1
+            and not table[previous].is_null
+        ):
+            self.pool.free_blocks([table[previous]])
+            table[previous] = self.pool.null_block
+
+    # -- keying states ------------------------------------------------------
+
+    def retention_mask(
+        self, start: int, end: int, retention: int | None, boundaries: Sequence[int]
+    ) -> list[bool] | None:
+        """Which table blocks [start, end) get keyed: all (dense, None), or
+        under sparse retention only those ending on a replay boundary."""
+        if retention is None:
+            return None
+        mask = [False] * (end - start)
+        for boundary in boundaries:
+            index = boundary // self.alignment * self.alignment // self.block_size - 1
+            if start <= index < end:
+                mask[index - start] = True
+        return mask
+
+    def cache(
+        self,
+        request: Request,
+        num_tokens: int,
+        retention: int | None,
+        boundaries: Sequence[int],
+    ) -> HashKey | None:
+        rid = request.request_id
+        before = self.num_cached.get(rid, 0)
+        num_hashed = len(request.keys) * self.pool.hash_unit
+        num_full = min(num_tokens, num_hashed) // self.block_size
+        if before < num_full:
+            self.cache_full(
+                request, num_tokens, self.retention_mask(before, num_full, retention, boundaries)
+            )
+        after = self.num_cached.get(rid, 0)
+        tail_key = self._cache_prompt_tail(request, num_tokens)
+        if tail_key is not None:
+            self.cached_this_step.add(tail_key)
+        table = self.tables[rid]
+        for block in table[before:after]:
+            if not block.is_null and block.hash is not None:
+                self.cached_this_step.add(block.hash)
+        return tail_key
+
+    def _cache_prompt_tail(self, request: Request, num_tokens: int) -> HashKey | None:
+        """Key the prompt's partial tail on the running block, once reached."""
+        unit = self.pool.hash_unit
+        if num_tokens <= 0 or num_tokens % unit:
+            return None
+        tail = checkpoint_position(request.num_prompt_tokens, unit, self.drop_eagle_checkpoint)
+        if num_tokens != tail:
+            return None
+        index = cdiv(num_tokens, self.block_size) - 1
+        table = self.tables[request.request_id]
+        if index >= len(table) or table[index].is_null:
+            return None
+        source = table[index]
+        if source.hash_tokens == num_tokens:
+            return None  # already keyed here (by a hit or an earlier step)
+        key = self.pool.cache_partial_block(request.keys, source, num_tokens, self.group_id)
+        if key is not None and num_tokens % self.block_size:
+            # The next chunk overwrites this block: it must move the key.
+            self.partial_hits[request.request_id] = (index, source)
+            self.num_cached[request.request_id] = index
+        return key
+
+    # -- ending a request ---------------------------------------------------
+
+    def pop_blocks(self, request_id: str) -> list[Block]:
+        self.allocated.discard(request_id)
+        self.last_state_index.pop(request_id, None)
+        self.num_retired.pop(request_id, None)
+        return super().pop_blocks(request_id)
+
+    def new_step(self) -> None:
+        self.cached_this_step.clear()

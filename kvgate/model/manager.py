@@ -1,0 +1,100 @@
+"""The manager as the scheduler calls it: lookup, admission counts,
+allocation, the free paths and the copy hand-off.
+
+Method names follow the real `KVCacheManager` so the op driver
+(`kvgate.conformance.driver`) drives both the same way.
+"""
+
+from __future__ import annotations
+
+from kvgate.conformance.config import Config, validate
+from kvgate.model.coordinator import Coordinator, HitBlocks
+from kvgate.model.pool import Block
+from kvgate.model.request import Request
+
+
+class KVCacheManager:
+    def __init__(self, config: Config) -> None:
+        validate(config)
+        self.config = config
+        self.coordinator = Coordinator(config)
+        self.block_pool = self.coordinator.pool
+
+    def get_computed_blocks(self, request: Request) -> tuple[HitBlocks | None, int]:
+        """The agreed prefix hit; None for blocks when no group has any.
+
+        At most `num_tokens - 1` tokens hit: the last one is recomputed for
+        its logits.
+        """
+        blocks, hit = self.coordinator.find_hit(request.keys, request.num_tokens - 1)
+        return (blocks if any(blocks) else None), hit
+
+    def get_num_blocks_to_allocate(
+        self, request: Request, hit_blocks: HitBlocks | None, hit: int, admission: bool
+    ) -> int:
+        """Blocks the whole sequence needs after the hit (the admission count
+        with `admission`, else the per-step estimate)."""
+        num_tokens = min(request.num_tokens, self.config.max_model_len)
+        computed = request.num_computed_tokens + hit
+        return self.coordinator.blocks_needed(
+            request.request_id,
+            num_tokens,
+            hit_blocks or self._no_hit(),
+            computed,
+            num_tokens,
+            admission,
+        )
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: HitBlocks | None = None,
+        num_lookahead_tokens: int = 0,
+    ) -> bool:
+        """Give the request slots for `num_new_tokens` more tokens (plus
+        lookahead for drafts); False, changing nothing, if the pool is short."""
+        if num_new_tokens == 0 and num_new_computed_tokens == 0:
+            raise ValueError("num_new_tokens must be > 0 when no computed tokens are adopted")
+        max_len = self.config.max_model_len
+        coordinator = self.coordinator
+        rid = request.request_id
+        num_local = request.num_computed_tokens + num_new_computed_tokens
+        total_computed = min(num_local, max_len)
+        num_tokens_main = total_computed + num_new_tokens
+        num_need_slot = min(num_tokens_main + num_lookahead_tokens, max_len)
+        # States behind the computed prefix are freed even if this fails.
+        coordinator.remove_skipped(rid, total_computed)
+        hit_blocks = new_computed_blocks or self._no_hit()
+        needed = coordinator.blocks_needed(
+            rid, num_need_slot, hit_blocks, num_local, num_tokens_main, admission=False
+        )
+        if needed > self.block_pool.num_free():
+            return False
+        if new_computed_blocks is not None:
+            coordinator.add_hit_blocks(rid, new_computed_blocks, num_local)
+        coordinator.allocate(rid, num_need_slot, num_tokens_main)
+        # Draft tokens are never keyed: cache only up to the request's tokens.
+        coordinator.cache(request, min(total_computed + num_new_tokens, request.num_tokens))
+        return True
+
+    def free(self, request: Request) -> None:
+        self.coordinator.free(request.request_id)
+
+    def pop_blocks_for_free(self, request: Request) -> list[Block]:
+        return self.coordinator.pop_blocks(request.request_id)
+
+    def take_kv_cache_block_copies(self) -> tuple[list[tuple[int, int, int]], list[Block]]:
+        """This step's copies as (group, src id, dst id), and their retained
+        endpoints, which the caller frees once the copies have run."""
+        pending = self.coordinator.take_pending_copies()
+        copies = [(g, s.block_id, d.block_id) for g, s, d in pending]
+        retained = [b for _, s, d in pending for b in (s, d)]
+        return copies, retained
+
+    def new_step_starts(self) -> None:
+        self.coordinator.new_step()
+
+    def _no_hit(self) -> HitBlocks:
+        return tuple([] for _ in self.coordinator.managers)

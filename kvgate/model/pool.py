@@ -1,0 +1,241 @@
+"""The block pool: ref counts, the free queue and the prefix-cache hash map.
+
+Free-queue order decides which cached state is evicted next, so it is
+modelled exactly: blocks freed without a hash go to the head (reused first),
+hashed ones to the tail (evicted last, LRU); `touch` takes a block out from
+wherever it is; allocation pops from the head and drops the popped block's
+hashes. Block 0 is the null block: never queued, its ref count not kept.
+
+A hash key is `(group id, prefix key)`. A block has at most one primary key
+(with the token position it covers) and any number of secondary ones (a
+partial-tail entry registered on a block that already had a key).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+
+HashKey = tuple[int, str]  # (group id, prefix key of kvgate.conformance.tokens)
+
+
+class Block:
+    __slots__ = ("block_id", "ref", "hash", "hash_tokens", "is_null")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref = 0
+        self.hash: HashKey | None = None  # the primary key
+        self.hash_tokens: int | None = None  # tokens the primary key covers
+        self.is_null = False
+
+    def __repr__(self) -> str:
+        return f"Block({self.block_id}, ref={self.ref}, hash={self.hash})"
+
+
+class FreeQueue:
+    """A doubly linked list of block ids with O(1) removal from the middle."""
+
+    _HEAD = -1
+    _TAIL = -2
+
+    def __init__(self, block_ids: Iterable[int]) -> None:
+        self._next: dict[int, int] = {}
+        self._prev: dict[int, int] = {}
+        self._next[self._HEAD] = self._TAIL
+        self._prev[self._TAIL] = self._HEAD
+        self._size = 0
+        self.append_all(block_ids)
+
+    def __len__(self) -> int:
+        return self._size
+
+    def __contains__(self, block_id: int) -> bool:
+        return block_id in self._prev and block_id >= 0
+
+    def __iter__(self) -> Iterator[int]:
+        node = self._next[self._HEAD]
+        while node != self._TAIL:
+            yield node
+            node = self._next[node]
+
+    def _link_after(self, anchor: int, block_id: int) -> None:
+        following = self._next[anchor]
+        self._next[anchor] = block_id
+        self._prev[block_id] = anchor
+        self._next[block_id] = following
+        self._prev[following] = block_id
+        self._size += 1
+
+    def remove(self, block_id: int) -> None:
+        before, after = self._prev.pop(block_id), self._next.pop(block_id)
+        self._next[before] = after
+        self._prev[after] = before
+        self._size -= 1
+
+    def pop_head(self) -> int:
+        head = self._next[self._HEAD]
+        assert head != self._TAIL, "pop from an empty free queue"
+        self.remove(head)
+        return head
+
+    def prepend_all(self, block_ids: Iterable[int]) -> None:
+        anchor = self._HEAD
+        for block_id in block_ids:
+            self._link_after(anchor, block_id)
+            anchor = block_id
+
+    def append_all(self, block_ids: Iterable[int]) -> None:
+        for block_id in block_ids:
+            self._link_after(self._prev[self._TAIL], block_id)
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, hash_unit: int) -> None:
+        self.hash_unit = hash_unit
+        self.num_blocks = num_blocks
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_queue = FreeQueue(range(num_blocks))
+        self.null_block = self.blocks[self.free_queue.pop_head()]
+        self.null_block.is_null = True
+        # key -> blocks cached under it, oldest first (lookups take the first)
+        self.cached: dict[HashKey, dict[int, Block]] = {}
+        # block id -> its secondary keys
+        self.secondary: dict[int, set[HashKey]] = {}
+
+    # -- queries ---------------------------------------------------------
+
+    def num_free(self) -> int:
+        return len(self.free_queue)
+
+    def cached_block(self, prefix_key: str, group_ids: Sequence[int]) -> list[Block] | None:
+        """The first block cached under `prefix_key` in each group, or None."""
+        found = []
+        for group_id in group_ids:
+            entry = self.cached.get((group_id, prefix_key))
+            if not entry:
+                return None
+            found.append(next(iter(entry.values())))
+        return found
+
+    def keys_of(self, block: Block) -> list[HashKey]:
+        primary = [block.hash] if block.hash is not None else []
+        return primary + sorted(self.secondary.get(block.block_id, ()))
+
+    # -- ref counts and the free queue ----------------------------------
+
+    def get_new_blocks(self, n: int) -> list[Block]:
+        if n > self.num_free():
+            raise ValueError(f"cannot get {n} free blocks from the pool")
+        taken = [self.blocks[self.free_queue.pop_head()] for _ in range(n)]
+        for block in taken:
+            self.drop_keys(block)  # reuse evicts the cached state
+            assert block.ref == 0
+            block.ref = 1
+        return taken
+
+    def touch(self, blocks: Iterable[Block]) -> None:
+        for block in blocks:
+            if block.is_null:
+                continue
+            if block.ref == 0:
+                self.free_queue.remove(block.block_id)
+            block.ref += 1
+
+    def free_blocks(self, ordered: Iterable[Block]) -> None:
+        """Drop one ref of each; blocks reaching 0 join the free queue.
+
+        `ordered` is eviction priority, first evicted first: unhashed blocks
+        go to the head in that order, hashed ones to the tail in that order.
+        """
+        to_head: list[int] = []
+        to_tail: list[int] = []
+        for block in ordered:
+            if block.is_null:
+                continue
+            block.ref -= 1
+            if block.ref == 0:
+                (to_head if block.hash is None else to_tail).append(block.block_id)
+        self.free_queue.prepend_all(to_head)
+        self.free_queue.append_all(to_tail)
+
+    # -- the hash map -----------------------------------------------------
+
+    def drop_keys(self, block: Block) -> list[HashKey]:
+        """Remove every key pointing at `block`; return the ones removed."""
+        keys = [block.hash] if block.hash is not None else []
+        keys.extend(self.secondary.pop(block.block_id, ()))
+        removed = []
+        for key in keys:
+            entry = self.cached.get(key)
+            if entry is not None and entry.pop(block.block_id, None) is not None:
+                removed.append(key)
+                if not entry:
+                    del self.cached[key]
+        block.hash = None
+        block.hash_tokens = None
+        return removed
+
+    def add_key(self, key: HashKey, block: Block, num_tokens: int | None) -> None:
+        if block.hash == key:
+            return
+        entry = self.cached.setdefault(key, {})
+        if block.block_id in entry:
+            return
+        if block.hash is None:
+            block.hash, block.hash_tokens = key, num_tokens
+        else:
+            self.secondary.setdefault(block.block_id, set()).add(key)
+        entry[block.block_id] = block
+
+    def cache_full_blocks(
+        self,
+        keys: Sequence[str],
+        table: Sequence[Block],
+        num_cached: int,
+        num_full: int,
+        block_size: int,
+        group_id: int,
+        mask: Sequence[bool] | None,
+    ) -> None:
+        """Key table blocks [num_cached, num_full) at their block boundaries."""
+        scale = block_size // self.hash_unit
+        for i in range(num_cached, num_full):
+            block = table[i]
+            if block.is_null or (mask is not None and not mask[i - num_cached]):
+                continue
+            num_tokens = (i + 1) * block_size
+            if block.hash is not None:
+                # A partial entry on this block is promoted to the full one.
+                assert block.hash_tokens is not None and block.hash_tokens < num_tokens
+                self.drop_keys(block)
+            self.add_key((group_id, keys[(i + 1) * scale - 1]), block, num_tokens)
+
+    def cache_partial_block(
+        self,
+        keys: Sequence[str],
+        block: Block,
+        num_tokens: int,
+        group_id: int,
+        replace_existing: bool = False,
+    ) -> HashKey | None:
+        """Make `block` reachable from the hash-unit boundary `num_tokens`."""
+        if block.is_null:
+            return None
+        key = (group_id, keys[num_tokens // self.hash_unit - 1])
+        already = block.hash == key or block.block_id in self.cached.get(key, {})
+        if replace_existing or (
+            not already
+            and block.hash is not None
+            and block.hash_tokens is not None
+            and block.hash_tokens < num_tokens
+        ):
+            self.drop_keys(block)
+        self.add_key(key, block, num_tokens)
+        return key
+
+    def move_keys(self, source: Block, target: Block) -> None:
+        """Re-point every key of `source` to `target` (a fresh, unhashed block)."""
+        assert target.hash is None and target.block_id not in self.secondary
+        num_tokens = source.hash_tokens
+        for key in self.drop_keys(source):
+            self.add_key(key, target, num_tokens)

@@ -1,0 +1,32 @@
+"""A request as the manager sees it: tokens, their prefix keys, progress."""
+
+from __future__ import annotations
+
+from kvgate.conformance.tokens import extend_prefix_keys
+
+
+class Request:
+    def __init__(self, request_id: str, prompt: list[int], hash_unit: int) -> None:
+        self.request_id = request_id
+        self.prompt = list(prompt)
+        self.output: list[int] = []
+        self.all_token_ids = list(prompt)
+        self.hash_unit = hash_unit
+        # keys[i] names the prefix all_token_ids[: (i + 1) * hash_unit]
+        self.keys: list[str] = []
+        extend_prefix_keys(self.keys, self.all_token_ids, hash_unit)
+        self.num_computed_tokens = 0
+        self.spec_token_ids: list[int] = []
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt)
+
+    def append_output(self, tokens: list[int]) -> None:
+        self.output.extend(tokens)
+        self.all_token_ids.extend(tokens)
+        extend_prefix_keys(self.keys, self.all_token_ids, self.hash_unit)

@@ -1,0 +1,39 @@
+"""The scheduler's align-mode chunk split: where a prefill chunk must end.
+
+Mamba states are written at chunk ends, so a chunk ends on a block boundary
+(except the prompt's last chunk), never runs past the last cacheable block
+boundary, and, with sub-block hits, stops at the prompt's partial-tail
+boundary so that state is computed and keyed.
+"""
+
+from __future__ import annotations
+
+from kvgate.conformance.config import Config
+from kvgate.model.mamba import checkpoint_position
+from kvgate.model.request import Request
+
+
+def chunk_tokens(config: Config, request: Request, num_new: int, num_new_hit: int) -> int:
+    """How many of `num_new` tokens (starting after the hit) this chunk runs."""
+    start = request.num_computed_tokens + num_new_hit
+    prefill_end = max(request.num_prompt_tokens, request.num_tokens - 1)
+    if start >= prefill_end:
+        return num_new
+    block = config.scheduler_block_size
+    unit = config.hash_unit
+    eagle = config.eagle
+    partial_hits = config.partial_hits and unit < block
+    last_cacheable = checkpoint_position(request.num_tokens, block, eagle)
+    end = start + num_new
+    if end < prefill_end:
+        aligned = end // block * block
+        if aligned > start or block <= config.max_num_scheduled_tokens:
+            end = aligned
+    tail = checkpoint_position(request.num_prompt_tokens, unit, eagle) if partial_hits else 0
+    stops = (
+        (start // block + 1) * block if start % block else 0,
+        last_cacheable,
+        tail if last_cacheable < tail < request.num_prompt_tokens else 0,
+    )
+    end = min((s for s in stops if start < s < end), default=end)
+    return max(end - start, 0)

@@ -1,0 +1,159 @@
+"""The model as a replay target."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvgate.conformance.config import Config
+from kvgate.conformance.driver import OpDriver
+from kvgate.conformance.snapshot import BlockView, Snapshot
+from kvgate.conformance.target import Capabilities
+from kvgate.model.coordinator import HitBlocks
+from kvgate.model.manager import KVCacheManager
+from kvgate.model.pool import HashKey
+from kvgate.model.request import Request
+from kvgate.model.split import chunk_tokens
+
+
+def hash_name(key: HashKey) -> str:
+    return f"g{key[0]}/{key[1]}"
+
+
+class ModelTarget(OpDriver[Request]):
+    def __init__(self, config: Config) -> None:
+        super().__init__(config)
+        self.manager = KVCacheManager(config)
+        self.pool = self.manager.block_pool
+        self.attention_group = next(
+            i for i, g in enumerate(config.groups) if g.kind == "full_attention"
+        )
+        hold = config.retain_checkpoint
+        self.capabilities = Capabilities(
+            implementation="kvgate model",
+            partial_hits=config.partial_hits,
+            hold=hold,
+            hold_source="kvgate model" if hold else "",
+        )
+
+    # -- requests -------------------------------------------------------------
+
+    def new_request(self, name: str, tokens: list[int]) -> Request:
+        return Request(name, tokens, self.config.hash_unit)
+
+    def prompt_tokens(self, request: Request) -> list[int]:
+        return request.prompt
+
+    def all_tokens(self, request: Request) -> list[int]:
+        return request.all_token_ids
+
+    def num_computed(self, request: Request) -> int:
+        return request.num_computed_tokens
+
+    def set_num_computed(self, request: Request, n: int) -> None:
+        request.num_computed_tokens = n
+
+    def has_blocks(self, request: Request) -> bool:
+        return any(m.tables.get(request.request_id) for m in self.manager.coordinator.managers)
+
+    def append_output(self, request: Request, tokens: list[int]) -> None:
+        request.append_output(tokens)
+
+    def set_drafts(self, request: Request, tokens: list[int]) -> None:
+        request.spec_token_ids = tokens
+
+    def mark(self, request: Request, status: str) -> None:
+        return None  # the model keeps no status: no watermark is modelled
+
+    # -- manager calls ----------------------------------------------------------
+
+    def lookup(self, request: Request) -> tuple[Any, int]:
+        return self.manager.get_computed_blocks(request)
+
+    def blocks_needed(self, request: Request, hit_blocks: Any, hit: int, admission: bool) -> int:
+        return self.manager.get_num_blocks_to_allocate(request, hit_blocks, hit, admission)
+
+    def split(self, request: Request, num_new: int, hit: int) -> int:
+        return chunk_tokens(self.config, request, num_new, hit)
+
+    def allocate_slots(
+        self, request: Request, num_new: int, hit: int, hit_blocks: Any, lookahead: int
+    ) -> bool:
+        blocks: HitBlocks | None = hit_blocks
+        return self.manager.allocate_slots(request, num_new, hit, blocks, lookahead)
+
+    def free(self, request: Request) -> None:
+        self.manager.free(request)
+
+    def pop_blocks_for_free(self, request: Request) -> list[Any]:
+        return list(self.manager.pop_blocks_for_free(request))
+
+    def free_blocks(self, blocks: list[Any]) -> None:
+        self.pool.free_blocks(blocks)
+
+    def take_copies(self) -> tuple[list[list[int]], list[Any]]:
+        copies, retained = self.manager.take_kv_cache_block_copies()
+        return [[s, d] for _, s, d in copies], list(retained)
+
+    def new_step_starts(self) -> None:
+        self.manager.new_step_starts()
+
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free()
+
+    def evict(self, n: int) -> None:
+        self.pool.free_blocks(self.pool.get_new_blocks(n))
+
+    # -- observation ------------------------------------------------------------
+
+    def pool_clean(self) -> bool:
+        coordinator = self.manager.coordinator
+        return (
+            self.pool.num_free() == self.pool.num_blocks - 1
+            and all(b.ref == 0 for b in self.pool.blocks[1:])
+            and not any(any(t) for m in coordinator.managers for t in m.tables.values())
+            and not any(m.pending_copies for m in coordinator.managers)
+            and not any(coordinator.holds.by_group.values())
+        )
+
+    def hold_positions(self) -> dict[str, dict[int, int]]:
+        holds = self.manager.coordinator.holds.as_positions()
+        return {r: {g: pos for g, (pos, _) in hs.items()} for r, hs in holds.items()}
+
+    def state_ref(self, request: Request, group: int, position: int) -> int | None:
+        unit = self.config.hash_unit
+        if position % unit or position // unit > len(request.keys):
+            return None
+        found = self.pool.cached_block(request.keys[position // unit - 1], [group])
+        return found[0].ref if found else None
+
+    def attention_cached(self, request: Request) -> int:
+        attention = self.manager.coordinator.managers[self.attention_group]
+        size = attention.block_size
+        cached = 0
+        while (cached + size) <= request.num_prompt_tokens and self.pool.cached_block(
+            request.keys[(cached + size) // self.config.hash_unit - 1], [attention.group_id]
+        ):
+            cached += size
+        return cached
+
+    def snapshot(self) -> Snapshot:
+        coordinator = self.manager.coordinator
+        managers = coordinator.managers
+        tables = {}
+        for rid in {r for m in managers for r in m.tables}:
+            per_group = tuple(tuple(b.block_id for b in m.tables.get(rid, [])) for m in managers)
+            if any(per_group):
+                tables[rid] = per_group
+        return Snapshot(
+            free_queue=tuple(self.pool.free_queue),
+            blocks=tuple(
+                BlockView(b.ref, tuple(hash_name(k) for k in self.pool.keys_of(b)))
+                for b in self.pool.blocks
+            ),
+            tables=tables,
+            holds=coordinator.holds.as_positions(),
+            pending_copies=tuple(
+                (m.group_id, s.block_id, d.block_id) for m in managers for s, d in m.pending_copies
+            ),
+            popped={r: tuple(b.block_id for b in bs) for r, bs in self.popped.items()},
+        )
