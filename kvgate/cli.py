@@ -30,6 +30,7 @@ from kvgate.conformance.replay import LEVELS, Level, TargetFactory, one_line, re
 from kvgate.conformance.report import TerminalReport, write_junit
 from kvgate.conformance.target import Target
 from kvgate.conformance.trace import Trace, TraceError, bundled_corpus, load_corpus, load_trace
+from kvgate.errors import InputError
 
 # Where each target lives, as "module:factory", imported only when chosen.
 TARGETS: dict[str, str] = {
@@ -40,8 +41,10 @@ TARGETS: dict[str, str] = {
 LOCKSTEP_MODEL = "model"
 
 
-class InputError(Exception):
-    """Bad input that is not a trace's fault (arguments, targets); exit 2."""
+# Further commands, each a module with `register(subparsers)` that adds its
+# parser and sets `handler(args) -> exit code` on it. A handler raises
+# TraceError or InputError for bad input (exit 2, one line).
+COMMAND_MODULES: tuple[str, ...] = ()
 
 
 class _Parser(argparse.ArgumentParser):
@@ -53,11 +56,14 @@ class _Parser(argparse.ArgumentParser):
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = _parser().parse_args(argv)
+        handler = getattr(args, "handler", None)
+        if handler is not None:
+            return cast(int, handler(args))
         if args.command == "replay":
             traces = [load_trace(path) for path in args.traces]
         else:
             traces = load_corpus(args.corpus or bundled_corpus())
-        return _run(traces, args.target, args.level, args.plugin, args.junit_xml)
+        return run_traces(traces, args.target, args.level, args.plugin, args.junit_xml)
     except (TraceError, InputError) as error:
         print(f"kvgate: error: {error}", file=sys.stderr)
         return 2
@@ -83,10 +89,12 @@ def _parser() -> argparse.ArgumentParser:
         command.add_argument(
             "--plugin", metavar="MODULE", help="a vLLM plugin module for --target vllm"
         )
+    for module in COMMAND_MODULES:
+        importlib.import_module(module).register(commands)
     return parser
 
 
-def _run(
+def run_traces(
     traces: Sequence[Trace],
     target_name: str,
     level: Level,
@@ -95,11 +103,11 @@ def _run(
 ) -> int:
     if plugin is not None and target_name != "vllm":
         raise InputError("--plugin: only --target vllm loads plugins")
-    factory = _target_factory(target_name)
+    factory = target_factory(target_name)
     if plugin is not None:
         # VllmTarget(config, plugin=...): the one target that loads plugins.
         factory = functools.partial(cast(Callable[..., Target], factory), plugin=plugin)
-    model = None if target_name == LOCKSTEP_MODEL else _target_factory(LOCKSTEP_MODEL)
+    model = None if target_name == LOCKSTEP_MODEL else target_factory(LOCKSTEP_MODEL)
 
     report = TerminalReport(sys.stdout)
     for trace in traces:
@@ -121,7 +129,7 @@ def _run(
     return 0 if all(r.passed for r in report.results) else 1
 
 
-def _target_factory(name: str) -> TargetFactory:
+def target_factory(name: str) -> TargetFactory:
     module_name, _, attribute = TARGETS[name].partition(":")
     if name == "vllm":
         # vLLM picks its platform when first imported; kvgate drives it on CPU.

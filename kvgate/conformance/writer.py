@@ -1,0 +1,100 @@
+"""Write traces: what Hypothesis runs, Z3 counterexamples and the workload
+generator produce, in the format people write by hand (version 1)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kvgate.conformance.config import Config
+from kvgate.conformance.ops import ACTIONS, Segment, Step
+
+FORMAT = "kvgate-trace/1"
+
+
+def config_dict(config: Config) -> dict[str, Any]:
+    return {
+        "num_blocks": config.num_blocks,
+        "hash_unit": config.hash_unit,
+        "scheduler_block_size": config.scheduler_block_size,
+        "max_model_len": config.max_model_len,
+        "max_num_scheduled_tokens": config.max_num_scheduled_tokens,
+        "eagle": config.eagle,
+        "retention_interval": config.retention_interval,
+        "retain_checkpoint": config.retain_checkpoint,
+        "groups": [
+            {"kind": g.kind, "block_size": g.block_size}
+            | ({"speculative_blocks": g.speculative_blocks} if g.kind == "mamba_align" else {})
+            for g in config.groups
+        ],
+    }
+
+
+def segment_dict(segment: Segment) -> dict[str, Any]:
+    if segment.kind == "fresh":
+        return {"fresh": segment.count}
+    if segment.kind == "tokens":
+        return {"tokens": list(segment.token_ids)}
+    return {segment.kind: segment.req}
+
+
+def step_dict(step: Step) -> dict[str, Any]:
+    """One step as written in a trace (macros keep their own fields)."""
+    if step.op == "check":
+        return {"op": "check", **_plain(step.check)}
+    action = ACTIONS[step.op]
+    out: dict[str, Any] = {"op": step.op}
+    for field in (*action.required, *action.optional):
+        value = getattr(step, field)
+        if field == "prompt":
+            value = [segment_dict(s) for s in value]
+        if field in action.optional and value == 0:
+            continue
+        out[field] = value
+    if step.expect:
+        out["expect"] = _plain(step.expect)
+    return out
+
+
+def dump_trace(name: str, config: Config, steps: Iterable[Step], about: str | None = None) -> str:
+    doc: dict[str, Any] = {"format": FORMAT, "name": name}
+    if about:
+        doc["about"] = " ".join(about.split())
+    doc["config"] = config_dict(config)
+    doc["steps"] = [step_dict(s) for s in steps]
+    return _Dumper.dump(doc)
+
+
+def save_trace(
+    directory: Path, name: str, config: Config, steps: Iterable[Step], about: str | None = None
+) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{name}.yaml"
+    path.write_text(dump_trace(name, config, steps, about))
+    return path
+
+
+def _plain(value: Any) -> Any:
+    """Tuples to lists and mappings to dicts, so YAML writes plain flow."""
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+class _Dumper:
+    """Top-level block style, one flow mapping per step, as people write them."""
+
+    @staticmethod
+    def dump(doc: dict[str, Any]) -> str:
+        head = {k: v for k, v in doc.items() if k != "steps"}
+        text = yaml.safe_dump(head, sort_keys=False, default_flow_style=None, width=100)
+        lines = [text.rstrip("\n"), "steps:"]
+        for step in doc["steps"]:
+            flow = yaml.safe_dump(step, sort_keys=False, default_flow_style=True, width=10_000)
+            lines.append(f"  - {flow.strip()}")
+        return "\n".join(lines) + "\n"
