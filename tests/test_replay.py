@@ -138,9 +138,7 @@ def test_later_missed_expectations_are_kept_after_the_first() -> None:
     )
     result, _ = run(trace)
     assert result.divergence is not None and result.divergence.what == "hit"
-    assert [(d.what, d.expected, d.actual) for d in result.also] == [
-        ("check free_blocks", 90, 95)
-    ]
+    assert [(d.what, d.expected, d.actual) for d in result.also] == [("check free_blocks", 90, 95)]
 
 
 def test_expect_compares_booleans_as_booleans() -> None:

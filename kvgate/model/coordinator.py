@@ -128,9 +128,9 @@ class Coordinator:
             if group.is_attention:
                 size = self.managers[group.group_ids[0]].block_size
                 for group_id in group.group_ids:
-                    found_blocks = blocks_by_group[group_id]
-                    if found_blocks is not None:
-                        del found_blocks[cdiv(hit_length, size) :]
+                    trimmed = blocks_by_group[group_id]
+                    if trimmed is not None:
+                        del trimmed[cdiv(hit_length, size) :]
         return tuple(b if b is not None else [] for b in blocks_by_group), hit_length
 
     # -- allocation ---------------------------------------------------------
@@ -212,7 +212,7 @@ class Coordinator:
         return blocks
 
     def take_pending_copies(self) -> list[tuple[int, Block, Block]]:
-        copies = []
+        copies: list[tuple[int, Block, Block]] = []
         for manager in self.managers:
             copies.extend((manager.group_id, s, d) for s, d in manager.take_pending_copies())
         return copies

@@ -65,7 +65,7 @@ class GroupManager:
         assert table[index] is source and not source.is_null and source.ref > 0
         table[index] = copy
         self.pending_copies.append((source, copy))
-        copy.ref += 1
+        self.pool.retain(copy)
 
     def cache_full(
         self,

@@ -158,7 +158,7 @@ class MambaManager(GroupManager):
                 self.pool.move_keys(source, copy)
                 self.holds.follow_moved_keys(self.group_id, request_id, source, copy)
                 self.pending_copies.append((source, copy))
-                source.ref += 1
+                self.pool.retain(source)
                 if copy.hash is not None:
                     self.cached_this_step.add(copy.hash)
                 self.holds.hold(self.group_id, request_id, copy)

@@ -101,6 +101,13 @@ class BlockPool:
         self.cached: dict[HashKey, dict[int, Block]] = {}
         # block id -> its secondary keys
         self.secondary: dict[int, set[HashKey]] = {}
+        # Ids of blocks whose ref or keys changed since `take_changed`, so a
+        # snapshot of a large pool only re-reads those.
+        self.changed: set[int] = set(range(num_blocks))
+
+    def take_changed(self) -> set[int]:
+        changed, self.changed = self.changed, set()
+        return changed
 
     # -- queries ---------------------------------------------------------
 
@@ -131,7 +138,14 @@ class BlockPool:
             self.drop_keys(block)  # reuse evicts the cached state
             assert block.ref == 0
             block.ref = 1
+            self.changed.add(block.block_id)
         return taken
+
+    def retain(self, block: Block) -> None:
+        """One more ref on a block in use (a copy endpoint kept until it ran)."""
+        assert block.ref > 0 and not block.is_null
+        block.ref += 1
+        self.changed.add(block.block_id)
 
     def touch(self, blocks: Iterable[Block]) -> None:
         for block in blocks:
@@ -140,6 +154,7 @@ class BlockPool:
             if block.ref == 0:
                 self.free_queue.remove(block.block_id)
             block.ref += 1
+            self.changed.add(block.block_id)
 
     def free_blocks(self, ordered: Iterable[Block]) -> None:
         """Drop one ref of each; blocks reaching 0 join the free queue.
@@ -153,6 +168,7 @@ class BlockPool:
             if block.is_null:
                 continue
             block.ref -= 1
+            self.changed.add(block.block_id)
             if block.ref == 0:
                 (to_head if block.hash is None else to_tail).append(block.block_id)
         self.free_queue.prepend_all(to_head)
@@ -173,6 +189,7 @@ class BlockPool:
                     del self.cached[key]
         block.hash = None
         block.hash_tokens = None
+        self.changed.add(block.block_id)
         return removed
 
     def add_key(self, key: HashKey, block: Block, num_tokens: int | None) -> None:
@@ -186,6 +203,7 @@ class BlockPool:
         else:
             self.secondary.setdefault(block.block_id, set()).add(key)
         entry[block.block_id] = block
+        self.changed.add(block.block_id)
 
     def cache_full_blocks(
         self,

@@ -24,6 +24,7 @@ class ModelTarget(OpDriver[Request]):
         super().__init__(config)
         self.manager = KVCacheManager(config)
         self.pool = self.manager.block_pool
+        self._views = [BlockView(0)] * self.pool.num_blocks
         self.attention_group = next(
             i for i, g in enumerate(config.groups) if g.kind == "full_attention"
         )
@@ -136,6 +137,14 @@ class ModelTarget(OpDriver[Request]):
             cached += size
         return cached
 
+    def _block_views(self) -> tuple[BlockView, ...]:
+        """Every block's view, re-reading only the blocks changed since the last."""
+        for block_id in self.pool.take_changed():
+            block = self.pool.blocks[block_id]
+            keys = tuple(hash_name(k) for k in self.pool.keys_of(block))
+            self._views[block_id] = BlockView(block.ref, keys)
+        return tuple(self._views)
+
     def snapshot(self) -> Snapshot:
         coordinator = self.manager.coordinator
         managers = coordinator.managers
@@ -146,10 +155,7 @@ class ModelTarget(OpDriver[Request]):
                 tables[rid] = per_group
         return Snapshot(
             free_queue=tuple(self.pool.free_queue),
-            blocks=tuple(
-                BlockView(b.ref, tuple(hash_name(k) for k in self.pool.keys_of(b)))
-                for b in self.pool.blocks
-            ),
+            blocks=self._block_views(),
             tables=tables,
             holds=coordinator.holds.as_positions(),
             pending_copies=tuple(

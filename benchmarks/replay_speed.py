@@ -1,0 +1,89 @@
+"""Corpus replay time: the model against the installed vLLM, in one run.
+
+Each target replays the whole bundled corpus on its own (no lockstep), once
+as calls only and once taking a strict snapshot after every step, several rounds,
+interleaved so both see the same machine state. Prints the best round of
+each and the ratio model / vLLM: below 1 means the model is faster.
+
+    python benchmarks/replay_speed.py [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from kvgate.conformance.config import Config
+from kvgate.conformance.ops import Step
+from kvgate.conformance.replay import replay
+from kvgate.conformance.snapshot import Snapshot
+from kvgate.conformance.target import Target
+from kvgate.conformance.trace import Trace, bundled_corpus, load_corpus
+from kvgate.model import ModelTarget
+
+
+class Snapshotting:
+    """A target that takes a strict snapshot after every step, as a gate does."""
+
+    def __init__(self, inner: Target) -> None:
+        self.inner = inner
+        self.capabilities = inner.capabilities
+
+    def apply(self, step: Step) -> dict[str, Any]:
+        observed = self.inner.apply(step)
+        self.inner.snapshot()
+        return observed
+
+    def check_values(self, query: Mapping[str, Any]) -> dict[str, Any]:
+        return self.inner.check_values(query)
+
+    def snapshot(self) -> Snapshot:
+        return self.inner.snapshot()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def corpus_seconds(
+    traces: list[Trace], factory: Callable[[Config], Target], snapshots: bool
+) -> float:
+    started = time.perf_counter()
+    for trace in traces:
+        target: Target = factory(trace.config)
+        if snapshots:
+            target = Snapshotting(target)
+        try:
+            replay(trace, target, None, "api")
+        finally:
+            target.close()
+    return time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    from kvgate.impl.vllm_target import VllmTarget
+
+    traces = load_corpus(bundled_corpus())
+    steps = sum(len(t.primitives) for t in traces)
+    print(f"corpus: {len(traces)} traces, {steps} written steps; best of {args.rounds} rounds")
+    corpus_seconds(traces, VllmTarget, False)  # warm up: vLLM's import, caches
+    for label, snapshots in (("calls", False), ("+snapshots", True)):
+        best: dict[str, float] = {"model": float("inf"), "vllm": float("inf")}
+        for _ in range(args.rounds):
+            best["model"] = min(best["model"], corpus_seconds(traces, ModelTarget, snapshots))
+            best["vllm"] = min(best["vllm"], corpus_seconds(traces, VllmTarget, snapshots))
+        model_ms, vllm_ms = best["model"] * 1000, best["vllm"] * 1000
+        print(
+            f"{label:>10}: model {model_ms:8.1f} ms   vllm {vllm_ms:8.1f} ms"
+            f"   model/vllm {model_ms / vllm_ms:.2f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
