@@ -13,38 +13,18 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable
 
 from kvgate.conformance.config import Config
 from kvgate.conformance.ops import Step
 from kvgate.conformance.replay import replay
-from kvgate.conformance.snapshot import Snapshot
-from kvgate.conformance.target import Target
+from kvgate.conformance.target import Target, WatchedTarget
 from kvgate.conformance.trace import Trace, bundled_corpus, load_corpus
 from kvgate.model import ModelTarget
 
 
-class Snapshotting:
-    """A target that takes a strict snapshot after every step, as a gate does."""
-
-    def __init__(self, inner: Target) -> None:
-        self.inner = inner
-        self.capabilities = inner.capabilities
-
-    def apply(self, step: Step) -> dict[str, Any]:
-        observed = self.inner.apply(step)
-        self.inner.snapshot()
-        return observed
-
-    def check_values(self, query: Mapping[str, Any]) -> dict[str, Any]:
-        return self.inner.check_values(query)
-
-    def snapshot(self) -> Snapshot:
-        return self.inner.snapshot()
-
-    def close(self) -> None:
-        self.inner.close()
+def take_snapshot(step: Step, target: Target) -> None:
+    target.snapshot()
 
 
 def corpus_seconds(
@@ -54,7 +34,7 @@ def corpus_seconds(
     for trace in traces:
         target: Target = factory(trace.config)
         if snapshots:
-            target = Snapshotting(target)
+            target = WatchedTarget(target, take_snapshot)
         try:
             replay(trace, target, None, "api")
         finally:

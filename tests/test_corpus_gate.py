@@ -8,15 +8,11 @@ build without the hold, the gate must fail them on the trace's expectations
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 import pytest
 
 from kvgate.conformance.ops import Step
 from kvgate.conformance.replay import HOLD_NOTE, ReplayResult, replay
-from kvgate.conformance.snapshot import Snapshot
-from kvgate.conformance.target import Target
+from kvgate.conformance.target import Target, WatchedTarget
 from kvgate.conformance.trace import Trace, bundled_corpus, load_corpus
 from kvgate.invariants.predicates import check_snapshot
 from kvgate.model import ModelTarget
@@ -92,35 +88,23 @@ def test_next_turn_traces_show_the_total_miss_at_the_lookup(name: str) -> None:
 
 
 class InvariantChecking:
-    """Wraps a target; after every step, the snapshot invariants must hold."""
+    """After every step of a target, the snapshot invariants must hold."""
 
-    def __init__(self, inner: Target) -> None:
-        self.inner = inner
-        self.capabilities = inner.capabilities
+    def __init__(self) -> None:
         self.steps_checked = 0
 
-    def apply(self, step: Step) -> dict[str, Any]:
-        observed = self.inner.apply(step)
-        violations = check_snapshot(self.inner.snapshot())
+    def __call__(self, step: Step, target: Target) -> None:
+        violations = check_snapshot(target.snapshot())
         assert not violations, f"after {step.where()}: {[str(v) for v in violations]}"
         self.steps_checked += 1
-        return observed
-
-    def check_values(self, query: Mapping[str, Any]) -> dict[str, Any]:
-        return self.inner.check_values(query)
-
-    def snapshot(self) -> Snapshot:
-        return self.inner.snapshot()
-
-    def close(self) -> None:
-        self.inner.close()
 
 
 @pytest.mark.parametrize("trace", CORPUS, ids=ids(CORPUS))
 def test_snapshot_invariants_hold_after_every_step_on_the_model(trace: Trace) -> None:
-    target = InvariantChecking(ModelTarget(trace.config))
+    checking = InvariantChecking()
+    target = WatchedTarget(ModelTarget(trace.config), checking)
     assert replay(trace, target, None, "api").passed
-    assert target.steps_checked > 10
+    assert checking.steps_checked > 10
 
 
 @pytest.mark.parametrize("trace", HOLD_OFF, ids=ids(HOLD_OFF))
@@ -128,9 +112,10 @@ def test_snapshot_invariants_hold_after_every_step_on_vllm(trace: Trace) -> None
     pytest.importorskip("vllm")
     from kvgate.impl.vllm_target import VllmTarget
 
-    target = InvariantChecking(VllmTarget(trace.config))
+    checking = InvariantChecking()
+    target = WatchedTarget(VllmTarget(trace.config), checking)
     try:
         assert replay(trace, target, None, "api").passed
     finally:
         target.close()
-    assert target.steps_checked > 10
+    assert checking.steps_checked > 10

@@ -7,7 +7,7 @@ semantics of the trace format's table, one manager call per op.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -69,3 +69,27 @@ class Target(Protocol):
     def snapshot(self) -> Snapshot: ...
 
     def close(self) -> None: ...
+
+
+class WatchedTarget:
+    """A target that calls `after_step(step, target)` after every op it runs:
+    to take a snapshot each step, or check invariants on it."""
+
+    def __init__(self, inner: Target, after_step: Callable[[Step, Target], None]) -> None:
+        self.inner = inner
+        self.after_step = after_step
+        self.capabilities = inner.capabilities
+
+    def apply(self, step: Step) -> dict[str, Any]:
+        observed = self.inner.apply(step)
+        self.after_step(step, self.inner)
+        return observed
+
+    def check_values(self, query: Mapping[str, Any]) -> dict[str, Any]:
+        return self.inner.check_values(query)
+
+    def snapshot(self) -> Snapshot:
+        return self.inner.snapshot()
+
+    def close(self) -> None:
+        self.inner.close()

@@ -67,11 +67,18 @@ class GroupManager:
         self.pending_copies.append((source, copy))
         self.pool.retain(copy)
 
+    def retention_mask(
+        self, start: int, end: int, retention: int | None, boundaries: Sequence[int]
+    ) -> list[bool] | None:
+        """Which of table blocks [start, end) get keyed; None: all of them."""
+        return None
+
     def cache_full(
         self,
         request: Request,
         num_tokens: int,
-        mask: Sequence[bool] | None,
+        retention: int | None,
+        boundaries: Sequence[int],
     ) -> None:
         """Key the request's blocks that `num_tokens` now fills."""
         rid = request.request_id
@@ -80,6 +87,7 @@ class GroupManager:
         num_full = min(num_tokens, num_hashed) // self.block_size
         if num_cached >= num_full:
             return
+        mask = self.retention_mask(num_cached, num_full, retention, boundaries)
         self.pool.cache_full_blocks(
             request.keys,
             self.tables[rid],
@@ -185,7 +193,7 @@ class FullAttentionManager(GroupManager):
         retention: int | None,
         boundaries: Sequence[int],
     ) -> HashKey | None:
-        self.cache_full(request, num_tokens, None)
+        self.cache_full(request, num_tokens, retention, boundaries)
         if self.block_size != self.pool.hash_unit:
             self._cache_prompt_tail(request, num_tokens)
         return None

@@ -221,12 +221,7 @@ class MambaManager(GroupManager):
     ) -> HashKey | None:
         rid = request.request_id
         before = self.num_cached.get(rid, 0)
-        num_hashed = len(request.keys) * self.pool.hash_unit
-        num_full = min(num_tokens, num_hashed) // self.block_size
-        if before < num_full:
-            self.cache_full(
-                request, num_tokens, self.retention_mask(before, num_full, retention, boundaries)
-            )
+        self.cache_full(request, num_tokens, retention, boundaries)
         after = self.num_cached.get(rid, 0)
         tail_key = self._cache_prompt_tail(request, num_tokens)
         if tail_key is not None:
