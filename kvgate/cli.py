@@ -2,7 +2,7 @@
 
     kvgate replay TRACE... --target {model,vllm} [--level api|strict]
     kvgate gate [--target vllm|model] [--corpus DIR] [--level api|strict]
-                [--junit-xml PATH] [--plugin MODULE]
+                [--junit-xml PATH] [--plugin MODULE|entry-points]
 
 Exit codes: 0 every trace conforms, 1 some trace diverged, 2 invalid input
 (a trace, an unsupported config, an unknown or unavailable target, bad
@@ -28,7 +28,7 @@ from typing import NoReturn, cast
 from kvgate.conformance.config import UnsupportedConfig
 from kvgate.conformance.replay import LEVELS, Level, TargetFactory, one_line, replay
 from kvgate.conformance.report import TerminalReport, write_junit
-from kvgate.conformance.target import Target
+from kvgate.conformance.target import Capabilities, Target
 from kvgate.conformance.trace import Trace, TraceError, bundled_corpus, load_corpus, load_trace
 from kvgate.errors import InputError
 
@@ -44,7 +44,10 @@ LOCKSTEP_MODEL = "model"
 # Further commands, each a module with `register(subparsers)` that adds its
 # parser and sets `handler(args) -> exit code` on it. A handler raises
 # TraceError or InputError for bad input (exit 2, one line).
-COMMAND_MODULES: tuple[str, ...] = ()
+COMMAND_MODULES: tuple[str, ...] = (
+    "kvgate.explore.command",
+    "kvgate.workload.command",
+)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -87,7 +90,10 @@ def _parser() -> argparse.ArgumentParser:
         command.add_argument("--level", default="strict", choices=LEVELS)
         command.add_argument("--junit-xml", type=Path, metavar="PATH")
         command.add_argument(
-            "--plugin", metavar="MODULE", help="a vLLM plugin module for --target vllm"
+            "--plugin",
+            metavar="MODULE",
+            help="a vLLM plugin module for --target vllm (e.g. kvgate.impl.hold_overlay), "
+            "or 'entry-points' to run vLLM's own vllm.general_plugins loader",
         )
     for module in COMMAND_MODULES:
         importlib.import_module(module).register(commands)
@@ -110,11 +116,11 @@ def run_traces(
     model = None if target_name == LOCKSTEP_MODEL else target_factory(LOCKSTEP_MODEL)
 
     report = TerminalReport(sys.stdout)
+    if traces:
+        report.target(_header_capabilities(factory, traces))
     for trace in traces:
         target = _build(factory, trace)
         try:
-            if not report.results:
-                report.target(target.capabilities)
             result = replay(trace, target, model, level)
         finally:
             target.close()
@@ -139,6 +145,18 @@ def target_factory(name: str) -> TargetFactory:
     except (ImportError, AttributeError) as error:
         raise InputError(f"--target {name}: not available here ({one_line(error)})") from None
     return cast(TargetFactory, factory)
+
+
+def _header_capabilities(factory: TargetFactory, traces: Sequence[Trace]) -> Capabilities:
+    """The target as the report's header shows it: built for the first trace
+    that switches the hold on, if any, so the header names the hold
+    implementation the hold-on traces run (the switch is per trace)."""
+    trace = next((t for t in traces if t.config.retain_checkpoint), traces[0])
+    target = _build(factory, trace)
+    try:
+        return target.capabilities
+    finally:
+        target.close()
 
 
 def _build(factory: TargetFactory, trace: Trace) -> Target:

@@ -165,12 +165,14 @@ def write_junit(results: Sequence[ReplayResult], path: str | Path, suite: str = 
         time=f"{sum(r.seconds for r in results):.3f}",
     )
     if results:
+        # As the terminal header: a run with the hold on, if any, names its source.
+        shown = next((r for r in results if r.capabilities.hold), results[0])
         properties = ET.SubElement(suite_element, "properties")
         ET.SubElement(
             properties,
             "property",
             name="target",
-            value=capabilities_line(results[0].capabilities).removeprefix("target: "),
+            value=capabilities_line(shown.capabilities).removeprefix("target: "),
         )
     for result in results:
         case = ET.SubElement(

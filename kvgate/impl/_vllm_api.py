@@ -123,21 +123,34 @@ def clear_env_cache() -> None:
         cache_clear()
 
 
-_registered: dict[str, ModuleType] = {}
+_registered: dict[str, ModuleType | None] = {}
+
+# `--plugin` names this to run vLLM's own loader instead of importing a module.
+ENTRY_POINTS = "entry-points"
 
 
-def register_plugin(name: str) -> ModuleType:
-    """Import the plugin module `name` and call its `register()`, once per process.
+def register_plugin(name: str) -> ModuleType | None:
+    """Load plugin `name` once per process; its module, when one was named.
 
     A plugin is an ordinary importable module; `register()` (optional, no
     arguments) may patch vLLM classes, e.g. to overlay a hold on an upstream
     build. A plugin may set `HOLD_SOURCE` (str) to name the hold it provides.
+    `ENTRY_POINTS` runs vLLM's own loader (`vllm.plugins.load_general_plugins`:
+    the `vllm.general_plugins` entry points, filtered by `VLLM_PLUGINS`), as a
+    vLLM engine does at startup; no single module is named then (None).
     """
-    module = _registered.get(name)
-    if module is None:
+    if name in _registered:
+        return _registered[name]
+    module: ModuleType | None
+    if name == ENTRY_POINTS:
+        from vllm.plugins import load_general_plugins
+
+        load_general_plugins()
+        module = None
+    else:
         module = importlib.import_module(name)
         register = getattr(module, "register", None)
         if callable(register):
             register()
-        _registered[name] = module
+    _registered[name] = module
     return module

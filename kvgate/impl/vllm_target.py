@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 import traceback
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -538,19 +539,34 @@ def _holds_partial_tails(api: VllmApi, managers: Sequence[Any], switch: bool) ->
 
 
 def _hold_source(managers: Sequence[Any], plugin: str | None, module: ModuleType | None) -> str:
-    """Which implementation of the hold ran: the plugin's, or the vLLM build's."""
+    """Which implementation of the hold ran: a plugin's overlay, or the vLLM build's.
+
+    The plugin module's `HOLD_SOURCE` when it declares one; else the module
+    that patched the managers' class, found by the patched methods'
+    `__module__` (so an overlay loaded through vLLM's entry points, or earlier
+    in this process, is named too), by its `HOLD_SOURCE` or as `plugin NAME`.
+    """
     if module is not None:
         declared = getattr(module, "HOLD_SOURCE", None)
         if isinstance(declared, str) and declared:
             return declared
-        patched = any(
-            not str(getattr(getattr(type(m), attr, None), "__module__", "vllm")).startswith("vllm")
-            for m in managers
-            for attr in ("__init__", "allocate_new_blocks", "pop_blocks_for_free")
-        )
-        if patched:
-            return f"plugin {plugin}"
+    patcher = _patching_module(managers)
+    if patcher is not None:
+        declared = getattr(sys.modules.get(patcher), "HOLD_SOURCE", None)
+        if isinstance(declared, str) and declared:
+            return declared
+        return f"plugin {plugin if module is not None else patcher}"
     return f"vllm build ({RETAIN_SWITCH})"
+
+
+def _patching_module(managers: Sequence[Any]) -> str | None:
+    """The module outside vLLM that replaced a manager class's hold-path method."""
+    for m in managers:
+        for attr in ("__init__", "allocate_new_blocks", "pop_blocks_for_free"):
+            name = str(getattr(getattr(type(m), attr, None), "__module__", "vllm"))
+            if not name.startswith("vllm"):
+                return name
+    return None
 
 
 _PROBE_CONFIG = Config(

@@ -9,11 +9,12 @@ holds.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvgate.conformance.snapshot import Snapshot
 from kvgate.conformance.tokens import key_position
+from kvgate.model.pool import BlockPool
 
 
 @dataclass(frozen=True)
@@ -124,4 +125,72 @@ def check_snapshot(snapshot: Snapshot) -> list[Violation]:
     out: list[Violation] = []
     for predicate in SNAPSHOT_INVARIANTS.values():
         out.extend(predicate(snapshot))
+    return out
+
+
+def holds_in_mamba_groups(snapshot: Snapshot, mamba_group_ids: Sequence[int]) -> list[Violation]:
+    """Holds live only in Mamba groups, and a request holds one block per
+    group (the snapshot keeps one per request and group, so a second one
+    shows up as a hold on a block the request also holds in another group)."""
+    out = []
+    allowed = set(mamba_group_ids)
+    for request, groups in snapshot.holds.items():
+        for group in groups:
+            if group not in allowed:
+                out.append(
+                    Violation(
+                        "holds_in_mamba_groups",
+                        f"{request} holds a block in group {group}, not a Mamba group",
+                    )
+                )
+        ids = Counter(block_id for _, block_id in groups.values())
+        for block_id, n in ids.items():
+            if n > 1:
+                out.append(
+                    Violation(
+                        "holds_in_mamba_groups",
+                        f"{request} holds block {block_id} in {n} groups",
+                    )
+                )
+    return out
+
+
+def hash_map_consistent(pool: BlockPool) -> list[Violation]:
+    """The model's hash map and its blocks' keys name each other exactly.
+
+    Every block under a key in `pool.cached` carries that key (primary or
+    secondary); every key a block carries lists the block; the null block
+    carries none; a block's primary key is set exactly when it covers tokens.
+    Model-level: vLLM's map is only seen through the snapshot's names.
+    """
+    out = []
+
+    def bad(message: str) -> None:
+        out.append(Violation("hash_map_consistent", message))
+
+    for key, entry in pool.cached.items():
+        if not entry:
+            bad(f"key {key[0]}/{key[1]} maps to no block")
+        for block_id, block in entry.items():
+            if block.block_id != block_id:
+                bad(f"key {key[0]}/{key[1]} files block {block.block_id} under id {block_id}")
+            elif key not in pool.keys_of(block):
+                bad(f"block {block_id} is cached under {key[0]}/{key[1]} but carries {block.hash}")
+    for block in pool.blocks:
+        if (
+            block.hash is None
+            and block.hash_tokens is None
+            and block.block_id not in pool.secondary
+        ):
+            continue  # carries no key: nothing to agree on
+        keys = pool.keys_of(block)
+        if block.is_null and keys:
+            bad(f"the null block {block.block_id} carries keys {keys}")
+        if (block.hash is None) != (block.hash_tokens is None):
+            bad(f"block {block.block_id}: primary key {block.hash}, tokens {block.hash_tokens}")
+        if block.hash is None and block.block_id in pool.secondary:
+            bad(f"block {block.block_id} has secondary keys but no primary one")
+        for key in keys:
+            if block.block_id not in pool.cached.get(key, {}):
+                bad(f"block {block.block_id} carries {key[0]}/{key[1]}, the map lacks it")
     return out

@@ -1,0 +1,1 @@
+"""Stateful exploration of the model (Hypothesis), alone or against vLLM."""

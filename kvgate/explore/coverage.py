@@ -1,0 +1,132 @@
+"""Line and branch coverage of vLLM's KV-cache manager files, as a table.
+
+    python -m kvgate.explore.coverage NAME=DATAFILE [NAME=DATAFILE ...]
+
+Each column is one coverage.py data file (recorded with --branch); rows are
+block_pool.py, kv_cache_manager.py, kv_cache_coordinator.py and the
+MambaManager class of single_type_kv_cache_manager.py. A file's figures are
+coverage.py's own analysis; the class's are counted inside its line range
+(from the source's syntax tree): statements and branch exits the parser
+finds there, against the lines and arcs the data file recorded.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import coverage
+
+FILES = ("block_pool.py", "kv_cache_manager.py", "kv_cache_coordinator.py")
+CLASS_FILE = "single_type_kv_cache_manager.py"
+CLASS_NAME = "MambaManager"
+
+
+@dataclass(frozen=True)
+class Figures:
+    lines: int
+    lines_hit: int
+    branches: int
+    branches_hit: int
+
+    @staticmethod
+    def pct(hit: int, total: int) -> str:
+        return f"{100.0 * hit / total:5.1f}%" if total else "    -"
+
+    def cell(self) -> str:
+        return (
+            f"{self.pct(self.lines_hit, self.lines)} ({self.lines_hit}/{self.lines}) "
+            f"{self.pct(self.branches_hit, self.branches)} ({self.branches_hit}/{self.branches})"
+        )
+
+
+def core_dir() -> Path:
+    import importlib.util
+
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or spec.origin is None:
+        raise SystemExit("vLLM is not installed")
+    return Path(spec.origin).parent / "v1" / "core"
+
+
+def class_range(path: Path, name: str) -> tuple[int, int]:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == name:
+            assert node.end_lineno is not None
+            return node.lineno, node.end_lineno
+    raise SystemExit(f"no class {name} in {path}")
+
+
+def figures(data_file: Path, path: Path, within: tuple[int, int] | None = None) -> Figures:
+    """Lines and branch exits of `path` (optionally only those starting in
+    `within`), and how many of them the data file recorded."""
+    cov = coverage.Coverage(data_file=str(data_file), branch=True)
+    cov.load()
+    data = cov.get_data()
+    measured = next((f for f in data.measured_files() if Path(f).resolve() == path.resolve()), None)
+    analysis = cov._analyze(str(path))  # the parser's statements and arcs
+    first, last = within if within is not None else (1, 10**9)
+
+    def inside(line: int) -> bool:
+        return first <= line <= last
+
+    statements = {n for n in analysis.statements if inside(n)}
+    executed = set(data.lines(measured) or ()) if measured else set()
+    exits: dict[int, set[int]] = {}
+    for src, dst in analysis.arc_possibilities:
+        if src > 0 and inside(src):
+            exits.setdefault(src, set()).add(dst)
+    branch_arcs = {(s, d) for s, ds in exits.items() if len(ds) > 1 for d in ds}
+    arcs = set(data.arcs(measured) or ()) if measured else set()
+    return Figures(
+        lines=len(statements),
+        lines_hit=len(statements & executed),
+        branches=len(branch_arcs),
+        branches_hit=len(branch_arcs & arcs),
+    )
+
+
+def table(columns: Sequence[tuple[str, Path]]) -> str:
+    core = core_dir()
+    rows: list[tuple[str, list[Figures]]] = []
+    for name in FILES:
+        rows.append((name, [figures(data, core / name) for _, data in columns]))
+    span = class_range(core / CLASS_FILE, CLASS_NAME)
+    rows.append(
+        (
+            f"{CLASS_NAME} (lines {span[0]}-{span[1]})",
+            [figures(data, core / CLASS_FILE, span) for _, data in columns],
+        )
+    )
+    width = max(len(r[0]) for r in rows) + 2
+    cell = 40
+    out = [
+        "line % (hit/total) and branch % (hit/total) per source",
+        " " * width + "".join(f"{title:<{cell}}" for title, _ in columns),
+    ]
+    for name, cells in rows:
+        out.append(f"{name:<{width}}" + "".join(f"{c.cell():<{cell}}" for c in cells))
+    return "\n".join(out)
+
+
+def main(argv: Sequence[str]) -> int:
+    columns = []
+    for arg in argv:
+        title, sep, data = arg.partition("=")
+        if not sep or not Path(data).is_file():
+            print(f"usage: NAME=DATAFILE ...; bad or missing: {arg}", file=sys.stderr)
+            return 2
+        columns.append((title, Path(data)))
+    if not columns:
+        print("usage: python -m kvgate.explore.coverage NAME=DATAFILE ...", file=sys.stderr)
+        return 2
+    print(table(columns))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

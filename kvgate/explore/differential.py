@@ -1,0 +1,34 @@
+"""Differential mode: the model and the real vLLM manager in lockstep.
+
+The same machine drives both through the shared op driver; after every step
+the session compares what each reported (api) and their full snapshots
+(strict). vLLM is imported only when a differential run starts.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from kvgate.conformance.config import Config
+from kvgate.conformance.driver import OpDriver
+from kvgate.explore.machine import Mode
+from kvgate.explore.session import ALL_INVARIANTS, HOLD_ONLY_INVARIANTS
+
+
+def vllm_target(config: Config) -> OpDriver[Any]:
+    """A `VllmTarget` for `config` (imports vLLM on first use, CPU)."""
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    from kvgate.impl.vllm_target import VllmTarget
+
+    return VllmTarget(config)
+
+
+def differential_mode() -> Mode:
+    """Model vs vLLM 0.33.0, hold off (upstream has none), strict level.
+
+    The invariants that upstream is known to break by design are left out;
+    every other one is checked on the model, and any divergence fails.
+    """
+    invariants = tuple(i for i in ALL_INVARIANTS if i not in HOLD_ONLY_INVARIANTS)
+    return Mode(hold=False, invariants=invariants, lockstep=vllm_target)

@@ -1,0 +1,97 @@
+"""Run the state machine: until a budget is spent or a failure is found.
+
+A failure comes back shrunk twice: by Hypothesis (the rule sequence), then
+by `session.shrink` (single recorded steps), and is saved as a version-1
+trace whose expect/check values show it on replay.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from hypothesis import settings as Settings
+from hypothesis.stateful import get_state_machine_test
+
+from kvgate.conformance.config import Config
+from kvgate.explore.machine import Mode, Stats, machine_class
+from kvgate.explore.session import ALL_INVARIANTS, HOLD_ONLY_INVARIANTS, ExploreFailure, Session
+from kvgate.explore.session import shrink as shrink_trace
+
+
+@dataclass
+class Outcome:
+    failure: ExploreFailure | None
+    saved: Path | None
+    stats: Stats
+    seconds: float
+    rounds: int
+
+    @property
+    def passed(self) -> bool:
+        return self.failure is None
+
+
+def model_mode(hold: bool, check_hold_only: bool = True) -> Mode:
+    """The model alone; with the hold off the hold-only invariants are
+    checked too (that is how the known total miss is found) unless told not to."""
+    invariants = (
+        ALL_INVARIANTS
+        if (hold or check_hold_only)
+        else tuple(i for i in ALL_INVARIANTS if i not in HOLD_ONLY_INVARIANTS)
+    )
+    return Mode(hold=hold, invariants=tuple(invariants))
+
+
+def run_once(mode: Mode, settings: Settings, seed: int | None = None) -> ExploreFailure | None:
+    """One Hypothesis run of the machine; the (Hypothesis-shrunk) failure, if any."""
+    test = get_state_machine_test(machine_class(mode), settings=settings)
+    if seed is not None:
+        # What @seed does: get_state_machine_test returns the @given test.
+        test._hypothesis_internal_use_seed = seed  # type: ignore[attr-defined]
+    try:
+        test()
+    except ExploreFailure as failure:
+        return failure
+    return None
+
+
+def explore(
+    mode: Mode,
+    settings: Settings,
+    *,
+    out: Path | None = None,
+    seed: int | None = None,
+    seconds: float | None = None,
+    on_example: Callable[[Stats], None] | None = None,
+) -> Outcome:
+    """Run rounds of `settings.max_examples` examples until one fails or, with
+    `seconds`, the time is spent (one round otherwise). Round k uses seed
+    `seed + k` (a derandomized profile ignores it)."""
+    mode.stats.on_example = on_example
+    started = mode.stats.started = time.perf_counter()
+    failure: ExploreFailure | None = None
+    rounds = 0
+    while failure is None:
+        round_seed = None if seed is None else seed + rounds
+        failure = run_once(mode, settings, round_seed)
+        rounds += 1
+        if seconds is None or time.perf_counter() - started >= seconds or settings.derandomize:
+            break
+    saved = None
+    if failure is not None:
+        failure = shrink_trace(failure, session_factory(mode))
+        if out is not None:
+            saved = failure.save(out)
+    return Outcome(failure, saved, mode.stats, time.perf_counter() - started, rounds)
+
+
+def session_factory(mode: Mode) -> Callable[[Config], Session]:
+    """Fresh sessions for re-running a recorded trace in the same mode."""
+
+    def make(config: Config) -> Session:
+        return Session(replace(config, retain_checkpoint=mode.hold), mode.invariants, mode.lockstep)
+
+    return make

@@ -1,0 +1,420 @@
+"""One exploration run: apply steps, check every invariant, record the trace.
+
+A `Session` is what the state machine drives: each rule hands it
+`kvgate.conformance.ops.Step`s, which it applies to the model (and, in
+differential mode, to a second target in lockstep), records, and checks
+after every step. The first violation or divergence raises
+`ExploreFailure`, which carries the recorded steps and the witness that
+makes the failure visible on replay, so a failing run is a version-1 trace.
+
+The session also enforces the scheduler's discipline the invariants assume:
+a request allocates at most once between two drains (one allocation per
+scheduler step), decodes only once its prompt is computed, and never acts
+after it ended. A step breaking it raises `Unrealistic` (the machine never
+generates one; the trace shrinker uses it to reject candidates).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Literal
+
+from kvgate.conformance.config import Config
+from kvgate.conformance.driver import OpDriver
+from kvgate.conformance.ops import ACTIONS, Segment, Step
+from kvgate.conformance.replay import same
+from kvgate.conformance.snapshot import Snapshot
+from kvgate.conformance.target import StepRefused
+from kvgate.conformance.tokens import prefix_keys
+from kvgate.conformance.writer import dump_trace, save_trace
+from kvgate.invariants.lifecycle import TRACKERS, Event, Finding, Tracker, Witness
+from kvgate.invariants.predicates import (
+    SNAPSHOT_INVARIANTS,
+    Violation,
+    hash_map_consistent,
+    holds_in_mamba_groups,
+)
+from kvgate.model import ModelTarget
+
+Phase = Literal["waiting", "running", "decoding", "popped", "ended"]
+FailureKind = Literal["invariant", "divergence"]
+
+# Every invariant a session can check, by name.
+MODEL_INVARIANTS = ("hash_map_consistent", "holds_in_mamba_groups")
+ALL_INVARIANTS: tuple[str, ...] = (
+    *SNAPSHOT_INVARIANTS,
+    *MODEL_INVARIANTS,
+    *(t.name for t in TRACKERS),
+)
+# With the hold off this one fails by design (the seed's total miss).
+HOLD_ONLY_INVARIANTS = ("resume_at_parent_state",)
+
+
+class Unrealistic(Exception):
+    """A step the scheduler would never issue in this state."""
+
+
+@dataclass
+class RequestState:
+    name: str
+    parent: str | None
+    phase: Phase = "waiting"
+
+
+class ExploreFailure(AssertionError):
+    """An invariant violation or a divergence, with the run that led to it."""
+
+    def __init__(
+        self,
+        kind: FailureKind,
+        invariant: str,
+        message: str,
+        config: Config,
+        steps: Sequence[Step],
+        witness: Witness,
+    ) -> None:
+        self.kind = kind
+        self.invariant = invariant
+        self.message = message
+        self.config = config
+        self.steps = tuple(steps)  # the failing step last
+        self.witness = witness
+        super().__init__(f"{kind} {invariant}: {message}")
+
+    def __str__(self) -> str:
+        # Built on demand: Hypothesis raises many of these while it shrinks.
+        return self.summary()
+
+    def summary(self) -> str:
+        return (
+            f"{self.kind} {self.invariant} after {len(self.steps)} steps: {self.message}\n"
+            + self.yaml()
+        )
+
+    def trace_steps(self) -> list[Step]:
+        """The recorded steps with the witness in, re-indexed from 0."""
+        out: list[Step] = []
+        for position, step in enumerate(self.steps):
+            if position == self.witness.step:
+                step = replace(step, expect={**step.expect, **self.witness.expect})
+            out.append(replace(step, index=len(out)))
+        if self.witness.check:
+            out.append(Step("check", len(out), check=dict(self.witness.check)))
+        return out
+
+    @property
+    def name(self) -> str:
+        digest = hashlib.blake2b(self.yaml_body().encode(), digest_size=4).hexdigest()
+        return f"explore-{self.invariant.replace('_', '-')}-{digest}"
+
+    def about(self) -> str:
+        hold = "on" if self.config.retain_checkpoint else "off"
+        return (
+            f"Found by kvgate explore (hold {hold}): {self.kind} {self.invariant}: {self.message}"
+        )
+
+    def yaml_body(self) -> str:
+        return dump_trace("explore", self.config, self.trace_steps())
+
+    def yaml(self) -> str:
+        return dump_trace(self.name, self.config, self.trace_steps(), self.about())
+
+    def save(self, directory: Path) -> Path:
+        return save_trace(directory, self.name, self.config, self.trace_steps(), self.about())
+
+
+class Session:
+    """Steps applied to the model (and a lockstep target), checked, recorded."""
+
+    def __init__(
+        self,
+        config: Config,
+        invariants: Iterable[str] = ALL_INVARIANTS,
+        lockstep: Callable[[Config], OpDriver[Any]] | None = None,
+        counts: Counter[str] | None = None,
+    ) -> None:
+        self.config = config
+        self.model = ModelTarget(config)
+        self.other = lockstep(config) if lockstep is not None else None
+        self.invariants = frozenset(invariants)
+        unknown = self.invariants - set(ALL_INVARIANTS)
+        if unknown:
+            raise ValueError(f"unknown invariants: {', '.join(sorted(unknown))}")
+        self.trackers: list[Tracker] = [t(self) for t in TRACKERS if t.name in self.invariants]
+        self.steps: list[Step] = []
+        self.requests: dict[str, RequestState] = {}
+        self.allocated_since_drain: set[str] = set()
+        self.counts: Counter[str] = counts if counts is not None else Counter()
+        self.last = self.model.snapshot()
+        self._prefix: dict[tuple[str, int], tuple[int, dict[str, int]]] = {}
+
+    def close(self) -> None:
+        self.model.close()
+        if self.other is not None:
+            self.other.close()
+
+    # -- the World the trackers read ----------------------------------------
+
+    def parent(self, request: str) -> str | None:
+        state = self.requests.get(request)
+        return state.parent if state is not None else None
+
+    def prefix_names(self, request: str, group: int) -> dict[str, int]:
+        tokens = self.model.all_tokens(self.model.requests[request].request)
+        cached = self._prefix.get((request, group))
+        if cached is None or cached[0] != len(tokens):
+            unit = self.config.hash_unit
+            names = {
+                f"g{group}/{key}": (i + 1) * unit for i, key in enumerate(prefix_keys(tokens, unit))
+            }
+            cached = (len(tokens), names)
+            self._prefix[(request, group)] = cached
+        return cached[1]
+
+    def attention_cached(self, request: str) -> int:
+        return self.model.attention_cached(self.model.requests[request].request)
+
+    # -- queries for the state machine ----------------------------------------
+
+    def in_phase(self, *phases: Phase) -> list[str]:
+        return [r.name for r in self.requests.values() if r.phase in phases]
+
+    def schedulable(self, *phases: Phase) -> list[str]:
+        """Requests in `phases` that have not allocated since the last drain."""
+        return [n for n in self.in_phase(*phases) if n not in self.allocated_since_drain]
+
+    def tokens(self, request: str) -> int:
+        return len(self.model.all_tokens(self.model.requests[request].request))
+
+    def free_blocks(self) -> int:
+        return self.model.num_free_blocks()
+
+    # -- running a step --------------------------------------------------------
+
+    def run(self, op: str, **fields: Any) -> dict[str, Any]:
+        if op == "check":
+            return self.run_check(fields["check"])
+        step = Step(op, len(self.steps), **fields)
+        self.guard(step)
+        before = self.last
+        observed = self.model.apply(step)
+        self.steps.append(step)
+        self.counts[op] += 1
+        if op == "free":
+            self.counts[f"free:{step.how}"] += 1
+        after = self.model.snapshot()
+        self.last = after
+        if self.other is not None:
+            self.lockstep(step, observed, after)
+        self.advance(step, observed)
+        self.check(Event(len(self.steps) - 1, step, observed, before, after))
+        return observed
+
+    def run_check(self, query: Mapping[str, Any]) -> dict[str, Any]:
+        """A `check` step: recorded with the model's values (so a replay
+        compares a target with them), compared with the lockstep target's."""
+        values = self.model.check_values(query)
+        step = Step("check", len(self.steps), check={k: values[k] for k in query})
+        self.steps.append(step)
+        self.counts["check"] += 1
+        if self.other is not None:
+            theirs = self.other.check_values(query)
+            for key in query:
+                if not same(values[key], theirs.get(key)):
+                    raise self.fail(
+                        "divergence",
+                        f"check-{key}",
+                        f"{step.where()}: {key}: model {values[key]!r}, target {theirs.get(key)!r}",
+                        Witness(),
+                    )
+        return values
+
+    def guard(self, step: Step) -> None:
+        state = self.requests.get(step.req) if step.req is not None else None
+        if step.op == "arrive":
+            if step.req in self.requests:
+                raise Unrealistic(f"{step.req} arrived twice")
+            return
+        if step.req is None or step.op == "release":
+            if step.op == "release" and (state is None or state.phase != "popped"):
+                raise Unrealistic(f"release of {step.req}, which was not popped")
+            return
+        if state is None or state.phase in ("popped", "ended"):
+            raise Unrealistic(f"{step.op} of {step.req}, which is not live")
+        if step.op in ("allocate", "decode1") and step.req in self.allocated_since_drain:
+            raise Unrealistic(f"{step.req} allocates twice in one scheduler step")
+        if step.op == "decode1" and state.phase != "decoding":
+            raise Unrealistic(f"decode1 of {step.req} before its prompt is computed")
+        if step.op == "allocate" and state.phase == "decoding":
+            raise Unrealistic(f"allocate of {step.req}, whose prompt is computed")
+
+    def advance(self, step: Step, observed: Mapping[str, Any]) -> None:
+        """The request's phase after the step."""
+        req = step.req
+        if step.op == "arrive":
+            assert req is not None
+            first = step.prompt[0] if step.prompt else None
+            parent = first.req if first is not None and first.kind == "all_of" else None
+            self.requests[req] = RequestState(req, parent)
+            return
+        if step.op == "drain":
+            self.allocated_since_drain.clear()
+            return
+        if req is None:
+            return
+        state = self.requests[req]
+        if step.op in ("allocate", "decode1"):
+            self.allocated_since_drain.add(req)
+            if observed.get("ok") is True:
+                done = step.op == "decode1" or observed.get("prompt_done") is True
+                state.phase = "decoding" if done else "running"
+        elif step.op == "free":
+            state.phase = "waiting" if step.how == "preempt" else "ended"
+        elif step.op == "pop":
+            state.phase = "popped"
+        elif step.op == "release":
+            state.phase = "ended"
+
+    # -- checking --------------------------------------------------------------
+
+    def fail(
+        self, kind: FailureKind, invariant: str, message: str, witness: Witness
+    ) -> ExploreFailure:
+        return ExploreFailure(kind, invariant, message, self.config, self.steps, witness)
+
+    def check(self, event: Event) -> None:
+        violations: list[Violation] = []
+        for name, predicate in SNAPSHOT_INVARIANTS.items():
+            if name in self.invariants:
+                violations += predicate(event.after)
+        if "hash_map_consistent" in self.invariants:
+            violations += hash_map_consistent(self.model.pool)
+        if "holds_in_mamba_groups" in self.invariants:
+            violations += holds_in_mamba_groups(event.after, self.config.mamba_group_ids)
+        if violations:
+            first = violations[0]
+            raise self.fail(
+                "invariant", first.invariant, first.message, snapshot_witness(event.after)
+            )
+        findings: list[Finding] = []
+        for tracker in self.trackers:
+            findings += tracker.observe(event)
+        if findings:
+            found = findings[0]
+            raise self.fail(
+                "invariant", found.violation.invariant, found.violation.message, found.witness
+            )
+
+    def lockstep(self, step: Step, modeled: Mapping[str, Any], after: Snapshot) -> None:
+        """Compare the other target with the model: reported values, then snapshots."""
+        assert self.other is not None
+        try:
+            observed = self.other.apply(step)
+        except Exception as error:  # the target raised where the model ran
+            raise self.fail(
+                "divergence",
+                "raised",
+                f"{step.where()}: {type(error).__name__}: {error}",
+                Witness(),
+            ) from error
+        for key in sorted(set(modeled) | set(observed)):
+            want, got = modeled.get(key), observed.get(key)
+            if not same(want, got):
+                expect = {key: want} if key in ACTIONS[step.op].expect_keys else {}
+                raise self.fail(
+                    "divergence",
+                    f"api-{key}",
+                    f"{step.where()}: {key}: model {want!r}, target {got!r}",
+                    Witness(step=len(self.steps) - 1, expect=expect),
+                )
+        difference = next(iter(after.differences(self.other.snapshot())), None)
+        if difference is not None:
+            what, want, got = difference
+            raise self.fail(
+                "divergence",
+                "strict",
+                f"{step.where()}: {what}: model {want!r}, target {got!r}",
+                Witness(),
+            )
+
+
+def snapshot_witness(snapshot: Snapshot) -> Witness:
+    """For a broken snapshot invariant: the free-block count and (when idle)
+    the clean pool that the bookkeeping says the target should show."""
+    from kvgate.invariants.predicates import references
+
+    refs = references(snapshot)
+    free = sum(1 for i in range(1, len(snapshot.blocks)) if refs[i] == 0)
+    check: dict[str, Any] = {"free_blocks": free}
+    idle = not (snapshot.tables or snapshot.pending_copies or snapshot.popped)
+    if idle and not any(snapshot.holds.values()):
+        check["pool_clean"] = True
+    return Witness(check=check)
+
+
+def fresh(n: int) -> tuple[Segment, ...]:
+    return (Segment("fresh", count=n),)
+
+
+def follow_up(parent: str, n: int) -> tuple[Segment, ...]:
+    return (Segment("all_of", req=parent), Segment("fresh", count=n))
+
+
+# -- shrinking a recorded run --------------------------------------------------
+
+
+def reproduce(
+    failure: ExploreFailure,
+    steps: Sequence[Step],
+    session: Callable[[Config], Session],
+) -> ExploreFailure | None:
+    """Run `steps` in a new session; the failure if the same one recurs."""
+    run = session(failure.config)
+    try:
+        for step in steps:
+            if step.op == "check":
+                run.run("check", check=step.check)
+                continue
+            fields = {
+                f: getattr(step, f)
+                for f in ("req", "prompt", "tokens", "lookahead", "spec", "how", "blocks")
+                if getattr(step, f) not in (None, (), 0) or f in ("lookahead", "spec")
+            }
+            run.run(step.op, **fields)
+    except ExploreFailure as again:
+        if again.kind == failure.kind and again.invariant == failure.invariant:
+            return again
+        return None
+    except (Unrealistic, StepRefused):
+        return None
+    finally:
+        run.close()
+    return None
+
+
+def shrink(
+    failure: ExploreFailure, session: Callable[[Config], Session], rounds: int = 2
+) -> ExploreFailure:
+    """Drop steps one at a time (last first) while the same failure recurs.
+
+    Hypothesis has already shrunk the rule sequence; this removes what a rule
+    recorded that the failure does not need (a lookup before an admission, a
+    drain with nothing queued), which Hypothesis cannot split off.
+    """
+    best = failure
+    for _ in range(rounds):
+        changed = False
+        position = len(best.steps) - 2  # the failing step itself stays
+        while position >= 0:
+            candidate = [s for i, s in enumerate(best.steps) if i != position]
+            again = reproduce(best, candidate, session)
+            if again is not None and len(again.steps) < len(best.steps):
+                best, changed = again, True
+            position = min(position - 1, len(best.steps) - 2)
+        if not changed:
+            break
+    return best

@@ -1,0 +1,314 @@
+"""The partial-tail checkpoint hold, overlaid at run time on upstream vLLM 0.33.0.
+
+A vLLM general plugin (entry point group `vllm.general_plugins`, name
+`kvgate_hold`): `register()` wraps a few methods of vLLM's `MambaManager` and
+`KVCacheCoordinator` classes in this process; the installed package is never
+modified on disk. What the wrappers add is the behaviour kvgate's model
+specifies in `kvgate/model/hold.py`, called where `kvgate/model/mamba.py` and
+`kvgate/model/coordinator.py` call it:
+
+- a running request's CoW moves its partial tail's keys to a copy: holds on
+  the source follow the keys to the copy, then the request holds the copy;
+- a new request's partial-hit CoW: the request holds the hit source;
+- a newer hold supersedes (and releases) the request's older one;
+- full-sequence admission reserves one more block per Mamba group for a
+  partial-tail hit when that group holds nothing for the request yet;
+- `free` releases the holds after every group freed its table, in one
+  `free_blocks` call in group order; `pop_blocks_for_free` puts them first in
+  the returned list, so the scheduler's tail-first release frees them last.
+
+The switch is `VLLM_E2_MAMBA_RETAIN_CHECKPOINT`, read from the environment by
+each `MambaManager` when it is built, so one process can build managers with
+the hold on and off. A manager built with it off (or not align-mode, or
+without prefix caching) runs vLLM's own code unchanged: every wrapper passes
+straight through. Each manager carries `_retain_checkpoint` (its switch) and
+`_retained_checkpoints` ({request id: (held token position, block)}), the
+names a patched vLLM build uses, so a kvgate adapter reads both alike.
+
+Every ref, touch and free happens in the model's order. The wrappers run
+their part right after vLLM's method returns; that is the model's order
+because nothing between the model's hold calls and the end of vLLM's method
+touches the pool (the copy block is already taken, and the source's
+`ref_cnt += 1` commutes with a hold's touch/free of the same block, which
+never brings it to 0).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kvgate.impl._vllm_api import HOLD_ATTR, RETAIN_SWITCH
+
+__all__ = ["HOLD_SOURCE", "is_registered", "register", "stats", "unregister"]
+
+# What a kvgate gate report shows as the hold implementation.
+HOLD_SOURCE = "kvgate overlay (kvgate.impl.hold_overlay)"
+# The per-manager switch, as a patched vLLM build names it.
+SWITCH_ATTR = "_retain_checkpoint"
+# vLLM logs under the "vllm" logger tree; a child gets its handler.
+LOGGER_NAME = "vllm.plugins.kvgate_hold"
+STARTUP_LINE = (
+    "kvgate hold overlay on (%s=1): each request keeps its newest partial-tail "
+    "Mamba state referenced until it is freed (hash unit %d < Mamba block %d)"
+)
+_SWITCH_ON = ("1", "true", "yes", "on")
+# The vLLM version whose internals the wrappers read.
+WRITTEN_FOR = "0.33.0"
+
+Block = Any  # vllm.v1.core.kv_cache_utils.KVCacheBlock
+Manager = Any  # vllm.v1.core.single_type_kv_cache_manager.MambaManager
+
+_lock = threading.Lock()
+# (class, method name) -> the original function, while registered.
+_originals: dict[tuple[type, str], Callable[..., Any]] = {}
+# (hash unit, block size) pairs whose startup line this process has logged.
+_announced: set[tuple[int, int]] = set()
+# What the overlay did in this process, for a test run's summary (a run that
+# never took a hold did not exercise it): managers built with the hold on,
+# holds taken, followed and released, admission blocks added.
+stats: Counter[str] = Counter()
+
+
+def switch_on() -> bool:
+    """The environment switch, as a manager built now reads it."""
+    return os.environ.get(RETAIN_SWITCH, "0").strip().lower() in _SWITCH_ON
+
+
+def is_registered() -> bool:
+    return bool(_originals)
+
+
+def register() -> None:
+    """Install the overlay in this process (idempotent; the plugin entry point).
+
+    A vLLM build that already has the switch (a patched build) is left alone:
+    its own hold runs, and overlaying a second one would double every ref.
+    """
+    with _lock:
+        if _originals:
+            return
+        from vllm import envs
+        from vllm.logger import init_logger
+        from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator
+        from vllm.v1.core.single_type_kv_cache_manager import MambaManager
+
+        logger = init_logger(LOGGER_NAME)
+        if RETAIN_SWITCH in getattr(envs, "environment_variables", {}):
+            logger.warning(
+                "kvgate hold overlay not installed: this vLLM build has %s itself",
+                RETAIN_SWITCH,
+            )
+            return
+        import vllm
+
+        version = str(getattr(vllm, "__version__", "unknown"))
+        if version != WRITTEN_FOR:
+            logger.warning(
+                "kvgate hold overlay targets vLLM %s internals; installed: %s",
+                WRITTEN_FOR,
+                version,
+            )
+        patches: dict[tuple[type, str], Callable[[Callable[..., Any]], Callable[..., Any]]] = {
+            (MambaManager, "__init__"): functools.partial(_wrap_init, logger),
+            (MambaManager, "get_num_blocks_to_allocate"): _wrap_blocks_needed,
+            (MambaManager, "allocate_new_blocks"): _wrap_allocate,
+            (KVCacheCoordinator, "free"): _wrap_free,
+            (KVCacheCoordinator, "pop_blocks_for_free"): _wrap_pop,
+        }
+        for (cls, name), wrap in patches.items():
+            # The class's own function (all five are defined where patched),
+            # so `unregister` puts back exactly what was there.
+            original = cls.__dict__[name]
+            wrapper = wrap(original)
+            # Keep the name and docs but not the module, so `__module__` tells
+            # who patched the class (the kvgate adapter reads it).
+            functools.update_wrapper(
+                wrapper, original, assigned=("__name__", "__qualname__", "__doc__")
+            )
+            wrapper.__module__ = __name__
+            _originals[(cls, name)] = original
+            setattr(cls, name, wrapper)
+
+
+def unregister() -> None:
+    """Put vLLM's own methods back (for tests and A/B runs in one process).
+
+    Managers built while the overlay was installed keep their attributes but
+    run vLLM's code from now on.
+    """
+    with _lock:
+        for (cls, name), original in _originals.items():
+            setattr(cls, name, original)
+        _originals.clear()
+
+
+# ----------------------------------------------------------------- the holds
+
+
+def _enabled(manager: Manager) -> bool:
+    return bool(getattr(manager, SWITCH_ATTR, False))
+
+
+def _holds(manager: Manager) -> dict[str, tuple[int, Block]]:
+    holds: dict[str, tuple[int, Block]] = getattr(manager, HOLD_ATTR)
+    return holds
+
+
+def _hold(manager: Manager, request_id: str, block: Block) -> bool:
+    """Give `block`'s keyed state a ref owned by the request, if it is newer
+    (by keyed token position) than what the request holds in this group."""
+    if block.is_null or block.block_hash is None:
+        return False
+    position = block.block_hash_num_tokens
+    assert position is not None, "a keyed block knows the position it covers"
+    holds = _holds(manager)
+    current = holds.get(request_id)
+    if current is not None and (current[1] is block or current[0] >= position):
+        return False
+    pool = manager.block_pool
+    # Take the new ref before dropping the old: the newest state never
+    # passes through the free queue.
+    pool.touch([block])
+    holds[request_id] = (int(position), block)
+    stats["holds taken"] += 1
+    if current is not None:
+        pool.free_blocks([current[1]])
+    return True
+
+
+def _follow_moved_keys(manager: Manager, owner: str, source: Block, copy: Block) -> None:
+    """The owner moved `source`'s keys to `copy` and keeps writing `source`:
+    a hold another request has on `source` moves to `copy`, with the keys."""
+    holds = _holds(manager)
+    pool = manager.block_pool
+    for request_id, (position, block) in list(holds.items()):
+        if request_id != owner and block is source:
+            pool.touch([copy])
+            holds[request_id] = (position, copy)
+            pool.free_blocks([source])
+            stats["holds followed"] += 1
+
+
+def _release(managers: Sequence[Manager], request_id: str) -> list[Block]:
+    """Forget the request's holds, in group order; the caller frees them."""
+    released: list[Block] = []
+    for manager in managers:
+        if _enabled(manager):
+            entry = _holds(manager).pop(request_id, None)
+            if entry is not None:
+                released.append(entry[1])
+                stats["holds released"] += 1
+    return released
+
+
+# -------------------------------------------------------------- the wrappers
+
+
+def _wrap_init(logger: Any, original: Callable[..., None]) -> Callable[..., None]:
+    def __init__(self: Manager, kv_cache_spec: Any, block_pool: Any, **kwargs: Any) -> None:
+        original(self, kv_cache_spec, block_pool, **kwargs)
+        # Only align mode with prefix caching keys the states a hold keeps.
+        on = switch_on() and self.mamba_cache_mode == "align" and bool(self.enable_caching)
+        setattr(self, SWITCH_ATTR, on)
+        setattr(self, HOLD_ATTR, {})
+        stats["managers with the hold on"] += on
+        unit, size = int(block_pool.hash_block_size), int(self.block_size)
+        # Partial tails (and so holds) exist only below the block size.
+        if on and unit < size and (unit, size) not in _announced:
+            _announced.add((unit, size))
+            logger.info(STARTUP_LINE, RETAIN_SWITCH, unit, size)
+
+    return __init__
+
+
+def _wrap_blocks_needed(original: Callable[..., int]) -> Callable[..., int]:
+    def get_num_blocks_to_allocate(
+        self: Manager,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: Sequence[Block],
+        total_computed_tokens: int,
+        num_local_computed_tokens: int,
+        num_tokens_main_model: int,
+        apply_admission_cap: bool = False,
+        prefill_end: int = 0,
+    ) -> int:
+        needed = original(
+            self,
+            request_id,
+            num_tokens,
+            new_computed_blocks,
+            total_computed_tokens,
+            num_local_computed_tokens,
+            num_tokens_main_model,
+            apply_admission_cap=apply_admission_cap,
+            prefill_end=prefill_end,
+        )
+        # `apply_admission_cap` marks the full-sequence admission count: the
+        # held hit source and the moved tail coexist for one step, a block
+        # the per-step estimate never sees.
+        if (
+            apply_admission_cap
+            and _enabled(self)
+            and self._has_partial_local_hit(new_computed_blocks, num_local_computed_tokens)
+            and request_id not in _holds(self)
+        ):
+            needed += 1
+            stats["admission blocks added"] += 1
+        return needed
+
+    return get_num_blocks_to_allocate
+
+
+def _wrap_allocate(original: Callable[..., list[Block]]) -> Callable[..., list[Block]]:
+    def allocate_new_blocks(
+        self: Manager, request_id: str, num_tokens: int, num_tokens_main_model: int
+    ) -> list[Block]:
+        if not _enabled(self):
+            return original(self, request_id, num_tokens, num_tokens_main_model)
+        # What vLLM's CoW branch will see, read before it consumes it.
+        partial = self._partial_hit_reqs.get(request_id)
+        running = request_id in self._allocated_block_reqs
+        blocks = original(self, request_id, num_tokens, num_tokens_main_model)
+        if partial is None:
+            return blocks
+        _, source = partial
+        if running:
+            # vLLM moved the tail's keys to a fresh copy and queued the copy
+            # last; the request keeps writing `source`.
+            queued_source, copy = self._pending_cow_copies[-1]
+            assert queued_source is source, "the tail move queues (source, copy) last"
+            _follow_moved_keys(self, request_id, source, copy)
+            _hold(self, request_id, copy)
+        else:
+            # A first allocation redirected its table to a private copy; the
+            # hit source still carries the keyed state it resumed from.
+            _hold(self, request_id, source)
+        return blocks
+
+    return allocate_new_blocks
+
+
+def _wrap_free(original: Callable[..., None]) -> Callable[..., None]:
+    def free(self: Any, request_id: str) -> None:
+        original(self, request_id)
+        # Holds go last: the held state is the request's last block to age.
+        held = _release(self.single_type_managers, request_id)
+        if held:
+            self.block_pool.free_blocks(held)
+
+    return free
+
+
+def _wrap_pop(original: Callable[..., list[Block]]) -> Callable[..., list[Block]]:
+    def pop_blocks_for_free(self: Any, request_id: str) -> list[Block]:
+        # First in the list, so the caller's reverse-order release frees them last.
+        held = _release(self.single_type_managers, request_id)
+        return held + original(self, request_id)
+
+    return pop_blocks_for_free

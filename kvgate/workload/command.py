@@ -1,0 +1,164 @@
+"""`kvgate workload`: the production measurement, reproduced on a target.
+
+    kvgate workload --target {model,vllm} [--units 64,256,512,1024,4096]
+                    [--hold on,off] [--sessions N] [--turns T] [--seed S]
+                    [--scale K] [--out DIR] [--level api|strict] [--plugin MODULE]
+
+Writes one trace per unit x hold arm into DIR, replays each on the target
+(with the model in lockstep against vLLM), prints the table, and writes
+`<stem>.png` (the plot) and `<stem>.json` (the numbers) next to the traces.
+Exit 0 when every arm that ran replayed without a divergence, 1 otherwise, 2
+for bad input. A hold-on arm on a target without the hold is not run (the
+table says so): pass `--plugin kvgate.impl.hold_overlay` for vLLM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any
+
+from kvgate.conformance.replay import LEVELS, Level
+from kvgate.conformance.report import capabilities_line
+from kvgate.errors import InputError
+from kvgate.workload import report
+from kvgate.workload.deployment import Deployment
+from kvgate.workload.generator import WorkloadStuck
+from kvgate.workload.plan import Workload
+from kvgate.workload.progress import Progress
+from kvgate.workload.runner import Arm, ArmResult, factories, replay_arm, write_traces
+
+DEFAULT_UNITS = "64,256,512,1024,4096"
+DEFAULT_OUT = Path("out/workload")
+
+
+def register(subparsers: Any) -> None:
+    defaults = Workload()
+    cmd = subparsers.add_parser(
+        "workload",
+        help="multi-turn agent load: misses by prefix-match unit, hold on/off",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    cmd.add_argument("--target", required=True, choices=("model", "vllm"))
+    cmd.add_argument("--units", default=DEFAULT_UNITS, help=f"default {DEFAULT_UNITS}")
+    cmd.add_argument("--hold", default="on,off", help="arms to run: on, off or on,off")
+    cmd.add_argument("--sessions", type=int, default=defaults.sessions)
+    cmd.add_argument("--turns", type=int, default=defaults.turns)
+    cmd.add_argument("--seed", type=int, default=defaults.seed)
+    cmd.add_argument(
+        "--scale",
+        type=int,
+        default=1,
+        help="divide every token count (prompts, outputs, units, Mamba block, budget, pool) "
+        "and step duration by K, for a quick run",
+    )
+    cmd.add_argument("--out", type=Path, default=DEFAULT_OUT, metavar="DIR")
+    cmd.add_argument(
+        "--level", default="api", choices=LEVELS, help="lockstep comparison level (default api)"
+    )
+    cmd.add_argument("--plugin", metavar="MODULE", help="a vLLM plugin module for --target vllm")
+    cmd.set_defaults(handler=run)
+
+
+def _units(text: str, scale: int) -> list[int]:
+    try:
+        units = [int(u) for u in text.split(",")]
+    except ValueError:
+        raise InputError(f"--units: {text!r} is not a comma-separated list of integers") from None
+    for unit in units:
+        if unit < 1 or unit % scale:
+            raise InputError(f"--units: {unit} is not a positive multiple of --scale {scale}")
+    return sorted({u // scale for u in units})
+
+
+def _holds(text: str) -> list[bool]:
+    names = text.split(",")
+    if not names or any(n not in ("on", "off") for n in names):
+        raise InputError(f"--hold: {text!r} is not on, off or on,off")
+    return sorted({n == "on" for n in names})  # off first
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvgate.cli import LOCKSTEP_MODEL, target_factory
+
+    if args.plugin is not None and args.target != "vllm":
+        raise InputError("--plugin: only --target vllm loads plugins")
+    level: Level = args.level
+    try:
+        workload = Workload(sessions=args.sessions, turns=args.turns, seed=args.seed)
+        deployment = Deployment().scaled(args.scale)
+        units = _units(args.units, args.scale)
+        arms = [Arm(u, h) for u in units for h in _holds(args.hold)]
+        for arm in arms:
+            deployment.config(arm.unit, arm.hold, workload.sessions)
+    except ValueError as error:
+        raise InputError(str(error)) from None
+    factory, model = factories(target_factory, args.target, args.plugin, LOCKSTEP_MODEL)
+
+    progress = Progress()
+    try:
+        paths = write_traces(workload, deployment, arms, args.out, progress)
+    except WorkloadStuck as error:
+        raise InputError(str(error)) from None
+    results = [
+        replay_arm(path, arm, factory, model, level, progress)
+        for arm, path in zip(arms, paths, strict=True)
+    ]
+
+    scale = f"-div{args.scale}" if args.scale > 1 else ""
+    stem = args.out / f"workload-{workload.sessions}x{workload.turns}-seed{workload.seed}{scale}"
+    # The header names the hold implementation when a hold-on arm ran.
+    replays = sorted(
+        (r.replay for r in results if r.replay is not None),
+        key=lambda replay: not replay.capabilities.hold,
+    )
+    target_line = (
+        capabilities_line(replays[0].capabilities) if replays else f"target: {args.target}"
+    )
+    title = (
+        f"{workload.sessions} sessions x {workload.turns} turns, seed {workload.seed}"
+        + (f", tokens / {args.scale}" if args.scale > 1 else "")
+        + f" -- {target_line.removeprefix('target: ')}, level {level}"
+    )
+    lines = [
+        f"kvgate workload: {title}",
+        *deployment.describe(tuple(units), workload.sessions),
+        "",
+        *report.table_lines(results),
+        "",
+        *report.LEGEND,
+        *report.divergence_report(results),
+    ]
+    print("\n".join(lines), flush=True)
+    written = [stem.with_suffix(".json")]
+    if importlib.util.find_spec("matplotlib") is None:
+        print(
+            "no plot: matplotlib is not installed (pip install 'kvgate[workload]')", file=sys.stderr
+        )
+    else:
+        report.plot(results, stem.with_suffix(".png"), title)
+        written.insert(0, stem.with_suffix(".png"))
+    report.write_summary(
+        stem.with_suffix(".json"),
+        report.summary(
+            results,
+            {
+                "target": target_line,
+                "level": level,
+                "sessions": workload.sessions,
+                "turns": workload.turns,
+                "seed": workload.seed,
+                "scale": args.scale,
+                "deployment": deployment.describe(tuple(units), workload.sessions),
+            },
+        ),
+    )
+    print(f"wrote {', '.join(map(str, written))}", file=sys.stderr)
+    return 0 if all(_passed(r) for r in results) else 1
+
+
+def _passed(result: ArmResult) -> bool:
+    return result.replay is None or result.replay.passed

@@ -1,0 +1,183 @@
+"""The deployment a workload trace is sized for: a manager config per unit.
+
+The production measurement ran a Qwen3-Next-class hybrid model (full
+attention every fourth layer, Gated DeltaNet in the others) with tensor
+parallelism over four 24 GB GPUs. kvgate's trace format models one pool of
+uniform blocks shared by both groups, so the deployment is reduced to that:
+
+- an attention block holds `unit` tokens (attention block = hash unit), and
+  a block is one attention page of `unit` tokens;
+- the attention capacity in tokens is what the per-GPU cache memory holds
+  once the Mamba states of every concurrent session are set aside, the same
+  at every unit;
+- a Mamba state takes one block, as in vLLM's unified page pool, so the pool
+  adds one Mamba footprint per concurrent session (its running state and K
+  scratch blocks) on top of the attention blocks. Charging states from the
+  attention capacity instead would cost 4096 tokens per state at unit 4096
+  and 64 at unit 64, i.e. far more pressure at the larger units. The price:
+  while a session sits in a tool call its footprint serves attention, at
+  most `footprint x unit` extra tokens (see `describe()`).
+
+Every number is a field with the assumption next to it, so a run states
+what it assumed; `scaled(k)` divides every token quantity by `k` for quick
+runs and tests (the memory arithmetic is done at full size first).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from kvgate.conformance.config import Config, GroupConfig, validate
+
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Deployment:
+    # -- hardware ------------------------------------------------------------
+    gpus: int = 4  # tensor parallel over 4 GPUs
+    gpu_memory_gib: float = 24.0  # RTX 3090 / 4090 class
+    gpu_memory_utilization: float = 0.90  # vLLM's --gpu-memory-utilization
+    # 80B-parameter MoE at ~4.4 bits/weight (AWQ/GPTQ int4 + fp16 embeddings
+    # and norms), split over the GPUs.
+    weights_gib: float = 44.0
+    # Activations, CUDA graphs, MoE and sampler buffers, per GPU.
+    runtime_overhead_gib: float = 2.0
+    # -- model (Qwen3-Next-80B-A3B shapes) -------------------------------------
+    attention_layers: int = 12  # full attention: every 4th of 48 layers
+    kv_heads: int = 2  # GQA; below the TP size each GPU keeps one replica
+    head_dim: int = 256
+    kv_dtype_bytes: int = 2  # bf16 KV cache
+    mamba_layers: int = 36  # Gated DeltaNet layers
+    linear_key_heads: int = 16
+    linear_value_heads: int = 32
+    linear_head_dim: int = 128
+    conv_kernel: int = 4
+    state_dtype_bytes: int = 2  # bf16 SSM and conv state
+    # -- serving ----------------------------------------------------------------
+    mamba_block_size: int = 4096  # align-mode Mamba block = scheduler block
+    spec_tokens: int = 3  # MTP K=3: spec 3, lookahead 3
+    eagle: bool = True  # the MTP/eagle block drop
+    retention_interval: int | None = 0  # sparse retention (deployed default)
+    max_num_scheduled_tokens: int = 8192  # token budget per step (2 Mamba blocks)
+    max_num_seqs: int = 16
+    max_model_len: int = 131072
+    # Every token quantity below is divided by this (see `scaled`).
+    scale: int = 1
+
+    # -- derived memory arithmetic (full size, per GPU) -------------------------
+
+    @property
+    def kv_heads_per_gpu(self) -> int:
+        return max(1, self.kv_heads // self.gpus)
+
+    @property
+    def attention_bytes_per_token(self) -> int:
+        """K and V of every full-attention layer, on one GPU."""
+        return (
+            self.attention_layers * 2 * self.kv_heads_per_gpu * self.head_dim * self.kv_dtype_bytes
+        )
+
+    @property
+    def mamba_state_bytes(self) -> int:
+        """One request state (SSM + conv) of every Gated DeltaNet layer, on one GPU."""
+        value_heads = self.linear_value_heads // self.gpus
+        ssm = value_heads * self.linear_head_dim * self.linear_head_dim
+        conv_dim = (2 * self.linear_key_heads + self.linear_value_heads) * self.linear_head_dim
+        conv = (self.conv_kernel - 1) * (conv_dim // self.gpus)
+        return self.mamba_layers * (ssm + conv) * self.state_dtype_bytes
+
+    @property
+    def cache_bytes(self) -> int:
+        """Per-GPU memory left for the KV cache and Mamba states."""
+        usable = self.gpu_memory_gib * self.gpu_memory_utilization
+        left = usable - self.weights_gib / self.gpus - self.runtime_overhead_gib
+        if left <= 0:
+            raise ValueError("the deployment leaves no memory for the KV cache")
+        return int(left * GIB)
+
+    @property
+    def mamba_footprint(self) -> int:
+        """Mamba blocks a running request keeps: its state and K scratch blocks."""
+        return 1 + self.spec_tokens
+
+    def attention_capacity_tokens(self, concurrency: int) -> int:
+        """Attention tokens the pool holds at full size (before `scale`), with
+        the Mamba states of `concurrency` running requests set aside."""
+        states = concurrency * self.mamba_footprint * self.mamba_state_bytes
+        if states >= self.cache_bytes:
+            raise ValueError(f"{concurrency} sessions' Mamba states fill the cache memory")
+        return (self.cache_bytes - states) // self.attention_bytes_per_token
+
+    # -- what a trace runs on -----------------------------------------------------
+
+    def tokens(self, n: int) -> int:
+        """A full-size token quantity at this deployment's scale."""
+        if n % self.scale:
+            raise ValueError(f"{n} tokens do not divide by scale {self.scale}")
+        return n // self.scale
+
+    def num_blocks(self, unit: int, concurrency: int) -> int:
+        """Pool size at `unit` (a scaled unit): the same attention capacity at
+        every unit, plus each concurrent session's Mamba footprint."""
+        attention = self.attention_capacity_tokens(concurrency) // self.scale // unit
+        return attention + concurrency * self.mamba_footprint + 1  # + the null block
+
+    def config(self, unit: int, hold: bool, concurrency: int) -> Config:
+        """The manager config of one arm: attention block = `unit` = hash unit."""
+        block = self.tokens(self.mamba_block_size)
+        if block % unit:
+            raise ValueError(f"unit {unit} does not divide the Mamba block {block}")
+        config = Config(
+            num_blocks=self.num_blocks(unit, concurrency),
+            hash_unit=unit,
+            groups=(
+                GroupConfig("full_attention", unit),
+                GroupConfig("mamba_align", block, speculative_blocks=self.spec_tokens),
+            ),
+            eagle=self.eagle,
+            retention_interval=self.retention_interval,
+            retain_checkpoint=hold,
+            scheduler_block_size=block,
+            max_model_len=self.tokens(self.max_model_len),
+            max_num_scheduled_tokens=self.tokens(self.max_num_scheduled_tokens),
+        )
+        validate(config)
+        return config
+
+    def scaled(self, scale: int) -> Deployment:
+        """Every token quantity divided by `scale`: block, budget, pool, lengths."""
+        if scale < 1:
+            raise ValueError("scale must be >= 1")
+        scaled = replace(self, scale=scale)
+        for n in (self.mamba_block_size, self.max_num_scheduled_tokens, self.max_model_len):
+            scaled.tokens(n)  # raises when a quantity does not divide
+        return scaled
+
+    def describe(self, units: tuple[int, ...], concurrency: int) -> list[str]:
+        """The assumptions and what they come to, one line each (`units` scaled)."""
+        mib = 1 << 20
+        capacity = self.attention_capacity_tokens(concurrency)
+        footprint = concurrency * self.mamba_footprint
+        # Blocks of sessions in a tool call serve attention meanwhile.
+        idle = footprint * max(units) * self.scale / capacity
+        return [
+            f"deployment: {self.gpus}x{self.gpu_memory_gib:g} GiB, utilization "
+            f"{self.gpu_memory_utilization:g}, weights {self.weights_gib:g} GiB, overhead "
+            f"{self.runtime_overhead_gib:g} GiB/GPU -> {self.cache_bytes / GIB:.2f} GiB/GPU "
+            "for KV cache and Mamba states",
+            f"attention: {self.attention_layers} layers, {self.attention_bytes_per_token} "
+            f"B/token/GPU -> {capacity:,} tokens of capacity after {footprint} Mamba states",
+            f"mamba: {self.mamba_layers} layers, block {self.mamba_block_size} tokens, state "
+            f"{self.mamba_state_bytes / mib:.1f} MiB/GPU; pool adds {concurrency} sessions x "
+            f"{self.mamba_footprint} blocks (state + {self.spec_tokens} scratch)",
+            f"serving: MTP K={self.spec_tokens} (spec {self.spec_tokens}, lookahead "
+            f"{self.spec_tokens}), eagle {self.eagle}, retention interval "
+            f"{self.retention_interval}, {self.max_num_scheduled_tokens} tokens/step, "
+            f"max {self.max_num_seqs} seqs, max_model_len {self.max_model_len}"
+            + (f"; every token count / {self.scale}" if self.scale > 1 else ""),
+            "pool: "
+            + ", ".join(f"{self.num_blocks(u, concurrency):,} blocks at unit {u}" for u in units)
+            + f"; idle sessions' footprints add <= {idle:.0%} attention capacity "
+            f"at unit {max(units)}",
+        ]

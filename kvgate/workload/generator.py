@@ -1,0 +1,259 @@
+"""Turn a session plan into a fixed trace, with the model as the oracle.
+
+`generate` plays vLLM's scheduler over the model (`ModelTarget`) one step
+at a time, as `Scheduler.schedule()` does it:
+
+1. running requests in admission order, within the step's token budget: a
+   decoding request runs `decode1` (1 + K tokens), a prefilling one the next
+   chunk of its prompt, cut by the align-mode split (`allocate auto` when
+   the budget left does not bind, else the split's count written out, so a
+   trace never depends on a target's budget arithmetic). When an allocation
+   fails, the last running request is preempted (`free preempt`, back to the
+   front of the waiting queue), down to the failing request itself;
+2. if nothing was preempted, waiting requests in order: `lookup`, `reserve`
+   (the full-sequence admission gate: admitted only if the pool has the
+   blocks), the first chunk; the first that does not fit ends admission;
+3. `step` and `drain`, then `free finish` of requests that generated their
+   output; a follow-up arrives after its tool latency.
+
+The generator branches on the model's answers (hits, `ok`, reservation
+counts) while it writes, so the trace is one fixed step list: every
+observation is written into the step's `expect`, and a replay on any target
+either reproduces it step for step or reports where it diverged. Before
+each first admission of a follow-up a `check attention_cached` of the
+previous turn records whether its whole attention prefix is still cached.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+from kvgate.conformance.config import Config
+from kvgate.conformance.ops import ACTIONS, Segment, Step
+from kvgate.model import ModelTarget
+from kvgate.model.request import Request
+from kvgate.model.split import chunk_tokens
+from kvgate.workload.plan import Session
+
+SYSTEM = "system"  # the request holding the shared system prompt (never scheduled)
+# Generation gives up when this many steps in a row schedule nothing.
+MAX_IDLE_STEPS = 3
+
+
+class WorkloadStuck(RuntimeError):
+    """The plan cannot run on this pool (a request never fits)."""
+
+
+@dataclass
+class _Live:
+    """A turn as the scheduler tracks it."""
+
+    name: str
+    session: Session
+    turn: int
+    request: Request  # the oracle's request (prompt, output, progress)
+    admitted: bool = False  # past its first admission (its hit is the cached tokens)
+
+    @property
+    def target_output(self) -> int:
+        return self.session.turns[self.turn].output
+
+    @property
+    def follows(self) -> str | None:
+        return self.session.request(self.turn - 1) if self.turn else None
+
+
+@dataclass
+class _Writer:
+    """Runs each step on the oracle and keeps it with what the oracle saw."""
+
+    oracle: ModelTarget
+    steps: list[Step] = field(default_factory=list)
+
+    def run(self, op: str, **fields: Any) -> dict[str, Any]:
+        step = Step(op, len(self.steps), **fields)
+        result = self.oracle.apply(step)
+        # `copies` are block ids: compared with the lockstep model anyway,
+        # and only noise in a trace people read.
+        keys = [k for k in ACTIONS[op].expect_keys if k != "copies" and k in result]
+        self.steps.append(replace(step, expect={k: result[k] for k in keys}))
+        return result
+
+    def check(self, query: dict[str, Any]) -> dict[str, Any]:
+        values = self.oracle.check_values(query)
+        self.steps.append(Step("check", len(self.steps), check=values))
+        return values
+
+
+@dataclass
+class _Scheduler:
+    config: Config
+    spec: int
+    max_num_seqs: int
+    writer: _Writer
+    waiting: deque[_Live] = field(default_factory=deque)
+    running: list[_Live] = field(default_factory=list)
+
+    def schedule(self) -> tuple[bool, list[_Live]]:
+        """One scheduler step's allocations; (anything scheduled, finished)."""
+        budget = self.config.max_num_scheduled_tokens
+        scheduled = False
+        finished: list[_Live] = []
+        preempted = False
+        index = 0
+        while index < len(self.running) and budget > 0:
+            live = self.running[index]
+            request = live.request
+            decoding = request.num_computed_tokens >= request.num_tokens
+            if decoding:
+                cost = 1 + self.spec
+                if cost > budget:
+                    index += 1
+                    continue
+                run = self._decode(live)
+            else:
+                chunk = self._chunk(request, 0, budget)
+                if chunk is None:
+                    index += 1
+                    continue
+                cost = chunk[1]
+                run = self._allocate(live, chunk[0])
+            ok = run()
+            while not ok:
+                # vLLM's FCFS policy preempts the last running request, the
+                # failing one included, and retries.
+                victim = self.running.pop()
+                self.writer.run("free", req=victim.name, how="preempt")
+                self.waiting.appendleft(victim)
+                preempted = True
+                if victim is live:
+                    break
+                ok = run()
+            if not ok:
+                break
+            budget -= cost
+            scheduled = True
+            index += 1
+            if decoding and len(request.output) >= live.target_output:
+                finished.append(live)
+        if preempted:
+            return scheduled, finished  # vLLM admits nothing in a step that preempted
+        while budget > 0 and self.waiting and len(self.running) < self.max_num_seqs:
+            live = self.waiting[0]
+            if not live.admitted and live.follows is not None:
+                self.writer.check({"attention_cached": {live.follows: 0}})
+            hit = self.writer.run("lookup", req=live.name)["hit"]
+            need = self.writer.run("reserve", req=live.name)["blocks"]
+            if need > self.writer.oracle.num_free_blocks():
+                break
+            chunk = self._chunk(live.request, hit, budget)
+            if chunk is None or not self._allocate(live, chunk[0])():
+                break
+            self.waiting.popleft()
+            self.running.append(live)
+            live.admitted = True
+            budget -= chunk[1]
+            scheduled = True
+        return scheduled, finished
+
+    def _chunk(
+        self, request: Request, hit: int, budget: int
+    ) -> tuple[int | Literal["auto"], int] | None:
+        """The next prefill chunk within `budget`: (as written, tokens), or None
+        when the split leaves nothing to run this step."""
+        remaining = request.num_tokens - request.num_computed_tokens - hit
+        offered = min(remaining, budget)
+        tokens = chunk_tokens(self.config, request, offered, hit)
+        if tokens <= 0:
+            return None
+        # `auto` is the split of min(remaining, the full budget): the same
+        # chunk unless this step's budget left is what binds.
+        unbound = offered == min(remaining, self.config.max_num_scheduled_tokens)
+        return ("auto" if unbound else tokens), tokens
+
+    def _allocate(self, live: _Live, tokens: int | Literal["auto"]) -> Callable[[], bool]:
+        def run() -> bool:
+            result = self.writer.run("allocate", req=live.name, tokens=tokens, lookahead=self.spec)
+            return bool(result["ok"])
+
+        return run
+
+    def _decode(self, live: _Live) -> Callable[[], bool]:
+        def run() -> bool:
+            return bool(self.writer.run("decode1", req=live.name, spec=self.spec)["ok"])
+
+        return run
+
+
+def generate(
+    config: Config,
+    sessions: Sequence[Session],
+    *,
+    system_prompt: int,
+    spec: int,
+    max_num_seqs: int,
+    progress: Callable[[int, int], None] | None = None,
+) -> list[Step]:
+    """The fixed step list of `sessions` on `config`, as the model runs it.
+
+    `progress(turns finished, turns)` is called as turns finish.
+    """
+    oracle = ModelTarget(config)
+    writer = _Writer(oracle)
+    scheduler = _Scheduler(config, spec, max_num_seqs, writer)
+    total = sum(len(s.turns) for s in sessions)
+    if system_prompt > 0:
+        writer.run("arrive", req=SYSTEM, prompt=(Segment("fresh", count=system_prompt),))
+    # (arrival step, session, turn): ties arrive in session order.
+    arrivals = [(s.turns[0].delay, s.index, 0) for s in sessions]
+    heapq.heapify(arrivals)
+    by_index = {s.index: s for s in sessions}
+    now = done = idle = 0
+    while done < total:
+        if not scheduler.running and not scheduler.waiting:
+            now = max(now, arrivals[0][0])  # an idle engine waits for the next arrival
+        while arrivals and arrivals[0][0] <= now:
+            _, index, turn = heapq.heappop(arrivals)
+            session = by_index[index]
+            scheduler.waiting.append(_arrive(writer, session, turn, system_prompt > 0))
+        scheduled, finished = scheduler.schedule()
+        writer.run("step")
+        writer.run("drain")
+        for live in finished:
+            writer.run("free", req=live.name, how="finish")
+            scheduler.running.remove(live)
+            done += 1
+            if progress is not None:
+                progress(done, total)
+            if live.turn + 1 < len(live.session.turns):
+                delay = live.session.turns[live.turn + 1].delay
+                heapq.heappush(arrivals, (now + delay, live.session.index, live.turn + 1))
+        idle = 0 if scheduled else idle + 1
+        if idle > MAX_IDLE_STEPS:
+            stuck = scheduler.waiting[0].name if scheduler.waiting else "?"
+            raise WorkloadStuck(
+                f"{stuck} cannot be admitted on a pool of {config.num_blocks} blocks "
+                "with nothing running: the pool is too small for the plan"
+            )
+        now += 1
+    # Every turn is finished: the pool must hold no reference at all.
+    writer.check({"pool_clean": True, "free_blocks": 0})
+    return writer.steps
+
+
+def _arrive(writer: _Writer, session: Session, turn: int, system: bool) -> _Live:
+    name = session.request(turn)
+    fresh = Segment("fresh", count=session.turns[turn].fresh)
+    if turn:
+        prompt: tuple[Segment, ...] = (Segment("all_of", req=session.request(turn - 1)), fresh)
+    elif system:
+        prompt = (Segment("prompt_of", req=SYSTEM), fresh)
+    else:
+        prompt = (fresh,)
+    writer.run("arrive", req=name, prompt=prompt)
+    request = writer.oracle.requests[name].request
+    return _Live(name, session, turn, request)

@@ -1,0 +1,303 @@
+"""Stateful exploration of the model: what it finds, what it must not, and
+that what it saves replays as a failing trace."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from conftest import Found
+from hypothesis import Phase
+
+from kvgate import cli
+from kvgate.conformance.config import Config, GroupConfig
+from kvgate.conformance.ops import FREE_HOW, PRIMITIVE_OPS
+from kvgate.conformance.replay import replay
+from kvgate.conformance.snapshot import BlockView, Snapshot
+from kvgate.conformance.trace import Trace, load_trace
+from kvgate.explore.command import parse_budget
+from kvgate.explore.machine import Mode, new_tokens, tail_lands
+from kvgate.explore.profiles import profile
+from kvgate.explore.runner import Outcome, explore, model_mode
+from kvgate.explore.session import (
+    ALL_INVARIANTS,
+    ExploreFailure,
+    Session,
+    Unrealistic,
+    follow_up,
+    fresh,
+    shrink,
+)
+from kvgate.invariants.predicates import hash_map_consistent, holds_in_mamba_groups
+from kvgate.model import ModelTarget
+from kvgate.model.groups import GroupManager
+from kvgate.model.hold import Holds
+from kvgate.model.pool import BlockPool
+
+# The seed's config: the hold under test is off here; modes set it.
+SEED = Config(
+    num_blocks=32,
+    hash_unit=8,
+    groups=(GroupConfig("full_attention", 8), GroupConfig("mamba_align", 32, 3)),
+    eagle=True,
+    retention_interval=0,
+    retain_checkpoint=False,
+    scheduler_block_size=32,
+)
+# Searches that must find a planted failure: a fixed seed keeps them
+# deterministic, the budget is far above what they need, and Hypothesis's own
+# shrinking is skipped (slow here; the trace shrinker still runs).
+SEARCH = profile("dev", max_examples=3000, phases=(Phase.explicit, Phase.generate))
+
+
+def model_replay(trace: Trace, hold: bool | None = None) -> tuple[bool, list[str]]:
+    """Replay on the model alone (the trace's own expectations judge it)."""
+    if hold is not None:
+        trace = replace(trace, config=replace(trace.config, retain_checkpoint=hold))
+    target = ModelTarget(trace.config)
+    try:
+        result = replay(trace, target, None, "api")
+    finally:
+        target.close()
+    failures = [d for d in (result.divergence, *result.also) if d is not None]
+    return result.passed, [f"{d.step.op}:{d.what}:{d.expected}:{d.actual}" for d in failures]
+
+
+def search(mode: Mode, out: Path, seed: int) -> Outcome:
+    return explore(mode, SEARCH, out=out, seed=seed)
+
+
+# -- (a) hold off: the known total miss, found from scratch -----------------------
+
+
+def test_hold_off_exploration_finds_the_total_miss(total_miss: Found) -> None:
+    assert total_miss.code == 1
+    assert "FAIL invariant resume_at_parent_state" in total_miss.out
+    assert "hit 0" in total_miss.out
+    assert f"saved: {total_miss.saved}" in total_miss.out
+    steps = load_trace(total_miss.saved).steps
+    # Shrunk: a handful of steps, the lookup that missed just before the check.
+    assert len(steps) <= 12
+    assert steps[-2].op == "lookup" and steps[-1].op == "check"
+
+
+def test_the_saved_total_miss_replays_failing_on_the_model(total_miss: Found) -> None:
+    trace = load_trace(total_miss.saved)
+    passed, failures = model_replay(trace)
+    assert not passed
+    lookup = [f for f in failures if f.startswith("lookup:hit:")]
+    assert lookup and lookup[0].endswith(":0")  # expected the parent's state, got 0
+    # The same trace with the hold on resumes where the invariant demands.
+    assert model_replay(trace, hold=True) == (True, [])
+
+
+def test_kvgate_replay_shows_the_saved_miss(
+    total_miss: Found, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["replay", str(total_miss.saved), "--target", "model"]) == 1
+    out = capsys.readouterr().out
+    assert "what:     hit" in out and "actual:   0" in out
+
+
+# -- (b) hold on: nothing fails ------------------------------------------------------
+
+
+def test_hold_on_ci_profile_finds_nothing(tmp_path: Path) -> None:
+    outcome = explore(model_mode(hold=True), profile("ci"), out=tmp_path)
+    assert outcome.failure is None, outcome.failure and outcome.failure.summary()
+    ops = outcome.stats.ops
+    # Everything but `check` (the model alone checks invariants every step).
+    assert [op for op in PRIMITIVE_OPS if op != "check" and not ops[op]] == []
+    assert all(ops[f"free:{how}"] for how in FREE_HOW)
+    assert not list(tmp_path.iterdir())
+
+
+# -- the reservation invariant: the hold without its +1 breaks it ----------------------
+
+
+def test_hold_without_its_admission_block_breaks_the_reservation(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(Holds, "admission_extra", lambda self, *args: 0)
+    outcome = search(model_mode(hold=True), tmp_path, seed=2)
+    failure = outcome.failure
+    assert failure is not None and failure.invariant == "reservation_covers_hold"
+    assert outcome.saved is not None
+    trace = load_trace(outcome.saved)
+    passed, failures = model_replay(trace)
+    assert not passed and any(f.startswith("reserve:blocks:") for f in failures)
+    # The real hold reserves exactly what the witness asks for.
+    monkeypatch.undo()
+    assert model_replay(trace) == (True, [])
+
+
+# -- a leak is caught by the snapshot invariants and shown by a check step -------------
+
+
+def test_a_leaking_free_path_is_found_and_replays_failing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def leaky_free(self: GroupManager, request_id: str) -> None:
+        blocks = self.pop_blocks(request_id)
+        self.pool.free_blocks(reversed(blocks[:-1]))  # the last block leaks
+
+    monkeypatch.setattr(GroupManager, "free", leaky_free)
+    outcome = search(model_mode(hold=True), tmp_path, seed=0)
+    failure = outcome.failure
+    assert failure is not None and failure.invariant in ("ref_accounting", "free_queue_exact")
+    assert outcome.saved is not None
+    passed, failures = model_replay(load_trace(outcome.saved))
+    assert not passed and any(f.startswith("check:check free_blocks") for f in failures)
+
+
+# -- the session -------------------------------------------------------------------------
+
+
+@pytest.fixture
+def session() -> Iterator[Session]:
+    run = Session(SEED)
+    yield run
+    run.close()
+
+
+def test_the_session_refuses_what_a_scheduler_never_does(session: Session) -> None:
+    session.run("arrive", req="A", prompt=fresh(40))
+    session.run("allocate", req="A", tokens="auto")
+    with pytest.raises(Unrealistic, match="twice in one scheduler step"):
+        session.run("allocate", req="A", tokens="auto")
+    session.run("drain")
+    with pytest.raises(Unrealistic, match="before its prompt is computed"):
+        session.run("decode1", req="A")
+    session.run("free", req="A", how="finish")
+    with pytest.raises(Unrealistic, match="not live"):
+        session.run("lookup", req="A")
+
+
+def seed_miss(session: Session, noise: bool) -> ExploreFailure:
+    """The seed's miss in a few steps, optionally padded with steps it does not need."""
+    with pytest.raises(ExploreFailure) as caught:
+        session.run("arrive", req="P", prompt=fresh(16))
+        if noise:
+            session.run("arrive", req="X", prompt=fresh(24))
+            session.run("step")
+        session.run("allocate", req="P", tokens="auto")
+        session.run("drain")
+        session.run("allocate", req="P", tokens="auto")
+        session.run("drain")
+        if noise:
+            session.run("lookup", req="X")
+            session.run("drain")
+        session.run("evict", blocks="all")
+        session.run("arrive", req="F", prompt=follow_up("P", 1))
+        session.run("lookup", req="F")
+    return caught.value
+
+
+def test_trace_shrinking_drops_steps_the_failure_does_not_need(session: Session) -> None:
+    padded = seed_miss(session, noise=True)
+    shrunk = shrink(padded, lambda config: Session(config))
+    assert shrunk.invariant == padded.invariant == "resume_at_parent_state"
+    assert len(shrunk.steps) < len(padded.steps)
+    assert not any(s.req == "X" for s in shrunk.steps)
+
+
+def test_a_failure_is_a_trace_with_its_witness(session: Session, tmp_path: Path) -> None:
+    failure = seed_miss(session, noise=False)
+    steps = failure.trace_steps()
+    assert steps[-2].op == "lookup" and steps[-2].expect == {"hit": 8}
+    assert steps[-1].op == "check" and steps[-1].check == {"attention_cached": {"F": 16}}
+    assert [s.index for s in steps] == list(range(len(steps)))
+    saved = failure.save(tmp_path)
+    assert load_trace(saved).name == failure.name
+    assert "kvgate-trace/1" in str(failure)
+
+
+def test_the_hold_keeps_the_parent_state() -> None:
+    held = Session(replace(SEED, retain_checkpoint=True))
+    try:
+        held.run("arrive", req="P", prompt=fresh(16))
+        for _ in range(2):
+            held.run("allocate", req="P", tokens="auto")
+            held.run("drain")
+        held.run("evict", blocks="all")
+        held.run("arrive", req="F", prompt=follow_up("P", 1))
+        assert held.run("lookup", req="F")["hit"] == 8
+    finally:
+        held.close()
+
+
+def test_unknown_invariants_are_refused() -> None:
+    with pytest.raises(ValueError, match="unknown invariants: nope"):
+        Session(SEED, (*ALL_INVARIANTS, "nope"))
+
+
+# -- predicates added for exploration ----------------------------------------------------
+
+
+def test_hash_map_consistency_names_the_broken_block() -> None:
+    pool = BlockPool(8, 8)
+    block = pool.get_new_blocks(1)[0]
+    pool.add_key((1, "8:k"), block, 8)
+    assert hash_map_consistent(pool) == []
+    del pool.cached[(1, "8:k")]
+    [violation] = hash_map_consistent(pool)
+    assert f"block {block.block_id} carries 1/8:k" in violation.message
+    pool.cached[(1, "16:j")] = {block.block_id: block}
+    assert any("cached under 1/16:j" in v.message for v in hash_map_consistent(pool))
+
+
+def test_holds_live_in_mamba_groups_only() -> None:
+    snapshot = Snapshot(
+        free_queue=(),
+        blocks=(BlockView(0), BlockView(1, ("g0/8:k",)), BlockView(1, ("g1/8:k",))),
+        tables={},
+        holds={"A": {0: (8, 1)}, "B": {1: (8, 2), 2: (8, 2)}},
+        pending_copies=(),
+        popped={},
+    )
+    messages = [v.message for v in holds_in_mamba_groups(snapshot, (1, 2))]
+    assert messages == [
+        "A holds a block in group 0, not a Mamba group",
+        "B holds block 2 in 2 groups",
+    ]
+
+
+# -- arguments and the command line ------------------------------------------------------
+
+
+@pytest.mark.parametrize("landing", ["mid-block", "boundary"])
+def test_prompt_sizes_land_the_tail_as_asked(landing: str) -> None:
+    for base in (0, 17, 150):
+        for blocks in range(3):
+            n = new_tokens(SEED, base, blocks, 5, landing)  # type: ignore[arg-type]
+            assert tail_lands(SEED, base + n, landing)  # type: ignore[arg-type]
+
+
+def test_budget_parsing() -> None:
+    assert parse_budget("500") == (500, None)
+    assert parse_budget("90s") == (None, 90.0)
+    assert parse_budget("2m") == (None, 120.0)
+    assert parse_budget(None) == (None, None)
+
+
+@pytest.mark.parametrize("bad", [["--budget", "soon"], ["--budget", "0"], ["--hold", "maybe"]])
+def test_bad_explore_arguments_exit_2(
+    bad: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["explore", "--out", str(tmp_path), *bad]) == 2
+    assert capsys.readouterr().err.startswith("kvgate: error:")
+
+
+def test_explore_command_summarises_the_ops(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = cli.main(
+        ["explore", "--hold", "on", "--budget", "30", "--seed", "3", "--out", str(tmp_path)]
+    )
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "ops exercised:" in out and "no failure found" in out
+    for op in ("arrive", "allocate", "evict"):
+        assert f"  {op} " in out

@@ -1,0 +1,301 @@
+"""The workload generator and `kvgate workload`, at a reduced scale.
+
+The small workload is the default one (9 agent sessions x 8 turns, seed 0)
+with every token count divided by 32, so the Mamba block is 128 tokens and
+the units 8, 32 and 128 stand for 256, 1024 and 4096. It keeps the pool under
+the same moderate pressure as the full-size run and replays in seconds.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+from pathlib import Path
+
+import pytest
+
+from kvgate import cli
+from kvgate.conformance.replay import replay
+from kvgate.conformance.trace import parse_trace
+from kvgate.conformance.writer import dump_trace
+from kvgate.model import ModelTarget
+from kvgate.workload.deployment import Deployment
+from kvgate.workload.generator import generate
+from kvgate.workload.measure import ArmCounts, Recorder, count
+from kvgate.workload.plan import Workload, make_plan
+from kvgate.workload.progress import Progress
+from kvgate.workload.runner import Arm, ArmResult, factories, replay_arm, write_traces
+
+SCALE = 32
+WORKLOAD = Workload()
+DEPLOYMENT = Deployment().scaled(SCALE)
+BLOCK = DEPLOYMENT.mamba_block_size // SCALE
+UNITS = (256 // SCALE, 1024 // SCALE, BLOCK)
+ARMS = [Arm(unit, hold) for unit in UNITS for hold in (False, True)]
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+
+
+def _quiet() -> Progress:
+    return Progress(stream=io.StringIO())
+
+
+def _generate(workload: Workload, unit: int, hold: bool) -> str:
+    config = DEPLOYMENT.config(unit, hold, workload.sessions)
+    steps = generate(
+        config,
+        make_plan(workload, SCALE),
+        system_prompt=workload.system_prompt // SCALE,
+        spec=DEPLOYMENT.spec_tokens,
+        max_num_seqs=DEPLOYMENT.max_num_seqs,
+    )
+    return dump_trace("t", config, steps)
+
+
+@pytest.fixture(scope="module")
+def traces(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    out = tmp_path_factory.mktemp("workload")
+    return write_traces(WORKLOAD, DEPLOYMENT, ARMS, out, _quiet())
+
+
+def _replay_all(paths: list[Path], target: str, plugin: str | None) -> list[ArmResult]:
+    factory, model = factories(cli.target_factory, target, plugin, cli.LOCKSTEP_MODEL)
+    return [
+        replay_arm(path, arm, factory, model, "api", _quiet())
+        for arm, path in zip(ARMS, paths, strict=True)
+    ]
+
+
+@pytest.fixture(scope="module")
+def on_model(traces: list[Path]) -> list[ArmResult]:
+    return _replay_all(traces, "model", None)
+
+
+def _counts(results: list[ArmResult], unit: int, hold: bool) -> ArmCounts:
+    (result,) = [r for r in results if r.arm == Arm(unit, hold)]
+    assert result.replay is not None and result.replay.passed, result.replay
+    assert result.counts is not None
+    return result.counts
+
+
+# -- the plan and the generator ---------------------------------------------------
+
+
+def test_plan_grows_prompts_to_the_final_length() -> None:
+    sessions = make_plan(WORKLOAD)
+    assert len(sessions) == WORKLOAD.sessions
+    low, high = WORKLOAD.final_prompt
+    for session in sessions:
+        assert len(session.turns) == WORKLOAD.turns
+        assert low <= session.final_prompt + WORKLOAD.system_prompt <= high
+        assert all(t.output >= 2 for t in session.turns)
+        assert all(t.delay >= 1 for t in session.turns[1:])
+
+
+def test_same_seed_same_trace_other_seed_other_trace() -> None:
+    small = Workload(sessions=3, turns=3)
+    first = _generate(small, UNITS[0], hold=False)
+    assert _generate(small, UNITS[0], hold=False) == first
+    assert _generate(Workload(sessions=3, turns=3, seed=1), UNITS[0], hold=False) != first
+
+
+def test_pool_has_the_same_attention_capacity_at_every_unit() -> None:
+    full = Deployment()
+    footprint = WORKLOAD.sessions * full.mamba_footprint
+    tokens = [
+        (full.num_blocks(u, WORKLOAD.sessions) - 1 - footprint) * u for u in (64, 256, 1024, 4096)
+    ]
+    assert max(tokens) - min(tokens) < 4096  # rounding to whole blocks only
+    with pytest.raises(ValueError, match="does not divide"):
+        full.config(48, hold=False, concurrency=1)
+
+
+def test_trace_reads_back_as_written(traces: list[Path]) -> None:
+    from kvgate.conformance.trace import load_trace
+
+    trace = load_trace(traces[0])
+    assert trace.config == DEPLOYMENT.config(ARMS[0].unit, ARMS[0].hold, WORKLOAD.sessions)
+    assert dump_trace(trace.name, trace.config, trace.steps, trace.about) == traces[0].read_text()
+    ops = {s.op for s in trace.steps}
+    # Interleaved sessions: explicit and auto chunks, decodes, admissions, checks.
+    assert {"arrive", "lookup", "reserve", "allocate", "decode1", "step", "drain"} <= ops
+    assert {"free", "check"} <= ops
+    assert {s.tokens == "auto" for s in trace.steps if s.op == "allocate"} == {True, False}
+
+
+# -- the measurement on the model ---------------------------------------------------
+
+
+def test_hold_off_reproduces_total_misses_after_partial_tail_resumes(
+    on_model: list[ArmResult],
+) -> None:
+    for unit in UNITS[:-1]:
+        off = _counts(on_model, unit, hold=False)
+        assert len(off.follow_ups) == WORKLOAD.sessions * (WORKLOAD.turns - 1)
+        assert off.total_misses > 0
+        assert off.after_partial > 0
+        assert off.after_partial + off.after_aligned == off.total_misses
+
+
+def test_the_hold_removes_every_miss_it_covers(on_model: list[ArmResult]) -> None:
+    """Below the block size the hold keeps each turn's sub-block tail: a total
+    miss is left only where the previous turn's tail was a whole-block key."""
+    for unit in UNITS[:-1]:
+        off, on = _counts(on_model, unit, hold=False), _counts(on_model, unit, hold=True)
+        assert on.total_misses == on.aligned_tail < off.total_misses
+        assert on.mean_cached_fraction > off.mean_cached_fraction
+
+
+def test_at_the_block_size_the_hold_changes_nothing(on_model: list[ArmResult]) -> None:
+    """unit == Mamba block: no partial hits, so no hold; every miss there is a
+    retired block-boundary state (upstream keeps none)."""
+    off, on = _counts(on_model, BLOCK, hold=False), _counts(on_model, BLOCK, hold=True)
+    assert on == off
+    assert off.total_misses == off.aligned_tail == off.after_aligned
+    (off_trace,) = [r.trace for r in on_model if r.arm == Arm(BLOCK, False)]
+    (on_trace,) = [r.trace for r in on_model if r.arm == Arm(BLOCK, True)]
+    assert on_trace.steps == off_trace.steps
+
+
+# -- the same traces on vLLM ------------------------------------------------------------
+
+
+@pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed")
+def test_vllm_matches_the_model_exactly(traces: list[Path], on_model: list[ArmResult]) -> None:
+    plugin = (
+        "kvgate.impl.hold_overlay"
+        if importlib.util.find_spec("kvgate.impl.hold_overlay") is not None
+        else None
+    )
+    on_vllm = _replay_all(traces, "vllm", plugin)
+    for model_result, vllm_result in zip(on_model, on_vllm, strict=True):
+        if vllm_result.skipped:
+            assert plugin is None and vllm_result.arm.hold
+            continue
+        assert vllm_result.replay is not None
+        assert vllm_result.replay.passed, vllm_result.replay.divergence
+        assert vllm_result.replay.capabilities.implementation.startswith("vllm")
+        assert vllm_result.counts == model_result.counts
+    assert any(not r.skipped for r in on_vllm if not r.arm.hold)
+
+
+# -- counting, on a hand-written trace ----------------------------------------------------
+
+# The seed's first scenario: A1 resumes at A0's partial tail; a burst takes
+# every free block while A1 decodes; A2 follows A1.
+SEED1 = """\
+format: kvgate-trace/1
+name: seed1
+config:
+  num_blocks: 96
+  hash_unit: 8
+  eagle: true
+  retention_interval: 0
+  retain_checkpoint: {hold}
+  groups:
+    - {{kind: full_attention, block_size: 8}}
+    - {{kind: mamba_align, block_size: 32, speculative_blocks: 3}}
+steps:
+  - {{op: arrive, req: A0, prompt: [{{fresh: 150}}]}}
+  - {{op: prefill, req: A0, lookahead: 3}}
+  - {{op: decode, req: A0, steps: 4, spec: 3}}
+  - {{op: free, req: A0, how: finish}}
+  - {{op: drain}}
+  - {{op: arrive, req: A1, prompt: [{{all_of: A0}}, {{fresh: 26}}]}}
+  - {{op: check, attention_cached: {{A0: 144}}}}
+  - {{op: prefill, req: A1, lookahead: 3, expect: {{hit: 136}}}}
+  - {{op: decode, req: A1, steps: 4, spec: 3}}
+  - {{op: evict, blocks: all}}
+  - {{op: free, req: A1, how: finish}}
+  - {{op: drain}}
+  - {{op: arrive, req: A2, prompt: [{{all_of: A1}}, {{fresh: 22}}]}}
+  - {{op: check, attention_cached: {{A1: 176}}}}
+  - {{op: prefill, req: A2, lookahead: 3, expect: {{hit: {hit}}}}}
+"""
+
+
+@pytest.mark.parametrize(("hold", "hit"), [(False, 0), (True, 168)])
+def test_counts_classify_the_seed_scenario(hold: bool, hit: int) -> None:
+    trace = parse_trace(SEED1.format(hold=str(hold).lower(), hit=hit))
+    recorder = Recorder(ModelTarget(trace.config))
+    assert replay(trace, recorder, None, "api").passed
+    counts = count(recorder, trace.config)
+    by_name = {f.name: f for f in counts.follow_ups}
+    assert set(by_name) == {"A1", "A2"}
+    assert by_name["A1"].hit == 136 and not by_name["A1"].partial_resume  # A0 was cold
+    a2 = by_name["A2"]
+    assert (a2.hit, a2.previous_hit, a2.previous_whole, a2.partial_resume) == (hit, 136, True, True)
+    assert counts.total_misses == counts.after_partial == (0 if hold else 1)
+    assert counts.after_aligned == counts.prefix_evicted == 0
+
+
+# -- the command -------------------------------------------------------------------------
+
+
+def test_command_writes_traces_table_and_plot(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["workload", "--target", "model", "--scale", "64", "--units", "256,4096"]
+    argv += ["--sessions", "2", "--turns", "2", "--out", str(tmp_path)]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "total misses" in out and "after partial-tail" in out
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["4"], ["64"])]
+    assert [(r[0], r[1], r[2]) for r in rows] == [
+        ("4", "off", "2"),
+        ("4", "on", "2"),
+        ("64", "off", "2"),
+        ("64", "on", "2"),
+    ]
+    assert len(list(tmp_path.glob("workload-2x2-seed0-div64-u*.hold-o*.yaml"))) == 4
+    assert (tmp_path / "workload-2x2-seed0-div64.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert '"follow_ups": 2' in (tmp_path / "workload-2x2-seed0-div64.json").read_text()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--units", "100"], "--units: 100 is not a positive multiple of --scale 64"),
+        (["--units", "a"], "--units: 'a' is not a comma-separated list"),
+        (["--hold", "maybe"], "--hold: 'maybe' is not on, off or on,off"),
+        (["--plugin", "x"], "--plugin: only --target vllm loads plugins"),
+        (["--units", "192"], "unit 3 does not divide the Mamba block 64"),
+    ],
+)
+def test_command_refuses_bad_input_in_one_line(
+    args: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["workload", "--target", "model", "--scale", "64", "--out", str(tmp_path), *args]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err
+
+
+def test_progress_bar_redraws_on_a_terminal_and_logs_one_line_elsewhere(tmp_path: Path) -> None:
+    class Tty:
+        def __init__(self) -> None:
+            self.text = ""
+
+        def isatty(self) -> bool:
+            return True
+
+        def write(self, s: str) -> int:
+            self.text += s
+            return len(s)
+
+        def flush(self) -> None:
+            return None
+
+    tty = Tty()
+    bar = Progress(stream=tty, interval=0)  # type: ignore[arg-type]
+    bar.start("replay", 4)
+    bar.advance(2)
+    bar.finish("ok")
+    assert "\r" in tty.text and " 50%" in tty.text and tty.text.endswith("ok\n")
+    log = tmp_path / "log.txt"
+    with log.open("w") as stream:
+        plain = Progress(stream=stream)
+        plain.start("replay", 4)
+        plain.advance(4)
+        plain.finish("ok")
+    assert log.read_text().startswith("replay: done in ")
+    assert log.read_text().count("\n") == 1
