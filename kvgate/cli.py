@@ -47,6 +47,7 @@ LOCKSTEP_MODEL = "model"
 COMMAND_MODULES: tuple[str, ...] = (
     "kvgate.explore.command",
     "kvgate.workload.command",
+    "kvgate.mutate.command",
 )
 
 

@@ -1,0 +1,441 @@
+"""The fault-injection campaign: the gate against one fault at a time.
+
+The gate here is what `kvgate gate --target vllm` runs, plus what a gate run
+can afford to check besides: the corpus replayed in lockstep with the model
+(strict by default), the snapshot invariants after every step of the target
+(`kvgate.invariants.predicates.check_snapshot`), and, for a fault the corpus
+misses, a short differential exploration (model against vLLM) when
+`kvgate.explore` is installed.
+
+Each run happens in a child process, so a fault never leaks into the parent
+or into another fault's run: the baseline first (no fault), then one child
+per fault, `jobs` at a time. Children are forked from a parent that has
+already imported vLLM, which makes a child cost what its replays cost. A
+fault counts as caught only by a trace whose replay passes on the unmutated
+build, by an invariant that holds on that trace there, or by an exploration
+that passes there: anything the baseline already fails says nothing about
+the fault.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.connection
+import os
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Literal
+
+from kvgate.conformance.ops import Step
+from kvgate.conformance.replay import Level, one_line, replay
+from kvgate.conformance.report import divergence_summary
+from kvgate.conformance.target import Target, WatchedTarget
+from kvgate.conformance.trace import Trace, load_corpus
+from kvgate.invariants.predicates import check_snapshot
+from kvgate.mutate.faults import Fault
+from kvgate.mutate.inject import Edit, NotApplicable, apply
+
+Verdict = Literal["caught", "missed", "not applicable", "hung", "error"]
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What the gate runs against each fault."""
+
+    corpus: Path
+    level: Level = "strict"
+    # Examples of the differential exploration for a fault the corpus
+    # misses; 0 switches the stage off.
+    explore_examples: int = 20
+    timeout: float = 300.0  # seconds one child may take before it counts as hung
+
+
+@dataclass(frozen=True)
+class TraceOutcome:
+    trace: str
+    passed: bool
+    failure: str  # the first divergence in one line ("" when passed)
+    invariant: str  # the first invariant violated after some step ("" if none)
+    violation: str  # where and how it was violated, one line
+    seconds: float
+
+
+@dataclass(frozen=True)
+class ExploreOutcome:
+    ran: bool
+    failure: str  # one line ("" when nothing was found)
+    examples: int
+    seconds: float
+    note: str = ""  # why it did not run
+
+    @property
+    def passed(self) -> bool:
+        return self.ran and not self.failure
+
+
+@dataclass(frozen=True)
+class GateRun:
+    """What one child reports back."""
+
+    fault: str | None  # None for the baseline
+    edit: Edit | None
+    not_applicable: str
+    traces: tuple[TraceOutcome, ...]
+    exploration: ExploreOutcome | None
+    error: str = ""  # the child itself failed (not the gate)
+
+
+@dataclass(frozen=True)
+class Baseline:
+    run: GateRun
+    seconds: float
+
+    @property
+    def passing(self) -> frozenset[str]:
+        """Traces that pass on the unmutated build: the only ones that count."""
+        return frozenset(t.trace for t in self.run.traces if t.passed)
+
+    @property
+    def invariant_clean(self) -> frozenset[str]:
+        """Passing traces on which every invariant held after every step."""
+        return frozenset(t.trace for t in self.run.traces if t.passed and not t.invariant)
+
+    @property
+    def exploration_usable(self) -> bool:
+        return self.run.exploration is not None and self.run.exploration.passed
+
+
+@dataclass(frozen=True)
+class Catch:
+    stage: Literal["trace", "invariant", "exploration"]
+    source: str  # the trace, invariant or "exploration"
+    detail: str
+
+
+@dataclass(frozen=True)
+class FaultResult:
+    fault: Fault
+    verdict: Verdict
+    catch: Catch | None
+    seconds: float
+    edit: Edit | None = None
+    note: str = ""  # not applicable / hung / error: why
+    catching_traces: int = 0
+    invariants: tuple[str, ...] = ()  # every invariant some usable trace violated
+
+
+@dataclass
+class Campaign:
+    baseline: Baseline
+    results: list[FaultResult] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def applicable(self) -> list[FaultResult]:
+        return [r for r in self.results if r.verdict != "not applicable"]
+
+    @property
+    def caught(self) -> list[FaultResult]:
+        return [r for r in self.results if r.verdict == "caught"]
+
+    def kill_rate(self) -> tuple[int, int]:
+        return len(self.caught), len(self.applicable)
+
+
+class CampaignError(Exception):
+    """The campaign cannot say anything (the baseline itself did not run)."""
+
+
+# ----------------------------------------------------------------- child side
+
+
+def gate_run(
+    fault: Fault | None, settings: Settings, baseline: Baseline | None, progress: Connection | None
+) -> GateRun:
+    """Apply `fault` (if any) in this process and run the gate's stages.
+
+    With a `baseline`, only traces that pass on the unmutated build are
+    replayed, and exploration runs only if none of them caught the fault.
+    """
+    edit = None
+    if fault is not None:
+        try:
+            edit = apply(fault).edit
+        except NotApplicable as reason:
+            return GateRun(fault.name, None, str(reason), (), None)
+    traces = load_corpus(settings.corpus)
+    if baseline is not None:
+        traces = [t for t in traces if t.name in baseline.passing]
+    outcomes = []
+    for trace in traces:
+        if progress is not None:
+            progress.send(("trace", trace.name))
+        outcomes.append(_replay_with_invariants(trace, settings.level))
+    exploration = None
+    caught = baseline is not None and any(_counts(o, baseline) for o in outcomes)
+    explore_wanted = settings.explore_examples > 0 and (
+        baseline is None or (baseline.exploration_usable and not caught)
+    )
+    if explore_wanted:
+        if progress is not None:
+            progress.send(("trace", "(exploration)"))
+        exploration = explore_stage(settings.explore_examples)
+    return GateRun(None if fault is None else fault.name, edit, "", tuple(outcomes), exploration)
+
+
+def _counts(outcome: TraceOutcome, baseline: Baseline) -> bool:
+    return (not outcome.passed and outcome.trace in baseline.passing) or bool(
+        outcome.invariant and outcome.trace in baseline.invariant_clean
+    )
+
+
+def _replay_with_invariants(trace: Trace, level: Level) -> TraceOutcome:
+    """One trace on vLLM in lockstep with the model; invariants after each step.
+
+    A violation is recorded, not raised: the replay's own verdict stays what
+    `kvgate gate` would say, and an invariant-only catch stays visible.
+    """
+    from kvgate.cli import LOCKSTEP_MODEL, target_factory
+
+    violated: list[tuple[str, str]] = []
+
+    def after_step(step: Step, target: Target) -> None:
+        if violated:
+            return
+        found = check_snapshot(target.snapshot())
+        if found:
+            violated.append((found[0].invariant, f"after {step.where()}: {found[0].message}"))
+
+    started = time.perf_counter()
+    try:
+        inner = target_factory("vllm")(trace.config)
+    except Exception as error:
+        return TraceOutcome(trace.name, False, f"target not built: {one_line(error)}", "", "", 0.0)
+    target = WatchedTarget(inner, after_step)
+    try:
+        result = replay(trace, target, target_factory(LOCKSTEP_MODEL), level)
+    finally:
+        target.close()
+    invariant, violation = violated[0] if violated else ("", "")
+    failure = "" if result.divergence is None else divergence_summary(result.divergence)
+    return TraceOutcome(
+        trace.name,
+        result.passed,
+        failure,
+        invariant,
+        violation,
+        time.perf_counter() - started,
+    )
+
+
+def explore_stage(examples: int) -> ExploreOutcome:
+    """A short differential exploration (model against the vLLM in this
+    process), derandomized so the baseline and every fault see the same
+    examples until they differ. Not shrunk: the campaign only needs to know.
+    """
+    started = time.perf_counter()
+    try:
+        from hypothesis import Phase
+
+        from kvgate.explore.differential import differential_mode
+        from kvgate.explore.profiles import profile
+        from kvgate.explore.runner import run_once
+    except ImportError as missing:
+        return ExploreOutcome(False, "", 0, 0.0, f"kvgate.explore not available ({missing})")
+    settings = profile(
+        "dev",
+        max_examples=examples,
+        derandomize=True,
+        phases=(Phase.explicit, Phase.generate),
+    )
+    try:
+        failure = run_once(differential_mode(), settings)
+    except Exception as error:  # a divergence the machine did not wrap
+        return ExploreOutcome(True, one_line(error), examples, time.perf_counter() - started)
+    found = "" if failure is None else " ".join(str(failure).splitlines()[0].split())
+    return ExploreOutcome(True, found, examples, time.perf_counter() - started)
+
+
+def _child(
+    fault: Fault | None, settings: Settings, baseline: Baseline | None, conn: Connection
+) -> None:
+    try:
+        run = gate_run(fault, settings, baseline, conn)
+    except BaseException as error:  # reported to the parent, never lost
+        name = None if fault is None else fault.name
+        frame = traceback.extract_tb(error.__traceback__)[-1]
+        where = f"{os.path.basename(frame.filename)}:{frame.lineno}"
+        run = GateRun(name, None, "", (), None, error=f"{one_line(error)} (at {where})")
+    conn.send(("done", run))
+    conn.close()
+
+
+# ---------------------------------------------------------------- parent side
+
+
+def _context() -> multiprocessing.context.BaseContext:
+    """Fork where the platform has it (children inherit the imported vLLM)."""
+    if "fork" in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("fork")
+    return multiprocessing.get_context("spawn")
+
+
+@dataclass
+class _Running:
+    fault: Fault | None
+    process: multiprocessing.process.BaseProcess
+    conn: Connection
+    started: float
+    current: str = ""  # the trace it last said it was running
+
+
+def _start(
+    context: multiprocessing.context.BaseContext,
+    fault: Fault | None,
+    settings: Settings,
+    baseline: Baseline | None,
+) -> _Running:
+    receive, send = context.Pipe(duplex=False)
+    process = context.Process(  # type: ignore[attr-defined]
+        target=_child, args=(fault, settings, baseline, send), daemon=True
+    )
+    process.start()
+    send.close()  # the child's end: EOF here once the child is gone
+    return _Running(fault, process, receive, time.perf_counter())
+
+
+def _collect(running: list[_Running], timeout: float) -> list[tuple[_Running, GateRun | None, str]]:
+    """Wait for any child to finish; (child, its run or None, why not)."""
+    finished: list[tuple[_Running, GateRun | None, str]] = []
+    while not finished:
+        now = time.perf_counter()
+        deadline = min(r.started + timeout for r in running)
+        ready = multiprocessing.connection.wait(
+            [r.conn for r in running], timeout=max(0.0, deadline - now)
+        )
+        for child in running:
+            if child.conn in ready:
+                try:
+                    kind, payload = child.conn.recv()
+                except EOFError:
+                    child.process.join()
+                    finished.append((child, None, f"child exited ({child.process.exitcode})"))
+                    continue
+                if kind == "trace":
+                    child.current = payload
+                else:
+                    child.process.join()
+                    finished.append((child, payload, ""))
+            elif time.perf_counter() - child.started >= timeout:
+                child.process.kill()
+                child.process.join()
+                where = f" in {child.current}" if child.current else ""
+                finished.append((child, None, f"hung{where}: no verdict within {timeout:g}s"))
+    for child, _, _ in finished:
+        running.remove(child)
+        child.conn.close()
+    return finished
+
+
+def warm_up() -> None:
+    """Import vLLM in the parent, so forked children start with it loaded."""
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    from kvgate.impl import _vllm_api
+
+    _vllm_api.load()
+
+
+def run_baseline(settings: Settings) -> Baseline:
+    context = _context()
+    started = time.perf_counter()
+    [(_, run, why)] = _collect([_start(context, None, settings, None)], settings.timeout)
+    if run is None or run.error:
+        raise CampaignError(f"the baseline (no fault) did not run: {why or run and run.error}")
+    if not any(t.passed for t in run.traces):
+        raise CampaignError("no trace passes on the unmutated build: nothing can catch a fault")
+    return Baseline(run, time.perf_counter() - started)
+
+
+def run_campaign(
+    faults: Sequence[Fault],
+    settings: Settings,
+    jobs: int,
+    on_baseline: Callable[[Baseline], None] | None = None,
+    on_result: Callable[[FaultResult], None] | None = None,
+) -> Campaign:
+    """The baseline, then every fault, `jobs` children at a time.
+
+    `on_result` sees results in `faults` order, each as soon as it and every
+    earlier one are known (a live table).
+    """
+    started = time.perf_counter()
+    load_corpus(settings.corpus)  # a bad corpus fails here, before any child
+    if _context().get_start_method() == "fork":
+        warm_up()
+    baseline = run_baseline(settings)
+    if on_baseline is not None:
+        on_baseline(baseline)
+    campaign = Campaign(baseline)
+    context = _context()
+    pending = list(faults)
+    running: list[_Running] = []
+    done: dict[str, FaultResult] = {}
+    shown = 0
+    while pending or running:
+        while pending and len(running) < max(1, jobs):
+            running.append(_start(context, pending.pop(0), settings, baseline))
+        for child, run, why in _collect(running, settings.timeout):
+            assert child.fault is not None
+            seconds = time.perf_counter() - child.started
+            done[child.fault.name] = judge(child.fault, run, why, baseline, seconds)
+        while shown < len(faults) and faults[shown].name in done:
+            result = done[faults[shown].name]
+            campaign.results.append(result)
+            if on_result is not None:
+                on_result(result)
+            shown += 1
+    campaign.seconds = time.perf_counter() - started
+    return campaign
+
+
+def judge(
+    fault: Fault, run: GateRun | None, why: str, baseline: Baseline, seconds: float
+) -> FaultResult:
+    """The verdict on one fault, from what its child reported."""
+    if run is None:
+        verdict: Verdict = "hung" if why.startswith("hung") else "error"
+        return FaultResult(fault, verdict, None, seconds, note=why)
+    if run.error:
+        return FaultResult(fault, "error", None, seconds, run.edit, note=run.error)
+    if run.not_applicable:
+        return FaultResult(fault, "not applicable", None, seconds, note=run.not_applicable)
+    diverged = [t for t in run.traces if not t.passed and t.trace in baseline.passing]
+    violated = [t for t in run.traces if t.invariant and t.trace in baseline.invariant_clean]
+    invariants = tuple(dict.fromkeys(t.invariant for t in violated))
+    catch = None
+    if diverged:
+        first = diverged[0]
+        catch = Catch("trace", first.trace, first.failure)
+    elif violated:
+        first = violated[0]
+        catch = Catch("invariant", first.invariant, f"{first.trace}: {first.violation}")
+    elif (
+        run.exploration is not None
+        and run.exploration.ran
+        and run.exploration.failure
+        and baseline.exploration_usable
+    ):
+        catch = Catch("exploration", "exploration", run.exploration.failure)
+    return FaultResult(
+        fault,
+        "caught" if catch is not None else "missed",
+        catch,
+        seconds,
+        run.edit,
+        catching_traces=len(diverged),
+        invariants=invariants,
+    )

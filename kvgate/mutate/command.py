@@ -1,0 +1,406 @@
+"""`kvgate mutate`: how many real bugs the gate catches.
+
+    kvgate mutate [--target vllm] [--faults NAME...] [--suite gate|vllm-own|both]
+                  [--corpus DIR] [--level api|strict] [--explore N] [--jobs N]
+                  [--timeout SECONDS] [--tests-dir DIR] [--junit-xml PATH] [--list]
+
+`--suite gate` (the default) injects each fault of `faults.FAULTS` into the
+installed vLLM, one per child process, and runs the gate against it: the
+corpus at strict level, the snapshot invariants after every step, and a
+short differential exploration for a fault the corpus misses. It prints a
+row per fault (caught or missed, by which trace or invariant, seconds) and
+the kill rate. `--suite vllm-own` runs the same faults against vLLM 0.33.0's
+own manager tests instead; `both` runs the two and puts the rates side by
+side.
+
+Exit codes: 0 the gate caught every applicable fault (vLLM's own suite is
+for comparison and never fails the command); 1 the gate missed one (or hung,
+or a run failed); 2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+import xml.etree.ElementTree as ET
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+from kvgate.conformance.replay import LEVELS
+from kvgate.conformance.trace import bundled_corpus
+from kvgate.errors import InputError
+from kvgate.mutate.campaign import (
+    Baseline,
+    Campaign,
+    CampaignError,
+    FaultResult,
+    Settings,
+    run_campaign,
+)
+from kvgate.mutate.faults import Fault, select
+from kvgate.mutate.own_suite import (
+    SELECTION_ROOT,
+    Suite,
+    SuiteError,
+    SuiteResult,
+    SuiteRun,
+    run_suite_campaign,
+)
+
+SUITES = ("gate", "vllm-own", "both")
+# Where `scripts/fetch-vllm-tests.sh` puts vLLM's own tests, from a checkout's root.
+DEFAULT_TESTS_DIR = Path(".cache/vllm-0.33.0-tests")
+# How much of a catch's description a table row shows.
+DETAIL_WIDTH = 96
+
+
+def register(subparsers: Any) -> None:
+    cmd = subparsers.add_parser(
+        "mutate", help="inject realistic faults into vLLM's block manager; count what is caught"
+    )
+    cmd.add_argument("--target", default="vllm", choices=("vllm",))
+    cmd.add_argument("--faults", nargs="+", metavar="NAME", help="default: every fault")
+    cmd.add_argument("--suite", default="gate", choices=SUITES)
+    cmd.add_argument("--corpus", type=Path, metavar="DIR", help="default: the bundled corpus")
+    cmd.add_argument("--level", default="strict", choices=LEVELS)
+    cmd.add_argument(
+        "--explore",
+        type=int,
+        default=20,
+        metavar="N",
+        help="examples of differential exploration for a fault the corpus misses (0: off)",
+    )
+    cmd.add_argument(
+        "--jobs", type=int, default=min(2, os.cpu_count() or 1), help="faults run at once"
+    )
+    cmd.add_argument(
+        "--timeout",
+        type=float,
+        metavar="SECONDS",
+        help="per fault before it counts as hung (default: 300 for the gate, "
+        "3600 for vLLM's own tests)",
+    )
+    cmd.add_argument(
+        "--tests-dir",
+        type=Path,
+        metavar="DIR",
+        help=f"vLLM's own tests (holding tests/), default {DEFAULT_TESTS_DIR}",
+    )
+    cmd.add_argument("--junit-xml", type=Path, metavar="PATH")
+    cmd.add_argument("--list", action="store_true", help="describe the faults and exit")
+    cmd.set_defaults(handler=handle)
+
+
+def handle(args: argparse.Namespace) -> int:
+    try:
+        faults = select(args.faults)
+    except KeyError as error:
+        raise InputError(f"--faults: {error.args[0]}") from None
+    if args.list:
+        write_fault_list(sys.stdout, faults)
+        return 0
+    if args.jobs < 1:
+        raise InputError("--jobs: must be at least 1")
+    if args.explore < 0:
+        raise InputError("--explore: must be 0 or more")
+    if importlib.util.find_spec("vllm") is None:
+        raise InputError("--target vllm: vLLM is not installed here")
+    out = sys.stdout
+    campaign = None
+    suite_results: list[SuiteResult] | None = None
+    if args.suite in ("gate", "both"):
+        settings = Settings(
+            corpus=args.corpus or bundled_corpus(),
+            level=args.level,
+            explore_examples=args.explore,
+            timeout=args.timeout or 300.0,
+        )
+        campaign = gate_campaign(out, faults, settings, args.jobs)
+    if args.suite in ("vllm-own", "both"):
+        suite_results = own_campaign(out, faults, args)
+    if campaign is not None and suite_results is not None:
+        write_side_by_side(out, campaign, suite_results)
+    if args.junit_xml is not None:
+        try:
+            write_junit(args.junit_xml, campaign, suite_results)
+        except OSError as error:
+            raise InputError(
+                f"--junit-xml: cannot write {args.junit_xml}: {error.strerror}"
+            ) from None
+    if campaign is None:
+        return 0
+    return 0 if all(r.verdict in ("caught", "not applicable") for r in campaign.results) else 1
+
+
+# ------------------------------------------------------------------ the gate
+
+
+def gate_campaign(out: TextIO, faults: Sequence[Fault], settings: Settings, jobs: int) -> Campaign:
+    def baseline_lines(baseline: Baseline) -> None:
+        for line in describe_baseline(baseline):
+            _line(out, line)
+        _line(out, "")
+        _line(out, row_header())
+
+    _line(
+        out,
+        f"kvgate mutate: {len(faults)} faults, gate = corpus {settings.corpus} "
+        f"({settings.level}) + snapshot invariants"
+        + (
+            f" + exploration ({settings.explore_examples} examples)"
+            if settings.explore_examples
+            else ""
+        )
+        + f"; {jobs} job(s)",
+    )
+    try:
+        campaign = run_campaign(
+            faults,
+            settings,
+            jobs,
+            on_baseline=baseline_lines,
+            on_result=lambda r: _line(out, result_row(r)),
+        )
+    except CampaignError as error:
+        raise InputError(str(error)) from None
+    for line in summary_lines(campaign):
+        _line(out, line)
+    return campaign
+
+
+def describe_baseline(baseline: Baseline) -> list[str]:
+    run = baseline.run
+    failing = [t.trace for t in run.traces if not t.passed]
+    lines = [
+        f"baseline (no fault, {baseline.seconds:.1f}s): {len(baseline.passing)} of "
+        f"{len(run.traces)} traces pass and count"
+        + (f"; {len(failing)} fail unmutated and are left out" if failing else ""),
+        f"  invariants hold after every step of {len(baseline.invariant_clean)} of those",
+    ]
+    if failing:
+        lines.append(f"  left out: {', '.join(failing)}")
+    exploration = run.exploration
+    if exploration is None:
+        lines.append("  exploration: off")
+    elif not exploration.ran:
+        lines.append(f"  exploration: not run ({exploration.note})")
+    elif exploration.failure:
+        lines.append(
+            f"  exploration: fails unmutated, left out ({exploration.failure[:DETAIL_WIDTH]})"
+        )
+    else:
+        lines.append(
+            f"  exploration: {exploration.examples} examples pass unmutated "
+            f"({exploration.seconds:.1f}s)"
+        )
+    return lines
+
+
+def row_header() -> str:
+    return f"{'fault':<38} {'area':<12} {'verdict':<14} {'secs':>6}  caught by"
+
+
+def result_row(result: FaultResult) -> str:
+    if result.catch is not None:
+        catch = result.catch
+        more = f" (+{result.catching_traces - 1} more)" if result.catching_traces > 1 else ""
+        by = f"{catch.stage} {catch.source}{more}: {catch.detail}"
+    else:
+        by = result.note or "-"
+    return (
+        f"{result.fault.name:<38} {result.fault.area:<12} {result.verdict:<14} "
+        f"{result.seconds:6.1f}  {_cut(by)}"
+    )
+
+
+def summary_lines(campaign: Campaign) -> list[str]:
+    caught, applicable = campaign.kill_rate()
+    rate = f"{100.0 * caught / applicable:.1f}%" if applicable else "-"
+    not_applicable = [r.fault.name for r in campaign.results if r.verdict == "not applicable"]
+    uncaught = [r for r in campaign.applicable if r.verdict != "caught"]
+    only_invariant = [r for r in campaign.caught if r.catch and r.catch.stage == "invariant"]
+    by_exploration = [r for r in campaign.caught if r.catch and r.catch.stage == "exploration"]
+    fired: Counter[str] = Counter(i for r in campaign.caught for i in r.invariants)
+    lines = [
+        "",
+        f"kill rate: {caught}/{applicable} applicable faults caught ({rate})"
+        + (f"; not applicable here: {', '.join(not_applicable)}" if not_applicable else ""),
+        "not caught: "
+        + (", ".join(f"{r.fault.name} ({r.verdict})" for r in uncaught) if uncaught else "none"),
+        "caught by an invariant only: "
+        + (
+            ", ".join(f"{r.fault.name} ({r.catch.source})" for r in only_invariant if r.catch)
+            if only_invariant
+            else "none"
+        ),
+        "invariants that also fired: "
+        + (", ".join(f"{name} ({n} faults)" for name, n in fired.most_common()) or "none"),
+    ]
+    if by_exploration:
+        lines.append(
+            "caught by exploration only: " + ", ".join(r.fault.name for r in by_exploration)
+        )
+    per_fault = [r.seconds for r in campaign.results]
+    mean = sum(per_fault) / len(per_fault) if per_fault else 0.0
+    lines.append(
+        f"time: {campaign.seconds:.1f}s in all, baseline {campaign.baseline.seconds:.1f}s, "
+        f"{mean:.1f}s per fault on average"
+    )
+    return lines
+
+
+# ------------------------------------------------------- vLLM's own tests
+
+
+def own_campaign(
+    out: TextIO, faults: Sequence[Fault], args: argparse.Namespace
+) -> list[SuiteResult]:
+    root = _checkout_root()
+    tests_dir = args.tests_dir or (root / DEFAULT_TESTS_DIR if root else DEFAULT_TESTS_DIR)
+    if not (tests_dir / "tests" / "v1" / "core").is_dir():
+        raise InputError(
+            f"--tests-dir: no vLLM tests in {tests_dir} (run scripts/fetch-vllm-tests.sh)"
+        )
+    suite = Suite.locate(tests_dir, root, args.timeout or 3600.0)
+    _line(out, "")
+    _line(out, f"vLLM's own tests: {' '.join(suite.runner[:4])} ... in {tests_dir}")
+
+    def baseline_lines(run: SuiteRun) -> None:
+        bad = [f["test"] for f in run.failed]
+        _line(
+            out,
+            f"baseline (no fault, {run.seconds:.0f}s): exit {run.exit_code}"
+            + (f", {len(bad)} tests fail unmutated and are deselected" if bad else ""),
+        )
+        for test in bad:
+            _line(out, f"  deselected: {test}")
+        _line(out, "")
+        header = f"{'fault':<38} {'verdict':<14} {'secs':>6}"
+        _line(out, f"{header}  first failing test (under {SELECTION_ROOT})")
+
+    try:
+        _, results = run_suite_campaign(
+            faults,
+            suite,
+            args.jobs,
+            on_baseline=baseline_lines,
+            on_result=lambda r: _line(
+                out,
+                f"{r.fault.name:<38} {r.verdict:<14} {r.seconds:6.0f}  "
+                + _cut(r.by.removeprefix(SELECTION_ROOT) or "-"),
+            ),
+        )
+    except SuiteError as error:
+        raise InputError(str(error)) from None
+    applicable = [r for r in results if r.verdict != "not applicable"]
+    caught = [r for r in applicable if r.verdict == "caught"]
+    rate = f"{100.0 * len(caught) / len(applicable):.1f}%" if applicable else "-"
+    _line(out, "")
+    _line(out, f"vLLM's own tests kill rate: {len(caught)}/{len(applicable)} ({rate})")
+    missed = [r.fault.name for r in applicable if r.verdict != "caught"]
+    _line(out, "not caught: " + (", ".join(missed) if missed else "none"))
+    return results
+
+
+def write_side_by_side(out: TextIO, campaign: Campaign, suite: Sequence[SuiteResult]) -> None:
+    own = {r.fault.name: r for r in suite}
+    _line(out, "")
+    _line(out, f"{'fault':<38} {'kvgate gate':<14} vLLM's own tests")
+    for result in campaign.results:
+        other = own.get(result.fault.name)
+        _line(
+            out, f"{result.fault.name:<38} {result.verdict:<14} {other.verdict if other else '-'}"
+        )
+    gate_caught, gate_applicable = campaign.kill_rate()
+    own_applicable = [r for r in suite if r.verdict != "not applicable"]
+    own_caught = sum(r.verdict == "caught" for r in own_applicable)
+    _line(
+        out,
+        f"{'kill rate':<38} {f'{gate_caught}/{gate_applicable}':<14} "
+        f"{own_caught}/{len(own_applicable)}",
+    )
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def write_fault_list(out: TextIO, faults: Sequence[Fault]) -> None:
+    for fault in faults:
+        _line(out, f"{fault.name} [{fault.area}] {fault.module}:{fault.qualname}")
+        _line(out, f"  edit:    {fault.anchor}  ->  {fault.replacement}")
+        _line(out, f"  what:    {fault.what}")
+        _line(out, f"  why:     {fault.why}")
+        _line(out, f"  symptom: {fault.symptom}")
+    _line(out, f"{len(faults)} faults")
+
+
+def write_junit(path: Path, campaign: Campaign | None, suite: Sequence[SuiteResult] | None) -> None:
+    """One testcase per fault and suite: a miss fails, not applicable skips."""
+    root = ET.Element("testsuites")
+    if campaign is not None:
+        cases = [
+            (
+                r.fault.name,
+                r.verdict,
+                r.seconds,
+                f"{r.catch.stage} {r.catch.source}: {r.catch.detail}" if r.catch else r.note,
+            )
+            for r in campaign.results
+        ]
+        _junit_suite(root, "kvgate-mutate.gate", cases)
+    if suite is not None:
+        _junit_suite(
+            root,
+            "kvgate-mutate.vllm-own-tests",
+            [
+                (r.fault.name, r.verdict, r.seconds, f"{r.by}: {r.message}" if r.message else r.by)
+                for r in suite
+            ],
+        )
+    ET.indent(root)
+    ET.ElementTree(root).write(path, encoding="utf-8", xml_declaration=True)
+
+
+def _junit_suite(root: ET.Element, name: str, cases: Sequence[tuple[str, str, float, str]]) -> None:
+    failures = sum(v in ("missed", "hung") for _, v, _, _ in cases)
+    errors = sum(v == "error" for _, v, _, _ in cases)
+    skipped = sum(v == "not applicable" for _, v, _, _ in cases)
+    element = ET.SubElement(
+        root,
+        "testsuite",
+        name=name,
+        tests=str(len(cases)),
+        failures=str(failures),
+        errors=str(errors),
+        skipped=str(skipped),
+        time=f"{sum(s for _, _, s, _ in cases):.3f}",
+    )
+    for fault, verdict, seconds, detail in cases:
+        case = ET.SubElement(element, "testcase", classname=name, name=fault, time=f"{seconds:.3f}")
+        if verdict == "caught":
+            ET.SubElement(case, "system-out").text = f"caught by {detail}"
+        elif verdict == "not applicable":
+            ET.SubElement(case, "skipped", message=f"not applicable: {detail}")
+        elif verdict == "error":
+            ET.SubElement(case, "error", message=detail or "the run failed")
+        else:
+            ET.SubElement(case, "failure", message=f"{verdict}: {detail}" if detail else verdict)
+
+
+def _checkout_root() -> Path | None:
+    """The source checkout kvgate runs from, if it runs from one."""
+    root = Path(__file__).resolve().parents[2]
+    return root if (root / "pyproject.toml").is_file() and (root / "scripts").is_dir() else None
+
+
+def _cut(text: str) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= DETAIL_WIDTH else text[: DETAIL_WIDTH - 3] + "..."
+
+
+def _line(out: TextIO, text: str) -> None:
+    print(text, file=out, flush=True)

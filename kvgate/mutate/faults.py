@@ -1,0 +1,370 @@
+"""The named faults of the campaign: realistic one-line bugs in vLLM's block manager.
+
+Each fault is an exact one-line edit of one function of the installed vLLM
+(`anchor` -> `replacement`, see `inject.py`), documented with what it
+changes, why it is a bug someone could plausibly write (most are the
+inverse of a comment or a guard standing right next to the line), and the
+symptom to expect in production. Anchors are the only vLLM text kvgate
+carries. A build whose code no longer holds an anchor reports that fault
+"not applicable".
+
+Areas: the block pool (free queue, hash map, ref counts), the Mamba align
+paths (speculative blocks, state retirement, copy-on-write, same-step
+deferral), the shared single-type manager (free and pop paths, admission
+counts), the coordinator and `KVCacheManager` (fan-out, drain, admission,
+lookup).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+_POOL = "vllm.v1.core.block_pool"
+_SINGLE = "vllm.v1.core.single_type_kv_cache_manager"
+_COORD = "vllm.v1.core.kv_cache_coordinator"
+_MANAGER = "vllm.v1.core.kv_cache_manager"
+
+
+@dataclass(frozen=True)
+class Fault:
+    name: str
+    area: str
+    module: str
+    qualname: str  # "Class.method" or "function", inside `module`
+    anchor: str  # exact text, found once in the function's source, on one line
+    replacement: str
+    what: str
+    why: str  # why it is realistic
+    symptom: str  # what it does to a deployment
+
+
+FAULTS: tuple[Fault, ...] = (
+    # ---------------------------------------------------------------- block pool
+    Fault(
+        name="free-unhashed-to-tail",
+        area="block pool",
+        module=_POOL,
+        qualname="BlockPool.free_blocks",
+        anchor="blocks_to_evict_first.append(block)",
+        replacement="blocks_to_evict_last.append(block)",
+        what="free_blocks appends freed unhashed blocks to the free queue's tail",
+        why="the two lists differ by one word; a refactor to 'FIFO for everything' does this",
+        symptom="unhashed scratch blocks outlive cached ones in the queue, so the next "
+        "allocation evicts cached prefixes first: hit rate drops, LIFO locality is lost",
+    ),
+    Fault(
+        name="free-cached-to-head",
+        area="block pool",
+        module=_POOL,
+        qualname="BlockPool.free_blocks",
+        anchor="blocks_to_evict_last.append(block)",
+        replacement="blocks_to_evict_first.append(block)",
+        what="free_blocks prepends freed cached blocks to the free queue's head",
+        why="the mirror image of the LIFO branch, one word apart",
+        symptom="the freshest cached prefix is the first block evicted: a follow-up "
+        "turn misses a prefix that was just finished",
+    ),
+    Fault(
+        name="free-ref-off-by-one",
+        area="block pool",
+        module=_POOL,
+        qualname="BlockPool.free_blocks",
+        anchor="if block.ref_cnt == 0:",
+        replacement="if block.ref_cnt <= 1:",
+        what="free_blocks tests the ref count as if before its decrement",
+        why="a check moved below the decrement without adjusting the constant",
+        symptom="a block two requests share is queued as free while one still uses it: "
+        "it can be evicted and handed to a third request (freed while in use)",
+    ),
+    Fault(
+        name="touch-keeps-free-queue",
+        area="block pool",
+        module=_POOL,
+        qualname="BlockPool.touch",
+        anchor="self.free_block_queue.remove(block)",
+        replacement="pass",
+        what="touch raises a cached block's ref count but leaves it in the free queue",
+        why="the removal sits under a ref-0 guard that looks like an optimisation",
+        symptom="a prefix hit stays evictable: the next allocation may hand the hit "
+        "block to another request while the first one reads it; free counts over-report",
+    ),
+    Fault(
+        name="reuse-keeps-hash",
+        area="block pool",
+        module=_POOL,
+        qualname="BlockPool.get_new_blocks",
+        anchor="self._maybe_evict_cached_block(block)",
+        replacement="pass",
+        what="get_new_blocks reuses a cached block without evicting its hash",
+        why="the eviction is a side call in a loop duplicated for the no-cache path",
+        symptom="the hash map still points at a block now holding other tokens: a later "
+        "lookup hits it and reads the wrong KV (silent wrong output)",
+    ),
+    Fault(
+        name="evict-keeps-partial-keys",
+        area="block pool",
+        module=_POOL,
+        qualname="BlockPool._remove_cached_block_hashes",
+        anchor="self.cached_block_hashes_by_block.pop(block.block_id, ())",
+        replacement="self.cached_block_hashes_by_block.get(block.block_id, ())",
+        what="evicting a block reads its secondary (partial) keys with get instead of pop",
+        why="get and pop take the same arguments here",
+        symptom="an evicted block keeps a record of partial keys it no longer owns: a later "
+        "CoW move onto it trips an assertion, and reset/eviction bookkeeping drifts",
+    ),
+    Fault(
+        name="move-keeps-source-hash",
+        area="block pool",
+        module=_POOL,
+        qualname="BlockPool.move_block_hashes",
+        anchor="self._remove_cached_block_hashes(src_block)",
+        replacement="filter(None, [src_block.block_hash])",
+        what="move_block_hashes copies the source's key to the copy but leaves it on the source",
+        why="'move' implemented as a copy: the removal is what the loop iterates over",
+        symptom="a running request keeps writing into a block still keyed as a finished "
+        "prefix state: a later hit may read the overwritten state",
+    ),
+    # ---------------------------------------------------------------- Mamba align
+    Fault(
+        name="mamba-spec-blocks-off-by-one",
+        area="mamba align",
+        module=_SINGLE,
+        qualname="MambaManager.allocate_new_blocks",
+        anchor="cdiv(num_tokens, self.block_size) + self.num_speculative_blocks",
+        replacement="cdiv(num_tokens, self.block_size) + self.num_speculative_blocks - 1",
+        what="Mamba allocation counts one speculative block too few",
+        why="the running state block is easy to count as one of the speculative ones",
+        symptom="the table is one block short of what admission reserved: state and "
+        "draft blocks shift, a draft writes over the running state",
+    ),
+    Fault(
+        name="mamba-pop-keeps-allocated",
+        area="mamba align",
+        module=_SINGLE,
+        qualname="MambaManager.pop_blocks_for_free",
+        anchor="self._allocated_block_reqs.discard(request_id)",
+        replacement="pass",
+        what="freeing a Mamba request leaves it marked as having allocated blocks",
+        why="one of five parallel cleanups of per-request align state",
+        symptom="a preempted request that comes back is treated as running: its first "
+        "allocation relocates 'speculative' blocks that are hit states it shares",
+    ),
+    Fault(
+        name="mamba-state-freed-early",
+        area="mamba align",
+        module=_SINGLE,
+        qualname="MambaManager.remove_skipped_blocks",
+        anchor="< cdiv(processed_computed_tokens, self.block_size) - 1",
+        replacement="< cdiv(processed_computed_tokens, self.block_size)",
+        what="remove_skipped_blocks frees the previous state block one step too early",
+        why="the '- 1' looks like a stray off-by-one next to cdiv",
+        symptom="the state the current step copies from is back in the free queue: "
+        "a concurrent allocation can overwrite it mid-step",
+    ),
+    Fault(
+        name="cow-forgets-extra-ref",
+        area="mamba align",
+        module=_SINGLE,
+        qualname="SingleTypeKVCacheManager._apply_cow",
+        anchor="cow_block.ref_cnt += 1",
+        replacement="pass",
+        what="a partial-hit CoW takes no extra ref on its destination block",
+        why="the block is already in the request's table, so the extra ref looks redundant",
+        symptom="draining the copy frees the request's own block: it sits in the free "
+        "queue while in use and is handed to the next request (freed while in use)",
+    ),
+    Fault(
+        name="running-cow-forgets-source-ref",
+        area="mamba align",
+        module=_SINGLE,
+        qualname="MambaManager.allocate_new_blocks",
+        anchor="source_block.ref_cnt += 1",
+        replacement="pass",
+        what="a running request's tail CoW takes no extra ref on the copy's source",
+        why="the source stays in the request's table, so the ref looks redundant",
+        symptom="the drain drops the request's own ref on its running state block: it is "
+        "freed while the request still writes it",
+    ),
+    Fault(
+        name="mamba-partial-hit-reserve-missing",
+        area="mamba align",
+        module=_SINGLE,
+        qualname="MambaManager.get_num_blocks_to_allocate",
+        anchor="num_new_blocks = max(num_new_blocks, 0) + 1",
+        replacement="num_new_blocks = max(num_new_blocks, 0)",
+        what="Mamba admission forgets the extra block a partial-hit CoW takes",
+        why="the '+ 1' reads like an off-by-one; the CoW block is allocated elsewhere",
+        symptom="admission under-counts by one: a request is admitted with the pool one "
+        "block short and the allocation fails mid-step (over-admission)",
+    ),
+    Fault(
+        name="same-step-deferral-removed",
+        area="mamba align",
+        module=_SINGLE,
+        qualname="MambaManager.get_num_blocks_to_allocate",
+        anchor="return self.block_pool.num_gpu_blocks + 1",
+        replacement="pass",
+        what="a hit on a Mamba state cached earlier in the same step is not deferred",
+        why="returning 'pool size + 1' looks like a hack to remove",
+        symptom="the request adopts a state the worker has not written yet this step: "
+        "it resumes from garbage (silent wrong output)",
+    ),
+    Fault(
+        name="relocate-keeps-old-slot",
+        area="mamba align",
+        module=_SINGLE,
+        qualname="MambaManager._relocate_speculative_block",
+        anchor="req_blocks[block_idx] = self._null_block",
+        replacement="pass",
+        what="relocating a speculative block appends it but does not null its old slot",
+        why="a move written as an append",
+        symptom="the block sits twice in the table: freeing the request drops two refs "
+        "for one, corrupting the count (negative refs, double queueing)",
+    ),
+    # ------------------------------------------------------- single-type manager
+    Fault(
+        name="free-order-not-reversed",
+        area="free path",
+        module=_SINGLE,
+        qualname="SingleTypeKVCacheManager.free",
+        anchor="free_blocks(reversed(self.pop_blocks_for_free(request_id)))",
+        replacement="free_blocks(self.pop_blocks_for_free(request_id))",
+        what="free releases a request's blocks head first instead of tail first",
+        why="the reversal is one wrapper call; the docstring promises it, tests rarely look",
+        symptom="a finished prompt's first blocks are evicted before its tail: the "
+        "shared prefix dies first and every later hit shrinks",
+    ),
+    Fault(
+        name="pop-drops-null-trim",
+        area="free path",
+        module=_SINGLE,
+        qualname="SingleTypeKVCacheManager.pop_blocks_for_free",
+        anchor="return trim_null_head(req_blocks)",
+        replacement="return req_blocks",
+        what="pop_blocks_for_free returns the table with its leading null blocks",
+        why="free_blocks skips null blocks anyway, so the trim looks unnecessary",
+        symptom="deferred-free callers get null placeholders they must not free or "
+        "count; a connector reading the list sees block 0 as the request's",
+    ),
+    Fault(
+        name="pop-keeps-partial-hit",
+        area="free path",
+        module=_SINGLE,
+        qualname="SingleTypeKVCacheManager.pop_blocks_for_free",
+        anchor="self._partial_hit_reqs.pop(request_id, None)",
+        replacement="pass",
+        what="freeing a request leaves its pending partial-hit CoW record behind",
+        why="one of three parallel cleanups; the record is normally consumed at allocation",
+        symptom="a preempted request that comes back replays a stale CoW redirect onto "
+        "a block that is no longer its own",
+    ),
+    Fault(
+        name="pop-keeps-cached-count",
+        area="free path",
+        module=_SINGLE,
+        qualname="SingleTypeKVCacheManager.pop_blocks_for_free",
+        anchor="self.num_cached_block.pop(request_id, None)",
+        replacement="pass",
+        what="freeing a request leaves its cached-block count behind",
+        why="one of three parallel cleanups",
+        symptom="a preempted request is treated as running on re-admission: its new "
+        "prefix hit is refused by an assertion or its blocks are never re-keyed",
+    ),
+    Fault(
+        name="hit-evictable-not-reserved",
+        area="admission",
+        module=_SINGLE,
+        qualname="SingleTypeKVCacheManager.get_num_blocks_to_allocate",
+        anchor="return num_new_blocks + num_evictable_blocks",
+        replacement="return num_new_blocks",
+        what="admission does not count hit blocks that sit in the free queue",
+        why="hit blocks are 'already cached', so they look free of cost",
+        symptom="touching the hits takes them out of the free queue after the check: a "
+        "request is admitted with too few free blocks and allocation fails (over-admission)",
+    ),
+    Fault(
+        name="attention-partial-hit-reserve-missing",
+        area="admission",
+        module=_SINGLE,
+        qualname="SingleTypeKVCacheManager.get_num_blocks_to_allocate",
+        anchor="num_new_blocks += 1",
+        replacement="num_new_blocks += 0",
+        what="attention admission forgets the extra block a partial-hit CoW takes",
+        why="the CoW block is allocated in another method",
+        symptom="admission under-counts by one on a sub-block hit (over-admission)",
+    ),
+    # ------------------------------------------------- coordinator and manager
+    Fault(
+        name="coordinator-free-skips-group",
+        area="coordinator",
+        module=_COORD,
+        qualname="KVCacheCoordinator.free",
+        anchor="for manager in self.single_type_managers:",
+        replacement="for manager in self.single_type_managers[:-1]:",
+        what="the coordinator's free skips the last KV-cache group",
+        why="a slice left over from treating the last group as a draft/scratch group",
+        symptom="every finished request leaks its last group's blocks (Mamba states): "
+        "the pool drains until nothing is admitted",
+    ),
+    Fault(
+        name="drain-releases-one-endpoint",
+        area="manager",
+        module=_MANAGER,
+        qualname="KVCacheManager.take_kv_cache_block_copies",
+        anchor="[block for pair in pending_copies for block in pair]",
+        replacement="[pair[1] for pair in pending_copies]",
+        what="the copy drain hands back only each copy's destination to release",
+        why="only the destination looks 'retained' for the copy",
+        symptom="each CoW leaks one ref on its source block: the block is never freed",
+    ),
+    Fault(
+        name="admission-off-by-one",
+        area="admission",
+        module=_MANAGER,
+        qualname="KVCacheManager.allocate_slots",
+        anchor="if required_blocks > available_blocks:",
+        replacement="if required_blocks > available_blocks + 1:",
+        what="allocate_slots admits a request that needs one block more than is free",
+        why="counting the null block as allocatable is a classic off-by-one",
+        symptom="allocation raises mid-step instead of refusing, after the hits were "
+        "already touched (the engine crashes, or leaks the touched hits)",
+    ),
+    Fault(
+        name="lookup-hits-last-token",
+        area="manager",
+        module=_MANAGER,
+        qualname="KVCacheManager.get_computed_blocks",
+        anchor="max_cache_hit_length = request.num_tokens - 1",
+        replacement="max_cache_hit_length = request.num_tokens",
+        what="a lookup may hit the whole prompt, last token included",
+        why="the '- 1' looks like an off-by-one; the comment that explains it is above",
+        symptom="a fully cached prompt schedules no token to compute: no logits for "
+        "the next token (or an allocation of zero tokens)",
+    ),
+    Fault(
+        name="eagle-drop-skipped",
+        area="coordinator",
+        module=_COORD,
+        qualname="HybridKVCacheCoordinator.find_longest_cache_hit",
+        anchor="drop_eagle_block = use_eagle and idx not in eagle_verified",
+        replacement="drop_eagle_block = use_eagle and idx in eagle_verified",
+        what="the first lookup pass skips the EAGLE last-block drop",
+        why="a dropped 'not'",
+        symptom="the hit includes the block whose KV holds the next prefill token: the "
+        "drafting head reads polluted state (wrong drafts, lower acceptance)",
+    ),
+)
+
+BY_NAME: dict[str, Fault] = {f.name: f for f in FAULTS}
+
+
+def select(names: Iterable[str] | None) -> list[Fault]:
+    """The named faults, in table order; every fault when `names` is None."""
+    if names is None:
+        return list(FAULTS)
+    wanted = list(dict.fromkeys(names))
+    unknown = [n for n in wanted if n not in BY_NAME]
+    if unknown:
+        raise KeyError(f"unknown fault(s): {', '.join(unknown)} (see `kvgate mutate --list`)")
+    return [f for f in FAULTS if f.name in wanted]

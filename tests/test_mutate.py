@@ -1,0 +1,304 @@
+"""The fault-injection campaign: exact one-line faults, verdicts, a fast subset on vLLM.
+
+The full campaign (every fault against the whole corpus) is `kvgate mutate`;
+here a handful of faults from different areas run against the few traces
+that catch them, so the default test run stays short.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import json
+import shutil
+import xml.etree.ElementTree as ET
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvgate import cli
+from kvgate.conformance.trace import bundled_corpus
+from kvgate.mutate.campaign import (
+    Baseline,
+    ExploreOutcome,
+    GateRun,
+    Settings,
+    TraceOutcome,
+    gate_run,
+    judge,
+    run_campaign,
+)
+from kvgate.mutate.faults import BY_NAME, FAULTS, Fault, select
+from kvgate.mutate.inject import NotApplicable, apply, find_edit, injected, locate
+from kvgate.mutate.own_suite import SuiteRun, judge_suite
+from kvgate.mutate.pytest_plugin import FAULT_ENV, NOT_APPLICABLE_EXIT, REPORT_ENV
+
+needs_vllm = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"
+)
+
+# A fast subset: one fault per area, each with the trace that catches it.
+FAST = {
+    "free-order-not-reversed": "abort-mid-prefill",
+    "cow-forgets-extra-ref": "attention-block-coarser-than-unit",
+    "admission-off-by-one": "admission-exact-fit",
+    "pop-keeps-partial-hit": "preempt-after-partial-tail",
+    "mamba-pop-keeps-allocated": "preempt-after-partial-tail",
+}
+
+
+def fake(anchor: str, qualname: str = "BlockPool.free_blocks", **changes: str) -> Fault:
+    base = BY_NAME["free-unhashed-to-tail"]
+    return replace(base, name="fake", anchor=anchor, qualname=qualname, **changes)
+
+
+# ------------------------------------------------------------ the fault table
+
+
+def test_faults_are_named_once_and_documented() -> None:
+    assert len(FAULTS) >= 15
+    assert len(BY_NAME) == len(FAULTS)
+    for fault in FAULTS:
+        assert fault.anchor != fault.replacement
+        assert "\n" not in fault.anchor + fault.replacement
+        assert all((fault.what, fault.why, fault.symptom, fault.area)), fault.name
+    assert {f.area for f in FAULTS} >= {"block pool", "mamba align", "coordinator", "admission"}
+
+
+def test_select_keeps_table_order_and_rejects_unknown_names() -> None:
+    names = [f.name for f in select(["eagle-drop-skipped", "free-unhashed-to-tail"])]
+    assert names == ["free-unhashed-to-tail", "eagle-drop-skipped"]
+    with pytest.raises(KeyError, match="no-such-fault"):
+        select(["no-such-fault"])
+
+
+# ------------------------------------------------------------------- applying
+
+
+@needs_vllm
+@pytest.mark.parametrize("fault", FAULTS, ids=[f.name for f in FAULTS])
+def test_each_fault_changes_exactly_the_one_anchored_line(fault: Fault) -> None:
+    edit = find_edit(fault)
+    source = Path(edit.filename).read_text(encoding="utf-8").splitlines()
+    # The edit names the installed file's own line, and only that line changes.
+    assert source[edit.lineno - 1].strip() == edit.before
+    assert fault.anchor in edit.before
+    assert edit.after == edit.before.replace(fault.anchor, fault.replacement)
+    owner, attribute, original, function = locate(fault)
+    with injected(fault) as applied:
+        now = vars(owner)[attribute]
+        assert now is not original
+        edited = now.__func__ if isinstance(now, (classmethod, staticmethod)) else now
+        # Compiled from the edited source, with the file's line numbers.
+        assert edited.__code__.co_firstlineno == function.__code__.co_firstlineno
+        assert edited.__qualname__ == function.__qualname__
+        assert applied.edit == edit
+        lines = inspect.getsource(function).splitlines()
+        assert sum(fault.anchor in line for line in lines) == 1
+    assert vars(owner)[attribute] is original
+
+
+@needs_vllm
+def test_an_anchor_not_in_the_installed_code_is_not_applicable() -> None:
+    with pytest.raises(NotApplicable, match="not found"):
+        apply(fake("blocks_to_evict_first.append(block)  # nowhere"))
+    with pytest.raises(NotApplicable, match=r"found [2-9] times"):
+        apply(fake("blocks_to_evict_"))  # ambiguous: the anchor must be unique
+    with pytest.raises(NotApplicable, match="has no"):
+        apply(fake("x", qualname="BlockPool.no_such_method"))
+    with pytest.raises(NotApplicable, match="not importable"):
+        apply(fake("x", module="vllm.no_such_module"))
+    with pytest.raises(NotApplicable, match="exactly one line"):
+        apply(fake("blocks_to_evict_first.append(block)", replacement="pass\n"))
+
+
+@needs_vllm
+def test_a_not_applicable_fault_is_never_counted() -> None:
+    fault = fake("this text is not in vLLM")
+    settings = Settings(corpus=bundled_corpus(), explore_examples=0)
+    run = gate_run(fault, settings, None, None)
+    assert run.not_applicable and run.traces == () and run.edit is None
+    result = judge(fault, run, "", _baseline(), 0.1)
+    assert result.verdict == "not applicable" and result.catch is None
+
+
+# ------------------------------------------------------------------- verdicts
+
+
+def _outcome(trace: str, passed: bool = True, invariant: str = "") -> TraceOutcome:
+    return TraceOutcome(
+        trace, passed, "" if passed else "step 3 (free): api: x", invariant, "after step 3", 0.1
+    )
+
+
+def _baseline(*outcomes: TraceOutcome, exploration: ExploreOutcome | None = None) -> Baseline:
+    traces = outcomes or (_outcome("a"), _outcome("held", passed=False))
+    return Baseline(GateRun(None, None, "", traces, exploration), 1.0)
+
+
+def test_only_traces_that_pass_unmutated_can_catch() -> None:
+    fault = FAULTS[0]
+    baseline = _baseline(_outcome("a"), _outcome("held", passed=False))
+    run = GateRun(fault.name, None, "", (_outcome("a"), _outcome("held", passed=False)), None)
+    assert judge(fault, run, "", baseline, 1.0).verdict == "missed"
+    run = GateRun(fault.name, None, "", (_outcome("a", passed=False),), None)
+    result = judge(fault, run, "", baseline, 1.0)
+    assert result.verdict == "caught" and result.catch is not None
+    assert (result.catch.stage, result.catch.source) == ("trace", "a")
+
+
+def test_an_invariant_only_catch_names_the_invariant() -> None:
+    fault = FAULTS[0]
+    baseline = _baseline(_outcome("a"), _outcome("b", invariant="free_queue_exact"))
+    # On "b" the invariant already fails unmutated: it cannot catch.
+    run = GateRun(fault.name, None, "", (_outcome("b", invariant="free_queue_exact"),), None)
+    assert judge(fault, run, "", baseline, 1.0).verdict == "missed"
+    run = GateRun(fault.name, None, "", (_outcome("a", invariant="ref_accounting"),), None)
+    result = judge(fault, run, "", baseline, 1.0)
+    assert result.catch is not None
+    assert (result.catch.stage, result.catch.source) == ("invariant", "ref_accounting")
+    assert result.invariants == ("ref_accounting",)
+
+
+def test_exploration_counts_only_when_it_passes_unmutated() -> None:
+    fault = FAULTS[0]
+    found = ExploreOutcome(True, "divergence api hit", 20, 1.0)
+    run = GateRun(fault.name, None, "", (_outcome("a"),), found)
+    clean = ExploreOutcome(True, "", 20, 1.0)
+    result = judge(fault, run, "", _baseline(_outcome("a"), exploration=clean), 1.0)
+    assert result.catch is not None and result.catch.stage == "exploration"
+    failing = _baseline(_outcome("a"), exploration=found)
+    assert judge(fault, run, "", failing, 1.0).verdict == "missed"
+
+
+def test_a_hung_or_dead_child_is_not_a_catch() -> None:
+    fault = FAULTS[0]
+    assert judge(fault, None, "hung in x: no verdict", _baseline(), 5.0).verdict == "hung"
+    assert judge(fault, None, "child exited (-9)", _baseline(), 5.0).verdict == "error"
+
+
+def test_own_suite_verdicts() -> None:
+    fault = FAULTS[0]
+    failed = {"fault": fault.name, "failed": [{"test": "t.py::x", "when": "call", "message": "E"}]}
+    assert judge_suite(fault, SuiteRun(1, failed, 1.0, "")).verdict == "caught"
+    clean = {"fault": fault.name, "failed": []}
+    assert judge_suite(fault, SuiteRun(0, clean, 1.0, "")).verdict == "missed"
+    unapplied = {"fault": fault.name, "not_applicable": "anchor not found", "failed": []}
+    assert judge_suite(fault, SuiteRun(NOT_APPLICABLE_EXIT, unapplied, 1.0, "")).verdict == (
+        "not applicable"
+    )
+    # A session that never applied the fault proves nothing.
+    assert judge_suite(fault, SuiteRun(0, {}, 1.0, "")).verdict == "error"
+    assert judge_suite(fault, SuiteRun(-1, clean, 1.0, "")).verdict == "hung"
+
+
+# ------------------------------------------------------- on the real vLLM
+
+
+@needs_vllm
+def test_a_target_that_raises_is_a_divergence_at_that_step(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    trace = bundled_corpus() / "admission-exact-fit.yaml"
+    assert cli.main(["replay", str(trace), "--target", "vllm"]) == 0
+    capsys.readouterr()
+    with injected(BY_NAME["admission-off-by-one"]):
+        code = cli.main(["replay", str(trace), "--target", "vllm"])
+    out, err = capsys.readouterr()
+    assert code == 1 and err == ""
+    assert "first divergence at step 5 (allocate), level api" in out
+    assert "actual:   ValueError: Cannot get 4 free blocks from the pool" in out
+    assert "note:     raised by the target" in out
+    assert "Traceback" not in out
+    assert out.rstrip().endswith("0 passed, 1 failed")
+
+
+@needs_vllm
+def test_fast_subset_is_caught_by_the_expected_traces(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for trace in sorted(set(FAST.values())):
+        shutil.copy(bundled_corpus() / f"{trace}.yaml", corpus)
+    junit = tmp_path / "mutate.xml"
+    # In this process: the campaign forks its children from it (vLLM loaded once).
+    code = cli.main(
+        ["mutate", "--faults", *FAST, "--corpus", str(corpus), "--explore", "0"]
+        + ["--junit-xml", str(junit)]
+    )
+    out = capsys.readouterr().out
+    assert code == 0, out
+    rows = {line.split()[0]: line for line in out.splitlines() if line.split()}
+    for fault, trace in FAST.items():
+        assert " caught " in rows[fault] and f"trace {trace}" in rows[fault], rows[fault]
+    assert f"kill rate: {len(FAST)}/{len(FAST)} applicable faults caught (100.0%)" in out
+    suite = ET.parse(junit).getroot().find("testsuite")
+    assert suite is not None and suite.get("name") == "kvgate-mutate.gate"
+    assert (suite.get("tests"), suite.get("failures")) == (str(len(FAST)), "0")
+
+
+@needs_vllm
+def test_a_fault_that_hangs_the_gate_is_hung_not_caught(tmp_path: Path) -> None:
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    shutil.copy(bundled_corpus() / "abort-mid-prefill.yaml", corpus)
+    looping = replace(
+        BY_NAME["free-unhashed-to-tail"],
+        name="free-count-loops",
+        qualname="BlockPool.get_num_free_blocks",
+        anchor="return self.free_block_queue.num_free_blocks",
+        replacement="while True: pass",
+    )
+    settings = Settings(corpus=corpus, explore_examples=0, timeout=5.0)
+    campaign = run_campaign([looping], settings, jobs=1)
+    [result] = campaign.results
+    assert result.verdict == "hung" and result.catch is None
+    assert "abort-mid-prefill" in result.note and campaign.kill_rate() == (0, 1)
+
+
+POOL_ORDER_TEST = """\
+from vllm.v1.core.block_pool import BlockPool
+
+
+def test_freed_unhashed_blocks_are_reused_first():
+    pool = BlockPool(8, True, 16)
+    blocks = pool.get_new_blocks(2)
+    pool.free_blocks(blocks)
+    assert pool.get_new_blocks(1)[0] is blocks[0]
+"""
+
+
+@needs_vllm
+def test_the_pytest_plugin_runs_a_session_with_the_fault_in(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from vllm.v1.core.block_pool import BlockPool
+
+    original = BlockPool.free_blocks
+    test_file = tmp_path / "test_pool_order.py"
+    test_file.write_text(POOL_ORDER_TEST, encoding="utf-8")
+    report_path = tmp_path / "report.json"
+    monkeypatch.setenv(REPORT_ENV, str(report_path))
+
+    def session() -> tuple[int, dict[str, Any]]:
+        # A session inside this process (vLLM is loaded once), as the
+        # campaign's own sessions run it: plugin first, fault at configure.
+        args = ["-q", "-p", "kvgate.mutate.pytest_plugin", "-p", "no:cacheprovider"]
+        code = pytest.main([*args, "--capture=no", f"--rootdir={tmp_path}", str(test_file)])
+        return int(code), json.loads(report_path.read_text(encoding="utf-8"))
+
+    monkeypatch.delenv(FAULT_ENV, raising=False)
+    code, report = session()
+    assert code == 0 and report == {"fault": None, "failed": []}
+    monkeypatch.setenv(FAULT_ENV, "free-unhashed-to-tail")
+    code, report = session()
+    assert code == 1
+    assert report["edit"]["after"] == "blocks_to_evict_last.append(block)"
+    failed = report["failed"]
+    assert len(failed) == 1
+    assert failed[0]["test"].endswith("test_freed_unhashed_blocks_are_reused_first")
+    # The session reverted its fault when it ended.
+    assert BlockPool.free_blocks is original
