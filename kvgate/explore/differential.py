@@ -15,13 +15,20 @@ from kvgate.conformance.driver import OpDriver
 from kvgate.explore.machine import Mode
 from kvgate.explore.session import ALL_INVARIANTS, HOLD_ONLY_INVARIANTS
 
+# The overlay that gives upstream vLLM 0.33.0 the hold (kvgate.impl.hold_overlay).
+HOLD_OVERLAY = "kvgate.impl.hold_overlay"
 
-def vllm_target(config: Config) -> OpDriver[Any]:
+
+def vllm_target(config: Config, plugin: str | None = None) -> OpDriver[Any]:
     """A `VllmTarget` for `config` (imports vLLM on first use, CPU)."""
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     from kvgate.impl.vllm_target import VllmTarget
 
-    return VllmTarget(config)
+    return VllmTarget(config, plugin=plugin)
+
+
+def vllm_with_overlay(config: Config) -> OpDriver[Any]:
+    return vllm_target(config, plugin=HOLD_OVERLAY)
 
 
 def differential_mode() -> Mode:
@@ -32,3 +39,9 @@ def differential_mode() -> Mode:
     """
     invariants = tuple(i for i in ALL_INVARIANTS if i not in HOLD_ONLY_INVARIANTS)
     return Mode(hold=False, invariants=invariants, lockstep=vllm_target)
+
+
+def overlay_differential_mode() -> Mode:
+    """Model vs vLLM 0.33.0 with the hold overlay, hold on, strict level:
+    every invariant, the hold's included, and any divergence fails."""
+    return Mode(hold=True, invariants=ALL_INVARIANTS, lockstep=vllm_with_overlay)
