@@ -48,6 +48,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "kvgate.explore.command",
     "kvgate.workload.command",
     "kvgate.mutate.command",
+    "kvgate.invariants.z3.command",
 )
 
 

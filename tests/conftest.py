@@ -1,9 +1,11 @@
-"""Fixtures shared by the exploration tests."""
+"""Fixtures shared by several test modules."""
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import io
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,3 +34,26 @@ def total_miss(tmp_path_factory: pytest.TempPathFactory) -> Found:
     saved = sorted(out_dir.glob("*.yaml"))
     assert len(saved) == 1, buffer.getvalue()
     return Found(code, buffer.getvalue(), saved[0])
+
+
+HOLD_OVERLAY = "kvgate.impl.hold_overlay"
+
+
+@pytest.fixture
+def hold_overlay_plugin() -> Iterator[str]:
+    """The hold overlay's plugin name, for a test that loads it into vLLM;
+    uninstalled afterwards unless it was installed before, so no later test
+    in this process runs on an overlaid vLLM."""
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not installed")
+    from kvgate.impl import _vllm_api, hold_overlay
+
+    was_installed = hold_overlay.is_registered()
+    try:
+        yield HOLD_OVERLAY
+    finally:
+        if not was_installed:
+            hold_overlay.unregister()
+            # The adapter loads a plugin once per process; a later
+            # `plugin=` target must install it again.
+            _vllm_api._registered.pop(HOLD_OVERLAY, None)

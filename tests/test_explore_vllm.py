@@ -17,6 +17,7 @@ from kvgate.conformance.replay import replay
 from kvgate.conformance.trace import load_trace
 from kvgate.explore.differential import (
     differential_mode,
+    overlay_differential_mode,
     vllm_target,
 )
 from kvgate.explore.profiles import profile
@@ -35,6 +36,16 @@ def test_differential_ci_profile_no_divergence_and_every_op(tmp_path: Path) -> N
     ops = outcome.stats.ops
     assert [op for op in PRIMITIVE_OPS if not ops[op]] == []
     assert [how for how in FREE_HOW if not ops[f"free:{how}"]] == []
+
+
+def test_overlay_differential_ci_profile_hold_on_no_divergence(
+    tmp_path: Path, hold_overlay_plugin: str
+) -> None:
+    """vLLM 0.33.0 with kvgate's hold overlay, hold on, against the hold-on
+    model: no divergence and no invariant broken in the ci profile."""
+    outcome = explore(overlay_differential_mode(), profile("ci"), out=tmp_path)
+    assert outcome.failure is None, outcome.failure and outcome.failure.summary()
+    assert [op for op in PRIMITIVE_OPS if not outcome.stats.ops[op]] == []
 
 
 def test_the_saved_total_miss_replays_on_vllm_with_the_same_miss(total_miss: Found) -> None:

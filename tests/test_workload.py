@@ -160,22 +160,17 @@ def test_at_the_block_size_the_hold_changes_nothing(on_model: list[ArmResult]) -
 
 
 @pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed")
-def test_vllm_matches_the_model_exactly(traces: list[Path], on_model: list[ArmResult]) -> None:
-    plugin = (
-        "kvgate.impl.hold_overlay"
-        if importlib.util.find_spec("kvgate.impl.hold_overlay") is not None
-        else None
-    )
-    on_vllm = _replay_all(traces, "vllm", plugin)
+def test_vllm_matches_the_model_exactly(
+    traces: list[Path], on_model: list[ArmResult], hold_overlay_plugin: str
+) -> None:
+    on_vllm = _replay_all(traces, "vllm", hold_overlay_plugin)
     for model_result, vllm_result in zip(on_model, on_vllm, strict=True):
-        if vllm_result.skipped:
-            assert plugin is None and vllm_result.arm.hold
-            continue
+        assert not vllm_result.skipped, vllm_result.arm  # the overlay gives vLLM the hold
         assert vllm_result.replay is not None
         assert vllm_result.replay.passed, vllm_result.replay.divergence
         assert vllm_result.replay.capabilities.implementation.startswith("vllm")
         assert vllm_result.counts == model_result.counts
-    assert any(not r.skipped for r in on_vllm if not r.arm.hold)
+    assert {r.arm.hold for r in on_vllm} == {True, False}
 
 
 # -- counting, on a hand-written trace ----------------------------------------------------

@@ -1,0 +1,394 @@
+"""The manager's invariants, and the lemmas that make them inductive, by name.
+
+An invariant is what the manager promises; a lemma is a fact about the
+abstract state the proofs need (an invariant alone is not always inductive:
+a pre-state that satisfies it but that no run reaches could step out of
+it). The checker proves `init => P` and `I and step => P'` for every
+property P, where I is the conjunction of all of them: the lemmas are proved
+exactly like the invariants, so nothing is assumed.
+
+Each property yields named instances (`no_leak[b3]`), so a failed check says
+which block, request or group broke it.
+
+Invariants
+    no_leak                 every ref is accounted for, exactly: a table
+                            entry, a hold, a pending copy's endpoint, or a
+                            block `pop` put aside (snapshot twin:
+                            `predicates.ref_accounting`)
+    free_queue_exact        a block is in the free queue iff its ref is 0
+                            (`predicates.free_queue_exact`)
+    one_hold                a request holds at most one block per Mamba group
+    held_state_keyed        a held block carries a key (a hold pins a state,
+                            not a bare block; `predicates.holds_on_keyed_states`)
+    no_total_miss           with the hold on, the state a resident request
+                            must resume from (its partial-hit source, or its
+                            own moved partial tail) stays keyed and off the
+                            free queue, so no allocation can evict it while
+                            the request runs (the seed's total miss)
+    reservation_covers_tail_swap
+                            the blocks a request pins at once outside its
+                            table through the hold -- its hold, plus the
+                            moved tail's copy taken before the old hold is
+                            released (the tail swap) -- never exceed the one
+                            copy a step already counts plus the extra block
+                            its admission reserved (`lifecycle.ReservationCoversHold`
+                            checks the same on concrete runs)
+    clean_when_idle         no resident request, no popped blocks, no
+                            pending copy: every block is free at ref 0
+
+Lemmas (the strengthening; each is what some invariant's induction needs)
+    counts_nonnegative      copy endpoints and popped counts are >= 0
+    phases                  a request's phase is one of the five
+    only_residents_own      only a running request has table entries, taken
+                            blocks, holds, a pending tail, a checkpoint or a
+                            reservation; only a popped one has blocks aside
+    lookup_shape            a pending lookup has at most one partial-hit
+                            source per group, and it is one of its hits
+    taken_blocks            a block a request took from the pool is in that
+                            request's table, and no one else took it
+    block_groups            a block is used (table, hold, pending tail) only
+                            by the group that took it
+    pending_tail_shape      a keyed tail awaiting its move is one keyed block
+                            the request took itself, keyed this life
+    checkpoint_is_hold      with the hold on, a request holds exactly its
+                            checkpoint; with it off, nothing (no_total_miss
+                            rests on it: a checkpoint is pinned by its hold)
+    hold_reserved           until the tail moves, a request holds no more
+                            than its admission reserved (reservation rests on
+                            it: at the swap, the old hold is a reserved one)
+
+Every property is proved with the hold switch (`hold_on`) free, so for both
+settings at once; those about the hold say "with the hold on" themselves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal, NamedTuple
+
+import z3
+
+from kvgate.invariants.z3.vocabulary import (
+    ABSENT,
+    ENDED,
+    POPPED,
+    RUNNING,
+    Bounds,
+    State,
+    any_of,
+    count,
+)
+
+
+class Instance(NamedTuple):
+    """One instance of a property: `no_leak[b3]` is block 3's."""
+
+    name: str
+    at: dict[str, int]  # its indices: "r" request, "g" group, "b" block
+    expr: Any  # the Z3 boolean
+
+
+def _inst(prop: str, expr: Any, **at: int) -> Instance:
+    where = ",".join(f"{k}{v}" for k, v in at.items())
+    return Instance(f"{prop}[{where}]" if at else prop, at, expr)
+
+
+def _per_mamba_slot(
+    prop: str, bounds: Bounds, expr: Callable[[int, int, int], Any]
+) -> list[Instance]:
+    """One instance per request, Mamba group and block: `expr(r, m, b)`."""
+    return [
+        _inst(prop, expr(r, m, b), r=r, g=m, b=b)
+        for r in bounds.request_ids
+        for m in bounds.mamba_ids
+        for b in bounds.block_ids
+    ]
+
+
+# The one copy a step's own count includes for a pending tail move (upstream
+# counts it: `blocks_needed` adds one block for a request with a partial hit).
+STEP_COPY = 1
+
+
+@dataclass(frozen=True)
+class Property:
+    name: str
+    kind: Literal["invariant", "lemma"]
+    text: str
+    instances: Callable[[State, Bounds], list[Instance]]
+
+    def holds(self, s: State) -> Any:
+        return z3.And([i.expr for i in self.instances(s, s.bounds)])
+
+    def violated(self, s: State, only: Callable[[Instance], bool] | None = None) -> Any:
+        """Some instance (of those `only` keeps) is false."""
+        return z3.Or(
+            [z3.Not(i.expr) for i in self.instances(s, s.bounds) if only is None or only(i)]
+        )
+
+
+def _refs(s: State, bounds: Bounds, b: int) -> Any:
+    return (
+        count(s.table[r, g, b] for r in bounds.request_ids for g in bounds.group_ids)
+        + count(s.hold[r, m, b] for r in bounds.request_ids for m in bounds.mamba_ids)
+        + s.pend[b]
+        + z3.Sum([s.popped[r, b] for r in bounds.request_ids])
+    )
+
+
+def no_leak(s: State, bounds: Bounds) -> list[Instance]:
+    return [_inst("no_leak", s.ref[b] == _refs(s, bounds, b), b=b) for b in bounds.block_ids]
+
+
+def free_queue_exact(s: State, bounds: Bounds) -> list[Instance]:
+    return [_inst("free_queue_exact", s.free[b] == (s.ref[b] == 0), b=b) for b in bounds.block_ids]
+
+
+def one_hold(s: State, bounds: Bounds) -> list[Instance]:
+    return [
+        _inst("one_hold", count(s.hold[r, m, b] for b in bounds.block_ids) <= 1, r=r, g=m)
+        for r in bounds.request_ids
+        for m in bounds.mamba_ids
+    ]
+
+
+def held_state_keyed(s: State, bounds: Bounds) -> list[Instance]:
+    return _per_mamba_slot(
+        "held_state_keyed", bounds, lambda r, m, b: z3.Implies(s.hold[r, m, b], s.keyed[b])
+    )
+
+
+def no_total_miss(s: State, bounds: Bounds) -> list[Instance]:
+    return _per_mamba_slot(
+        "no_total_miss",
+        bounds,
+        lambda r, m, b: z3.Implies(
+            z3.And(s.hold_on, s.phase[r] == RUNNING, s.ckpt[r, m, b]),
+            z3.And(s.ref[b] >= 1, s.keyed[b]),
+        ),
+    )
+
+
+def reservation_covers_tail_swap(s: State, bounds: Bounds) -> list[Instance]:
+    return [
+        _inst("reservation_covers_tail_swap", s.peak[r, m] <= STEP_COPY + s.rsv[r, m], r=r, g=m)
+        for r in bounds.request_ids
+        for m in bounds.mamba_ids
+    ]
+
+
+def clean_when_idle(s: State, bounds: Bounds) -> list[Instance]:
+    idle = z3.And(
+        *[z3.And(s.phase[r] != RUNNING, s.phase[r] != POPPED) for r in bounds.request_ids],
+        *[s.pend[b] == 0 for b in bounds.block_ids],
+    )
+    clean = z3.And([z3.And(s.ref[b] == 0, s.free[b]) for b in bounds.block_ids])
+    return [_inst("clean_when_idle", z3.Implies(idle, clean))]
+
+
+# -- lemmas ------------------------------------------------------------------------
+
+
+def counts_nonnegative(s: State, bounds: Bounds) -> list[Instance]:
+    return [
+        _inst(
+            "counts_nonnegative",
+            z3.And(s.pend[b] >= 0, *[s.popped[r, b] >= 0 for r in bounds.request_ids]),
+            b=b,
+        )
+        for b in bounds.block_ids
+    ]
+
+
+def phases(s: State, bounds: Bounds) -> list[Instance]:
+    return [
+        _inst("phases", z3.And(s.phase[r] >= ABSENT, s.phase[r] <= ENDED), r=r)
+        for r in bounds.request_ids
+    ]
+
+
+def only_residents_own(s: State, bounds: Bounds) -> list[Instance]:
+    """A request that is not running owns no table entry, hold, pending tail,
+    checkpoint or reservation; only a popped one has blocks put aside."""
+    out = []
+    for r in bounds.request_ids:
+        running, popped = s.phase[r] == RUNNING, s.phase[r] == POPPED
+        owned = [
+            z3.Or(s.table[r, g, b], s.own[r, g, b])
+            for g in bounds.group_ids
+            for b in bounds.block_ids
+        ]
+        for m in bounds.mamba_ids:
+            owned += [s.tailed[r, m], s.rsv[r, m] != 0, s.peak[r, m] != 0]
+            for b in bounds.block_ids:
+                owned += [s.hold[r, m, b], s.cowsrc[r, m, b], s.ckpt[r, m, b]]
+        aside = [s.popped[r, b] != 0 for b in bounds.block_ids]
+        owns = z3.And(
+            z3.Implies(z3.Not(running), z3.Not(z3.Or(owned))),
+            z3.Implies(z3.Not(popped), z3.Not(z3.Or(aside))),
+        )
+        out.append(_inst("only_residents_own", owns, r=r))
+    return out
+
+
+def lookup_shape(s: State, bounds: Bounds) -> list[Instance]:
+    """A pending lookup has at most one partial source per group, among its hits."""
+    out = []
+    for r in bounds.request_ids:
+        for g in bounds.group_ids:
+            sources = [s.hsrc[r, g, b] for b in bounds.block_ids]
+            inside = [z3.Implies(s.hsrc[r, g, b], s.hit[r, g, b]) for b in bounds.block_ids]
+            out.append(_inst("lookup_shape", z3.And(count(sources) <= 1, *inside), r=r, g=g))
+    return out
+
+
+def taken_blocks(s: State, bounds: Bounds) -> list[Instance]:
+    """A block one request took from the pool sits in that request's table,
+    and no other request (or group) took it: taking needs ref 0."""
+    out = []
+    for b in bounds.block_ids:
+        takers = [(r, g) for r in bounds.request_ids for g in bounds.group_ids]
+        inside = [z3.Implies(s.own[r, g, b], s.table[r, g, b]) for r, g in takers]
+        one = count(s.own[r, g, b] for r, g in takers) <= 1
+        out.append(_inst("taken_blocks", z3.And(one, *inside), b=b))
+    return out
+
+
+def block_groups(s: State, bounds: Bounds) -> list[Instance]:
+    """A block is used by one group: the one that took it."""
+    out = []
+    for b in bounds.block_ids:
+        uses = [
+            z3.Implies(s.table[r, g, b], s.grp[b] == g)
+            for r in bounds.request_ids
+            for g in bounds.group_ids
+        ]
+        uses += [
+            z3.Implies(z3.Or(s.hold[r, m, b], s.cowsrc[r, m, b]), s.grp[b] == m)
+            for r in bounds.request_ids
+            for m in bounds.mamba_ids
+        ]
+        out.append(_inst("block_groups", z3.And(uses), b=b))
+    return out
+
+
+def pending_tail_shape(s: State, bounds: Bounds) -> list[Instance]:
+    """A tail awaiting its move is one keyed block the request took itself,
+    keyed this life."""
+    out = []
+    for r in bounds.request_ids:
+        for m in bounds.mamba_ids:
+            tail = [s.cowsrc[r, m, b] for b in bounds.block_ids]
+            where = [
+                z3.Implies(s.cowsrc[r, m, b], z3.And(s.own[r, m, b], s.keyed[b]))
+                for b in bounds.block_ids
+            ]
+            shape = z3.And(count(tail) <= 1, z3.Implies(z3.Or(tail), s.tailed[r, m]), *where)
+            out.append(_inst("pending_tail_shape", shape, r=r, g=m))
+    return out
+
+
+def checkpoint_is_hold(s: State, bounds: Bounds) -> list[Instance]:
+    """With the hold on a request holds exactly its checkpoint; off, nothing."""
+    return _per_mamba_slot(
+        "checkpoint_is_hold",
+        bounds,
+        lambda r, m, b: z3.If(
+            s.hold_on, s.hold[r, m, b] == s.ckpt[r, m, b], z3.Not(s.hold[r, m, b])
+        ),
+    )
+
+
+def hold_reserved(s: State, bounds: Bounds) -> list[Instance]:
+    """Until its tail moves, a request's hold is the one admission reserved:
+    before the tail is keyed, and while the keyed tail awaits its move."""
+    out = []
+    for r in bounds.request_ids:
+        for m in bounds.mamba_ids:
+            held = count(s.hold[r, m, b] for b in bounds.block_ids)
+            awaiting = any_of(s.cowsrc[r, m, b] for b in bounds.block_ids)
+            reserved = z3.And(
+                s.rsv[r, m] >= 0,
+                s.rsv[r, m] <= 1,
+                s.peak[r, m] >= 0,
+                z3.Implies(z3.Or(z3.Not(s.tailed[r, m]), awaiting), held <= s.rsv[r, m]),
+            )
+            out.append(_inst("hold_reserved", reserved, r=r, g=m))
+    return out
+
+
+INVARIANTS: tuple[Property, ...] = (
+    Property(
+        "no_leak", "invariant", "ref = table entries + holds + copy endpoints + popped", no_leak
+    ),
+    Property("free_queue_exact", "invariant", "in the free queue iff ref 0", free_queue_exact),
+    Property("one_hold", "invariant", "at most one hold per request and Mamba group", one_hold),
+    Property("held_state_keyed", "invariant", "a held block carries a key", held_state_keyed),
+    Property(
+        "no_total_miss",
+        "invariant",
+        "hold on: a resident request's checkpoint stays keyed, ref >= 1",
+        no_total_miss,
+    ),
+    Property(
+        "reservation_covers_tail_swap",
+        "invariant",
+        "pins at the tail swap <= the step's copy + admission's extra",
+        reservation_covers_tail_swap,
+    ),
+    Property(
+        "clean_when_idle", "invariant", "idle pool: every block free at ref 0", clean_when_idle
+    ),
+)
+
+LEMMAS: tuple[Property, ...] = (
+    Property(
+        "counts_nonnegative", "lemma", "copy endpoints and popped counts >= 0", counts_nonnegative
+    ),
+    Property("phases", "lemma", "a phase is one of the five", phases),
+    Property(
+        "only_residents_own",
+        "lemma",
+        "only a running request owns; only popped aside",
+        only_residents_own,
+    ),
+    Property("lookup_shape", "lemma", "one partial source per group, among the hits", lookup_shape),
+    Property(
+        "taken_blocks", "lemma", "a taken block: in its taker's table, one taker", taken_blocks
+    ),
+    Property("block_groups", "lemma", "a block is used by the group that took it", block_groups),
+    Property(
+        "pending_tail_shape", "lemma", "an awaited tail: one own keyed block", pending_tail_shape
+    ),
+    Property(
+        "checkpoint_is_hold", "lemma", "hold on: hold = checkpoint; off: none", checkpoint_is_hold
+    ),
+    Property("hold_reserved", "lemma", "before the tail moves, holds <= reserved", hold_reserved),
+)
+
+PROPERTIES: tuple[Property, ...] = INVARIANTS + LEMMAS
+PROPERTY_BY_NAME: dict[str, Property] = {p.name: p for p in PROPERTIES}
+
+
+def init(s: State) -> Any:
+    """A fresh manager: every block free at ref 0, unkeyed; no request yet.
+    The hold switch is left free: every proof covers both settings."""
+    bounds = s.bounds
+    out = []
+    for b in bounds.block_ids:
+        out += [s.ref[b] == 0, s.free[b], z3.Not(s.keyed[b]), s.pend[b] == 0]
+        out.append(z3.Not(s.tailkey[b]))
+    for r in bounds.request_ids:
+        out += [s.phase[r] == ABSENT, z3.Not(s.hashit[r])]
+        for b in bounds.block_ids:
+            out.append(s.popped[r, b] == 0)
+        for g in bounds.group_ids:
+            for b in bounds.block_ids:
+                out += [z3.Not(s.table[r, g, b]), z3.Not(s.hit[r, g, b]), z3.Not(s.hsrc[r, g, b])]
+                out.append(z3.Not(s.own[r, g, b]))
+        for m in bounds.mamba_ids:
+            out += [z3.Not(s.tailed[r, m]), s.rsv[r, m] == 0, s.peak[r, m] == 0]
+            for b in bounds.block_ids:
+                out += [z3.Not(s.cowsrc[r, m, b]), z3.Not(s.hold[r, m, b]), z3.Not(s.ckpt[r, m, b])]
+    return z3.And(out)

@@ -1,0 +1,702 @@
+"""The manager's transition relation: one Z3 transition per primitive trace op.
+
+`TRANSITIONS` maps every primitive op of the action table
+(`kvgate.conformance.ops.PRIMITIVE_OPS`) but `check`, which replays nothing,
+to one method of `Encoding`. A transition relates a pre-state `s` and a
+next state `t` (both `vocabulary.State`) for one acting request `r`; the ops
+that act on no request (`step`, `drain`, `evict`) take none.
+
+Each method follows the model's code path for that op, in the model's order,
+as a sequence of pool micro-steps (`get_new`, `touch`, `retain`,
+`free_blocks`: the model's `BlockPool` calls) over intermediate values, so a
+ref count that drops to 0 and is taken again inside one op is handled as the
+model handles it. What the model decides from token positions (how many
+blocks a chunk needs, which states lie behind the running one, which blocks
+its caching keys, whether a chunk ends at the prompt's partial tail, whether
+the pool is short) is a free choice variable here, constrained only by what
+the model guarantees whatever the positions:
+
+- `remove_skipped` frees only blocks of the request's own Mamba tables, never
+  the keyed tail the next chunk must move (that tail is the running block,
+  which is never behind itself);
+- a chunk keys only the request's own table blocks; it keys its prompt's
+  partial tail at most once per life (a prefill passes that position once),
+  on a block it took from the pool itself (its running block: a new block or
+  its copy-on-write copy, never one adopted from a hit), and that tail is the
+  only mid-block key a Mamba block ever gets;
+- a Mamba hit ends where its state's key ends, so a partial Mamba hit is on
+  a mid-block key;
+- a running request's hold is always superseded by its moved tail (the tail
+  lies above the position it resumed from, so it is newer);
+- allocation and eviction take any free blocks (the queue's order is not
+  modelled);
+- a lookup is fresh when its allocate adopts it: its blocks still belong to
+  the group they were found in. The scheduler calls `allocate_slots` right
+  after `get_computed_blocks`; a trace may put other ops in between, and a
+  run whose stale hit was retaken by another group is outside this
+  encoding (the drift test's runs keep lookups fresh).
+
+Each of these is checked, not trusted: the drift test
+(`tests/test_z3_drift.py`) runs the model and requires every concrete step
+to satisfy its transition.
+
+Transition clauses are named (`op: what`), so an unsat core lists the parts
+of a transition a proof used, and a failed check can name them.
+
+Mutated transitions (`MUTATIONS`) subclass `Encoding` and override one
+micro-step each; `kvgate.model.mutations` applies the same change to the
+executable model, under the same name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import z3
+
+from kvgate.conformance.ops import ACTIONS, PRIMITIVE_OPS
+from kvgate.invariants.z3.vocabulary import (
+    ABORT,
+    ABSENT,
+    ATTENTION,
+    ENDED,
+    FIELDS,
+    POPPED,
+    PREEMPT,
+    RUNNING,
+    WAITING,
+    Bounds,
+    Key,
+    State,
+    any_of,
+    count,
+)
+
+Clause = tuple[str, Any]  # (name, Z3 boolean)
+Counts = Mapping[int, Any]  # block id -> Z3 int (or bool) of how many times
+
+
+@dataclass
+class Pool:
+    """The pool's part of a state, threaded through an op's micro-steps."""
+
+    ref: dict[int, Any]
+    free: dict[int, Any]
+    keyed: dict[int, Any]
+    pend: dict[int, Any]
+    grp: dict[int, Any]
+    tailkey: dict[int, Any]
+
+
+class Tx:
+    """One transition under construction.
+
+    `next` starts as the pre-state's variables (everything unchanged) and each
+    micro-step rewrites the entries it changes; `close` equates the next
+    state's variables with them. Fresh choice variables are named
+    `<tag>.<name>` so a model can be read back step by step.
+    """
+
+    def __init__(self, s: State, op: str, r: int | None, tag: str) -> None:
+        self.s = s
+        self.op = op
+        self.r = r
+        self.tag = tag
+        self.next: dict[str, dict[Key, Any]] = {f.name: s.field(f.name) for f in FIELDS}
+        self.clauses: list[Clause] = []
+
+    @property
+    def req(self) -> int:
+        assert self.r is not None, f"{self.op} acts on a request"
+        return self.r
+
+    def require(self, what: str, expr: Any) -> None:
+        self.clauses.append((f"{self.op}: {what}", expr))
+
+    def require_all(self, what: str, exprs: list[Any]) -> None:
+        if exprs:
+            self.require(what, z3.And(exprs))
+
+    def bool(self, name: str) -> Any:
+        return z3.Bool(f"{self.tag}.{name}")
+
+    def int(self, name: str) -> Any:
+        return z3.Int(f"{self.tag}.{name}")
+
+    def pool(self) -> Pool:
+        n = self.next
+        return Pool(*(dict(n[name]) for name in POOL_FIELDS))
+
+    def set_pool(self, pool: Pool) -> None:
+        self.next.update({name: getattr(pool, name) for name in POOL_FIELDS})
+
+    def successor(self) -> State:
+        """The next state as expressions over the pre-state and the choices."""
+        return State(self.s.bounds, f"{self.tag}.next", self.next)
+
+    def named(self) -> list[Clause]:
+        """The clauses, those of one name as one (a tracking literal names one)."""
+        by_name: dict[str, list[Any]] = {}
+        for name, expr in self.clauses:
+            by_name.setdefault(name, []).append(expr)
+        return [(name, z3.And(exprs)) for name, exprs in by_name.items()]
+
+    def close(self, t: State) -> list[Clause]:
+        """The clauses, plus one per field tying `t` to the computed values."""
+        out = self.named()
+        for f in FIELDS:
+            variables = t.field(f.name)
+            equal = [variables[k] == v for k, v in self.next[f.name].items()]
+            out.append((f"{self.op}: next {f.name}", z3.And(equal)))
+        return out
+
+
+class Encoding:
+    """The clean manager. `realizable` adds the constraints bounded model
+    checking uses to keep counterexamples concrete (see `checker.bmc`)."""
+
+    name = "clean"
+    # A mutation's twin in `kvgate.model.mutations`, the invariant it breaks,
+    # and whether it is upstream vLLM 0.33.0's behaviour (its counterexample
+    # then fails on the installed vLLM the same way).
+    target = ""
+    upstream = False
+
+    def __init__(self, bounds: Bounds, realizable: bool = False) -> None:
+        self.bounds = bounds
+        self.realizable = realizable
+
+    def transition(self, op: str, s: State, t: State, r: int | None, tag: str) -> list[Clause]:
+        """The named clauses of `op` taking `s` to `t`, acting on request `r`."""
+        return self.build(op, s, r, tag).close(t)
+
+    def build(self, op: str, s: State, r: int | None, tag: str) -> Tx:
+        """`op` from `s`, acting on request `r`: its clauses and next values."""
+        if op not in TRANSITIONS:
+            raise KeyError(f"no transition for op {op!r}")
+        if acts_on_request(op) != (r is not None):
+            raise ValueError(f"{op}: acting request {r!r} does not fit the op")
+        tx = Tx(s, op, r, tag)
+        TRANSITIONS[op](self, tx)
+        return tx
+
+    # -- pool micro-steps (BlockPool's calls) --------------------------------------
+
+    def get_new(self, tx: Tx, pool: Pool, take: Mapping[int, Any], group: int | None) -> Pool:
+        """`get_new_blocks`: take free blocks, drop their keys, ref 1; for
+        `group` (None: an eviction burst, which frees them again at once)."""
+        tx.require_all("takes free blocks", [z3.Implies(take[b], pool.free[b]) for b in take])
+        out = _copy(pool)
+        for b, taken in take.items():
+            out.ref[b] = z3.If(taken, 1, pool.ref[b])
+            out.free[b] = z3.And(pool.free[b], z3.Not(taken))
+            out.keyed[b] = z3.And(pool.keyed[b], z3.Not(taken))
+            out.tailkey[b] = z3.And(pool.tailkey[b], z3.Not(taken))
+            if group is not None:
+                out.grp[b] = z3.If(taken, group, pool.grp[b])
+        return out
+
+    def touch(self, tx: Tx, pool: Pool, n: Counts) -> Pool:
+        """`touch`: one more ref each; a block at ref 0 leaves the free queue."""
+        out = _copy(pool)
+        for b, k in n.items():
+            k = _as_int(k)
+            out.ref[b] = pool.ref[b] + k
+            out.free[b] = z3.And(pool.free[b], z3.Not(z3.And(k > 0, pool.ref[b] == 0)))
+        return out
+
+    def retain(self, tx: Tx, pool: Pool, n: Counts) -> Pool:
+        """`retain`: one more ref on a block in use; the queue is not looked at."""
+        out = _copy(pool)
+        for b, k in n.items():
+            out.ref[b] = pool.ref[b] + _as_int(k)
+        return out
+
+    def free_blocks(self, tx: Tx, pool: Pool, n: Counts) -> Pool:
+        """`free_blocks`: one ref less each; a block reaching 0 joins the queue."""
+        out = _copy(pool)
+        for b, k in n.items():
+            k = _as_int(k)
+            out.ref[b] = pool.ref[b] - k
+            reaches_zero = z3.And(k > 0, pool.ref[b] > 0, pool.ref[b] - k <= 0)
+            out.free[b] = z3.Or(pool.free[b], reaches_zero)
+        return out
+
+    # -- the hooks mutations override ------------------------------------------------
+
+    def cow_retain(self, tx: Tx, pool: Pool, copy: Counts) -> Pool:
+        """`apply_cow`: the private copy takes a ref for the pending copy too."""
+        return self.retain(tx, pool, copy)
+
+    def hold_enabled(self, tx: Tx) -> Any:
+        """`Holds.enabled`: the switch."""
+        return tx.s.hold_on
+
+    def follows(self, tx: Tx) -> Any:
+        """Whether holds follow a producer's moved keys (`follow_moved_keys`)."""
+        return self.hold_enabled(tx)
+
+    def admission_extra(self, tx: Tx, partial_hit: Any, holding: Any) -> Any:
+        """`Holds.admission_extra`: one block for a partial-tail hit, hold on."""
+        return z3.If(z3.And(tx.s.hold_on, partial_hit, z3.Not(holding)), 1, 0)
+
+    def supersede(
+        self, tx: Tx, pool: Pool, old: Mapping[int, Any], do_hold: Any
+    ) -> tuple[Pool, dict[int, Any]]:
+        """`Holds.hold` releases the hold it replaces; returns the pool and
+        which old blocks stay held (none)."""
+        released = {b: z3.If(z3.And(do_hold, old[b]), 1, 0) for b in old}
+        return self.free_blocks(tx, pool, released), {b: z3.BoolVal(False) for b in old}
+
+    def release_holds(self, tx: Tx, pool: Pool, n: Counts, how: Any) -> Pool:
+        """Every free path releases the request's holds, last."""
+        return self.free_blocks(tx, pool, n)
+
+    # -- the ops ----------------------------------------------------------------------
+
+    def op_arrive(self, tx: Tx) -> None:
+        s, r = tx.s, tx.req
+        tx.require("guard", s.phase[r] == ABSENT)
+        tx.next["phase"][r] = z3.IntVal(WAITING)
+
+    def op_lookup(self, tx: Tx) -> None:
+        s, r, n, bounds = tx.s, tx.req, tx.next, self.bounds
+        tx.require("guard", _live(s, r))
+        n["hashit"][r] = z3.BoolVal(True)
+        shape = []
+        for g in bounds.group_ids:
+            hits, sources = [], []
+            for b in bounds.block_ids:
+                hit, source = tx.bool(f"hit[{g},{b}]"), tx.bool(f"src[{g},{b}]")
+                shape += [
+                    z3.Implies(hit, z3.And(s.keyed[b], s.grp[b] == g)),
+                    z3.Implies(source, hit),
+                ]
+                if g != ATTENTION:
+                    # A Mamba hit ends where its state's key ends: a partial
+                    # hit is on a mid-block (partial-tail) key.
+                    shape.append(z3.Implies(source, s.tailkey[b]))
+                    if self.realizable:  # ... and only there (a block keyed
+                        # at both kinds of position is left out)
+                        shape.append(z3.Implies(hit, source == s.tailkey[b]))
+                n["hit"][r, g, b], n["hsrc"][r, g, b] = hit, source
+                hits.append(hit)
+                sources.append(source)
+            shape.append(count(sources) <= 1)
+            if g != ATTENTION:
+                shape.append(count(hits) <= 1)  # a Mamba hit is one state block
+        tx.require("cached blocks of the group, one partial source", z3.And(shape))
+
+    def op_reserve(self, tx: Tx) -> None:
+        # Reads only: the admission count is `admission_extra` at the allocate.
+        tx.require("guard", _live(tx.s, tx.req))
+
+    def op_allocate(self, tx: Tx) -> None:
+        self._allocate_slots(tx, adopt_hit=True)
+
+    def op_decode1(self, tx: Tx) -> None:
+        self._allocate_slots(tx, adopt_hit=False)
+
+    def op_step(self, tx: Tx) -> None:
+        return None  # new_step_starts clears same-step deferral, not modelled
+
+    def op_drain(self, tx: Tx) -> None:
+        pool = self.free_blocks(tx, tx.pool(), tx.s.pend)
+        pool.pend = {b: z3.IntVal(0) for b in pool.pend}
+        tx.set_pool(pool)
+
+    def op_free(self, tx: Tx) -> None:
+        s, r, bounds = tx.s, tx.req, self.bounds
+        tx.require("guard", _live(s, r))
+        how = tx.int("how")
+        tx.require("how", z3.And(how >= 0, how <= 2))
+        tables = {b: count(s.table[r, g, b] for g in bounds.group_ids) for b in bounds.block_ids}
+        holds = {b: count(s.hold[r, m, b] for m in bounds.mamba_ids) for b in bounds.block_ids}
+        pool = self.free_blocks(tx, tx.pool(), tables)
+        pool = self.release_holds(tx, pool, holds, how)  # holds go last
+        tx.set_pool(pool)
+        self._forget(tx)
+        tx.next["phase"][r] = z3.If(how == PREEMPT, WAITING, ENDED)
+
+    def op_pop(self, tx: Tx) -> None:
+        s, r, bounds = tx.s, tx.req, self.bounds
+        tx.require("guard", _live(s, r))
+        for b in bounds.block_ids:
+            tx.next["popped"][r, b] = count(s.table[r, g, b] for g in bounds.group_ids) + count(
+                s.hold[r, m, b] for m in bounds.mamba_ids
+            )
+        self._forget(tx)
+        tx.next["phase"][r] = z3.IntVal(POPPED)
+
+    def op_release(self, tx: Tx) -> None:
+        s, r, bounds = tx.s, tx.req, self.bounds
+        tx.require("guard", s.phase[r] == POPPED)
+        popped = {b: s.popped[r, b] for b in bounds.block_ids}
+        tx.set_pool(self.free_blocks(tx, tx.pool(), popped))
+        for b in bounds.block_ids:
+            tx.next["popped"][r, b] = z3.IntVal(0)
+        tx.next["phase"][r] = z3.IntVal(ENDED)
+
+    def op_evict(self, tx: Tx) -> None:
+        s, bounds = tx.s, self.bounds
+        taken = {b: tx.bool(f"evict[{b}]") for b in bounds.block_ids}
+        if self.realizable:  # the concrete trace evicts `all`
+            tx.require("realizable: all", z3.And([taken[b] == s.free[b] for b in taken]))
+        pool = self.get_new(tx, tx.pool(), taken, None)
+        tx.set_pool(self.free_blocks(tx, pool, {b: z3.If(taken[b], 1, 0) for b in taken}))
+
+    # -- allocate_slots -----------------------------------------------------------
+
+    def _allocate_slots(self, tx: Tx, adopt_hit: bool) -> None:
+        s, r, n, bounds = tx.s, tx.req, tx.next, self.bounds
+        tx.require("guard", _live(s, r))
+        ok = tx.bool("ok")
+        if self.realizable:
+            tx.require("realizable: ok", ok)
+        first = s.phase[r] == WAITING
+        adopt = z3.And(ok, first, s.hashit[r]) if adopt_hit else z3.BoolVal(False)
+
+        # remove_skipped: runs before the pool check, so even when it fails.
+        pool = tx.pool()
+        freed: dict[int, Any] = {b: z3.IntVal(0) for b in bounds.block_ids}
+        within = []
+        for m in bounds.mamba_ids:
+            for b in bounds.block_ids:
+                drop = tx.bool(f"drop[{m},{b}]")
+                within.append(z3.Implies(drop, z3.And(s.table[r, m, b], z3.Not(s.cowsrc[r, m, b]))))
+                n["table"][r, m, b] = z3.And(s.table[r, m, b], z3.Not(drop))
+                n["own"][r, m, b] = z3.And(s.own[r, m, b], z3.Not(drop))
+                freed[b] = freed[b] + z3.If(drop, 1, 0)
+        tx.require("skipped states are own, not the keyed tail", z3.And(within))
+        pool = self.free_blocks(tx, pool, freed)
+
+        # add_hit_blocks: the pending lookup, on the first allocation only.
+        # The lookup is fresh: its blocks still belong to the group they were
+        # found in (the scheduler allocates right after it looks up).
+        if adopt_hit:
+            tx.require(
+                "the lookup is fresh",
+                z3.And(
+                    [
+                        z3.Implies(z3.And(adopt, s.hit[r, g, b]), s.grp[b] == g)
+                        for g in bounds.group_ids
+                        for b in bounds.block_ids
+                    ]
+                ),
+            )
+            adopted = {
+                b: count(z3.And(adopt, s.hit[r, g, b]) for g in bounds.group_ids)
+                for b in bounds.block_ids
+            }
+            pool = self.touch(tx, pool, adopted)
+            for g in bounds.group_ids:
+                for b in bounds.block_ids:
+                    n["table"][r, g, b] = z3.Or(n["table"][r, g, b], z3.And(adopt, s.hit[r, g, b]))
+
+        for g in bounds.group_ids:
+            pool = self._allocate_group(tx, pool, g, ok, adopt)
+        pool = self._cache(tx, pool, ok)
+        tx.set_pool(pool)
+
+        n["phase"][r] = z3.If(ok, RUNNING, s.phase[r])
+        if adopt_hit:  # the driver clears the pending lookup on success
+            n["hashit"][r] = z3.And(s.hashit[r], z3.Not(ok))
+            for g in bounds.group_ids:
+                for b in bounds.block_ids:
+                    n["hit"][r, g, b] = z3.And(s.hit[r, g, b], z3.Not(ok))
+                    n["hsrc"][r, g, b] = z3.And(s.hsrc[r, g, b], z3.Not(ok))
+
+    def _allocate_group(self, tx: Tx, pool: Pool, g: int, ok: Any, adopt: Any) -> Pool:
+        """One group's `allocate`: new blocks, the copy-on-write, and (Mamba)
+        the tail move, following holds, and the hold itself."""
+        s, r, n, bounds = tx.s, tx.req, tx.next, self.bounds
+        blocks = bounds.block_ids
+        partial = any_of(s.hsrc[r, g, b] for b in blocks)
+        cow_new = z3.And(adopt, partial)  # a new request's partial hit
+        move = (
+            z3.And(ok, any_of(s.cowsrc[r, g, b] for b in blocks))
+            if g != ATTENTION
+            else z3.BoolVal(False)
+        )
+        copy = {b: tx.bool(f"copy[{g},{b}]") for b in blocks}
+        new = {b: tx.bool(f"new[{g},{b}]") for b in blocks}
+        tx.require(
+            f"group {g}: one copy per copy-on-write, new blocks only on success",
+            z3.And(
+                count(copy.values()) == z3.If(z3.Or(cow_new, move), 1, 0),
+                *[z3.Implies(new[b], z3.And(ok, z3.Not(copy[b]))) for b in blocks],
+            ),
+        )
+        pool = self.get_new(tx, pool, {b: z3.Or(copy[b], new[b]) for b in blocks}, g)
+
+        # apply_cow: the copy replaces the shared source in the table; both
+        # stay referenced by the pending copy until `drain`.
+        source = {b: z3.And(cow_new, s.hsrc[r, g, b]) for b in blocks}
+        for b in blocks:
+            n["table"][r, g, b] = z3.Or(
+                z3.And(n["table"][r, g, b], z3.Not(source[b])),
+                z3.And(cow_new, copy[b]),
+                new[b],
+            )
+        for b in blocks:
+            n["own"][r, g, b] = z3.Or(n["own"][r, g, b], z3.And(cow_new, copy[b]), new[b])
+        pool = self.cow_retain(tx, pool, {b: z3.And(cow_new, copy[b]) for b in blocks})
+        for b in blocks:
+            pool.pend[b] = pool.pend[b] + count([source[b], z3.And(cow_new, copy[b])])
+        if g == ATTENTION:
+            return pool
+
+        m = g
+        tail = {b: s.cowsrc[r, m, b] for b in blocks}
+        # move_keys: the keyed tail's keys go to the copy; the request keeps
+        # writing the source block.
+        tail_keyed = any_of(z3.And(tail[b], pool.keyed[b]) for b in blocks)
+        tail_tailkey = any_of(z3.And(tail[b], pool.tailkey[b]) for b in blocks)
+        for b in blocks:
+            pool.keyed[b] = z3.If(
+                z3.And(move, copy[b]),
+                tail_keyed,
+                z3.If(z3.And(move, tail[b]), False, pool.keyed[b]),
+            )
+            pool.tailkey[b] = z3.If(
+                z3.And(move, copy[b]),
+                tail_tailkey,
+                z3.If(z3.And(move, tail[b]), False, pool.tailkey[b]),
+            )
+        # follow_moved_keys: others holding the source now hold the copy; the
+        # specification's checkpoints follow the keys whatever the switch.
+        follow = self.follows(tx)
+        touched = {b: z3.IntVal(0) for b in blocks}
+        released = {b: z3.IntVal(0) for b in blocks}
+        for q in bounds.request_ids:
+            if q == r:
+                continue
+            holder = z3.And(
+                move, follow, any_of(z3.And(n["hold"][q, m, b], tail[b]) for b in blocks)
+            )
+            resumer = z3.And(move, any_of(z3.And(n["ckpt"][q, m, b], tail[b]) for b in blocks))
+            for b in blocks:
+                n["hold"][q, m, b] = _moved(holder, n["hold"][q, m, b], tail[b], copy[b])
+                n["ckpt"][q, m, b] = _moved(resumer, n["ckpt"][q, m, b], tail[b], copy[b])
+                touched[b] = touched[b] + z3.If(z3.And(holder, copy[b]), 1, 0)
+                released[b] = released[b] + z3.If(z3.And(holder, tail[b]), 1, 0)
+        pool = self.touch(tx, pool, touched)
+        pool = self.free_blocks(tx, pool, released)
+        for b in blocks:
+            pool.pend[b] = pool.pend[b] + count([z3.And(move, tail[b]), z3.And(move, copy[b])])
+        pool = self.retain(tx, pool, {b: z3.And(move, tail[b]) for b in blocks})
+        for b in blocks:
+            n["cowsrc"][r, m, b] = z3.And(s.cowsrc[r, m, b], z3.Not(move))
+
+        # Holds.hold: the hit source a new request copied from, or the copy a
+        # running request's tail moved to, if it carries a key.
+        target = {b: z3.Or(source[b], z3.And(move, copy[b])) for b in blocks}
+        takes = z3.And(
+            z3.Or(cow_new, move), any_of(z3.And(target[b], pool.keyed[b]) for b in blocks)
+        )
+        do_hold = z3.And(self.hold_enabled(tx), takes)
+        old = {b: n["hold"][r, m, b] for b in blocks}
+        pool = self.touch(tx, pool, {b: z3.And(do_hold, target[b]) for b in blocks})
+        pool, kept = self.supersede(tx, pool, old, do_hold)
+        for b in blocks:
+            n["hold"][r, m, b] = z3.If(do_hold, z3.Or(target[b], kept[b]), old[b])
+            n["ckpt"][r, m, b] = z3.If(takes, target[b], n["ckpt"][r, m, b])
+
+        # Ghosts: what admission reserved, and the most pinned at once (the
+        # old hold is released only after the moved tail's copy is taken).
+        first = z3.And(ok, s.phase[r] == WAITING)
+        holding = any_of(s.hold[r, m, b] for b in blocks)
+        n["rsv"][r, m] = z3.If(
+            first, self.admission_extra(tx, z3.And(adopt, partial), holding), s.rsv[r, m]
+        )
+        at_swap = count(old.values()) + 1
+        n["peak"][r, m] = z3.If(
+            first,
+            count(n["hold"][r, m, b] for b in blocks),
+            z3.If(z3.And(move, at_swap > s.peak[r, m]), at_swap, s.peak[r, m]),
+        )
+        return pool
+
+    def _cache(self, tx: Tx, pool: Pool, ok: Any) -> Pool:
+        """`cache`: key some of the request's table blocks; in each Mamba group
+        maybe its prompt's partial tail, which the next chunk must move."""
+        s, r, n, bounds = tx.s, tx.req, tx.next, self.bounds
+        out = _copy(pool)
+        rules = []
+        keyed = {b: tx.bool(f"key[{b}]") for b in bounds.block_ids}
+        # Keying may add a mid-block key or replace one by a full-block key.
+        mid_block = {b: tx.bool(f"midkey[{b}]") for b in bounds.block_ids}
+        for b in bounds.block_ids:
+            own = any_of(n["table"][r, g, b] for g in bounds.group_ids)
+            rules.append(z3.Implies(keyed[b], z3.And(ok, own)))
+            out.keyed[b] = z3.Or(pool.keyed[b], keyed[b])
+            out.tailkey[b] = z3.If(keyed[b], mid_block[b], pool.tailkey[b])
+        for m in bounds.mamba_ids:
+            tail = tx.bool(f"tail[{m}]")
+            at = {b: tx.bool(f"tail[{m},{b}]") for b in bounds.block_ids}
+            rules.append(z3.Implies(tail, z3.And(ok, z3.Not(s.tailed[r, m]))))
+            rules.append(count(at.values()) == z3.If(tail, 1, 0))
+            for b in bounds.block_ids:
+                rules.append(z3.Implies(at[b], z3.And(n["own"][r, m, b], keyed[b], mid_block[b])))
+                # A Mamba block gets a mid-block key only as the prompt's tail.
+                rules.append(z3.Implies(z3.And(keyed[b], mid_block[b], n["table"][r, m, b]), at[b]))
+                n["cowsrc"][r, m, b] = z3.Or(n["cowsrc"][r, m, b], at[b])
+            n["tailed"][r, m] = z3.Or(s.tailed[r, m], tail)
+        tx.require("keys own blocks, the tail once", z3.And(rules))
+        return out
+
+    def _forget(self, tx: Tx) -> None:
+        """What every end of residency drops (free, preempt, pop)."""
+        r, n, bounds = tx.req, tx.next, self.bounds
+        false, zero = z3.BoolVal(False), z3.IntVal(0)
+        n["hashit"][r] = false
+        for g in bounds.group_ids:
+            for b in bounds.block_ids:
+                n["table"][r, g, b] = n["hit"][r, g, b] = n["hsrc"][r, g, b] = false
+                n["own"][r, g, b] = false
+        for m in bounds.mamba_ids:
+            n["tailed"][r, m] = false
+            n["rsv"][r, m] = n["peak"][r, m] = zero
+            for b in bounds.block_ids:
+                n["cowsrc"][r, m, b] = n["hold"][r, m, b] = n["ckpt"][r, m, b] = false
+
+
+def _live(s: State, r: int) -> Any:
+    return z3.Or(s.phase[r] == WAITING, s.phase[r] == RUNNING)
+
+
+def _moved(moves: Any, held: Any, source: Any, copy: Any) -> Any:
+    """A membership after `source`'s keys moved to `copy` (when `moves`)."""
+    return z3.If(moves, z3.Or(z3.And(held, z3.Not(source)), copy), held)
+
+
+def _as_int(k: Any) -> Any:
+    return z3.If(k, 1, 0) if z3.is_bool(k) else k
+
+
+def _copy(pool: Pool) -> Pool:
+    return Pool(*(dict(getattr(pool, name)) for name in POOL_FIELDS))
+
+
+POOL_FIELDS = ("ref", "free", "keyed", "pend", "grp", "tailkey")
+
+
+TRANSITIONS: dict[str, Callable[[Encoding, Tx], None]] = {
+    "arrive": Encoding.op_arrive,
+    "lookup": Encoding.op_lookup,
+    "reserve": Encoding.op_reserve,
+    "allocate": Encoding.op_allocate,
+    "decode1": Encoding.op_decode1,
+    "step": Encoding.op_step,
+    "drain": Encoding.op_drain,
+    "free": Encoding.op_free,
+    "pop": Encoding.op_pop,
+    "release": Encoding.op_release,
+    "evict": Encoding.op_evict,
+}
+# `check` compares state and replays nothing: it is no transition.
+ENCODED_OPS: tuple[str, ...] = tuple(op for op in PRIMITIVE_OPS if op != "check")
+
+
+def acts_on_request(op: str) -> bool:
+    return "req" in ACTIONS[op].required
+
+
+# -- mutated transitions ------------------------------------------------------------
+
+
+class HoldOff(Encoding):
+    """The hold never acts although the switch is on: upstream vLLM 0.33.0."""
+
+    name = "hold_off"
+    target = "no_total_miss"
+    upstream = True
+
+    def hold_enabled(self, tx: Tx) -> Any:
+        return z3.BoolVal(False)
+
+    def admission_extra(self, tx: Tx, partial_hit: Any, holding: Any) -> Any:
+        return z3.IntVal(0)
+
+
+class NoAdmissionExtra(Encoding):
+    """Admission forgets the +1 for a partial-tail hit."""
+
+    name = "no_admission_extra"
+    target = "reservation_covers_tail_swap"
+    upstream = True
+
+    def admission_extra(self, tx: Tx, partial_hit: Any, holding: Any) -> Any:
+        return z3.IntVal(0)
+
+
+class AbortKeepsHold(Encoding):
+    """`free(abort)` forgets the request's holds without releasing them."""
+
+    name = "abort_keeps_hold"
+    target = "no_leak"
+
+    def release_holds(self, tx: Tx, pool: Pool, n: Counts, how: Any) -> Pool:
+        kept = {b: z3.If(how == ABORT, 0, _as_int(k)) for b, k in n.items()}
+        return self.free_blocks(tx, pool, kept)
+
+
+class CowCopyUnreferenced(Encoding):
+    """`apply_cow` forgets the pending copy's ref on the private copy."""
+
+    name = "cow_copy_unreferenced"
+    target = "no_leak"
+
+    def cow_retain(self, tx: Tx, pool: Pool, copy: Counts) -> Pool:
+        return pool
+
+
+class TouchKeepsQueued(Encoding):
+    """`touch` adopts a ref-0 block without taking it out of the free queue."""
+
+    name = "touch_keeps_queued"
+    target = "free_queue_exact"
+
+    def touch(self, tx: Tx, pool: Pool, n: Counts) -> Pool:
+        return self.retain(tx, pool, n)
+
+
+class SupersededHoldKept(Encoding):
+    """A newer hold does not release the one it supersedes: the request holds both."""
+
+    name = "superseded_hold_kept"
+    target = "one_hold"
+
+    def supersede(
+        self, tx: Tx, pool: Pool, old: Mapping[int, Any], do_hold: Any
+    ) -> tuple[Pool, dict[int, Any]]:
+        return pool, dict(old)
+
+
+class NoFollow(Encoding):
+    """Holds stay on a producer's block when its keys move to the copy."""
+
+    name = "no_follow"
+    target = "held_state_keyed"
+
+    def follows(self, tx: Tx) -> Any:
+        return z3.BoolVal(False)
+
+
+# Every encoding by name: the clean one and each mutation.
+ENCODINGS: dict[str, type[Encoding]] = {
+    e.name: e
+    for e in (
+        Encoding,
+        HoldOff,
+        NoAdmissionExtra,
+        AbortKeepsHold,
+        CowCopyUnreferenced,
+        TouchKeepsQueued,
+        SupersededHoldKept,
+        NoFollow,
+    )
+}
+MUTATIONS: tuple[str, ...] = tuple(name for name in ENCODINGS if name != "clean")

@@ -1,0 +1,177 @@
+"""The Z3 transition relation admits every step the model takes (no drift).
+
+Hypothesis generates small configurations and scheduler-like op sequences;
+each op runs on the executable model, both states are abstracted into the
+Z3 vocabulary (`abstraction.observe`), and the op's transition must relate
+them with every observed value fixed (ghosts carried along). Every abstract
+state reached must also satisfy every proved property: the proofs are about
+the machine the gate replays.
+
+The runs keep the encoding's one assumption about traces: a waiting
+request's `lookup` is followed by its `allocate` (the scheduler's
+`get_computed_blocks` then `allocate_slots`), so no hit goes stale in
+between.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from hypothesis import HealthCheck, Phase, event, given, settings
+from hypothesis import strategies as st
+
+from kvgate.conformance.config import Config, GroupConfig
+from kvgate.conformance.ops import Segment, Step
+from kvgate.conformance.target import StepRefused
+from kvgate.conformance.writer import dump_trace
+from kvgate.invariants.z3.abstraction import Drift, acting, bounds_of, observe
+from kvgate.model.target import ModelTarget
+
+MAX_REQUESTS = 3
+UNIT = 8
+
+
+@st.composite
+def configs(draw: st.DrawFn) -> Config:
+    mamba = [32] + draw(st.sampled_from([[], [32], [16]]))  # one spec, two, two specs
+    spec = draw(st.integers(0, 1))
+    return Config(
+        num_blocks=draw(st.sampled_from([8, 10])),  # few bounds: solvers are reused
+        hash_unit=UNIT,
+        groups=(
+            GroupConfig("full_attention", draw(st.sampled_from([8, 16, 32, 32]))),
+            *[GroupConfig("mamba_align", size, speculative_blocks=spec) for size in mamba],
+        ),
+        eagle=draw(st.booleans()),
+        retention_interval=draw(st.sampled_from([None, 0])),
+        retain_checkpoint=draw(st.sampled_from([True, True, False])),
+        scheduler_block_size=32,
+        max_num_scheduled_tokens=draw(st.sampled_from([16, 32, 8192])),
+    )
+
+
+@dataclass
+class Run:
+    config: Config
+    model: ModelTarget = field(init=False)
+    drift: Drift = field(init=False)
+    names: dict[str, int] = field(default_factory=dict)
+    steps: list[Step] = field(default_factory=list)
+    seen: set[str] = field(default_factory=set)  # what the run exercised
+
+    def __post_init__(self) -> None:
+        self.model = ModelTarget(self.config)
+        self.bounds = bounds_of(self.config, MAX_REQUESTS)
+        self.drift = Drift(self.bounds)
+
+    def names_for(self, step: Step) -> dict[str, int]:
+        if step.op == "arrive" and step.req is not None:
+            self.names.setdefault(step.req, len(self.names))
+        return self.names
+
+    def apply(self, step: Step) -> dict[str, object] | None:
+        """Run one op on the model and check it against the encoding;
+        None if the driver refuses it (an op this state cannot take)."""
+        names = self.names_for(step)
+        before = observe(self.model, names, self.bounds)
+        try:
+            seen = self.model.apply(step)
+        except StepRefused:
+            return None
+        self.steps.append(step)
+        after = observe(self.model, names, self.bounds)
+        verdict = self.drift.step(step.op, acting(step.op, step.req, names), before, after)
+        assert not verdict.not_admitted, self.report(f"not admitted: {verdict.not_admitted}")
+        assert not verdict.violated, self.report(f"properties violated: {verdict.violated}")
+        moved = step.op in ("allocate", "decode1") and any(
+            v and not after["cowsrc"][k] for k, v in before["cowsrc"].items()
+        )
+        for what, happened in (
+            ("a tail moved", moved),
+            ("a request holds a block", any(after["hold"].values())),
+            ("a copy is pending", any(after["pend"].values())),
+            ("blocks are popped", any(after["popped"].values())),
+        ):
+            if happened and what not in self.seen:
+                self.seen.add(what)
+                event(what)
+        return seen
+
+    def report(self, what: str) -> str:
+        trace = dump_trace("drift", self.config, self.steps)
+        return f"{what} at step {len(self.steps) - 1} of this run:\n{trace}"
+
+
+def live(run: Run) -> list[str]:
+    return [n for n, p in run.model.requests.items() if not p.ended]
+
+
+def waiting(run: Run) -> list[str]:
+    return [n for n in live(run) if not run.model.has_blocks(run.model.requests[n].request)]
+
+
+def running(run: Run) -> list[str]:
+    return [n for n in live(run) if run.model.has_blocks(run.model.requests[n].request)]
+
+
+@settings(
+    max_examples=25,
+    deadline=None,
+    phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink],
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(config=configs(), data=st.data())
+def test_every_model_step_is_a_transition(config: Config, data: st.DataObject) -> None:
+    run = Run(config)
+    spec = config.groups[1].speculative_blocks
+    for _ in range(data.draw(st.integers(6, 30), label="ops")):
+        # Weighted toward requests making progress, so runs reach partial
+        # tails, their moves, holds and follow-up turns.
+        choices = ["arrive"] * 2 if len(run.model.requests) < MAX_REQUESTS else []
+        choices += ["admit"] * 4 if waiting(run) else []
+        choices += ["run"] * 6 + ["free", "pop"] if running(run) else []
+        choices += ["release"] if run.model.popped else []
+        choices += ["step", "drain", "drain", "evict"]
+        kind = data.draw(st.sampled_from(choices), label="op")
+        if kind == "arrive":
+            name = f"R{len(run.model.requests)}"
+            # Prompts the pool can hold: a few blocks each.
+            fresh = Segment("fresh", count=data.draw(st.integers(1, 40)))
+            earlier = list(run.model.requests)
+            prompt: tuple[Segment, ...] = (fresh,)
+            if earlier and data.draw(st.sampled_from([True, True, False])):
+                base = data.draw(st.sampled_from(earlier))
+                copied: Literal["all_of", "prompt_of"] = data.draw(
+                    st.sampled_from(["all_of", "prompt_of"])
+                )
+                prompt = (Segment(copied, req=base), fresh)
+            run.apply(Step("arrive", 0, req=name, prompt=prompt))
+        elif kind == "admit":
+            # The scheduler: look up, maybe count, then allocate at once.
+            name = data.draw(st.sampled_from(waiting(run)))
+            run.apply(Step("lookup", 0, req=name))
+            if data.draw(st.booleans()):
+                run.apply(Step("reserve", 0, req=name))
+            run.apply(Step("allocate", 0, req=name, tokens="auto", lookahead=spec))
+        elif kind == "run":
+            name = data.draw(st.sampled_from(running(run)))
+            request = run.model.requests[name].request
+            if request.num_computed_tokens < request.num_tokens:
+                run.apply(Step("allocate", 0, req=name, tokens="auto", lookahead=spec))
+            else:
+                run.apply(Step("decode1", 0, req=name, spec=data.draw(st.integers(0, spec))))
+        elif kind in ("free", "pop"):
+            name = data.draw(st.sampled_from(running(run) + waiting(run)))
+            how = data.draw(st.sampled_from(["finish", "abort", "preempt"]))
+            run.apply(Step(kind, 0, req=name, how=how if kind == "free" else None))
+        elif kind == "release":
+            run.apply(Step("release", 0, req=data.draw(st.sampled_from(list(run.model.popped)))))
+        elif kind == "evict":
+            free = run.model.num_free_blocks()
+            blocks: int | Literal["all"] = data.draw(
+                st.one_of(st.just("all"), st.integers(0, free))
+            )
+            run.apply(Step("evict", 0, blocks=blocks))
+        else:
+            run.apply(Step(kind, 0))
