@@ -8,13 +8,14 @@ replays every arm on each target alone (no lockstep model, so each number is
 that target's own cost): one pass timed, one pass under tracemalloc for the
 peak of Python allocations (tracemalloc slows a run, so the timed pass runs
 without it). vLLM is imported and a manager built before anything is timed.
-Hold-on arms run on vLLM through the hold overlay when it is installed.
+vLLM runs with kvgate's hold overlay, which gives it the hold and the
+production fork's retention of retired states (`--build fork`, the default);
+`--build upstream` runs vLLM 0.33.0's own behaviour in the hold-off arm.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import sys
 import tempfile
@@ -75,18 +76,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--turns", type=int, default=Workload().turns)
     parser.add_argument("--seed", type=int, default=Workload().seed)
     parser.add_argument("--out", type=Path, help="where the traces go (default: a temp dir)")
+    parser.add_argument("--build", default="fork", choices=("fork", "upstream"))
     args = parser.parse_args(argv)
 
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     from kvgate.impl.vllm_target import VllmTarget
     from kvgate.model import ModelTarget
 
-    plugin = OVERLAY if importlib.util.find_spec(OVERLAY) is not None else None
+    plugin = OVERLAY
     workload = Workload(sessions=args.sessions, turns=args.turns, seed=args.seed)
-    deployment = Deployment().scaled(args.scale)
+    deployment = Deployment(build=args.build).scaled(args.scale)
     units = sorted({int(u) // args.scale for u in args.units.split(",")})
-    holds = (False, True) if plugin else (False,)
-    arms = [Arm(u, h) for u in units for h in holds]
+    arms = [Arm(u, h) for u in units for h in (False, True)]
 
     def vllm(config: Config) -> Target:
         return VllmTarget(config, plugin=plugin)
@@ -106,7 +107,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"workload: {workload.sessions} sessions x {workload.turns} turns, seed {args.seed}, "
         f"units {','.join(map(str, units))}"
         + (f", tokens / {args.scale}" if args.scale > 1 else "")
-        + f"; {len(arms)} traces ({'hold off and on' if plugin else 'hold off only'})"
+        + f"; build {args.build}; {len(arms)} traces (hold off and on)"
     )
     print(f"generate (model as oracle) + write: {generate_s:.1f}s; read back: {load_s:.1f}s")
     model_s, model_steps = timed(traces, ModelTarget)

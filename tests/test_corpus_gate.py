@@ -1,9 +1,12 @@
 """The bundled corpus on both targets: the issue's acceptance, run for real.
 
-Hold-off traces must conform at strict level on the installed vLLM (0.33.0
-upstream here) and on the model. Hold-on traces conform on the model; on a
-build without the hold, the gate must fail them on the trace's expectations
-(the lockstep model running with the hold off) and say the target lacks it.
+Upstream traces (neither the hold nor the fork's retired-state retention)
+must conform at strict level on the installed vLLM (0.33.0 upstream here)
+and on the model. Hold-on traces conform on the model; on a build without
+the hold, the gate must fail them on the trace's expectations (the lockstep
+model running with the hold off) and say the target lacks it. Traces of the
+fork's retention say so too; the one whose next turn needs the retained
+state fails there.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from kvgate.conformance.ops import Step
-from kvgate.conformance.replay import HOLD_NOTE, ReplayResult, replay
+from kvgate.conformance.replay import HOLD_NOTE, RETIRE_NOTE, ReplayResult, replay
 from kvgate.conformance.target import Target, WatchedTarget
 from kvgate.conformance.trace import Trace, bundled_corpus, load_corpus
 from kvgate.invariants.predicates import check_snapshot
@@ -19,7 +22,9 @@ from kvgate.model import ModelTarget
 
 CORPUS = load_corpus(bundled_corpus())
 HOLD_ON = [t for t in CORPUS if t.config.retain_checkpoint]
-HOLD_OFF = [t for t in CORPUS if not t.config.retain_checkpoint]
+RETIRED = [t for t in CORPUS if t.config.retain_retired]
+# What upstream vLLM 0.33.0 runs as it is.
+HOLD_OFF = [t for t in CORPUS if not t.config.retain_checkpoint and not t.config.retain_retired]
 
 
 def ids(traces: list[Trace]) -> list[str]:
@@ -27,10 +32,12 @@ def ids(traces: list[Trace]) -> list[str]:
 
 
 def test_the_corpus_covers_the_seed_in_both_arms_and_more() -> None:
+    # Each seed scenario in both arms; some also as the fork's build (`.fork`).
     seeds = {t.name.split(".hold-")[0] for t in CORPUS if t.name.startswith("seed")}
     for scenario in seeds:
         assert {f"{scenario}.hold-on", f"{scenario}.hold-off"} <= set(ids(CORPUS))
     assert {s.split("-")[0] for s in seeds} == {f"seed{i}" for i in range(1, 6)}
+    assert any(s.endswith(".fork") for s in seeds)
     own = [t for t in CORPUS if not t.name.startswith("seed")]
     assert len(own) >= 10
 
@@ -72,6 +79,22 @@ def test_hold_on_traces_fail_on_upstream_vllm_which_lacks_the_hold(trace: Trace)
     # like the model with the hold off.
     failures = [result.divergence, *result.also]
     assert all(d is not None and d.level == "expect" for d in failures)
+
+
+@pytest.mark.parametrize("trace", RETIRED, ids=ids(RETIRED))
+def test_retired_state_traces_say_upstream_keeps_none(trace: Trace) -> None:
+    pytest.importorskip("vllm")
+    result = replay_on_vllm(trace)
+    if result.capabilities.retire:
+        pytest.skip("the installed vLLM build retains retired states")
+    assert RETIRE_NOTE in result.notes
+    failures = [d for d in (result.divergence, *result.also) if d is not None]
+    assert all(d.level == "expect" for d in failures)
+    if trace.name == "retired-state-held.fork.hold-off":
+        # The next turn needed the retained state: upstream misses it.
+        assert [(d.step.op, d.expected, d.actual) for d in failures if d.what == "hit"] == [
+            ("lookup", 96, 0)
+        ]
 
 
 @pytest.mark.parametrize(

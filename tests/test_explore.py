@@ -120,7 +120,7 @@ def test_hold_on_ci_profile_finds_nothing(tmp_path: Path) -> None:
 def test_hold_without_its_admission_block_breaks_the_reservation(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(Holds, "admission_extra", lambda self, *args: 0)
+    monkeypatch.setattr(Holds, "admission_extra", lambda self, *args, **kwargs: 0)
     outcome = search(model_mode(hold=True), tmp_path, seed=2)
     failure = outcome.failure
     assert failure is not None and failure.invariant == "reservation_covers_hold"

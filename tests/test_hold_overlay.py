@@ -21,7 +21,7 @@ import pytest
 
 from kvgate import cli
 from kvgate.conformance.ops import Step
-from kvgate.conformance.replay import HOLD_NOTE, ReplayResult, replay
+from kvgate.conformance.replay import HOLD_NOTE, RETIRE_NOTE, ReplayResult, replay
 from kvgate.conformance.snapshot import Snapshot
 from kvgate.conformance.target import Target, WatchedTarget
 from kvgate.conformance.trace import Trace, bundled_corpus, load_corpus
@@ -33,8 +33,10 @@ pytestmark = pytest.mark.skipif(
 
 PLUGIN = "kvgate.impl.hold_overlay"
 CORPUS = load_corpus(bundled_corpus())
-HOLD_ON = [t for t in CORPUS if t.config.retain_checkpoint]
-HOLD_OFF = [t for t in CORPUS if not t.config.retain_checkpoint]
+# Traces that need what upstream lacks: the hold, or the fork's retention of
+# retired states (the overlay offers both); and those upstream runs as it is.
+HOLD_ON = [t for t in CORPUS if t.config.retain_checkpoint or t.config.retain_retired]
+HOLD_OFF = [t for t in CORPUS if not t.config.retain_checkpoint and not t.config.retain_retired]
 # A Mamba block wider than the hash unit, used by no corpus trace, so this
 # module's startup line is not one an earlier build already logged.
 LOG_UNIT, LOG_BLOCK = 16, 64
@@ -104,18 +106,27 @@ def test_the_corpus_has_both_arms() -> None:
 @pytest.mark.parametrize("trace", HOLD_ON, ids=ids(HOLD_ON))
 def test_hold_on_trace_conforms_with_the_overlay(overlay: Any, trace: Trace) -> None:
     result = run(trace, PLUGIN)
-    assert result.capabilities.hold is True
-    assert result.capabilities.hold_source == overlay.HOLD_SOURCE
-    assert not result.notes  # the lockstep model ran with the hold on
+    assert result.capabilities.hold is trace.config.retain_checkpoint
+    assert result.capabilities.retire is trace.config.retain_retired
+    if trace.config.retain_checkpoint:
+        assert result.capabilities.hold_source == overlay.HOLD_SOURCE
+    assert not result.notes  # the lockstep model ran with all of it on
     assert result.passed, result.divergence
 
 
 @pytest.mark.usefixtures("upstream")
 @pytest.mark.parametrize("trace", HOLD_ON, ids=ids(HOLD_ON))
-def test_hold_on_trace_fails_without_the_overlay(trace: Trace) -> None:
+def test_without_the_overlay_vllm_runs_as_upstream(trace: Trace) -> None:
     result = run(trace, None)
     assert result.capabilities.hold is False
-    assert result.notes == (HOLD_NOTE,)
+    assert result.notes == (
+        *([HOLD_NOTE] if trace.config.retain_checkpoint else []),
+        *([RETIRE_NOTE] if trace.config.retain_retired else []),
+    )
+    if not trace.config.retain_checkpoint and trace.name != "retired-state-held.fork.hold-off":
+        # The fork's seed scenarios without the hold expect what upstream does.
+        assert result.passed, result.divergence
+        return
     assert result.divergence is not None
     # The hold-off lockstep model agrees with upstream; the trace's own
     # expectations (holds, refs, hits, reservations) are what it misses.

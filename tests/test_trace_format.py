@@ -19,6 +19,7 @@ from kvgate.conformance.trace import (
     prefill_lookup,
     prefill_round,
 )
+from kvgate.conformance.writer import dump_trace
 
 CONFIG = """\
 config:
@@ -58,6 +59,14 @@ MALFORMED: list[tuple[str, str, str]] = [
         "config value of the wrong type",
         trace_text(ARRIVE, CONFIG.replace("num_blocks: 96", "num_blocks: '96'")),
         "config.num_blocks",
+    ),
+    (
+        "config flag of the wrong type",
+        trace_text(
+            ARRIVE,
+            CONFIG.replace("  retain_checkpoint: false\n", "  retain_retired: 'yes'\n"),
+        ),
+        "config.retain_retired",
     ),
     (
         "unsupported config",
@@ -263,7 +272,18 @@ def test_config_defaults() -> None:
     assert trace.config.max_num_scheduled_tokens == 8192
     assert trace.config.eagle is False
     assert trace.config.retain_checkpoint is False
+    assert trace.config.retain_retired is False
     assert trace.config.groups[2].speculative_blocks == 0
+
+
+def test_retain_retired_is_read_and_written_only_when_on() -> None:
+    """An additive key: on, it round-trips; off, the writer leaves it out,
+    so a trace written before it existed reads and writes back unchanged."""
+    on = parse_trace(trace_text(ARRIVE, CONFIG + "  retain_retired: true\n"))
+    assert on.config.retain_retired is True
+    assert "retain_retired: true" in dump_trace(on.name, on.config, on.steps)
+    off = parse_trace(trace_text(ARRIVE))
+    assert "retain_retired" not in dump_trace(off.name, off.config, off.steps)
 
 
 def test_retention_interval_null_means_unset() -> None:

@@ -28,8 +28,10 @@ from kvgate.workload.runner import Arm, ArmResult, factories, replay_arm, write_
 
 SCALE = 32
 WORKLOAD = Workload()
-DEPLOYMENT = Deployment().scaled(SCALE)
-BLOCK = DEPLOYMENT.mamba_block_size // SCALE
+# The production build (retired states retained in both arms) and upstream.
+FORK = Deployment(build="fork").scaled(SCALE)
+UPSTREAM = Deployment(build="upstream").scaled(SCALE)
+BLOCK = FORK.mamba_block_size // SCALE
 UNITS = (256 // SCALE, 1024 // SCALE, BLOCK)
 ARMS = [Arm(unit, hold) for unit in UNITS for hold in (False, True)]
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
@@ -40,21 +42,22 @@ def _quiet() -> Progress:
 
 
 def _generate(workload: Workload, unit: int, hold: bool) -> str:
-    config = DEPLOYMENT.config(unit, hold, workload.sessions)
+    config = FORK.config(unit, hold, workload.sessions)
     steps = generate(
         config,
         make_plan(workload, SCALE),
         system_prompt=workload.system_prompt // SCALE,
-        spec=DEPLOYMENT.spec_tokens,
-        max_num_seqs=DEPLOYMENT.max_num_seqs,
+        spec=FORK.spec_tokens,
+        max_num_seqs=FORK.max_num_seqs,
     )
     return dump_trace("t", config, steps)
 
 
 @pytest.fixture(scope="module")
-def traces(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+def traces(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Path]]:
+    """Each build's traces, one per arm."""
     out = tmp_path_factory.mktemp("workload")
-    return write_traces(WORKLOAD, DEPLOYMENT, ARMS, out, _quiet())
+    return {d.build: write_traces(WORKLOAD, d, ARMS, out, _quiet()) for d in (FORK, UPSTREAM)}
 
 
 def _replay_all(paths: list[Path], target: str, plugin: str | None) -> list[ArmResult]:
@@ -66,8 +69,8 @@ def _replay_all(paths: list[Path], target: str, plugin: str | None) -> list[ArmR
 
 
 @pytest.fixture(scope="module")
-def on_model(traces: list[Path]) -> list[ArmResult]:
-    return _replay_all(traces, "model", None)
+def on_model(traces: dict[str, list[Path]]) -> dict[str, list[ArmResult]]:
+    return {build: _replay_all(paths, "model", None) for build, paths in traces.items()}
 
 
 def _counts(results: list[ArmResult], unit: int, hold: bool) -> ArmCounts:
@@ -109,12 +112,14 @@ def test_pool_has_the_same_attention_capacity_at_every_unit() -> None:
         full.config(48, hold=False, concurrency=1)
 
 
-def test_trace_reads_back_as_written(traces: list[Path]) -> None:
+def test_trace_reads_back_as_written(traces: dict[str, list[Path]]) -> None:
     from kvgate.conformance.trace import load_trace
 
-    trace = load_trace(traces[0])
-    assert trace.config == DEPLOYMENT.config(ARMS[0].unit, ARMS[0].hold, WORKLOAD.sessions)
-    assert dump_trace(trace.name, trace.config, trace.steps, trace.about) == traces[0].read_text()
+    path = traces["fork"][0]
+    trace = load_trace(path)
+    assert trace.config == FORK.config(ARMS[0].unit, ARMS[0].hold, WORKLOAD.sessions)
+    assert trace.config.retain_retired and not UPSTREAM.config(8, False, 1).retain_retired
+    assert dump_trace(trace.name, trace.config, trace.steps, trace.about) == path.read_text()
     ops = {s.op for s in trace.steps}
     # Interleaved sessions: explicit and auto chunks, decodes, admissions, checks.
     assert {"arrive", "lookup", "reserve", "allocate", "decode1", "step", "drain"} <= ops
@@ -125,34 +130,44 @@ def test_trace_reads_back_as_written(traces: list[Path]) -> None:
 # -- the measurement on the model ---------------------------------------------------
 
 
-def test_hold_off_reproduces_total_misses_after_partial_tail_resumes(
-    on_model: list[ArmResult],
+def test_production_table_misses_only_after_partial_tail_resumes(
+    on_model: dict[str, list[ArmResult]],
 ) -> None:
+    """The fork without the hold: total misses below the Mamba block size,
+    every one after a partial-tail resume; none at the block size."""
+    fork = on_model["fork"]
     for unit in UNITS[:-1]:
-        off = _counts(on_model, unit, hold=False)
+        off = _counts(fork, unit, hold=False)
         assert len(off.follow_ups) == WORKLOAD.sessions * (WORKLOAD.turns - 1)
         assert off.total_misses > 0
-        assert off.after_partial > 0
-        assert off.after_partial + off.after_aligned == off.total_misses
+        assert off.after_partial == off.total_misses and off.after_aligned == 0
+    assert _counts(fork, BLOCK, hold=False).total_misses == 0
 
 
-def test_the_hold_removes_every_miss_it_covers(on_model: list[ArmResult]) -> None:
-    """Below the block size the hold keeps each turn's sub-block tail: a total
-    miss is left only where the previous turn's tail was a whole-block key."""
+def test_the_hold_removes_every_miss_on_the_fork(on_model: dict[str, list[ArmResult]]) -> None:
+    fork = on_model["fork"]
+    for unit in UNITS:
+        assert _counts(fork, unit, hold=True).total_misses == 0
     for unit in UNITS[:-1]:
-        off, on = _counts(on_model, unit, hold=False), _counts(on_model, unit, hold=True)
-        assert on.total_misses == on.aligned_tail < off.total_misses
+        off, on = _counts(fork, unit, hold=False), _counts(fork, unit, hold=True)
         assert on.mean_cached_fraction > off.mean_cached_fraction
 
 
-def test_at_the_block_size_the_hold_changes_nothing(on_model: list[ArmResult]) -> None:
-    """unit == Mamba block: no partial hits, so no hold; every miss there is a
-    retired block-boundary state (upstream keeps none)."""
-    off, on = _counts(on_model, BLOCK, hold=False), _counts(on_model, BLOCK, hold=True)
+def test_upstream_misses_at_the_block_size_too(on_model: dict[str, list[ArmResult]]) -> None:
+    """vLLM 0.33.0 keeps no retired state: a turn's whole-block state waits in
+    the free queue like the tail copy. The hold alone covers sub-block tails
+    only (a miss is left where a turn's tail is a whole-block key), and at
+    the block size changes nothing."""
+    upstream = on_model["upstream"]
+    for unit in UNITS[:-1]:
+        off, on = _counts(upstream, unit, hold=False), _counts(upstream, unit, hold=True)
+        assert off.after_partial > 0
+        assert on.total_misses == on.aligned_tail < off.total_misses
+    off, on = _counts(upstream, BLOCK, hold=False), _counts(upstream, BLOCK, hold=True)
     assert on == off
-    assert off.total_misses == off.aligned_tail == off.after_aligned
-    (off_trace,) = [r.trace for r in on_model if r.arm == Arm(BLOCK, False)]
-    (on_trace,) = [r.trace for r in on_model if r.arm == Arm(BLOCK, True)]
+    assert off.total_misses > 0 and off.total_misses == off.aligned_tail == off.after_aligned
+    (off_trace,) = [r.trace for r in upstream if r.arm == Arm(BLOCK, False)]
+    (on_trace,) = [r.trace for r in upstream if r.arm == Arm(BLOCK, True)]
     assert on_trace.steps == off_trace.steps
 
 
@@ -161,16 +176,20 @@ def test_at_the_block_size_the_hold_changes_nothing(on_model: list[ArmResult]) -
 
 @pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed")
 def test_vllm_matches_the_model_exactly(
-    traces: list[Path], on_model: list[ArmResult], hold_overlay_plugin: str
+    traces: dict[str, list[Path]],
+    on_model: dict[str, list[ArmResult]],
+    hold_overlay_plugin: str,
 ) -> None:
-    on_vllm = _replay_all(traces, "vllm", hold_overlay_plugin)
-    for model_result, vllm_result in zip(on_model, on_vllm, strict=True):
-        assert not vllm_result.skipped, vllm_result.arm  # the overlay gives vLLM the hold
-        assert vllm_result.replay is not None
-        assert vllm_result.replay.passed, vllm_result.replay.divergence
-        assert vllm_result.replay.capabilities.implementation.startswith("vllm")
-        assert vllm_result.counts == model_result.counts
-    assert {r.arm.hold for r in on_vllm} == {True, False}
+    for build, paths in traces.items():
+        on_vllm = _replay_all(paths, "vllm", hold_overlay_plugin)
+        for model_result, vllm_result in zip(on_model[build], on_vllm, strict=True):
+            # The overlay gives vLLM the hold and the fork's retention.
+            assert not vllm_result.skipped, (build, vllm_result.arm)
+            assert vllm_result.replay is not None
+            assert vllm_result.replay.passed, vllm_result.replay.divergence
+            assert vllm_result.replay.capabilities.implementation.startswith("vllm")
+            assert vllm_result.counts == model_result.counts
+        assert {r.arm.hold for r in on_vllm} == {True, False}
 
 
 # -- counting, on a hand-written trace ----------------------------------------------------
@@ -241,9 +260,10 @@ def test_command_writes_traces_table_and_plot(
         ("64", "off", "2"),
         ("64", "on", "2"),
     ]
-    assert len(list(tmp_path.glob("workload-2x2-seed0-div64-u*.hold-o*.yaml"))) == 4
-    assert (tmp_path / "workload-2x2-seed0-div64.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert '"follow_ups": 2' in (tmp_path / "workload-2x2-seed0-div64.json").read_text()
+    assert len(list(tmp_path.glob("workload-2x2-seed0-div64-u*.fork.hold-o*.yaml"))) == 4
+    stem = tmp_path / "workload-2x2-seed0-div64-fork"
+    assert stem.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert '"follow_ups": 2' in stem.with_suffix(".json").read_text()
 
 
 @pytest.mark.parametrize(
@@ -294,3 +314,19 @@ def test_progress_bar_redraws_on_a_terminal_and_logs_one_line_elsewhere(tmp_path
         plain.finish("ok")
     assert log.read_text().startswith("replay: done in ")
     assert log.read_text().count("\n") == 1
+
+
+@pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed")
+def test_no_arm_the_target_can_run_is_an_error_not_a_pass(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The fork's arms need retired-state retention, which vLLM 0.33.0 lacks
+    without the overlay: nothing replays, so the command fails in one line."""
+    argv = ["workload", "--target", "vllm", "--scale", "64", "--units", "4096", "--hold", "off"]
+    argv += ["--sessions", "2", "--turns", "2", "--out", str(tmp_path)]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    # After the progress lines, one error line.
+    errors = [line for line in err.splitlines() if line.startswith("kvgate: error:")]
+    assert len(errors) == 1 and "keeps no retired state" in errors[0]
+    assert err.rstrip().endswith(errors[0]) and "Traceback" not in err

@@ -26,6 +26,10 @@ class Config:
     scheduler_block_size: int
     max_model_len: int = 8192
     max_num_scheduled_tokens: int = 8192
+    # The production fork's retention of retired states (before and with its
+    # patch 0093, under the same switch as the hold): the newest keyed Mamba
+    # state that leaves a request's table stays held by the request.
+    retain_retired: bool = False
 
     @property
     def mamba_group_ids(self) -> tuple[int, ...]:

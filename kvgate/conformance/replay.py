@@ -40,6 +40,10 @@ HOLD_NOTE = (
     "target lacks the hold: lockstep model runs with the hold off; "
     "the trace's expectations still apply"
 )
+RETIRE_NOTE = (
+    "target does not retain retired states: lockstep model runs without; "
+    "the trace's expectations still apply"
+)
 
 # A replayer-only observation key: which step ends a prefill's loop, not
 # something a manager's caller sees, so never compared as a value.
@@ -112,6 +116,9 @@ def replay(trace: Trace, target: Target, model: TargetFactory | None, level: Lev
         if config.retain_checkpoint and not target.capabilities.hold:
             config = replace(config, retain_checkpoint=False)
             notes.append(HOLD_NOTE)
+        if config.retain_retired and not target.capabilities.retire:
+            config = replace(config, retain_retired=False)
+            notes.append(RETIRE_NOTE)
         try:
             lockstep = model(config)
         except UnsupportedConfig as error:

@@ -57,7 +57,9 @@ def capabilities_line(capabilities: Capabilities) -> str:
     if capabilities.hold and capabilities.hold_source:
         hold += f" ({capabilities.hold_source})"
     partial = "yes" if capabilities.partial_hits else "no"
-    return f"target: {capabilities.implementation} (partial hits: {partial}, hold: {hold})"
+    # Named only when on: no trace but `retain_retired` ones asks for it.
+    retire = ", retired states: held" if capabilities.retire else ""
+    return f"target: {capabilities.implementation} (partial hits: {partial}, hold: {hold}{retire})"
 
 
 def trace_line(result: ReplayResult) -> str:

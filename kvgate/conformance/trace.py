@@ -6,7 +6,7 @@ Everything is checked before anything is replayed, and every problem is a
 
 Choices the format leaves to the reader, fixed here:
 
-- `config`: `eagle` and `retain_checkpoint` default to false;
+- `config`: `eagle`, `retain_checkpoint` and `retain_retired` default to false;
   `retention_interval` must be written (`null` = unset), because null and 0
   are different modes and a silent default would hide which one a trace
   tests; `scheduler_block_size` defaults to the largest `mamba_align` block
@@ -65,6 +65,7 @@ _CONFIG_OPTIONAL = (
     "max_num_scheduled_tokens",
     "eagle",
     "retain_checkpoint",
+    "retain_retired",
 )
 _GROUP_KINDS = ("full_attention", "mamba_align")
 _SEGMENT_KINDS = ("fresh", "all_of", "prompt_of", "tokens")
@@ -370,6 +371,7 @@ class _Reader:
             eagle=flag("eagle"),
             retention_interval=retention,
             retain_checkpoint=flag("retain_checkpoint"),
+            retain_retired=flag("retain_retired"),
             scheduler_block_size=count("scheduler_block_size", default_scheduler),
             max_model_len=count("max_model_len", 8192),
             max_num_scheduled_tokens=count("max_num_scheduled_tokens", 8192),

@@ -19,6 +19,10 @@ from typing import Any
 # The environment switch of the patched vLLM builds that hold a request's
 # newest hashed Mamba state (MambaManager._retained_checkpoints).
 RETAIN_SWITCH = "VLLM_E2_MAMBA_RETAIN_CHECKPOINT"
+# kvgate's overlay also offers the fork's older retention of retired states
+# (a trace's `retain_retired`) under a switch of its own.
+RETIRE_SWITCH = "KVGATE_RETAIN_RETIRED"
+RETIRE_ATTR = "_kvgate_retain_retired"
 # The attribute such a build gives every MambaManager instance.
 HOLD_ATTR = "_retained_checkpoints"
 
@@ -100,13 +104,15 @@ def load() -> VllmApi:
     )
 
 
-def set_retain_switch(on: bool) -> None:
-    """Set the hold switch for the next manager built in this process.
+def set_retain_switch(on: bool, retire: bool = False) -> None:
+    """Set the hold switch (and the overlay's retired-state switch) for the
+    next manager built in this process.
 
     Safe before vLLM is imported (nothing is read yet) and after (vLLM's
     environment cache, when enabled, is dropped so the new value is seen).
     """
     os.environ[RETAIN_SWITCH] = "1" if on else "0"
+    os.environ[RETIRE_SWITCH] = "1" if retire else "0"
     clear_env_cache()
 
 

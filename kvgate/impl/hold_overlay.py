@@ -17,6 +17,12 @@ specifies in `kvgate/model/hold.py`, called where `kvgate/model/mamba.py` and
   `free_blocks` call in group order; `pop_blocks_for_free` puts them first in
   the returned list, so the scheduler's tail-first release frees them last.
 
+With `KVGATE_RETAIN_RETIRED=1` as well (its own switch, read the same way)
+it also adds the production fork's older retention (a trace's
+`retain_retired`, `Holds.retire` in the model): of the keyed states that
+leave a request's table behind its running one, the newest is held, and
+admission reserves the block that costs.
+
 The switch is `VLLM_E2_MAMBA_RETAIN_CHECKPOINT`, read from the environment by
 each `MambaManager` when it is built, so one process can build managers with
 the hold on and off. A manager built with it off (or not align-mode, or
@@ -42,7 +48,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvgate.impl._vllm_api import HOLD_ATTR, RETAIN_SWITCH
+from kvgate.impl._vllm_api import HOLD_ATTR, RETAIN_SWITCH, RETIRE_ATTR, RETIRE_SWITCH
 
 __all__ = ["HOLD_SOURCE", "is_registered", "register", "stats", "unregister"]
 
@@ -74,9 +80,9 @@ _announced: set[tuple[int, int]] = set()
 stats: Counter[str] = Counter()
 
 
-def switch_on() -> bool:
-    """The environment switch, as a manager built now reads it."""
-    return os.environ.get(RETAIN_SWITCH, "0").strip().lower() in _SWITCH_ON
+def switch_on(name: str = RETAIN_SWITCH) -> bool:
+    """An environment switch, as a manager built now reads it."""
+    return os.environ.get(name, "0").strip().lower() in _SWITCH_ON
 
 
 def is_registered() -> bool:
@@ -117,6 +123,7 @@ def register() -> None:
             (MambaManager, "__init__"): functools.partial(_wrap_init, logger),
             (MambaManager, "get_num_blocks_to_allocate"): _wrap_blocks_needed,
             (MambaManager, "allocate_new_blocks"): _wrap_allocate,
+            (MambaManager, "_remove_blocks_in_range"): _wrap_remove_range,
             (KVCacheCoordinator, "free"): _wrap_free,
             (KVCacheCoordinator, "pop_blocks_for_free"): _wrap_pop,
         }
@@ -151,7 +158,13 @@ def unregister() -> None:
 
 
 def _enabled(manager: Manager) -> bool:
+    """The partial-tail hold is on for this manager."""
     return bool(getattr(manager, SWITCH_ATTR, False))
+
+
+def _retires(manager: Manager) -> bool:
+    """Retired states are retained by this manager."""
+    return bool(getattr(manager, RETIRE_ATTR, False))
 
 
 def _holds(manager: Manager) -> dict[str, tuple[int, Block]]:
@@ -198,7 +211,7 @@ def _release(managers: Sequence[Manager], request_id: str) -> list[Block]:
     """Forget the request's holds, in group order; the caller frees them."""
     released: list[Block] = []
     for manager in managers:
-        if _enabled(manager):
+        if _enabled(manager) or _retires(manager):
             entry = _holds(manager).pop(request_id, None)
             if entry is not None:
                 released.append(entry[1])
@@ -213,8 +226,10 @@ def _wrap_init(logger: Any, original: Callable[..., None]) -> Callable[..., None
     def __init__(self: Manager, kv_cache_spec: Any, block_pool: Any, **kwargs: Any) -> None:
         original(self, kv_cache_spec, block_pool, **kwargs)
         # Only align mode with prefix caching keys the states a hold keeps.
-        on = switch_on() and self.mamba_cache_mode == "align" and bool(self.enable_caching)
+        align = self.mamba_cache_mode == "align" and bool(self.enable_caching)
+        on = switch_on() and align
         setattr(self, SWITCH_ATTR, on)
+        setattr(self, RETIRE_ATTR, switch_on(RETIRE_SWITCH) and align)
         setattr(self, HOLD_ATTR, {})
         stats["managers with the hold on"] += on
         unit, size = int(block_pool.hash_block_size), int(self.block_size)
@@ -250,19 +265,87 @@ def _wrap_blocks_needed(original: Callable[..., int]) -> Callable[..., int]:
             prefill_end=prefill_end,
         )
         # `apply_admission_cap` marks the full-sequence admission count: the
-        # held hit source and the moved tail coexist for one step, a block
-        # the per-step estimate never sees.
-        if (
-            apply_admission_cap
-            and _enabled(self)
-            and self._has_partial_local_hit(new_computed_blocks, num_local_computed_tokens)
-            and request_id not in _holds(self)
-        ):
-            needed += 1
-            stats["admission blocks added"] += 1
+        # blocks a request will hold outside its table, which the per-step
+        # estimate never sees.
+        if apply_admission_cap:
+            extra = _admission_extra(
+                self,
+                request_id,
+                new_computed_blocks,
+                num_local_computed_tokens,
+                num_tokens_main_model,
+            )
+            needed += extra
+            stats["admission blocks added"] += extra
         return needed
 
     return get_num_blocks_to_allocate
+
+
+def _admission_extra(
+    manager: Manager,
+    request_id: str,
+    hit: Sequence[Block],
+    num_local_computed_tokens: int,
+    num_tokens: int,
+) -> int:
+    """`Holds.admission_extra`: for a partial-tail hit with the hold on (the
+    held source and the moved tail coexist for a step); with retired states
+    retained, for a prompt that will retire one unless a hit brings it, and
+    for a prompt within a block whose own tail the hold keeps."""
+    hold, retire = _enabled(manager), _retires(manager)
+    if not (hold or retire) or request_id in _holds(manager):
+        return 0
+    if hold and manager._has_partial_local_hit(hit, num_local_computed_tokens):
+        return 1
+    if not retire:
+        return 0
+    block_size = int(manager.block_size)
+    if num_tokens <= block_size:
+        return int(hold and int(manager.block_pool.hash_block_size) < block_size)
+    return 0 if any(not block.is_null for block in hit) else 1
+
+
+def _retire(manager: Manager, request_id: str, retired: list[Block]) -> list[Block]:
+    """`Holds.retire`: hold the newest keyed block among those leaving the
+    table, if newer than the hold (its table ref becomes the hold's); the
+    blocks to free: the rest, then a superseded hold."""
+    newest = None
+    for block in retired:
+        position = block.block_hash_num_tokens if block.block_hash is not None else None
+        if position is not None and (newest is None or position > newest[0]):
+            newest = (int(position), block)
+    holds = _holds(manager)
+    current = holds.get(request_id)
+    if newest is None or (current is not None and current[0] >= newest[0]):
+        return retired
+    holds[request_id] = newest
+    stats["retired states held"] += 1
+    rest = [block for block in retired if block is not newest[1]]
+    return rest + ([current[1]] if current is not None else [])
+
+
+def _wrap_remove_range(original: Callable[..., None]) -> Callable[..., None]:
+    def _remove_blocks_in_range(
+        self: Manager, request_id: str, first_block: int, last_block: int
+    ) -> None:
+        if not _retires(self):
+            return original(self, request_id, first_block, last_block)
+        # vLLM frees what leaves the table in one `free_blocks` call; take
+        # that list instead of freeing it, keep the newest state, free the rest.
+        pool = self.block_pool
+        leaving: list[Block] = []
+        pool.free_blocks = leaving.extend  # an instance attribute, for this call only
+        try:
+            original(self, request_id, first_block, last_block)
+        finally:
+            del pool.free_blocks
+        freed = _retire(self, request_id, leaving)
+        if freed:
+            pool.free_blocks(freed)
+        return None
+
+    return _remove_blocks_in_range
 
 
 def _wrap_allocate(original: Callable[..., list[Block]]) -> Callable[..., list[Block]]:

@@ -74,7 +74,7 @@ class VllmTarget(OpDriver[Any]):
         self.plugin = plugin
         # The switch must be in the environment before vLLM reads it: set it
         # before the (first) import, and drop vLLM's env cache after it.
-        _vllm_api.set_retain_switch(config.retain_checkpoint)
+        _vllm_api.set_retain_switch(config.retain_checkpoint, config.retain_retired)
         api = _vllm_api.load()
         _vllm_api.clear_env_cache()
         plugin_module = _vllm_api.register_plugin(plugin) if plugin else None
@@ -118,6 +118,7 @@ class VllmTarget(OpDriver[Any]):
             partial_hits=partial,
             hold=hold,
             hold_source=_hold_source(self._managers, plugin, plugin_module) if hold else "",
+            retire=_retains_retired(api, self._managers),
         )
 
     # ---------------------------------------------------------------- extras
@@ -535,6 +536,13 @@ def _holds_partial_tails(api: VllmApi, managers: Sequence[Any], switch: bool) ->
         hasattr(m, HOLD_ATTR) and bool(getattr(m, "_retain_checkpoint", switch))
         for m in managers
         if _is_mamba(api, m)
+    )
+
+
+def _retains_retired(api: VllmApi, managers: Sequence[Any]) -> bool:
+    """Whether kvgate's overlay retains retired states on these managers."""
+    return any(
+        bool(getattr(m, _vllm_api.RETIRE_ATTR, False)) for m in managers if _is_mamba(api, m)
     )
 
 

@@ -47,7 +47,7 @@ class Coordinator:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.pool = BlockPool(config.num_blocks, config.hash_unit)
-        self.holds = Holds(self.pool, config.retain_checkpoint)
+        self.holds = Holds(self.pool, config.retain_checkpoint, config.retain_retired)
         self.scheduler_block = config.scheduler_block_size
         self.managers: list[GroupManagerT] = []
         for group_id, group in enumerate(config.groups):
@@ -149,8 +149,14 @@ class Coordinator:
             if isinstance(manager, MambaManager):
                 total += manager.blocks_needed(request_id, num_tokens_main, hit, num_local_computed)
                 if admission:
-                    partial = manager.has_partial_hit(hit, num_local_computed)
-                    total += self.holds.admission_extra(manager.group_id, request_id, partial)
+                    total += self.holds.admission_extra(
+                        manager.group_id,
+                        request_id,
+                        partial_hit=manager.has_partial_hit(hit, num_local_computed),
+                        num_tokens=num_tokens_main,
+                        block_size=manager.block_size,
+                        hit_has_block=any(not b.is_null for b in hit),
+                    )
             else:
                 total += manager.blocks_needed(request_id, num_tokens, hit, num_local_computed)
         return total

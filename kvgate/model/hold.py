@@ -14,6 +14,11 @@ so concurrent allocation cannot evict it:
 - admission reserves one more block per Mamba group for a partial-tail hit
   (the held source and the moved tail coexist for a step);
 - every free path releases the holds last, after the request's blocks.
+
+`retire` is the production fork's older retention (config `retain_retired`),
+which the same hold map carries: of the keyed states that leave a request's
+table behind its running one, the newest is held (its table ref becomes the
+hold's) if newer than the request's hold, which it then supersedes.
 """
 
 from __future__ import annotations
@@ -22,9 +27,10 @@ from kvgate.model.pool import Block, BlockPool
 
 
 class Holds:
-    def __init__(self, pool: BlockPool, enabled: bool) -> None:
+    def __init__(self, pool: BlockPool, enabled: bool, retire_enabled: bool = False) -> None:
         self.pool = pool
         self.enabled = enabled
+        self.retire_enabled = retire_enabled
         # group id -> request id -> (token position, held block)
         self.by_group: dict[int, dict[str, tuple[int, Block]]] = {}
 
@@ -47,6 +53,28 @@ class Holds:
             self.pool.free_blocks([current[1]])
         return True
 
+    def retire(self, group_id: int, request_id: str, retired: list[Block]) -> list[Block]:
+        """Blocks leaving the request's table: hold the newest keyed one if
+        it is newer than the hold; return the blocks the caller frees (the
+        rest, then a superseded hold)."""
+        if not self.retire_enabled:
+            return retired
+        newest: Block | None = None
+        for block in retired:
+            if block.hash_tokens is not None and (
+                newest is None or block.hash_tokens > (newest.hash_tokens or 0)
+            ):
+                newest = block
+        if newest is None or newest.hash_tokens is None:
+            return retired
+        holds = self.by_group.setdefault(group_id, {})
+        current = holds.get(request_id)
+        if current is not None and current[0] >= newest.hash_tokens:
+            return retired
+        holds[request_id] = (newest.hash_tokens, newest)  # the table's ref, now the hold's
+        rest = [block for block in retired if block is not newest]
+        return rest + ([current[1]] if current is not None else [])
+
     def follow_moved_keys(self, group_id: int, owner: str, source: Block, copy: Block) -> None:
         """Other requests holding `source` now hold `copy`, where its keys went."""
         holds = self.by_group.get(group_id, {})
@@ -65,12 +93,34 @@ class Holds:
                 released.append(entry[1])
         return released
 
-    def admission_extra(self, group_id: int, request_id: str, partial_hit: bool) -> int:
-        """The extra block admission reserves in one group for a partial-tail
-        hit: the held source and the moved tail coexist for one step."""
-        if not self.enabled or not partial_hit or self.held(group_id, request_id):
+    def admission_extra(
+        self,
+        group_id: int,
+        request_id: str,
+        partial_hit: bool,
+        num_tokens: int,
+        block_size: int,
+        hit_has_block: bool,
+    ) -> int:
+        """The extra block admission reserves in one group for a block the
+        request will hold outside its table (none once it holds one):
+
+        - the tail hold, for a partial-tail hit: the held source and the
+          moved tail coexist for one step;
+        - with retired states retained too (the fork), for a prompt that will
+          retire one (longer than a block) unless a hit brings the block it
+          holds; a prompt within one block retires none, but with the tail
+          hold and a unit finer than the block its own tail is held.
+        """
+        if self.held(group_id, request_id):
             return 0
-        return 1
+        if self.enabled and partial_hit:
+            return 1
+        if not self.retire_enabled:
+            return 0
+        if num_tokens <= block_size:
+            return int(self.enabled and self.pool.hash_unit < block_size)
+        return 0 if hit_has_block else 1
 
     def as_positions(self) -> dict[str, dict[int, tuple[int, int]]]:
         """{request: {group: (position, block id)}}."""

@@ -184,6 +184,7 @@ class MambaManager(GroupManager):
                     if not table[i].is_null:
                         freed.append(table[i])
                         table[i] = self.pool.null_block
+                freed = self.holds.retire(self.group_id, request_id, freed)
                 if freed:
                     self.pool.free_blocks(freed)
                 self.num_retired[request_id] = last

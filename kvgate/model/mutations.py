@@ -38,15 +38,15 @@ class Mutation:
 def _hold_off() -> list[Patch]:
     init = Holds.__init__
 
-    def __init__(self: Holds, pool: BlockPool, enabled: bool) -> None:
-        init(self, pool, enabled)
+    def __init__(self: Holds, pool: BlockPool, enabled: bool, retire: bool = False) -> None:
+        init(self, pool, enabled, retire)
         self.enabled = False  # whatever the switch says: upstream 0.33.0
 
     return [(Holds, "__init__", __init__)]
 
 
 def _no_admission_extra() -> list[Patch]:
-    def admission_extra(self: Holds, group_id: int, request_id: str, partial_hit: bool) -> int:
+    def admission_extra(self: Holds, *args: Any, **kwargs: Any) -> int:
         return 0
 
     return [(Holds, "admission_extra", admission_extra)]

@@ -34,6 +34,7 @@ class ModelTarget(OpDriver[Request]):
             partial_hits=config.partial_hits,
             hold=hold,
             hold_source="kvgate model" if hold else "",
+            retire=config.retain_retired,
         )
 
     # -- requests -------------------------------------------------------------

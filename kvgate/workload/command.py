@@ -1,15 +1,17 @@
 """`kvgate workload`: the production measurement, reproduced on a target.
 
     kvgate workload --target {model,vllm} [--units 64,256,512,1024,4096]
-                    [--hold on,off] [--sessions N] [--turns T] [--seed S]
+                    [--hold on,off] [--build fork|upstream] [--sessions N] [--turns T] [--seed S]
                     [--scale K] [--out DIR] [--level api|strict] [--plugin MODULE]
 
 Writes one trace per unit x hold arm into DIR, replays each on the target
 (with the model in lockstep against vLLM), prints the table, and writes
 `<stem>.png` (the plot) and `<stem>.json` (the numbers) next to the traces.
 Exit 0 when every arm that ran replayed without a divergence, 1 otherwise, 2
-for bad input. A hold-on arm on a target without the hold is not run (the
-table says so): pass `--plugin kvgate.impl.hold_overlay` for vLLM.
+for bad input or when no arm can run on the target. An arm the target cannot
+run (a hold-on arm without the hold, a `--build fork` arm without retired-state
+retention) is not run, and the table says so: pass `--plugin
+kvgate.impl.hold_overlay` for vLLM.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from kvgate.conformance.replay import LEVELS, Level
 from kvgate.conformance.report import capabilities_line
 from kvgate.errors import InputError
 from kvgate.workload import report
-from kvgate.workload.deployment import Deployment
+from kvgate.workload.deployment import BUILDS, Deployment
 from kvgate.workload.generator import WorkloadStuck
 from kvgate.workload.plan import Workload
 from kvgate.workload.progress import Progress
@@ -45,6 +47,13 @@ def register(subparsers: Any) -> None:
     cmd.add_argument("--target", required=True, choices=("model", "vllm"))
     cmd.add_argument("--units", default=DEFAULT_UNITS, help=f"default {DEFAULT_UNITS}")
     cmd.add_argument("--hold", default="on,off", help="arms to run: on, off or on,off")
+    cmd.add_argument(
+        "--build",
+        default="fork",
+        choices=BUILDS,
+        help="fork (default): the production build, which retains retired states; "
+        "upstream: vLLM 0.33.0 as released",
+    )
     cmd.add_argument("--sessions", type=int, default=defaults.sessions)
     cmd.add_argument("--turns", type=int, default=defaults.turns)
     cmd.add_argument("--seed", type=int, default=defaults.seed)
@@ -89,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
     level: Level = args.level
     try:
         workload = Workload(sessions=args.sessions, turns=args.turns, seed=args.seed)
-        deployment = Deployment().scaled(args.scale)
+        deployment = Deployment(build=args.build).scaled(args.scale)
         units = _units(args.units, args.scale)
         arms = [Arm(u, h) for u in units for h in _holds(args.hold)]
         for arm in arms:
@@ -108,8 +117,14 @@ def run(args: argparse.Namespace) -> int:
         for arm, path in zip(arms, paths, strict=True)
     ]
 
+    if all(r.skipped for r in results):
+        # Nothing replayed is nothing measured: not a pass.
+        raise InputError(f"--target {args.target}: no arm can run: {results[0].skipped}")
+
     scale = f"-div{args.scale}" if args.scale > 1 else ""
-    stem = args.out / f"workload-{workload.sessions}x{workload.turns}-seed{workload.seed}{scale}"
+    stem = args.out / (
+        f"workload-{workload.sessions}x{workload.turns}-seed{workload.seed}{scale}-{args.build}"
+    )
     # The header names the hold implementation when a hold-on arm ran.
     replays = sorted(
         (r.replay for r in results if r.replay is not None),
@@ -121,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
     title = (
         f"{workload.sessions} sessions x {workload.turns} turns, seed {workload.seed}"
         + (f", tokens / {args.scale}" if args.scale > 1 else "")
+        + f", build {args.build}"
         + f" -- {target_line.removeprefix('target: ')}, level {level}"
     )
     lines = [
@@ -152,6 +168,7 @@ def run(args: argparse.Namespace) -> int:
                 "turns": workload.turns,
                 "seed": workload.seed,
                 "scale": args.scale,
+                "build": args.build,
                 "deployment": deployment.describe(tuple(units), workload.sessions),
             },
         ),

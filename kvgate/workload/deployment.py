@@ -26,10 +26,18 @@ runs and tests (the memory arithmetic is done at full size first).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Literal
 
 from kvgate.conformance.config import Config, GroupConfig, validate
 
 GIB = 1 << 30
+
+# The serving build. "fork" is the production build the measurement ran on:
+# under its switch it always retained each request's newest retired Mamba
+# state (trace config `retain_retired`); its patch 0093 added the partial-tail
+# hold (`retain_checkpoint`). "upstream" is vLLM 0.33.0, which retains none.
+Build = Literal["fork", "upstream"]
+BUILDS: tuple[Build, ...] = ("fork", "upstream")
 
 
 @dataclass(frozen=True)
@@ -62,6 +70,7 @@ class Deployment:
     max_num_scheduled_tokens: int = 8192  # token budget per step (2 Mamba blocks)
     max_num_seqs: int = 16
     max_model_len: int = 131072
+    build: Build = "fork"
     # Every token quantity below is divided by this (see `scaled`).
     scale: int = 1
 
@@ -138,6 +147,7 @@ class Deployment:
             eagle=self.eagle,
             retention_interval=self.retention_interval,
             retain_checkpoint=hold,
+            retain_retired=self.build == "fork",
             scheduler_block_size=block,
             max_model_len=self.tokens(self.max_model_len),
             max_num_scheduled_tokens=self.tokens(self.max_num_scheduled_tokens),
@@ -176,6 +186,13 @@ class Deployment:
             f"{self.retention_interval}, {self.max_num_scheduled_tokens} tokens/step, "
             f"max {self.max_num_seqs} seqs, max_model_len {self.max_model_len}"
             + (f"; every token count / {self.scale}" if self.scale > 1 else ""),
+            f"build: {self.build} ("
+            + (
+                "retired states retained in both arms; hold on = patch 0093"
+                if self.build == "fork"
+                else "vLLM 0.33.0: no retired state retained; hold on = the partial-tail hold alone"
+            )
+            + ")",
             "pool: "
             + ", ".join(f"{self.num_blocks(u, concurrency):,} blocks at unit {u}" for u in units)
             + f"; idle sessions' footprints add <= {idle:.0%} attention capacity "

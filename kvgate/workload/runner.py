@@ -17,9 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
 
+from kvgate.conformance.config import Config
 from kvgate.conformance.driver import OpDriver
 from kvgate.conformance.replay import Level, ReplayResult, TargetFactory, replay
-from kvgate.conformance.target import Target
+from kvgate.conformance.target import Capabilities, Target
 from kvgate.conformance.trace import Trace, TraceError, load_trace
 from kvgate.conformance.writer import save_trace
 from kvgate.workload.deployment import Deployment
@@ -54,7 +55,7 @@ def trace_name(workload: Workload, deployment: Deployment, arm: Arm) -> str:
     hold = "on" if arm.hold else "off"
     return (
         f"workload-{workload.sessions}x{workload.turns}-seed{workload.seed}{scale}"
-        f"-u{arm.unit}.hold-{hold}"
+        f"-u{arm.unit}.{deployment.build}.hold-{hold}"
     )
 
 
@@ -102,14 +103,10 @@ def replay_arm(
     trace = load_trace(path)
     progress.finish()
     built = target(trace.config)
-    if trace.config.retain_checkpoint and not built.capabilities.hold:
+    lacking = _lacking(trace.config, built.capabilities)
+    if lacking:
         built.close()
-        return ArmResult(
-            arm,
-            trace,
-            skipped=f"{built.capabilities.implementation} has no hold "
-            "(pass --plugin kvgate.impl.hold_overlay)",
-        )
+        return ArmResult(arm, trace, skipped=f"{built.capabilities.implementation} {lacking}")
     if not isinstance(built, OpDriver):
         built.close()
         raise TraceError(path, None, "target", "the workload counts need an OpDriver target")
@@ -121,6 +118,17 @@ def replay_arm(
         recorder.close()
     progress.finish("ok" if result.passed else "DIVERGED")
     return ArmResult(arm, trace, count(recorder, trace.config), result)
+
+
+def _lacking(config: Config, capabilities: Capabilities) -> str:
+    """What the arm's config needs that the target lacks ("" when nothing)."""
+    if config.retain_checkpoint and not capabilities.hold:
+        return "has no hold (pass --plugin kvgate.impl.hold_overlay)"
+    if config.retain_retired and not capabilities.retire:
+        return (
+            "keeps no retired state (pass --plugin kvgate.impl.hold_overlay, or --build upstream)"
+        )
+    return ""
 
 
 def factories(

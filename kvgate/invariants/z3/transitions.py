@@ -36,6 +36,10 @@ the model guarantees whatever the positions:
   run whose stale hit was retaken by another group is outside this
   encoding (the drift test's runs keep lookups fresh).
 
+The encoding covers configs without `retain_retired` (the production fork's
+retention of retired states, which kvgate models and the overlay offers):
+`remove_skipped` frees what it drops, as upstream and the hold alone do.
+
 Each of these is checked, not trusted: the drift test
 (`tests/test_z3_drift.py`) runs the model and requires every concrete step
 to satisfy its transition.
