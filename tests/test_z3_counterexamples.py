@@ -38,20 +38,25 @@ UPSTREAM = [m for m in MUTATIONS if ENCODINGS[m].upstream]
 INDUCTION = Bounds(blocks=4, requests=2, groups=2)  # small: the failure shows already
 
 
-def search(job: tuple[str, Path]) -> tuple[bool, Found]:
+def search(job: tuple[str, Path]) -> Found:
     mutation, directory = job
-    broken = any(not r.proved for r in prove(INDUCTION, mutation))
-    return broken, find(Bounds(), mutation, ENCODINGS[mutation].target, directory, DEFAULT_DEPTH)
+    return find(Bounds(), mutation, ENCODINGS[mutation].target, directory, DEFAULT_DEPTH)
 
 
 @pytest.fixture(scope="module")
 def found(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[bool, Found]]:
+    """Per mutation: whether induction breaks, and the counterexample search.
+
+    Each search runs in a fresh spawned process: Z3's search order follows
+    the order its terms were created in, so a search that ran after other
+    checks in the same process can take minutes instead of seconds."""
     directory = tmp_path_factory.mktemp("counterexamples")
     workers = min(2, os.cpu_count() or 1)
-    spawn = multiprocessing.get_context("spawn")  # not a fork of this Z3-using process
-    with ProcessPoolExecutor(max_workers=workers, mp_context=spawn) as pool:
-        results = pool.map(search, [(m, directory) for m in MUTATIONS])
-        return dict(zip(MUTATIONS, results, strict=True))
+    spawn = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=workers, mp_context=spawn, max_tasks_per_child=1) as pool:
+        searches = list(pool.map(search, [(m, directory) for m in MUTATIONS]))
+    broken = [any(not r.proved for r in prove(INDUCTION, m)) for m in MUTATIONS]
+    return dict(zip(MUTATIONS, zip(broken, searches, strict=True), strict=True))
 
 
 def trace_of(found: dict[str, tuple[bool, Found]], mutation: str) -> Trace:

@@ -17,9 +17,11 @@ Exit codes: 0 every cell proved, 1 some cell failed, 2 bad input (one line).
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -95,8 +97,12 @@ def run(bounds: Bounds, mutation: str, jobs: int, out: Path, depth: int, stream:
 
 
 def _search(bounds: Bounds, mutation: str, prop: str, out: Path, depth: int) -> Found:
+    """`find` in a fresh process: Z3's search follows the order its terms were
+    created in, and one run after the proofs' terms can take minutes."""
+    spawn = multiprocessing.get_context("spawn")
     try:
-        return find(bounds, mutation, prop, out, depth)
+        with ProcessPoolExecutor(max_workers=1, mp_context=spawn) as pool:
+            return pool.submit(find, bounds, mutation, prop, out, depth).result()
     except OSError as error:
         raise InputError(f"--out: cannot write {out}: {error.strerror}") from None
 
@@ -112,7 +118,13 @@ def _result(row: Result, found: dict[str, Found]) -> str:
     where = ", ".join(row.violated[:2])
     if example is not None and example.file is not None:
         return f"{example.file} ({where})"
-    return f"not inductive ({where}); {example.note if example else 'no search'}"
+    # The search's full story is long (every path tried); the first reason will do.
+    why = example.note.split("; ")[0] if example else "no search"
+    return f"not inductive ({where}); no trace: {_shorten(why, 70)}"
+
+
+def _shorten(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 def _print_table(table: list[tuple[str, str, str, str]], stream: TextIO) -> None:
