@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import Found
@@ -282,7 +283,15 @@ def test_budget_parsing() -> None:
     assert parse_budget(None) == (None, None)
 
 
-@pytest.mark.parametrize("bad", [["--budget", "soon"], ["--budget", "0"], ["--hold", "maybe"]])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        ["--budget", "soon"],
+        ["--budget", "0"],
+        ["--hold", "maybe"],
+        ["--target", "vllm", "--hold", "off", "--retired", "on"],
+    ],
+)
 def test_bad_explore_arguments_exit_2(
     bad: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -301,3 +310,22 @@ def test_explore_command_summarises_the_ops(
     assert "ops exercised:" in out and "no failure found" in out
     for op in ("arrive", "allocate", "evict"):
         assert f"  {op} " in out
+
+
+def test_explore_runs_the_fork_retention_on_the_model(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--retired on`: every session's config retains retired states."""
+    from kvgate.explore.session import Session
+
+    seen: list[bool] = []
+    original = Session.__init__
+
+    def recording(self: Session, config: Config, *args: Any, **kwargs: Any) -> None:
+        seen.append(config.retain_retired)
+        original(self, config, *args, **kwargs)
+
+    monkeypatch.setattr(Session, "__init__", recording)
+    cli.main(["explore", "--retired", "on", "--budget", "3", "--out", str(tmp_path)])
+    assert "retired on" in capsys.readouterr().out
+    assert seen and all(seen)

@@ -1,15 +1,17 @@
 """`kvgate explore`: the state machine outside pytest.
 
-    kvgate explore [--target model|vllm] [--hold on|off] [--profile dev|ci|nightly]
+    kvgate explore [--target model|vllm] [--hold on|off] [--retired on|off]
+                   [--profile dev|ci|nightly]
                    [--budget N | --budget 90s | --budget 5m] [--seed N] --out DIR
 
 `--target model` explores the model alone, checking every invariant;
 `--target vllm` drives the model and vLLM 0.33.0 in lockstep at strict level
-(hold off: upstream has none). A budget of N runs N examples; a duration
-runs rounds of the profile's examples, one seed after another, until it is
-spent. The first failure is shrunk and saved in DIR as a version-1 trace
-that `kvgate replay` shows failing. Exit 0: nothing found; 1: a failure was
-saved; 2: bad input.
+(hold off: upstream has none). `--retired on` (model only) adds the
+production fork's retention of retired states (`retain_retired`). A budget
+of N runs N examples; a duration runs rounds of the profile's examples, one
+seed after another, until it is spent. The first failure is shrunk and
+saved in DIR as a version-1 trace that `kvgate replay` shows failing. Exit 0:
+nothing found; 1: a failure was saved; 2: bad input.
 """
 
 from __future__ import annotations
@@ -38,6 +40,12 @@ def register(subparsers: Any) -> None:
     )
     cmd.add_argument("--target", default="model", choices=("model", "vllm"))
     cmd.add_argument("--hold", default="on", choices=("on", "off"))
+    cmd.add_argument(
+        "--retired",
+        default="off",
+        choices=("on", "off"),
+        help="the production fork's retention of retired states (model only)",
+    )
     cmd.add_argument("--profile", default="dev", choices=sorted(PROFILES))
     cmd.add_argument(
         "--budget",
@@ -66,11 +74,13 @@ def handle(args: argparse.Namespace) -> int:
     if args.target == "vllm":
         if args.hold == "on":
             raise InputError("--hold on: vLLM 0.33.0 has no hold; --target vllm runs hold off")
+        if args.retired == "on":
+            raise InputError("--retired on: vLLM 0.33.0 retains no retired state; model only")
         from kvgate.explore.differential import differential_mode
 
         mode: Mode = differential_mode()
     else:
-        mode = model_mode(hold=args.hold == "on")
+        mode = model_mode(hold=args.hold == "on", retire=args.retired == "on")
     overrides: dict[str, Any] = {}
     if examples is not None:
         overrides["max_examples"] = examples
@@ -80,7 +90,8 @@ def handle(args: argparse.Namespace) -> int:
     total = None if seconds is not None else settings.max_examples
     progress = Progress(sys.stderr, total, seconds)
     print(
-        f"explore: target {args.target}, hold {args.hold}, profile {args.profile}, "
+        f"explore: target {args.target}, hold {args.hold}, retired {args.retired}, "
+        f"profile {args.profile}, "
         + (f"{seconds:g}s" if seconds is not None else f"{settings.max_examples} examples"),
         flush=True,
     )

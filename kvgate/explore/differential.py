@@ -41,7 +41,8 @@ def differential_mode() -> Mode:
     return Mode(hold=False, invariants=invariants, lockstep=vllm_target)
 
 
-def overlay_differential_mode() -> Mode:
+def overlay_differential_mode(retire: bool = False) -> Mode:
     """Model vs vLLM 0.33.0 with the hold overlay, hold on, strict level:
-    every invariant, the hold's included, and any divergence fails."""
-    return Mode(hold=True, invariants=ALL_INVARIANTS, lockstep=vllm_with_overlay)
+    every invariant, the hold's included, and any divergence fails.
+    `retire`: the overlay's retention of retired states on too (the fork)."""
+    return Mode(hold=True, invariants=ALL_INVARIANTS, lockstep=vllm_with_overlay, retire=retire)

@@ -77,6 +77,11 @@ class Mode:
     invariants: tuple[str, ...]
     lockstep: Callable[[Config], OpDriver[Any]] | None = None
     stats: Stats = field(default_factory=Stats)
+    retire: bool = False  # the production fork's retention of retired states
+
+    def apply(self, config: Config) -> Config:
+        """A drawn config with this mode's switches."""
+        return replace(config, retain_checkpoint=self.hold, retain_retired=self.retire)
 
 
 @st.composite
@@ -174,8 +179,7 @@ class ExploreMachine(RuleBasedStateMachine):
     @initialize(config=configs())
     def start(self, config: Config) -> None:
         mode = self.mode
-        config = replace(config, retain_checkpoint=mode.hold)
-        self._session = Session(config, mode.invariants, mode.lockstep, mode.stats.ops)
+        self._session = Session(mode.apply(config), mode.invariants, mode.lockstep, mode.stats.ops)
 
     def teardown(self) -> None:
         if self._session is not None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from hypothesis import settings as Settings
@@ -34,15 +34,16 @@ class Outcome:
         return self.failure is None
 
 
-def model_mode(hold: bool, check_hold_only: bool = True) -> Mode:
+def model_mode(hold: bool, check_hold_only: bool = True, retire: bool = False) -> Mode:
     """The model alone; with the hold off the hold-only invariants are
-    checked too (that is how the known total miss is found) unless told not to."""
+    checked too (that is how the known total miss is found) unless told not
+    to. `retire`: the fork's retention of retired states too."""
     invariants = (
         ALL_INVARIANTS
         if (hold or check_hold_only)
         else tuple(i for i in ALL_INVARIANTS if i not in HOLD_ONLY_INVARIANTS)
     )
-    return Mode(hold=hold, invariants=tuple(invariants))
+    return Mode(hold=hold, invariants=tuple(invariants), retire=retire)
 
 
 def run_once(mode: Mode, settings: Settings, seed: int | None = None) -> ExploreFailure | None:
@@ -92,6 +93,6 @@ def session_factory(mode: Mode) -> Callable[[Config], Session]:
     """Fresh sessions for re-running a recorded trace in the same mode."""
 
     def make(config: Config) -> Session:
-        return Session(replace(config, retain_checkpoint=mode.hold), mode.invariants, mode.lockstep)
+        return Session(mode.apply(config), mode.invariants, mode.lockstep)
 
     return make
