@@ -31,7 +31,7 @@ from kvgate.invariants.z3.counterexample import Found, find
 from kvgate.invariants.z3.transitions import ENCODINGS, MUTATIONS
 from kvgate.invariants.z3.vocabulary import BadBounds, Bounds
 
-DEFAULT_OUT = Path("kvgate-counterexamples")
+DEFAULT_OUT = Path("out/prove")  # beside out/workload; git ignores out/
 DEFAULT_DEPTH = 10
 
 
