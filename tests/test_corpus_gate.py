@@ -77,8 +77,7 @@ def test_hold_on_traces_fail_on_upstream_vllm_which_lacks_the_hold(trace: Trace)
     assert HOLD_NOTE in result.notes
     # Every failure is the trace's own expectation: the target behaves exactly
     # like the model with the hold off.
-    failures = [result.divergence, *result.also]
-    assert all(d is not None and d.level == "expect" for d in failures)
+    assert result.failures and all(d.level == "expect" for d in result.failures)
 
 
 @pytest.mark.parametrize("trace", RETIRED, ids=ids(RETIRED))
@@ -88,7 +87,7 @@ def test_retired_state_traces_say_upstream_keeps_none(trace: Trace) -> None:
     if result.capabilities.retire:
         pytest.skip("the installed vLLM build retains retired states")
     assert RETIRE_NOTE in result.notes
-    failures = [d for d in (result.divergence, *result.also) if d is not None]
+    failures = result.failures
     assert all(d.level == "expect" for d in failures)
     if trace.name == "retired-state-held.fork.hold-off":
         # The next turn needed the retained state: upstream misses it.
@@ -104,7 +103,7 @@ def test_next_turn_traces_show_the_total_miss_at_the_lookup(name: str) -> None:
     pytest.importorskip("vllm")
     [trace] = [t for t in HOLD_ON if t.name == name]
     result = replay_on_vllm(trace)
-    misses = [d for d in (result.divergence, *result.also) if d is not None and d.what == "hit"]
+    misses = [d for d in result.failures if d.what == "hit"]
     first = misses[0]
     assert first.step.op == "lookup" and first.step.req == "A2"
     assert (first.expected, first.actual) == (168, 0)

@@ -62,7 +62,7 @@ def model_replay(trace: Trace, hold: bool | None = None) -> tuple[bool, list[str
         result = replay(trace, target, None, "api")
     finally:
         target.close()
-    failures = [d for d in (result.divergence, *result.also) if d is not None]
+    failures = result.failures
     return result.passed, [f"{d.step.op}:{d.what}:{d.expected}:{d.actual}" for d in failures]
 
 

@@ -58,7 +58,7 @@ def test_the_saved_total_miss_replays_on_vllm_with_the_same_miss(total_miss: Fou
         result = replay(trace, target, ModelTarget, "strict")
     finally:
         target.close()
-    failures = [d for d in (result.divergence, *result.also) if d is not None]
+    failures = result.failures
     # Only the trace's own demand fails: the lookup's hit, 0 on vLLM too.
     assert [(d.level, d.step.op, d.what, d.actual) for d in failures] == [
         ("expect", "lookup", "hit", 0)

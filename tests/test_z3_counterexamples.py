@@ -68,7 +68,7 @@ def trace_of(found: dict[str, tuple[bool, Found]], mutation: str) -> Trace:
 
 def misses(result: ReplayResult) -> list[tuple[int, str]]:
     """Where a replay missed the trace's own values: (step, what)."""
-    failures = [result.divergence, *result.also] if result.divergence else []
+    failures = result.failures
     assert all(d.level == "expect" for d in failures), failures
     return [(d.step.index, d.what) for d in failures]
 

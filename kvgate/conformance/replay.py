@@ -95,6 +95,11 @@ class ReplayResult:
     def passed(self) -> bool:
         return self.divergence is None
 
+    @property
+    def failures(self) -> tuple[Divergence, ...]:
+        """The first failure, then every later one (empty when it passed)."""
+        return (self.divergence, *self.also) if self.divergence is not None else ()
+
 
 def replay(trace: Trace, target: Target, model: TargetFactory | None, level: Level) -> ReplayResult:
     """Replay `trace` on `target`, with a lockstep model built by `model` if given.
