@@ -23,14 +23,13 @@ class Found:
 
 @pytest.fixture(scope="session")
 def total_miss(tmp_path_factory: pytest.TempPathFactory) -> Found:
-    """`kvgate explore --hold off` on the model, from nothing but a seed: the
-    seed's total miss, shrunk and saved (run once, read by several tests)."""
+    """`kvgate explore --hold off --profile ci` on the model: the ci profile
+    (derandomized, its default budget) finds the seed's total miss, shrinks
+    and saves it (run once, read by several tests)."""
     out_dir = tmp_path_factory.mktemp("hold-off")
     buffer = io.StringIO()
     with contextlib.redirect_stdout(buffer):
-        code = cli.main(
-            ["explore", "--hold", "off", "--budget", "3000", "--seed", "0", "--out", str(out_dir)]
-        )
+        code = cli.main(["explore", "--hold", "off", "--profile", "ci", "--out", str(out_dir)])
     saved = sorted(out_dir.glob("*.yaml"))
     assert len(saved) == 1, buffer.getvalue()
     return Found(code, buffer.getvalue(), saved[0])

@@ -73,8 +73,11 @@ def search(mode: Mode, out: Path, seed: int) -> Outcome:
 # -- (a) hold off: the known total miss, found from scratch -----------------------
 
 
-def test_hold_off_exploration_finds_the_total_miss(total_miss: Found) -> None:
+def test_hold_off_ci_profile_finds_the_total_miss(total_miss: Found) -> None:
+    """The exploration a user's CI runs (derandomized, the ci profile's own
+    budget) finds the bug the hold exists for."""
     assert total_miss.code == 1
+    assert "profile ci, 400 examples" in total_miss.out
     assert "FAIL invariant resume_at_parent_state" in total_miss.out
     assert "hit 0" in total_miss.out
     assert f"saved: {total_miss.saved}" in total_miss.out

@@ -8,15 +8,24 @@ through `reserve` on the first one), a decode step with drafts, `step`,
 too in differential mode), records them and checks every invariant after
 each, so a failure is a trace.
 
-Requests live in Bundles: `live` (arrived, not ended), `popped` (deferred
-free pending) and `finished` (ended, still a parent for follow-ups). Ops that
-need a request in a given phase pick one of the eligible requests by index,
-under a precondition that one exists: the index shrinks to the oldest.
+Scenario rules string those ops into the situations that break managers
+like this one: a producer prefilled to a partial tail; a follow-up turn that
+resumes at a parent's partial tail with a burst of other prefills around its
+lookup; siblings arriving at a live producer's tail in one step; a
+preemption right after a copy-on-write, then re-admission; re-admission of a
+popped request's follow-up before the deferred free completes.
 
-Arguments lean toward what matters: prompt sizes are chosen by where the
-prompt's partial tail lands (inside a Mamba block, on a boundary), follow-ups
-extend their parent so the next turn can resume at its tail, pools are small
-enough to fill, and bursts evict everything or all but a few blocks.
+Swarm testing: each example enables a random subset of the rules
+(Hypothesis's stateful engine does that itself: it draws feature flags that
+switch rules off per example) and of the config features (`knobs.KNOBS`,
+drawn here), so an example dwells on a few kinds of step and config instead
+of averaging over all of them. And
+`hypothesis.target` steers generation toward the quantities bugs here need:
+how far below a Mamba block boundary a follow-up resumes, how many blocks
+requests hold or keep in flight, how close the free queue comes to empty.
+
+Requests are picked by phase from the session (an index among the eligible
+ones, under a precondition that one exists: it shrinks to the oldest).
 """
 
 from __future__ import annotations
@@ -29,23 +38,18 @@ from itertools import count
 from typing import Any, ClassVar, Literal
 
 from hypothesis import strategies as st
-from hypothesis.stateful import (
-    Bundle,
-    RuleBasedStateMachine,
-    consumes,
-    initialize,
-    precondition,
-    rule,
-)
+from hypothesis import target
+from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
-from kvgate.conformance.config import Config, GroupConfig
+from kvgate.conformance.config import Config
 from kvgate.conformance.driver import OpDriver
+from kvgate.explore.knobs import Stratum, configs
 from kvgate.explore.session import ExploreFailure, Session, follow_up, fresh
 from kvgate.model.mamba import checkpoint_position
 
 Landing = Literal["mid-block", "boundary", "any"]
+Burst = Literal["all", "all but", "some", "none"]
 
-HASH_UNIT = 8
 # At most this many live requests: enough to fill a small pool.
 MAX_LIVE = 5
 # Follow-up chains stop growing past this many tokens (they still arrive,
@@ -53,6 +57,8 @@ MAX_LIVE = 5
 LONG_PROMPT = 320
 # Index strategy for picking one of the eligible requests.
 PICK = st.integers(0, MAX_LIVE - 1)
+# Prefill rounds a scenario runs at most to compute a prompt.
+PREFILL_ROUNDS = 12
 
 
 @dataclass
@@ -66,6 +72,9 @@ class Stats:
     # Seconds from `started` to the first failing step Hypothesis ran
     # (before any shrinking).
     first_failure: float | None = None
+    # The same in this process's CPU seconds (steadier on a shared machine).
+    started_cpu: float = field(default_factory=time.process_time)
+    first_failure_cpu: float | None = None
     on_example: Callable[[Stats], None] | None = None
 
 
@@ -78,34 +87,16 @@ class Mode:
     lockstep: Callable[[Config], OpDriver[Any]] | None = None
     stats: Stats = field(default_factory=Stats)
     retire: bool = False  # the production fork's retention of retired states
+    # Config features fixed for every example (a campaign's stratum).
+    stratum: Stratum = field(default_factory=dict)
+    # Swarm testing of config features: each example varies a random subset
+    # of the knobs (Hypothesis already enables a random subset of the rules
+    # per example: its stateful rule strategy draws feature flags).
+    swarm: bool = True
 
     def apply(self, config: Config) -> Config:
         """A drawn config with this mode's switches."""
         return replace(config, retain_checkpoint=self.hold, retain_retired=self.retire)
-
-
-@st.composite
-def configs(draw: st.DrawFn) -> Config:
-    """Hybrid configs around the seed's; each choice shrinks to the seed's
-    value. The hold switch is the mode's, set when the machine starts."""
-    mamba_block = draw(st.sampled_from([32, 64]))
-    attention_block = draw(st.sampled_from([8, 16]))
-    speculative = draw(st.sampled_from([3, 0, 1]))
-    mamba_groups = draw(st.sampled_from([1, 2]))
-    groups = (
-        GroupConfig("full_attention", attention_block),
-        *(GroupConfig("mamba_align", mamba_block, speculative) for _ in range(mamba_groups)),
-    )
-    return Config(
-        num_blocks=draw(st.integers(32, 128)),
-        hash_unit=HASH_UNIT,
-        groups=groups,
-        eagle=draw(st.booleans().map(lambda b: not b)),  # shrinks to True
-        retention_interval=draw(st.sampled_from([0, None])),
-        retain_checkpoint=False,
-        scheduler_block_size=mamba_block,
-        max_num_scheduled_tokens=draw(st.sampled_from([8192, 64, 32])),
-    )
 
 
 def mamba_block(config: Config) -> int:
@@ -136,19 +127,49 @@ def new_tokens(config: Config, base: int, blocks: int, jitter: int, landing: Lan
 LANDINGS = st.sampled_from(["mid-block", "boundary", "any"])
 
 
+@dataclass(frozen=True)
+class Producer:
+    """The shape of a producer request a scenario starts with."""
+
+    blocks: int
+    jitter: int
+    landing: Landing
+    decodes: int
+    spec: int
+
+
+PRODUCERS = st.builds(
+    Producer,
+    blocks=st.integers(0, 3),
+    jitter=st.integers(1, 40),
+    landing=st.sampled_from(["mid-block", "any", "boundary"]),
+    # Mostly at least one: the first decode moves the partial tail.
+    decodes=st.sampled_from([1, 2, 0, 3]),
+    spec=st.sampled_from([0, 3, 1]),
+)
+# A burst that evicts every free block is the one that reaches the newest
+# freed (the most recently released) states: drawn most often.
+BURSTS: st.SearchStrategy[Burst] = st.sampled_from(["all", "all but", "all", "some", "all", "none"])
+
+
+def when(ready: Callable[[Any], bool]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A precondition: the session started and `ready(machine)`."""
+    return precondition(lambda self: self._session is not None and ready(self))
+
+
 class ExploreMachine(RuleBasedStateMachine):
     """Subclassed per `Mode` by `machine_class`; not run directly."""
 
     mode: ClassVar[Mode]
 
-    live = Bundle("live")
-    popped = Bundle("popped")
-    finished = Bundle("finished")
-
     def __init__(self) -> None:
         super().__init__()
         self._session: Session | None = None
         self._names = count()
+        # What `hypothesis.target` maximizes, at the end of the example.
+        self.resume_depth = 0
+        self.pinned = 0
+        self.pressure = 0.0
 
     @property
     def session(self) -> Session:
@@ -159,31 +180,59 @@ class ExploreMachine(RuleBasedStateMachine):
         stats = self.mode.stats
         stats.steps += 1
         try:
-            return self.session.run(op, **fields)
+            observed = self.session.run(op, **fields)
         except ExploreFailure:
             if stats.first_failure is None:
                 stats.first_failure = time.perf_counter() - stats.started
+                stats.first_failure_cpu = time.process_time() - stats.started_cpu
             raise
+        self._measure(op, fields.get("req"))
+        return observed
+
+    def _measure(self, op: str, req: str | None) -> None:
+        """Update the targeted quantities after a step."""
+        session = self.session
+        config = session.config
+        free = session.free_blocks()
+        self.pressure = max(self.pressure, 1.0 - free / max(1, config.num_blocks - 1))
+        if op in ("allocate", "decode1", "drain", "evict"):
+            snapshot = session.last
+            held = sum(len(groups) for groups in snapshot.holds.values())
+            self.pinned = max(self.pinned, held + len(snapshot.pending_copies))
+        if op == "lookup" and req is not None:
+            parent = session.parent(req)
+            if parent is not None:
+                # How far inside a Mamba block the parent's reusable state sits.
+                tail = checkpoint_position(session.tokens(parent), config.hash_unit, config.eagle)
+                depth = tail % mamba_block(config)
+                self.resume_depth = max(self.resume_depth, depth)
 
     def _pick(self, names: list[str], which: int) -> str:
         return names[which % len(names)]
 
+    def _live(self) -> int:
+        return len(self.session.in_phase("waiting", "running", "decoding"))
+
     def _room(self) -> bool:
-        return (
-            self._session is not None
-            and len(self.session.in_phase("waiting", "running", "decoding")) < MAX_LIVE
-        )
+        return self._session is not None and self._live() < MAX_LIVE
+
+    def _name(self) -> str:
+        return f"R{next(self._names)}"
 
     # -- set up -------------------------------------------------------------
 
-    @initialize(config=configs())
-    def start(self, config: Config) -> None:
+    @initialize(data=st.data())
+    def start(self, data: st.DataObject) -> None:
         mode = self.mode
+        config = data.draw(configs(mode.stratum, mode.swarm), label="config")
         self._session = Session(mode.apply(config), mode.invariants, mode.lockstep, mode.stats.ops)
 
     def teardown(self) -> None:
         if self._session is not None:
             self._session.close()
+            target(float(self.resume_depth), label="resume depth below the block")
+            target(float(self.pinned), label="held and in-flight blocks")
+            target(self.pressure, label="free-queue pressure")
         stats = self.mode.stats
         stats.examples += 1
         if stats.on_example is not None:
@@ -192,29 +241,18 @@ class ExploreMachine(RuleBasedStateMachine):
     # -- arrivals -----------------------------------------------------------
 
     @precondition(lambda self: self._room())
-    @rule(
-        target=live,
-        blocks=st.integers(0, 4),
-        jitter=st.integers(0, 40),
-        landing=LANDINGS,
-    )
-    def arrive(self, blocks: int, jitter: int, landing: Landing) -> str:
-        name = f"R{next(self._names)}"
+    @rule(blocks=st.integers(0, 4), jitter=st.integers(0, 40), landing=LANDINGS)
+    def arrive(self, blocks: int, jitter: int, landing: Landing) -> None:
+        name = self._name()
         n = new_tokens(self.session.config, 0, blocks, jitter, landing)
         self._run("arrive", req=name, prompt=fresh(n))
-        return name
 
-    @precondition(lambda self: self._room())
-    @rule(
-        target=live,
-        parent=st.one_of(live, finished),
-        blocks=st.integers(0, 1),
-        jitter=st.integers(1, 40),
-        landing=LANDINGS,
-    )
-    def next_turn(self, parent: str, blocks: int, jitter: int, landing: Landing) -> str:
+    def _parents(self) -> list[str]:
+        return self.session.in_phase("waiting", "running", "decoding", "ended")
+
+    def _follow_up(self, parent: str, blocks: int, jitter: int, landing: Landing) -> str:
         """The parent's prompt and output so far, plus new text."""
-        name = f"R{next(self._names)}"
+        name = self._name()
         session = self.session
         base = session.tokens(parent)
         if base > LONG_PROMPT:
@@ -223,12 +261,72 @@ class ExploreMachine(RuleBasedStateMachine):
         self._run("arrive", req=name, prompt=follow_up(parent, n))
         return name
 
+    @when(lambda self: self._room() and bool(self._parents()))
+    @rule(
+        which=st.integers(0, 2 * MAX_LIVE),
+        blocks=st.integers(0, 1),
+        jitter=st.integers(1, 40),
+        landing=LANDINGS,
+    )
+    def next_turn(self, which: int, blocks: int, jitter: int, landing: Landing) -> None:
+        self._follow_up(self._pick(self._parents(), which), blocks, jitter, landing)
+
     # -- scheduling ---------------------------------------------------------
 
     @precondition(lambda self: self._session is not None and self.session.in_phase("waiting"))
     @rule(which=PICK)
     def lookup(self, which: int) -> None:
         self._run("lookup", req=self._pick(self.session.in_phase("waiting"), which))
+
+    def _chunk(self, req: str, lookahead: int) -> bool:
+        """One allocation of `req` (admitting it first if waiting); whether it ran."""
+        session = self.session
+        if session.requests[req].phase == "waiting":
+            self._run("lookup", req=req)
+            reserved = self._run("reserve", req=req)
+            if reserved["blocks"] > session.free_blocks():
+                return False  # the admission gate refuses it for now
+        return bool(self._run("allocate", req=req, tokens="auto", lookahead=lookahead)["ok"])
+
+    def _prefill(self, req: str, lookahead: int, rounds: int) -> bool:
+        """Up to `rounds` chunks of `req`, a scheduler step apart (no step
+        after the last); whether its prompt is computed."""
+        for round_no in range(rounds):
+            if round_no:
+                self._tick()
+            if self.session.requests[req].phase == "decoding":
+                return True
+            if req in self.session.allocated_since_drain or not self._chunk(req, lookahead):
+                return False
+        return self.session.requests[req].phase == "decoding"
+
+    def _tick(self) -> None:
+        """The end of a scheduler step: `step`, then the copies run."""
+        self._run("step")
+        self._run("drain")
+
+    def _decode(self, req: str, spec: int, steps: int) -> None:
+        for step_no in range(steps):
+            if step_no:
+                self._tick()
+            if self.session.requests[req].phase != "decoding":
+                return
+            if req in self.session.allocated_since_drain:
+                return
+            if not self._run("decode1", req=req, spec=spec)["ok"]:
+                return
+
+    def _burst(self, how: Burst, n: int) -> None:
+        """A burst of concurrent prefills: all free blocks, all but a few, or a few."""
+        free = self.session.free_blocks()
+        if how == "none" or free == 0:
+            return
+        if how == "all":
+            self._run("evict", blocks="all")
+        elif how == "all but":
+            self._run("evict", blocks=max(free - n, 1))
+        else:
+            self._run("evict", blocks=min(n + 1, free))
 
     @precondition(
         lambda self: self._session is not None and self.session.schedulable("waiting", "running")
@@ -244,37 +342,16 @@ class ExploreMachine(RuleBasedStateMachine):
         (`step`, `drain` between them, and after the last with `end_step`;
         without it the last chunk's copies stay queued); a waiting request is
         admitted first (lookup, reserve, the full-sequence gate)."""
-        session = self.session
-        req = self._pick(session.schedulable("waiting", "running"), which)
-        for round_no in range(rounds):
-            if round_no:
-                self._run("step")
-                self._run("drain")
-            state = session.requests[req]
-            if state.phase == "decoding":
-                break
-            if state.phase == "waiting":
-                self._run("lookup", req=req)
-                reserved = self._run("reserve", req=req)
-                if reserved["blocks"] > session.free_blocks():
-                    return  # the admission gate refuses it for now
-            if not self._run("allocate", req=req, tokens="auto", lookahead=lookahead)["ok"]:
-                return
+        req = self._pick(self.session.schedulable("waiting", "running"), which)
+        self._prefill(req, lookahead, rounds)
         if end_step:
-            self._run("step")
-            self._run("drain")
+            self._tick()
 
-    @precondition(lambda self: self._session is not None and self.session.schedulable("decoding"))
+    @when(lambda self: bool(self.session.schedulable("decoding")))
     @rule(which=PICK, spec=st.sampled_from([3, 0, 1, 2]), steps=st.integers(1, 4))
     def decode(self, which: int, spec: int, steps: int) -> None:
         """Up to `steps` decode steps of one request with `spec` drafts each."""
-        req = self._pick(self.session.schedulable("decoding"), which)
-        for step_no in range(steps):
-            if step_no:
-                self._run("step")
-                self._run("drain")
-            if not self._run("decode1", req=req, spec=spec)["ok"]:
-                return
+        self._decode(self._pick(self.session.schedulable("decoding"), which), spec, steps)
 
     @precondition(lambda self: self._session is not None)
     @rule()
@@ -288,30 +365,30 @@ class ExploreMachine(RuleBasedStateMachine):
 
     # -- ending requests ----------------------------------------------------
 
-    @rule(target=finished, req=consumes(live), how=st.sampled_from(["finish", "abort"]))
-    def free(self, req: str, how: str) -> str:
+    @when(lambda self: bool(self.session.in_phase("waiting", "running", "decoding")))
+    @rule(which=PICK, how=st.sampled_from(["finish", "abort"]))
+    def free(self, which: int, how: str) -> None:
+        req = self._pick(self.session.in_phase("waiting", "running", "decoding"), which)
         self._run("free", req=req, how=how)
-        return req
 
-    @precondition(
-        lambda self: self._session is not None and self.session.in_phase("running", "decoding")
-    )
+    @when(lambda self: bool(self.session.in_phase("running", "decoding")))
     @rule(which=PICK)
     def preempt(self, which: int) -> None:
         req = self._pick(self.session.in_phase("running", "decoding"), which)
         self._run("free", req=req, how="preempt")
 
-    @rule(target=popped, req=consumes(live))
-    def pop(self, req: str) -> str:
+    @when(lambda self: bool(self.session.in_phase("waiting", "running", "decoding")))
+    @rule(which=PICK)
+    def pop(self, which: int) -> None:
+        req = self._pick(self.session.in_phase("waiting", "running", "decoding"), which)
         self._run("pop", req=req)
-        return req
 
-    @rule(target=finished, req=consumes(popped))
-    def release(self, req: str) -> str:
-        self._run("release", req=req)
-        return req
+    @precondition(lambda self: self._session is not None and self.session.in_phase("popped"))
+    @rule(which=PICK)
+    def release(self, which: int) -> None:
+        self._run("release", req=self._pick(self.session.in_phase("popped"), which))
 
-    @precondition(lambda self: self._session is not None and self.mode.lockstep is not None)
+    @when(lambda self: self.mode.lockstep is not None)
     @rule(keys=st.sampled_from([("free_blocks",), ("pool_clean", "holds"), ("holds",)]))
     def check(self, keys: tuple[str, ...]) -> None:
         """A `check` step, in differential mode: the model's values go into
@@ -321,17 +398,144 @@ class ExploreMachine(RuleBasedStateMachine):
 
     # -- other requests' prefills ---------------------------------------------
 
-    @precondition(lambda self: self._session is not None and self.session.free_blocks() > 0)
+    @when(lambda self: self.session.free_blocks() > 0)
     @rule(how=st.sampled_from(["all", "all but", "some"]), n=st.integers(0, 8))
-    def evict(self, how: str, n: int) -> None:
-        """A burst of concurrent prefills: all free blocks, all but a few, or a few."""
-        free = self.session.free_blocks()
-        if how == "all":
-            self._run("evict", blocks="all")
-        elif how == "all but":
-            self._run("evict", blocks=max(free - n, 1))
-        else:
-            self._run("evict", blocks=min(n + 1, free))
+    def evict(self, how: Burst, n: int) -> None:
+        self._burst(how, n)
+
+    # -- scenarios ------------------------------------------------------------
+
+    @when(lambda self: self._room())
+    @rule(shape=PRODUCERS)
+    def produce(self, shape: Producer) -> None:
+        self._produce(shape)
+
+    def _produce(self, shape: Producer) -> str | None:
+        """A producer: a fresh prompt (by default with its tail inside a
+        Mamba block) prefilled to the end, then `decodes` decode steps (the
+        first moves its partial tail to a copy block); its name once its
+        prompt is computed."""
+        name = self._name()
+        n = new_tokens(self.session.config, 0, shape.blocks, shape.jitter, shape.landing)
+        self._run("arrive", req=name, prompt=fresh(n))
+        if not self._prefill(name, 0, PREFILL_ROUNDS):
+            return None
+        if shape.decodes:
+            self._tick()
+            self._decode(name, shape.spec, shape.decodes)
+        self._tick()
+        return name
+
+    def _computed(self) -> list[str]:
+        return self.session.in_phase("decoding", "ended")
+
+    @when(lambda self: self._room())
+    @rule(
+        # A new producer twice as often as an earlier request.
+        parent=st.one_of(PRODUCERS, PRODUCERS, PICK),
+        jitter=st.integers(1, 24),
+        before=BURSTS,
+        after=BURSTS,
+        after_admission=st.booleans(),
+        n=st.integers(0, 4),
+        # A resident parent mostly: its state must survive the burst.
+        end_parent=st.sampled_from([False, False, True]),
+    )
+    def follow_up_turn(
+        self,
+        parent: Producer | int,
+        jitter: int,
+        before: Burst,
+        after: Burst,
+        after_admission: bool,
+        n: int,
+        end_parent: bool,
+    ) -> None:
+        """A follow-up turn that resumes at its parent's partial tail, with
+        bursts of other prefills before its lookup and after it (before or
+        after its admission). The parent is a new producer (when there is
+        room for two) or an earlier computed request, optionally finished
+        first."""
+        name: str | None = None
+        if isinstance(parent, Producer):
+            if self._live() <= MAX_LIVE - 2:
+                name = self._produce(parent)
+        elif self._computed():
+            name = self._pick(self._computed(), parent)
+        if name is None:
+            return
+        if end_parent and self.session.requests[name].phase == "decoding":
+            self._run("free", req=name, how="finish")
+        self._burst(before, n)
+        child = self._follow_up(name, 0, jitter, "any")
+        self._run("lookup", req=child)
+        if not after_admission:
+            self._burst(after, n)
+        if self._chunk(child, 0) and after_admission:
+            self._burst(after, n)
+        self._tick()
+
+    def _producers(self) -> list[str]:
+        return self.session.in_phase("decoding")
+
+    @when(lambda self: self._room() and bool(self._producers()))
+    @rule(which=PICK, siblings=st.integers(2, 3), jitter=st.integers(1, 24), burst=BURSTS)
+    def siblings_at_tail(self, which: int, siblings: int, jitter: int, burst: Burst) -> None:
+        """Siblings at a live producer's tail: follow-ups of one decoding
+        request arrive and are admitted in the same scheduler step, after a
+        burst, while the producer keeps decoding."""
+        producer = self._pick(self._producers(), which)
+        children = [
+            self._follow_up(producer, 0, jitter + i, "any")
+            for i in range(min(siblings, MAX_LIVE - self._live()))
+        ]
+        self._burst(burst, 2)
+        for child in children:
+            self._chunk(child, 0)
+        if producer not in self.session.allocated_since_drain:
+            self._decode(producer, 0, 1)
+        self._tick()
+
+    def _resumable(self) -> list[str]:
+        """Waiting follow-ups (whose lookup may hit a partial tail)."""
+        session = self.session
+        return [r for r in session.in_phase("waiting") if session.parent(r) is not None]
+
+    @when(lambda self: bool(self._resumable()))
+    @rule(which=PICK, drain_between=st.booleans(), readmit=st.booleans(), burst=BURSTS)
+    def preempt_after_cow(
+        self, which: int, drain_between: bool, readmit: bool, burst: Burst
+    ) -> None:
+        """A follow-up admitted at a partial-tail hit (its copy-on-write
+        queued) and preempted in the same step, before or after the copy
+        runs; then, after a burst, admitted again."""
+        req = self._pick(self._resumable(), which)
+        if not self._chunk(req, 0):
+            return
+        if drain_between:
+            self._tick()
+        self._run("free", req=req, how="preempt")
+        self._tick()
+        self._burst(burst, 2)
+        if readmit:
+            self._chunk(req, 0)
+            self._tick()
+
+    @when(lambda self: self._room() and bool(self.session.in_phase("running", "decoding")))
+    @rule(which=PICK, jitter=st.integers(1, 24), release_first=st.booleans(), burst=BURSTS)
+    def readmit_after_pop(self, which: int, jitter: int, release_first: bool, burst: Burst) -> None:
+        """A running request is popped (its free deferred) and its follow-up
+        is admitted while (or right after) the popped blocks are released."""
+        req = self._pick(self.session.in_phase("running", "decoding"), which)
+        self._run("pop", req=req)
+        if release_first:
+            self._run("release", req=req)
+        child = self._follow_up(req, 0, jitter, "any")
+        self._burst(burst, 2)
+        self._chunk(child, 0)
+        if not release_first:
+            self._run("release", req=req)
+        self._tick()
 
 
 def machine_class(mode: Mode) -> type[ExploreMachine]:

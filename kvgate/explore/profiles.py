@@ -18,13 +18,15 @@ _BASE = settings(
     # One failure, shrunk and saved; not every distinct bug found on the way.
     report_multiple_bugs=False,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-    phases=(Phase.explicit, Phase.generate, Phase.shrink),
+    # `target`: the machine steers toward resume depth, held blocks and
+    # free-queue pressure (`hypothesis.target` in its teardown).
+    phases=(Phase.explicit, Phase.generate, Phase.target, Phase.shrink),
     print_blob=False,
 )
 
 PROFILES: dict[str, settings] = {
     # Seconds: a quick look while editing.
-    "dev": settings(_BASE, max_examples=25, stateful_step_count=40),
+    "dev": settings(_BASE, max_examples=25, stateful_step_count=20),
     # The default test run: deterministic, a few minutes for everything.
     "ci": settings(_BASE, max_examples=400, stateful_step_count=50, derandomize=True),
     # Long: run outside the default suite (`kvgate explore --profile nightly`).

@@ -67,11 +67,14 @@ def explore(
     seed: int | None = None,
     seconds: float | None = None,
     on_example: Callable[[Stats], None] | None = None,
+    shrink: bool = True,
 ) -> Outcome:
     """Run rounds of `settings.max_examples` examples until one fails or, with
     `seconds`, the time is spent (one round otherwise). Round k uses seed
-    `seed + k` (a derandomized profile ignores it)."""
+    `seed + k` (a derandomized profile ignores it). `shrink=False` skips the
+    trace shrinker (Hypothesis's own shrinking is the settings' phase)."""
     mode.stats.on_example = on_example
+    mode.stats.started_cpu = time.process_time()
     started = mode.stats.started = time.perf_counter()
     failure: ExploreFailure | None = None
     rounds = 0
@@ -82,10 +85,10 @@ def explore(
         if seconds is None or time.perf_counter() - started >= seconds or settings.derandomize:
             break
     saved = None
-    if failure is not None:
+    if failure is not None and shrink:
         failure = shrink_trace(failure, session_factory(mode))
-        if out is not None:
-            saved = failure.save(out)
+    if failure is not None and out is not None:
+        saved = failure.save(out)
     return Outcome(failure, saved, mode.stats, time.perf_counter() - started, rounds)
 
 

@@ -1,0 +1,162 @@
+"""The config features exploration varies, one `Knob` each.
+
+A config is the seed's (`SEED_CONFIG`) with every knob set: an example
+draws a value for each knob it enables (swarm testing: each example varies
+a random subset of the features, the rest keep the seed's value), and a
+campaign stratum fixes some knobs to one value each. A knob's first value
+is the seed's, so a drawn config shrinks toward the seed's.
+
+To add a knob: append a `Knob` to `KNOBS` (its `set` returns the config
+with that feature set; knobs apply in order, so one that reads another's
+effect comes after it). `stratum=True` makes it an axis of the campaign
+matrix (`kvgate explore --jobs`): give it few values.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+from hypothesis import strategies as st
+
+from kvgate.conformance.config import Config, GroupConfig
+
+HASH_UNIT = 8
+
+# The seed patch's scenario: one attention group, one Mamba group (align
+# mode, 3 speculative blocks), eagle, sparse retention, a small pool.
+SEED_CONFIG = Config(
+    num_blocks=32,
+    hash_unit=HASH_UNIT,
+    groups=(GroupConfig("full_attention", 8), GroupConfig("mamba_align", 32, 3)),
+    eagle=True,
+    retention_interval=0,
+    retain_checkpoint=False,
+    scheduler_block_size=32,
+    max_num_scheduled_tokens=8192,
+)
+
+
+def _mamba_groups(config: Config, count: int) -> Config:
+    attention = config.groups[0]
+    mamba = config.groups[config.mamba_group_ids[0]]
+    return replace(config, groups=(attention, *(mamba for _ in range(count))))
+
+
+def _mamba_block(config: Config, size: int) -> Config:
+    groups = tuple(
+        replace(g, block_size=size) if g.kind == "mamba_align" else g for g in config.groups
+    )
+    return replace(config, groups=groups, scheduler_block_size=size)
+
+
+def _attention_block(config: Config, size: int) -> Config:
+    groups = tuple(
+        replace(g, block_size=size) if g.kind == "full_attention" else g for g in config.groups
+    )
+    return replace(config, groups=groups)
+
+
+def _speculative(config: Config, blocks: int) -> Config:
+    groups = tuple(
+        replace(g, speculative_blocks=blocks) if g.kind == "mamba_align" else g
+        for g in config.groups
+    )
+    return replace(config, groups=groups)
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One config feature: its values (the seed's first) and how to set it."""
+
+    name: str
+    values: tuple[Any, ...]
+    set: Callable[[Config, Any], Config]
+    # An axis of the campaign matrix (else drawn inside every stratum).
+    stratum: bool = False
+    # Drawn from this instead of `values` when the knob is on (a range);
+    # `values[0]` is still the value when it is off.
+    strategy: st.SearchStrategy[Any] | None = None
+
+    def draw_from(self) -> st.SearchStrategy[Any]:
+        return self.strategy if self.strategy is not None else st.sampled_from(self.values)
+
+
+KNOBS: tuple[Knob, ...] = (
+    Knob("mamba_groups", (1, 2), _mamba_groups, stratum=True),
+    Knob("mamba_block", (32, 64), _mamba_block),
+    Knob("attention_block", (8, 16), _attention_block),
+    Knob("speculative_blocks", (3, 0, 1), _speculative, stratum=True),
+    Knob("eagle", (True, False), lambda c, v: replace(c, eagle=v), stratum=True),
+    Knob(
+        "retention_interval",
+        (0, None),
+        lambda c, v: replace(c, retention_interval=v),
+        stratum=True,
+    ),
+    Knob(
+        "num_blocks",
+        (32, 64, 128),
+        lambda c, v: replace(c, num_blocks=v),
+        strategy=st.integers(32, 128),
+    ),
+    Knob(
+        "max_num_scheduled_tokens",
+        (8192, 64, 32),
+        lambda c, v: replace(c, max_num_scheduled_tokens=v),
+    ),
+)
+KNOB_NAMES = tuple(k.name for k in KNOBS)
+
+# A campaign stratum: a value for some knobs, fixed for all its examples.
+Stratum = Mapping[str, Any]
+
+
+def strata() -> Iterator[dict[str, Any]]:
+    """Every combination of the stratum knobs' values (the matrix's rows)."""
+    axes = [k for k in KNOBS if k.stratum]
+    for values in itertools.product(*(k.values for k in axes)):
+        yield {k.name: v for k, v in zip(axes, values, strict=True)}
+
+
+def stratum_name(stratum: Stratum) -> str:
+    if not stratum:
+        return "any"
+    return " ".join(f"{name}={_short(value)}" for name, value in stratum.items())
+
+
+def _short(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return str(value)
+
+
+def build(values: Mapping[str, Any]) -> Config:
+    """The seed's config with each knob in `values` set (others: the seed's)."""
+    unknown = set(values) - set(KNOB_NAMES)
+    if unknown:
+        raise KeyError(f"unknown knobs: {', '.join(sorted(unknown))}")
+    config = SEED_CONFIG
+    for knob in KNOBS:
+        config = knob.set(config, values.get(knob.name, knob.values[0]))
+    return config
+
+
+@st.composite
+def configs(draw: st.DrawFn, stratum: Stratum | None = None, swarm: bool = True) -> Config:
+    """A config: `stratum`'s knobs fixed; of the rest, with `swarm` a random
+    subset is drawn (each shrinks to the seed's value) and the others keep
+    the seed's value; without it every one is drawn."""
+    fixed = dict(stratum or {})
+    values: dict[str, Any] = {}
+    for knob in KNOBS:
+        if knob.name in fixed:
+            values[knob.name] = fixed[knob.name]
+        # `not b`: the switch shrinks to on, so shrinking changes the value, not the subset.
+        elif not swarm or draw(st.booleans().map(lambda b: not b)):
+            values[knob.name] = draw(knob.draw_from())
+    return build(values)
