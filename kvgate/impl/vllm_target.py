@@ -30,7 +30,7 @@ from typing import Any
 
 from kvgate.conformance.config import Config, GroupConfig, UnsupportedConfig
 from kvgate.conformance.driver import OpDriver
-from kvgate.conformance.snapshot import BlockView, Snapshot
+from kvgate.conformance.snapshot import NULL_BLOCK, BlockView, Snapshot, kept_aside, null_view
 from kvgate.conformance.target import Capabilities
 from kvgate.conformance.tokens import extend_prefix_keys
 from kvgate.impl import _vllm_api
@@ -309,14 +309,17 @@ class VllmTarget(OpDriver[Any]):
         return cached * block_size
 
     def snapshot(self) -> Snapshot:
+        # The strict view (kvgate.conformance.snapshot.EXCLUSIONS): the null
+        # block without its ref count, popped lists without null entries.
         self._sync_index()
+        views = self._block_views()
         return Snapshot(
             free_queue=tuple(self._free_queue_ids()),
-            blocks=self._block_views(),
+            blocks=views[:NULL_BLOCK] + (null_view(views[NULL_BLOCK]),) + views[NULL_BLOCK + 1 :],
             tables=self._tables(),
             holds=self._holds(),
             pending_copies=self._pending_copies(),
-            popped={req: _ids(blocks) for req, blocks in self.popped.items()},
+            popped={req: kept_aside(_ids(blocks)) for req, blocks in self.popped.items()},
         )
 
     # ------------------------------------------------------------ hash index
