@@ -30,9 +30,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--examples", type=int, default=5000, help="cap per seed")
     parser.add_argument("--shrink", action="store_true", help="shrink each failure too")
     args = parser.parse_args(argv)
-    phases = (Phase.explicit, Phase.generate, Phase.target)
+    phases = [Phase.explicit, Phase.generate, Phase.target]
     if args.shrink:
-        phases = (*phases, Phase.shrink)
+        phases.append(Phase.shrink)
     settings = profile("dev", max_examples=args.examples, phases=phases)
     firsts: list[float] = []
     firsts_cpu: list[float] = []

@@ -3,6 +3,8 @@
     kvgate explore [--target model|vllm] [--hold on|off] [--retired on|off]
                    [--profile dev|ci|nightly]
                    [--budget N | --budget 90s | --budget 5m] [--seed N] --out DIR
+    kvgate explore --jobs N | --ray ADDRESS | --matrix  [--target T] [--hold H]
+                   [--retired R] [--shards K] [--profile P] [--budget N] [--seed N] --out DIR
 
 `--target model` explores the model alone, checking every invariant;
 `--target vllm` drives the model and vLLM 0.33.0 in lockstep at strict level
@@ -12,6 +14,16 @@ of N runs N examples; a duration runs rounds of the profile's examples, one
 seed after another, until it is spent. The first failure is shrunk and
 saved in DIR as a version-1 trace that `kvgate replay` shows failing. Exit 0:
 nothing found; 1: a failure was saved; 2: bad input.
+
+With `--jobs N`, `--ray ADDRESS` or `--matrix` it runs a campaign
+(`kvgate.explore.campaign`): the config matrix (every stratum of the config
+knobs; with `--jobs`/`--ray` alone, the same) x the hold arms x the targets
+available, narrowed by `--target`, `--hold` and `--retired` when given;
+`--budget N` examples per cell, in `--shards K` shards each (default: enough
+for every worker), on N processes or a Ray cluster (`local:2` starts a local
+one). Every failure is saved under DIR/traces; one summary at the end. Run
+it again on the same DIR to continue a stopped campaign. Exit 0: nothing
+found; 1: a failure was found (or a shard broke); 2: bad input.
 """
 
 from __future__ import annotations
@@ -38,13 +50,14 @@ def register(subparsers: Any) -> None:
     cmd = subparsers.add_parser(
         "explore", help="explore the model with Hypothesis (alone, or against vLLM)"
     )
-    cmd.add_argument("--target", default="model", choices=("model", "vllm"))
-    cmd.add_argument("--hold", default="on", choices=("on", "off"))
+    cmd.add_argument(
+        "--target", choices=("model", "vllm"), help="default: model (a campaign: every available)"
+    )
+    cmd.add_argument("--hold", choices=("on", "off"), help="default: on (a campaign: both)")
     cmd.add_argument(
         "--retired",
-        default="off",
         choices=("on", "off"),
-        help="the production fork's retention of retired states (model only)",
+        help="the production fork's retention of retired states (default off)",
     )
     cmd.add_argument("--profile", default="dev", choices=sorted(PROFILES))
     cmd.add_argument(
@@ -54,6 +67,15 @@ def register(subparsers: Any) -> None:
     )
     cmd.add_argument("--seed", type=int, default=0, help="first round's seed (default 0)")
     cmd.add_argument("--out", type=Path, required=True, metavar="DIR", help="where to save traces")
+    campaign = cmd.add_argument_group("campaigns")
+    campaign.add_argument("--jobs", type=int, metavar="N", help="a campaign on N processes")
+    campaign.add_argument(
+        "--ray", metavar="ADDRESS", help="a campaign on a Ray cluster (local:N starts one here)"
+    )
+    campaign.add_argument(
+        "--matrix", action="store_true", help="a campaign over the config matrix (in process)"
+    )
+    campaign.add_argument("--shards", type=int, metavar="K", help="shards (seeds) per cell")
     cmd.set_defaults(handler=handle)
 
 
@@ -70,6 +92,13 @@ def parse_budget(text: str | None) -> tuple[int | None, float | None]:
 
 
 def handle(args: argparse.Namespace) -> int:
+    if args.jobs is not None or args.ray is not None or args.matrix:
+        return handle_campaign(args)
+    if args.shards is not None:
+        raise InputError("--shards: only for a campaign (--jobs, --ray or --matrix)")
+    args.target = args.target or "model"
+    args.hold = args.hold or "on"
+    args.retired = args.retired or "off"
     examples, seconds = parse_budget(args.budget)
     if args.target == "vllm":
         if args.hold == "on":
@@ -170,3 +199,80 @@ def write_summary(out: TextIO, outcome: Outcome) -> None:
     if outcome.saved is not None:
         print(f"saved: {outcome.saved}", file=out)
         print(f"replay: kvgate replay {outcome.saved} --target model", file=out)
+
+
+def handle_campaign(args: argparse.Namespace) -> int:
+    from kvgate.explore import campaign
+
+    if args.jobs is not None and args.jobs < 1:
+        raise InputError("--jobs: must be at least 1")
+    if args.jobs is not None and args.ray is not None:
+        raise InputError("--ray: runs on the cluster's workers; leave out --jobs")
+    if args.shards is not None and args.shards < 1:
+        raise InputError("--shards: must be at least 1")
+    examples, seconds = parse_budget(args.budget)
+    if seconds is not None:
+        raise InputError(f"--budget {args.budget}: a campaign's budget is examples per cell")
+    available = campaign.available_targets()
+    if args.target is not None and args.target not in available:
+        raise InputError(f"--target {args.target}: not installed here")
+    targets = (args.target,) if args.target is not None else available
+    arms = [
+        a.name
+        for a in campaign.ARMS
+        if (args.hold is None or a.hold == (args.hold == "on"))
+        and (args.retired is None or a.retire == (args.retired == "on"))
+    ]
+    if not arms:
+        raise InputError("--retired on: needs the hold on")
+    cells = campaign.matrix(targets, arms)
+    workers = args.jobs or 1
+    if args.ray is not None:
+        workers = int(args.ray.partition(":")[2] or 2) if args.ray.startswith("local") else 2
+    shards = args.shards or max(1, -(-workers // len(cells)))
+    settings = profile(args.profile)
+    plan = campaign.Plan(cells, args.profile, examples or settings.max_examples, shards, args.seed)
+    engine = campaign.on_ray(args.ray) if args.ray is not None else campaign.in_processes(workers)
+    where = f"Ray cluster {args.ray}" if args.ray is not None else f"{workers} process(es)"
+    print(
+        f"explore campaign: {len(cells)} cells (configs x hold arms x targets: "
+        f"{len(cells) // (len(targets) * len(arms))} x {len(arms)} x {len(targets)}), "
+        f"{plan.examples} examples per cell in {shards} shard(s), profile {args.profile}, "
+        f"on {where}",
+        flush=True,
+    )
+    log = campaign.CampaignLog.open(args.out, plan)
+    if log.resumed:
+        print(
+            f"resuming: {log.resumed} of {len(plan.shard_list())} shards done, read from "
+            f"{log.path} (kvgate's campaign log; Hypothesis's example database is not used)",
+            flush=True,
+        )
+
+    def progress(result: campaign.ShardResult, done: int, total: int) -> None:
+        what = (
+            "error"
+            if result.error
+            else "n/a"
+            if result.skipped
+            else "FAIL"
+            if result.failure
+            else "ok"
+        )
+        print(
+            f"[{done}/{total}] {result.key}: {result.examples} examples, "
+            f"{result.seconds:.1f}s, {what}",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    outcome = campaign.run_campaign(plan, args.out, engine, progress)
+    ran = sum(r.examples for r in outcome.results)
+    print(
+        f"{ran} examples in all; this run {outcome.seconds:.1f}s"
+        + (f" ({outcome.resumed} shards resumed from the log)" if outcome.resumed else "")
+    )
+    for line in campaign.summary_lines(outcome):
+        print(line)
+    broken = any(r.error for r in outcome.results)
+    return 1 if outcome.distinct() or broken else 0

@@ -279,8 +279,11 @@ class ExploreMachine(RuleBasedStateMachine):
         self._run("lookup", req=self._pick(self.session.in_phase("waiting"), which))
 
     def _chunk(self, req: str, lookahead: int) -> bool:
-        """One allocation of `req` (admitting it first if waiting); whether it ran."""
+        """One allocation of `req` (admitting it first if waiting); whether it
+        ran (not if it already allocated in this scheduler step)."""
         session = self.session
+        if req in session.allocated_since_drain:
+            return False
         if session.requests[req].phase == "waiting":
             self._run("lookup", req=req)
             reserved = self._run("reserve", req=req)
@@ -499,7 +502,7 @@ class ExploreMachine(RuleBasedStateMachine):
     def _resumable(self) -> list[str]:
         """Waiting follow-ups (whose lookup may hit a partial tail)."""
         session = self.session
-        return [r for r in session.in_phase("waiting") if session.parent(r) is not None]
+        return [r for r in session.schedulable("waiting") if session.parent(r) is not None]
 
     @when(lambda self: bool(self._resumable()))
     @rule(which=PICK, drain_between=st.booleans(), readmit=st.booleans(), burst=BURSTS)

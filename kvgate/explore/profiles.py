@@ -28,7 +28,7 @@ PROFILES: dict[str, settings] = {
     # Seconds: a quick look while editing.
     "dev": settings(_BASE, max_examples=25, stateful_step_count=20),
     # The default test run: deterministic, a few minutes for everything.
-    "ci": settings(_BASE, max_examples=400, stateful_step_count=50, derandomize=True),
+    "ci": settings(_BASE, max_examples=400, stateful_step_count=30, derandomize=True),
     # Long: run outside the default suite (`kvgate explore --profile nightly`).
     "nightly": settings(_BASE, max_examples=5000, stateful_step_count=100),
 }
