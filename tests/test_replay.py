@@ -237,18 +237,22 @@ def test_a_failed_allocate_the_model_ran_is_an_api_divergence() -> None:
     assert (d.level, d.what, d.expected, d.actual) == ("api", "ok", True, False)
 
 
-BURST = "- {op: arrive, req: A, prompt: [{fresh: 8}]}\n- {op: evict, blocks: 500}\n"
+BURST = """\
+- {op: arrive, req: A, prompt: [{fresh: 150}]}
+- {op: prefill, req: A}
+- {op: evict, blocks: 95}
+"""
 
 
 @pytest.mark.parametrize("model", [FakeTarget, None])
 def test_a_refused_step_is_the_traces_fault(model: TargetFactory | None) -> None:
     with pytest.raises(TraceError) as error:
         run(BURST, FakeTarget, model)
-    assert str(error.value) == "t.yaml: step 1: blocks: 500 blocks asked, 95 free"
+    assert str(error.value) == "t.yaml: step 2: blocks: 95 blocks asked, 92 free"
 
 
 def test_a_target_refusing_what_the_model_ran_diverges() -> None:
-    result, _ = run(BURST.replace("500", "5"), RefusingFake)
+    result, _ = run(BURST.replace("95}", "5}"), RefusingFake)
     d = result.divergence
     assert d is not None
     assert (d.level, d.what) == ("api", "refused")
