@@ -20,7 +20,7 @@ from typing import TextIO
 
 from kvgate.conformance.replay import Divergence, Outcome, ReplayResult, TraceRunError
 from kvgate.conformance.target import Capabilities
-from kvgate.text import printable
+from kvgate.errors import printable
 
 # How much of one value a terminal line shows.
 WIDTH = 100

@@ -62,7 +62,7 @@ from kvgate.conformance.ops import (
     Segment,
     Step,
 )
-from kvgate.text import printable
+from kvgate.errors import printable
 
 FORMAT = "kvgate-trace/1"
 
