@@ -27,6 +27,7 @@ from kvgate import cli, targets
 from kvgate.conformance.config import Config
 from kvgate.conformance.replay import (
     HOLD_NOTE,
+    ModelBug,
     NOT_REPORTED,
     Level,
     ReplayResult,
@@ -193,10 +194,14 @@ def test_an_exception_in_the_target_is_a_divergence_not_a_crash() -> None:
     assert d.step.where() == "step 2 (decode: decode1 #1)"
 
 
-def test_an_exception_in_the_model_names_the_model() -> None:
-    result, _ = run(LIFE, FakeTarget, RaisingFake)
-    assert result.divergence is not None
-    assert result.divergence.note == "raised by the model"
+def test_an_exception_in_the_model_is_kvgates_bug_not_the_targets() -> None:
+    with pytest.raises(ModelBug) as bug:
+        run(LIFE, FakeTarget, RaisingFake)
+    assert str(bug.value) == (
+        "t.yaml: step 2 (decode: decode1 #1): the kvgate model raised RuntimeError: "
+        "boom in decode; this is a bug in kvgate, not in the target: please report it "
+        "with this trace"
+    )
 
 
 SHORT_POOL = """\

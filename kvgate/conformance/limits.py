@@ -9,10 +9,12 @@ a user can raise with `--limit NAME=N` (`kvgate replay`, `kvgate gate`);
 `TOKEN_ID_BOUND` is the one that cannot move, since every target stores
 token ids as signed 64-bit integers.
 
-The defaults sit well above anything kvgate itself writes (the workload's
-longest trace: about 60,000 primitive steps, 7 million prompt tokens,
-11,326 blocks) and well below what exhausts a CI box's memory. The format
-document lists them (docs/trace-format.md, "Limits").
+The defaults sit above anything kvgate itself writes (the workload's
+largest trace at full size: 3.2 MB, 56,583 steps, 5.7 million prompt
+tokens, 11,326 blocks) and below what exhausts a CI box's memory: PyYAML
+builds about 110 bytes of nodes per byte of the densest YAML (a long list
+of one-digit ints), so 8 MiB of trace costs at most about 1 GiB to read.
+The format document lists them (docs/trace-format.md, "Limits").
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ INT_DIGITS = 20
 class Limits:
     """The limits a trace must stay within; field names are the `--limit` names."""
 
-    file_bytes: int = 64 * 2**20  # the trace file, in bytes
+    file_bytes: int = 8 * 2**20  # the trace file, in bytes
     nesting: int = 32  # YAML collections inside each other (a valid trace needs 6)
     num_blocks: int = 2**18  # config.num_blocks
     steps: int = 2_000_000  # primitive steps once `decode` macros are expanded
@@ -76,10 +78,11 @@ class LimitError(ValueError):
         self.message = message
 
 
-def over(name: str, value: int, limits: Limits) -> str:
+def over(name: str, value: int, limits: Limits, unit: str = "") -> str:
     """The message for `value` beyond the limit `name`, with how to raise it."""
+    value_text = f"{value:,} {unit}" if unit else f"{value:,}"
     return (
-        f"{value:,} exceeds the limit {name} = {getattr(limits, name):,} "
+        f"{value_text} exceeds the limit {name} = {getattr(limits, name):,} "
         f"(raise it with --limit {name}=N)"
     )
 
@@ -100,14 +103,14 @@ def read_bounded(path: Path, limits: Limits) -> bytes:
         kind = "a directory" if stat.S_ISDIR(info.st_mode) else "not a regular file"
         raise LimitError("file", f"is {kind}; a trace is read from a regular file only")
     if info.st_size > limits.file_bytes:
-        raise LimitError("file", over("file_bytes", info.st_size, limits))
+        raise LimitError("file", over("file_bytes", info.st_size, limits, "bytes"))
     try:
         with open(path, "rb") as stream:
             data = stream.read(limits.file_bytes + 1)
     except OSError as error:
         raise LimitError("file", f"cannot read: {error.strerror}") from None
     if len(data) > limits.file_bytes:
-        raise LimitError("file", over("file_bytes", len(data), limits))
+        raise LimitError("file", over("file_bytes", len(data), limits, "bytes"))
     return data
 
 
