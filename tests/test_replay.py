@@ -27,9 +27,9 @@ from kvgate import cli, targets
 from kvgate.conformance.config import Config
 from kvgate.conformance.replay import (
     HOLD_NOTE,
-    ModelBug,
     NOT_REPORTED,
     Level,
+    ModelBug,
     ReplayResult,
     TargetFactory,
     replay,
