@@ -88,10 +88,10 @@ def _units(text: str, scale: int) -> list[int]:
         raise InputError(f"--units: {text[:40]!r} is not a comma-separated list of integers")
     units = [int(u) for u in parts]
     for unit in units:
-        if unit < 1 or unit > MAX_UNIT or unit % scale:
-            raise InputError(
-                f"--units: {unit} is not a multiple of --scale {scale} between 1 and {MAX_UNIT}"
-            )
+        if unit < 1 or unit % scale:
+            raise InputError(f"--units: {unit} is not a positive multiple of --scale {scale}")
+        if unit > MAX_UNIT:
+            raise InputError(f"--units: {unit} is more than {MAX_UNIT}")
     return sorted({u // scale for u in units})
 
 
