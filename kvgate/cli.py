@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -40,6 +41,7 @@ from kvgate.conformance.replay import (
     Outcome,
     TargetFactory,
     TraceRunError,
+    one_line,
     replay,
 )
 from kvgate.conformance.report import TerminalReport, write_junit
@@ -102,6 +104,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             except InputError as unwritable:
                 print(f"kvgate: error: {printable(str(unwritable))}", file=sys.stderr)
         return EXIT_INPUT
+    except ModelBug as bug:
+        # From a command that replays outside `run_traces` (the workload).
+        print(f"kvgate: internal error: {printable(str(bug))}", file=sys.stderr)
+        return EXIT_KVGATE_BUG
+    except Exception as error:
+        # Whatever else escapes is kvgate's own bug, not the input's: one
+        # line and exit 3; KVGATE_TRACEBACK=1 shows the traceback to debug it.
+        if os.environ.get("KVGATE_TRACEBACK"):
+            raise
+        print(
+            f"kvgate: internal error: {printable(one_line(error))}; this is a bug in kvgate: "
+            "please report it with the command (KVGATE_TRACEBACK=1 shows the traceback)",
+            file=sys.stderr,
+        )
+        return EXIT_KVGATE_BUG
 
 
 def _limits(assignments: Sequence[str] | None) -> Limits:

@@ -246,7 +246,7 @@ def _long_int(rng: random.Random) -> Variant:
     path = rng.choice([p for p in _paths(doc) if isinstance(_get(doc, p), int)])
     _set(doc, path, 424242)
     text = dump(doc).replace(b"424242", b"9" * digits, 1)
-    return _files("long-int", {"t.yaml": text})
+    return _files("long-int", {"t.yaml": text}, names=["base"])
 
 
 def _alias_bomb(rng: random.Random) -> Variant:
@@ -329,7 +329,7 @@ def _config_mismatch(rng: random.Random) -> Variant:
 def _truncated(rng: random.Random) -> Variant:
     text = dump(base_doc())
     cut = rng.randint(0, len(text))
-    return _files("truncated", {"t.yaml": text[:cut]})
+    return _files("truncated", {"t.yaml": text[:cut]}, names=["base"])
 
 
 def _garbage_bytes(rng: random.Random) -> Variant:

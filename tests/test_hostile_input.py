@@ -225,8 +225,8 @@ def test_1000_aliases_of_a_million_token_segment_are_refused(
     text = trace_text(f"- {{op: arrive, req: A, prompt: {prompt}}}\n", config)
     run = kvgate("replay", write(tmp_path, text), "--target", "model")
     assert run.one_error_line().endswith(
-        "step 0: prompt[33].fresh: prompt tokens in the trace: 34,000,000 exceeds the limit "
-        "tokens = 33,554,432 (raise it with --limit tokens=N)\n"
+        "step 0: prompt[16].fresh: prompt tokens in the trace: 17,000,000 exceeds the limit "
+        "tokens = 16,777,216 (raise it with --limit tokens=N)\n"
     )
     assert run.seconds < 5
 
@@ -330,6 +330,15 @@ def test_a_name_with_a_newline_cannot_forge_a_pass_line(
     run = kvgate("replay", path, "--target", "model")
     assert "name: must be one line of at most 200 printable characters" in run.one_error_line()
     assert "PASS" not in run.out
+
+
+def test_a_name_starting_with_a_verdict_word_is_refused(
+    kvgate: Callable[..., Run], tmp_path: Path
+) -> None:
+    # Its failure block would start with "PASS x: first divergence ...".
+    path = write(tmp_path, trace_text(ARRIVE, name="PASS x"))
+    err = kvgate("replay", path, "--target", "model").one_error_line()
+    assert err.endswith("name: may not start with a verdict word (PASS, FAIL, ERROR)\n")
 
 
 def test_a_control_character_in_a_name_leaves_the_junit_parseable(
@@ -494,3 +503,20 @@ def test_a_trace_larger_than_file_bytes_is_refused_before_it_is_parsed(
     run = kvgate("replay", path, "--target", "model", "--limit", "file_bytes=1000")
     err = run.one_error_line()
     assert "file: 2,312 bytes exceeds the limit file_bytes = 1,000" in err
+
+
+def test_any_other_exception_escaping_a_command_is_one_line_and_exit_3(
+    kvgate: Callable[..., Run], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvgate.conformance import report
+
+    def broken(*args: object) -> None:
+        raise KeyError("a bug\nwith a second line")
+
+    monkeypatch.setattr(report, "summary_line", broken)
+    monkeypatch.setattr(cli, "TerminalReport", report.TerminalReport)
+    path = write(tmp_path, trace_text(ARRIVE))
+    assert kvgate("replay", path, "--target", "model").one_error_line(code=3) == (
+        "kvgate: internal error: KeyError: 'a bug\\nwith a second line'; this is a bug in "
+        "kvgate: please report it with the command (KVGATE_TRACEBACK=1 shows the traceback)\n"
+    )

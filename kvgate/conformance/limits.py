@@ -42,7 +42,7 @@ class Limits:
     nesting: int = 32  # YAML collections inside each other (a valid trace needs 6)
     num_blocks: int = 2**18  # config.num_blocks
     steps: int = 2_000_000  # primitive steps once `decode` macros are expanded
-    tokens: int = 2**25  # prompt tokens summed over every `arrive`, `all_of` counted in full
+    tokens: int = 2**24  # prompt tokens summed over every `arrive`, `all_of` counted in full
     lookahead: int = 256  # an allocate's or a prefill's `lookahead`
     spec: int = 256  # a decode's draft tokens per step
 

@@ -87,6 +87,8 @@ _SEGMENT_KINDS = ("fresh", "all_of", "prompt_of", "tokens")
 FIELD_WIDTH = 80
 # How long a trace name may be: it heads report lines and names JUnit cases.
 NAME_WIDTH = 200
+# The words a report's verdict lines start with (report.trace_line).
+VERDICT_WORDS = ("PASS", "FAIL", "ERROR")
 
 # Macros the replayer expands while it runs (see the module docstring).
 RUNTIME_MACROS = ("prefill",)
@@ -384,6 +386,12 @@ class _Reader:
                 None,
                 "name",
                 f"must be one line of at most {NAME_WIDTH} printable characters, got {_got(name)}",
+            )
+        if name.split(" ", 1)[0] in VERDICT_WORDS:
+            # A failing trace's report block starts with its name: this one
+            # would start a line a CI parser reads as a verdict.
+            raise self.error(
+                None, "name", f"may not start with a verdict word ({', '.join(VERDICT_WORDS)})"
             )
         about = doc.get("about", "")
         if not isinstance(about, str):
