@@ -43,6 +43,7 @@ FIELD_TYPES: dict[str, FieldType] = {
     "tokens": "int_or_auto",
     "lookahead": "int",
     "spec": "int",
+    "sample": "int",
     "steps": "int",
     "how": "how",
     "blocks": "int_or_all",
@@ -62,11 +63,13 @@ ACTIONS: dict[str, Action] = {
         Action(
             "allocate",
             ("req", "tokens"),
-            ("lookahead",),
+            ("lookahead", "sample"),
             expect_keys=("ok", "tokens"),
             needs_request=True,
         ),
-        Action("decode1", ("req",), ("spec",), expect_keys=("ok",), needs_request=True),
+        Action(
+            "decode1", ("req",), ("spec", "lookahead"), expect_keys=("ok",), needs_request=True
+        ),
         Action("step", ()),
         Action("drain", (), expect_keys=("copies",)),
         Action("free", ("req", "how"), needs_request=True),
@@ -136,6 +139,7 @@ class Step:
     tokens: int | Literal["auto"] | None = None
     lookahead: int = 0
     spec: int = 0
+    sample: int = 0  # allocate: output tokens sampled when the chunk computes every token
     how: str | None = None
     blocks: int | Literal["all"] | None = None
     expect: dict[str, Any] = field(default_factory=dict)
