@@ -76,7 +76,9 @@ class VllmTarget(OpDriver[Any]):
             use_eagle_block_drop=config.eagle,
             num_hash_lookahead_tokens=0,
             max_num_scheduled_tokens=config.max_num_scheduled_tokens,
-            scheduler_config=SimpleNamespace(long_prefill_token_threshold=0),
+            scheduler_config=SimpleNamespace(
+                long_prefill_token_threshold=config.long_prefill_token_threshold
+            ),
             mamba_has_prefill_checkpoint_blocks=False,
             mamba_prefill_checkpoint_alignment=None,
             mamba_shared_prefix_checkpoint=False,
@@ -154,9 +156,12 @@ class VllmTarget(OpDriver[Any]):
 
     # --------------------------------------------------------- manager calls
 
-    def lookup(self, request: Any) -> tuple[Any, int]:
-        blocks, hit, _ = self._manager.get_computed_blocks(request)
-        return blocks, int(hit)
+    def set_junction(self, request: Any, position: int) -> None:
+        request.shared_prefix_boundary = position
+
+    def lookup(self, request: Any) -> tuple[Any, int, int]:
+        blocks, hit, junction = self._manager.get_computed_blocks(request)
+        return blocks, int(hit), int(junction)
 
     def blocks_needed(self, request: Any, hit_blocks: Any, hit: int, admission: bool) -> int:
         if hit_blocks is None:
