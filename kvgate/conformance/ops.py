@@ -67,9 +67,7 @@ ACTIONS: dict[str, Action] = {
             expect_keys=("ok", "tokens"),
             needs_request=True,
         ),
-        Action(
-            "decode1", ("req",), ("spec", "lookahead"), expect_keys=("ok",), needs_request=True
-        ),
+        Action("decode1", ("req",), ("spec", "lookahead"), expect_keys=("ok",), needs_request=True),
         Action("step", ()),
         Action("drain", (), expect_keys=("copies",)),
         Action("free", ("req", "how"), needs_request=True),

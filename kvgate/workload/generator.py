@@ -69,6 +69,9 @@ class _Live:
     turn: int
     request: Request  # the oracle's request (prompt, output, progress)
     admitted: bool = False  # past its first admission (its hit is the cached tokens)
+    # Its last run sampled (a completed prefill or a decode): it decodes next,
+    # with drafts, as vLLM's Scheduler runs a request that has them.
+    decoding: bool = False
 
     @property
     def target_output(self) -> int:
@@ -121,7 +124,8 @@ class _Scheduler:
         while index < len(self.running) and budget > 0:
             live = self.running[index]
             request = live.request
-            if request.num_computed_tokens >= request.num_tokens:
+            outputs = len(request.output)
+            if live.decoding:
                 # vLLM schedules what the budget leaves of 1 + K: fewer drafts.
                 drafts = min(self.spec, budget - 1)
                 cost = 1 + drafts
@@ -140,6 +144,7 @@ class _Scheduler:
                 victim = self.running.pop()
                 self.writer.run("free", req=victim.name, how="preempt")
                 self.waiting.appendleft(victim)
+                victim.decoding = False
                 decisions.preempted.append(victim.name)
                 preempted = True
                 if victim is live:
@@ -151,12 +156,14 @@ class _Scheduler:
             scheduled = True
             index += 1
             decisions.scheduled.append((live.name, cost))
+            live.decoding = len(request.output) > outputs  # it sampled
             if len(request.output) >= live.target_output:
                 finished.append(live)
         if preempted:
             return scheduled, finished  # vLLM admits nothing in a step that preempted
         while budget > 0 and self.waiting and len(self.running) < self.max_num_seqs:
             live = self.waiting[0]
+            outputs = len(live.request.output)
             if not live.admitted and live.follows is not None:
                 cached = self.writer.check({"attention_cached": {live.follows: 0}})
                 decisions.checked[live.name] = int(cached["attention_cached"][live.follows])
@@ -175,6 +182,7 @@ class _Scheduler:
             scheduled = True
             decisions.scheduled.append((live.name, chunk[1]))
             decisions.admitted.append((live.name, hit))
+            live.decoding = len(live.request.output) > outputs  # it sampled
             if len(live.request.output) >= live.target_output:
                 finished.append(live)
         return scheduled, finished
@@ -248,8 +256,9 @@ class StepDecisions:
 class StepObserver(Protocol):
     """Sees each turn arrive and each engine step's decisions, in order."""
 
-    def arrived(self, name: str, tokens: list[int], max_tokens: int) -> None:
-        """A turn arrived: its prompt's token ids and its output length."""
+    def arrived(self, name: str, tokens: list[int], max_tokens: int, follows: str | None) -> None:
+        """A turn arrived: its prompt's token ids, its output length, the turn
+        it follows."""
 
     def stepped(self, decisions: StepDecisions, last: Step) -> None:
         """An engine step ended (finishes freed); `last` is its last trace step."""
@@ -301,7 +310,10 @@ class SessionRun:
                 scheduler.waiting.append(live)
                 if self.observer is not None:
                     self.observer.arrived(
-                        live.name, list(live.request.all_token_ids), live.target_output
+                        live.name,
+                        list(live.request.all_token_ids),
+                        live.target_output,
+                        live.follows,
                     )
             decisions = StepDecisions()
             outputs = {live.name: len(live.request.output) for live in scheduler.running}
