@@ -66,6 +66,14 @@ _CONFIG_OPTIONAL = (
     "eagle",
     "retain_checkpoint",
     "retain_retired",
+    "shared_prefix_checkpoint",
+)
+_GROUP_KEYS = (
+    "kind",
+    "block_size",
+    "speculative_blocks",
+    "prefill_checkpoint_blocks",
+    "prefill_checkpoint_alignment",
 )
 _GROUP_KINDS = ("full_attention", "mamba_align")
 _SEGMENT_KINDS = ("fresh", "all_of", "prompt_of", "tokens")
@@ -372,6 +380,7 @@ class _Reader:
             retention_interval=retention,
             retain_checkpoint=flag("retain_checkpoint"),
             retain_retired=flag("retain_retired"),
+            shared_prefix_checkpoint=flag("shared_prefix_checkpoint"),
             scheduler_block_size=count("scheduler_block_size", default_scheduler),
             max_model_len=count("max_model_len", 8192),
             max_num_scheduled_tokens=count("max_num_scheduled_tokens", 8192),
@@ -390,9 +399,7 @@ class _Reader:
             where = f"config.groups[{i}]"
             if not isinstance(group, dict):
                 raise self.error(None, where, f"must be a mapping, got {_got(group)}")
-            self.unknown_keys(
-                None, f"{where}.", group, ("kind", "block_size", "speculative_blocks"), "group key"
-            )
+            self.unknown_keys(None, f"{where}.", group, _GROUP_KEYS, "group key")
             self.missing_keys(None, f"{where}.", group, ("kind", "block_size"))
             kind = group["kind"]
             if kind not in _GROUP_KINDS:
@@ -400,14 +407,29 @@ class _Reader:
                     None, f"{where}.kind", f"{_got(kind)} is not one of {', '.join(_GROUP_KINDS)}"
                 )
             sizes: list[int] = []
-            for key in ("block_size", "speculative_blocks"):
+            for key in ("block_size", "speculative_blocks", "prefill_checkpoint_blocks"):
                 value = group.get(key, 0)
                 if not _is_count(value):
                     raise self.error(
                         None, f"{where}.{key}", f"must be an integer >= 0, got {_got(value)}"
                     )
                 sizes.append(value)
-            groups.append(GroupConfig(cast(GroupKind, kind), *sizes))
+            alignment = group.get("prefill_checkpoint_alignment")
+            if alignment is not None and (not _is_count(alignment) or alignment < 1):
+                raise self.error(
+                    None,
+                    f"{where}.prefill_checkpoint_alignment",
+                    f"must be an integer >= 1, got {_got(alignment)}",
+                )
+            groups.append(
+                GroupConfig(
+                    cast(GroupKind, kind),
+                    block_size=sizes[0],
+                    speculative_blocks=sizes[1],
+                    prefill_checkpoint_blocks=sizes[2],
+                    prefill_checkpoint_alignment=alignment,
+                )
+            )
         return tuple(groups)
 
     # -- steps ------------------------------------------------------------

@@ -17,6 +17,9 @@ class Request:
         extend_prefix_keys(self.keys, self.all_token_ids, hash_unit)
         self.num_computed_tokens = 0
         self.spec_token_ids: list[int] = []
+        # The shared-prefix junction the scheduler records at each lookup (0:
+        # none); a prefill checkpoint there is kept like a reusable one.
+        self.shared_prefix_boundary = 0
 
     @property
     def num_tokens(self) -> int:
