@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kvgate import cli
+from kvgate import cli, targets
 from kvgate.conformance.replay import replay
 from kvgate.conformance.trace import parse_trace
 from kvgate.conformance.writer import dump_trace
@@ -61,7 +61,7 @@ def traces(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Path]]:
 
 
 def _replay_all(paths: list[Path], target: str, plugin: str | None) -> list[ArmResult]:
-    factory, model = factories(cli.target_factory, target, plugin, cli.LOCKSTEP_MODEL)
+    factory, model = factories(targets.target_factory, target, plugin, targets.LOCKSTEP_MODEL)
     return [
         replay_arm(path, arm, factory, model, "api", _quiet())
         for arm, path in zip(ARMS, paths, strict=True)

@@ -52,7 +52,7 @@ ACTIONS: dict[str, Action] = {
     a.name: a
     for a in (
         Action("arrive", ("req", "prompt")),
-        Action("lookup", ("req",), expect_keys=("hit",), needs_request=True),
+        Action("lookup", ("req",), expect_keys=("hit", "junction"), needs_request=True),
         Action(
             "reserve",
             ("req",),
@@ -78,7 +78,7 @@ ACTIONS: dict[str, Action] = {
             "prefill",
             ("req",),
             ("lookahead",),
-            expect_keys=("hit",),
+            expect_keys=("hit", "junction"),
             macro=True,
             needs_request=True,
         ),
@@ -100,6 +100,7 @@ ExpectType = Literal["int", "bool", "copies"]
 
 EXPECT_TYPES: dict[str, ExpectType] = {
     "hit": "int",
+    "junction": "int",
     "blocks": "int",
     "step_blocks": "int",
     "ok": "bool",

@@ -27,6 +27,11 @@ def config_dict(config: Config) -> dict[str, Any]:
         "retain_checkpoint": config.retain_checkpoint,
         # Additive: written only when on, so older traces read back unchanged.
         **({"retain_retired": True} if config.retain_retired else {}),
+        **(
+            {"long_prefill_token_threshold": config.long_prefill_token_threshold}
+            if config.long_prefill_token_threshold
+            else {}
+        ),
         **({"shared_prefix_checkpoint": True} if config.shared_prefix_checkpoint else {}),
         "groups": [group_dict(g) for g in config.groups],
     }

@@ -17,8 +17,9 @@ class Request:
         extend_prefix_keys(self.keys, self.all_token_ids, hash_unit)
         self.num_computed_tokens = 0
         self.spec_token_ids: list[int] = []
-        # The shared-prefix junction the scheduler records at each lookup (0:
-        # none); a prefill checkpoint there is kept like a reusable one.
+        # The junction of the request's last lookup (0: none), as the
+        # scheduler stores it; the split, sparse retention and a prefill
+        # checkpoint's keying read it.
         self.shared_prefix_boundary = 0
 
     @property

@@ -68,7 +68,10 @@ class ModelTarget(OpDriver[Request]):
 
     # -- manager calls ----------------------------------------------------------
 
-    def lookup(self, request: Request) -> tuple[Any, int]:
+    def set_junction(self, request: Request, position: int) -> None:
+        request.shared_prefix_boundary = position
+
+    def lookup(self, request: Request) -> tuple[Any, int, int]:
         return self.manager.get_computed_blocks(request)
 
     def blocks_needed(self, request: Request, hit_blocks: Any, hit: int, admission: bool) -> int:

@@ -199,7 +199,7 @@ def _replay_with_invariants(trace: Trace, level: Level) -> TraceOutcome:
     A violation is recorded, not raised: the replay's own verdict stays what
     `kvgate gate` would say, and an invariant-only catch stays visible.
     """
-    from kvgate.cli import LOCKSTEP_MODEL, target_factory
+    from kvgate.targets import LOCKSTEP_MODEL, target_factory
 
     violated: list[tuple[str, str]] = []
 

@@ -91,7 +91,7 @@ def _holds(text: str) -> list[bool]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvgate.cli import LOCKSTEP_MODEL, target_factory
+    from kvgate.targets import LOCKSTEP_MODEL, target_factory
 
     if args.plugin is not None and args.target != "vllm":
         raise InputError("--plugin: only --target vllm loads plugins")
