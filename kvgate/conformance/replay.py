@@ -20,14 +20,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
-from itertools import count
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from kvgate.conformance.config import Config, UnsupportedConfig
+from kvgate.conformance.macros import prefill_steps
 from kvgate.conformance.ops import ACTIONS, Step
 from kvgate.conformance.target import Capabilities, StepRefused, Target
-from kvgate.conformance.trace import Trace, TraceError, prefill_lookup, prefill_round
+from kvgate.conformance.trace import Trace, TraceError
 
 Level = Literal["api", "strict"]
 LEVELS: tuple[Level, ...] = ("api", "strict")
@@ -266,9 +266,9 @@ class _Lockstep:
         in max_model_len is done within that many rounds; going past it, or
         an allocate that fails or moves nothing, means the prefill is stuck.
         """
-        self.primitive(prefill_lookup(macro))
-        for round_no in count(1):
-            allocate, step, drain = prefill_round(macro, round_no)
+        steps = prefill_steps(macro)
+        self.primitive(next(steps))  # the lookup
+        for round_no, allocate in enumerate(steps, start=1):
             observed, modeled = self.primitive(allocate)
             if observed.get("ok") is not True:
                 raise self.stalled(allocate, observed)
@@ -290,10 +290,8 @@ class _Lockstep:
                 observed.get("tokens") == 0 or round_no >= self.trace.config.max_model_len
             ):
                 raise self.stalled(allocate, observed)
-            self.primitive(step)
-            self.primitive(drain)
-            if done:
-                return
+            self.primitive(steps.send(done))  # step
+            self.primitive(next(steps))  # drain
 
     def stalled(self, allocate: Step, observed: Mapping[str, Any]) -> _Diverged:
         return self.diverged(

@@ -19,10 +19,9 @@ Choices the format leaves to the reader, fixed here:
   leaves only `release`, which ends it. `all_of`/`prompt_of` may name any
   request that has arrived, ended or not.
 
-Macros: `decode` is expanded here, since its length is in the trace. The
-length of `prefill`'s allocate loop depends on the target's chunk split, so
-`Trace.primitives` keeps each `prefill` as one step and the replayer expands
-it while it runs, with `prefill_lookup` and `prefill_round` below.
+Macros expand in `macros.py`: `Trace.primitives` has each `decode`
+expanded and each `prefill` kept whole, since its loop's length depends on
+the target's chunk split.
 """
 
 from __future__ import annotations
@@ -42,6 +41,7 @@ from kvgate.conformance.config import (
     UnsupportedConfig,
     validate,
 )
+from kvgate.conformance.macros import expand
 from kvgate.conformance.ops import (
     ACTIONS,
     CHECK_KEYS,
@@ -69,9 +69,6 @@ _CONFIG_OPTIONAL = (
 )
 _GROUP_KINDS = ("full_attention", "mamba_align")
 _SEGMENT_KINDS = ("fresh", "all_of", "prompt_of", "tokens")
-
-# Macros the replayer expands while it runs (see the module docstring).
-RUNTIME_MACROS = ("prefill",)
 
 
 class TraceError(ValueError):
@@ -159,47 +156,6 @@ def load_corpus(directory: str | Path) -> list[Trace]:
 def bundled_corpus() -> Path:
     """The corpus shipped inside the package (package data)."""
     return Path(__file__).with_name("corpus")
-
-
-def expand(step: Step) -> tuple[Step, ...]:
-    """The primitives a written step stands for, as far as known before replay.
-
-    `decode {req, steps, spec}` becomes `steps` times decode1, step, drain.
-    A `prefill` stays whole (see `RUNTIME_MACROS`); every other op is itself.
-    """
-    if step.op != "decode":
-        return (step,)
-    expanded: list[Step] = []
-    for k in range(step.steps):
-        expanded += [
-            Step("decode1", step.index, 3 * k + 1, "decode", req=step.req, spec=step.spec),
-            Step("step", step.index, 3 * k + 2, "decode"),
-            Step("drain", step.index, 3 * k + 3, "decode"),
-        ]
-    return tuple(expanded)
-
-
-def prefill_lookup(prefill: Step) -> Step:
-    """The `lookup` a prefill starts with; the macro's `expect.hit` applies to it."""
-    return Step("lookup", prefill.index, 1, "prefill", req=prefill.req, expect=dict(prefill.expect))
-
-
-def prefill_round(prefill: Step, round_no: int) -> tuple[Step, Step, Step]:
-    """Round `round_no` (from 1) of a prefill's loop: allocate auto, step, drain."""
-    part = 3 * round_no - 1  # part 1 is the lookup
-    return (
-        Step(
-            "allocate",
-            prefill.index,
-            part,
-            "prefill",
-            req=prefill.req,
-            tokens="auto",
-            lookahead=prefill.lookahead,
-        ),
-        Step("step", prefill.index, part + 1, "prefill"),
-        Step("drain", prefill.index, part + 2, "prefill"),
-    )
 
 
 class _NoDuplicateKeys(yaml.constructor.SafeConstructor):
