@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, TypeGuard, cast
+from typing import Any, TypeGuard, cast
 
 import yaml
 from yaml.nodes import MappingNode
@@ -49,8 +49,10 @@ from kvgate.conformance.ops import (
     FIELD_TYPES,
     FREE_HOW,
     Action,
+    Phase,
     Segment,
     Step,
+    next_phase,
 )
 
 FORMAT = "kvgate-trace/1"
@@ -215,15 +217,12 @@ def _load_with_libyaml(text: str) -> list[object] | None:
         return None
 
 
-_RequestState = Literal["live", "popped", "ended"]
-
-
 class _Reader:
     """Validates one trace document, step by step, tracking each request's life."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.requests: dict[str, tuple[_RequestState, str]] = {}  # name -> (state, since)
+        self.requests: dict[str, tuple[Phase, str]] = {}  # name -> (phase, since when)
         self.config: Config | None = None
 
     def error(self, index: int | None, field: str, message: str) -> TraceError:
@@ -589,36 +588,36 @@ class _Reader:
         return holds
 
     def track_request(self, index: int, action: Action, values: Mapping[str, object]) -> None:
-        """Enforce a request's life: arrive once, nothing after it ended."""
+        """Enforce a request's life as the action table declares it."""
         req = values.get("req")
-        if not isinstance(req, str):
+        if not isinstance(req, str) or not action.valid_in:
             return
-        if action.name == "arrive":
-            if req in self.requests:
-                raise self.error(index, "req", f"request {req!r} has already arrived")
-            self.requests[req] = ("live", f"arrived at step {index}")
-            return
-        if not action.needs_request:
-            return
-        if req not in self.requests:
-            raise self.error(index, "req", f"request {req!r} is used before `arrive`")
-        state, since = self.requests[req]
-        if action.name == "release":
-            if state != "popped":
-                raise self.error(index, "req", f"`release` of {req!r} without a prior `pop`")
-            self.requests[req] = ("ended", f"released at step {index}")
-        elif state == "popped":
-            raise self.error(
-                index, "req", f"request {req!r} was popped ({since}); only `release` may follow"
-            )
-        elif state == "ended":
-            raise self.error(index, "req", f"request {req!r} has ended ({since})")
-        elif action.name == "pop":
-            self.requests[req] = ("popped", f"popped at step {index}")
-        elif action.name == "free" and values.get("how") == "finish":
-            self.requests[req] = ("ended", f"finished at step {index}")
-        elif action.name == "free" and values.get("how") == "abort":
-            self.requests[req] = ("ended", f"aborted at step {index}")
+        phase, since = self.requests.get(req, ("absent", ""))
+        if phase not in action.valid_in:
+            raise self.error(index, "req", _out_of_phase(action.name, req, phase, since))
+        how = values.get("how")
+        after = next_phase(action.name, phase, how if isinstance(how, str) else None)
+        if after in ("popped", "ended") or phase == "absent":
+            verb = _ENDED_BY.get(str(how), "") if action.name == "free" else _VERBS[action.name]
+            since = f"{verb} at step {index}"
+        self.requests[req] = (after, since)
+
+
+# How the validator says when a request arrived, was popped or ended.
+_VERBS = {"arrive": "arrived", "pop": "popped", "release": "released"}
+_ENDED_BY = {"finish": "finished", "abort": "aborted"}
+
+
+def _out_of_phase(op: str, req: str, phase: Phase, since: str) -> str:
+    if op == "arrive":
+        return f"request {req!r} has already arrived"
+    if phase == "absent":
+        return f"request {req!r} is used before `arrive`"
+    if op == "release":
+        return f"`release` of {req!r} without a prior `pop`"
+    if phase == "popped":
+        return f"request {req!r} was popped ({since}); only `release` may follow"
+    return f"request {req!r} has ended ({since})"
 
 
 def _is_count(value: object) -> TypeGuard[int]:

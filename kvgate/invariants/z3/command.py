@@ -28,8 +28,9 @@ from typing import Any, TextIO
 from kvgate.errors import InputError
 from kvgate.invariants.z3.checker import Result, prove
 from kvgate.invariants.z3.counterexample import Found, find
-from kvgate.invariants.z3.transitions import ENCODINGS, MUTATIONS
+from kvgate.invariants.z3.transitions import MUTATIONS
 from kvgate.invariants.z3.vocabulary import BadBounds, Bounds
+from kvgate.model.mutations import MUTATIONS as MODEL_MUTATIONS
 
 DEFAULT_OUT = Path("out/prove")  # beside out/workload; git ignores out/
 DEFAULT_DEPTH = 10
@@ -74,7 +75,7 @@ def run(bounds: Bounds, mutation: str, jobs: int, out: Path, depth: int, stream:
     found: dict[str, Found] = {}
     for prop in dict.fromkeys(r.prop for r in rows if not r.proved):
         found[prop] = _search(bounds, mutation, prop, out, depth)
-    target = ENCODINGS[mutation].target
+    target = MODEL_MUTATIONS[mutation].target if mutation != "clean" else ""
     if target and target not in found:
         found[target] = _search(bounds, mutation, target, out, depth)
 
