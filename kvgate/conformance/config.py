@@ -30,6 +30,10 @@ class Config:
     # patch 0093, under the same switch as the hold): the newest keyed Mamba
     # state that leaves a request's table stays held by the request.
     retain_retired: bool = False
+    # The scheduler's `long_prefill_token_threshold` (0: no cap): a prefill
+    # chunk's cap while another request waits or runs, and the width the
+    # align-mode split may run sub-block below (see `allocate`'s `auto`).
+    long_prefill_token_threshold: int = 0
 
     @property
     def mamba_group_ids(self) -> tuple[int, ...]:
@@ -90,3 +94,10 @@ def validate(config: Config) -> None:
         )
     if config.max_model_len < 1 or config.max_num_scheduled_tokens < 1:
         raise UnsupportedConfig("max_model_len", "must be >= 1")
+    if config.long_prefill_token_threshold > config.max_model_len:
+        # vLLM's SchedulerConfig refuses it the same way.
+        raise UnsupportedConfig(
+            "long_prefill_token_threshold",
+            f"{config.long_prefill_token_threshold} is greater than max_model_len "
+            f"{config.max_model_len}",
+        )

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from kvgate.conformance.config import Config
-from kvgate.conformance.ops import ACTIONS, Phase, Segment, Step, next_phase
+from kvgate.conformance.ops import ACTIONS, LIVE, Phase, Segment, Step, next_phase
 from kvgate.conformance.snapshot import Snapshot
 from kvgate.conformance.target import Capabilities, StepRefused
 from kvgate.conformance.tokens import FreshTokens
@@ -33,6 +33,16 @@ class Pending(Generic[R]):
     has_hit: bool = False
     # Where it is in its life (`ops.Phase`), moved on by `ops.next_phase`.
     phase: Phase = "absent"
+
+
+def chunk_offer(config: Config, remaining: int, budget: int, num_live: int) -> int:
+    """The prefill tokens vLLM's `Scheduler.schedule` hands its align-mode
+    split: what is left, cut to `long_prefill_token_threshold` unless the
+    request is the only one the scheduler holds, then to the token budget."""
+    threshold = config.long_prefill_token_threshold if num_live > 1 else 0
+    if 0 < threshold < remaining:
+        remaining = threshold
+    return min(remaining, budget)
 
 
 class OpDriver(ABC, Generic[R]):
@@ -76,7 +86,13 @@ class OpDriver(ABC, Generic[R]):
         """Record "running" or "preempted" where the target keeps a status."""
 
     @abstractmethod
-    def lookup(self, request: R) -> tuple[Any, int]: ...
+    def set_junction(self, request: R, position: int) -> None:
+        """Store a lookup's shared-prefix junction on the request, where
+        vLLM's `Scheduler` keeps it (`request.shared_prefix_boundary`)."""
+
+    @abstractmethod
+    def lookup(self, request: R) -> tuple[Any, int, int]:
+        """`get_computed_blocks`: the hit's blocks, its length, the junction."""
 
     @abstractmethod
     def blocks_needed(self, request: R, hit_blocks: Any, hit: int, admission: bool) -> int: ...
@@ -159,6 +175,10 @@ class OpDriver(ABC, Generic[R]):
             }
         return values
 
+    def num_live(self) -> int:
+        """Requests the scheduler holds (waiting or running): arrived, not ended."""
+        return sum(pending.phase in LIVE for pending in self.requests.values())
+
     def close(self) -> None:
         self.requests.clear()
         self.popped.clear()
@@ -213,9 +233,12 @@ class OpDriver(ABC, Generic[R]):
 
     def _op_lookup(self, step: Step) -> dict[str, Any]:
         pending = self._pending(step)
-        pending.hit_blocks, pending.hit = self.lookup(pending.request)
+        pending.hit_blocks, pending.hit, junction = self.lookup(pending.request)
         pending.has_hit = True
-        return {"hit": pending.hit}
+        # The Scheduler stores it at every lookup, admitted or not; the split
+        # and the Mamba groups' retention mask read it until the next lookup.
+        self.set_junction(pending.request, junction)
+        return {"hit": pending.hit, "junction": junction}
 
     def _hit_for_allocation(self, pending: Pending[R]) -> tuple[Any, int]:
         """The pending lookup applies to the request's first allocation only."""
@@ -238,10 +261,12 @@ class OpDriver(ABC, Generic[R]):
         start = self.num_computed(request) + hit
         total = len(self.all_tokens(request))
         if step.tokens == "auto":
-            remaining = min(total - start, self.config.max_num_scheduled_tokens)
-            if remaining <= 0:
+            offered = chunk_offer(
+                self.config, total - start, self.config.max_num_scheduled_tokens, self.num_live()
+            )
+            if offered <= 0:
                 raise StepRefused("tokens", "auto: nothing is left to compute")
-            num_new = self.split(request, remaining, hit)
+            num_new = self.split(request, offered, hit)
         else:
             assert isinstance(step.tokens, int)
             num_new = step.tokens

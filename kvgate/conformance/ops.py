@@ -76,7 +76,7 @@ ACTIONS: dict[str, Action] = {
     a.name: a
     for a in (
         Action("arrive", ("req", "prompt"), valid_in=frozenset({"absent"})),
-        Action("lookup", ("req",), expect_keys=("hit",), valid_in=LIVE),
+        Action("lookup", ("req",), expect_keys=("hit", "junction"), valid_in=LIVE),
         Action("reserve", ("req",), expect_keys=("blocks", "step_blocks"), valid_in=LIVE),
         Action(
             "allocate",
@@ -105,7 +105,7 @@ ACTIONS: dict[str, Action] = {
             "prefill",
             ("req",),
             ("lookahead",),
-            expect_keys=("hit",),
+            expect_keys=("hit", "junction"),
             macro=True,
             valid_in=LIVE,
         ),
@@ -144,6 +144,7 @@ ExpectType = Literal["int", "bool", "copies"]
 
 EXPECT_TYPES: dict[str, ExpectType] = {
     "hit": "int",
+    "junction": "int",
     "blocks": "int",
     "step_blocks": "int",
     "ok": "bool",

@@ -10,7 +10,8 @@ Choices the format leaves to the reader, fixed here:
   `retention_interval` must be written (`null` = unset), because null and 0
   are different modes and a silent default would hide which one a trace
   tests; `scheduler_block_size` defaults to the largest `mamba_align` block
-  size; `max_model_len` and `max_num_scheduled_tokens` default to 8192.
+  size; `max_model_len` and `max_num_scheduled_tokens` default to 8192;
+  `long_prefill_token_threshold` defaults to 0 (no cap).
 - Step indices count from 0: `step 3` is `steps[3]`.
 - A `check` step's keys are fields of the step: `{op: check, free_blocks: 3}`.
   Its `holds` is the whole holds map (requests with `{}` count as holding
@@ -68,6 +69,7 @@ _CONFIG_OPTIONAL = (
     "eagle",
     "retain_checkpoint",
     "retain_retired",
+    "long_prefill_token_threshold",
 )
 _GROUP_KINDS = ("full_attention", "mamba_align")
 _SEGMENT_KINDS = ("fresh", "all_of", "prompt_of", "tokens")
@@ -330,6 +332,7 @@ class _Reader:
             scheduler_block_size=count("scheduler_block_size", default_scheduler),
             max_model_len=count("max_model_len", 8192),
             max_num_scheduled_tokens=count("max_num_scheduled_tokens", 8192),
+            long_prefill_token_threshold=count("long_prefill_token_threshold", 0),
         )
         try:
             validate(config)

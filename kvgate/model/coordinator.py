@@ -81,11 +81,19 @@ class Coordinator:
 
     # -- lookup -------------------------------------------------------------
 
-    def find_hit(self, keys: Sequence[str], max_length: int) -> tuple[HitBlocks, int]:
+    def find_hit(self, keys: Sequence[str], max_length: int) -> tuple[HitBlocks, int, int]:
         """The longest prefix every group has: shrink the candidate length
-        until no group lowers it (one pass for attention plus one Mamba spec)."""
+        until no group lowers it (one pass for attention plus one Mamba spec).
+
+        Also the shared-prefix junction: the longest length any lookup group
+        reached on its turn (attention's, in practice: it goes first and the
+        others only shrink the candidate), when it exceeds the agreed hit;
+        else 0. A prefix attention has cached and Mamba has no state for is
+        where a sibling could resume if that state were kept.
+        """
         unit = self.config.hash_unit
         hit_length = max_length
+        longest = 0
         blocks_by_group: list[list[Block] | None] = [None] * len(self.managers)
         length_by_group = [0] * len(self.managers)
         simple = len(self.lookup_groups) == 2 and self.lookup_groups[0].is_attention
@@ -119,6 +127,7 @@ class Coordinator:
                 for group_id, found_blocks in zip(group.group_ids, per_group, strict=True):
                     blocks_by_group[group_id] = found_blocks
                     length_by_group[group_id] = new_length
+                longest = max(longest, current)
             if current >= hit_length:
                 break
             hit_length = current
@@ -131,7 +140,8 @@ class Coordinator:
                     trimmed = blocks_by_group[group_id]
                     if trimmed is not None:
                         del trimmed[cdiv(hit_length, size) :]
-        return tuple(b if b is not None else [] for b in blocks_by_group), hit_length
+        junction = longest if longest > hit_length else 0
+        return tuple(b if b is not None else [] for b in blocks_by_group), hit_length, junction
 
     # -- allocation ---------------------------------------------------------
 

@@ -87,6 +87,13 @@ class GroupManager:
         num_full = min(num_tokens, num_hashed) // self.block_size
         if num_cached >= num_full:
             return
+        # Sparse retention also keeps the state at the request's junction
+        # and, with eagle, one block below it (a sibling diverging right after
+        # the junction has no block past it to drop, so it resumes there).
+        junction = request.shared_prefix_boundary
+        if junction:
+            extra = (junction, junction - self.block_size) if self.use_eagle else (junction,)
+            boundaries = (*boundaries, *extra)
         mask = self.retention_mask(num_cached, num_full, retention, boundaries)
         self.pool.cache_full_blocks(
             request.keys,

@@ -20,14 +20,15 @@ class KVCacheManager:
         self.coordinator = Coordinator(config)
         self.block_pool = self.coordinator.pool
 
-    def get_computed_blocks(self, request: Request) -> tuple[HitBlocks | None, int]:
-        """The agreed prefix hit; None for blocks when no group has any.
+    def get_computed_blocks(self, request: Request) -> tuple[HitBlocks | None, int, int]:
+        """The agreed prefix hit (None for blocks when no group has any), and
+        the shared-prefix junction (0: the groups agree).
 
         At most `num_tokens - 1` tokens hit: the last one is recomputed for
-        its logits.
+        its logits. The caller stores the junction on the request.
         """
-        blocks, hit = self.coordinator.find_hit(request.keys, request.num_tokens - 1)
-        return (blocks if any(blocks) else None), hit
+        blocks, hit, junction = self.coordinator.find_hit(request.keys, request.num_tokens - 1)
+        return (blocks if any(blocks) else None), hit, junction
 
     def get_num_blocks_to_allocate(
         self, request: Request, hit_blocks: HitBlocks | None, hit: int, admission: bool

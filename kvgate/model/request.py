@@ -17,6 +17,9 @@ class Request:
         extend_prefix_keys(self.keys, self.all_token_ids, hash_unit)
         self.num_computed_tokens = 0
         self.spec_token_ids: list[int] = []
+        # The junction of the request's last lookup (0: none), as the
+        # scheduler stores it; the split and sparse retention read it.
+        self.shared_prefix_boundary = 0
 
     @property
     def num_tokens(self) -> int:

@@ -2,8 +2,9 @@
 
 Mamba states are written at chunk ends, so a chunk ends on a block boundary
 (except the prompt's last chunk), never runs past the last cacheable block
-boundary, and, with sub-block hits, stops at the prompt's partial-tail
-boundary so that state is computed and keyed.
+boundary, with sub-block hits stops at the prompt's partial-tail boundary so
+that state is computed and keyed, and stops at the request's shared-prefix
+junction (block-floored from the chunk's start) so a sibling can resume there.
 """
 
 from __future__ import annotations
@@ -26,14 +27,23 @@ def chunk_tokens(config: Config, request: Request, num_new: int, num_new_hit: in
     last_cacheable = checkpoint_position(request.num_tokens, block, eagle)
     end = start + num_new
     if end < prefill_end:
+        # A block wider than any chunk may be advanced sub-block.
+        widest = config.max_num_scheduled_tokens
+        if config.long_prefill_token_threshold > 0:
+            widest = min(widest, config.long_prefill_token_threshold)
         aligned = end // block * block
-        if aligned > start or block <= config.max_num_scheduled_tokens:
+        if aligned > start or block <= widest:
             end = aligned
     tail = checkpoint_position(request.num_prompt_tokens, unit, eagle) if partial_hits else 0
+    junction = request.shared_prefix_boundary
+    # Whole blocks from the start: a sub-block junction's state is not kept
+    # apart (version 1 runs without the shared-prefix checkpoint).
+    junction_stop = start + (junction - start) // block * block
     stops = (
         (start // block + 1) * block if start % block else 0,
         last_cacheable,
         tail if last_cacheable < tail < request.num_prompt_tokens else 0,
+        junction_stop if start < junction < end else 0,
     )
     end = min((s for s in stops if start < s < end), default=end)
     return max(end - start, 0)

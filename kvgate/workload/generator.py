@@ -33,6 +33,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from kvgate.conformance.config import Config
+from kvgate.conformance.driver import chunk_offer
 from kvgate.conformance.ops import ACTIONS, Segment, Step
 from kvgate.model import ModelTarget
 from kvgate.model.request import Request
@@ -166,13 +167,15 @@ class _Scheduler:
         """The next prefill chunk within `budget`: (as written, tokens), or None
         when the split leaves nothing to run this step."""
         remaining = request.num_tokens - request.num_computed_tokens - hit
-        offered = min(remaining, budget)
+        num_live = self.writer.oracle.num_live()
+        offered = chunk_offer(self.config, remaining, budget, num_live)
         tokens = chunk_tokens(self.config, request, offered, hit)
         if tokens <= 0:
             return None
-        # `auto` is the split of min(remaining, the full budget): the same
-        # chunk unless this step's budget left is what binds.
-        unbound = offered == min(remaining, self.config.max_num_scheduled_tokens)
+        # `auto` offers the full budget: the same chunk unless this step's
+        # budget left is what binds.
+        full = chunk_offer(self.config, remaining, self.config.max_num_scheduled_tokens, num_live)
+        unbound = offered == full
         return ("auto" if unbound else tokens), tokens
 
     def _allocate(self, live: _Live, tokens: int | Literal["auto"]) -> Callable[[], bool]:
