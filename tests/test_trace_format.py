@@ -11,14 +11,8 @@ from pathlib import Path
 import pytest
 
 from kvgate.cli import main
-from kvgate.conformance.trace import (
-    TraceError,
-    bundled_corpus,
-    load_corpus,
-    parse_trace,
-    prefill_lookup,
-    prefill_round,
-)
+from kvgate.conformance.macros import prefill_lookup, prefill_round
+from kvgate.conformance.trace import TraceError, bundled_corpus, load_corpus, parse_trace
 from kvgate.conformance.writer import dump_trace
 
 CONFIG = """\

@@ -333,8 +333,9 @@ def live(s: UState, r: Any) -> Any:
 class UEncoding:
     """The clean manager, for every size; hooks as in `transitions.Encoding`."""
 
+    # "clean", or a mutation recorded in `kvgate.model.mutations` (its
+    # target invariant and whether upstream has it are read there).
     name = "clean"
-    target = ""
 
     def __init__(self, groups: int) -> None:
         self.groups = groups
@@ -782,7 +783,6 @@ def _moved(moves: Any, held: Any, is_source: Any, is_copy: Any) -> Any:
 
 class UHoldOff(UEncoding):
     name = "hold_off"
-    target = "no_total_miss"
 
     def hold_enabled(self, tx: UTx) -> Any:
         return z3.BoolVal(False)
@@ -793,7 +793,6 @@ class UHoldOff(UEncoding):
 
 class UNoAdmissionExtra(UEncoding):
     name = "no_admission_extra"
-    target = "reservation_covers_tail_swap"
 
     def admission_extra(self, tx: UTx, partial_hit: Any, holding: Any) -> Any:
         return z3.IntVal(0)
@@ -801,7 +800,6 @@ class UNoAdmissionExtra(UEncoding):
 
 class UAbortKeepsHold(UEncoding):
     name = "abort_keeps_hold"
-    target = "no_leak"
 
     def release_holds(self, tx: UTx, how: Any) -> None:
         holds = []
@@ -814,7 +812,6 @@ class UAbortKeepsHold(UEncoding):
 
 class UCowCopyUnreferenced(UEncoding):
     name = "cow_copy_unreferenced"
-    target = "no_leak"
 
     def cow_retain(self, tx: UTx, edits: list[Edit]) -> None:
         return None
@@ -822,7 +819,6 @@ class UCowCopyUnreferenced(UEncoding):
 
 class UTouchKeepsQueued(UEncoding):
     name = "touch_keeps_queued"
-    target = "free_queue_exact"
 
     def touch(self, tx: UTx, edits: list[Edit]) -> None:
         self.retain(tx, edits)
@@ -830,7 +826,6 @@ class UTouchKeepsQueued(UEncoding):
 
 class USupersededHoldKept(UEncoding):
     name = "superseded_hold_kept"
-    target = "one_hold"
 
     def supersede(self, tx: UTx, m: int, old: Fn, do_hold: Any) -> Fn:
         return old
@@ -838,7 +833,6 @@ class USupersededHoldKept(UEncoding):
 
 class UNoFollow(UEncoding):
     name = "no_follow"
-    target = "held_state_keyed"
 
     def follows(self, tx: UTx) -> Any:
         return z3.BoolVal(False)
