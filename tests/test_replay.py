@@ -24,15 +24,14 @@ from fake_target import (
 )
 
 from kvgate import cli, targets
+from kvgate.conformance.compare import NOT_REPORTED, same
 from kvgate.conformance.config import Config
 from kvgate.conformance.replay import (
     HOLD_NOTE,
-    NOT_REPORTED,
     Level,
     ReplayResult,
     TargetFactory,
     replay,
-    same,
 )
 from kvgate.conformance.report import (
     divergence_lines,

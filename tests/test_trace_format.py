@@ -11,14 +11,8 @@ from pathlib import Path
 import pytest
 
 from kvgate.cli import main
-from kvgate.conformance.trace import (
-    TraceError,
-    bundled_corpus,
-    load_corpus,
-    parse_trace,
-    prefill_lookup,
-    prefill_round,
-)
+from kvgate.conformance.macros import prefill_lookup, prefill_round
+from kvgate.conformance.trace import TraceError, bundled_corpus, load_corpus, parse_trace
 from kvgate.conformance.writer import dump_trace
 
 CONFIG = """\
@@ -137,6 +131,21 @@ MALFORMED: list[tuple[str, str, str]] = [
         "step 1: prompt[0].all_of",
     ),
     ("unknown check key", trace_text(ARRIVE + "- {op: check, colour: red}\n"), "step 1: colour"),
+    (
+        "negative long-prefill threshold",
+        trace_text(ARRIVE, CONFIG + "  long_prefill_token_threshold: -1\n"),
+        "config.long_prefill_token_threshold",
+    ),
+    (
+        "long-prefill threshold past max_model_len",
+        trace_text(ARRIVE, CONFIG + "  max_model_len: 512\n  long_prefill_token_threshold: 513\n"),
+        "config.long_prefill_token_threshold",
+    ),
+    (
+        "junction expected of the wrong type",
+        trace_text(ARRIVE + "- {op: lookup, req: A, expect: {junction: yes}}\n"),
+        "step 1: expect.junction",
+    ),
     (
         "hold in an attention group",
         trace_text(ARRIVE + "- {op: check, holds: {A: {0: 8}}}\n"),
@@ -284,6 +293,18 @@ def test_retain_retired_is_read_and_written_only_when_on() -> None:
     assert "retain_retired: true" in dump_trace(on.name, on.config, on.steps)
     off = parse_trace(trace_text(ARRIVE))
     assert "retain_retired" not in dump_trace(off.name, off.config, off.steps)
+
+
+def test_long_prefill_threshold_is_read_and_written_only_when_set() -> None:
+    """Additive, default 0 (no cap); the writer leaves 0 out."""
+    assert parse_trace(trace_text(ARRIVE)).config.long_prefill_token_threshold == 0
+    on = parse_trace(trace_text(ARRIVE, CONFIG + "  long_prefill_token_threshold: 48\n"))
+    assert on.config.long_prefill_token_threshold == 48
+    text = dump_trace(on.name, on.config, on.steps)
+    assert "long_prefill_token_threshold: 48" in text
+    assert parse_trace(text).config == on.config
+    off = parse_trace(trace_text(ARRIVE))
+    assert "long_prefill_token_threshold" not in dump_trace(off.name, off.config, off.steps)
 
 
 def test_retention_interval_null_means_unset() -> None:

@@ -115,6 +115,7 @@ def _vllm_config(config: Config, spec_tokens: int, max_num_seqs: int) -> Any:
         block_size=config.scheduler_block_size,
         enable_prefix_caching=True,
         mamba_cache_mode="align",
+        enable_mamba_shared_prefix_checkpoint=config.shared_prefix_checkpoint,
     )
     speculative = None
     if spec_tokens:
@@ -174,7 +175,11 @@ def _check_derived(scheduler: Any, config: Config, spec_tokens: int) -> None:
             min(int(scheduler.num_prefill_lookahead), 1),
             int(scheduler.num_prefill_lookahead),
         ),
-        ("groups", bool(scheduler.mamba_shared_prefix_checkpoint), False),
+        (
+            "shared_prefix_checkpoint",
+            bool(scheduler.mamba_shared_prefix_checkpoint),
+            config.shared_prefix_checkpoint_on,
+        ),
     )
     for name, got, want in checks:
         if got != want:

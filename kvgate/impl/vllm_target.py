@@ -79,9 +79,13 @@ class VllmTarget(OpDriver[Any]):
             scheduler_config=SimpleNamespace(
                 long_prefill_token_threshold=config.long_prefill_token_threshold
             ),
-            mamba_has_prefill_checkpoint_blocks=False,
-            mamba_prefill_checkpoint_alignment=None,
-            mamba_shared_prefix_checkpoint=False,
+            mamba_has_prefill_checkpoint_blocks=config.prefill_checkpoints,
+            mamba_prefill_checkpoint_alignment=config.prefill_checkpoint_alignment,
+            mamba_shared_prefix_checkpoint=(
+                partial
+                and config.hash_unit < config.scheduler_block_size
+                and bool(getattr(manager, "mamba_shared_prefix_checkpoint", False))
+            ),
         )
         hold = _holds_partial_tails(api, self._managers, config.retain_checkpoint)
         self.capabilities = Capabilities(
@@ -272,12 +276,20 @@ def _group_spec(api: VllmApi, index: int, group: GroupConfig) -> Any:
             block_size=group.block_size, num_kv_heads=1, head_size=1, dtype=float32
         )
     if group.kind == "mamba_align":
+        # The checkpoint fields only when set: a build without them still
+        # runs every trace that leaves them off (and refuses the others).
+        checkpoints: dict[str, Any] = {}
+        if group.prefill_checkpoint_blocks:
+            checkpoints["num_prefill_checkpoint_blocks"] = group.prefill_checkpoint_blocks
+        if group.prefill_checkpoint_alignment is not None:
+            checkpoints["prefill_checkpoint_alignment"] = group.prefill_checkpoint_alignment
         return api.MambaSpec(
             block_size=group.block_size,
             shapes=((1, 1),),
             dtypes=(float32,),
             mamba_cache_mode="align",
             num_speculative_blocks=group.speculative_blocks,
+            **checkpoints,
         )
     raise UnsupportedConfig(f"groups[{index}].kind", f"unknown group kind {group.kind!r}")
 
@@ -309,7 +321,14 @@ def _build_manager(api: VllmApi, config: Config) -> Any:
             hash_block_size=config.hash_unit,
             enable_caching=True,
             use_eagle=config.eagle,
+            **(
+                {"enable_mamba_shared_prefix_checkpoint": True}
+                if config.shared_prefix_checkpoint
+                else {}
+            ),
         )
+    except UnsupportedConfig:
+        raise
     except Exception as exc:  # vLLM rejects with ValueError or a bare assert
         message = _describe(exc)
         raise UnsupportedConfig(_config_field(message), f"vLLM rejects it: {message}") from exc
@@ -330,6 +349,7 @@ def _describe(exc: BaseException) -> str:
 
 _FIELD_PATTERNS: tuple[tuple[str, str], ...] = (
     (r"retention", "retention_interval"),
+    (r"shared_prefix", "shared_prefix_checkpoint"),
     (r"scheduler_block_size", "scheduler_block_size"),
     (r"hash_block_size|hash", "hash_unit"),
     (r"num_gpu_blocks|num_blocks", "num_blocks"),

@@ -20,7 +20,7 @@ from itertools import compress
 from operator import ne
 from typing import Any
 
-from kvgate.conformance.snapshot import BlockView, Snapshot
+from kvgate.conformance.snapshot import NULL_BLOCK, BlockView, Snapshot, kept_aside, null_view
 from kvgate.conformance.tokens import extend_prefix_keys
 from kvgate.impl._vllm_api import HOLD_ATTR, VllmApi
 
@@ -96,15 +96,20 @@ class ManagerView:
     # ------------------------------------------------------------- the view
 
     def snapshot(self, popped: Mapping[str, Sequence[Any]]) -> Snapshot:
-        """The manager's strict view; `popped`: blocks kept aside per request."""
+        """The manager's strict view; `popped`: blocks kept aside per request.
+
+        The abstraction of `kvgate.conformance.snapshot.EXCLUSIONS`: the null
+        block without its ref count, popped lists without null entries.
+        """
         self._sync_index()
+        views = self._block_views()
         return Snapshot(
             free_queue=tuple(self.free_queue_ids()),
-            blocks=self._block_views(),
+            blocks=views[:NULL_BLOCK] + (null_view(views[NULL_BLOCK]),) + views[NULL_BLOCK + 1 :],
             tables=self.tables(),
             holds=self.holds(),
             pending_copies=self.pending_copies(),
-            popped={req: block_ids(blocks) for req, blocks in popped.items()},
+            popped={req: kept_aside(block_ids(blocks)) for req, blocks in popped.items()},
         )
 
     def free_queue_ids(self) -> list[int]:

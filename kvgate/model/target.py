@@ -6,7 +6,7 @@ from typing import Any
 
 from kvgate.conformance.config import Config
 from kvgate.conformance.driver import OpDriver
-from kvgate.conformance.snapshot import BlockView, Snapshot
+from kvgate.conformance.snapshot import BlockView, Snapshot, kept_aside
 from kvgate.conformance.target import Capabilities
 from kvgate.model.coordinator import HitBlocks
 from kvgate.model.manager import KVCacheManager
@@ -165,5 +165,5 @@ class ModelTarget(OpDriver[Request]):
             pending_copies=tuple(
                 (m.group_id, s.block_id, d.block_id) for m in managers for s, d in m.pending_copies
             ),
-            popped={r: tuple(b.block_id for b in bs) for r, bs in self.popped.items()},
+            popped={r: kept_aside(b.block_id for b in bs) for r, bs in self.popped.items()},
         )
