@@ -130,7 +130,7 @@ class ExploreFailure(AssertionError):
         return f"explore-{self.invariant.replace('_', '-')}-{digest}"
 
     def about(self) -> str:
-        hold = "on" if self.config.retain_checkpoint else "off"
+        hold = "on" if self.config.hold else "off"
         return (
             f"Found by kvgate explore (hold {hold}): {self.kind} {self.invariant}: {self.message}"
         )
