@@ -172,7 +172,7 @@ def test_the_session_refuses_what_a_scheduler_never_does(session: Session) -> No
     with pytest.raises(Unrealistic, match="before its prompt is computed"):
         session.run("decode1", req="A")
     session.run("free", req="A", how="finish")
-    with pytest.raises(Unrealistic, match="not live"):
+    with pytest.raises(Unrealistic, match="has ended"):
         session.run("lookup", req="A")
 
 
