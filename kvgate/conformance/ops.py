@@ -117,6 +117,24 @@ ACTIONS: dict[str, Action] = {
 PRIMITIVE_OPS: tuple[str, ...] = tuple(n for n, a in ACTIONS.items() if not a.macro)
 
 
+def out_of_phase(op: str, req: str, phase: Phase, since: str = "") -> str:
+    """Why `op` cannot act on `req` in `phase` (`since`: when it got there)."""
+    when = f" ({since})" if since else ""
+    if op == "arrive":
+        return f"request {req!r} has already arrived"
+    if phase == "absent":
+        return f"request {req!r} is used before `arrive`"
+    if op == "release":
+        return f"`release` of {req!r} without a prior `pop`"
+    if phase == "popped":
+        return f"request {req!r} was popped{when}; only `release` may follow"
+    if phase == "ended":
+        return f"request {req!r} has ended{when}"
+    if op == "decode1":
+        return f"`decode1` of {req!r} before its prompt is computed"
+    return f"`{op}` of {req!r}, whose prompt is computed"
+
+
 def next_phase(
     op: str, phase: Phase, how: str | None = None, observed: Mapping[str, Any] | None = None
 ) -> Phase:

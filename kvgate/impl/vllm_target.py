@@ -50,7 +50,7 @@ class VllmTarget(OpDriver[Any]):
         self.plugin = plugin
         # The switch must be in the environment before vLLM reads it: set it
         # before the (first) import, and drop vLLM's env cache after it.
-        _vllm_api.set_retain_switch(config.retain_checkpoint, config.retain_retired)
+        _vllm_api.set_retain_switch(config.hold, config.hold_retired)
         api = _vllm_api.load()
         _vllm_api.clear_env_cache()
         plugin_module = _vllm_api.register_plugin(plugin) if plugin else None
@@ -87,7 +87,7 @@ class VllmTarget(OpDriver[Any]):
                 and bool(getattr(manager, "mamba_shared_prefix_checkpoint", False))
             ),
         )
-        hold = _holds_partial_tails(api, self._managers, config.retain_checkpoint)
+        hold = _holds_partial_tails(api, self._managers, config.hold)
         self.capabilities = Capabilities(
             implementation=f"vllm {api.version}",
             partial_hits=partial,
@@ -429,7 +429,7 @@ _PROBE_CONFIG = Config(
     ),
     eagle=False,
     retention_interval=None,
-    retain_checkpoint=True,
+    hold=True,
     scheduler_block_size=32,
 )
 

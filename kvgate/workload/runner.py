@@ -127,9 +127,9 @@ def replay_arm(
 
 def lacking_capability(config: Config, capabilities: Capabilities) -> str:
     """What the arm's config needs that the target lacks ("" when nothing)."""
-    if config.retain_checkpoint and not capabilities.hold:
+    if config.hold and not capabilities.hold:
         return "has no hold (pass --plugin kvgate.impl.hold_overlay)"
-    if config.retain_retired and not capabilities.retire:
+    if config.hold_retired and not capabilities.retire:
         return (
             "keeps no retired state (pass --plugin kvgate.impl.hold_overlay, or --build upstream)"
         )
