@@ -238,7 +238,7 @@ def _header_capabilities(factory: TargetFactory, traces: Sequence[Trace]) -> Cap
     implementation the hold-on traces run (the switch is per trace). A trace
     whose config the target refuses is passed over (it gets its own ERROR
     line); None when the target runs none of them."""
-    ordered = sorted(traces, key=lambda t: not t.config.retain_checkpoint)
+    ordered = sorted(traces, key=lambda t: not t.config.hold)
     for trace in ordered:
         try:
             target = build_target(factory, trace)
