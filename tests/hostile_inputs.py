@@ -546,7 +546,12 @@ def run_variant(variant: Variant, workdir: Path) -> Outcome:
     escaped: BaseException | None = None
     started = time.perf_counter()
     try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        # In the work dir: a relative path among the flags (`--out 5`) writes there.
+        with (
+            contextlib.chdir(workdir),
+            contextlib.redirect_stdout(out),
+            contextlib.redirect_stderr(err),
+        ):
             code = cli.main(argv)
     except (Exception, SystemExit) as error:  # a traceback, had it run as a command
         escaped = error
