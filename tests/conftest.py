@@ -40,9 +40,9 @@ def boundary_tail_finding(failure: ExploreFailure | None) -> bool:
     """The one hold-on finding exploration reports and the model keeps (see
     README, "Exploring"): a follow-up of a request whose prompt tail landed
     on a Mamba block boundary resumes below that state once a burst evicts
-    it (`resume_at_parent_state`, the demanded hit a whole number of blocks).
+    it (`no_total_miss`, the demanded hit a whole number of blocks).
     Anything else a hold-on run finds is a failure."""
-    if failure is None or failure.invariant != "resume_at_parent_state":
+    if failure is None or failure.invariant != "no_total_miss":
         return False
     demanded = failure.witness.expect.get("hit")
     blocks = {failure.config.groups[g].block_size for g in failure.config.mamba_group_ids}

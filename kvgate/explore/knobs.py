@@ -33,7 +33,7 @@ SEED_CONFIG = Config(
     groups=(GroupConfig("full_attention", 8), GroupConfig("mamba_align", 32, 3)),
     eagle=True,
     retention_interval=0,
-    retain_checkpoint=False,
+    hold=False,
     scheduler_block_size=32,
     max_num_scheduled_tokens=8192,
 )

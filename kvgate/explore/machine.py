@@ -96,7 +96,7 @@ class Mode:
 
     def apply(self, config: Config) -> Config:
         """A drawn config with this mode's switches."""
-        return replace(config, retain_checkpoint=self.hold, retain_retired=self.retire)
+        return replace(config, hold=self.hold, hold_retired=self.retire)
 
 
 def mamba_block(config: Config) -> int:
