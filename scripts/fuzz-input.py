@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from hostile_inputs import Outcome, make_variant, run_variant  # noqa: E402
+from hostile_inputs import Outcome, base_doc, dump, make_variant, run_variant  # noqa: E402
 
 
 class Timeout(BaseException):  # not an Exception: kvgate must not catch it
@@ -58,6 +58,15 @@ def main() -> int:
     limit = args.memory_limit_mib * 2**20
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     signal.signal(signal.SIGALRM, _alarm)
+    if args.target != "model":
+        # Import the target once, outside any variant's alarm: on a busy box
+        # vLLM's import alone can outlast it, and an import cut short leaves
+        # the process unable to import it again.
+        from kvgate.conformance.trace import parse_trace
+        from kvgate.targets import target_factory
+
+        config = parse_trace(dump(base_doc()).decode()).config
+        target_factory(args.target)(config).close()
     rng = random.Random(args.seed)
     by_kind: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
     counts: collections.Counter[str] = collections.Counter()
