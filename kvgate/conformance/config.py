@@ -30,6 +30,9 @@ class Config:
     # patch 0093, under the same switch as the hold): the newest keyed Mamba
     # state that leaves a request's table stays held by the request.
     retain_retired: bool = False
+    # vLLM's enable_kv_cache_events: the pool queues BlockStored /
+    # BlockRemoved / AllBlocksCleared events for the `events` op.
+    kv_events: bool = False
 
     @property
     def mamba_group_ids(self) -> tuple[int, ...]:

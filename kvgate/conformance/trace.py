@@ -66,6 +66,7 @@ _CONFIG_OPTIONAL = (
     "eagle",
     "retain_checkpoint",
     "retain_retired",
+    "kv_events",
 )
 _GROUP_KINDS = ("full_attention", "mamba_align")
 _SEGMENT_KINDS = ("fresh", "all_of", "prompt_of", "tokens")
@@ -372,6 +373,7 @@ class _Reader:
             retention_interval=retention,
             retain_checkpoint=flag("retain_checkpoint"),
             retain_retired=flag("retain_retired"),
+            kv_events=flag("kv_events"),
             scheduler_block_size=count("scheduler_block_size", default_scheduler),
             max_model_len=count("max_model_len", 8192),
             max_num_scheduled_tokens=count("max_num_scheduled_tokens", 8192),
@@ -522,6 +524,10 @@ class _Reader:
                 raise self.error(index, field, f"must be true or false, got {_got(value)}")
             if kind == "copies":
                 value = self.copies(index, field, value)
+            if kind == "events" and not (
+                isinstance(value, list) and all(isinstance(e, str) for e in value)
+            ):
+                raise self.error(index, field, f"must be a list of event lines, got {_got(value)}")
             expect[key] = value
         return expect
 

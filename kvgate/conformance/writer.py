@@ -27,6 +27,7 @@ def config_dict(config: Config) -> dict[str, Any]:
         "retain_checkpoint": config.retain_checkpoint,
         # Additive: written only when on, so older traces read back unchanged.
         **({"retain_retired": True} if config.retain_retired else {}),
+        **({"kv_events": True} if config.kv_events else {}),
         "groups": [
             {"kind": g.kind, "block_size": g.block_size}
             | ({"speculative_blocks": g.speculative_blocks} if g.kind == "mamba_align" else {})

@@ -30,9 +30,11 @@ from typing import Any
 
 from kvgate.conformance.config import Config, GroupConfig, UnsupportedConfig
 from kvgate.conformance.driver import OpDriver
+from kvgate.conformance.events import KvEvent
+from kvgate.conformance.ops import STATS_KEYS
 from kvgate.conformance.snapshot import BlockView, Snapshot
 from kvgate.conformance.target import Capabilities
-from kvgate.conformance.tokens import extend_prefix_keys
+from kvgate.conformance.tokens import extend_prefix_keys, key_position
 from kvgate.impl import _vllm_api
 from kvgate.impl._vllm_api import HOLD_ATTR, RETAIN_SWITCH, VllmApi
 
@@ -95,6 +97,8 @@ class VllmTarget(OpDriver[Any]):
         # vLLM BlockHash (bytes) -> prefix key; BlockHashWithGroupId -> name.
         self._key_of: dict[bytes, str] = {}
         self._names: dict[bytes, str] = {}
+        # The same index by the 64-bit ints KV-cache events carry.
+        self._key_of_int: dict[int, str] = {}
         self._last_views: _Views | None = None
 
         partial = bool(getattr(self._coordinator, "enable_partial_hash_hits", False))
@@ -187,6 +191,8 @@ class VllmTarget(OpDriver[Any]):
     def mark(self, request: Any, status: str) -> None:
         statuses = self._api.RequestStatus
         request.status = statuses.PREEMPTED if status == "preempted" else statuses.RUNNING
+        if status == "preempted":
+            request.num_preemptions += 1  # as Scheduler._preempt_request counts it
 
     # --------------------------------------------------------- manager calls
 
@@ -250,6 +256,65 @@ class VllmTarget(OpDriver[Any]):
 
     def evict(self, n: int) -> None:
         self._pool.free_blocks(self._pool.get_new_blocks(n))
+
+    def record_prefix_cache_stats(self, request: Any, hit: int) -> None:
+        self._manager.record_prefix_cache_stats(request, hit)
+
+    def make_prefix_cache_stats(self) -> dict[str, Any]:
+        stats = self._manager.make_prefix_cache_stats()
+        return {key: getattr(stats, key) for key in STATS_KEYS}
+
+    def reset_prefix_cache(self) -> bool:
+        return bool(self._manager.reset_prefix_cache())
+
+    def take_events(self) -> list[KvEvent]:
+        self._sync_index()
+        api = self._api
+        events: list[KvEvent] = []
+        for event in self._manager.take_events():
+            if isinstance(event, api.AllBlocksCleared):
+                events.append(KvEvent("cleared"))
+            elif isinstance(event, api.BlockRemoved):
+                events.extend(
+                    KvEvent("removed", int(event.group_idx), (self._prefix_key(h),))
+                    for h in event.block_hashes
+                )
+            elif isinstance(event, api.BlockStored):
+                parent = (
+                    None
+                    if event.parent_block_hash is None
+                    else self._prefix_key(event.parent_block_hash)
+                )
+                start = 0 if parent is None else key_position(parent)
+                events.append(
+                    KvEvent(
+                        "stored",
+                        int(event.group_idx),
+                        tuple(self._prefix_key(h) for h in event.block_hashes),
+                        parent,
+                        start,
+                        start + len(event.token_ids),
+                        int(event.block_size),
+                    )
+                )
+            else:
+                raise RuntimeError(f"unknown KV-cache event {type(event).__name__}")
+        return events
+
+    def _prefix_key(self, block_hash: Any) -> str:
+        """The prefix key of an event's hash: vLLM's bytes, or (with
+        VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES, its default) their low 64 bits."""
+        if isinstance(block_hash, int):
+            if len(self._key_of_int) != len(self._key_of):
+                self._key_of_int = {
+                    int.from_bytes(h, "big") & _LOW_64: k for h, k in self._key_of.items()
+                }
+            key = self._key_of_int.get(block_hash)
+        else:
+            key = self._key_of.get(bytes(block_hash))
+        if key is None:
+            raise RuntimeError(f"event hash {block_hash!r} names no prefix of this trace")
+        return key
 
     # ----------------------------------------------------------- observation
 
@@ -442,6 +507,9 @@ class VllmTarget(OpDriver[Any]):
 # ---------------------------------------------------------------- helpers
 
 
+_LOW_64 = (1 << 64) - 1
+
+
 def _ids(blocks: Sequence[Any]) -> tuple[int, ...]:
     return tuple(b.block_id for b in blocks)
 
@@ -486,6 +554,8 @@ def _build_manager(api: VllmApi, config: Config) -> Any:
             hash_block_size=config.hash_unit,
             enable_caching=True,
             use_eagle=config.eagle,
+            log_stats=True,
+            enable_kv_cache_events=config.kv_events,
         )
     except Exception as exc:  # vLLM rejects with ValueError or a bare assert
         message = _describe(exc)

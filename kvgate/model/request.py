@@ -17,6 +17,7 @@ class Request:
         extend_prefix_keys(self.keys, self.all_token_ids, hash_unit)
         self.num_computed_tokens = 0
         self.spec_token_ids: list[int] = []
+        self.num_preemptions = 0
 
     @property
     def num_tokens(self) -> int:
