@@ -19,27 +19,17 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib
-import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NoReturn, cast
 
-from kvgate.conformance.config import UnsupportedConfig
-from kvgate.conformance.replay import LEVELS, Level, TargetFactory, one_line, replay
+from kvgate.conformance.replay import LEVELS, Level, TargetFactory, replay
 from kvgate.conformance.report import TerminalReport, write_junit
 from kvgate.conformance.target import Capabilities, Target
 from kvgate.conformance.trace import Trace, TraceError, bundled_corpus, load_corpus, load_trace
 from kvgate.errors import InputError
-
-# Where each target lives, as "module:factory", imported only when chosen.
-TARGETS: dict[str, str] = {
-    "model": "kvgate.model:ModelTarget",
-    "vllm": "kvgate.impl.vllm_target:VllmTarget",
-}
-# The target every other one is compared with, step by step.
-LOCKSTEP_MODEL = "model"
-
+from kvgate.targets import LOCKSTEP_MODEL, TARGETS, build_target, target_factory
 
 # Further commands, each a module with `register(subparsers)` that adds its
 # parser and sets `handler(args) -> exit code` on it. A handler raises
@@ -121,7 +111,7 @@ def run_traces(
     if traces:
         report.target(_header_capabilities(factory, traces))
     for trace in traces:
-        target = _build(factory, trace)
+        target = build_target(factory, trace)
         try:
             result = replay(trace, target, model, level)
         finally:
@@ -137,35 +127,16 @@ def run_traces(
     return 0 if all(r.passed for r in report.results) else 1
 
 
-def target_factory(name: str) -> TargetFactory:
-    module_name, _, attribute = TARGETS[name].partition(":")
-    if name == "vllm":
-        # vLLM picks its platform when first imported; kvgate drives it on CPU.
-        os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    try:
-        factory = getattr(importlib.import_module(module_name), attribute)
-    except (ImportError, AttributeError) as error:
-        raise InputError(f"--target {name}: not available here ({one_line(error)})") from None
-    return cast(TargetFactory, factory)
-
-
 def _header_capabilities(factory: TargetFactory, traces: Sequence[Trace]) -> Capabilities:
     """The target as the report's header shows it: built for the first trace
     that switches the hold on, if any, so the header names the hold
     implementation the hold-on traces run (the switch is per trace)."""
-    trace = next((t for t in traces if t.config.retain_checkpoint), traces[0])
-    target = _build(factory, trace)
+    trace = next((t for t in traces if t.config.hold), traces[0])
+    target = build_target(factory, trace)
     try:
         return target.capabilities
     finally:
         target.close()
-
-
-def _build(factory: TargetFactory, trace: Trace) -> Target:
-    try:
-        return factory(trace.config)
-    except UnsupportedConfig as error:
-        raise TraceError.unsupported(trace.path, error) from None
 
 
 if __name__ == "__main__":

@@ -23,16 +23,15 @@ from fake_target import (
     StingyFake,
 )
 
-from kvgate import cli
+from kvgate import cli, targets
+from kvgate.conformance.compare import NOT_REPORTED, same
 from kvgate.conformance.config import Config
 from kvgate.conformance.replay import (
     HOLD_NOTE,
-    NOT_REPORTED,
     Level,
     ReplayResult,
     TargetFactory,
     replay,
-    same,
 )
 from kvgate.conformance.report import (
     divergence_lines,
@@ -280,7 +279,7 @@ def test_a_target_without_the_hold_gets_a_lockstep_model_without_it() -> None:
     steps = FOLLOW_UP + "- {op: lookup, req: B}\n"
     result, _ = run(steps, HoldlessFake, model, hold=True)
     assert result.passed
-    assert built[0].retain_checkpoint is False
+    assert built[0].hold is False
     assert result.notes == (HOLD_NOTE,)
     # The trace's own expectation still judges the target.
     failing, _ = run(
@@ -302,7 +301,7 @@ def test_a_target_with_the_hold_keeps_it_in_the_model() -> None:
         FOLLOW_UP + "- {op: lookup, req: B, expect: {hit: 8}}\n", FakeTarget, model, hold=True
     )
     assert result.passed and result.notes == ()
-    assert built[0].retain_checkpoint is True
+    assert built[0].hold is True
 
 
 # -- report -------------------------------------------------------------------
@@ -349,8 +348,8 @@ def test_junit_has_one_testcase_per_trace(tmp_path: Path) -> None:
 
 @pytest.fixture
 def fake_targets(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(cli.TARGETS, "model", "fake_target:FakeTarget")
-    monkeypatch.setitem(cli.TARGETS, "vllm", "fake_target:PluginFake")
+    monkeypatch.setitem(targets.TARGETS, "model", "fake_target:FakeTarget")
+    monkeypatch.setitem(targets.TARGETS, "vllm", "fake_target:PluginFake")
 
 
 def write(path: Path, steps: str, name: str) -> Path:
@@ -395,7 +394,7 @@ def test_gate_passes_a_conforming_corpus(
 def test_gate_exits_1_on_a_divergence(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setitem(cli.TARGETS, "vllm", "fake_target:RaisingFake")
+    monkeypatch.setitem(targets.TARGETS, "vllm", "fake_target:RaisingFake")
     write(tmp_path / "a.yaml", LIFE, "life")
     write(tmp_path / "b.yaml", FOLLOW_UP, "follow-up")
     assert cli.main(["gate", "--corpus", str(tmp_path)]) == 1
@@ -412,7 +411,7 @@ def test_gate_exits_1_on_a_divergence(
 def test_a_config_the_target_refuses_is_an_input_error(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setitem(cli.TARGETS, "vllm", "fake_target:GroupsRefusedFake")
+    monkeypatch.setitem(targets.TARGETS, "vllm", "fake_target:GroupsRefusedFake")
     path = write(tmp_path / "a.yaml", LIFE, "life")
     assert cli.main(["replay", str(path), "--target", "vllm"]) == 2
     assert capsys.readouterr().err == (
@@ -430,7 +429,7 @@ def test_plugin_only_applies_to_vllm(tmp_path: Path, capsys: pytest.CaptureFixtu
 def test_an_unavailable_target_is_an_input_error(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setitem(cli.TARGETS, "vllm", "kvgate.no_such_module:Target")
+    monkeypatch.setitem(targets.TARGETS, "vllm", "kvgate.no_such_module:Target")
     path = write(tmp_path / "a.yaml", LIFE, "life")
     assert cli.main(["replay", str(path), "--target", "vllm"]) == 2
     err = capsys.readouterr().err
@@ -444,8 +443,8 @@ def test_target_model_does_not_import_vllm(tmp_path: Path) -> None:
         f"""\
         import sys
         sys.path.insert(0, {str(Path(__file__).parent)!r})
-        from kvgate import cli
-        cli.TARGETS["model"] = "fake_target:FakeTarget"
+        from kvgate import cli, targets
+        targets.TARGETS["model"] = "fake_target:FakeTarget"
         code = cli.main(["replay", {str(path)!r}, "--target", "model"])
         loaded = sorted(m for m in sys.modules if m.split(".")[0] in ("vllm", "torch"))
         print("exit", code, "loaded", loaded)

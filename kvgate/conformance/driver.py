@@ -16,7 +16,7 @@ from typing import Any, Generic, TypeVar
 
 from kvgate.conformance.config import Config
 from kvgate.conformance.events import KvEvent, normalized
-from kvgate.conformance.ops import Segment, Step
+from kvgate.conformance.ops import ACTIONS, LIVE, Phase, Segment, Step, next_phase
 from kvgate.conformance.snapshot import Snapshot
 from kvgate.conformance.target import Capabilities, StepRefused
 from kvgate.conformance.tokens import FreshTokens
@@ -32,7 +32,18 @@ class Pending(Generic[R]):
     hit_blocks: Any = None  # the pending lookup's blocks (target-specific)
     hit: int = 0
     has_hit: bool = False
-    ended: bool = False
+    # Where it is in its life (`ops.Phase`), moved on by `ops.next_phase`.
+    phase: Phase = "absent"
+
+
+def chunk_offer(config: Config, remaining: int, budget: int, num_live: int) -> int:
+    """The prefill tokens vLLM's `Scheduler.schedule` hands its align-mode
+    split: what is left, cut to `long_prefill_token_threshold` unless the
+    request is the only one the scheduler holds, then to the token budget."""
+    threshold = config.long_prefill_token_threshold if num_live > 1 else 0
+    if 0 < threshold < remaining:
+        remaining = threshold
+    return min(remaining, budget)
 
 
 class OpDriver(ABC, Generic[R]):
@@ -76,7 +87,13 @@ class OpDriver(ABC, Generic[R]):
         """Record "running" or "preempted" where the target keeps a status."""
 
     @abstractmethod
-    def lookup(self, request: R) -> tuple[Any, int]: ...
+    def set_junction(self, request: R, position: int) -> None:
+        """Store a lookup's shared-prefix junction on the request, where
+        vLLM's `Scheduler` keeps it (`request.shared_prefix_boundary`)."""
+
+    @abstractmethod
+    def lookup(self, request: R) -> tuple[Any, int, int]:
+        """`get_computed_blocks`: the hit's blocks, its length, the junction."""
 
     @abstractmethod
     def blocks_needed(self, request: R, hit_blocks: Any, hit: int, admission: bool) -> int: ...
@@ -175,6 +192,10 @@ class OpDriver(ABC, Generic[R]):
             }
         return values
 
+    def num_live(self) -> int:
+        """Requests the scheduler holds (waiting or running): arrived, not ended."""
+        return sum(pending.phase in LIVE for pending in self.requests.values())
+
     def close(self) -> None:
         self.requests.clear()
         self.popped.clear()
@@ -186,13 +207,16 @@ class OpDriver(ABC, Generic[R]):
         if handler is None:
             raise StepRefused("op", f"{step.op!r} is not a primitive op")
         result: dict[str, Any] = handler(step)
+        pending = self.requests.get(step.req) if step.req is not None else None
+        if pending is not None and ACTIONS[step.op].valid_in:
+            pending.phase = next_phase(step.op, pending.phase, step.how, result)
         result["free_blocks"] = self.num_free_blocks()
         return result
 
     def _pending(self, step: Step) -> Pending[R]:
         assert step.req is not None
         pending = self.requests.get(step.req)
-        if pending is None or pending.ended:
+        if pending is None or pending.phase not in ACTIONS[step.op].valid_in:
             raise StepRefused("req", f"no live request {step.req!r}")
         return pending
 
@@ -226,9 +250,12 @@ class OpDriver(ABC, Generic[R]):
 
     def _op_lookup(self, step: Step) -> dict[str, Any]:
         pending = self._pending(step)
-        pending.hit_blocks, pending.hit = self.lookup(pending.request)
+        pending.hit_blocks, pending.hit, junction = self.lookup(pending.request)
         pending.has_hit = True
-        return {"hit": pending.hit}
+        # The Scheduler stores it at every lookup, admitted or not; the split
+        # and the Mamba groups' retention mask read it until the next lookup.
+        self.set_junction(pending.request, junction)
+        return {"hit": pending.hit, "junction": junction}
 
     def _hit_for_allocation(self, pending: Pending[R]) -> tuple[Any, int]:
         """The pending lookup applies to the request's first allocation only."""
@@ -252,10 +279,12 @@ class OpDriver(ABC, Generic[R]):
         start = self.num_computed(request) + hit
         total = len(self.all_tokens(request))
         if step.tokens == "auto":
-            remaining = min(total - start, self.config.max_num_scheduled_tokens)
-            if remaining <= 0:
+            offered = chunk_offer(
+                self.config, total - start, self.config.max_num_scheduled_tokens, self.num_live()
+            )
+            if offered <= 0:
                 raise StepRefused("tokens", "auto: nothing is left to compute")
-            num_new = self.split(request, remaining, hit)
+            num_new = self.split(request, offered, hit)
         else:
             assert isinstance(step.tokens, int)
             num_new = step.tokens
@@ -266,11 +295,13 @@ class OpDriver(ABC, Generic[R]):
             self.set_num_computed(request, start + num_new)
             pending.has_hit, pending.hit_blocks, pending.hit = False, None, 0
             self.mark(request, "running")
-        return {
-            "ok": ok,
-            "tokens": num_new,
-            "prompt_done": self.num_computed(request) >= len(self.all_tokens(request)),
-        }
+        done = self.num_computed(request) >= len(self.all_tokens(request))
+        if ok and done and step.sample:
+            # The chunk that computes every token samples the step's output
+            # (as vLLM's Scheduler appends it after the step): the next decode
+            # finds it already appended.
+            self.append_output(request, self.fresh.take(step.sample))
+        return {"ok": ok, "tokens": num_new, "prompt_done": done}
 
     def _op_decode1(self, step: Step) -> dict[str, Any]:
         request = self._pending(step).request
@@ -278,7 +309,10 @@ class OpDriver(ABC, Generic[R]):
             # The token the last chunk sampled.
             self.append_output(request, self.fresh.take(1))
         self.set_drafts(request, self.fresh.take(step.spec))
-        ok = self.allocate_slots(request, 1 + step.spec, 0, None, step.spec)
+        # The scheduler reserves its full lookahead even when the budget cut
+        # the drafts short.
+        lookahead = max(step.spec, step.lookahead)
+        ok = self.allocate_slots(request, 1 + step.spec, 0, None, lookahead)
         self.set_drafts(request, [])
         if ok:
             self.set_num_computed(request, self.num_computed(request) + 1)
@@ -303,15 +337,12 @@ class OpDriver(ABC, Generic[R]):
             self.set_drafts(pending.request, [])
             pending.has_hit, pending.hit_blocks, pending.hit = False, None, 0
             self.mark(pending.request, "preempted")
-        else:
-            pending.ended = True
         return {}
 
     def _op_pop(self, step: Step) -> dict[str, Any]:
         pending = self._pending(step)
         assert step.req is not None
         self.popped[step.req] = self.pop_blocks_for_free(pending.request)
-        pending.ended = True
         return {}
 
     def _op_release(self, step: Step) -> dict[str, Any]:

@@ -4,8 +4,8 @@
 the op semantics of trace format version 1 define them. The op flow itself
 (pending lookups, token bookkeeping, refusals, `prompt_done`) is the shared
 `OpDriver`'s, exactly as for the model; this module supplies the vLLM calls
-behind its hooks and shows the manager's state as a `Snapshot` keyed like the
-model's (prefix keys instead of vLLM's digests).
+behind its hooks; `vllm_view.ManagerView` shows the manager's state as a
+`Snapshot` keyed like the model's (prefix keys instead of vLLM's digests).
 
 vLLM is imported lazily, by the first `VllmTarget` or `probe()`, never when
 this module is imported. An exception vLLM raises inside an op propagates
@@ -21,10 +21,7 @@ import os
 import re
 import sys
 import traceback
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
-from itertools import compress
-from operator import ne
+from collections.abc import Sequence
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
@@ -32,34 +29,14 @@ from kvgate.conformance.config import Config, GroupConfig, UnsupportedConfig
 from kvgate.conformance.driver import OpDriver
 from kvgate.conformance.events import KvEvent
 from kvgate.conformance.ops import STATS_KEYS
-from kvgate.conformance.snapshot import BlockView, Snapshot
+from kvgate.conformance.snapshot import Snapshot
 from kvgate.conformance.target import Capabilities
-from kvgate.conformance.tokens import extend_prefix_keys, key_position
+from kvgate.conformance.tokens import key_position
 from kvgate.impl import _vllm_api
 from kvgate.impl._vllm_api import HOLD_ATTR, RETAIN_SWITCH, VllmApi
+from kvgate.impl.vllm_view import ManagerView
 
 __all__ = ["VllmTarget", "probe"]
-
-
-@dataclass(eq=False)
-class _Keys:
-    """A request's prefix keys, and how far its vLLM hashes are indexed."""
-
-    request: Any  # vllm.v1.request.Request
-    # keys[i] names the prefix tokens[: (i + 1) * hash_unit].
-    keys: list[str] = field(default_factory=list)
-    # request.block_hashes[:mapped] are entered in the hash index.
-    mapped: int = 0
-
-
-@dataclass(frozen=True)
-class _Views:
-    """The pool as the last snapshot saw it, indexed by block id."""
-
-    refs: list[int]
-    primary: list[Any]  # BlockHashWithGroupId | None
-    secondary: dict[int, frozenset[Any]]
-    views: list[BlockView]
 
 
 class VllmTarget(OpDriver[Any]):
@@ -76,7 +53,7 @@ class VllmTarget(OpDriver[Any]):
         self.plugin = plugin
         # The switch must be in the environment before vLLM reads it: set it
         # before the (first) import, and drop vLLM's env cache after it.
-        _vllm_api.set_retain_switch(config.retain_checkpoint, config.retain_retired)
+        _vllm_api.set_retain_switch(config.hold, config.hold_retired)
         api = _vllm_api.load()
         _vllm_api.clear_env_cache()
         plugin_module = _vllm_api.register_plugin(plugin) if plugin else None
@@ -87,19 +64,10 @@ class VllmTarget(OpDriver[Any]):
         self._manager: Any = manager
         self._coordinator: Any = manager.coordinator
         self._pool: Any = manager.block_pool
-        self._managers: tuple[Any, ...] = tuple(self._coordinator.single_type_managers)
-        self._group_ids: tuple[int, ...] = tuple(int(m.kv_cache_group_id) for m in self._managers)
+        self._view = ManagerView(api, manager, config.hash_unit)
+        self._managers: tuple[Any, ...] = self._view.managers
+        self._group_ids: tuple[int, ...] = self._view.group_ids
         self._hasher: Any = api.get_request_block_hasher(config.hash_unit, api.sha256)
-        # Per request id: its prefix keys; the ids whose tokens grew since the
-        # hash index last saw them.
-        self._keys: dict[str, _Keys] = {}
-        self._dirty: set[str] = set()
-        # vLLM BlockHash (bytes) -> prefix key; BlockHashWithGroupId -> name.
-        self._key_of: dict[bytes, str] = {}
-        self._names: dict[bytes, str] = {}
-        # The same index by the 64-bit ints KV-cache events carry.
-        self._key_of_int: dict[int, str] = {}
-        self._last_views: _Views | None = None
 
         partial = bool(getattr(self._coordinator, "enable_partial_hash_hits", False))
         # `self` for Scheduler._mamba_block_aligned_split: the attributes it reads.
@@ -111,12 +79,18 @@ class VllmTarget(OpDriver[Any]):
             use_eagle_block_drop=config.eagle,
             num_hash_lookahead_tokens=0,
             max_num_scheduled_tokens=config.max_num_scheduled_tokens,
-            scheduler_config=SimpleNamespace(long_prefill_token_threshold=0),
-            mamba_has_prefill_checkpoint_blocks=False,
-            mamba_prefill_checkpoint_alignment=None,
-            mamba_shared_prefix_checkpoint=False,
+            scheduler_config=SimpleNamespace(
+                long_prefill_token_threshold=config.long_prefill_token_threshold
+            ),
+            mamba_has_prefill_checkpoint_blocks=config.prefill_checkpoints,
+            mamba_prefill_checkpoint_alignment=config.prefill_checkpoint_alignment,
+            mamba_shared_prefix_checkpoint=(
+                partial
+                and config.hash_unit < config.scheduler_block_size
+                and bool(getattr(manager, "mamba_shared_prefix_checkpoint", False))
+            ),
         )
-        hold = _holds_partial_tails(api, self._managers, config.retain_checkpoint)
+        hold = _holds_partial_tails(api, self._managers, config.hold)
         self.capabilities = Capabilities(
             implementation=f"vllm {api.version}",
             partial_hits=partial,
@@ -143,11 +117,7 @@ class VllmTarget(OpDriver[Any]):
         super().close()
         self._manager = self._coordinator = self._pool = None
         self._managers = ()
-        self._keys.clear()
-        self._dirty.clear()
-        self._key_of.clear()
-        self._names.clear()
-        self._last_views = None
+        self._view.close()
 
     # -------------------------------------------------------------- requests
 
@@ -159,8 +129,7 @@ class VllmTarget(OpDriver[Any]):
             pooling_params=None,
             block_hasher=self._hasher,
         )
-        self._keys[name] = _Keys(request)
-        self._dirty.add(name)
+        self._view.track(name, request)
         return request
 
     def prompt_tokens(self, request: Any) -> list[int]:
@@ -183,7 +152,7 @@ class VllmTarget(OpDriver[Any]):
 
     def append_output(self, request: Any, tokens: list[int]) -> None:
         request.append_output_token_ids(tokens)
-        self._dirty.add(request.request_id)
+        self._view.touched(request.request_id)
 
     def set_drafts(self, request: Any, tokens: list[int]) -> None:
         request.spec_token_ids = tokens
@@ -196,9 +165,12 @@ class VllmTarget(OpDriver[Any]):
 
     # --------------------------------------------------------- manager calls
 
-    def lookup(self, request: Any) -> tuple[Any, int]:
-        blocks, hit, _ = self._manager.get_computed_blocks(request)
-        return blocks, int(hit)
+    def set_junction(self, request: Any, position: int) -> None:
+        request.shared_prefix_boundary = position
+
+    def lookup(self, request: Any) -> tuple[Any, int, int]:
+        blocks, hit, junction = self._manager.get_computed_blocks(request)
+        return blocks, int(hit), int(junction)
 
     def blocks_needed(self, request: Any, hit_blocks: Any, hit: int, admission: bool) -> int:
         if hit_blocks is None:
@@ -257,6 +229,8 @@ class VllmTarget(OpDriver[Any]):
     def evict(self, n: int) -> None:
         self._pool.free_blocks(self._pool.get_new_blocks(n))
 
+    # ----------------------------------------------------------- observation
+
     def record_prefix_cache_stats(self, request: Any, hit: int) -> None:
         self._manager.record_prefix_cache_stats(request, hit)
 
@@ -268,30 +242,26 @@ class VllmTarget(OpDriver[Any]):
         return bool(self._manager.reset_prefix_cache())
 
     def take_events(self) -> list[KvEvent]:
-        self._sync_index()
-        api = self._api
+        api, view = self._api, self._view
         events: list[KvEvent] = []
         for event in self._manager.take_events():
             if isinstance(event, api.AllBlocksCleared):
                 events.append(KvEvent("cleared"))
             elif isinstance(event, api.BlockRemoved):
                 events.extend(
-                    KvEvent("removed", int(event.group_idx), (self._prefix_key(h),))
+                    KvEvent("removed", int(event.group_idx), (view.prefix_key(h),))
                     for h in event.block_hashes
                 )
             elif isinstance(event, api.BlockStored):
-                parent = (
-                    None
-                    if event.parent_block_hash is None
-                    else self._prefix_key(event.parent_block_hash)
-                )
-                start = 0 if parent is None else key_position(parent)
+                parent = event.parent_block_hash
+                parent_key = None if parent is None else view.prefix_key(parent)
+                start = 0 if parent_key is None else key_position(parent_key)
                 events.append(
                     KvEvent(
                         "stored",
                         int(event.group_idx),
-                        tuple(self._prefix_key(h) for h in event.block_hashes),
-                        parent,
+                        tuple(view.prefix_key(h) for h in event.block_hashes),
+                        parent_key,
                         start,
                         start + len(event.token_ids),
                         int(event.block_size),
@@ -301,30 +271,13 @@ class VllmTarget(OpDriver[Any]):
                 raise RuntimeError(f"unknown KV-cache event {type(event).__name__}")
         return events
 
-    def _prefix_key(self, block_hash: Any) -> str:
-        """The prefix key of an event's hash: vLLM's bytes, or (with
-        VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES, its default) their low 64 bits."""
-        if isinstance(block_hash, int):
-            if len(self._key_of_int) != len(self._key_of):
-                self._key_of_int = {
-                    int.from_bytes(h, "big") & _LOW_64: k for h, k in self._key_of.items()
-                }
-            key = self._key_of_int.get(block_hash)
-        else:
-            key = self._key_of.get(bytes(block_hash))
-        if key is None:
-            raise RuntimeError(f"event hash {block_hash!r} names no prefix of this trace")
-        return key
-
-    # ----------------------------------------------------------- observation
-
     def pool_clean(self) -> bool:
         pool = self._pool
         if pool.get_num_free_blocks() != len(pool.blocks) - 1:
             return False
         if any(b.ref_cnt for b in pool.blocks if not b.is_null):
             return False
-        if self._holds() or self._pending_copies():
+        if self._view.holds() or self._view.pending_copies():
             return False
         if any(not b.is_null for blocks in self.popped.values() for b in blocks):
             return False
@@ -338,7 +291,7 @@ class VllmTarget(OpDriver[Any]):
     def hold_positions(self) -> dict[str, dict[int, int]]:
         return {
             req: {gid: pos for gid, (pos, _) in groups.items()}
-            for req, groups in self._holds().items()
+            for req, groups in self._view.holds().items()
         }
 
     def state_ref(self, request: Any, group: int, position: int) -> int | None:
@@ -352,166 +305,13 @@ class VllmTarget(OpDriver[Any]):
         return None if block is None else int(block.ref_cnt)
 
     def attention_cached(self, request: Any) -> int:
-        # Whole full-attention blocks cached from the prompt's start, in every
-        # full-attention group at once (the coordinator's phase-1 scan).
-        attention = [
-            (gid, m)
-            for gid, m in zip(self._group_ids, self._managers, strict=True)
-            if isinstance(m.kv_cache_spec, self._api.FullAttentionSpec)
-        ]
-        if not attention:
-            return 0
-        groups = [gid for gid, _ in attention]
-        block_size = int(attention[0][1].block_size)
-        per_block = block_size // self.config.hash_unit
-        hashes = request.block_hashes
-        usable = min(request.num_prompt_tokens // block_size, len(hashes) // per_block)
-        cached = 0
-        while cached < usable:
-            if self._pool.get_cached_block(hashes[(cached + 1) * per_block - 1], groups) is None:
-                break
-            cached += 1
-        return cached * block_size
+        return self._view.attention_cached(request)
 
     def snapshot(self) -> Snapshot:
-        self._sync_index()
-        return Snapshot(
-            free_queue=tuple(self._free_queue_ids()),
-            blocks=self._block_views(),
-            tables=self._tables(),
-            holds=self._holds(),
-            pending_copies=self._pending_copies(),
-            popped={req: _ids(blocks) for req, blocks in self.popped.items()},
-        )
-
-    # ------------------------------------------------------------ hash index
-
-    def _sync_index(self) -> None:
-        """Enter every new request-level hash into the hash -> key index."""
-        unit = self.config.hash_unit
-        key_of = self._key_of
-        for rid in self._dirty:
-            entry = self._keys[rid]
-            hashes = entry.request.block_hashes
-            n = len(hashes)
-            if entry.mapped >= n:
-                continue
-            keys = entry.keys
-            if len(keys) < n:
-                extend_prefix_keys(keys, entry.request.all_token_ids, unit)
-            if len(keys) < n:
-                raise RuntimeError(f"{rid}: {n} block hashes but {len(keys)} prefix keys")
-            for i in range(entry.mapped, n):
-                known = key_of.setdefault(bytes(hashes[i]), keys[i])
-                if known != keys[i]:
-                    raise RuntimeError(f"{rid}: vLLM hash #{i} names both {known} and {keys[i]}")
-            entry.mapped = n
-        self._dirty.clear()
-
-    def _name(self, hash_with_group: Any) -> str:
-        """`g<group>/<prefix key>` for a vLLM BlockHashWithGroupId."""
-        name = self._names.get(hash_with_group)
-        if name is None:
-            api = self._api
-            key = self._key_of.get(bytes(api.get_block_hash(hash_with_group)))
-            if key is None:
-                raise RuntimeError(
-                    f"block hash {bytes(hash_with_group).hex()[:16]}... is no prefix of "
-                    "any request in this trace"
-                )
-            name = f"g{int(api.get_group_id(hash_with_group))}/{key}"
-            self._names[hash_with_group] = name
-        return name
-
-    # -------------------------------------------------------------- snapshot
-
-    def _free_queue_ids(self) -> list[int]:
-        queue = self._pool.free_block_queue
-        tail = queue.fake_free_list_tail
-        ids: list[int] = []
-        block = queue.fake_free_list_head.next_free_block
-        while block is not None and block is not tail:
-            ids.append(block.block_id)
-            block = block.next_free_block
-        return ids
-
-    def _block_views(self) -> tuple[BlockView, ...]:
-        """Every block's ref count and hash names.
-
-        Only blocks whose ref count or hashes changed since the last snapshot
-        get a new view; finding them is a few C-level passes over the pool.
-        """
-        blocks = self._pool.blocks
-        refs = [b.ref_cnt for b in blocks]
-        primary = [b.block_hash for b in blocks]
-        secondary = {
-            bid: frozenset(hashes)
-            for bid, hashes in self._pool.cached_block_hashes_by_block.items()
-            if hashes
-        }
-        last = self._last_views
-        if last is None:
-            changed: Iterable[int] = range(len(blocks))
-            views: list[BlockView] = [BlockView(0)] * len(blocks)
-        else:
-            views = list(last.views)
-            dirty: set[int] = set()
-            if refs != last.refs:
-                dirty.update(compress(range(len(refs)), map(ne, refs, last.refs)))
-            if primary != last.primary:
-                dirty.update(compress(range(len(primary)), map(ne, primary, last.primary)))
-            if secondary != last.secondary:
-                dirty.update(
-                    bid
-                    for bid in secondary.keys() | last.secondary.keys()
-                    if secondary.get(bid) != last.secondary.get(bid)
-                )
-            changed = dirty
-        for bid in changed:
-            names: tuple[str, ...] = () if primary[bid] is None else (self._name(primary[bid]),)
-            extra = secondary.get(bid)
-            if extra:
-                names += tuple(sorted(self._name(h) for h in extra))
-            views[bid] = BlockView(int(refs[bid]), names)
-        self._last_views = _Views(refs, primary, secondary, views)
-        return tuple(views)
-
-    def _tables(self) -> dict[str, tuple[tuple[int, ...], ...]]:
-        managers = self._managers
-        rids = dict.fromkeys(rid for m in managers for rid in m.req_to_blocks)
-        tables: dict[str, tuple[tuple[int, ...], ...]] = {}
-        for rid in rids:
-            per_group = tuple(_ids(m.req_to_blocks.get(rid, ())) for m in managers)
-            if any(per_group):
-                tables[str(rid)] = per_group
-        return tables
-
-    def _holds(self) -> dict[str, dict[int, tuple[int, int]]]:
-        holds: dict[str, dict[int, tuple[int, int]]] = {}
-        for gid, m in zip(self._group_ids, self._managers, strict=True):
-            held = getattr(m, HOLD_ATTR, None)
-            if not held:
-                continue
-            for rid, (position, block) in held.items():
-                holds.setdefault(str(rid), {})[gid] = (int(position), int(block.block_id))
-        return holds
-
-    def _pending_copies(self) -> tuple[tuple[int, int, int], ...]:
-        return tuple(
-            (gid, int(src.block_id), int(dst.block_id))
-            for gid, m in zip(self._group_ids, self._managers, strict=True)
-            for src, dst in getattr(m, "_pending_cow_copies", ())
-        )
+        return self._view.snapshot(self.popped)
 
 
 # ---------------------------------------------------------------- helpers
-
-
-_LOW_64 = (1 << 64) - 1
-
-
-def _ids(blocks: Sequence[Any]) -> tuple[int, ...]:
-    return tuple(b.block_id for b in blocks)
 
 
 def _group_spec(api: VllmApi, index: int, group: GroupConfig) -> Any:
@@ -521,14 +321,36 @@ def _group_spec(api: VllmApi, index: int, group: GroupConfig) -> Any:
             block_size=group.block_size, num_kv_heads=1, head_size=1, dtype=float32
         )
     if group.kind == "mamba_align":
+        # The checkpoint fields only when set: a build without them still
+        # runs every trace that leaves them off (and refuses the others).
+        checkpoints: dict[str, Any] = {}
+        if group.prefill_checkpoint_blocks:
+            checkpoints["num_prefill_checkpoint_blocks"] = group.prefill_checkpoint_blocks
+        if group.prefill_checkpoint_alignment is not None:
+            checkpoints["prefill_checkpoint_alignment"] = group.prefill_checkpoint_alignment
         return api.MambaSpec(
             block_size=group.block_size,
             shapes=((1, 1),),
             dtypes=(float32,),
             mamba_cache_mode="align",
             num_speculative_blocks=group.speculative_blocks,
+            **checkpoints,
         )
     raise UnsupportedConfig(f"groups[{index}].kind", f"unknown group kind {group.kind!r}")
+
+
+def kv_cache_config(api: VllmApi, config: Config) -> Any:
+    """vLLM's `KVCacheConfig` for `config`: its pool, groups and retention."""
+    groups = [
+        api.KVCacheGroupSpec([f"layer{i}"], _group_spec(api, i, g))
+        for i, g in enumerate(config.groups)
+    ]
+    return api.KVCacheConfig(
+        num_blocks=config.num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=groups,
+        prefix_cache_retention_interval=config.retention_interval,
+    )
 
 
 def _build_manager(api: VllmApi, config: Config) -> Any:
@@ -536,19 +358,9 @@ def _build_manager(api: VllmApi, config: Config) -> Any:
 
     Anything vLLM raises while building it becomes `UnsupportedConfig`.
     """
-    groups = [
-        api.KVCacheGroupSpec([f"layer{i}"], _group_spec(api, i, g))
-        for i, g in enumerate(config.groups)
-    ]
     try:
-        kv_cache_config = api.KVCacheConfig(
-            num_blocks=config.num_blocks,
-            kv_cache_tensors=[],
-            kv_cache_groups=groups,
-            prefix_cache_retention_interval=config.retention_interval,
-        )
         return api.KVCacheManager(
-            kv_cache_config,
+            kv_cache_config(api, config),
             max_model_len=config.max_model_len,
             scheduler_block_size=config.scheduler_block_size,
             hash_block_size=config.hash_unit,
@@ -556,7 +368,14 @@ def _build_manager(api: VllmApi, config: Config) -> Any:
             use_eagle=config.eagle,
             log_stats=True,
             enable_kv_cache_events=config.kv_events,
+            **(
+                {"enable_mamba_shared_prefix_checkpoint": True}
+                if config.shared_prefix_checkpoint
+                else {}
+            ),
         )
+    except UnsupportedConfig:
+        raise
     except Exception as exc:  # vLLM rejects with ValueError or a bare assert
         message = _describe(exc)
         raise UnsupportedConfig(_config_field(message), f"vLLM rejects it: {message}") from exc
@@ -577,6 +396,7 @@ def _describe(exc: BaseException) -> str:
 
 _FIELD_PATTERNS: tuple[tuple[str, str], ...] = (
     (r"retention", "retention_interval"),
+    (r"shared_prefix", "shared_prefix_checkpoint"),
     (r"scheduler_block_size", "scheduler_block_size"),
     (r"hash_block_size|hash", "hash_unit"),
     (r"num_gpu_blocks|num_blocks", "num_blocks"),
@@ -656,7 +476,7 @@ _PROBE_CONFIG = Config(
     ),
     eagle=False,
     retention_interval=None,
-    retain_checkpoint=True,
+    hold=True,
     scheduler_block_size=32,
 )
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvgate.conformance.config import Config
+from kvgate.conformance.config import Config, GroupConfig
 from kvgate.model.groups import FullAttentionManager, cdiv
 from kvgate.model.hold import Holds
 from kvgate.model.mamba import MambaManager
@@ -47,7 +47,7 @@ class Coordinator:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.pool = BlockPool(config.num_blocks, config.hash_unit, events=config.kv_events)
-        self.holds = Holds(self.pool, config.retain_checkpoint, config.retain_retired)
+        self.holds = Holds(self.pool, config.hold, config.hold_retired)
         self.scheduler_block = config.scheduler_block_size
         self.managers: list[GroupManagerT] = []
         for group_id, group in enumerate(config.groups):
@@ -55,18 +55,25 @@ class Coordinator:
                 self.managers.append(FullAttentionManager(self.pool, group_id, group.block_size))
             else:
                 mamba = MambaManager(
-                    self.pool, group_id, group.block_size, group.speculative_blocks, self.holds
+                    self.pool,
+                    group_id,
+                    group.block_size,
+                    group.speculative_blocks,
+                    self.holds,
+                    group.prefill_checkpoint_blocks,
+                    group.prefill_checkpoint_alignment,
                 )
                 mamba.drop_eagle_checkpoint = config.eagle
+                mamba.shared_prefix_checkpoint = config.shared_prefix_checkpoint_on
                 self.managers.append(mamba)
         self.partial_hits = config.partial_hits
         self.alignment = config.hash_unit if self.partial_hits else self.scheduler_block
         lookup_groups: list[_LookupGroup] = []
-        specs: dict[tuple[str, int, int], _LookupGroup] = {}
+        specs: dict[GroupConfig, _LookupGroup] = {}
         for group_id, group in enumerate(config.groups):
             self.managers[group_id].alignment = self.alignment
             self.managers[group_id].use_eagle = config.eagle
-            spec = (group.kind, group.block_size, group.speculative_blocks)
+            spec = group  # equal specs (every field) share one lookup
             if spec in specs:
                 specs[spec].group_ids.append(group_id)
             else:
@@ -81,11 +88,19 @@ class Coordinator:
 
     # -- lookup -------------------------------------------------------------
 
-    def find_hit(self, keys: Sequence[str], max_length: int) -> tuple[HitBlocks, int]:
+    def find_hit(self, keys: Sequence[str], max_length: int) -> tuple[HitBlocks, int, int]:
         """The longest prefix every group has: shrink the candidate length
-        until no group lowers it (one pass for attention plus one Mamba spec)."""
+        until no group lowers it (one pass for attention plus one Mamba spec).
+
+        Also the shared-prefix junction: the longest length any lookup group
+        reached on its turn (attention's, in practice: it goes first and the
+        others only shrink the candidate), when it exceeds the agreed hit;
+        else 0. A prefix attention has cached and Mamba has no state for is
+        where a sibling could resume if that state were kept.
+        """
         unit = self.config.hash_unit
         hit_length = max_length
+        longest = 0
         blocks_by_group: list[list[Block] | None] = [None] * len(self.managers)
         length_by_group = [0] * len(self.managers)
         simple = len(self.lookup_groups) == 2 and self.lookup_groups[0].is_attention
@@ -119,6 +134,7 @@ class Coordinator:
                 for group_id, found_blocks in zip(group.group_ids, per_group, strict=True):
                     blocks_by_group[group_id] = found_blocks
                     length_by_group[group_id] = new_length
+                longest = max(longest, current)
             if current >= hit_length:
                 break
             hit_length = current
@@ -131,7 +147,8 @@ class Coordinator:
                     trimmed = blocks_by_group[group_id]
                     if trimmed is not None:
                         del trimmed[cdiv(hit_length, size) :]
-        return tuple(b if b is not None else [] for b in blocks_by_group), hit_length
+        junction = longest if longest > hit_length else 0
+        return tuple(b if b is not None else [] for b in blocks_by_group), hit_length, junction
 
     # -- allocation ---------------------------------------------------------
 
@@ -143,11 +160,25 @@ class Coordinator:
         num_local_computed: int,
         num_tokens_main: int,
         admission: bool,
+        prefill_end: int = 0,
     ) -> int:
+        """Blocks the groups need; `prefill_end` is where the request's
+        prefill ends, which only sparse retention (0) reads: a prefill
+        checkpoint is then taken only on the chunk reaching it."""
         total = 0
+        if self.config.retention_interval != 0:
+            prefill_end = 0
         for manager, hit in zip(self.managers, hit_blocks, strict=True):
             if isinstance(manager, MambaManager):
-                total += manager.blocks_needed(request_id, num_tokens_main, hit, num_local_computed)
+                total += manager.blocks_needed(
+                    request_id,
+                    num_tokens_main,
+                    hit,
+                    num_local_computed,
+                    query_start=num_local_computed,
+                    prefill_end=prefill_end,
+                    record=not admission,
+                )
                 if admission:
                     total += self.holds.admission_extra(
                         manager.group_id,

@@ -65,7 +65,7 @@ class GroupManager:
         assert table[index] is source and not source.is_null and source.ref > 0
         table[index] = copy
         self.pending_copies.append((source, copy))
-        self.pool.retain(copy)
+        self.pool.add_ref(copy)
 
     def retention_mask(
         self, start: int, end: int, retention: int | None, boundaries: Sequence[int]
@@ -87,6 +87,13 @@ class GroupManager:
         num_full = min(num_tokens, num_hashed) // self.block_size
         if num_cached >= num_full:
             return
+        # Sparse retention also keeps the state at the request's junction
+        # and, with eagle, one block below it (a sibling diverging right after
+        # the junction has no block past it to drop, so it resumes there).
+        junction = request.shared_prefix_boundary
+        if junction:
+            extra = (junction, junction - self.block_size) if self.use_eagle else (junction,)
+            boundaries = (*boundaries, *extra)
         mask = self.retention_mask(num_cached, num_full, retention, boundaries)
         self.pool.cache_full_blocks(
             request.keys,

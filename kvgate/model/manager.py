@@ -64,14 +64,15 @@ class KVCacheManager:
         self.prefix_cache_stats.reset = True
         return True
 
-    def get_computed_blocks(self, request: Request) -> tuple[HitBlocks | None, int]:
-        """The agreed prefix hit; None for blocks when no group has any.
+    def get_computed_blocks(self, request: Request) -> tuple[HitBlocks | None, int, int]:
+        """The agreed prefix hit (None for blocks when no group has any), and
+        the shared-prefix junction (0: the groups agree).
 
         At most `num_tokens - 1` tokens hit: the last one is recomputed for
-        its logits.
+        its logits. The caller stores the junction on the request.
         """
-        blocks, hit = self.coordinator.find_hit(request.keys, request.num_tokens - 1)
-        return (blocks if any(blocks) else None), hit
+        blocks, hit, junction = self.coordinator.find_hit(request.keys, request.num_tokens - 1)
+        return (blocks if any(blocks) else None), hit, junction
 
     def get_num_blocks_to_allocate(
         self, request: Request, hit_blocks: HitBlocks | None, hit: int, admission: bool
@@ -87,6 +88,7 @@ class KVCacheManager:
             computed,
             num_tokens,
             admission,
+            prefill_end=self._prefill_end(request),
         )
 
     def allocate_slots(
@@ -112,7 +114,13 @@ class KVCacheManager:
         coordinator.remove_skipped(rid, total_computed)
         hit_blocks = new_computed_blocks or self._no_hit()
         needed = coordinator.blocks_needed(
-            rid, num_need_slot, hit_blocks, num_local, num_tokens_main, admission=False
+            rid,
+            num_need_slot,
+            hit_blocks,
+            num_local,
+            num_tokens_main,
+            admission=False,
+            prefill_end=self._prefill_end(request),
         )
         if needed > self.block_pool.num_free():
             return False
@@ -139,6 +147,11 @@ class KVCacheManager:
 
     def new_step_starts(self) -> None:
         self.coordinator.new_step()
+
+    @staticmethod
+    def _prefill_end(request: Request) -> int:
+        # The scheduler's: a resumed request replays its output as prefill.
+        return max(request.num_prompt_tokens, request.num_tokens - 1)
 
     def _no_hit(self) -> HitBlocks:
         return tuple([] for _ in self.coordinator.managers)

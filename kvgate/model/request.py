@@ -17,7 +17,11 @@ class Request:
         extend_prefix_keys(self.keys, self.all_token_ids, hash_unit)
         self.num_computed_tokens = 0
         self.spec_token_ids: list[int] = []
-        self.num_preemptions = 0
+        # The junction of the request's last lookup (0: none), as the
+        # scheduler stores it; the split, sparse retention and a prefill
+        # checkpoint's keying read it.
+        self.shared_prefix_boundary = 0
+        self.num_preemptions = 0  # the hit stats count a re-admission apart
 
     @property
     def num_tokens(self) -> int:

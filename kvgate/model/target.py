@@ -7,7 +7,7 @@ from typing import Any
 from kvgate.conformance.config import Config
 from kvgate.conformance.driver import OpDriver
 from kvgate.conformance.events import KvEvent
-from kvgate.conformance.snapshot import BlockView, Snapshot
+from kvgate.conformance.snapshot import BlockView, Snapshot, kept_aside
 from kvgate.conformance.target import Capabilities
 from kvgate.model.coordinator import HitBlocks
 from kvgate.model.manager import KVCacheManager
@@ -29,13 +29,13 @@ class ModelTarget(OpDriver[Request]):
         self.attention_group = next(
             i for i, g in enumerate(config.groups) if g.kind == "full_attention"
         )
-        hold = config.retain_checkpoint
+        hold = config.hold
         self.capabilities = Capabilities(
             implementation="kvgate model",
             partial_hits=config.partial_hits,
             hold=hold,
             hold_source="kvgate model" if hold else "",
-            retire=config.retain_retired,
+            retire=config.hold_retired,
         )
 
     # -- requests -------------------------------------------------------------
@@ -71,7 +71,10 @@ class ModelTarget(OpDriver[Request]):
 
     # -- manager calls ----------------------------------------------------------
 
-    def lookup(self, request: Request) -> tuple[Any, int]:
+    def set_junction(self, request: Request, position: int) -> None:
+        request.shared_prefix_boundary = position
+
+    def lookup(self, request: Request) -> tuple[Any, int, int]:
         return self.manager.get_computed_blocks(request)
 
     def blocks_needed(self, request: Request, hit_blocks: Any, hit: int, admission: bool) -> int:
@@ -177,5 +180,5 @@ class ModelTarget(OpDriver[Request]):
             pending_copies=tuple(
                 (m.group_id, s.block_id, d.block_id) for m in managers for s, d in m.pending_copies
             ),
-            popped={r: tuple(b.block_id for b in bs) for r, bs in self.popped.items()},
+            popped={r: kept_aside(b.block_id for b in bs) for r, bs in self.popped.items()},
         )

@@ -199,7 +199,7 @@ def _replay_with_invariants(trace: Trace, level: Level) -> TraceOutcome:
     A violation is recorded, not raised: the replay's own verdict stays what
     `kvgate gate` would say, and an invariant-only catch stays visible.
     """
-    from kvgate.cli import LOCKSTEP_MODEL, target_factory
+    from kvgate.targets import LOCKSTEP_MODEL, target_factory
 
     violated: list[tuple[str, str]] = []
 
@@ -430,6 +430,16 @@ def judge(
         and baseline.exploration_usable
     ):
         catch = Catch("exploration", "exploration", run.exploration.failure)
+    if catch is None and fault.equivalent_under:
+        # Its only effect is state the strict view leaves out as unobservable.
+        return FaultResult(
+            fault,
+            "not applicable",
+            None,
+            seconds,
+            run.edit,
+            note=f"equivalent under the strict view's exclusion {fault.equivalent_under}",
+        )
     return FaultResult(
         fault,
         "caught" if catch is not None else "missed",

@@ -332,6 +332,11 @@ def write_fault_list(out: TextIO, faults: Sequence[Fault]) -> None:
     for fault in faults:
         _line(out, f"{fault.name} [{fault.area}] {fault.module}:{fault.qualname}")
         _line(out, f"  edit:    {fault.anchor}  ->  {fault.replacement}")
+        for port in fault.ports:
+            _line(out, f"  port:    {port.module}:{port.qualname} ({port.where})")
+            _line(out, f"           {port.anchor}  ->  {port.replacement}")
+        if fault.equivalent_under:
+            _line(out, f"  equivalent under the strict view's {fault.equivalent_under}")
         _line(out, f"  what:    {fault.what}")
         _line(out, f"  why:     {fault.why}")
         _line(out, f"  symptom: {fault.symptom}")

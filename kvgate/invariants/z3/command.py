@@ -1,7 +1,7 @@
 """`kvgate prove`: the manager's invariants, proved by induction with Z3.
 
     kvgate prove [--blocks N] [--requests R] [--groups G] [--mutation NAME]
-                 [--jobs J] [--out DIR] [--depth K]
+                 [--jobs J] [--out DIR] [--depth K] [--unbounded] [--cores]
 
 Prints one row per property (invariants, then the lemmas they need) and per
 `init` or op: proved, or the path of a counterexample trace (bounded model
@@ -10,6 +10,12 @@ seconds the check took. `--mutation` checks a deliberately broken
 transition relation instead (see `transitions.ENCODINGS`); its target
 invariant's counterexample is written even when the induction failure is
 in a lemma.
+
+`--unbounded` proves the same invariants for every pool size and number of
+requests (`unbounded_proof.py`: quantified formulas over uninterpreted
+sorts; `--blocks` and `--requests` then only say where bounded model
+checking looks for a counterexample trace). `--cores` prints each proved
+cell's unsat core: the lemmas and transition clauses its proof used.
 
 Exit codes: 0 every cell proved, 1 some cell failed, 2 bad input (one line).
 """
@@ -28,8 +34,11 @@ from typing import Any, TextIO
 from kvgate.errors import InputError
 from kvgate.invariants.z3.checker import Result, prove
 from kvgate.invariants.z3.counterexample import Found, find
-from kvgate.invariants.z3.transitions import ENCODINGS, MUTATIONS
+from kvgate.invariants.z3.properties import PROPERTY_BY_NAME
+from kvgate.invariants.z3.transitions import MUTATIONS
+from kvgate.invariants.z3.unbounded_proof import UResult, prove_unbounded
 from kvgate.invariants.z3.vocabulary import BadBounds, Bounds
+from kvgate.model.mutations import MUTATIONS as MODEL_MUTATIONS
 
 DEFAULT_OUT = Path("out/prove")  # beside out/workload; git ignores out/
 DEFAULT_DEPTH = 10
@@ -38,7 +47,8 @@ DEFAULT_DEPTH = 10
 def register(subparsers: Any) -> None:
     defaults = Bounds()
     parser = subparsers.add_parser(
-        "prove", help="prove the manager's invariants with Z3 (bounded configurations)"
+        "prove",
+        help="prove the manager's invariants with Z3 (bounded, or --unbounded for every size)",
     )
     parser.add_argument(
         "--blocks", type=int, default=defaults.blocks, help="pool size, null included"
@@ -53,6 +63,14 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--depth", type=int, default=DEFAULT_DEPTH, help="counterexample search depth"
     )
+    parser.add_argument(
+        "--unbounded",
+        action="store_true",
+        help="prove for every pool size and request count (quantified encoding)",
+    )
+    parser.add_argument(
+        "--cores", action="store_true", help="print what each proof used (its unsat core)"
+    )
     parser.set_defaults(handler=handle)
 
 
@@ -63,10 +81,23 @@ def handle(args: argparse.Namespace) -> int:
         raise InputError(str(error)) from None
     if args.jobs < 1 or args.depth < 1:
         raise InputError("--jobs and --depth must be at least 1")
-    return run(bounds, args.mutation or "clean", args.jobs, args.out, args.depth, sys.stdout)
+    mutation = args.mutation or "clean"
+    if args.unbounded:
+        return run_unbounded(
+            bounds, mutation, args.jobs, args.out, args.depth, sys.stdout, args.cores
+        )
+    return run(bounds, mutation, args.jobs, args.out, args.depth, sys.stdout, args.cores)
 
 
-def run(bounds: Bounds, mutation: str, jobs: int, out: Path, depth: int, stream: TextIO) -> int:
+def run(
+    bounds: Bounds,
+    mutation: str,
+    jobs: int,
+    out: Path,
+    depth: int,
+    stream: TextIO,
+    cores: bool = False,
+) -> int:
     started = time.perf_counter()
     title = f"kvgate prove: {bounds}" + ("" if mutation == "clean" else f", mutation {mutation}")
     print(title, file=stream, flush=True)
@@ -74,7 +105,7 @@ def run(bounds: Bounds, mutation: str, jobs: int, out: Path, depth: int, stream:
     found: dict[str, Found] = {}
     for prop in dict.fromkeys(r.prop for r in rows if not r.proved):
         found[prop] = _search(bounds, mutation, prop, out, depth)
-    target = ENCODINGS[mutation].target
+    target = MODEL_MUTATIONS[mutation].target if mutation != "clean" else ""
     if target and target not in found:
         found[target] = _search(bounds, mutation, target, out, depth)
 
@@ -82,6 +113,8 @@ def run(bounds: Bounds, mutation: str, jobs: int, out: Path, depth: int, stream:
     for row in rows:
         table.append((_name(row), row.op, _result(row, found), f"{row.seconds:.2f}"))
     _print_table(table, stream)
+    if cores:
+        _print_cores([(r.prop, r.op, r.used) for r in rows if r.proved], stream)
     failed = [r for r in rows if not r.proved]
     if target and all(r.proved for r in rows if r.prop == target):
         # The target broke only through a lemma: show its own counterexample.
@@ -94,6 +127,72 @@ def run(bounds: Bounds, mutation: str, jobs: int, out: Path, depth: int, stream:
         file=stream,
     )
     return 0 if not failed else 1
+
+
+def run_unbounded(
+    bounds: Bounds,
+    mutation: str,
+    jobs: int,
+    out: Path,
+    depth: int,
+    stream: TextIO,
+    cores: bool = False,
+) -> int:
+    """The table for every pool size. A failed cell's counterexample to
+    induction is a finite model of some size; the trace comes from bounded
+    model checking of the same mutation and property from `init` (at
+    `bounds`, reduced first), as in the bounded mode."""
+    started = time.perf_counter()
+    title = (
+        f"kvgate prove --unbounded: every pool size, every request count, {bounds.groups} groups"
+    )
+    title += "" if mutation == "clean" else f", mutation {mutation}"
+    print(title, file=stream, flush=True)
+    rows = prove_unbounded(bounds.groups, mutation, jobs=jobs)
+    found: dict[str, Found] = {}
+    searchable = [r.prop for r in rows if not r.proved and r.prop in PROPERTY_BY_NAME]
+    target = MODEL_MUTATIONS[mutation].target if mutation != "clean" else ""
+    for prop in dict.fromkeys([*searchable, *([target] if target else [])]):
+        found[prop] = _search(bounds, mutation, prop, out, depth)
+
+    table = [("invariant", "op", "result", "seconds")]
+    for row in rows:
+        name = row.prop if row.kind == "invariant" else f"{row.prop} (lemma)"
+        table.append((name, row.op, _unbounded_result(row, found), f"{row.seconds:.2f}"))
+    _print_table(table, stream)
+    if cores:
+        _print_cores([(r.prop, r.op, r.used) for r in rows if r.proved], stream)
+    failed = [r for r in rows if not r.proved]
+    if target and target in found and all(r.proved for r in rows if r.prop == target):
+        example = found[target]
+        print(f"counterexample to {target}: {example.file or example.note}", file=stream)
+    proved = len(rows) - len(failed)
+    print(
+        f"{proved} of {len(rows)} proved for every size in "
+        f"{time.perf_counter() - started:.1f}s ({jobs} job{'s' if jobs > 1 else ''})",
+        file=stream,
+    )
+    return 0 if not failed else 1
+
+
+def _unbounded_result(row: UResult, found: dict[str, Found]) -> str:
+    if row.proved:
+        return "proved"
+    if row.unknown:
+        return f"unknown ({row.unknown})"
+    sizes = row.sizes or (0, 0, 0)
+    where = f"a model of {sizes[0]} blocks, {sizes[1]} requests, {sizes[2]} copies"
+    example = found.get(row.prop)
+    if example is not None and example.file is not None:
+        return f"{example.file} (induction: {where})"
+    why = example.note.split("; ")[0] if example else "no bounded twin to search"
+    return f"not inductive ({where}); no trace: {_shorten(why, 60)}"
+
+
+def _print_cores(cells: list[tuple[str, str, tuple[str, ...]]], stream: TextIO) -> None:
+    print("unsat cores (what each proof used):", file=stream)
+    for prop, op, used in cells:
+        print(f"  {prop} {op}: {', '.join(used)}", file=stream)
 
 
 def _search(bounds: Bounds, mutation: str, prop: str, out: Path, depth: int) -> Found:

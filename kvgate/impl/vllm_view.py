@@ -1,0 +1,276 @@
+"""A vLLM `KVCacheManager`'s state as kvgate's strict `Snapshot`.
+
+Shared by every target that owns a real manager: the manager-level adapter
+(`vllm_target.VllmTarget`) and the real `Scheduler` (`vllm_scheduler`). The
+view keys vLLM's block hashes by kvgate prefix keys (a chained digest of the
+tokens, `conformance.tokens`), so a snapshot compares directly with the
+model's: it keeps a hash -> prefix key index over every request it tracks,
+extended lazily as their tokens grow.
+
+Requests are tracked by name; a caller marks a request `touched` whenever
+its tokens may have grown (the index is brought up to date at the next
+snapshot). Nothing here calls the manager in a way that changes it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from itertools import compress
+from operator import ne
+from typing import Any
+
+from kvgate.conformance.snapshot import NULL_BLOCK, BlockView, Snapshot, kept_aside, null_view
+from kvgate.conformance.tokens import extend_prefix_keys
+from kvgate.impl._vllm_api import HOLD_ATTR, VllmApi
+
+__all__ = ["ManagerView", "block_ids"]
+
+
+@dataclass(eq=False)
+class _Keys:
+    """A request's prefix keys, and how far its vLLM hashes are indexed."""
+
+    request: Any  # vllm.v1.request.Request
+    # keys[i] names the prefix tokens[: (i + 1) * hash_unit].
+    keys: list[str] = field(default_factory=list)
+    # request.block_hashes[:mapped] are entered in the hash index.
+    mapped: int = 0
+
+
+@dataclass(frozen=True)
+class _Views:
+    """The pool as the last snapshot saw it, indexed by block id."""
+
+    refs: list[int]
+    primary: list[Any]  # BlockHashWithGroupId | None
+    secondary: dict[int, frozenset[Any]]
+    views: list[BlockView]
+
+
+_LOW_64 = (1 << 64) - 1
+
+
+def block_ids(blocks: Sequence[Any]) -> tuple[int, ...]:
+    return tuple(b.block_id for b in blocks)
+
+
+class ManagerView:
+    """Reads one vLLM `KVCacheManager` as a `Snapshot`."""
+
+    def __init__(self, api: VllmApi, manager: Any, hash_unit: int) -> None:
+        self._api = api
+        self._hash_unit = hash_unit
+        self._pool: Any = manager.block_pool
+        self._managers: tuple[Any, ...] = tuple(manager.coordinator.single_type_managers)
+        self.group_ids: tuple[int, ...] = tuple(int(m.kv_cache_group_id) for m in self._managers)
+        # Per request name: its prefix keys; the names whose tokens grew since
+        # the hash index last saw them.
+        self._keys: dict[str, _Keys] = {}
+        self._dirty: set[str] = set()
+        # vLLM BlockHash (bytes) -> prefix key; BlockHashWithGroupId -> name.
+        self._key_of: dict[bytes, str] = {}
+        self._names: dict[Any, str] = {}
+        # The same index by the 64-bit ints KV-cache events carry.
+        self._key_of_int: dict[int, str] = {}
+        self._last_views: _Views | None = None
+
+    @property
+    def managers(self) -> tuple[Any, ...]:
+        """The single-type managers, in group order."""
+        return self._managers
+
+    def track(self, name: str, request: Any) -> None:
+        """Index `request`'s hashes under `name` from now on."""
+        self._keys[name] = _Keys(request)
+        self._dirty.add(name)
+
+    def touched(self, name: str) -> None:
+        """`name`'s tokens may have grown: re-index it at the next snapshot."""
+        self._dirty.add(name)
+
+    def close(self) -> None:
+        self._managers = ()
+        self._pool = None
+        self._keys.clear()
+        self._dirty.clear()
+        self._key_of.clear()
+        self._key_of_int.clear()
+        self._names.clear()
+        self._last_views = None
+
+    # ------------------------------------------------------------- the view
+
+    def snapshot(self, popped: Mapping[str, Sequence[Any]]) -> Snapshot:
+        """The manager's strict view; `popped`: blocks kept aside per request.
+
+        The abstraction of `kvgate.conformance.snapshot.EXCLUSIONS`: the null
+        block without its ref count, popped lists without null entries.
+        """
+        self._sync_index()
+        views = self._block_views()
+        return Snapshot(
+            free_queue=tuple(self.free_queue_ids()),
+            blocks=views[:NULL_BLOCK] + (null_view(views[NULL_BLOCK]),) + views[NULL_BLOCK + 1 :],
+            tables=self.tables(),
+            holds=self.holds(),
+            pending_copies=self.pending_copies(),
+            popped={req: kept_aside(block_ids(blocks)) for req, blocks in popped.items()},
+        )
+
+    def free_queue_ids(self) -> list[int]:
+        queue = self._pool.free_block_queue
+        tail = queue.fake_free_list_tail
+        ids: list[int] = []
+        block = queue.fake_free_list_head.next_free_block
+        while block is not None and block is not tail:
+            ids.append(block.block_id)
+            block = block.next_free_block
+        return ids
+
+    def tables(self) -> dict[str, tuple[tuple[int, ...], ...]]:
+        managers = self._managers
+        rids = dict.fromkeys(rid for m in managers for rid in m.req_to_blocks)
+        tables: dict[str, tuple[tuple[int, ...], ...]] = {}
+        for rid in rids:
+            per_group = tuple(block_ids(m.req_to_blocks.get(rid, ())) for m in managers)
+            if any(per_group):
+                tables[str(rid)] = per_group
+        return tables
+
+    def holds(self) -> dict[str, dict[int, tuple[int, int]]]:
+        """{request: {group: (held position, block id)}}."""
+        holds: dict[str, dict[int, tuple[int, int]]] = {}
+        for gid, m in zip(self.group_ids, self._managers, strict=True):
+            held = getattr(m, HOLD_ATTR, None)
+            if not held:
+                continue
+            for rid, (position, block) in held.items():
+                holds.setdefault(str(rid), {})[gid] = (int(position), int(block.block_id))
+        return holds
+
+    def attention_cached(self, request: Any) -> int:
+        """Prompt tokens of `request` the attention groups have cached from its
+        start, in whole attention blocks, in every full-attention group at
+        once (the coordinator's phase-1 scan)."""
+        attention = [
+            (gid, m)
+            for gid, m in zip(self.group_ids, self._managers, strict=True)
+            if isinstance(m.kv_cache_spec, self._api.FullAttentionSpec)
+        ]
+        if not attention:
+            return 0
+        groups = [gid for gid, _ in attention]
+        block_size = int(attention[0][1].block_size)
+        per_block = block_size // self._hash_unit
+        hashes = request.block_hashes
+        usable = min(request.num_prompt_tokens // block_size, len(hashes) // per_block)
+        cached = 0
+        while cached < usable:
+            if self._pool.get_cached_block(hashes[(cached + 1) * per_block - 1], groups) is None:
+                break
+            cached += 1
+        return cached * block_size
+
+    def pending_copies(self) -> tuple[tuple[int, int, int], ...]:
+        return tuple(
+            (gid, int(src.block_id), int(dst.block_id))
+            for gid, m in zip(self.group_ids, self._managers, strict=True)
+            for src, dst in getattr(m, "_pending_cow_copies", ())
+        )
+
+    # ------------------------------------------------------------ hash index
+
+    def prefix_key(self, block_hash: Any) -> str:
+        """The prefix key of a KV-cache event's hash: vLLM's bytes, or (with
+        VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES, its default) their low 64 bits."""
+        self._sync_index()
+        if isinstance(block_hash, int):
+            if len(self._key_of_int) != len(self._key_of):
+                self._key_of_int = {
+                    int.from_bytes(h, "big") & _LOW_64: k for h, k in self._key_of.items()
+                }
+            key = self._key_of_int.get(block_hash)
+        else:
+            key = self._key_of.get(bytes(block_hash))
+        if key is None:
+            raise RuntimeError(f"event hash {block_hash!r} names no prefix of this trace")
+        return key
+
+    def _sync_index(self) -> None:
+        """Enter every new request-level hash into the hash -> key index."""
+        unit = self._hash_unit
+        key_of = self._key_of
+        for rid in self._dirty:
+            entry = self._keys[rid]
+            hashes = entry.request.block_hashes
+            n = len(hashes)
+            if entry.mapped >= n:
+                continue
+            keys = entry.keys
+            if len(keys) < n:
+                extend_prefix_keys(keys, entry.request.all_token_ids, unit)
+            if len(keys) < n:
+                raise RuntimeError(f"{rid}: {n} block hashes but {len(keys)} prefix keys")
+            for i in range(entry.mapped, n):
+                known = key_of.setdefault(bytes(hashes[i]), keys[i])
+                if known != keys[i]:
+                    raise RuntimeError(f"{rid}: vLLM hash #{i} names both {known} and {keys[i]}")
+            entry.mapped = n
+        self._dirty.clear()
+
+    def _name(self, hash_with_group: Any) -> str:
+        """`g<group>/<prefix key>` for a vLLM BlockHashWithGroupId."""
+        name = self._names.get(hash_with_group)
+        if name is None:
+            api = self._api
+            key = self._key_of.get(bytes(api.get_block_hash(hash_with_group)))
+            if key is None:
+                raise RuntimeError(
+                    f"block hash {bytes(hash_with_group).hex()[:16]}... is no prefix of "
+                    "any request in this run"
+                )
+            name = f"g{int(api.get_group_id(hash_with_group))}/{key}"
+            self._names[hash_with_group] = name
+        return name
+
+    def _block_views(self) -> tuple[BlockView, ...]:
+        """Every block's ref count and hash names.
+
+        Only blocks whose ref count or hashes changed since the last snapshot
+        get a new view; finding them is a few C-level passes over the pool.
+        """
+        blocks = self._pool.blocks
+        refs = [b.ref_cnt for b in blocks]
+        primary = [b.block_hash for b in blocks]
+        secondary = {
+            bid: frozenset(hashes)
+            for bid, hashes in self._pool.cached_block_hashes_by_block.items()
+            if hashes
+        }
+        last = self._last_views
+        if last is None:
+            changed: Iterable[int] = range(len(blocks))
+            views: list[BlockView] = [BlockView(0)] * len(blocks)
+        else:
+            views = list(last.views)
+            dirty: set[int] = set()
+            if refs != last.refs:
+                dirty.update(compress(range(len(refs)), map(ne, refs, last.refs)))
+            if primary != last.primary:
+                dirty.update(compress(range(len(primary)), map(ne, primary, last.primary)))
+            if secondary != last.secondary:
+                dirty.update(
+                    bid
+                    for bid in secondary.keys() | last.secondary.keys()
+                    if secondary.get(bid) != last.secondary.get(bid)
+                )
+            changed = dirty
+        for bid in changed:
+            names: tuple[str, ...] = () if primary[bid] is None else (self._name(primary[bid]),)
+            extra = secondary.get(bid)
+            if extra:
+                names += tuple(sorted(self._name(h) for h in extra))
+            views[bid] = BlockView(int(refs[bid]), names)
+        self._last_views = _Views(refs, primary, secondary, views)
+        return tuple(views)

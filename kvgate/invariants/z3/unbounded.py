@@ -1,0 +1,853 @@
+"""The manager's transition system for every pool size: quantified, over
+uninterpreted sorts.
+
+The bounded encoding (`vocabulary.py`, `transitions.py`) unrolls one Z3
+variable per block, request and group. Here blocks, requests and pending
+copies are uninterpreted sorts (`Block`, `Req`, `Copy`) with no bound on their
+size, each field of a state is a Z3 function over them (`table1(r, b)`: block
+`b` is in request `r`'s table of group 1), and the properties
+(`unbounded_proof.py`) are universally quantified. A proof is then about
+every pool size and every number of requests at once. The KV-cache groups
+stay a fixed, finite list (one attention group, then `mamba` align-mode Mamba
+groups; a model's group count is fixed by its architecture): the encoding
+is built per group count.
+
+The fragment: no function goes from a sort back to itself or forms a cycle
+between sorts (`src`/`dst` go from `Copy` to `Block`, nothing goes back), the
+only integers are a request's phase, reservation and peak and a block's group
+(ghost) -- compared with constants, never summed over a sort -- and the
+quantifier alternation is stratified (Block over Req and Copy, "some holder
+of this block"). What needs an unbounded count in the bounded encoding is an
+abstraction here, stated, and checked against the model by the drift test
+(`tests/test_z3_drift.py`: every concrete step is an instance of the
+transition below, on a finite instance of the sorts):
+
+- Ref counts are sets of holders. The pool's ref on a block is the set of
+  its ref *tokens*, one per holder identity: a request's table entry in a
+  group (`tokt<g>(r, b)`, kept while `pop` puts the block aside), a
+  request's hold in a Mamba group (`tokh<m>(r, b)`), a pending copy's source
+  and destination endpoint (`tokcs(c)` on `src(c)`, `tokcd(c)` on `dst(c)`).
+  ref(b) = the number of tokens on b, by definition. Each pool call of the
+  model (`touch`, `add_ref`, `free_blocks`, `get_new_blocks`) adds or removes
+  the token of the holder its call site acts for. A call the integer count
+  would absorb but the token set cannot -- a ref taken twice for one holder,
+  a ref dropped that no holder had, a block taken from the queue while still
+  referenced -- sets the block's `miscount` flag: its integer ref is then no
+  longer its holder count, and `no_leak` (which forbids the flag) fails, as
+  the bounded `no_leak` (ref = holders) would.
+- The free queue is a set (its order is abstracted away in both encodings:
+  any free block may be taken or evicted).
+- Pending copies have identities (`Copy`); a new copy takes one that is not
+  pending (the sort is unbounded: a state has finitely many pending copies).
+- "Exactly one block" (a copy-on-write's copy, a pending tail, a hit's
+  partial source) is a Skolem constant of sort Block plus a guard.
+
+Mutations (`UNBOUNDED_ENCODINGS`) override the same hooks, under the same
+names, as the bounded encoding's (`transitions.ENCODINGS`) and the model's
+twins (`kvgate.model.mutations`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import z3
+
+from kvgate.invariants.z3.vocabulary import (
+    ABORT,
+    ABSENT,
+    ATTENTION,
+    ENDED,
+    POPPED,
+    PREEMPT,
+    RUNNING,
+    WAITING,
+)
+
+BLOCK = z3.DeclareSort("Block")
+REQ = z3.DeclareSort("Req")
+COPY = z3.DeclareSort("Copy")
+
+Fn = Callable[..., Any]  # a field's value: Z3 terms in, a Z3 term out
+
+
+@dataclass(frozen=True)
+class UField:
+    """One field: `per` is "" (once), "group" (one per group) or "mamba"
+    (one per Mamba group); `args` the sorts it takes; `range` its values."""
+
+    name: str
+    args: tuple[str, ...]
+    range: str  # "bool", "int" or "block"
+    per: str
+    ghost: bool
+    doc: str
+
+
+SORTS = {"block": BLOCK, "req": REQ, "copy": COPY}
+RB = ("req", "block")
+
+UFIELDS: tuple[UField, ...] = (
+    UField("hold_on", (), "bool", "", False, "the hold switch; never changes"),
+    UField("free", ("block",), "bool", "", False, "in the free queue"),
+    UField("keyed", ("block",), "bool", "", False, "carries a prefix key"),
+    UField("tailkey", ("block",), "bool", "", False, "carries a mid-block key"),
+    UField("grp", ("block",), "int", "", True, "the group that last took it"),
+    UField("miscount", ("block",), "bool", "", False, "its ref is no longer its holder count"),
+    UField("phase", ("req",), "int", "", False, "absent/waiting/running/popped/ended"),
+    UField("hashit", ("req",), "bool", "", False, "a lookup is pending"),
+    UField("table", RB, "bool", "group", False, "in the request's table"),
+    UField("hit", RB, "bool", "group", False, "the pending lookup's blocks"),
+    UField("hsrc", RB, "bool", "group", False, "its partial-hit source"),
+    UField("own", RB, "bool", "group", True, "taken from the pool for the table"),
+    UField("popt", RB, "bool", "group", False, "a table entry `pop` put aside"),
+    UField("tokt", RB, "bool", "group", False, "ref token of a table entry"),
+    UField("cowsrc", RB, "bool", "mamba", False, "keyed tail the next chunk moves"),
+    UField("hold", RB, "bool", "mamba", False, "the request holds the block"),
+    UField("poph", RB, "bool", "mamba", False, "a hold `pop` put aside"),
+    UField("tokh", RB, "bool", "mamba", False, "ref token of a hold"),
+    UField("ckpt", RB, "bool", "mamba", True, "the state to resume from"),
+    UField("tailed", ("req",), "bool", "mamba", True, "the partial tail was keyed"),
+    UField("rsv", ("req",), "int", "mamba", True, "extra blocks admission reserved"),
+    UField("peak", ("req",), "int", "mamba", True, "most out-of-table pins at once"),
+    UField("pending", ("copy",), "bool", "", False, "the copy is pending"),
+    UField("src", ("copy",), "block", "", False, "its source block"),
+    UField("dst", ("copy",), "block", "", False, "its destination block"),
+    UField("tokcs", ("copy",), "bool", "", False, "ref token of its source endpoint"),
+    UField("tokcd", ("copy",), "bool", "", False, "ref token of its destination endpoint"),
+)
+UFIELD_BY_NAME = {f.name: f for f in UFIELDS}
+
+
+def _range_sort(f: UField) -> Any:
+    return {"bool": z3.BoolSort(), "int": z3.IntSort(), "block": BLOCK}[f.range]
+
+
+def field_keys(groups: int) -> list[tuple[UField, str]]:
+    """Every (field, key) of a state: per-group fields once per group."""
+    out = []
+    for f in UFIELDS:
+        if f.per == "group":
+            out += [(f, f"{f.name}{g}") for g in range(groups)]
+        elif f.per == "mamba":
+            out += [(f, f"{f.name}{m}") for m in range(1, groups)]
+        else:
+            out.append((f, f.name))
+    return out
+
+
+class UState:
+    """A state's fields by key (`table1`, `free`, ...): Z3 functions (a
+    fresh state), or a transition's next values as Python callables."""
+
+    def __init__(self, groups: int, prefix: str, values: dict[str, Any] | None = None) -> None:
+        self.groups = groups
+        self.prefix = prefix
+        if values is not None:
+            self.v = dict(values)
+            return
+        self.v = {}
+        for f, key in field_keys(groups):
+            name = f"{prefix}.{key}"
+            if not f.args:
+                self.v[key] = z3.Const(name, _range_sort(f))
+            else:
+                self.v[key] = z3.Function(name, *[SORTS[a] for a in f.args], _range_sort(f))
+
+    @property
+    def group_ids(self) -> range:
+        return range(self.groups)
+
+    @property
+    def mamba_ids(self) -> range:
+        return range(1, self.groups)
+
+    def __getitem__(self, key: str) -> Any:
+        return self.v[key]
+
+    def f(self, name: str, g: int | None = None) -> Any:
+        return self.v[name if g is None else f"{name}{g}"]
+
+    def has(self, b: Any) -> Any:
+        """Some ref token is on `b` (ref >= 1)."""
+        x, c = z3.FreshConst(REQ, "hx"), z3.FreshConst(COPY, "hc")
+        on_req = z3.Or(
+            *[self.f("tokt", g)(x, b) for g in self.group_ids],
+            *[self.f("tokh", m)(x, b) for m in self.mamba_ids],
+        )
+        on_copy = z3.Or(
+            z3.And(self["tokcs"](c), self["src"](c) == b),
+            z3.And(self["tokcd"](c), self["dst"](c) == b),
+        )
+        return z3.Or(z3.Exists([x], on_req), z3.Exists([c], on_copy))
+
+
+def forall(sorts: tuple[Any, ...], body: Callable[..., Any], prefix: str = "q") -> Any:
+    xs = [z3.FreshConst(s, prefix) for s in sorts]
+    return z3.ForAll(xs, body(*xs))
+
+
+def at_most_one(rel: Fn) -> Any:
+    """`rel` holds of at most one block."""
+    return forall((BLOCK, BLOCK), lambda b1, b2: z3.Implies(z3.And(rel(b1), rel(b2)), b1 == b2))
+
+
+def exists(sorts: tuple[Any, ...], body: Callable[..., Any], prefix: str = "q") -> Any:
+    xs = [z3.FreshConst(s, prefix) for s in sorts]
+    return z3.Exists(xs, body(*xs))
+
+
+# -- token edits: which holder a pool call acts for -----------------------------------
+
+
+@dataclass(frozen=True)
+class Edit:
+    """Adding or removing the tokens of some holders of one token field.
+
+    `cond(*holder, b)` (request tokens) or `cond(c)` (copy tokens) says
+    which tokens; `on(b)` whether any of them lies on block `b`; `clash(b)`
+    whether one of them is already there (for an add) or missing (for a
+    removal), given the field's current value `tok`."""
+
+    key: str
+    cond: Fn
+    on: Fn
+    clash: Callable[[Fn, Any, bool], Any]
+
+
+def req_edit(key: str, r: Any, blocks: Fn) -> Edit:
+    """Request `r`'s tokens on `blocks`."""
+
+    def clash(tok: Fn, b: Any, adding: bool) -> Any:
+        return z3.And(blocks(b), tok(r, b) if adding else z3.Not(tok(r, b)))
+
+    return Edit(key, lambda x, b: z3.And(x == r, blocks(b)), blocks, clash)
+
+
+def holders_edit(key: str, holders: Fn, block: Any) -> Edit:
+    """The tokens of every request in `holders` on one block."""
+
+    def on(b: Any) -> Any:
+        return z3.And(b == block, exists((REQ,), holders))
+
+    def clash(tok: Fn, b: Any, adding: bool) -> Any:
+        def hit(q: Any) -> Any:
+            return z3.And(holders(q), tok(q, b) if adding else z3.Not(tok(q, b)))
+
+        return z3.And(b == block, exists((REQ,), hit))
+
+    return Edit(key, lambda x, b: z3.And(holders(x), b == block), on, clash)
+
+
+def copy_edit(key: str, which: Fn, end: Fn) -> Edit:
+    """The `key` endpoint tokens (tokcs/tokcd) of the copies `which`;
+    `end(c)` is the endpoint's block."""
+
+    def on(b: Any) -> Any:
+        return exists((COPY,), lambda c: z3.And(which(c), end(c) == b))
+
+    def clash(tok: Fn, b: Any, adding: bool) -> Any:
+        def hit(c: Any) -> Any:
+            return z3.And(which(c), end(c) == b, tok(c) if adding else z3.Not(tok(c)))
+
+        return exists((COPY,), hit)
+
+    return Edit(key, which, on, clash)
+
+
+def one_copy(key: str, copy: Any, when: Any, block: Any) -> Edit:
+    """One copy's endpoint token, on `block`, if `when`."""
+
+    def clash(tok: Fn, b: Any, adding: bool) -> Any:
+        return z3.And(when, b == block, tok(copy) if adding else z3.Not(tok(copy)))
+
+    return Edit(key, lambda c: z3.And(when, c == copy), lambda b: z3.And(when, b == block), clash)
+
+
+Clause = tuple[str, Any]
+
+
+class UTx:
+    """One transition under construction: `n` holds the next values (the
+    pre-state's functions until a micro-step rewrites them)."""
+
+    def __init__(self, s: UState, op: str, r: Any, tag: str) -> None:
+        self.s = s
+        self.op = op
+        self.r = r
+        self.tag = tag
+        self.n: dict[str, Any] = dict(s.v)
+        self.clauses: list[Clause] = []
+
+    @property
+    def groups(self) -> int:
+        return self.s.groups
+
+    def view(self) -> UState:
+        return UState(self.s.groups, f"{self.tag}.next", self.n)
+
+    def require(self, what: str, expr: Any) -> None:
+        self.clauses.append((f"{self.op}: {what}", expr))
+
+    def fresh(self, name: str, *args: Any, out: Any = None) -> Any:
+        rng = z3.BoolSort() if out is None else out
+        if not args:
+            return z3.Const(f"{self.tag}.{name}", rng)
+        return z3.Function(f"{self.tag}.{name}", *args, rng)
+
+    def named(self) -> list[Clause]:
+        by_name: dict[str, list[Any]] = {}
+        for name, expr in self.clauses:
+            by_name.setdefault(name, []).append(expr)
+        return [(name, z3.And(exprs)) for name, exprs in by_name.items()]
+
+    # Functional updates of one request's row.
+    def set_req(self, key: str, value: Any) -> None:
+        old, r = self.n[key], self.r
+        self.n[key] = lambda x, old=old: z3.If(x == r, value, old(x))
+
+    def set_row(self, key: str, row: Fn, r: Any = None) -> None:
+        old, r = self.n[key], self.r if r is None else r
+        self.n[key] = lambda x, b, old=old: z3.If(x == r, row(b), old(x, b))
+
+    def row(self, key: str, r: Any = None) -> Fn:
+        cur, r = self.n[key], self.r if r is None else r
+        return lambda b: cur(r, b)
+
+    def map_block(self, key: str, fn: Callable[[Any, Any], Any]) -> None:
+        """next[key](b) = fn(b, current value at b)."""
+        old = self.n[key]
+        self.n[key] = lambda b, old=old: fn(b, old(b))
+
+
+def _phase_is(s: UState, r: Any, *phases: int) -> Any:
+    return z3.Or([s["phase"](r) == p for p in phases])
+
+
+def live(s: UState, r: Any) -> Any:
+    return _phase_is(s, r, WAITING, RUNNING)
+
+
+class UEncoding:
+    """The clean manager, for every size; hooks as in `transitions.Encoding`."""
+
+    # "clean", or a mutation recorded in `kvgate.model.mutations` (its
+    # target invariant and whether upstream has it are read there).
+    name = "clean"
+
+    def __init__(self, groups: int) -> None:
+        self.groups = groups
+
+    def build(self, op: str, s: UState, r: Any, tag: str) -> UTx:
+        tx = UTx(s, op, r, tag)
+        getattr(self, f"op_{op}")(tx)
+        return tx
+
+    # -- pool micro-steps ----------------------------------------------------------
+
+    def _apply_tokens(self, tx: UTx, edits: list[Edit], adding: bool) -> tuple[Fn, Fn]:
+        """Apply the edits to the token fields; returns (on, clash) per block."""
+        before = dict(tx.n)
+        for e in edits:
+            old = tx.n[e.key]
+            if adding:
+                tx.n[e.key] = lambda *a, old=old, e=e: z3.Or(old(*a), e.cond(*a))
+            else:
+                tx.n[e.key] = lambda *a, old=old, e=e: z3.And(old(*a), z3.Not(e.cond(*a)))
+
+        def on(b: Any) -> Any:
+            return z3.Or([e.on(b) for e in edits]) if edits else z3.BoolVal(False)
+
+        def clash(b: Any) -> Any:
+            parts = [e.clash(before[e.key], b, adding) for e in edits]
+            return z3.Or(parts) if parts else z3.BoolVal(False)
+
+        return on, clash
+
+    def _miscount(self, tx: UTx, clash: Fn) -> None:
+        tx.map_block("miscount", lambda b, old: z3.Or(old, clash(b)))
+
+    def touch(self, tx: UTx, edits: list[Edit]) -> None:
+        """`touch`: a ref each; a block at ref 0 leaves the free queue."""
+        had = tx.view().has
+        on, clash = self._apply_tokens(tx, edits, True)
+        self._miscount(tx, clash)
+        tx.map_block("free", lambda b, old: z3.And(old, z3.Not(z3.And(on(b), z3.Not(had(b))))))
+
+    def add_ref(self, tx: UTx, edits: list[Edit]) -> None:
+        """`add_ref`: a ref each; the queue is not looked at."""
+        _, clash = self._apply_tokens(tx, edits, True)
+        self._miscount(tx, clash)
+
+    def free_blocks(self, tx: UTx, edits: list[Edit]) -> None:
+        """`free_blocks`: a ref less each; a block left with none joins the queue."""
+        had = tx.view().has
+        on, clash = self._apply_tokens(tx, edits, False)
+        has = tx.view().has
+        self._miscount(tx, clash)
+        tx.map_block("free", lambda b, old: z3.Or(old, z3.And(on(b), had(b), z3.Not(has(b)))))
+
+    def get_new(self, tx: UTx, take: Fn, group: int | None, owners: list[Edit]) -> None:
+        """`get_new_blocks`: take free blocks, drop their keys, one ref each
+        (the owners' tokens); a taken block still referenced is miscounted."""
+        free, had = tx.n["free"], tx.view().has
+        tx.require("takes free blocks", forall((BLOCK,), lambda b: z3.Implies(take(b), free(b))))
+        tx.map_block("miscount", lambda b, old: z3.Or(old, z3.And(take(b), had(b))))
+        for key in ("free", "keyed", "tailkey"):
+            tx.map_block(key, lambda b, old: z3.And(old, z3.Not(take(b))))
+        if group is not None:
+            tx.map_block("grp", lambda b, old: z3.If(take(b), group, old))
+        self._apply_tokens(tx, owners, True)
+
+    # -- hooks the mutations override ------------------------------------------------
+
+    def cow_retain(self, tx: UTx, edits: list[Edit]) -> None:
+        self.add_ref(tx, edits)
+
+    def hold_enabled(self, tx: UTx) -> Any:
+        return tx.s["hold_on"]
+
+    def follows(self, tx: UTx) -> Any:
+        return self.hold_enabled(tx)
+
+    def admission_extra(self, tx: UTx, partial_hit: Any, holding: Any) -> Any:
+        return z3.If(z3.And(tx.s["hold_on"], partial_hit, z3.Not(holding)), 1, 0)
+
+    def supersede(self, tx: UTx, m: int, old: Fn, do_hold: Any) -> Fn:
+        """Release the superseded hold; returns which old blocks stay held."""
+        self.free_blocks(tx, [req_edit(f"tokh{m}", tx.r, lambda b: z3.And(do_hold, old(b)))])
+        return lambda b: z3.BoolVal(False)
+
+    def release_holds(self, tx: UTx, how: Any) -> None:
+        holds = [req_edit(f"tokh{m}", tx.r, tx.row(f"hold{m}")) for m in tx.s.mamba_ids]
+        self.free_blocks(tx, holds)
+
+    # -- the ops ----------------------------------------------------------------------
+
+    def op_arrive(self, tx: UTx) -> None:
+        tx.require("guard", _phase_is(tx.s, tx.r, ABSENT))
+        tx.set_req("phase", z3.IntVal(WAITING))
+
+    def op_lookup(self, tx: UTx) -> None:
+        s, r = tx.s, tx.r
+        tx.require("guard", live(s, r))
+        tx.set_req("hashit", z3.BoolVal(True))
+        shape = []
+        for g in s.group_ids:
+            hit, src = tx.fresh(f"hit{g}", BLOCK), tx.fresh(f"src{g}", BLOCK)
+            # One partial source; a Mamba hit is one state block.
+            unique = [src, hit] if g != ATTENTION else [src]
+
+            def each(b: Any, g: int = g, hit: Any = hit, src: Any = src) -> Any:
+                parts = [
+                    z3.Implies(hit(b), z3.And(s["keyed"](b), s["grp"](b) == g)),
+                    z3.Implies(src(b), hit(b)),
+                ]
+                if g != ATTENTION:
+                    parts.append(z3.Implies(src(b), s["tailkey"](b)))
+                return z3.And(parts)
+
+            shape.append(forall((BLOCK,), each))
+            shape += [at_most_one(p) for p in unique]
+            tx.set_row(f"hit{g}", hit)
+            tx.set_row(f"hsrc{g}", src)
+        tx.require("cached blocks of the group, one partial source", z3.And(shape))
+
+    def op_reserve(self, tx: UTx) -> None:
+        tx.require("guard", live(tx.s, tx.r))
+
+    def op_step(self, tx: UTx) -> None:
+        return None
+
+    def op_drain(self, tx: UTx) -> None:
+        pending, src, dst = tx.s["pending"], tx.s["src"], tx.s["dst"]
+        self.free_blocks(tx, [copy_edit("tokcs", pending, src), copy_edit("tokcd", pending, dst)])
+        tx.n["pending"] = lambda c: z3.BoolVal(False)
+
+    def op_free(self, tx: UTx) -> None:
+        s, r = tx.s, tx.r
+        tx.require("guard", live(s, r))
+        how = tx.fresh("how", out=z3.IntSort())
+        tx.require("how", z3.And(how >= 0, how <= 2))
+        tables = [req_edit(f"tokt{g}", r, tx.row(f"table{g}")) for g in s.group_ids]
+        self.free_blocks(tx, tables)
+        self.release_holds(tx, how)  # holds go last
+        self._forget(tx)
+        tx.set_req("phase", z3.If(how == PREEMPT, WAITING, ENDED))
+
+    def op_pop(self, tx: UTx) -> None:
+        s, r = tx.s, tx.r
+        tx.require("guard", live(s, r))
+        for g in s.group_ids:
+            tx.set_row(f"popt{g}", tx.row(f"table{g}"))
+        for m in s.mamba_ids:
+            tx.set_row(f"poph{m}", tx.row(f"hold{m}"))
+        self._forget(tx)
+        tx.set_req("phase", z3.IntVal(POPPED))
+
+    def op_release(self, tx: UTx) -> None:
+        s, r = tx.s, tx.r
+        tx.require("guard", _phase_is(s, r, POPPED))
+        edits = [req_edit(f"tokt{g}", r, tx.row(f"popt{g}")) for g in s.group_ids]
+        edits += [req_edit(f"tokh{m}", r, tx.row(f"poph{m}")) for m in s.mamba_ids]
+        self.free_blocks(tx, edits)
+        false = lambda b: z3.BoolVal(False)  # noqa: E731
+        for g in s.group_ids:
+            tx.set_row(f"popt{g}", false)
+        for m in s.mamba_ids:
+            tx.set_row(f"poph{m}", false)
+        tx.set_req("phase", z3.IntVal(ENDED))
+
+    def op_evict(self, tx: UTx) -> None:
+        taken = tx.fresh("evict", BLOCK)
+        free = tx.n["free"]
+        self.get_new(tx, taken, None, [])
+        # ... and freed at once: back in the queue at ref 0.
+        tx.map_block("free", lambda b, old: z3.Or(old, z3.And(taken(b), free(b))))
+
+    def op_allocate(self, tx: UTx) -> None:
+        self._allocate_slots(tx, adopt_hit=True)
+
+    def op_decode1(self, tx: UTx) -> None:
+        self._allocate_slots(tx, adopt_hit=False)
+
+    # -- allocate_slots -----------------------------------------------------------
+
+    def _allocate_slots(self, tx: UTx, adopt_hit: bool) -> None:
+        s, r = tx.s, tx.r
+        tx.require("guard", live(s, r))
+        ok = tx.fresh("ok")
+        first = _phase_is(s, r, WAITING)
+        adopt = z3.And(ok, first, s["hashit"](r)) if adopt_hit else z3.BoolVal(False)
+
+        # remove_skipped: the request's own Mamba states behind the running one.
+        dropped = []
+        for m in s.mamba_ids:
+            drop = tx.fresh(f"drop{m}", BLOCK)
+            table, cowsrc = s.f("table", m), s.f("cowsrc", m)
+            tx.require(
+                f"skipped states are own, not the keyed tail (group {m})",
+                forall(
+                    (BLOCK,),
+                    lambda b, drop=drop, table=table, cowsrc=cowsrc: z3.Implies(
+                        drop(b), z3.And(table(r, b), z3.Not(cowsrc(r, b)))
+                    ),
+                ),
+            )
+            for key in (f"table{m}", f"own{m}"):
+                row = tx.row(key)
+                tx.set_row(key, lambda b, row=row, drop=drop: z3.And(row(b), z3.Not(drop(b))))
+            dropped.append(req_edit(f"tokt{m}", r, drop))
+        self.free_blocks(tx, dropped)
+
+        if adopt_hit:
+            # add_hit_blocks: the fresh lookup's blocks join the tables.
+            grp = s["grp"]
+            tx.require(
+                "the lookup is fresh",
+                z3.And(
+                    [
+                        forall(
+                            (BLOCK,),
+                            lambda b, g=g: z3.Implies(
+                                z3.And(adopt, s.f("hit", g)(r, b)), grp(b) == g
+                            ),
+                        )
+                        for g in s.group_ids
+                    ]
+                ),
+            )
+            adopted = [
+                req_edit(f"tokt{g}", r, lambda b, g=g: z3.And(adopt, s.f("hit", g)(r, b)))
+                for g in s.group_ids
+            ]
+            self.touch(tx, adopted)
+            for g in s.group_ids:
+                row = tx.row(f"table{g}")
+                tx.set_row(
+                    f"table{g}",
+                    lambda b, row=row, g=g: z3.Or(row(b), z3.And(adopt, s.f("hit", g)(r, b))),
+                )
+
+        for g in s.group_ids:
+            self._allocate_group(tx, g, ok, adopt)
+        self._cache(tx, ok)
+
+        tx.set_req("phase", z3.If(ok, RUNNING, s["phase"](r)))
+        if adopt_hit:
+            tx.set_req("hashit", z3.And(s["hashit"](r), z3.Not(ok)))
+            for g in s.group_ids:
+                for key in (f"hit{g}", f"hsrc{g}"):
+                    row = s.f(key)
+                    tx.set_row(key, lambda b, row=row: z3.And(row(r, b), z3.Not(ok)))
+
+    def _skolem_of(self, tx: UTx, name: str, rel: Fn) -> tuple[Any, Any]:
+        """A block standing for the one `rel` holds of, if any: (it, whether any)."""
+        b0 = tx.fresh(name, out=BLOCK)
+        tx.require(f"{name} is the one", forall((BLOCK,), lambda b: z3.Implies(rel(b), rel(b0))))
+        return b0, rel(b0)
+
+    def _allocate_group(self, tx: UTx, g: int, ok: Any, adopt: Any) -> None:
+        s, r = tx.s, tx.r
+        source_block, partial = self._skolem_of(tx, f"hsrc{g}", lambda b: s.f("hsrc", g)(r, b))
+        cow_new = z3.And(adopt, partial)
+        if g != ATTENTION:
+            tail_block, has_tail = self._skolem_of(tx, f"tail{g}", lambda b: s.f("cowsrc", g)(r, b))
+            move = z3.And(ok, has_tail)
+        else:
+            tail_block, move = None, z3.BoolVal(False)
+        copies = z3.Or(cow_new, move)
+        copy_block = tx.fresh(f"copy{g}", out=BLOCK)
+        cc = tx.fresh(f"cc{g}", out=COPY)  # the pending copy's identity
+        new = tx.fresh(f"new{g}", BLOCK)
+        tx.require(
+            f"group {g}: new blocks only on success, a fresh copy",
+            z3.And(
+                forall(
+                    (BLOCK,),
+                    lambda b: z3.Implies(
+                        new(b), z3.And(ok, z3.Not(z3.And(copies, b == copy_block)))
+                    ),
+                ),
+                z3.Implies(copies, z3.Not(tx.n["pending"](cc))),
+            ),
+        )
+
+        def is_copy(b: Any) -> Any:
+            return z3.And(copies, b == copy_block)
+
+        table_owner = [
+            req_edit(f"tokt{g}", r, lambda b: z3.Or(new(b), z3.And(cow_new, b == copy_block)))
+        ]
+        moved_dst = [one_copy("tokcd", cc, move, copy_block)]
+        self.get_new(tx, lambda b: z3.Or(is_copy(b), new(b)), g, table_owner + moved_dst)
+
+        # apply_cow: the copy replaces the shared source in the table; the
+        # source's table ref becomes the pending copy's source endpoint.
+        row = tx.row(f"table{g}")
+        tx.set_row(
+            f"table{g}",
+            lambda b: z3.Or(
+                z3.And(row(b), z3.Not(z3.And(cow_new, b == source_block))),
+                z3.And(cow_new, b == copy_block),
+                new(b),
+            ),
+        )
+        own = tx.row(f"own{g}")
+        tx.set_row(f"own{g}", lambda b: z3.Or(own(b), z3.And(cow_new, b == copy_block), new(b)))
+        tokt = tx.n[f"tokt{g}"]
+        tokcs = tx.n["tokcs"]
+        tx.n[f"tokt{g}"] = lambda x, b: z3.And(
+            tokt(x, b), z3.Not(z3.And(cow_new, x == r, b == source_block))
+        )
+        tx.n["tokcs"] = lambda c: z3.If(z3.And(cow_new, c == cc), tokt(r, source_block), tokcs(c))
+        self._new_copy(tx, cc, cow_new, source_block, copy_block)
+        self.cow_retain(tx, [one_copy("tokcd", cc, cow_new, copy_block)])
+        if g == ATTENTION:
+            return
+
+        m = g
+        assert tail_block is not None
+        # move_keys: the keyed tail's keys go to the copy.
+        keyed, tailkey = tx.n["keyed"], tx.n["tailkey"]
+        for key, cur in (("keyed", keyed), ("tailkey", tailkey)):
+
+            def moved_key(b: Any, old: Any, cur: Fn = cur) -> Any:
+                return z3.If(
+                    z3.And(move, b == copy_block),
+                    cur(tail_block),
+                    z3.If(z3.And(move, b == tail_block), False, old),
+                )
+
+            tx.map_block(key, moved_key)
+        # follow_moved_keys: others holding the tail now hold the copy.
+        follow = self.follows(tx)
+        hold, ckpt = tx.n[f"hold{m}"], tx.n[f"ckpt{m}"]
+
+        def holder(q: Any) -> Any:
+            return z3.And(move, follow, q != r, hold(q, tail_block))
+
+        def resumer(q: Any) -> Any:
+            return z3.And(move, q != r, ckpt(q, tail_block))
+
+        tx.n[f"hold{m}"] = lambda q, b: _moved(
+            holder(q), hold(q, b), b == tail_block, b == copy_block
+        )
+        tx.n[f"ckpt{m}"] = lambda q, b: _moved(
+            resumer(q), ckpt(q, b), b == tail_block, b == copy_block
+        )
+        self.touch(tx, [holders_edit(f"tokh{m}", holder, copy_block)])
+        self.free_blocks(tx, [holders_edit(f"tokh{m}", holder, tail_block)])
+        # The moved tail's pending copy: the source keeps a ref for it.
+        self._new_copy(tx, cc, move, tail_block, copy_block)
+        self.add_ref(tx, [one_copy("tokcs", cc, move, tail_block)])
+        cowsrc = tx.row(f"cowsrc{m}")
+        tx.set_row(f"cowsrc{m}", lambda b: z3.And(cowsrc(b), z3.Not(move)))
+
+        # Holds.hold: the hit source a new request copied from, or the copy
+        # its running tail moved to, if it carries a key.
+        target = z3.If(cow_new, source_block, copy_block)
+        takes = z3.And(copies, tx.n["keyed"](target))
+        do_hold = z3.And(self.hold_enabled(tx), takes)
+        old_hold = tx.row(f"hold{m}")
+        held_block, holding = self._skolem_of(tx, f"held{m}", old_hold)
+        self.touch(tx, [req_edit(f"tokh{m}", r, lambda b: z3.And(do_hold, b == target))])
+        kept = self.supersede(tx, m, old_hold, do_hold)
+        tx.set_row(f"hold{m}", lambda b: z3.If(do_hold, z3.Or(b == target, kept(b)), old_hold(b)))
+        ckpt_row = tx.row(f"ckpt{m}")
+        tx.set_row(f"ckpt{m}", lambda b: z3.If(takes, b == target, ckpt_row(b)))
+
+        # Ghosts: what admission reserved, and the most pinned at once.
+        first = z3.And(ok, _phase_is(s, r, WAITING))
+        tx.set_req(
+            f"rsv{m}",
+            z3.If(
+                first, self.admission_extra(tx, z3.And(adopt, partial), holding), s.f("rsv", m)(r)
+            ),
+        )
+        # One hold at most before (one_hold): counting it is testing it.
+        at_swap = z3.If(holding, 1, 0) + 1
+        still = z3.And(kept(held_block), held_block != target, holding)
+        held_now = z3.If(do_hold, 1 + z3.If(still, 1, 0), z3.If(holding, 1, 0))
+        peak = s.f("peak", m)(r)
+        tx.set_req(
+            f"peak{m}",
+            z3.If(first, held_now, z3.If(z3.And(move, at_swap > peak), at_swap, peak)),
+        )
+
+    def _new_copy(self, tx: UTx, cc: Any, when: Any, source: Any, dest: Any) -> None:
+        for key, value in (("pending", z3.BoolVal(True)), ("src", source), ("dst", dest)):
+            old = tx.n[key]
+            tx.n[key] = lambda c, old=old, value=value: z3.If(z3.And(when, c == cc), value, old(c))
+
+    def _cache(self, tx: UTx, ok: Any) -> None:
+        """`cache`: key some of the request's table blocks; in each Mamba group
+        maybe its prompt's partial tail."""
+        s, r = tx.s, tx.r
+        key, mid = tx.fresh("key", BLOCK), tx.fresh("midkey", BLOCK)
+        tables = {g: tx.row(f"table{g}") for g in s.group_ids}
+        owns = {m: tx.row(f"own{m}") for m in s.mamba_ids}
+        rules = [
+            forall(
+                (BLOCK,),
+                lambda b: z3.Implies(key(b), z3.And(ok, z3.Or([t(b) for t in tables.values()]))),
+            )
+        ]
+        tx.map_block("keyed", lambda b, old: z3.Or(old, key(b)))
+        tx.map_block("tailkey", lambda b, old: z3.If(key(b), mid(b), old))
+        for m in s.mamba_ids:
+            tail = tx.fresh(f"tail{m}")
+            at = tx.fresh(f"tailat{m}", out=BLOCK)
+            tailed = s.f("tailed", m)(r)
+            rules.append(z3.Implies(tail, z3.And(ok, z3.Not(tailed))))
+            rules.append(z3.Implies(tail, z3.And(owns[m](at), key(at), mid(at))))
+            rules.append(
+                forall(
+                    (BLOCK,),
+                    lambda b, m=m, tail=tail, at=at: z3.Implies(
+                        z3.And(key(b), mid(b), tables[m](b)), z3.And(tail, b == at)
+                    ),
+                )
+            )
+            cowsrc = tx.row(f"cowsrc{m}")
+            tx.set_row(
+                f"cowsrc{m}",
+                lambda b, cowsrc=cowsrc, tail=tail, at=at: z3.Or(cowsrc(b), z3.And(tail, b == at)),
+            )
+            tx.set_req(f"tailed{m}", z3.Or(tailed, tail))
+        tx.require("keys own blocks, the tail once", z3.And(rules))
+
+    def _forget(self, tx: UTx) -> None:
+        s = tx.s
+        false = lambda b: z3.BoolVal(False)  # noqa: E731
+        tx.set_req("hashit", z3.BoolVal(False))
+        for g in s.group_ids:
+            for key in ("table", "hit", "hsrc", "own"):
+                tx.set_row(f"{key}{g}", false)
+        for m in s.mamba_ids:
+            tx.set_req(f"tailed{m}", z3.BoolVal(False))
+            tx.set_req(f"rsv{m}", z3.IntVal(0))
+            tx.set_req(f"peak{m}", z3.IntVal(0))
+            for key in ("cowsrc", "hold", "ckpt"):
+                tx.set_row(f"{key}{m}", false)
+
+
+def _moved(moves: Any, held: Any, is_source: Any, is_copy: Any) -> Any:
+    return z3.If(moves, z3.Or(z3.And(held, z3.Not(is_source)), is_copy), held)
+
+
+# -- mutated transitions --------------------------------------------------------------
+
+
+class UHoldOff(UEncoding):
+    name = "hold_off"
+
+    def hold_enabled(self, tx: UTx) -> Any:
+        return z3.BoolVal(False)
+
+    def admission_extra(self, tx: UTx, partial_hit: Any, holding: Any) -> Any:
+        return z3.IntVal(0)
+
+
+class UNoAdmissionExtra(UEncoding):
+    name = "no_admission_extra"
+
+    def admission_extra(self, tx: UTx, partial_hit: Any, holding: Any) -> Any:
+        return z3.IntVal(0)
+
+
+class UAbortKeepsHold(UEncoding):
+    name = "abort_keeps_hold"
+
+    def release_holds(self, tx: UTx, how: Any) -> None:
+        holds = []
+        for m in tx.s.mamba_ids:
+            row = tx.row(f"hold{m}")
+            kept = lambda b, row=row: z3.And(how != ABORT, row(b))  # noqa: E731
+            holds.append(req_edit(f"tokh{m}", tx.r, kept))
+        self.free_blocks(tx, holds)
+
+
+class UCowCopyUnreferenced(UEncoding):
+    name = "cow_copy_unreferenced"
+
+    def cow_retain(self, tx: UTx, edits: list[Edit]) -> None:
+        return None
+
+
+class UTouchKeepsQueued(UEncoding):
+    name = "touch_keeps_queued"
+
+    def touch(self, tx: UTx, edits: list[Edit]) -> None:
+        self.add_ref(tx, edits)
+
+
+class USupersededHoldKept(UEncoding):
+    name = "superseded_hold_kept"
+
+    def supersede(self, tx: UTx, m: int, old: Fn, do_hold: Any) -> Fn:
+        return old
+
+
+class UNoFollow(UEncoding):
+    name = "no_follow"
+
+    def follows(self, tx: UTx) -> Any:
+        return z3.BoolVal(False)
+
+
+UNBOUNDED_ENCODINGS: dict[str, type[UEncoding]] = {
+    e.name: e
+    for e in (
+        UEncoding,
+        UHoldOff,
+        UNoAdmissionExtra,
+        UAbortKeepsHold,
+        UCowCopyUnreferenced,
+        UTouchKeepsQueued,
+        USupersededHoldKept,
+        UNoFollow,
+    )
+}

@@ -1,0 +1,466 @@
+"""The invariants for every pool size, as quantified formulas, and their proof.
+
+The invariants keep the names of the bounded encoding's (`properties.py`);
+what each says is the same, read over the holder sets of `unbounded.py`:
+
+    no_leak            every ref token is a holder's and every holder has
+                       its token, exactly (ref = |holders|: a table entry or
+                       one `pop` put aside, a hold or one put aside, a
+                       pending copy's endpoint); no block is miscounted
+    free_queue_exact   in the free queue iff no token (ref 0)
+    one_hold           at most one held block per request and Mamba group
+    held_state_keyed   a held block carries a key
+    no_total_miss      with the hold on, a running request's checkpoint
+                       is keyed and referenced
+    reservation_covers_tail_swap
+                       peak pins <= the step's copy + admission's extra
+    clean_when_idle    no running or popped request and no pending copy:
+                       every block free, with no token
+
+The lemmas are the bounded ones, quantified (`counts_nonnegative` has no
+counterpart: holder sets have no negative counts), plus `copy_shape` (a
+pending copy's endpoints are two blocks), which the copies' identities need.
+
+`prove_unbounded` checks `init => P` and `I(s) and T_op(s, t) => P(t)` for
+every property P and op, I the conjunction of all of them, each tracked by
+name so an unsat core lists what a proof used. A failed check yields a
+finite model (Z3 picks a universe for each sort): the counterexample to
+induction, whose sizes say where bounded model checking looks for a
+concrete run (see `command.py`).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import z3
+
+from kvgate.invariants.z3.transitions import ENCODED_OPS, acts_on_request
+from kvgate.invariants.z3.unbounded import (
+    BLOCK,
+    COPY,
+    REQ,
+    UNBOUNDED_ENCODINGS,
+    UState,
+    at_most_one,
+    exists,
+    forall,
+)
+from kvgate.invariants.z3.vocabulary import ABSENT, ENDED, POPPED, RUNNING
+
+INIT = "init"
+STEP_COPY = 1
+
+
+@dataclass(frozen=True)
+class UProperty:
+    name: str
+    kind: Literal["invariant", "lemma"]
+    text: str
+    holds: Callable[[UState], Any]
+
+
+def _uniq(rel: Callable[[Any], Any]) -> Any:
+    return at_most_one(rel)
+
+
+def _iff(a: Any, b: Any) -> Any:
+    return a == b
+
+
+def no_leak(s: UState) -> Any:
+    parts = [forall((BLOCK,), lambda b: z3.Not(s["miscount"](b)))]
+    for g in s.group_ids:
+        parts.append(
+            forall(
+                (REQ, BLOCK),
+                lambda r, b, g=g: _iff(
+                    s.f("tokt", g)(r, b), z3.Or(s.f("table", g)(r, b), s.f("popt", g)(r, b))
+                ),
+            )
+        )
+    for m in s.mamba_ids:
+        parts.append(
+            forall(
+                (REQ, BLOCK),
+                lambda r, b, m=m: _iff(
+                    s.f("tokh", m)(r, b), z3.Or(s.f("hold", m)(r, b), s.f("poph", m)(r, b))
+                ),
+            )
+        )
+    parts.append(
+        forall(
+            (COPY,),
+            lambda c: z3.And(
+                _iff(s["tokcs"](c), s["pending"](c)), _iff(s["tokcd"](c), s["pending"](c))
+            ),
+        )
+    )
+    return z3.And(parts)
+
+
+def free_queue_exact(s: UState) -> Any:
+    return forall((BLOCK,), lambda b: _iff(s["free"](b), z3.Not(s.has(b))))
+
+
+def one_hold(s: UState) -> Any:
+    return z3.And(
+        [forall((REQ,), lambda r, m=m: _uniq(lambda b: s.f("hold", m)(r, b))) for m in s.mamba_ids]
+    )
+
+
+def held_state_keyed(s: UState) -> Any:
+    return z3.And(
+        [
+            forall((REQ, BLOCK), lambda r, b, m=m: z3.Implies(s.f("hold", m)(r, b), s["keyed"](b)))
+            for m in s.mamba_ids
+        ]
+    )
+
+
+def no_total_miss(s: UState) -> Any:
+    def each(r: Any, b: Any, m: int) -> Any:
+        resumes = z3.And(s["hold_on"], s["phase"](r) == RUNNING, s.f("ckpt", m)(r, b))
+        return z3.Implies(resumes, z3.And(s.has(b), s["keyed"](b)))
+
+    return z3.And([forall((REQ, BLOCK), lambda r, b, m=m: each(r, b, m)) for m in s.mamba_ids])
+
+
+def reservation_covers_tail_swap(s: UState) -> Any:
+    return z3.And(
+        [
+            forall((REQ,), lambda r, m=m: s.f("peak", m)(r) <= STEP_COPY + s.f("rsv", m)(r))
+            for m in s.mamba_ids
+        ]
+    )
+
+
+def clean_when_idle(s: UState) -> Any:
+    idle = z3.And(
+        forall((REQ,), lambda r: z3.And(s["phase"](r) != RUNNING, s["phase"](r) != POPPED)),
+        forall((COPY,), lambda c: z3.Not(s["pending"](c))),
+    )
+    clean = forall((BLOCK,), lambda b: z3.And(z3.Not(s.has(b)), s["free"](b)))
+    return z3.Implies(idle, clean)
+
+
+# -- lemmas ------------------------------------------------------------------------
+
+
+def phases(s: UState) -> Any:
+    return forall((REQ,), lambda r: z3.And(s["phase"](r) >= ABSENT, s["phase"](r) <= ENDED))
+
+
+def only_residents_own(s: UState) -> Any:
+    def each(r: Any, b: Any) -> Any:
+        running, popped = s["phase"](r) == RUNNING, s["phase"](r) == POPPED
+        owned = [z3.Or(s.f("table", g)(r, b), s.f("own", g)(r, b)) for g in s.group_ids]
+        for m in s.mamba_ids:
+            owned += [s.f("tailed", m)(r), s.f("rsv", m)(r) != 0, s.f("peak", m)(r) != 0]
+            owned += [s.f(k, m)(r, b) for k in ("hold", "cowsrc", "ckpt")]
+        aside = [s.f("popt", g)(r, b) for g in s.group_ids]
+        aside += [s.f("poph", m)(r, b) for m in s.mamba_ids]
+        return z3.And(
+            z3.Implies(z3.Not(running), z3.Not(z3.Or(owned))),
+            z3.Implies(z3.Not(popped), z3.Not(z3.Or(aside))),
+        )
+
+    return forall((REQ, BLOCK), each)
+
+
+def lookup_shape(s: UState) -> Any:
+    parts = []
+    for g in s.group_ids:
+        parts.append(forall((REQ,), lambda r, g=g: _uniq(lambda b: s.f("hsrc", g)(r, b))))
+        parts.append(
+            forall(
+                (REQ, BLOCK),
+                lambda r, b, g=g: z3.Implies(s.f("hsrc", g)(r, b), s.f("hit", g)(r, b)),
+            )
+        )
+    return z3.And(parts)
+
+
+def taken_blocks(s: UState) -> Any:
+    parts = []
+    for g in s.group_ids:
+        own = s.f("own", g)
+        parts.append(
+            forall(
+                (REQ, BLOCK),
+                lambda r, b, g=g, own=own: z3.Implies(own(r, b), s.f("table", g)(r, b)),
+            )
+        )
+        for h in s.group_ids:
+            other = s.f("own", h)
+
+            def one(
+                r1: Any, r2: Any, b: Any, own: Any = own, other: Any = other, g: int = g, h: int = h
+            ) -> Any:
+                same = (r1 == r2) if g == h else z3.BoolVal(False)
+                return z3.Implies(z3.And(own(r1, b), other(r2, b)), same)
+
+            parts.append(forall((REQ, REQ, BLOCK), one))
+    return z3.And(parts)
+
+
+def block_groups(s: UState) -> Any:
+    def each(r: Any, b: Any) -> Any:
+        grp = s["grp"](b)
+        uses = [z3.Implies(s.f("table", g)(r, b), grp == g) for g in s.group_ids]
+        uses += [
+            z3.Implies(z3.Or(s.f("hold", m)(r, b), s.f("cowsrc", m)(r, b)), grp == m)
+            for m in s.mamba_ids
+        ]
+        return z3.And(uses)
+
+    return forall((REQ, BLOCK), each)
+
+
+def pending_tail_shape(s: UState) -> Any:
+    parts = []
+    for m in s.mamba_ids:
+        cowsrc = s.f("cowsrc", m)
+        parts.append(forall((REQ,), lambda r, cowsrc=cowsrc: _uniq(lambda b: cowsrc(r, b))))
+        parts.append(
+            forall(
+                (REQ, BLOCK),
+                lambda r, b, m=m, cowsrc=cowsrc: z3.Implies(
+                    cowsrc(r, b),
+                    z3.And(s.f("own", m)(r, b), s["keyed"](b), s.f("tailed", m)(r)),
+                ),
+            )
+        )
+    return z3.And(parts)
+
+
+def checkpoint_is_hold(s: UState) -> Any:
+    def each(r: Any, b: Any, m: int) -> Any:
+        hold, ckpt = s.f("hold", m)(r, b), s.f("ckpt", m)(r, b)
+        return z3.If(s["hold_on"], hold == ckpt, z3.Not(hold))
+
+    return z3.And([forall((REQ, BLOCK), lambda r, b, m=m: each(r, b, m)) for m in s.mamba_ids])
+
+
+def hold_reserved(s: UState) -> Any:
+    def each(r: Any, m: int) -> Any:
+        rsv, peak = s.f("rsv", m)(r), s.f("peak", m)(r)
+        held = exists((BLOCK,), lambda b: s.f("hold", m)(r, b))
+        awaiting = exists((BLOCK,), lambda b: s.f("cowsrc", m)(r, b))
+        return z3.And(
+            rsv >= 0,
+            rsv <= 1,
+            peak >= 0,
+            z3.Implies(z3.And(z3.Or(z3.Not(s.f("tailed", m)(r)), awaiting), held), rsv >= 1),
+        )
+
+    return z3.And([forall((REQ,), lambda r, m=m: each(r, m)) for m in s.mamba_ids])
+
+
+def copy_shape(s: UState) -> Any:
+    """A pending copy's endpoints are two blocks (its destination was free
+    when taken, its source was not)."""
+
+    def each(c: Any) -> Any:
+        return z3.Implies(s["pending"](c), s["src"](c) != s["dst"](c))
+
+    return forall((COPY,), each)
+
+
+UINVARIANTS: tuple[UProperty, ...] = (
+    UProperty("no_leak", "invariant", "ref tokens = holders, exactly; none miscounted", no_leak),
+    UProperty(
+        "free_queue_exact", "invariant", "in the free queue iff no ref token", free_queue_exact
+    ),
+    UProperty("one_hold", "invariant", "at most one hold per request and Mamba group", one_hold),
+    UProperty("held_state_keyed", "invariant", "a held block carries a key", held_state_keyed),
+    UProperty(
+        "no_total_miss",
+        "invariant",
+        "hold on: a running request's checkpoint keyed, ref >= 1",
+        no_total_miss,
+    ),
+    UProperty(
+        "reservation_covers_tail_swap",
+        "invariant",
+        "pins at the tail swap <= the step's copy + admission's extra",
+        reservation_covers_tail_swap,
+    ),
+    UProperty(
+        "clean_when_idle", "invariant", "idle pool: every block free, no token", clean_when_idle
+    ),
+)
+ULEMMAS: tuple[UProperty, ...] = (
+    UProperty("phases", "lemma", "a phase is one of the five", phases),
+    UProperty(
+        "only_residents_own",
+        "lemma",
+        "only a running request owns; only popped aside",
+        only_residents_own,
+    ),
+    UProperty(
+        "lookup_shape", "lemma", "one partial source per group, among the hits", lookup_shape
+    ),
+    UProperty(
+        "taken_blocks", "lemma", "a taken block: in its taker's table, one taker", taken_blocks
+    ),
+    UProperty("block_groups", "lemma", "a block is used by the group that took it", block_groups),
+    UProperty(
+        "pending_tail_shape", "lemma", "an awaited tail: one own keyed block", pending_tail_shape
+    ),
+    UProperty(
+        "checkpoint_is_hold", "lemma", "hold on: hold = checkpoint; off: none", checkpoint_is_hold
+    ),
+    UProperty("hold_reserved", "lemma", "before the tail moves, holds <= reserved", hold_reserved),
+    UProperty("copy_shape", "lemma", "a pending copy's endpoints differ", copy_shape),
+)
+UPROPERTIES: tuple[UProperty, ...] = UINVARIANTS + ULEMMAS
+UPROPERTY_BY_NAME = {p.name: p for p in UPROPERTIES}
+
+
+def uinit(s: UState) -> Any:
+    """A fresh manager: every block free, unkeyed, no token; no request; no copy."""
+    out = [
+        forall(
+            (BLOCK,),
+            lambda b: z3.And(
+                s["free"](b),
+                z3.Not(s["keyed"](b)),
+                z3.Not(s["tailkey"](b)),
+                z3.Not(s["miscount"](b)),
+            ),
+        ),
+        forall(
+            (COPY,),
+            lambda c: z3.And(z3.Not(s["pending"](c)), z3.Not(s["tokcs"](c)), z3.Not(s["tokcd"](c))),
+        ),
+    ]
+
+    def req(r: Any, b: Any) -> Any:
+        parts = [s["phase"](r) == ABSENT, z3.Not(s["hashit"](r))]
+        for g in s.group_ids:
+            parts += [
+                z3.Not(s.f(k, g)(r, b)) for k in ("table", "hit", "hsrc", "own", "popt", "tokt")
+            ]
+        for m in s.mamba_ids:
+            parts += [z3.Not(s.f(k, m)(r, b)) for k in ("cowsrc", "hold", "poph", "tokh", "ckpt")]
+            parts += [z3.Not(s.f("tailed", m)(r)), s.f("rsv", m)(r) == 0, s.f("peak", m)(r) == 0]
+        return z3.And(parts)
+
+    out.append(forall((REQ, BLOCK), req))
+    return z3.And(out)
+
+
+# -- the checks ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class UResult:
+    prop: str
+    kind: str
+    op: str
+    proved: bool
+    seconds: float
+    used: tuple[str, ...] = ()  # the unsat core
+    sizes: tuple[int, int, int] | None = None  # a counterexample's blocks, requests, copies
+    unknown: str = ""  # why the solver gave up, if it did
+
+
+def _solver() -> Any:
+    solver = z3.Solver()
+    solver.set("timeout", 60_000)
+    return solver
+
+
+def _sizes(model: Any) -> tuple[int, int, int]:
+    def size(sort: Any) -> int:
+        universe = model.get_universe(sort)
+        return len(universe) if universe is not None else 1
+
+    return size(BLOCK), size(REQ), size(COPY)
+
+
+def check_uinit(groups: int, prop: UProperty) -> UResult:
+    started = time.perf_counter()
+    s = UState(groups, "s")
+    solver = _solver()
+    solver.add(uinit(s), z3.Not(prop.holds(s)))
+    verdict = solver.check()
+    sizes = _sizes(solver.model()) if verdict == z3.sat else None
+    return UResult(
+        prop.name,
+        prop.kind,
+        INIT,
+        verdict == z3.unsat,
+        time.perf_counter() - started,
+        sizes=sizes,
+        unknown=solver.reason_unknown() if verdict == z3.unknown else "",
+    )
+
+
+def check_uop(groups: int, mutation: str, op: str, props: Sequence[UProperty]) -> list[UResult]:
+    """`I(s) and T_op(s, t) => P(t)` for each P, on one solver (push/pop)."""
+    encoding = UNBOUNDED_ENCODINGS[mutation](groups)
+    s = UState(groups, "s")
+    solver = _solver()
+    for p in UPROPERTIES:
+        solver.assert_and_track(p.holds(s), z3.Bool(f"pre {p.name}"))
+    r = z3.Const("r", REQ) if acts_on_request(op) else None
+    tx = encoding.build(op, s, r, "x")
+    for name, clause in tx.named():
+        solver.assert_and_track(clause, z3.Bool(name))
+    t = tx.view()
+    out = []
+    for prop in props:
+        started = time.perf_counter()
+        solver.push()
+        solver.add(z3.Not(prop.holds(t)))
+        verdict = solver.check()
+        seconds = time.perf_counter() - started
+        if verdict == z3.unsat:
+            core = tuple(sorted(str(c) for c in solver.unsat_core()))
+            out.append(UResult(prop.name, prop.kind, op, True, seconds, core))
+        elif verdict == z3.sat:
+            out.append(
+                UResult(prop.name, prop.kind, op, False, seconds, sizes=_sizes(solver.model()))
+            )
+        else:
+            out.append(
+                UResult(prop.name, prop.kind, op, False, seconds, unknown=solver.reason_unknown())
+            )
+        solver.pop()
+    return out
+
+
+def _task(task: tuple[int, str, tuple[str, ...], str]) -> list[UResult]:
+    groups, mutation, names, op = task
+    props = [UPROPERTY_BY_NAME[n] for n in names]
+    if op == INIT:
+        return [check_uinit(groups, p) for p in props]
+    return check_uop(groups, mutation, op, props)
+
+
+def prove_unbounded(
+    groups: int = 3,
+    mutation: str = "clean",
+    props: Sequence[str] | None = None,
+    ops: Sequence[str] = ENCODED_OPS,
+    jobs: int = 1,
+) -> list[UResult]:
+    """The whole table for every pool size: `init` and every op, every property."""
+    names = tuple(props) if props is not None else tuple(p.name for p in UPROPERTIES)
+    tasks = [(groups, mutation, names, op) for op in (INIT, *ops)]
+    if jobs <= 1:
+        chunks = [_task(t) for t in tasks]
+    else:
+        spawn = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(max_workers=jobs, mp_context=spawn) as pool:
+            chunks = list(pool.map(_task, tasks))
+    order = {op: i for i, op in enumerate((INIT, *ops))}
+    rows = [r for chunk in chunks for r in chunk]
+    return sorted(rows, key=lambda r: (names.index(r.prop), order[r.op]))

@@ -1,0 +1,98 @@
+"""The import table in ARCHITECTURE.md is the layering: check the code keeps it.
+
+Each row names a unit of `kvgate/` (a folder or a top-level module) and, in
+its last column, the kvgate units and third-party packages it may import.
+Every import statement in `kvgate/` must be allowed by its unit's row.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "kvgate"
+# Third-party packages whose use is part of the layering (the rest, such as
+# PyYAML or the standard library, is not tracked).
+TRACKED = frozenset({"vllm", "torch", "z3", "hypothesis", "ray"})
+
+
+def declared_layers() -> dict[str, set[str]]:
+    text = (ROOT / "ARCHITECTURE.md").read_text()
+    table = text[text.index("| folder |") :].split("\n\n", 1)[0]
+    layers: dict[str, set[str]] = {}
+    for row in table.splitlines()[2:]:
+        cells = [c.strip() for c in row.strip().strip("|").split("|")]
+        unit = cells[0].strip("`")
+        layers[unit] = set(re.findall(r"`([^`]+)`", cells[-1]))
+    return layers
+
+
+def unit_of(path: Path) -> str:
+    parts = path.relative_to(PACKAGE).parts
+    if len(parts) == 1:
+        return parts[0]
+    if parts[:2] == ("invariants", "z3") and len(parts) > 2:
+        return "invariants/z3/"
+    return parts[0] + "/"
+
+
+def unit_of_module(module: str) -> str | None:
+    """The unit a `kvgate.x.y` module belongs to; None for a third-party one."""
+    parts = module.split(".")
+    if parts[0] != "kvgate":
+        return None
+    if len(parts) == 1:
+        return "__init__.py"
+    if parts[1:3] == ["invariants", "z3"]:
+        return "invariants/z3/"
+    if (PACKAGE / parts[1]).is_dir():
+        return parts[1] + "/"
+    return parts[1] + ".py"
+
+
+def imports(path: Path) -> set[str]:
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            if node.module == "kvgate":
+                found.update(f"kvgate.{alias.name}" for alias in node.names)
+    return found
+
+
+def test_every_import_is_in_the_architecture_table() -> None:
+    layers = declared_layers()
+    wrong: list[str] = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        unit = unit_of(path)
+        if unit == "__init__.py":
+            continue
+        assert unit in layers, f"{unit} has no row in ARCHITECTURE.md's import table"
+        allowed = layers[unit] | {unit}
+        for module in imports(path):
+            target = unit_of_module(module)
+            name = target if target is not None else module.split(".")[0]
+            if target is None and name not in TRACKED:
+                continue
+            if target == "__init__.py" or name in allowed:
+                continue
+            wrong.append(f"{path.relative_to(ROOT)} imports {module} ({unit} may not use {name})")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_only_main_imports_the_command_line() -> None:
+    users = [
+        str(path.relative_to(ROOT))
+        for path in PACKAGE.rglob("*.py")
+        if path.name != "__main__.py" and "kvgate.cli" in imports(path)
+    ]
+    assert users == []
+
+
+def test_the_table_names_no_unit_that_does_not_exist() -> None:
+    for unit in declared_layers():
+        assert (PACKAGE / unit.rstrip("/")).exists(), unit
