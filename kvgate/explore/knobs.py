@@ -107,6 +107,8 @@ KNOBS: tuple[Knob, ...] = (
         (8192, 64, 32),
         lambda c, v: replace(c, max_num_scheduled_tokens=v),
     ),
+    # KV-cache events queued for the `events` op.
+    Knob("kv_events", (False, True), lambda c, v: replace(c, kv_events=v)),
 )
 KNOB_NAMES = tuple(k.name for k in KNOBS)
 
