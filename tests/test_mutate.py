@@ -202,6 +202,39 @@ def test_exploration_counts_only_when_it_passes_unmutated() -> None:
     assert judge(fault, run, "", failing, 1.0).verdict == "missed"
 
 
+def test_exploration_alone_is_counted_beside_the_corpus() -> None:
+    """With the exploration run on every fault, each stage's own rate: a
+    fault both catch counts for both; one only the corpus catches counts
+    against exploration alone."""
+    from kvgate.mutate.campaign import Campaign
+    from kvgate.mutate.command import summary_lines
+
+    clean = ExploreOutcome(True, "", 20, 1.0)
+    found = ExploreOutcome(True, "divergence api hit", 20, 1.0)
+    baseline = _baseline(_outcome("a"), exploration=clean)
+    both = judge(
+        FAULTS[0], GateRun("x", None, "", (_outcome("a", False),), found), "", baseline, 1.0
+    )
+    corpus_only = judge(
+        FAULTS[1], GateRun("y", None, "", (_outcome("a", False),), clean), "", baseline, 1.0
+    )
+    explore_only = judge(
+        FAULTS[2], GateRun("z", None, "", (_outcome("a"),), found), "", baseline, 1.0
+    )
+    assert (both.explored, both.corpus_caught) == (True, True)
+    assert (corpus_only.explored, explore_only.corpus_caught) == (False, False)
+    campaign = Campaign(baseline, [both, corpus_only, explore_only])
+    assert campaign.corpus_kill_rate() == (2, 3)
+    assert campaign.exploration_kill_rate() == (2, 3)
+    lines = summary_lines(campaign)
+    assert any("exploration alone (no corpus) 2/3 (66.7%)" in line for line in lines)
+    assert f"not caught by exploration alone: {FAULTS[1].name}" in lines
+    # Not run on every fault: no rate claimed.
+    skipped = judge(FAULTS[3], GateRun("w", None, "", (_outcome("a", False),), None), "",
+                    baseline, 1.0)  # fmt: skip
+    assert Campaign(baseline, [both, skipped]).exploration_kill_rate() is None
+
+
 def test_a_hung_or_dead_child_is_not_a_catch() -> None:
     fault = FAULTS[0]
     assert judge(fault, None, "hung in x: no verdict", _baseline(), 5.0).verdict == "hung"

@@ -51,6 +51,9 @@ class Settings:
     # Examples of the differential exploration for a fault the corpus
     # misses; 0 switches the stage off.
     explore_examples: int = 20
+    # Run the exploration against every fault, not only those the corpus
+    # misses, so its kill rate alone (no corpus) stands next to the corpus's.
+    explore_every_fault: bool = False
     timeout: float = 300.0  # seconds one child may take before it counts as hung
 
 
@@ -126,6 +129,9 @@ class FaultResult:
     note: str = ""  # not applicable / hung / error: why
     catching_traces: int = 0
     invariants: tuple[str, ...] = ()  # every invariant some usable trace violated
+    # What the exploration alone said (None: it did not run on this fault).
+    explored: bool | None = None
+    corpus_caught: bool = False  # a trace or an invariant on one caught it
 
 
 @dataclass
@@ -144,6 +150,18 @@ class Campaign:
 
     def kill_rate(self) -> tuple[int, int]:
         return len(self.caught), len(self.applicable)
+
+    def corpus_kill_rate(self) -> tuple[int, int]:
+        """Caught by the corpus (a trace, or an invariant on one) alone."""
+        return sum(r.corpus_caught for r in self.applicable), len(self.applicable)
+
+    def exploration_kill_rate(self) -> tuple[int, int] | None:
+        """Caught by the exploration alone, over the faults it ran on (None
+        unless it ran on every applicable fault)."""
+        ran = [r for r in self.applicable if r.explored is not None]
+        if not ran or len(ran) != len(self.applicable):
+            return None
+        return sum(bool(r.explored) for r in ran), len(ran)
 
 
 class CampaignError(Exception):
@@ -178,7 +196,8 @@ def gate_run(
     exploration = None
     caught = baseline is not None and any(_counts(o, baseline) for o in outcomes)
     explore_wanted = settings.explore_examples > 0 and (
-        baseline is None or (baseline.exploration_usable and not caught)
+        baseline is None
+        or (baseline.exploration_usable and (settings.explore_every_fault or not caught))
     )
     if explore_wanted:
         if progress is not None:
@@ -423,12 +442,11 @@ def judge(
     elif violated:
         first = violated[0]
         catch = Catch("invariant", first.invariant, f"{first.trace}: {first.violation}")
-    elif (
-        run.exploration is not None
-        and run.exploration.ran
-        and run.exploration.failure
-        and baseline.exploration_usable
-    ):
+    explored = None
+    if run.exploration is not None and run.exploration.ran and baseline.exploration_usable:
+        explored = bool(run.exploration.failure)
+    if catch is None and explored:
+        assert run.exploration is not None
         catch = Catch("exploration", "exploration", run.exploration.failure)
     if catch is None and fault.equivalent_under:
         # Its only effect is state the strict view leaves out as unobservable.
@@ -448,4 +466,6 @@ def judge(
         run.edit,
         catching_traces=len(diverged),
         invariants=invariants,
+        explored=explored,
+        corpus_caught=bool(diverged or violated),
     )

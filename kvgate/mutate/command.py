@@ -1,7 +1,8 @@
 """`kvgate mutate`: how many real bugs the gate catches.
 
     kvgate mutate [--target vllm] [--faults NAME...] [--suite gate|vllm-own|both]
-                  [--corpus DIR] [--level api|strict] [--explore N] [--jobs N]
+                  [--corpus DIR] [--level api|strict] [--explore N] [--explore-every-fault]
+                  [--jobs N]
                   [--timeout SECONDS] [--tests-dir DIR] [--junit-xml PATH] [--list]
 
 `--suite gate` (the default) injects each fault of `faults.FAULTS` into the
@@ -80,6 +81,12 @@ def register(subparsers: Any) -> None:
         help="examples of differential exploration for a fault the corpus misses (0: off)",
     )
     cmd.add_argument(
+        "--explore-every-fault",
+        action="store_true",
+        help="run the exploration against every fault too, and report its kill rate alone "
+        "(no corpus) next to the corpus's",
+    )
+    cmd.add_argument(
         "--jobs", type=int, default=min(2, os.cpu_count() or 1), help="faults run at once"
     )
     cmd.add_argument(
@@ -125,6 +132,7 @@ def handle(args: argparse.Namespace) -> int:
             corpus=args.corpus or bundled_corpus(),
             level=args.level,
             explore_examples=args.explore,
+            explore_every_fault=args.explore_every_fault,
             timeout=args.timeout or 300.0,
         )
         campaign = gate_campaign(out, faults, settings, args.jobs)
@@ -252,6 +260,16 @@ def summary_lines(campaign: Campaign) -> list[str]:
         lines.append(
             "caught by exploration only: " + ", ".join(r.fault.name for r in by_exploration)
         )
+    explored = campaign.exploration_kill_rate()
+    if explored is not None:
+        corpus_caught, corpus_applicable = campaign.corpus_kill_rate()
+        lines.append(
+            f"by stage alone: corpus (traces + invariants) {corpus_caught}/{corpus_applicable} "
+            f"({_pct(corpus_caught, corpus_applicable)}); exploration alone (no corpus) "
+            f"{explored[0]}/{explored[1]} ({_pct(*explored)})"
+        )
+        missed = [r.fault.name for r in campaign.applicable if r.explored is False]
+        lines.append("not caught by exploration alone: " + (", ".join(missed) or "none"))
     per_fault = [r.seconds for r in campaign.results]
     mean = sum(per_fault) / len(per_fault) if per_fault else 0.0
     lines.append(
@@ -334,6 +352,10 @@ def write_side_by_side(out: TextIO, campaign: Campaign, suite: Sequence[SuiteRes
 
 
 # ---------------------------------------------------------------- helpers
+
+
+def _pct(part: int, whole: int) -> str:
+    return f"{100.0 * part / whole:.1f}%" if whole else "-"
 
 
 def write_fault_list(out: TextIO, faults: Sequence[Fault]) -> None:
