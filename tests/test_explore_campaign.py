@@ -20,7 +20,7 @@ SEED_STRATUM = (("mamba_groups", 1), ("speculative_blocks", 3), ("eagle", True),
                 ("retention_interval", 0))  # fmt: skip
 
 
-def small_plan(examples: int = 6, shards: int = 2) -> Plan:
+def small_plan(examples: int = 30, shards: int = 2) -> Plan:
     cells = tuple(Cell(SEED_STRATUM, arm, "model") for arm in ("off", "on"))
     return Plan(cells, "dev", examples, shards, seed=0)
 
