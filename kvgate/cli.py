@@ -114,6 +114,7 @@ def run_traces(
         target = build_target(factory, trace)
         try:
             result = replay(trace, target, model, level)
+            report.exclusions(trace.name, getattr(target, "exclusions_applied", ()))
         finally:
             target.close()
         report.add(result)

@@ -464,4 +464,3 @@ def prove_unbounded(
     order = {op: i for i, op in enumerate((INIT, *ops))}
     rows = [r for chunk in chunks for r in chunk]
     return sorted(rows, key=lambda r: (names.index(r.prop), order[r.op]))
-
