@@ -184,11 +184,11 @@ def test_an_invariant_only_catch_names_the_invariant() -> None:
     # On "b" the invariant already fails unmutated: it cannot catch.
     run = GateRun(fault.name, None, "", (_outcome("b", invariant="free_queue_exact"),), None)
     assert judge(fault, run, "", baseline, 1.0).verdict == "missed"
-    run = GateRun(fault.name, None, "", (_outcome("a", invariant="ref_accounting"),), None)
+    run = GateRun(fault.name, None, "", (_outcome("a", invariant="no_leak"),), None)
     result = judge(fault, run, "", baseline, 1.0)
     assert result.catch is not None
-    assert (result.catch.stage, result.catch.source) == ("invariant", "ref_accounting")
-    assert result.invariants == ("ref_accounting",)
+    assert (result.catch.stage, result.catch.source) == ("invariant", "no_leak")
+    assert result.invariants == ("no_leak",)
 
 
 def test_exploration_counts_only_when_it_passes_unmutated() -> None:

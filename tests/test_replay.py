@@ -24,15 +24,14 @@ from fake_target import (
 )
 
 from kvgate import cli, targets
+from kvgate.conformance.compare import NOT_REPORTED, same
 from kvgate.conformance.config import Config
 from kvgate.conformance.replay import (
     HOLD_NOTE,
-    NOT_REPORTED,
     Level,
     ReplayResult,
     TargetFactory,
     replay,
-    same,
 )
 from kvgate.conformance.report import (
     divergence_lines,
@@ -280,7 +279,7 @@ def test_a_target_without_the_hold_gets_a_lockstep_model_without_it() -> None:
     steps = FOLLOW_UP + "- {op: lookup, req: B}\n"
     result, _ = run(steps, HoldlessFake, model, hold=True)
     assert result.passed
-    assert built[0].retain_checkpoint is False
+    assert built[0].hold is False
     assert result.notes == (HOLD_NOTE,)
     # The trace's own expectation still judges the target.
     failing, _ = run(
@@ -302,7 +301,7 @@ def test_a_target_with_the_hold_keeps_it_in_the_model() -> None:
         FOLLOW_UP + "- {op: lookup, req: B, expect: {hit: 8}}\n", FakeTarget, model, hold=True
     )
     assert result.passed and result.notes == ()
-    assert built[0].retain_checkpoint is True
+    assert built[0].hold is True
 
 
 # -- report -------------------------------------------------------------------

@@ -20,14 +20,22 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
-from itertools import count
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
+from kvgate.conformance.compare import (
+    NOT_REPORTED,
+    PROMPT_DONE,
+    observation_difference,
+    same,
+    same_check,
+    snapshot_difference,
+)
 from kvgate.conformance.config import Config, UnsupportedConfig
-from kvgate.conformance.ops import ACTIONS, Step
+from kvgate.conformance.macros import prefill_steps
+from kvgate.conformance.ops import Step
 from kvgate.conformance.target import Capabilities, StepRefused, Target
-from kvgate.conformance.trace import Trace, TraceError, prefill_lookup, prefill_round
+from kvgate.conformance.trace import Trace, TraceError
 
 Level = Literal["api", "strict"]
 LEVELS: tuple[Level, ...] = ("api", "strict")
@@ -44,20 +52,6 @@ RETIRE_NOTE = (
     "target does not retain retired states: lockstep model runs without; "
     "the trace's expectations still apply"
 )
-
-# A replayer-only observation key: which step ends a prefill's loop, not
-# something a manager's caller sees, so never compared as a value.
-PROMPT_DONE = "prompt_done"
-
-
-class _NotReported:
-    """Stands for a value an observation lacks."""
-
-    def __repr__(self) -> str:
-        return "(not reported)"
-
-
-NOT_REPORTED: Any = _NotReported()
 
 
 @dataclass(frozen=True)
@@ -118,11 +112,11 @@ def replay(trace: Trace, target: Target, model: TargetFactory | None, level: Lev
     lockstep: Target | None = None
     if model is not None:
         config = trace.config
-        if config.retain_checkpoint and not target.capabilities.hold:
-            config = replace(config, retain_checkpoint=False)
+        if config.hold and not target.capabilities.hold:
+            config = replace(config, hold=False)
             notes.append(HOLD_NOTE)
-        if config.retain_retired and not target.capabilities.retire:
-            config = replace(config, retain_retired=False)
+        if config.hold_retired and not target.capabilities.retire:
+            config = replace(config, hold_retired=False)
             notes.append(RETIRE_NOTE)
         try:
             lockstep = model(config)
@@ -208,10 +202,9 @@ class _Lockstep:
             if not same(want, got):
                 self.miss(step, key, want, got)
         if modeled is not None:
-            for key in _ordered_keys(step, modeled, observed):
-                want, got = modeled.get(key, NOT_REPORTED), observed.get(key, NOT_REPORTED)
-                if not same(want, got):
-                    raise self.diverged(step, "api", key, want, got)
+            difference = observation_difference(step.op, modeled, observed)
+            if difference is not None:
+                raise self.diverged(step, "api", *difference)
         if self.level == "strict" and self.model is not None:
             self.compare_snapshots(step, self.model)
         return observed, modeled
@@ -252,10 +245,9 @@ class _Lockstep:
     def compare_snapshots(self, step: Step, model: Target) -> None:
         expected = self.guarded(step, "model", model.snapshot)
         actual = self.guarded(step, "target", self.target.snapshot)
-        first = next(iter(expected.differences(actual)), None)
-        if first is not None:
-            what, want, got = first
-            raise self.diverged(step, "strict", what, want, got)
+        difference = snapshot_difference(expected, actual)
+        if difference is not None:
+            raise self.diverged(step, "strict", *difference)
 
     # -- macros and checks --------------------------------------------------
 
@@ -266,9 +258,9 @@ class _Lockstep:
         in max_model_len is done within that many rounds; going past it, or
         an allocate that fails or moves nothing, means the prefill is stuck.
         """
-        self.primitive(prefill_lookup(macro))
-        for round_no in count(1):
-            allocate, step, drain = prefill_round(macro, round_no)
+        steps = prefill_steps(macro)
+        self.primitive(next(steps))  # the lookup
+        for round_no, allocate in enumerate(steps, start=1):
             observed, modeled = self.primitive(allocate)
             if observed.get("ok") is not True:
                 raise self.stalled(allocate, observed)
@@ -290,10 +282,8 @@ class _Lockstep:
                 observed.get("tokens") == 0 or round_no >= self.trace.config.max_model_len
             ):
                 raise self.stalled(allocate, observed)
-            self.primitive(step)
-            self.primitive(drain)
-            if done:
-                return
+            self.primitive(steps.send(done))  # step
+            self.primitive(next(steps))  # drain
 
     def stalled(self, allocate: Step, observed: Mapping[str, Any]) -> _Diverged:
         return self.diverged(
@@ -318,38 +308,11 @@ class _Lockstep:
                     "the target does not report it",
                 )
             got = values[key]
-            if key == "holds":
-                want, got = _holding(want), _holding(got)
-            if not same(want, got):
+            if not same_check(key, want, got):
                 self.miss(step, f"check {key}", want, got)
-
-
-def same(a: object, b: object) -> bool:
-    """Equality of observed values: lists equal tuples, but true is not 1."""
-    if isinstance(a, bool) or isinstance(b, bool):
-        return type(a) is type(b) and a == b
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
-    if isinstance(a, Mapping) and isinstance(b, Mapping):
-        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    return a == b
 
 
 def one_line(error: BaseException) -> str:
     """`TypeName: first line of the message`."""
     lines = str(error).strip().splitlines()
     return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
-
-
-def _holding(holds: object) -> object:
-    """A holds map without the requests that hold nothing."""
-    if not isinstance(holds, Mapping):
-        return holds
-    return {req: dict(groups) for req, groups in holds.items() if groups}
-
-
-def _ordered_keys(step: Step, *observations: Mapping[str, Any]) -> list[str]:
-    """The keys both sides reported, the op's own first; never `prompt_done`."""
-    reported = {k for o in observations for k in o} - {PROMPT_DONE}
-    own = [k for k in ACTIONS[step.op].expect_keys if k in reported]
-    return own + sorted(reported - set(own))

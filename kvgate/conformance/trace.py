@@ -20,10 +20,9 @@ Choices the format leaves to the reader, fixed here:
   leaves only `release`, which ends it. `all_of`/`prompt_of` may name any
   request that has arrived, ended or not.
 
-Macros: `decode` is expanded here, since its length is in the trace. The
-length of `prefill`'s allocate loop depends on the target's chunk split, so
-`Trace.primitives` keeps each `prefill` as one step and the replayer expands
-it while it runs, with `prefill_lookup` and `prefill_round` below.
+Macros expand in `macros.py`: `Trace.primitives` has each `decode`
+expanded and each `prefill` kept whole, since its loop's length depends on
+the target's chunk split.
 """
 
 from __future__ import annotations
@@ -31,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, TypeGuard, cast
+from typing import Any, TypeGuard, cast
 
 import yaml
 from yaml.nodes import MappingNode
@@ -43,6 +42,7 @@ from kvgate.conformance.config import (
     UnsupportedConfig,
     validate,
 )
+from kvgate.conformance.macros import expand
 from kvgate.conformance.ops import (
     ACTIONS,
     CHECK_KEYS,
@@ -50,8 +50,11 @@ from kvgate.conformance.ops import (
     FIELD_TYPES,
     FREE_HOW,
     Action,
+    Phase,
     Segment,
     Step,
+    next_phase,
+    out_of_phase,
 )
 
 FORMAT = "kvgate-trace/1"
@@ -68,12 +71,17 @@ _CONFIG_OPTIONAL = (
     "retain_checkpoint",
     "retain_retired",
     "long_prefill_token_threshold",
+    "shared_prefix_checkpoint",
+)
+_GROUP_KEYS = (
+    "kind",
+    "block_size",
+    "speculative_blocks",
+    "prefill_checkpoint_blocks",
+    "prefill_checkpoint_alignment",
 )
 _GROUP_KINDS = ("full_attention", "mamba_align")
 _SEGMENT_KINDS = ("fresh", "all_of", "prompt_of", "tokens")
-
-# Macros the replayer expands while it runs (see the module docstring).
-RUNTIME_MACROS = ("prefill",)
 
 
 class TraceError(ValueError):
@@ -163,47 +171,6 @@ def bundled_corpus() -> Path:
     return Path(__file__).with_name("corpus")
 
 
-def expand(step: Step) -> tuple[Step, ...]:
-    """The primitives a written step stands for, as far as known before replay.
-
-    `decode {req, steps, spec}` becomes `steps` times decode1, step, drain.
-    A `prefill` stays whole (see `RUNTIME_MACROS`); every other op is itself.
-    """
-    if step.op != "decode":
-        return (step,)
-    expanded: list[Step] = []
-    for k in range(step.steps):
-        expanded += [
-            Step("decode1", step.index, 3 * k + 1, "decode", req=step.req, spec=step.spec),
-            Step("step", step.index, 3 * k + 2, "decode"),
-            Step("drain", step.index, 3 * k + 3, "decode"),
-        ]
-    return tuple(expanded)
-
-
-def prefill_lookup(prefill: Step) -> Step:
-    """The `lookup` a prefill starts with; the macro's `expect.hit` applies to it."""
-    return Step("lookup", prefill.index, 1, "prefill", req=prefill.req, expect=dict(prefill.expect))
-
-
-def prefill_round(prefill: Step, round_no: int) -> tuple[Step, Step, Step]:
-    """Round `round_no` (from 1) of a prefill's loop: allocate auto, step, drain."""
-    part = 3 * round_no - 1  # part 1 is the lookup
-    return (
-        Step(
-            "allocate",
-            prefill.index,
-            part,
-            "prefill",
-            req=prefill.req,
-            tokens="auto",
-            lookahead=prefill.lookahead,
-        ),
-        Step("step", prefill.index, part + 1, "prefill"),
-        Step("drain", prefill.index, part + 2, "prefill"),
-    )
-
-
 class _NoDuplicateKeys(yaml.constructor.SafeConstructor):
     """PyYAML's safe constructor, except that a repeated mapping key is an error.
 
@@ -261,15 +228,12 @@ def _load_with_libyaml(text: str) -> list[object] | None:
         return None
 
 
-_RequestState = Literal["live", "popped", "ended"]
-
-
 class _Reader:
     """Validates one trace document, step by step, tracking each request's life."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.requests: dict[str, tuple[_RequestState, str]] = {}  # name -> (state, since)
+        self.requests: dict[str, tuple[Phase, str]] = {}  # name -> (phase, since when)
         self.config: Config | None = None
 
     def error(self, index: int | None, field: str, message: str) -> TraceError:
@@ -372,8 +336,9 @@ class _Reader:
             groups=groups,
             eagle=flag("eagle"),
             retention_interval=retention,
-            retain_checkpoint=flag("retain_checkpoint"),
-            retain_retired=flag("retain_retired"),
+            hold=flag("retain_checkpoint"),
+            hold_retired=flag("retain_retired"),
+            shared_prefix_checkpoint=flag("shared_prefix_checkpoint"),
             scheduler_block_size=count("scheduler_block_size", default_scheduler),
             max_model_len=count("max_model_len", 8192),
             max_num_scheduled_tokens=count("max_num_scheduled_tokens", 8192),
@@ -393,9 +358,7 @@ class _Reader:
             where = f"config.groups[{i}]"
             if not isinstance(group, dict):
                 raise self.error(None, where, f"must be a mapping, got {_got(group)}")
-            self.unknown_keys(
-                None, f"{where}.", group, ("kind", "block_size", "speculative_blocks"), "group key"
-            )
+            self.unknown_keys(None, f"{where}.", group, _GROUP_KEYS, "group key")
             self.missing_keys(None, f"{where}.", group, ("kind", "block_size"))
             kind = group["kind"]
             if kind not in _GROUP_KINDS:
@@ -403,14 +366,29 @@ class _Reader:
                     None, f"{where}.kind", f"{_got(kind)} is not one of {', '.join(_GROUP_KINDS)}"
                 )
             sizes: list[int] = []
-            for key in ("block_size", "speculative_blocks"):
+            for key in ("block_size", "speculative_blocks", "prefill_checkpoint_blocks"):
                 value = group.get(key, 0)
                 if not _is_count(value):
                     raise self.error(
                         None, f"{where}.{key}", f"must be an integer >= 0, got {_got(value)}"
                     )
                 sizes.append(value)
-            groups.append(GroupConfig(cast(GroupKind, kind), *sizes))
+            alignment = group.get("prefill_checkpoint_alignment")
+            if alignment is not None and (not _is_count(alignment) or alignment < 1):
+                raise self.error(
+                    None,
+                    f"{where}.prefill_checkpoint_alignment",
+                    f"must be an integer >= 1, got {_got(alignment)}",
+                )
+            groups.append(
+                GroupConfig(
+                    cast(GroupKind, kind),
+                    block_size=sizes[0],
+                    speculative_blocks=sizes[1],
+                    prefill_checkpoint_blocks=sizes[2],
+                    prefill_checkpoint_alignment=alignment,
+                )
+            )
         return tuple(groups)
 
     # -- steps ------------------------------------------------------------
@@ -636,36 +614,24 @@ class _Reader:
         return holds
 
     def track_request(self, index: int, action: Action, values: Mapping[str, object]) -> None:
-        """Enforce a request's life: arrive once, nothing after it ended."""
+        """Enforce a request's life as the action table declares it."""
         req = values.get("req")
-        if not isinstance(req, str):
+        if not isinstance(req, str) or not action.valid_in:
             return
-        if action.name == "arrive":
-            if req in self.requests:
-                raise self.error(index, "req", f"request {req!r} has already arrived")
-            self.requests[req] = ("live", f"arrived at step {index}")
-            return
-        if not action.needs_request:
-            return
-        if req not in self.requests:
-            raise self.error(index, "req", f"request {req!r} is used before `arrive`")
-        state, since = self.requests[req]
-        if action.name == "release":
-            if state != "popped":
-                raise self.error(index, "req", f"`release` of {req!r} without a prior `pop`")
-            self.requests[req] = ("ended", f"released at step {index}")
-        elif state == "popped":
-            raise self.error(
-                index, "req", f"request {req!r} was popped ({since}); only `release` may follow"
-            )
-        elif state == "ended":
-            raise self.error(index, "req", f"request {req!r} has ended ({since})")
-        elif action.name == "pop":
-            self.requests[req] = ("popped", f"popped at step {index}")
-        elif action.name == "free" and values.get("how") == "finish":
-            self.requests[req] = ("ended", f"finished at step {index}")
-        elif action.name == "free" and values.get("how") == "abort":
-            self.requests[req] = ("ended", f"aborted at step {index}")
+        phase, since = self.requests.get(req, ("absent", ""))
+        if phase not in action.valid_in:
+            raise self.error(index, "req", out_of_phase(action.name, req, phase, since))
+        how = values.get("how")
+        after = next_phase(action.name, phase, how if isinstance(how, str) else None)
+        if after in ("popped", "ended") or phase == "absent":
+            verb = _ENDED_BY.get(str(how), "") if action.name == "free" else _VERBS[action.name]
+            since = f"{verb} at step {index}"
+        self.requests[req] = (after, since)
+
+
+# How the validator says when a request arrived, was popped or ended.
+_VERBS = {"arrive": "arrived", "pop": "popped", "release": "released"}
+_ENDED_BY = {"finish": "finished", "abort": "aborted"}
 
 
 def _is_count(value: object) -> TypeGuard[int]:
