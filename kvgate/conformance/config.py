@@ -46,6 +46,9 @@ class Config:
     # shared-prefix junction a lookup reported (effective only with eagle and
     # sub-block hits, as vLLM narrows it).
     shared_prefix_checkpoint: bool = False
+    # vLLM's enable_kv_cache_events: the pool queues BlockStored /
+    # BlockRemoved / AllBlocksCleared events for the `events` op.
+    kv_events: bool = False
 
     @property
     def mamba_group_ids(self) -> tuple[int, ...]:

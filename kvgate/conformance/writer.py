@@ -33,6 +33,7 @@ def config_dict(config: Config) -> dict[str, Any]:
             else {}
         ),
         **({"shared_prefix_checkpoint": True} if config.shared_prefix_checkpoint else {}),
+        **({"kv_events": True} if config.kv_events else {}),
         "groups": [group_dict(g) for g in config.groups],
     }
 

@@ -48,6 +48,9 @@ class _Views:
     views: list[BlockView]
 
 
+_LOW_64 = (1 << 64) - 1
+
+
 def block_ids(blocks: Sequence[Any]) -> tuple[int, ...]:
     return tuple(b.block_id for b in blocks)
 
@@ -68,6 +71,8 @@ class ManagerView:
         # vLLM BlockHash (bytes) -> prefix key; BlockHashWithGroupId -> name.
         self._key_of: dict[bytes, str] = {}
         self._names: dict[Any, str] = {}
+        # The same index by the 64-bit ints KV-cache events carry.
+        self._key_of_int: dict[int, str] = {}
         self._last_views: _Views | None = None
         # The strict view's exclusions that hid something here (the raw
         # state differed from the view): what the gate names as differences.
@@ -93,6 +98,7 @@ class ManagerView:
         self._keys.clear()
         self._dirty.clear()
         self._key_of.clear()
+        self._key_of_int.clear()
         self._names.clear()
         self._last_views = None
 
@@ -182,6 +188,22 @@ class ManagerView:
         )
 
     # ------------------------------------------------------------ hash index
+
+    def prefix_key(self, block_hash: Any) -> str:
+        """The prefix key of a KV-cache event's hash: vLLM's bytes, or (with
+        VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES, its default) their low 64 bits."""
+        self._sync_index()
+        if isinstance(block_hash, int):
+            if len(self._key_of_int) != len(self._key_of):
+                self._key_of_int = {
+                    int.from_bytes(h, "big") & _LOW_64: k for h, k in self._key_of.items()
+                }
+            key = self._key_of_int.get(block_hash)
+        else:
+            key = self._key_of.get(bytes(block_hash))
+        if key is None:
+            raise RuntimeError(f"event hash {block_hash!r} names no prefix of this trace")
+        return key
 
     def _sync_index(self) -> None:
         """Enter every new request-level hash into the hash -> key index."""
