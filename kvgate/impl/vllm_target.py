@@ -113,6 +113,12 @@ class VllmTarget(OpDriver[Any]):
     def num_computed_tokens(self, req: str) -> int:
         return int(self.requests[req].request.num_computed_tokens)
 
+    @property
+    def exclusions_applied(self) -> frozenset[str]:
+        """The strict view's exclusions (`snapshot.EXCLUSIONS`) that hid raw
+        state of this manager so far: named differences for the report."""
+        return frozenset(self._view.exclusions_applied)
+
     def close(self) -> None:
         super().close()
         self._manager = self._coordinator = self._pool = None
