@@ -132,3 +132,27 @@ def test_the_report_names_each_difference_once() -> None:
     assert lines[0].startswith("difference null-block-ref (2 traces, e.g. t1): not compared:")
     assert "0.32.0" in lines[1] and "not a bug" in lines[1]
     assert len(lines) == 3 and lines[2] == ""  # one difference, then a blank line
+
+
+def test_a_known_difference_explains_only_its_exact_divergence() -> None:
+    from pathlib import Path
+
+    from kvgate.conformance.differences import explain
+    from kvgate.conformance.replay import Divergence
+
+    def divergence(index: int, actual: tuple[str, ...]) -> Divergence:
+        return Divergence(
+            trace="abort-mid-prefill",
+            path=Path("abort-mid-prefill.yaml"),
+            step=Step(op="allocate", index=index, req="B"),
+            level="strict",
+            what="block 17 hashes",
+            expected=("g1/32:k",),
+            actual=actual,
+        )
+
+    known = explain(divergence(15, ()))
+    assert known is not None and known.name == "junction-eagle-peek"
+    assert "bug" in known.verdict
+    assert explain(divergence(14, ())) is None  # another step
+    assert explain(divergence(15, ("g1/64:x",))) is None  # not a missing key

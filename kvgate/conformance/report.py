@@ -20,6 +20,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TextIO
 
+from kvgate.conformance.differences import explain
 from kvgate.conformance.replay import Divergence, Outcome, ReplayResult, TraceRunError
 from kvgate.conformance.snapshot import EXCLUSIONS
 from kvgate.conformance.target import Capabilities
@@ -136,6 +137,9 @@ def divergence_lines(result: ReplayResult) -> list[str]:
         f"  actual:   {actual}",
     ]
     lines += [f"  note:     {note}" for note in (d.note, *result.notes) if note]
+    known = explain(d)
+    if known is not None:
+        lines.append(f"  known:    difference {known.name}: {known.explanation}; {known.verdict}")
     lines += [f"  also:     {divergence_summary(later)}" for later in result.also]
     lines.append(f"  trace:    {d.path}")
     return lines
