@@ -99,7 +99,9 @@ def main() -> int:
         ]
         counts["other contract breaks"] += bool(other)
         if outcome.problems and len(examples) < 20:
-            examples.append(f"#{number} {variant.kind} {variant.argv}: {outcome.problems}")
+            examples.append(
+                f"#{number} {variant.kind} {variant.argv}: {outcome.problems} {outcome.err[-300:]!r}"
+            )
         if outcome.seconds > slowest[0]:
             slowest = (outcome.seconds, f"#{number} {variant.kind}")
 

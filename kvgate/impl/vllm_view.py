@@ -74,6 +74,9 @@ class ManagerView:
         # The same index by the 64-bit ints KV-cache events carry.
         self._key_of_int: dict[int, str] = {}
         self._last_views: _Views | None = None
+        # The strict view's exclusions that hid something here (the raw
+        # state differed from the view): what the gate names as differences.
+        self.exclusions_applied: set[str] = set()
 
     @property
     def managers(self) -> tuple[Any, ...]:
@@ -109,13 +112,18 @@ class ManagerView:
         """
         self._sync_index()
         views = self._block_views()
+        kept = {req: block_ids(blocks) for req, blocks in popped.items()}
+        if views[NULL_BLOCK].ref:
+            self.exclusions_applied.add("null-block-ref")
+        if any(NULL_BLOCK in ids for ids in kept.values()):
+            self.exclusions_applied.add("null-block-kept-aside")
         return Snapshot(
             free_queue=tuple(self.free_queue_ids()),
             blocks=views[:NULL_BLOCK] + (null_view(views[NULL_BLOCK]),) + views[NULL_BLOCK + 1 :],
             tables=self.tables(),
             holds=self.holds(),
             pending_copies=self.pending_copies(),
-            popped={req: kept_aside(block_ids(blocks)) for req, blocks in popped.items()},
+            popped={req: kept_aside(ids) for req, ids in kept.items()},
         )
 
     def free_queue_ids(self) -> list[int]:
