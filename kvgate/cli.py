@@ -131,7 +131,7 @@ def _header_capabilities(factory: TargetFactory, traces: Sequence[Trace]) -> Cap
     """The target as the report's header shows it: built for the first trace
     that switches the hold on, if any, so the header names the hold
     implementation the hold-on traces run (the switch is per trace)."""
-    trace = next((t for t in traces if t.config.retain_checkpoint), traces[0])
+    trace = next((t for t in traces if t.config.hold), traces[0])
     target = build_target(factory, trace)
     try:
         return target.capabilities

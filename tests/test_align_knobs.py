@@ -199,7 +199,7 @@ def test_vllm_accepts_the_retention_intervals_the_model_accepts() -> None:
         groups=(GroupConfig("full_attention", 8), GroupConfig("mamba_align", 32, 0, 1, 64)),
         eagle=True,
         retention_interval=96,
-        retain_checkpoint=False,
+        hold=False,
         scheduler_block_size=32,
         shared_prefix_checkpoint=True,
     )

@@ -44,7 +44,7 @@ SEED = Config(
     groups=(GroupConfig("full_attention", 8), GroupConfig("mamba_align", 32, 3)),
     eagle=True,
     retention_interval=0,
-    retain_checkpoint=False,
+    hold=False,
     scheduler_block_size=32,
 )
 # Searches that must find a planted failure: a fixed seed keeps them
@@ -56,7 +56,7 @@ SEARCH = profile("dev", max_examples=3000, phases=(Phase.explicit, Phase.generat
 def model_replay(trace: Trace, hold: bool | None = None) -> tuple[bool, list[str]]:
     """Replay on the model alone (the trace's own expectations judge it)."""
     if hold is not None:
-        trace = replace(trace, config=replace(trace.config, retain_checkpoint=hold))
+        trace = replace(trace, config=replace(trace.config, hold=hold))
     target = ModelTarget(trace.config)
     try:
         result = replay(trace, target, None, "api")
@@ -172,7 +172,7 @@ def test_the_session_refuses_what_a_scheduler_never_does(session: Session) -> No
     with pytest.raises(Unrealistic, match="before its prompt is computed"):
         session.run("decode1", req="A")
     session.run("free", req="A", how="finish")
-    with pytest.raises(Unrealistic, match="not live"):
+    with pytest.raises(Unrealistic, match="has ended"):
         session.run("lookup", req="A")
 
 
@@ -216,7 +216,7 @@ def test_a_failure_is_a_trace_with_its_witness(session: Session, tmp_path: Path)
 
 
 def test_the_hold_keeps_the_parent_state() -> None:
-    held = Session(replace(SEED, retain_checkpoint=True))
+    held = Session(replace(SEED, hold=True))
     try:
         held.run("arrive", req="P", prompt=fresh(16))
         for _ in range(2):
@@ -322,7 +322,7 @@ def test_explore_runs_the_fork_retention_on_the_model(
     original = Session.__init__
 
     def recording(self: Session, config: Config, *args: Any, **kwargs: Any) -> None:
-        seen.append(config.retain_retired)
+        seen.append(config.hold_retired)
         original(self, config, *args, **kwargs)
 
     monkeypatch.setattr(Session, "__init__", recording)

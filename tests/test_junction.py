@@ -40,7 +40,7 @@ CONFIG = Config(
     ),
     eagle=False,
     retention_interval=0,
-    retain_checkpoint=False,
+    hold=False,
     scheduler_block_size=32,
 )
 

@@ -279,7 +279,7 @@ def test_a_target_without_the_hold_gets_a_lockstep_model_without_it() -> None:
     steps = FOLLOW_UP + "- {op: lookup, req: B}\n"
     result, _ = run(steps, HoldlessFake, model, hold=True)
     assert result.passed
-    assert built[0].retain_checkpoint is False
+    assert built[0].hold is False
     assert result.notes == (HOLD_NOTE,)
     # The trace's own expectation still judges the target.
     failing, _ = run(
@@ -301,7 +301,7 @@ def test_a_target_with_the_hold_keeps_it_in_the_model() -> None:
         FOLLOW_UP + "- {op: lookup, req: B, expect: {hit: 8}}\n", FakeTarget, model, hold=True
     )
     assert result.passed and result.notes == ()
-    assert built[0].retain_checkpoint is True
+    assert built[0].hold is True
 
 
 # -- report -------------------------------------------------------------------

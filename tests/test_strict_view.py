@@ -28,7 +28,7 @@ CONFIG = Config(
     ),
     eagle=True,
     retention_interval=0,
-    retain_checkpoint=False,
+    hold=False,
     scheduler_block_size=32,
 )
 

@@ -260,7 +260,7 @@ def test_the_format_documents_example_parses() -> None:
     trace = parse_trace(FORMAT_EXAMPLE, "example.yaml")
     assert trace.name == "partial-tail-next-turn-after-burst"
     assert trace.about.startswith("A1 resumes")
-    assert trace.config.retain_checkpoint and trace.config.eagle
+    assert trace.config.hold and trace.config.eagle
     assert [s.op for s in trace.steps][:3] == ["arrive", "prefill", "decode"]
     assert trace.steps[5].prompt[0].kind == "all_of" and trace.steps[5].prompt[0].req == "A0"
     assert trace.steps[8].blocks == "all"
@@ -280,8 +280,8 @@ def test_config_defaults() -> None:
     assert trace.config.max_model_len == 8192
     assert trace.config.max_num_scheduled_tokens == 8192
     assert trace.config.eagle is False
-    assert trace.config.retain_checkpoint is False
-    assert trace.config.retain_retired is False
+    assert trace.config.hold is False
+    assert trace.config.hold_retired is False
     assert trace.config.groups[2].speculative_blocks == 0
 
 
@@ -289,7 +289,7 @@ def test_retain_retired_is_read_and_written_only_when_on() -> None:
     """An additive key: on, it round-trips; off, the writer leaves it out,
     so a trace written before it existed reads and writes back unchanged."""
     on = parse_trace(trace_text(ARRIVE, CONFIG + "  retain_retired: true\n"))
-    assert on.config.retain_retired is True
+    assert on.config.hold_retired is True
     assert "retain_retired: true" in dump_trace(on.name, on.config, on.steps)
     off = parse_trace(trace_text(ARRIVE))
     assert "retain_retired" not in dump_trace(off.name, off.config, off.steps)

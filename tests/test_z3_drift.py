@@ -45,7 +45,7 @@ def configs(draw: st.DrawFn) -> Config:
         ),
         eagle=draw(st.booleans()),
         retention_interval=draw(st.sampled_from([None, 0])),
-        retain_checkpoint=draw(st.sampled_from([True, True, False])),
+        hold=draw(st.sampled_from([True, True, False])),
         scheduler_block_size=32,
         max_num_scheduled_tokens=draw(st.sampled_from([16, 32, 8192])),
     )

@@ -28,14 +28,16 @@ class Config:
     groups: tuple[GroupConfig, ...]
     eagle: bool
     retention_interval: int | None
-    retain_checkpoint: bool
+    # The partial-tail hold (the seed's patch), trace field `retain_checkpoint`.
+    hold: bool
     scheduler_block_size: int
     max_model_len: int = 8192
     max_num_scheduled_tokens: int = 8192
     # The production fork's retention of retired states (before and with its
     # patch 0093, under the same switch as the hold): the newest keyed Mamba
-    # state that leaves a request's table stays held by the request.
-    retain_retired: bool = False
+    # state that leaves a request's table stays held by the request. Trace
+    # field `retain_retired`.
+    hold_retired: bool = False
     # The scheduler's `long_prefill_token_threshold` (0: no cap): a prefill
     # chunk's cap while another request waits or runs, and the width the
     # align-mode split may run sub-block below (see `allocate`'s `auto`).

@@ -275,11 +275,13 @@ class OpDriver(ABC, Generic[R]):
             self.set_num_computed(request, start + num_new)
             pending.has_hit, pending.hit_blocks, pending.hit = False, None, 0
             self.mark(request, "running")
-        return {
-            "ok": ok,
-            "tokens": num_new,
-            "prompt_done": self.num_computed(request) >= len(self.all_tokens(request)),
-        }
+        done = self.num_computed(request) >= len(self.all_tokens(request))
+        if ok and done and step.sample:
+            # The chunk that computes every token samples the step's output
+            # (as vLLM's Scheduler appends it after the step): the next decode
+            # finds it already appended.
+            self.append_output(request, self.fresh.take(step.sample))
+        return {"ok": ok, "tokens": num_new, "prompt_done": done}
 
     def _op_decode1(self, step: Step) -> dict[str, Any]:
         request = self._pending(step).request
@@ -287,7 +289,10 @@ class OpDriver(ABC, Generic[R]):
             # The token the last chunk sampled.
             self.append_output(request, self.fresh.take(1))
         self.set_drafts(request, self.fresh.take(step.spec))
-        ok = self.allocate_slots(request, 1 + step.spec, 0, None, step.spec)
+        # The scheduler reserves its full lookahead even when the budget cut
+        # the drafts short.
+        lookahead = max(step.spec, step.lookahead)
+        ok = self.allocate_slots(request, 1 + step.spec, 0, None, lookahead)
         self.set_drafts(request, [])
         if ok:
             self.set_num_computed(request, self.num_computed(request) + 1)

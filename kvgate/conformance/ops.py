@@ -67,6 +67,7 @@ FIELD_TYPES: dict[str, FieldType] = {
     "tokens": "int_or_auto",
     "lookahead": "int",
     "spec": "int",
+    "sample": "int",
     "steps": "int",
     "how": "how",
     "blocks": "int_or_all",
@@ -81,7 +82,7 @@ ACTIONS: dict[str, Action] = {
         Action(
             "allocate",
             ("req", "tokens"),
-            ("lookahead",),
+            ("lookahead", "sample"),
             expect_keys=("ok", "tokens"),
             valid_in=LIVE,
             issued_in=frozenset({"waiting", "running"}),
@@ -89,7 +90,7 @@ ACTIONS: dict[str, Action] = {
         Action(
             "decode1",
             ("req",),
-            ("spec",),
+            ("spec", "lookahead"),
             expect_keys=("ok",),
             valid_in=LIVE,
             issued_in=frozenset({"decoding"}),
@@ -114,6 +115,24 @@ ACTIONS: dict[str, Action] = {
 }
 
 PRIMITIVE_OPS: tuple[str, ...] = tuple(n for n, a in ACTIONS.items() if not a.macro)
+
+
+def out_of_phase(op: str, req: str, phase: Phase, since: str = "") -> str:
+    """Why `op` cannot act on `req` in `phase` (`since`: when it got there)."""
+    when = f" ({since})" if since else ""
+    if op == "arrive":
+        return f"request {req!r} has already arrived"
+    if phase == "absent":
+        return f"request {req!r} is used before `arrive`"
+    if op == "release":
+        return f"`release` of {req!r} without a prior `pop`"
+    if phase == "popped":
+        return f"request {req!r} was popped{when}; only `release` may follow"
+    if phase == "ended":
+        return f"request {req!r} has ended{when}"
+    if op == "decode1":
+        return f"`decode1` of {req!r} before its prompt is computed"
+    return f"`{op}` of {req!r}, whose prompt is computed"
 
 
 def next_phase(
@@ -181,6 +200,7 @@ class Step:
     tokens: int | Literal["auto"] | None = None
     lookahead: int = 0
     spec: int = 0
+    sample: int = 0  # allocate: output tokens sampled when the chunk computes every token
     how: str | None = None
     blocks: int | Literal["all"] | None = None
     expect: dict[str, Any] = field(default_factory=dict)

@@ -112,11 +112,11 @@ def replay(trace: Trace, target: Target, model: TargetFactory | None, level: Lev
     lockstep: Target | None = None
     if model is not None:
         config = trace.config
-        if config.retain_checkpoint and not target.capabilities.hold:
-            config = replace(config, retain_checkpoint=False)
+        if config.hold and not target.capabilities.hold:
+            config = replace(config, hold=False)
             notes.append(HOLD_NOTE)
-        if config.retain_retired and not target.capabilities.retire:
-            config = replace(config, retain_retired=False)
+        if config.hold_retired and not target.capabilities.retire:
+            config = replace(config, hold_retired=False)
             notes.append(RETIRE_NOTE)
         try:
             lockstep = model(config)

@@ -54,6 +54,7 @@ from kvgate.conformance.ops import (
     Segment,
     Step,
     next_phase,
+    out_of_phase,
 )
 
 FORMAT = "kvgate-trace/1"
@@ -335,8 +336,8 @@ class _Reader:
             groups=groups,
             eagle=flag("eagle"),
             retention_interval=retention,
-            retain_checkpoint=flag("retain_checkpoint"),
-            retain_retired=flag("retain_retired"),
+            hold=flag("retain_checkpoint"),
+            hold_retired=flag("retain_retired"),
             shared_prefix_checkpoint=flag("shared_prefix_checkpoint"),
             scheduler_block_size=count("scheduler_block_size", default_scheduler),
             max_model_len=count("max_model_len", 8192),
@@ -619,7 +620,7 @@ class _Reader:
             return
         phase, since = self.requests.get(req, ("absent", ""))
         if phase not in action.valid_in:
-            raise self.error(index, "req", _out_of_phase(action.name, req, phase, since))
+            raise self.error(index, "req", out_of_phase(action.name, req, phase, since))
         how = values.get("how")
         after = next_phase(action.name, phase, how if isinstance(how, str) else None)
         if after in ("popped", "ended") or phase == "absent":
@@ -631,18 +632,6 @@ class _Reader:
 # How the validator says when a request arrived, was popped or ended.
 _VERBS = {"arrive": "arrived", "pop": "popped", "release": "released"}
 _ENDED_BY = {"finish": "finished", "abort": "aborted"}
-
-
-def _out_of_phase(op: str, req: str, phase: Phase, since: str) -> str:
-    if op == "arrive":
-        return f"request {req!r} has already arrived"
-    if phase == "absent":
-        return f"request {req!r} is used before `arrive`"
-    if op == "release":
-        return f"`release` of {req!r} without a prior `pop`"
-    if phase == "popped":
-        return f"request {req!r} was popped ({since}); only `release` may follow"
-    return f"request {req!r} has ended ({since})"
 
 
 def _is_count(value: object) -> TypeGuard[int]:

@@ -24,9 +24,9 @@ def config_dict(config: Config) -> dict[str, Any]:
         "max_num_scheduled_tokens": config.max_num_scheduled_tokens,
         "eagle": config.eagle,
         "retention_interval": config.retention_interval,
-        "retain_checkpoint": config.retain_checkpoint,
+        "retain_checkpoint": config.hold,
         # Additive: written only when on, so older traces read back unchanged.
-        **({"retain_retired": True} if config.retain_retired else {}),
+        **({"retain_retired": True} if config.hold_retired else {}),
         **(
             {"long_prefill_token_threshold": config.long_prefill_token_threshold}
             if config.long_prefill_token_threshold

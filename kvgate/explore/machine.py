@@ -83,7 +83,7 @@ class Mode:
 
     def apply(self, config: Config) -> Config:
         """A drawn config with this mode's switches."""
-        return replace(config, retain_checkpoint=self.hold, retain_retired=self.retire)
+        return replace(config, hold=self.hold, hold_retired=self.retire)
 
 
 @st.composite
@@ -116,7 +116,7 @@ def configs(draw: st.DrawFn) -> Config:
         retention_interval=draw(
             st.sampled_from([0, None, 2 * mamba_block, 4 * mamba_block, mamba_block])
         ),
-        retain_checkpoint=False,
+        hold=False,
         scheduler_block_size=mamba_block,
         max_num_scheduled_tokens=draw(st.sampled_from([8192, 64, 32])),
         shared_prefix_checkpoint=draw(st.booleans()),

@@ -31,7 +31,7 @@ from kvgate.conformance.compare import (
 )
 from kvgate.conformance.config import Config
 from kvgate.conformance.driver import OpDriver
-from kvgate.conformance.ops import ACTIONS, Phase, Segment, Step, next_phase
+from kvgate.conformance.ops import ACTIONS, Phase, Segment, Step, next_phase, out_of_phase
 from kvgate.conformance.snapshot import Snapshot
 from kvgate.conformance.target import StepRefused
 from kvgate.conformance.tokens import prefix_keys
@@ -60,20 +60,6 @@ HOLD_ONLY_INVARIANTS = ("no_total_miss",)
 
 class Unrealistic(Exception):
     """A step the scheduler would never issue in this state."""
-
-
-def _out_of_phase(op: str, req: str, phase: Phase) -> str:
-    if op == "arrive":
-        return f"{req} arrived twice"
-    if phase == "absent":
-        return f"{op} of {req}, which has not arrived"
-    if op == "release":
-        return f"release of {req}, which was not popped"
-    if phase in ("popped", "ended"):
-        return f"{op} of {req}, which is not live"
-    if op == "decode1":
-        return f"decode1 of {req} before its prompt is computed"
-    return f"{op} of {req}, whose prompt is computed"
 
 
 @dataclass
@@ -130,7 +116,7 @@ class ExploreFailure(AssertionError):
         return f"explore-{self.invariant.replace('_', '-')}-{digest}"
 
     def about(self) -> str:
-        hold = "on" if self.config.retain_checkpoint else "off"
+        hold = "on" if self.config.hold else "off"
         return (
             f"Found by kvgate explore (hold {hold}): {self.kind} {self.invariant}: {self.message}"
         )
@@ -261,7 +247,7 @@ class Session:
         state = self.requests.get(step.req)
         phase: Phase = state.phase if state is not None else "absent"
         if phase not in action.realistic_in:
-            raise Unrealistic(_out_of_phase(step.op, step.req, phase))
+            raise Unrealistic(out_of_phase(step.op, step.req, phase))
         if step.op in ("allocate", "decode1") and step.req in self.allocated_since_drain:
             raise Unrealistic(f"{step.req} allocates twice in one scheduler step")
 

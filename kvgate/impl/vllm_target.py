@@ -50,7 +50,7 @@ class VllmTarget(OpDriver[Any]):
         self.plugin = plugin
         # The switch must be in the environment before vLLM reads it: set it
         # before the (first) import, and drop vLLM's env cache after it.
-        _vllm_api.set_retain_switch(config.retain_checkpoint, config.retain_retired)
+        _vllm_api.set_retain_switch(config.hold, config.hold_retired)
         api = _vllm_api.load()
         _vllm_api.clear_env_cache()
         plugin_module = _vllm_api.register_plugin(plugin) if plugin else None
@@ -87,7 +87,7 @@ class VllmTarget(OpDriver[Any]):
                 and bool(getattr(manager, "mamba_shared_prefix_checkpoint", False))
             ),
         )
-        hold = _holds_partial_tails(api, self._managers, config.retain_checkpoint)
+        hold = _holds_partial_tails(api, self._managers, config.hold)
         self.capabilities = Capabilities(
             implementation=f"vllm {api.version}",
             partial_hits=partial,
@@ -260,26 +260,7 @@ class VllmTarget(OpDriver[Any]):
         return None if block is None else int(block.ref_cnt)
 
     def attention_cached(self, request: Any) -> int:
-        # Whole full-attention blocks cached from the prompt's start, in every
-        # full-attention group at once (the coordinator's phase-1 scan).
-        attention = [
-            (gid, m)
-            for gid, m in zip(self._group_ids, self._managers, strict=True)
-            if isinstance(m.kv_cache_spec, self._api.FullAttentionSpec)
-        ]
-        if not attention:
-            return 0
-        groups = [gid for gid, _ in attention]
-        block_size = int(attention[0][1].block_size)
-        per_block = block_size // self.config.hash_unit
-        hashes = request.block_hashes
-        usable = min(request.num_prompt_tokens // block_size, len(hashes) // per_block)
-        cached = 0
-        while cached < usable:
-            if self._pool.get_cached_block(hashes[(cached + 1) * per_block - 1], groups) is None:
-                break
-            cached += 1
-        return cached * block_size
+        return self._view.attention_cached(request)
 
     def snapshot(self) -> Snapshot:
         return self._view.snapshot(self.popped)
@@ -313,24 +294,28 @@ def _group_spec(api: VllmApi, index: int, group: GroupConfig) -> Any:
     raise UnsupportedConfig(f"groups[{index}].kind", f"unknown group kind {group.kind!r}")
 
 
+def kv_cache_config(api: VllmApi, config: Config) -> Any:
+    """vLLM's `KVCacheConfig` for `config`: its pool, groups and retention."""
+    groups = [
+        api.KVCacheGroupSpec([f"layer{i}"], _group_spec(api, i, g))
+        for i, g in enumerate(config.groups)
+    ]
+    return api.KVCacheConfig(
+        num_blocks=config.num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=groups,
+        prefix_cache_retention_interval=config.retention_interval,
+    )
+
+
 def _build_manager(api: VllmApi, config: Config) -> Any:
     """A `KVCacheManager` for `config`, as the op semantics prescribe.
 
     Anything vLLM raises while building it becomes `UnsupportedConfig`.
     """
     try:
-        groups = [
-            api.KVCacheGroupSpec([f"layer{i}"], _group_spec(api, i, g))
-            for i, g in enumerate(config.groups)
-        ]
-        kv_cache_config = api.KVCacheConfig(
-            num_blocks=config.num_blocks,
-            kv_cache_tensors=[],
-            kv_cache_groups=groups,
-            prefix_cache_retention_interval=config.retention_interval,
-        )
         return api.KVCacheManager(
-            kv_cache_config,
+            kv_cache_config(api, config),
             max_model_len=config.max_model_len,
             scheduler_block_size=config.scheduler_block_size,
             hash_block_size=config.hash_unit,
@@ -444,7 +429,7 @@ _PROBE_CONFIG = Config(
     ),
     eagle=False,
     retention_interval=None,
-    retain_checkpoint=True,
+    hold=True,
     scheduler_block_size=32,
 )
 

@@ -143,6 +143,29 @@ class ManagerView:
                 holds.setdefault(str(rid), {})[gid] = (int(position), int(block.block_id))
         return holds
 
+    def attention_cached(self, request: Any) -> int:
+        """Prompt tokens of `request` the attention groups have cached from its
+        start, in whole attention blocks, in every full-attention group at
+        once (the coordinator's phase-1 scan)."""
+        attention = [
+            (gid, m)
+            for gid, m in zip(self.group_ids, self._managers, strict=True)
+            if isinstance(m.kv_cache_spec, self._api.FullAttentionSpec)
+        ]
+        if not attention:
+            return 0
+        groups = [gid for gid, _ in attention]
+        block_size = int(attention[0][1].block_size)
+        per_block = block_size // self._hash_unit
+        hashes = request.block_hashes
+        usable = min(request.num_prompt_tokens // block_size, len(hashes) // per_block)
+        cached = 0
+        while cached < usable:
+            if self._pool.get_cached_block(hashes[(cached + 1) * per_block - 1], groups) is None:
+                break
+            cached += 1
+        return cached * block_size
+
     def pending_copies(self) -> tuple[tuple[int, int, int], ...]:
         return tuple(
             (gid, int(src.block_id), int(dst.block_id))

@@ -47,7 +47,7 @@ class Coordinator:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.pool = BlockPool(config.num_blocks, config.hash_unit)
-        self.holds = Holds(self.pool, config.retain_checkpoint, config.retain_retired)
+        self.holds = Holds(self.pool, config.hold, config.hold_retired)
         self.scheduler_block = config.scheduler_block_size
         self.managers: list[GroupManagerT] = []
         for group_id, group in enumerate(config.groups):

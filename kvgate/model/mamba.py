@@ -243,7 +243,7 @@ class MambaManager(GroupManager):
                 self.pool.move_keys(source, copy)
                 self.holds.follow_moved_keys(self.group_id, request_id, source, copy)
                 self.pending_copies.append((source, copy))
-                self.pool.retain(source)
+                self.pool.add_ref(source)
                 if copy.hash is not None:
                     self.cached_this_step.add(copy.hash)
                 self.holds.hold(self.group_id, request_id, copy)

@@ -28,13 +28,13 @@ class ModelTarget(OpDriver[Request]):
         self.attention_group = next(
             i for i, g in enumerate(config.groups) if g.kind == "full_attention"
         )
-        hold = config.retain_checkpoint
+        hold = config.hold
         self.capabilities = Capabilities(
             implementation="kvgate model",
             partial_hits=config.partial_hits,
             hold=hold,
             hold_source="kvgate model" if hold else "",
-            retire=config.retain_retired,
+            retire=config.hold_retired,
         )
 
     # -- requests -------------------------------------------------------------

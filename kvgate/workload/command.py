@@ -17,17 +17,20 @@ kvgate.impl.hold_overlay` for vLLM.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from kvgate.conformance.replay import LEVELS, Level
 from kvgate.conformance.report import capabilities_line
 from kvgate.errors import InputError
+from kvgate.targets import SCHEDULER_TARGETS
 from kvgate.workload import report
 from kvgate.workload.deployment import BUILDS, Deployment
 from kvgate.workload.generator import WorkloadStuck
+from kvgate.workload.lockstep import SchedulerFactory, scheduler_arm
 from kvgate.workload.plan import Workload
 from kvgate.workload.progress import Progress
 from kvgate.workload.runner import Arm, ArmResult, factories, replay_arm, write_traces
@@ -44,7 +47,13 @@ def register(subparsers: Any) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    cmd.add_argument("--target", required=True, choices=("model", "vllm"))
+    cmd.add_argument(
+        "--target",
+        required=True,
+        choices=("model", "vllm", *SCHEDULER_TARGETS),
+        help="model; vllm: vLLM's KVCacheManager replaying the traces; vllm-scheduler: "
+        "vLLM's real Scheduler run beside kvgate's scheduler model",
+    )
     cmd.add_argument("--units", default=DEFAULT_UNITS, help=f"default {DEFAULT_UNITS}")
     cmd.add_argument("--hold", default="on,off", help="arms to run: on, off or on,off")
     cmd.add_argument(
@@ -68,7 +77,7 @@ def register(subparsers: Any) -> None:
     cmd.add_argument(
         "--level", default="api", choices=LEVELS, help="lockstep comparison level (default api)"
     )
-    cmd.add_argument("--plugin", metavar="MODULE", help="a vLLM plugin module for --target vllm")
+    cmd.add_argument("--plugin", metavar="MODULE", help="a vLLM plugin module for the vLLM targets")
     cmd.set_defaults(handler=run)
 
 
@@ -93,8 +102,8 @@ def _holds(text: str) -> list[bool]:
 def run(args: argparse.Namespace) -> int:
     from kvgate.targets import LOCKSTEP_MODEL, target_factory
 
-    if args.plugin is not None and args.target != "vllm":
-        raise InputError("--plugin: only --target vllm loads plugins")
+    if args.plugin is not None and not args.target.startswith("vllm"):
+        raise InputError("--plugin: only the vLLM targets load plugins")
     level: Level = args.level
     try:
         workload = Workload(sessions=args.sessions, turns=args.turns, seed=args.seed)
@@ -105,17 +114,28 @@ def run(args: argparse.Namespace) -> int:
             deployment.config(arm.unit, arm.hold, workload.sessions)
     except ValueError as error:
         raise InputError(str(error)) from None
-    factory, model = factories(target_factory, args.target, args.plugin, LOCKSTEP_MODEL)
-
     progress = Progress()
-    try:
-        paths = write_traces(workload, deployment, arms, args.out, progress)
-    except WorkloadStuck as error:
-        raise InputError(str(error)) from None
-    results = [
-        replay_arm(path, arm, factory, model, level, progress)
-        for arm, path in zip(arms, paths, strict=True)
-    ]
+    if args.target in SCHEDULER_TARGETS:
+        scheduler = cast(SchedulerFactory, target_factory(args.target))
+        if args.plugin is not None:
+            scheduler = functools.partial(scheduler, plugin=args.plugin)
+        try:
+            results = [
+                scheduler_arm(workload, deployment, arm, scheduler, args.out, level, progress)
+                for arm in arms
+            ]
+        except WorkloadStuck as error:
+            raise InputError(str(error)) from None
+    else:
+        factory, model = factories(target_factory, args.target, args.plugin, LOCKSTEP_MODEL)
+        try:
+            paths = write_traces(workload, deployment, arms, args.out, progress)
+        except WorkloadStuck as error:
+            raise InputError(str(error)) from None
+        results = [
+            replay_arm(path, arm, factory, model, level, progress)
+            for arm, path in zip(arms, paths, strict=True)
+        ]
 
     if all(r.skipped for r in results):
         # Nothing replayed is nothing measured: not a pass.

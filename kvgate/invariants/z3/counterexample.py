@@ -68,7 +68,7 @@ def trace_config(bounds: Bounds) -> Config:
         ),
         eagle=False,
         retention_interval=0,
-        retain_checkpoint=True,
+        hold=True,
         scheduler_block_size=BLOCK,
     )
 

@@ -7,7 +7,7 @@ next state `t` (both `vocabulary.State`) for one acting request `r`; the ops
 that act on no request (`step`, `drain`, `evict`) take none.
 
 Each method follows the model's code path for that op, in the model's order,
-as a sequence of pool micro-steps (`get_new`, `touch`, `retain`,
+as a sequence of pool micro-steps (`get_new`, `touch`, `add_ref`,
 `free_blocks`: the model's `BlockPool` calls) over intermediate values, so a
 ref count that drops to 0 and is taken again inside one op is handled as the
 model handles it. What the model decides from token positions (how many
@@ -214,8 +214,8 @@ class Encoding:
             out.free[b] = z3.And(pool.free[b], z3.Not(z3.And(k > 0, pool.ref[b] == 0)))
         return out
 
-    def retain(self, tx: Tx, pool: Pool, n: Counts) -> Pool:
-        """`retain`: one more ref on a block in use; the queue is not looked at."""
+    def add_ref(self, tx: Tx, pool: Pool, n: Counts) -> Pool:
+        """`add_ref`: one more ref on a block in use; the queue is not looked at."""
         out = _copy(pool)
         for b, k in n.items():
             out.ref[b] = pool.ref[b] + _as_int(k)
@@ -235,7 +235,7 @@ class Encoding:
 
     def cow_retain(self, tx: Tx, pool: Pool, copy: Counts) -> Pool:
         """`apply_cow`: the private copy takes a ref for the pending copy too."""
-        return self.retain(tx, pool, copy)
+        return self.add_ref(tx, pool, copy)
 
     def hold_enabled(self, tx: Tx) -> Any:
         """`Holds.enabled`: the switch."""
@@ -487,7 +487,7 @@ class Encoding:
         pool = self.free_blocks(tx, pool, released)
         for b in blocks:
             pool.pend[b] = pool.pend[b] + count([z3.And(move, tail[b]), z3.And(move, copy[b])])
-        pool = self.retain(tx, pool, {b: z3.And(move, tail[b]) for b in blocks})
+        pool = self.add_ref(tx, pool, {b: z3.And(move, tail[b]) for b in blocks})
         for b in blocks:
             n["cowsrc"][r, m, b] = z3.And(s.cowsrc[r, m, b], z3.Not(move))
 
@@ -650,7 +650,7 @@ class TouchKeepsQueued(Encoding):
     name = "touch_keeps_queued"
 
     def touch(self, tx: Tx, pool: Pool, n: Counts) -> Pool:
-        return self.retain(tx, pool, n)
+        return self.add_ref(tx, pool, n)
 
 
 class SupersededHoldKept(Encoding):

@@ -28,7 +28,7 @@ transition below, on a finite instance of the sorts):
   request's hold in a Mamba group (`tokh<m>(r, b)`), a pending copy's source
   and destination endpoint (`tokcs(c)` on `src(c)`, `tokcd(c)` on `dst(c)`).
   ref(b) = the number of tokens on b, by definition. Each pool call of the
-  model (`touch`, `retain`, `free_blocks`, `get_new_blocks`) adds or removes
+  model (`touch`, `add_ref`, `free_blocks`, `get_new_blocks`) adds or removes
   the token of the holder its call site acts for. A call the integer count
   would absorb but the token set cannot -- a ref taken twice for one holder,
   a ref dropped that no holder had, a block taken from the queue while still
@@ -376,8 +376,8 @@ class UEncoding:
         self._miscount(tx, clash)
         tx.map_block("free", lambda b, old: z3.And(old, z3.Not(z3.And(on(b), z3.Not(had(b))))))
 
-    def retain(self, tx: UTx, edits: list[Edit]) -> None:
-        """`retain`: a ref each; the queue is not looked at."""
+    def add_ref(self, tx: UTx, edits: list[Edit]) -> None:
+        """`add_ref`: a ref each; the queue is not looked at."""
         _, clash = self._apply_tokens(tx, edits, True)
         self._miscount(tx, clash)
 
@@ -404,7 +404,7 @@ class UEncoding:
     # -- hooks the mutations override ------------------------------------------------
 
     def cow_retain(self, tx: UTx, edits: list[Edit]) -> None:
-        self.retain(tx, edits)
+        self.add_ref(tx, edits)
 
     def hold_enabled(self, tx: UTx) -> Any:
         return tx.s["hold_on"]
@@ -682,7 +682,7 @@ class UEncoding:
         self.free_blocks(tx, [holders_edit(f"tokh{m}", holder, tail_block)])
         # The moved tail's pending copy: the source keeps a ref for it.
         self._new_copy(tx, cc, move, tail_block, copy_block)
-        self.retain(tx, [one_copy("tokcs", cc, move, tail_block)])
+        self.add_ref(tx, [one_copy("tokcs", cc, move, tail_block)])
         cowsrc = tx.row(f"cowsrc{m}")
         tx.set_row(f"cowsrc{m}", lambda b: z3.And(cowsrc(b), z3.Not(move)))
 
@@ -821,7 +821,7 @@ class UTouchKeepsQueued(UEncoding):
     name = "touch_keeps_queued"
 
     def touch(self, tx: UTx, edits: list[Edit]) -> None:
-        self.retain(tx, edits)
+        self.add_ref(tx, edits)
 
 
 class USupersededHoldKept(UEncoding):

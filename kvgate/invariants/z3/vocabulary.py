@@ -141,7 +141,7 @@ class Field:
 
 
 FIELDS: tuple[Field, ...] = (
-    Field("hold_on", "bool", (), False, "the hold switch (retain_checkpoint); never changes"),
+    Field("hold_on", "bool", (), False, "the hold switch (config.hold); never changes"),
     Field("ref", "int", ("block",), False, "the block's ref count"),
     Field("free", "bool", ("block",), False, "the block is in the free queue"),
     Field("keyed", "bool", ("block",), False, "the block carries a prefix key"),
