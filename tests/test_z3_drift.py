@@ -108,11 +108,12 @@ def live(run: Run) -> list[str]:
 
 
 def waiting(run: Run) -> list[str]:
-    return [n for n in live(run) if not run.model.has_blocks(run.model.requests[n].request)]
+    return [n for n, p in run.model.requests.items() if p.phase == "waiting"]
 
 
 def running(run: Run) -> list[str]:
-    return [n for n in live(run) if run.model.has_blocks(run.model.requests[n].request)]
+    """Requests with blocks: prefilling or decoding (the action table's phases)."""
+    return [n for n, p in run.model.requests.items() if p.phase in ("running", "decoding")]
 
 
 @settings(

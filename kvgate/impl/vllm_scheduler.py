@@ -201,7 +201,7 @@ class VllmScheduler:
     ) -> None:
         self.config = config
         self.spec_tokens = spec_tokens
-        _vllm_api.set_retain_switch(config.retain_checkpoint, config.retain_retired)
+        _vllm_api.set_retain_switch(config.hold, config.hold_retired)
         api = _vllm_api.load()
         _vllm_api.clear_env_cache()
         plugin_module = _vllm_api.register_plugin(plugin) if plugin else None
@@ -233,7 +233,7 @@ class VllmScheduler:
         self._view = ManagerView(api, manager, config.hash_unit)
         self._hasher: Any = api.get_request_block_hasher(config.hash_unit, api.sha256)
         managers = self._view.managers
-        hold = _holds_partial_tails(api, managers, config.retain_checkpoint)
+        hold = _holds_partial_tails(api, managers, config.hold)
         self.capabilities = Capabilities(
             implementation=f"vllm {api.version} Scheduler",
             partial_hits=bool(getattr(manager.coordinator, "enable_partial_hash_hits", False)),
