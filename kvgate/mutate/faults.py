@@ -267,7 +267,7 @@ FAULTS: tuple[Fault, ...] = (
     # ---------------------------------- Mamba align: prefill checkpoints, retention
     Fault(
         name="checkpoint-transient-keeps-keys",
-        area="Mamba align (prefill checkpoints)",
+        area="mamba align",
         module=_SINGLE,
         qualname="MambaManager._cache_partial_tail_block",
         anchor="self.block_pool._maybe_evict_cached_block(checkpoint_block)",
@@ -281,7 +281,7 @@ FAULTS: tuple[Fault, ...] = (
     ),
     Fault(
         name="checkpoint-column-nulled",
-        area="Mamba align (prefill checkpoints)",
+        area="mamba align",
         module=_SINGLE,
         qualname="MambaManager.allocate_new_blocks",
         anchor="null_end = num_skipped_blocks - checkpoint_block",
@@ -294,7 +294,7 @@ FAULTS: tuple[Fault, ...] = (
     ),
     Fault(
         name="checkpoint-block-not-counted",
-        area="Mamba align (prefill checkpoints)",
+        area="mamba align",
         module=_SINGLE,
         qualname="MambaManager.get_num_blocks_to_allocate",
         anchor="physical_block_cap = 1 + int(has_partial_hit) + checkpoint_block",
@@ -307,7 +307,7 @@ FAULTS: tuple[Fault, ...] = (
     ),
     Fault(
         name="checkpoint-scratch-relocated",
-        area="Mamba align (prefill checkpoints)",
+        area="mamba align",
         module=_SINGLE,
         qualname="MambaManager.allocate_new_blocks",
         anchor="if block_idx < num_skipped_blocks - checkpoint_block:",
@@ -320,7 +320,7 @@ FAULTS: tuple[Fault, ...] = (
     ),
     Fault(
         name="periodic-retention-off-by-one",
-        area="Mamba align (retention)",
+        area="mamba align",
         module=_SINGLE,
         qualname="MambaManager.reachable_block_mask",
         anchor="for i in range(first_boundary - start_block, len(mask), per_segment):",
