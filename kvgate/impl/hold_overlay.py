@@ -293,7 +293,9 @@ def _admission_extra(
     num_tokens: int,
 ) -> int:
     """`Holds.admission_extra`: for a partial-tail hit with the hold on (the
-    held source and the moved tail coexist for a step); with retired states
+    held source and the moved tail coexist for a step), and with the hold on
+    for a group with prefill checkpoint blocks below the block size (a held
+    exported checkpoint and a moved tail coexist); with retired states
     retained, for a prompt that will retire one unless a hit brings it, and
     for a prompt within a block whose own tail the hold keeps."""
     hold, retire = _enabled(manager), _retires(manager)
@@ -301,9 +303,13 @@ def _admission_extra(
         return 0
     if hold and manager._has_partial_local_hit(hit, num_local_computed_tokens):
         return 1
+    block_size = int(manager.block_size)
+    # An exported sub-block checkpoint the request holds, beside a moved tail.
+    sub_block = int(manager.block_pool.hash_block_size) < block_size
+    if hold and bool(getattr(manager, "has_prefill_checkpoint_blocks", False)) and sub_block:
+        return 1
     if not retire:
         return 0
-    block_size = int(manager.block_size)
     if num_tokens <= block_size:
         return int(hold and int(manager.block_pool.hash_block_size) < block_size)
     return 0 if any(not block.is_null for block in hit) else 1

@@ -187,6 +187,7 @@ class Coordinator:
                         num_tokens=num_tokens_main,
                         block_size=manager.block_size,
                         hit_has_block=any(not b.is_null for b in hit),
+                        exports_checkpoints=manager.has_prefill_checkpoints,
                     )
             else:
                 total += manager.blocks_needed(request_id, num_tokens, hit, num_local_computed)
