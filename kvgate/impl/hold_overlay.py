@@ -294,8 +294,9 @@ def _admission_extra(
 ) -> int:
     """`Holds.admission_extra`: for a partial-tail hit with the hold on (the
     held source and the moved tail coexist for a step), and with the hold on
-    for a group with prefill checkpoint blocks below the block size (a held
-    exported checkpoint and a moved tail coexist); with retired states
+    for a group keying sub-block states besides the prompt's tail (prefill
+    checkpoint blocks, the shared-prefix checkpoint): a held one and a moved
+    tail coexist; with retired states
     retained, for a prompt that will retire one unless a hit brings it, and
     for a prompt within a block whose own tail the hold keeps."""
     hold, retire = _enabled(manager), _retires(manager)
@@ -304,9 +305,13 @@ def _admission_extra(
     if hold and manager._has_partial_local_hit(hit, num_local_computed_tokens):
         return 1
     block_size = int(manager.block_size)
-    # An exported sub-block checkpoint the request holds, beside a moved tail.
+    # A held sub-block state besides the prompt's tail (an exported
+    # checkpoint, a junction's), beside a moved tail.
     sub_block = int(manager.block_pool.hash_block_size) < block_size
-    if hold and bool(getattr(manager, "has_prefill_checkpoint_blocks", False)) and sub_block:
+    more_partial_states = bool(getattr(manager, "has_prefill_checkpoint_blocks", False)) or bool(
+        getattr(manager, "shared_prefix_checkpoint", False)
+    )
+    if hold and more_partial_states and sub_block:
         return 1
     if not retire:
         return 0
