@@ -136,7 +136,9 @@ class OpDriver(ABC, Generic[R]):
 
     @abstractmethod
     def make_prefix_cache_stats(self) -> dict[str, Any]:
-        """The stats since the last call (the `stats` op's keys), reset."""
+        """The stats since the last call (the `stats` op's keys), reset; and
+        `usage`, the pool's used fraction (KVCacheManager.usage), compared in
+        lockstep but no `expect` key."""
 
     @abstractmethod
     def reset_prefix_cache(self) -> bool: ...

@@ -84,6 +84,7 @@ _CONFIG_OPTIONAL = (
     "long_prefill_token_threshold",
     "shared_prefix_checkpoint",
     "kv_events",
+    "kv_events_full",
 )
 _GROUP_KEYS = (
     "kind",
@@ -444,6 +445,7 @@ class _Reader:
             hold_retired=flag("retain_retired"),
             shared_prefix_checkpoint=flag("shared_prefix_checkpoint"),
             kv_events=flag("kv_events"),
+            kv_events_full=flag("kv_events_full"),
             scheduler_block_size=count("scheduler_block_size", default_scheduler),
             max_model_len=count("max_model_len", 8192),
             max_num_scheduled_tokens=count("max_num_scheduled_tokens", 8192),

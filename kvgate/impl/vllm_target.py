@@ -131,7 +131,12 @@ class VllmTarget(OpDriver[Any]):
         request = self._api.Request(
             request_id=name,
             prompt_token_ids=tokens,
-            sampling_params=self._api.SamplingParams(max_tokens=self.config.max_model_len),
+            sampling_params=self._api.SamplingParams(
+                max_tokens=self.config.max_model_len,
+                extra_args=(
+                    {"kv_cache_report_mode": "full"} if self.config.kv_events_full else None
+                ),
+            ),
             pooling_params=None,
             block_hasher=self._hasher,
         )
@@ -242,7 +247,7 @@ class VllmTarget(OpDriver[Any]):
 
     def make_prefix_cache_stats(self) -> dict[str, Any]:
         stats = self._manager.make_prefix_cache_stats()
-        return {key: getattr(stats, key) for key in STATS_KEYS}
+        return {**{key: getattr(stats, key) for key in STATS_KEYS}, "usage": self._manager.usage}
 
     def reset_prefix_cache(self) -> bool:
         return bool(self._manager.reset_prefix_cache())

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from kvgate.conformance.config import Config, validate
+from kvgate.conformance.events import KvEvent
 from kvgate.model.coordinator import Coordinator, HitBlocks
 from kvgate.model.pool import Block
 from kvgate.model.request import Request
@@ -57,6 +58,14 @@ class KVCacheManager:
         stats, self.prefix_cache_stats = self.prefix_cache_stats, PrefixCacheStats()
         return asdict(stats)
 
+    @property
+    def usage(self) -> float:
+        """The used fraction of the pool, the null block left out."""
+        total = self.block_pool.num_blocks - 1
+        if not total:
+            return 0
+        return 1.0 - (self.block_pool.num_free() / total)
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached state; refused while any block is in use."""
         if not self.block_pool.reset_prefix_cache():
@@ -72,7 +81,24 @@ class KVCacheManager:
         its logits. The caller stores the junction on the request.
         """
         blocks, hit, junction = self.coordinator.find_hit(request.keys, request.num_tokens - 1)
+        if hit > 0 and self.config.kv_events_full:
+            self._report_hit(request, blocks)
         return (blocks if any(blocks) else None), hit, junction
+
+    def _report_hit(self, request: Request, blocks: HitBlocks) -> None:
+        """With `kv_cache_report_mode: full`, a hit is reported as one
+        BlockStored per group that hit: the prefix its blocks cover, from 0."""
+        events = self.block_pool.events
+        if events is None:
+            return
+        unit = self.config.hash_unit
+        for group_id, group_blocks in enumerate(blocks):
+            if not group_blocks:
+                continue
+            size = self.config.groups[group_id].block_size
+            n = len(group_blocks)
+            keys = tuple(request.keys[(i + 1) * size // unit - 1] for i in range(n))
+            events.append(KvEvent("stored", group_id, keys, None, 0, n * size, size))
 
     def get_num_blocks_to_allocate(
         self, request: Request, hit_blocks: HitBlocks | None, hit: int, admission: bool

@@ -115,7 +115,7 @@ class ModelTarget(OpDriver[Request]):
         self.manager.record_prefix_cache_stats(request, hit)
 
     def make_prefix_cache_stats(self) -> dict[str, Any]:
-        return dict(self.manager.make_prefix_cache_stats())
+        return {**self.manager.make_prefix_cache_stats(), "usage": self.manager.usage}
 
     def reset_prefix_cache(self) -> bool:
         return self.manager.reset_prefix_cache()

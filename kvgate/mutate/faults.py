@@ -494,6 +494,19 @@ FAULTS: tuple[Fault, ...] = (
         symptom="every event is published again at each step, and the queue grows without bound",
     ),
     Fault(
+        name="hit-report-mode-inverted",
+        area="events",
+        module=_MANAGER,
+        qualname="KVCacheManager.get_computed_blocks",
+        anchor='and getattr(request, "kv_cache_report_mode", "incremental") == "full"',
+        replacement='and getattr(request, "kv_cache_report_mode", "incremental") != "full"',
+        what="lookups report their hit as BlockStored events for every request but "
+        "those that asked for it",
+        why="a flipped comparison",
+        symptom="incremental consumers see every reused prefix re-announced as newly "
+        "stored; a late-joining consumer never learns the prefixes it asked for",
+    ),
+    Fault(
         name="stats-preempted-as-new",
         area="hit stats",
         module=_MANAGER,
