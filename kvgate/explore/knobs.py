@@ -84,18 +84,52 @@ class Knob:
         return self.strategy if self.strategy is not None else st.sampled_from(self.values)
 
 
+def _prefill_checkpoint(config: Config, value: tuple[int, int | None]) -> Config:
+    blocks, alignment = value
+    groups = tuple(
+        replace(g, prefill_checkpoint_blocks=blocks, prefill_checkpoint_alignment=alignment)
+        if g.kind == "mamba_align"
+        else g
+        for g in config.groups
+    )
+    return replace(config, groups=groups)
+
+
+def _retention(config: Config, value: int | None) -> Config:
+    """0: sparse; None: dense; k > 0: every k Mamba blocks (1 acts dense)."""
+    if value:
+        value *= config.scheduler_block_size
+    return replace(config, retention_interval=value)
+
+
+def _long_prefill(config: Config, value: int | None) -> Config:
+    """A token count, or None: one Mamba block plus a hash unit."""
+    if value is None:
+        value = config.scheduler_block_size + config.hash_unit
+    return replace(config, long_prefill_token_threshold=value)
+
+
 KNOBS: tuple[Knob, ...] = (
     Knob("mamba_groups", (1, 2), _mamba_groups, stratum=True),
     Knob("mamba_block", (32, 64), _mamba_block),
     Knob("attention_block", (8, 16), _attention_block),
     Knob("speculative_blocks", (3, 0, 1), _speculative, stratum=True),
     Knob("eagle", (True, False), lambda c, v: replace(c, eagle=v), stratum=True),
+    Knob("retention_interval", (0, None, 2, 4, 1), _retention),
+    # Prefill checkpoint blocks as deployments set them: none (GDN on
+    # Triton), one on the 64-token grid (GDN on FlashInfer), one at
+    # alignment 1 (Mamba2 layers); a grid of two hash units besides.
     Knob(
-        "retention_interval",
-        (0, None),
-        lambda c, v: replace(c, retention_interval=v),
-        stratum=True,
+        "prefill_checkpoint",
+        ((0, None), (1, 64), (1, 1), (1, 2 * HASH_UNIT)),
+        _prefill_checkpoint,
     ),
+    Knob(
+        "shared_prefix_checkpoint",
+        (False, True),
+        lambda c, v: replace(c, shared_prefix_checkpoint=v),
+    ),
+    Knob("long_prefill_token_threshold", (0, 48, None), _long_prefill),
     Knob(
         "num_blocks",
         (32, 64, 128),
