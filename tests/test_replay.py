@@ -29,6 +29,7 @@ from kvgate.conformance.config import Config
 from kvgate.conformance.replay import (
     HOLD_NOTE,
     Level,
+    ModelBug,
     ReplayResult,
     TargetFactory,
     replay,
@@ -192,10 +193,14 @@ def test_an_exception_in_the_target_is_a_divergence_not_a_crash() -> None:
     assert d.step.where() == "step 2 (decode: decode1 #1)"
 
 
-def test_an_exception_in_the_model_names_the_model() -> None:
-    result, _ = run(LIFE, FakeTarget, RaisingFake)
-    assert result.divergence is not None
-    assert result.divergence.note == "raised by the model"
+def test_an_exception_in_the_model_is_kvgates_bug_not_the_targets() -> None:
+    with pytest.raises(ModelBug) as bug:
+        run(LIFE, FakeTarget, RaisingFake)
+    assert str(bug.value) == (
+        "t.yaml: step 2 (decode: decode1 #1): the kvgate model raised RuntimeError: "
+        "boom in decode; this is a bug in kvgate, not in the target: please report it "
+        "with this trace"
+    )
 
 
 SHORT_POOL = """\
@@ -236,18 +241,22 @@ def test_a_failed_allocate_the_model_ran_is_an_api_divergence() -> None:
     assert (d.level, d.what, d.expected, d.actual) == ("api", "ok", True, False)
 
 
-BURST = "- {op: arrive, req: A, prompt: [{fresh: 8}]}\n- {op: evict, blocks: 500}\n"
+BURST = """\
+- {op: arrive, req: A, prompt: [{fresh: 150}]}
+- {op: prefill, req: A}
+- {op: evict, blocks: 95}
+"""
 
 
 @pytest.mark.parametrize("model", [FakeTarget, None])
 def test_a_refused_step_is_the_traces_fault(model: TargetFactory | None) -> None:
     with pytest.raises(TraceError) as error:
         run(BURST, FakeTarget, model)
-    assert str(error.value) == "t.yaml: step 1: blocks: 500 blocks asked, 95 free"
+    assert str(error.value) == "t.yaml: step 2: blocks: 95 blocks asked, 92 free"
 
 
 def test_a_target_refusing_what_the_model_ran_diverges() -> None:
-    result, _ = run(BURST.replace("500", "5"), RefusingFake)
+    result, _ = run(BURST.replace("95}", "5}"), RefusingFake)
     d = result.divergence
     assert d is not None
     assert (d.level, d.what) == ("api", "refused")

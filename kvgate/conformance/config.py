@@ -92,6 +92,8 @@ def validate(config: Config) -> None:
         raise UnsupportedConfig("num_blocks", "needs at least 2 blocks (one is the null block)")
     if config.hash_unit < 1:
         raise UnsupportedConfig("hash_unit", "must be >= 1")
+    if config.scheduler_block_size < 1:
+        raise UnsupportedConfig("scheduler_block_size", "must be >= 1")
     kinds = [g.kind for g in groups]
     if kinds.count("full_attention") != 1:
         raise UnsupportedConfig("groups", "exactly one full_attention group is supported")

@@ -228,6 +228,13 @@ class OpDriver(ABC, Generic[R]):
         tokens = self._resolve(step.prompt)
         if not tokens:
             raise StepRefused("prompt", "the prompt is empty")
+        if len(tokens) > self.config.max_model_len:
+            # The engine refuses such a prompt before any manager sees it.
+            raise StepRefused(
+                "prompt",
+                f"{len(tokens):,} tokens, more than config.max_model_len "
+                f"{self.config.max_model_len:,}",
+            )
         self.requests[step.req] = Pending(self.new_request(step.req, tokens))
         return {}
 
@@ -270,6 +277,11 @@ class OpDriver(ABC, Generic[R]):
         else:
             assert isinstance(step.tokens, int)
             num_new = step.tokens
+            if num_new > total - start:
+                # A scheduler never schedules past the tokens a request has.
+                raise StepRefused(
+                    "tokens", f"{num_new:,} asked, {max(total - start, 0):,} left to compute"
+                )
         ok = self.allocate_slots(request, num_new, hit, blocks, step.lookahead)
         if ok:
             self.set_num_computed(request, start + num_new)

@@ -12,7 +12,10 @@ next turn's lookup, say, after an earlier structural check).
 A target that raises while it runs a step has diverged at that step: the
 replay reports the exception's one-line summary instead of crashing. A step
 the target refuses (`StepRefused`) is the trace's fault, a `TraceError`,
-unless the model ran the very same step: then the target diverged.
+unless the model ran the very same step: then the target diverged. The
+model raising is neither: it is kvgate's own bug, a `ModelBug`, and never
+blamed on the target (the model is the lockstep side, or the target itself
+under `--target model`).
 """
 
 from __future__ import annotations
@@ -95,7 +98,14 @@ class ReplayResult:
         return (self.divergence, *self.also) if self.divergence is not None else ()
 
 
-def replay(trace: Trace, target: Target, model: TargetFactory | None, level: Level) -> ReplayResult:
+def replay(
+    trace: Trace,
+    target: Target,
+    model: TargetFactory | None,
+    level: Level,
+    *,
+    target_is_model: bool = False,
+) -> ReplayResult:
     """Replay `trace` on `target`, with a lockstep model built by `model` if given.
 
     The caller owns `target` (builds and closes it); the model is built here,
@@ -105,7 +115,8 @@ def replay(trace: Trace, target: Target, model: TargetFactory | None, level: Lev
 
     Raises `TraceError` when the trace asks for something it may not (a
     refused step, a `check` key the target cannot observe) or the model
-    refuses its config.
+    refuses its config, and `ModelBug` when the model raises (with
+    `target_is_model`, the target is the model: its exceptions are that too).
     """
     started = time.perf_counter()
     notes: list[str] = []
@@ -122,7 +133,7 @@ def replay(trace: Trace, target: Target, model: TargetFactory | None, level: Lev
             lockstep = model(config)
         except UnsupportedConfig as error:
             raise TraceError.unsupported(trace.path, error) from None
-    run = _Lockstep(trace, target, lockstep, level)
+    run = _Lockstep(trace, target, lockstep, level, target_is_model)
     failures: list[Divergence] = run.missed
     try:
         run.all_steps()
@@ -143,6 +154,39 @@ def replay(trace: Trace, target: Target, model: TargetFactory | None, level: Lev
     )
 
 
+class ModelBug(Exception):
+    """The model raised while replaying a step: a bug in kvgate, not in the
+    target and not in the trace (which was validated before it ran)."""
+
+    def __init__(self, trace: Trace, step: Step, error: BaseException) -> None:
+        self.trace = trace
+        self.step = step
+        super().__init__(
+            f"{trace.path}: {step.where()}: the kvgate model raised {one_line(error)}; "
+            "this is a bug in kvgate, not in the target: please report it with this trace"
+        )
+
+
+@dataclass(frozen=True)
+class TraceRunError:
+    """A trace that got no verdict on the target: refused while it ran (the
+    trace's fault, or a config the target cannot run), or stopped by a bug in
+    kvgate's model. `message` is one line naming the file, step and field."""
+
+    trace: Trace
+    message: str
+    bug: bool
+    seconds: float = 0.0
+
+    @property
+    def passed(self) -> bool:
+        return False
+
+
+# What one trace's run comes to: a verdict, or an error instead of one.
+Outcome = ReplayResult | TraceRunError
+
+
 class _Diverged(Exception):
     """Unwinds a replay from wherever the first divergence is found."""
 
@@ -155,8 +199,16 @@ T = TypeVar("T")
 
 
 class _Lockstep:
-    def __init__(self, trace: Trace, target: Target, model: Target | None, level: Level) -> None:
+    def __init__(
+        self,
+        trace: Trace,
+        target: Target,
+        model: Target | None,
+        level: Level,
+        target_is_model: bool = False,
+    ) -> None:
         self.trace = trace
+        self.target_is_model = target_is_model
         self.target = target
         self.model = model
         self.level = level
@@ -237,7 +289,9 @@ class _Lockstep:
         except Exception as error:
             raise self.raised(step, who, error) from None
 
-    def raised(self, step: Step, who: str, error: Exception) -> _Diverged:
+    def raised(self, step: Step, who: str, error: Exception) -> Exception:
+        if who == "model" or self.target_is_model:
+            return ModelBug(self.trace, step, error)
         return self.diverged(
             step, "api", "exception", "no exception", one_line(error), f"raised by the {who}"
         )

@@ -27,7 +27,7 @@ the target's chunk split.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeGuard, cast
@@ -41,6 +41,16 @@ from kvgate.conformance.config import (
     GroupKind,
     UnsupportedConfig,
     validate,
+)
+from kvgate.conformance.limits import (
+    DEFAULT_LIMITS,
+    INT_DIGITS,
+    TOKEN_ID_BOUND,
+    LimitError,
+    Limits,
+    TraceBudget,
+    over,
+    read_bounded,
 )
 from kvgate.conformance.macros import expand
 from kvgate.conformance.ops import (
@@ -56,6 +66,7 @@ from kvgate.conformance.ops import (
     next_phase,
     out_of_phase,
 )
+from kvgate.errors import printable
 
 FORMAT = "kvgate-trace/1"
 
@@ -83,6 +94,13 @@ _GROUP_KEYS = (
 _GROUP_KINDS = ("full_attention", "mamba_align")
 _SEGMENT_KINDS = ("fresh", "all_of", "prompt_of", "tokens")
 
+# How much of a field (a key path, perhaps a hostile key) an error line shows.
+FIELD_WIDTH = 80
+# How long a trace name may be: it heads report lines and names JUnit cases.
+NAME_WIDTH = 200
+# The words a report's verdict lines start with (report.trace_line).
+VERDICT_WORDS = ("PASS", "FAIL", "ERROR")
+
 
 class TraceError(ValueError):
     """An invalid trace: one line, `<file>: step <i>: <field>: <message>`.
@@ -101,8 +119,12 @@ class TraceError(ValueError):
         super().__init__(str(self))
 
     def __str__(self) -> str:
+        # A key or a path from the input may hold a newline or an escape
+        # sequence: escaped, the error stays one physical line that says
+        # only what it means. A field is a key path, short unless hostile.
         step = "" if self.step_index is None else f"step {self.step_index}: "
-        return f"{self.path}: {step}{self.field}: {self.message}"
+        field = self.field if len(self.field) <= FIELD_WIDTH else self.field[:FIELD_WIDTH] + "..."
+        return printable(f"{self.path}: {step}{field}: {self.message}")
 
     @classmethod
     def unsupported(cls, path: str | Path, error: UnsupportedConfig) -> TraceError:
@@ -126,23 +148,25 @@ class Trace:
     path: Path
 
 
-def load_trace(path: str | Path) -> Trace:
+def load_trace(path: str | Path, limits: Limits = DEFAULT_LIMITS) -> Trace:
+    """Read and validate the trace in file `path` (a regular file within the
+    limits: a FIFO or a device is refused without being read)."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_bounded(path, limits).decode("utf-8")
     except UnicodeDecodeError:
         raise TraceError(path, None, "file", "is not UTF-8 text") from None
-    except OSError as error:
-        raise TraceError(path, None, "file", f"cannot read: {error.strerror}") from None
-    return parse_trace(text, path)
+    except LimitError as error:
+        raise TraceError(path, None, error.field, error.message) from None
+    return parse_trace(text, path, limits)
 
 
-def parse_trace(text: str, path: str | Path = "<string>") -> Trace:
+def parse_trace(text: str, path: str | Path = "<string>", limits: Limits = DEFAULT_LIMITS) -> Trace:
     """Parse a trace from YAML text; `path` is only used to name errors."""
-    return _Reader(Path(path)).trace(_load_yaml(text, Path(path)))
+    return _Reader(Path(path), limits).trace(_load_yaml(text, Path(path), limits))
 
 
-def load_corpus(directory: str | Path) -> list[Trace]:
+def load_corpus(directory: str | Path, limits: Limits = DEFAULT_LIMITS) -> list[Trace]:
     """Every `*.yaml` trace in `directory`, sorted by file name.
 
     An empty corpus is an error: a gate that checks nothing must not pass.
@@ -150,9 +174,16 @@ def load_corpus(directory: str | Path) -> list[Trace]:
     directory = Path(directory)
     if not directory.is_dir():
         raise TraceError(directory, None, "corpus", "is not a directory")
-    traces = [load_trace(p) for p in sorted(directory.glob("*.yaml"))]
+    traces = [load_trace(p, limits) for p in sorted(directory.glob("*.yaml"))]
     if not traces:
         raise TraceError(directory, None, "corpus", "holds no *.yaml traces")
+    check_unique_names(traces)
+    return traces
+
+
+def check_unique_names(traces: Sequence[Trace]) -> None:
+    """Refuse two traces of one name: a report line or a JUnit case would
+    not say which of them passed."""
     first_path: dict[str, Path] = {}
     for trace in traces:
         if trace.name in first_path:
@@ -163,7 +194,6 @@ def load_corpus(directory: str | Path) -> list[Trace]:
                 f"{trace.name!r} is also the name of {first_path[trace.name]}",
             )
         first_path[trace.name] = trace.path
-    return traces
 
 
 def bundled_corpus() -> Path:
@@ -171,16 +201,25 @@ def bundled_corpus() -> Path:
     return Path(__file__).with_name("corpus")
 
 
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+_INT_TAG = "tag:yaml.org,2002:int"
+
+
 class _NoDuplicateKeys(yaml.constructor.SafeConstructor):
-    """PyYAML's safe constructor, except that a repeated mapping key is an error.
+    """PyYAML's safe constructor, except that a repeated mapping key is an
+    error (an integer has at most `INT_DIGITS` digits: `_bounded_int`).
 
     PyYAML silently keeps the last of two equal keys, which would let
-    `{req: A, req: B}` through as a valid step.
+    `{req: A, req: B}` through as a valid step. Merge keys (`<<: *base`) are
+    YAML's own way to repeat keys: they are not duplicates, and the keys
+    written beside them override the merged ones, as YAML says.
     """
 
     def construct_mapping(self, node: MappingNode, deep: bool = False) -> dict[Hashable, Any]:
         seen: set[object] = set()
         for key_node, _ in node.value:
+            if key_node.tag == _MERGE_TAG:
+                continue
             key = self.construct_object(key_node, deep=deep)
             if isinstance(key, Hashable) and key in seen:
                 raise yaml.constructor.ConstructorError(
@@ -200,10 +239,28 @@ class _StrictCLoader(_NoDuplicateKeys, yaml.CSafeLoader):
     long traces the workload generator writes (same documents)."""
 
 
-def _load_yaml(text: str, path: Path) -> object:
+def _bounded_int(loader: Any, node: yaml.ScalarNode) -> int:
+    # Python refuses to convert ints of more than 4,300 digits with a
+    # ValueError (not a YAML error), and no trace needs a tenth of that.
+    digits = sum(c.isalnum() for c in str(node.value))
+    if digits > INT_DIGITS + 2:  # a 0x/0o/0b prefix
+        raise yaml.constructor.ConstructorError(
+            None, None, f"integer of {digits} digits (at most {INT_DIGITS})", node.start_mark
+        )
+    return cast(int, loader.construct_yaml_int(node))
+
+
+for _loader in (_StrictLoader, _StrictCLoader):
+    _loader.add_constructor(_INT_TAG, _bounded_int)
+
+
+def _load_yaml(text: str, path: Path, limits: Limits) -> object:
     documents = _load_with_libyaml(text)
     try:
         if documents is None:
+            # The pure-Python composer recurses once per nesting level: the
+            # event stream (no recursion) is measured first.
+            _check_nesting(text, path, limits)
             documents = list(yaml.load_all(text, Loader=_StrictLoader))
     except yaml.MarkedYAMLError as error:
         mark = error.problem_mark
@@ -211,9 +268,32 @@ def _load_yaml(text: str, path: Path) -> object:
         raise TraceError(path, None, "yaml", f"{where}{error.problem or error}") from None
     except yaml.YAMLError as error:
         raise TraceError(path, None, "yaml", str(error)) from None
+    except (ValueError, RecursionError) as error:
+        # Not reachable on any input tried; kept so that nothing a YAML
+        # library raises about its input ever leaves as a traceback.
+        raise TraceError(path, None, "yaml", f"{type(error).__name__}: {error}") from None
     if len(documents) != 1:
         raise TraceError(path, None, "document", f"holds {len(documents)} YAML documents, not one")
     return documents[0]
+
+
+def _check_nesting(text: str, path: Path, limits: Limits) -> None:
+    depth = 0
+    for event in yaml.parse(text, Loader=yaml.SafeLoader):
+        if isinstance(event, yaml.CollectionStartEvent):
+            depth += 1
+            if depth > limits.nesting:
+                mark = event.start_mark
+                where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+                raise TraceError(
+                    path,
+                    None,
+                    "yaml",
+                    f"{where}collections nest deeper "
+                    f"than the limit nesting = {limits.nesting} (raise it with --limit nesting=N)",
+                )
+        elif isinstance(event, yaml.CollectionEndEvent):
+            depth -= 1
 
 
 def _load_with_libyaml(text: str) -> list[object] | None:
@@ -224,17 +304,24 @@ def _load_with_libyaml(text: str) -> list[object] | None:
         return None
     try:
         return list(yaml.load_all(text, Loader=_StrictCLoader))
-    except yaml.YAMLError:
+    except (yaml.YAMLError, ValueError, RecursionError):
         return None
 
 
 class _Reader:
     """Validates one trace document, step by step, tracking each request's life."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, limits: Limits) -> None:
         self.path = path
+        self.limits = limits
         self.requests: dict[str, tuple[Phase, str]] = {}  # name -> (phase, since when)
         self.config: Config | None = None
+        self._budget: TraceBudget | None = None
+
+    @property
+    def budget(self) -> TraceBudget:
+        assert self._budget is not None, "the config is read first"
+        return self._budget
 
     def error(self, index: int | None, field: str, message: str) -> TraceError:
         return TraceError(self.path, index, field, message)
@@ -257,13 +344,29 @@ class _Reader:
         name = doc["name"]
         if not isinstance(name, str) or not name.strip():
             raise self.error(None, "name", f"must be a non-empty string, got {_got(name)}")
+        if not name.isprintable() or len(name) > NAME_WIDTH:
+            # It heads a report line: a newline in it would print a line of its own.
+            raise self.error(
+                None,
+                "name",
+                f"must be one line of at most {NAME_WIDTH} printable characters, got {_got(name)}",
+            )
+        if name.split(" ", 1)[0] in VERDICT_WORDS:
+            # A failing trace's report block starts with its name: this one
+            # would start a line a CI parser reads as a verdict.
+            raise self.error(
+                None, "name", f"may not start with a verdict word ({', '.join(VERDICT_WORDS)})"
+            )
         about = doc.get("about", "")
         if not isinstance(about, str):
             raise self.error(None, "about", f"must be a string, got {_got(about)}")
         self.config = self.read_config(doc["config"])
+        self._budget = TraceBudget(self.limits, self.config.max_model_len)
         raw_steps = doc["steps"]
         if not isinstance(raw_steps, list) or not raw_steps:
             raise self.error(None, "steps", f"must be a non-empty list, got {_got(raw_steps)}")
+        if len(raw_steps) > self.limits.steps:
+            raise self.error(None, "steps", over("steps", len(raw_steps), self.limits))
         steps = tuple(self.step(i, raw) for i, raw in enumerate(raw_steps))
         return Trace(
             name=name,
@@ -348,6 +451,10 @@ class _Reader:
             validate(config)
         except UnsupportedConfig as error:
             raise TraceError.unsupported(self.path, error) from None
+        if config.num_blocks > self.limits.num_blocks:
+            raise self.error(
+                None, "config.num_blocks", over("num_blocks", config.num_blocks, self.limits)
+            )
         return config
 
     def read_groups(self, raw: object) -> tuple[GroupConfig, ...]:
@@ -418,7 +525,20 @@ class _Reader:
         }
         expect = self.expect(index, action, raw.get("expect", {}))
         self.track_request(index, action, values)
+        self.count(index, op, values)
         return Step(op, index, **values, expect=expect)
+
+    def count(self, index: int, op: str, values: Mapping[str, Any]) -> None:
+        """Charge the step to the trace's budget (before `decode` is expanded)."""
+        try:
+            if op == "arrive":
+                self.budget.arrive(values["req"], values["prompt"])
+            repeats = values["steps"] if op == "decode" else 1
+            self.budget.add_steps(3 * repeats if op == "decode" else 1, "steps")
+            if op in ("decode", "decode1"):
+                self.budget.decoded(values["req"], repeats)
+        except LimitError as error:
+            raise self.error(index, error.field, error.message) from None
 
     def field(self, index: int, key: str, value: object) -> Any:
         kind = FIELD_TYPES[key]
@@ -433,14 +553,31 @@ class _Reader:
         if kind == "int":
             if not _is_count(value):
                 raise self.error(index, key, f"must be an integer >= 0, got {_got(value)}")
+            if key in ("lookahead", "spec") and value > getattr(self.limits, key):
+                raise self.error(index, key, over(key, value, self.limits))
             return value
+        assert self.config is not None
         if kind == "int_or_auto":
             if value != "auto" and not (_is_count(value) and value != 0):
                 raise self.error(index, key, f"must be an integer >= 1 or auto, got {_got(value)}")
+            if isinstance(value, int) and value > self.config.max_model_len:
+                raise self.error(
+                    index,
+                    key,
+                    f"{value:,} tokens in one allocation, more than config.max_model_len "
+                    f"{self.config.max_model_len:,}",
+                )
             return value
         if kind == "int_or_all":
             if value != "all" and not _is_count(value):
                 raise self.error(index, key, f"must be an integer >= 0 or all, got {_got(value)}")
+            if isinstance(value, int) and value >= self.config.num_blocks:
+                raise self.error(
+                    index,
+                    key,
+                    f"{value:,} blocks, more than the pool's {self.config.num_blocks - 1:,} "
+                    "(config.num_blocks less the null block)",
+                )
             return value
         if value not in FREE_HOW:
             raise self.error(index, key, f"{_got(value)} is not one of {', '.join(FREE_HOW)}")
@@ -472,22 +609,39 @@ class _Reader:
         if kind == "fresh":
             if not _is_count(value):
                 raise self.error(index, field, f"must be an integer >= 0, got {_got(value)}")
+            self.charge(index, field, value)
             return Segment("fresh", count=value)
         if kind == "tokens":
-            if not isinstance(value, list) or not all(_is_count(t) for t in value):
+            if not isinstance(value, list):
                 raise self.error(
                     index, field, f"must be a list of token ids (integers >= 0), got {_got(value)}"
+                )
+            # Counted before it is read: one long list behind many aliases
+            # would otherwise be walked once per alias.
+            self.charge(index, field, len(value))
+            if not all(_is_count(t) and t < TOKEN_ID_BOUND for t in value):
+                raise self.error(
+                    index,
+                    field,
+                    f"must be a list of token ids (integers >= 0 and < 2**63), got {_got(value)}",
                 )
             return Segment("tokens", token_ids=tuple(value))
         if kind in ("all_of", "prompt_of"):
             if not isinstance(value, str) or value not in self.requests:
                 raise self.error(index, field, f"names no request that has arrived: {_got(value)}")
+            self.charge(index, field, self.budget.copied(kind, value))
             return Segment(kind, req=value)
         raise self.error(
             index,
             where,
             f"unknown segment kind {_got(kind)} (expected one of {', '.join(_SEGMENT_KINDS)})",
         )
+
+    def charge(self, index: int, field: str, tokens: int) -> None:
+        try:
+            self.budget.add_tokens(tokens, field)
+        except LimitError as error:
+            raise self.error(index, error.field, error.message) from None
 
     def expect(self, index: int, action: Action, raw: object) -> dict[str, Any]:
         if not isinstance(raw, dict):

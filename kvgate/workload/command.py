@@ -37,6 +37,16 @@ from kvgate.workload.runner import Arm, ArmResult, factories, replay_arm, write_
 
 DEFAULT_UNITS = "64,256,512,1024,4096"
 DEFAULT_OUT = Path("out/workload")
+# The flags' ranges. Sessions x turns at most 16 x 16 keeps a full-size
+# arm's trace within the trace limits (kvgate.conformance.limits: prompt
+# tokens summed); the scale and the units only divide token counts.
+FLAG_RANGES: dict[str, tuple[int, int]] = {
+    "sessions": (1, 16),
+    "turns": (1, 16),
+    "seed": (0, 2**63 - 1),
+    "scale": (1, 4096),
+}
+MAX_UNIT = 2**20
 
 
 def register(subparsers: Any) -> None:
@@ -82,14 +92,30 @@ def register(subparsers: Any) -> None:
 
 
 def _units(text: str, scale: int) -> list[int]:
-    try:
-        units = [int(u) for u in text.split(",")]
-    except ValueError:
-        raise InputError(f"--units: {text!r} is not a comma-separated list of integers") from None
+    parts = text.split(",")
+    if not all(p.strip().isascii() and p.strip().isdigit() and len(p.strip()) < 10 for p in parts):
+        raise InputError(f"--units: {text[:40]!r} is not a comma-separated list of integers")
+    units = [int(u) for u in parts]
     for unit in units:
         if unit < 1 or unit % scale:
             raise InputError(f"--units: {unit} is not a positive multiple of --scale {scale}")
+        if unit > MAX_UNIT:
+            raise InputError(f"--units: {unit} is more than {MAX_UNIT}")
     return sorted({u // scale for u in units})
+
+
+def _check_out(out: Path) -> None:
+    """`--out` is a directory kvgate can create and write in, checked before
+    minutes of generation: not an existing file, not inside /proc."""
+    if out.exists() and not out.is_dir():
+        raise InputError(f"--out: {out} exists and is not a directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".kvgate-write-test"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as error:
+        raise InputError(f"--out: cannot write in {out}: {error.strerror}") from None
 
 
 def _holds(text: str) -> list[bool]:
@@ -105,6 +131,11 @@ def run(args: argparse.Namespace) -> int:
     if args.plugin is not None and not args.target.startswith("vllm"):
         raise InputError("--plugin: only the vLLM targets load plugins")
     level: Level = args.level
+    for flag, (low, high) in FLAG_RANGES.items():
+        value = getattr(args, flag)
+        if not low <= value <= high:
+            raise InputError(f"--{flag}: {value} is outside {low}..{high}")
+    _check_out(args.out)
     try:
         workload = Workload(sessions=args.sessions, turns=args.turns, seed=args.seed)
         deployment = Deployment(build=args.build).scaled(args.scale)
@@ -126,12 +157,16 @@ def run(args: argparse.Namespace) -> int:
             ]
         except WorkloadStuck as error:
             raise InputError(str(error)) from None
+        except OSError as error:
+            raise InputError(f"--out: cannot write in {args.out}: {error.strerror}") from None
     else:
         factory, model = factories(target_factory, args.target, args.plugin, LOCKSTEP_MODEL)
         try:
             paths = write_traces(workload, deployment, arms, args.out, progress)
         except WorkloadStuck as error:
             raise InputError(str(error)) from None
+        except OSError as error:
+            raise InputError(f"--out: cannot write in {args.out}: {error.strerror}") from None
         results = [
             replay_arm(path, arm, factory, model, level, progress)
             for arm, path in zip(arms, paths, strict=True)

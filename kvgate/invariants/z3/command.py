@@ -42,6 +42,10 @@ from kvgate.model.mutations import MUTATIONS as MODEL_MUTATIONS
 
 DEFAULT_OUT = Path("out/prove")  # beside out/workload; git ignores out/
 DEFAULT_DEPTH = 10
+# The flags' upper bounds: the encoding grows with blocks x requests x
+# groups, and past these a proof takes hours or exhausts memory (16 blocks:
+# 13 s; 100,000 blocks: Z3 out of memory) rather than saying anything new.
+MAX_FLAGS = {"blocks": 32, "requests": 8, "groups": 6, "depth": 64, "jobs": 64}
 
 
 def register(subparsers: Any) -> None:
@@ -75,6 +79,9 @@ def register(subparsers: Any) -> None:
 
 
 def handle(args: argparse.Namespace) -> int:
+    for flag, most in MAX_FLAGS.items():
+        if getattr(args, flag) > most:
+            raise InputError(f"--{flag}: {getattr(args, flag)} is more than {most}")
     try:
         bounds = Bounds(args.blocks, args.requests, args.groups)
     except BadBounds as error:
