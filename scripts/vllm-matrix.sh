@@ -70,9 +70,10 @@ summary() {  # RUN FILE -> one table cell
       refused="$(grep -m1 'hold overlay refused' "$file" || true)"
       line="$(grep -E '^[0-9]+ passed, [0-9]+ failed' "$file" | tail -1)"
       if [ -n "$refused" ]; then echo "refused: ${refused#*refused: }"; return; fi
-      local named
-      named="$(grep -E '^difference ' "$file" | cut -d' ' -f2 | tr -d ':' | paste -sd, - || true)"
-      echo "${line:-no summary (see $file)}${named:+; differences: $named}"
+      local named known
+      named="$(grep -E '^difference ' "$file" | cut -d' ' -f2 | paste -sd, - || true)"
+      known="$(grep -oE 'known: +difference [a-z0-9-]+' "$file" | awk '{print $3}' | sort -u | paste -sd, - || true)"
+      echo "${line:-no summary (see $file)}${named:+; not compared (unobservable): $named}${known:+; known difference: $known}"
       ;;
     mutate)
       local rate na
