@@ -1,11 +1,14 @@
-"""Proof time against the bound: the whole `kvgate prove` table at 4, 8, 12
-and 16 blocks (3 requests, one attention and two Mamba groups), in one run.
+"""Proof time against the bound, and the proof for every size: the whole
+`kvgate prove` table at 8, 16 and 32 blocks (3 requests, one attention and
+two Mamba groups) and the whole `kvgate prove --unbounded` table (every pool
+size and request count, the same groups), in one run.
 
 Each row is every property at `init` and across every op, all proved (the
 benchmark fails otherwise): wall seconds with `--jobs` worker processes,
-the CPU seconds the solver checks took in total, and the slowest cell.
+the CPU seconds the solver checks took in total, the slowest cell, and the
+bounded proof's wall time over the unbounded one's.
 
-    python benchmarks/prove_scaling.py [--jobs 2] [--blocks 4 8 12 16]
+    python benchmarks/prove_scaling.py [--jobs 2] [--blocks 8 16 32]
 """
 
 from __future__ import annotations
@@ -15,34 +18,64 @@ import os
 import time
 
 from kvgate.invariants.z3.checker import prove
+from kvgate.invariants.z3.unbounded_proof import prove_unbounded
 from kvgate.invariants.z3.vocabulary import Bounds
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
-    parser.add_argument("--blocks", type=int, nargs="+", default=[4, 8, 12, 16])
+    parser.add_argument("--blocks", type=int, nargs="+", default=[8, 16, 32])
     parser.add_argument("--requests", type=int, default=Bounds().requests)
     parser.add_argument("--groups", type=int, default=Bounds().groups)
     args = parser.parse_args()
 
-    print(f"{'blocks':>6}  {'cells':>5}  {'wall s':>7}  {'check s':>7}  slowest cell")
+    started = time.perf_counter()
+    unbounded = prove_unbounded(args.groups, jobs=args.jobs)
+    unbounded_wall = time.perf_counter() - started
+    failed = [(r.prop, r.op) for r in unbounded if not r.proved]
+    if failed:
+        raise SystemExit(f"unbounded: not proved: {failed}")
+
+    header = f"{'blocks':>9}  {'cells':>5}  {'wall s':>7}  {'check s':>7}  {'/unbounded':>10}"
+    print(f"{header}  slowest cell")
+    rows: list[tuple[str, list[float], float, str, float]] = []
     for blocks in args.blocks:
         bounds = Bounds(blocks, args.requests, args.groups)
         started = time.perf_counter()
-        rows = prove(bounds, jobs=args.jobs)
+        results = prove(bounds, jobs=args.jobs)
         wall = time.perf_counter() - started
-        failed = [(r.prop, r.op) for r in rows if not r.proved]
+        failed = [(r.prop, r.op) for r in results if not r.proved]
         if failed:
             raise SystemExit(f"{bounds}: not proved: {failed}")
-        slowest = max(rows, key=lambda r: r.seconds)
-        checks = sum(r.seconds for r in rows)
-        print(
-            f"{blocks:>6}  {len(rows):>5}  {wall:>7.1f}  {checks:>7.1f}  "
-            f"{slowest.prop} across {slowest.op} ({slowest.seconds:.1f}s)",
-            flush=True,
+        slowest = max(results, key=lambda r: r.seconds)
+        rows.append(
+            (
+                str(blocks),
+                [r.seconds for r in results],
+                wall,
+                f"{slowest.prop} across {slowest.op} ({slowest.seconds:.1f}s)",
+                wall / unbounded_wall,
+            )
         )
-    print(f"({args.requests} requests, {args.groups} groups, {args.jobs} jobs)")
+        _row(*rows[-1])
+    worst = max(unbounded, key=lambda r: r.seconds)
+    _row(
+        "unbounded",
+        [r.seconds for r in unbounded],
+        unbounded_wall,
+        f"{worst.prop} across {worst.op} ({worst.seconds:.1f}s)",
+        1.0,
+    )
+    print(f"({args.requests} requests bounded, {args.groups} groups, {args.jobs} jobs)")
+
+
+def _row(label: str, seconds: list[float], wall: float, slowest: str, ratio: float) -> None:
+    print(
+        f"{label:>9}  {len(seconds):>5}  {wall:>7.1f}  {sum(seconds):>7.1f}  {ratio:>9.2f}x  "
+        f"{slowest}",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -46,6 +46,7 @@ def configs(draw: st.DrawFn) -> Config:
         eagle=draw(st.booleans()),
         retention_interval=draw(st.sampled_from([None, 0])),
         retain_checkpoint=draw(st.sampled_from([True, True, False])),
+        retain_retired=draw(st.booleans()),  # the production fork's retention
         scheduler_block_size=32,
         max_num_scheduled_tokens=draw(st.sampled_from([16, 32, 8192])),
     )
@@ -90,6 +91,10 @@ class Run:
         for what, happened in (
             ("a tail moved", moved),
             ("a request holds a block", any(after["hold"].values())),
+            (
+                "a retired state is held",  # the fork's retention: a table block becomes a hold
+                any(v and before["table"][k] for k, v in after["hold"].items()),
+            ),
             ("a copy is pending", any(after["pend"].values())),
             ("blocks are popped", any(after["popped"].values())),
         ):
