@@ -24,12 +24,18 @@ TARGETS: dict[str, str] = {
 }
 # The target every other one is compared with, step by step.
 LOCKSTEP_MODEL = "model"
+# Scheduler-level targets (`conformance.scheduling.SchedulerTarget`): a whole
+# scheduler owning its manager, run beside kvgate's scheduler model.
+SCHEDULER_TARGETS: dict[str, str] = {
+    "vllm-scheduler": "kvgate.impl.vllm_scheduler:VllmScheduler",
+}
 
 
 def target_factory(name: str) -> TargetFactory:
-    """The factory registered as `name`, imported now; InputError if it cannot be."""
-    module_name, _, attribute = TARGETS[name].partition(":")
-    if name == "vllm":
+    """The factory registered as `name` (in `TARGETS` or `SCHEDULER_TARGETS`),
+    imported now; InputError if it cannot be."""
+    module_name, _, attribute = {**TARGETS, **SCHEDULER_TARGETS}[name].partition(":")
+    if name.startswith("vllm"):
         # vLLM picks its platform when first imported; kvgate drives it on CPU.
         os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     try:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Run vLLM 0.33.0's own tests against the installed vLLM, optionally with
+# Run the installed vLLM release's own tests against it, optionally with
 # kvgate's partial-tail hold overlay loaded and switched on.
 #
 #   scripts/vllm-own-tests.sh [--overlay] [PYTEST ARGS...]
@@ -9,7 +9,7 @@
 #             VLLM_E2_MAMBA_RETAIN_CHECKPOINT=1; without it the switch is 0
 #             and nothing of kvgate is loaded.
 # PYTEST ARGS are passed to pytest unchanged, run from inside the fetched
-#             tests (.cache/vllm-0.33.0-tests), so paths read tests/v1/...
+#             tests (.cache/vllm-<version>-tests), so paths read tests/v1/...
 #             If none of them names an existing test path (a file or folder,
 #             optionally with ::node), the default selection runs:
 #             tests/v1/core/prefix_cache/ and tests/v1/core/test_prefix_caching.py.
@@ -32,7 +32,8 @@ if [ "${1:-}" = "--overlay" ]; then
   shift
 fi
 
-bash scripts/setup.sh
+# KVGATE_SKIP_SETUP=1: the venv is set up already (the matrix's release venvs).
+[ "${KVGATE_SKIP_SETUP:-0}" = 1 ] || bash scripts/setup.sh
 tests_dir="$root/$(bash scripts/fetch-vllm-tests.sh)"
 stamp="$venv/.kvgate-vllm-tests"
 want="$(sha256sum requirements/vllm-tests.txt | cut -c1-16)"

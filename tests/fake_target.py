@@ -67,7 +67,7 @@ class FakeTarget:
 
     def _lookup(self, step: Step) -> dict[str, Any]:
         request = self._request(step)
-        hold_on = self.config.retain_checkpoint and self.has_hold
+        hold_on = self.config.hold and self.has_hold
         request.hit = FOLLOW_UP_HIT if request.follow_up and hold_on else 0
         return {"hit": request.hit}
 

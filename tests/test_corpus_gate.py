@@ -21,10 +21,10 @@ from kvgate.invariants.predicates import check_snapshot
 from kvgate.model import ModelTarget
 
 CORPUS = load_corpus(bundled_corpus())
-HOLD_ON = [t for t in CORPUS if t.config.retain_checkpoint]
-RETIRED = [t for t in CORPUS if t.config.retain_retired]
+HOLD_ON = [t for t in CORPUS if t.config.hold]
+RETIRED = [t for t in CORPUS if t.config.hold_retired]
 # What upstream vLLM 0.33.0 runs as it is.
-HOLD_OFF = [t for t in CORPUS if not t.config.retain_checkpoint and not t.config.retain_retired]
+HOLD_OFF = [t for t in CORPUS if not t.config.hold and not t.config.hold_retired]
 
 
 def ids(traces: list[Trace]) -> list[str]:

@@ -31,7 +31,7 @@ from kvgate.explore.session import (
     fresh,
     shrink,
 )
-from kvgate.invariants.predicates import hash_map_consistent, holds_in_mamba_groups
+from kvgate.invariants.predicates import hash_map_consistent, one_hold
 from kvgate.model import ModelTarget
 from kvgate.model.groups import GroupManager
 from kvgate.model.hold import Holds
@@ -44,7 +44,7 @@ SEED = Config(
     groups=(GroupConfig("full_attention", 8), GroupConfig("mamba_align", 32, 3)),
     eagle=True,
     retention_interval=0,
-    retain_checkpoint=False,
+    hold=False,
     scheduler_block_size=32,
 )
 # Searches that must find a planted failure: a fixed seed keeps them
@@ -56,7 +56,7 @@ SEARCH = profile("dev", max_examples=3000, phases=(Phase.explicit, Phase.generat
 def model_replay(trace: Trace, hold: bool | None = None) -> tuple[bool, list[str]]:
     """Replay on the model alone (the trace's own expectations judge it)."""
     if hold is not None:
-        trace = replace(trace, config=replace(trace.config, retain_checkpoint=hold))
+        trace = replace(trace, config=replace(trace.config, hold=hold))
     target = ModelTarget(trace.config)
     try:
         result = replay(trace, target, None, "api")
@@ -75,7 +75,7 @@ def search(mode: Mode, out: Path, seed: int) -> Outcome:
 
 def test_hold_off_exploration_finds_the_total_miss(total_miss: Found) -> None:
     assert total_miss.code == 1
-    assert "FAIL invariant resume_at_parent_state" in total_miss.out
+    assert "FAIL invariant no_total_miss" in total_miss.out
     assert "hit 0" in total_miss.out
     assert f"saved: {total_miss.saved}" in total_miss.out
     steps = load_trace(total_miss.saved).steps
@@ -124,7 +124,7 @@ def test_hold_without_its_admission_block_breaks_the_reservation(
     monkeypatch.setattr(Holds, "admission_extra", lambda self, *args, **kwargs: 0)
     outcome = search(model_mode(hold=True), tmp_path, seed=2)
     failure = outcome.failure
-    assert failure is not None and failure.invariant == "reservation_covers_hold"
+    assert failure is not None and failure.invariant == "reservation_covers_tail_swap"
     assert outcome.saved is not None
     trace = load_trace(outcome.saved)
     passed, failures = model_replay(trace)
@@ -147,7 +147,7 @@ def test_a_leaking_free_path_is_found_and_replays_failing(
     monkeypatch.setattr(GroupManager, "free", leaky_free)
     outcome = search(model_mode(hold=True), tmp_path, seed=0)
     failure = outcome.failure
-    assert failure is not None and failure.invariant in ("ref_accounting", "free_queue_exact")
+    assert failure is not None and failure.invariant in ("no_leak", "free_queue_exact")
     assert outcome.saved is not None
     passed, failures = model_replay(load_trace(outcome.saved))
     assert not passed and any(f.startswith("check:check free_blocks") for f in failures)
@@ -172,7 +172,7 @@ def test_the_session_refuses_what_a_scheduler_never_does(session: Session) -> No
     with pytest.raises(Unrealistic, match="before its prompt is computed"):
         session.run("decode1", req="A")
     session.run("free", req="A", how="finish")
-    with pytest.raises(Unrealistic, match="not live"):
+    with pytest.raises(Unrealistic, match="has ended"):
         session.run("lookup", req="A")
 
 
@@ -199,7 +199,7 @@ def seed_miss(session: Session, noise: bool) -> ExploreFailure:
 def test_trace_shrinking_drops_steps_the_failure_does_not_need(session: Session) -> None:
     padded = seed_miss(session, noise=True)
     shrunk = shrink(padded, lambda config: Session(config))
-    assert shrunk.invariant == padded.invariant == "resume_at_parent_state"
+    assert shrunk.invariant == padded.invariant == "no_total_miss"
     assert len(shrunk.steps) < len(padded.steps)
     assert not any(s.req == "X" for s in shrunk.steps)
 
@@ -216,7 +216,7 @@ def test_a_failure_is_a_trace_with_its_witness(session: Session, tmp_path: Path)
 
 
 def test_the_hold_keeps_the_parent_state() -> None:
-    held = Session(replace(SEED, retain_checkpoint=True))
+    held = Session(replace(SEED, hold=True))
     try:
         held.run("arrive", req="P", prompt=fresh(16))
         for _ in range(2):
@@ -258,7 +258,7 @@ def test_holds_live_in_mamba_groups_only() -> None:
         pending_copies=(),
         popped={},
     )
-    messages = [v.message for v in holds_in_mamba_groups(snapshot, (1, 2))]
+    messages = [v.message for v in one_hold(snapshot, (1, 2))]
     assert messages == [
         "A holds a block in group 0, not a Mamba group",
         "B holds block 2 in 2 groups",
@@ -322,7 +322,7 @@ def test_explore_runs_the_fork_retention_on_the_model(
     original = Session.__init__
 
     def recording(self: Session, config: Config, *args: Any, **kwargs: Any) -> None:
-        seen.append(config.retain_retired)
+        seen.append(config.hold_retired)
         original(self, config, *args, **kwargs)
 
     monkeypatch.setattr(Session, "__init__", recording)

@@ -35,8 +35,8 @@ PLUGIN = "kvgate.impl.hold_overlay"
 CORPUS = load_corpus(bundled_corpus())
 # Traces that need what upstream lacks: the hold, or the fork's retention of
 # retired states (the overlay offers both); and those upstream runs as it is.
-HOLD_ON = [t for t in CORPUS if t.config.retain_checkpoint or t.config.retain_retired]
-HOLD_OFF = [t for t in CORPUS if not t.config.retain_checkpoint and not t.config.retain_retired]
+HOLD_ON = [t for t in CORPUS if t.config.hold or t.config.hold_retired]
+HOLD_OFF = [t for t in CORPUS if not t.config.hold and not t.config.hold_retired]
 # A Mamba block wider than the hash unit, used by no corpus trace, so this
 # module's startup line is not one an earlier build already logged.
 LOG_UNIT, LOG_BLOCK = 16, 64
@@ -106,9 +106,9 @@ def test_the_corpus_has_both_arms() -> None:
 @pytest.mark.parametrize("trace", HOLD_ON, ids=ids(HOLD_ON))
 def test_hold_on_trace_conforms_with_the_overlay(overlay: Any, trace: Trace) -> None:
     result = run(trace, PLUGIN)
-    assert result.capabilities.hold is trace.config.retain_checkpoint
-    assert result.capabilities.retire is trace.config.retain_retired
-    if trace.config.retain_checkpoint:
+    assert result.capabilities.hold is trace.config.hold
+    assert result.capabilities.retire is trace.config.hold_retired
+    if trace.config.hold:
         assert result.capabilities.hold_source == overlay.HOLD_SOURCE
     assert not result.notes  # the lockstep model ran with all of it on
     assert result.passed, result.divergence
@@ -120,10 +120,10 @@ def test_without_the_overlay_vllm_runs_as_upstream(trace: Trace) -> None:
     result = run(trace, None)
     assert result.capabilities.hold is False
     assert result.notes == (
-        *([HOLD_NOTE] if trace.config.retain_checkpoint else []),
-        *([RETIRE_NOTE] if trace.config.retain_retired else []),
+        *([HOLD_NOTE] if trace.config.hold else []),
+        *([RETIRE_NOTE] if trace.config.hold_retired else []),
     )
-    if not trace.config.retain_checkpoint and trace.name != "retired-state-held.fork.hold-off":
+    if not trace.config.hold and trace.name != "retired-state-held.fork.hold-off":
         # The fork's seed scenarios without the hold expect what upstream does.
         assert result.passed, result.divergence
         return
@@ -171,7 +171,7 @@ def test_switched_on_every_trace_keeps_lockstep_with_the_model(overlay: Any, tra
     """The hold-off traces with the hold switched on: the expectations were
     written for the hold off, but overlay and model must still agree at
     every step (abort, preemption, deferred frees, two Mamba groups, ...)."""
-    flipped = replace(trace, config=replace(trace.config, retain_checkpoint=True))
+    flipped = replace(trace, config=replace(trace.config, hold=True))
     result = run(flipped, PLUGIN)
     assert result.capabilities.hold is True
     lockstep = [d for d in result.failures if d.level != "expect"]
@@ -189,7 +189,7 @@ def test_the_overlay_is_exercised_on_two_mamba_groups(overlay: Any) -> None:
 
     for trace in CORPUS:
         if len(trace.config.mamba_group_ids) > 1:
-            flipped = replace(trace, config=replace(trace.config, retain_checkpoint=True))
+            flipped = replace(trace, config=replace(trace.config, hold=True))
             from kvgate.impl.vllm_target import VllmTarget
 
             target = WatchedTarget(VllmTarget(flipped.config, plugin=PLUGIN), after)
@@ -227,7 +227,7 @@ def test_the_switch_is_read_per_manager(overlay: Any) -> None:
 
     from kvgate.impl.vllm_target import VllmTarget
 
-    on, off = HOLD_ON[0].config, replace(HOLD_ON[0].config, retain_checkpoint=False)
+    on, off = HOLD_ON[0].config, replace(HOLD_ON[0].config, hold=False)
     for config, want in ((on, True), (off, False), (on, True)):
         target = VllmTarget(config)
         managers = target.manager.coordinator.single_type_managers
@@ -263,7 +263,7 @@ def test_one_startup_line_when_the_hold_is_active(overlay: Any) -> None:
             ),
             eagle=False,
             retention_interval=None,
-            retain_checkpoint=hold,
+            hold=hold,
             scheduler_block_size=LOG_BLOCK,
         )
 

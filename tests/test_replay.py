@@ -24,15 +24,15 @@ from fake_target import (
 )
 
 from kvgate import cli, targets
+from kvgate.conformance.compare import NOT_REPORTED, same
 from kvgate.conformance.config import Config
 from kvgate.conformance.replay import (
     HOLD_NOTE,
-    NOT_REPORTED,
     Level,
+    ModelBug,
     ReplayResult,
     TargetFactory,
     replay,
-    same,
 )
 from kvgate.conformance.report import (
     divergence_lines,
@@ -193,10 +193,14 @@ def test_an_exception_in_the_target_is_a_divergence_not_a_crash() -> None:
     assert d.step.where() == "step 2 (decode: decode1 #1)"
 
 
-def test_an_exception_in_the_model_names_the_model() -> None:
-    result, _ = run(LIFE, FakeTarget, RaisingFake)
-    assert result.divergence is not None
-    assert result.divergence.note == "raised by the model"
+def test_an_exception_in_the_model_is_kvgates_bug_not_the_targets() -> None:
+    with pytest.raises(ModelBug) as bug:
+        run(LIFE, FakeTarget, RaisingFake)
+    assert str(bug.value) == (
+        "t.yaml: step 2 (decode: decode1 #1): the kvgate model raised RuntimeError: "
+        "boom in decode; this is a bug in kvgate, not in the target: please report it "
+        "with this trace"
+    )
 
 
 SHORT_POOL = """\
@@ -237,18 +241,22 @@ def test_a_failed_allocate_the_model_ran_is_an_api_divergence() -> None:
     assert (d.level, d.what, d.expected, d.actual) == ("api", "ok", True, False)
 
 
-BURST = "- {op: arrive, req: A, prompt: [{fresh: 8}]}\n- {op: evict, blocks: 500}\n"
+BURST = """\
+- {op: arrive, req: A, prompt: [{fresh: 150}]}
+- {op: prefill, req: A}
+- {op: evict, blocks: 95}
+"""
 
 
 @pytest.mark.parametrize("model", [FakeTarget, None])
 def test_a_refused_step_is_the_traces_fault(model: TargetFactory | None) -> None:
     with pytest.raises(TraceError) as error:
         run(BURST, FakeTarget, model)
-    assert str(error.value) == "t.yaml: step 1: blocks: 500 blocks asked, 95 free"
+    assert str(error.value) == "t.yaml: step 2: blocks: 95 blocks asked, 92 free"
 
 
 def test_a_target_refusing_what_the_model_ran_diverges() -> None:
-    result, _ = run(BURST.replace("500", "5"), RefusingFake)
+    result, _ = run(BURST.replace("95}", "5}"), RefusingFake)
     d = result.divergence
     assert d is not None
     assert (d.level, d.what) == ("api", "refused")
@@ -280,7 +288,7 @@ def test_a_target_without_the_hold_gets_a_lockstep_model_without_it() -> None:
     steps = FOLLOW_UP + "- {op: lookup, req: B}\n"
     result, _ = run(steps, HoldlessFake, model, hold=True)
     assert result.passed
-    assert built[0].retain_checkpoint is False
+    assert built[0].hold is False
     assert result.notes == (HOLD_NOTE,)
     # The trace's own expectation still judges the target.
     failing, _ = run(
@@ -302,7 +310,7 @@ def test_a_target_with_the_hold_keeps_it_in_the_model() -> None:
         FOLLOW_UP + "- {op: lookup, req: B, expect: {hit: 8}}\n", FakeTarget, model, hold=True
     )
     assert result.passed and result.notes == ()
-    assert built[0].retain_checkpoint is True
+    assert built[0].hold is True
 
 
 # -- report -------------------------------------------------------------------

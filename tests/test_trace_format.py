@@ -11,14 +11,8 @@ from pathlib import Path
 import pytest
 
 from kvgate.cli import main
-from kvgate.conformance.trace import (
-    TraceError,
-    bundled_corpus,
-    load_corpus,
-    parse_trace,
-    prefill_lookup,
-    prefill_round,
-)
+from kvgate.conformance.macros import prefill_lookup, prefill_round
+from kvgate.conformance.trace import TraceError, bundled_corpus, load_corpus, parse_trace
 from kvgate.conformance.writer import dump_trace
 
 CONFIG = """\
@@ -138,6 +132,21 @@ MALFORMED: list[tuple[str, str, str]] = [
     ),
     ("unknown check key", trace_text(ARRIVE + "- {op: check, colour: red}\n"), "step 1: colour"),
     (
+        "negative long-prefill threshold",
+        trace_text(ARRIVE, CONFIG + "  long_prefill_token_threshold: -1\n"),
+        "config.long_prefill_token_threshold",
+    ),
+    (
+        "long-prefill threshold past max_model_len",
+        trace_text(ARRIVE, CONFIG + "  max_model_len: 512\n  long_prefill_token_threshold: 513\n"),
+        "config.long_prefill_token_threshold",
+    ),
+    (
+        "junction expected of the wrong type",
+        trace_text(ARRIVE + "- {op: lookup, req: A, expect: {junction: yes}}\n"),
+        "step 1: expect.junction",
+    ),
+    (
         "hold in an attention group",
         trace_text(ARRIVE + "- {op: check, holds: {A: {0: 8}}}\n"),
         "step 1: holds.A.0",
@@ -251,7 +260,7 @@ def test_the_format_documents_example_parses() -> None:
     trace = parse_trace(FORMAT_EXAMPLE, "example.yaml")
     assert trace.name == "partial-tail-next-turn-after-burst"
     assert trace.about.startswith("A1 resumes")
-    assert trace.config.retain_checkpoint and trace.config.eagle
+    assert trace.config.hold and trace.config.eagle
     assert [s.op for s in trace.steps][:3] == ["arrive", "prefill", "decode"]
     assert trace.steps[5].prompt[0].kind == "all_of" and trace.steps[5].prompt[0].req == "A0"
     assert trace.steps[8].blocks == "all"
@@ -271,8 +280,8 @@ def test_config_defaults() -> None:
     assert trace.config.max_model_len == 8192
     assert trace.config.max_num_scheduled_tokens == 8192
     assert trace.config.eagle is False
-    assert trace.config.retain_checkpoint is False
-    assert trace.config.retain_retired is False
+    assert trace.config.hold is False
+    assert trace.config.hold_retired is False
     assert trace.config.groups[2].speculative_blocks == 0
 
 
@@ -280,10 +289,22 @@ def test_retain_retired_is_read_and_written_only_when_on() -> None:
     """An additive key: on, it round-trips; off, the writer leaves it out,
     so a trace written before it existed reads and writes back unchanged."""
     on = parse_trace(trace_text(ARRIVE, CONFIG + "  retain_retired: true\n"))
-    assert on.config.retain_retired is True
+    assert on.config.hold_retired is True
     assert "retain_retired: true" in dump_trace(on.name, on.config, on.steps)
     off = parse_trace(trace_text(ARRIVE))
     assert "retain_retired" not in dump_trace(off.name, off.config, off.steps)
+
+
+def test_long_prefill_threshold_is_read_and_written_only_when_set() -> None:
+    """Additive, default 0 (no cap); the writer leaves 0 out."""
+    assert parse_trace(trace_text(ARRIVE)).config.long_prefill_token_threshold == 0
+    on = parse_trace(trace_text(ARRIVE, CONFIG + "  long_prefill_token_threshold: 48\n"))
+    assert on.config.long_prefill_token_threshold == 48
+    text = dump_trace(on.name, on.config, on.steps)
+    assert "long_prefill_token_threshold: 48" in text
+    assert parse_trace(text).config == on.config
+    off = parse_trace(trace_text(ARRIVE))
+    assert "long_prefill_token_threshold" not in dump_trace(off.name, off.config, off.steps)
 
 
 def test_retention_interval_null_means_unset() -> None:

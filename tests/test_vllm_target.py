@@ -38,7 +38,7 @@ CONFIG = Config(
     ),
     eagle=True,
     retention_interval=0,
-    retain_checkpoint=True,
+    hold=True,
     scheduler_block_size=32,
 )
 UNIT = CONFIG.hash_unit
@@ -163,7 +163,7 @@ def test_capabilities(target: VllmTarget, vllm_loaded: None) -> None:
         groups=(GroupConfig("full_attention", 32), GroupConfig("mamba_align", 32)),
         eagle=False,
         retention_interval=None,
-        retain_checkpoint=False,
+        hold=False,
         scheduler_block_size=32,
     )
     other = VllmTarget(coarse)
@@ -355,7 +355,7 @@ def test_vllm_rejecting_a_config_is_unsupported(vllm_loaded: None) -> None:
             groups=(GroupConfig("full_attention", 8), GroupConfig("mamba_align", 32)),
             eagle=False,
             retention_interval=retention_interval,
-            retain_checkpoint=False,
+            hold=False,
             scheduler_block_size=32,
         )
 

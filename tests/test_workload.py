@@ -118,7 +118,7 @@ def test_trace_reads_back_as_written(traces: dict[str, list[Path]]) -> None:
     path = traces["fork"][0]
     trace = load_trace(path)
     assert trace.config == FORK.config(ARMS[0].unit, ARMS[0].hold, WORKLOAD.sessions)
-    assert trace.config.retain_retired and not UPSTREAM.config(8, False, 1).retain_retired
+    assert trace.config.hold_retired and not UPSTREAM.config(8, False, 1).hold_retired
     assert dump_trace(trace.name, trace.config, trace.steps, trace.about) == path.read_text()
     ops = {s.op for s in trace.steps}
     # Interleaved sessions: explicit and auto chunks, decodes, admissions, checks.
@@ -272,7 +272,7 @@ def test_command_writes_traces_table_and_plot(
         (["--units", "100"], "--units: 100 is not a positive multiple of --scale 64"),
         (["--units", "a"], "--units: 'a' is not a comma-separated list"),
         (["--hold", "maybe"], "--hold: 'maybe' is not on, off or on,off"),
-        (["--plugin", "x"], "--plugin: only --target vllm loads plugins"),
+        (["--plugin", "x"], "--plugin: only the vLLM targets load plugins"),
         (["--units", "192"], "unit 3 does not divide the Mamba block 64"),
     ],
 )

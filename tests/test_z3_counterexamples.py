@@ -29,18 +29,19 @@ from kvgate.invariants.z3.abstraction import Drift, acting, bounds_of, observe
 from kvgate.invariants.z3.checker import prove
 from kvgate.invariants.z3.command import DEFAULT_DEPTH
 from kvgate.invariants.z3.counterexample import GEOMETRIES, Found, Geometry, find
-from kvgate.invariants.z3.transitions import ENCODINGS, MUTATIONS
+from kvgate.invariants.z3.transitions import MUTATIONS
 from kvgate.invariants.z3.vocabulary import Bounds
+from kvgate.model.mutations import MUTATIONS as MODEL_MUTATIONS
 from kvgate.model.mutations import mutated
 from kvgate.model.target import ModelTarget
 
-UPSTREAM = [m for m in MUTATIONS if ENCODINGS[m].upstream]
+UPSTREAM = [m for m in MUTATIONS if MODEL_MUTATIONS[m].upstream]
 INDUCTION = Bounds(blocks=4, requests=2, groups=2)  # small: the failure shows already
 
 
 def search(job: tuple[str, Path]) -> Found:
     mutation, directory = job
-    return find(Bounds(), mutation, ENCODINGS[mutation].target, directory, DEFAULT_DEPTH)
+    return find(Bounds(), mutation, MODEL_MUTATIONS[mutation].target, directory, DEFAULT_DEPTH)
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, Phase, event, given, settings
 from hypothesis import strategies as st
 
 from kvgate.conformance.config import Config, GroupConfig
-from kvgate.conformance.ops import Segment, Step
+from kvgate.conformance.ops import LIVE, Segment, Step
 from kvgate.conformance.target import StepRefused
 from kvgate.conformance.writer import dump_trace
 from kvgate.invariants.z3.abstraction import Drift, acting, bounds_of, observe
@@ -45,8 +45,8 @@ def configs(draw: st.DrawFn) -> Config:
         ),
         eagle=draw(st.booleans()),
         retention_interval=draw(st.sampled_from([None, 0])),
-        retain_checkpoint=draw(st.sampled_from([True, True, False])),
-        retain_retired=draw(st.booleans()),  # the production fork's retention
+        hold=draw(st.sampled_from([True, True, False])),
+        hold_retired=draw(st.booleans()),  # the production fork's retention
         scheduler_block_size=32,
         max_num_scheduled_tokens=draw(st.sampled_from([16, 32, 8192])),
     )
@@ -109,15 +109,16 @@ class Run:
 
 
 def live(run: Run) -> list[str]:
-    return [n for n, p in run.model.requests.items() if not p.ended]
+    return [n for n, p in run.model.requests.items() if p.phase in LIVE]
 
 
 def waiting(run: Run) -> list[str]:
-    return [n for n in live(run) if not run.model.has_blocks(run.model.requests[n].request)]
+    return [n for n, p in run.model.requests.items() if p.phase == "waiting"]
 
 
 def running(run: Run) -> list[str]:
-    return [n for n in live(run) if run.model.has_blocks(run.model.requests[n].request)]
+    """Requests with blocks: prefilling or decoding (the action table's phases)."""
+    return [n for n, p in run.model.requests.items() if p.phase in ("running", "decoding")]
 
 
 @settings(

@@ -22,7 +22,6 @@ from kvgate.invariants.z3.checker import check_op, prove
 from kvgate.invariants.z3.properties import INVARIANTS, LEMMAS, PROPERTIES, PROPERTY_BY_NAME
 from kvgate.invariants.z3.transitions import (
     ENCODED_OPS,
-    ENCODINGS,
     MUTATIONS,
     TRANSITIONS,
     Encoding,
@@ -86,7 +85,7 @@ def test_a_proof_names_the_lemmas_it_used() -> None:
 def test_mutations_have_twins_in_the_model() -> None:
     assert set(MUTATIONS) == set(model_mutations.MUTATIONS)
     for name in MUTATIONS:
-        assert ENCODINGS[name].target in {p.name for p in INVARIANTS}
+        assert model_mutations.MUTATIONS[name].target in {p.name for p in INVARIANTS}
 
 
 def test_a_failed_check_names_the_clause_and_the_op() -> None:

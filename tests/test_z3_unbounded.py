@@ -39,6 +39,7 @@ from kvgate.invariants.z3.unbounded_proof import (
     prove_unbounded,
 )
 from kvgate.invariants.z3.vocabulary import RUNNING, WAITING
+from kvgate.model import mutations as model_mutations
 
 FULL = os.environ.get("KVGATE_FULL_PROOFS") == "1"
 full_only = pytest.mark.skipif(not FULL, reason="set KVGATE_FULL_PROOFS=1 (minutes)")
@@ -131,7 +132,7 @@ def test_prove_unbounded_command_proves_the_whole_table() -> None:
 def test_prove_unbounded_command_writes_each_mutation_trace(mutation: str, tmp_path: Path) -> None:
     code, out = prove_cli("--jobs", "2", "--mutation", mutation, "--out", str(tmp_path))
     assert code == 1, out
-    target = UNBOUNDED_ENCODINGS[mutation].target
+    target = model_mutations.MUTATIONS[mutation].target
     written = tmp_path / f"{mutation}.{target}.yaml"
     assert load_trace(written).steps, out
     assert str(written) in out

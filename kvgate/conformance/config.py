@@ -13,6 +13,12 @@ class GroupConfig:
     kind: GroupKind
     block_size: int
     speculative_blocks: int = 0
+    # `MambaSpec.num_prefill_checkpoint_blocks` / `prefill_checkpoint_alignment`:
+    # a spare block the backend exports a prefill's reusable state into from
+    # inside the chunk (Mamba2 kernels, GDN on FlashInfer), so the scheduler
+    # need not end a chunk there. None: the backend cannot export (never taken).
+    prefill_checkpoint_blocks: int = 0
+    prefill_checkpoint_alignment: int | None = None
 
 
 @dataclass(frozen=True)
@@ -22,22 +28,44 @@ class Config:
     groups: tuple[GroupConfig, ...]
     eagle: bool
     retention_interval: int | None
-    retain_checkpoint: bool
+    # The partial-tail hold (the seed's patch), trace field `retain_checkpoint`.
+    hold: bool
     scheduler_block_size: int
     max_model_len: int = 8192
     max_num_scheduled_tokens: int = 8192
     # The production fork's retention of retired states (before and with its
     # patch 0093, under the same switch as the hold): the newest keyed Mamba
-    # state that leaves a request's table stays held by the request.
-    retain_retired: bool = False
+    # state that leaves a request's table stays held by the request. Trace
+    # field `retain_retired`.
+    hold_retired: bool = False
     # The scheduler's `long_prefill_token_threshold` (0: no cap): a prefill
     # chunk's cap while another request waits or runs, and the width the
     # align-mode split may run sub-block below (see `allocate`'s `auto`).
     long_prefill_token_threshold: int = 0
+    # `enable_mamba_shared_prefix_checkpoint`: also key a Mamba state at the
+    # shared-prefix junction a lookup reported (effective only with eagle and
+    # sub-block hits, as vLLM narrows it).
+    shared_prefix_checkpoint: bool = False
 
     @property
     def mamba_group_ids(self) -> tuple[int, ...]:
         return tuple(i for i, g in enumerate(self.groups) if g.kind == "mamba_align")
+
+    @property
+    def prefill_checkpoints(self) -> bool:
+        """The scheduler may rely on internal checkpoints: every Mamba group
+        has a prefill checkpoint block (vLLM's `all`), alignment from the first."""
+        return all(self.groups[i].prefill_checkpoint_blocks > 0 for i in self.mamba_group_ids)
+
+    @property
+    def prefill_checkpoint_alignment(self) -> int | None:
+        ids = self.mamba_group_ids
+        return self.groups[ids[0]].prefill_checkpoint_alignment if ids else None
+
+    @property
+    def shared_prefix_checkpoint_on(self) -> bool:
+        """The knob as vLLM's `KVCacheManager` narrows it: eagle on, sub-block hits."""
+        return self.shared_prefix_checkpoint and self.eagle and self.partial_hits
 
     @property
     def partial_hits(self) -> bool:
@@ -64,6 +92,8 @@ def validate(config: Config) -> None:
         raise UnsupportedConfig("num_blocks", "needs at least 2 blocks (one is the null block)")
     if config.hash_unit < 1:
         raise UnsupportedConfig("hash_unit", "must be >= 1")
+    if config.scheduler_block_size < 1:
+        raise UnsupportedConfig("scheduler_block_size", "must be >= 1")
     kinds = [g.kind for g in groups]
     if kinds.count("full_attention") != 1:
         raise UnsupportedConfig("groups", "exactly one full_attention group is supported")
@@ -82,15 +112,35 @@ def validate(config: Config) -> None:
             raise UnsupportedConfig(
                 f"{where}.speculative_blocks", "only mamba_align groups take speculative blocks"
             )
+        if g.prefill_checkpoint_blocks < 0:
+            raise UnsupportedConfig(f"{where}.prefill_checkpoint_blocks", "must be >= 0")
+        if g.prefill_checkpoint_alignment is not None and g.prefill_checkpoint_alignment < 1:
+            raise UnsupportedConfig(f"{where}.prefill_checkpoint_alignment", "must be >= 1")
+        if g.kind == "full_attention" and (
+            g.prefill_checkpoint_blocks or g.prefill_checkpoint_alignment is not None
+        ):
+            field = (
+                "prefill_checkpoint_blocks"
+                if g.prefill_checkpoint_blocks
+                else "prefill_checkpoint_alignment"
+            )
+            raise UnsupportedConfig(
+                f"{where}.{field}", "only mamba_align groups take prefill checkpoints"
+            )
         if config.scheduler_block_size % g.block_size:
             raise UnsupportedConfig(
                 "scheduler_block_size",
                 f"{config.scheduler_block_size} is not a multiple of group {i}'s "
                 f"block_size {g.block_size}",
             )
-    if config.retention_interval not in (None, 0):
+    retention = config.retention_interval
+    # vLLM's coordinator: null (dense), or >= 0 and a multiple of the
+    # scheduler block (0: replay boundaries only; more: periodic too).
+    if retention is not None and (retention < 0 or retention % config.scheduler_block_size):
         raise UnsupportedConfig(
-            "retention_interval", "only null (dense) and 0 (sparse) are supported"
+            "retention_interval",
+            f"{retention} is not null or a multiple of scheduler_block_size "
+            f"{config.scheduler_block_size}",
         )
     if config.max_model_len < 1 or config.max_num_scheduled_tokens < 1:
         raise UnsupportedConfig("max_model_len", "must be >= 1")

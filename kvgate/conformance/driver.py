@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from kvgate.conformance.config import Config
-from kvgate.conformance.ops import Segment, Step
+from kvgate.conformance.ops import ACTIONS, LIVE, Phase, Segment, Step, next_phase
 from kvgate.conformance.snapshot import Snapshot
 from kvgate.conformance.target import Capabilities, StepRefused
 from kvgate.conformance.tokens import FreshTokens
@@ -31,7 +31,8 @@ class Pending(Generic[R]):
     hit_blocks: Any = None  # the pending lookup's blocks (target-specific)
     hit: int = 0
     has_hit: bool = False
-    ended: bool = False
+    # Where it is in its life (`ops.Phase`), moved on by `ops.next_phase`.
+    phase: Phase = "absent"
 
 
 def chunk_offer(config: Config, remaining: int, budget: int, num_live: int) -> int:
@@ -176,7 +177,7 @@ class OpDriver(ABC, Generic[R]):
 
     def num_live(self) -> int:
         """Requests the scheduler holds (waiting or running): arrived, not ended."""
-        return sum(not pending.ended for pending in self.requests.values())
+        return sum(pending.phase in LIVE for pending in self.requests.values())
 
     def close(self) -> None:
         self.requests.clear()
@@ -189,13 +190,16 @@ class OpDriver(ABC, Generic[R]):
         if handler is None:
             raise StepRefused("op", f"{step.op!r} is not a primitive op")
         result: dict[str, Any] = handler(step)
+        pending = self.requests.get(step.req) if step.req is not None else None
+        if pending is not None and ACTIONS[step.op].valid_in:
+            pending.phase = next_phase(step.op, pending.phase, step.how, result)
         result["free_blocks"] = self.num_free_blocks()
         return result
 
     def _pending(self, step: Step) -> Pending[R]:
         assert step.req is not None
         pending = self.requests.get(step.req)
-        if pending is None or pending.ended:
+        if pending is None or pending.phase not in ACTIONS[step.op].valid_in:
             raise StepRefused("req", f"no live request {step.req!r}")
         return pending
 
@@ -224,6 +228,13 @@ class OpDriver(ABC, Generic[R]):
         tokens = self._resolve(step.prompt)
         if not tokens:
             raise StepRefused("prompt", "the prompt is empty")
+        if len(tokens) > self.config.max_model_len:
+            # The engine refuses such a prompt before any manager sees it.
+            raise StepRefused(
+                "prompt",
+                f"{len(tokens):,} tokens, more than config.max_model_len "
+                f"{self.config.max_model_len:,}",
+            )
         self.requests[step.req] = Pending(self.new_request(step.req, tokens))
         return {}
 
@@ -266,16 +277,23 @@ class OpDriver(ABC, Generic[R]):
         else:
             assert isinstance(step.tokens, int)
             num_new = step.tokens
+            if num_new > total - start:
+                # A scheduler never schedules past the tokens a request has.
+                raise StepRefused(
+                    "tokens", f"{num_new:,} asked, {max(total - start, 0):,} left to compute"
+                )
         ok = self.allocate_slots(request, num_new, hit, blocks, step.lookahead)
         if ok:
             self.set_num_computed(request, start + num_new)
             pending.has_hit, pending.hit_blocks, pending.hit = False, None, 0
             self.mark(request, "running")
-        return {
-            "ok": ok,
-            "tokens": num_new,
-            "prompt_done": self.num_computed(request) >= len(self.all_tokens(request)),
-        }
+        done = self.num_computed(request) >= len(self.all_tokens(request))
+        if ok and done and step.sample:
+            # The chunk that computes every token samples the step's output
+            # (as vLLM's Scheduler appends it after the step): the next decode
+            # finds it already appended.
+            self.append_output(request, self.fresh.take(step.sample))
+        return {"ok": ok, "tokens": num_new, "prompt_done": done}
 
     def _op_decode1(self, step: Step) -> dict[str, Any]:
         request = self._pending(step).request
@@ -283,7 +301,10 @@ class OpDriver(ABC, Generic[R]):
             # The token the last chunk sampled.
             self.append_output(request, self.fresh.take(1))
         self.set_drafts(request, self.fresh.take(step.spec))
-        ok = self.allocate_slots(request, 1 + step.spec, 0, None, step.spec)
+        # The scheduler reserves its full lookahead even when the budget cut
+        # the drafts short.
+        lookahead = max(step.spec, step.lookahead)
+        ok = self.allocate_slots(request, 1 + step.spec, 0, None, lookahead)
         self.set_drafts(request, [])
         if ok:
             self.set_num_computed(request, self.num_computed(request) + 1)
@@ -308,15 +329,12 @@ class OpDriver(ABC, Generic[R]):
             self.set_drafts(pending.request, [])
             pending.has_hit, pending.hit_blocks, pending.hit = False, None, 0
             self.mark(pending.request, "preempted")
-        else:
-            pending.ended = True
         return {}
 
     def _op_pop(self, step: Step) -> dict[str, Any]:
         pending = self._pending(step)
         assert step.req is not None
         self.popped[step.req] = self.pop_blocks_for_free(pending.request)
-        pending.ended = True
         return {}
 
     def _op_release(self, step: Step) -> dict[str, Any]:

@@ -8,8 +8,19 @@ check that each of those covers exactly the names listed here.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+# A request's life, the same in every layer (the trace validator, the driver,
+# exploration's guards, the Z3 phases, the generators). `absent` until it
+# arrives; `waiting` until an allocation gives it blocks, and again after a
+# preemption; `running` while its prompt is computed, `decoding` once it is;
+# `popped` between a deferred free and its `release`; `ended` after finish,
+# abort or release.
+Phase = Literal["absent", "waiting", "running", "decoding", "popped", "ended"]
+PHASES: tuple[Phase, ...] = ("absent", "waiting", "running", "decoding", "popped", "ended")
+LIVE: frozenset[Phase] = frozenset({"waiting", "running", "decoding"})
 
 # A field's type, as the parser checks it.
 FieldType = Literal[
@@ -33,8 +44,21 @@ class Action:
     expect_keys: tuple[str, ...] = ()
     # A macro expands into primitive ops; it is never sent to a target.
     macro: bool = False
-    # The request must have arrived before this op.
-    needs_request: bool = False
+    # The phases of its request the format accepts the op in (empty: the op
+    # names no request); the validator and the driver refuse it elsewhere.
+    valid_in: frozenset[Phase] = frozenset()
+    # The phases a scheduler issues it in (exploration draws only those);
+    # None: wherever it is valid.
+    issued_in: frozenset[Phase] | None = None
+
+    @property
+    def needs_request(self) -> bool:
+        """The request must have arrived before this op."""
+        return bool(self.valid_in) and "absent" not in self.valid_in
+
+    @property
+    def realistic_in(self) -> frozenset[Phase]:
+        return self.valid_in if self.issued_in is None else self.issued_in
 
 
 FIELD_TYPES: dict[str, FieldType] = {
@@ -43,6 +67,7 @@ FIELD_TYPES: dict[str, FieldType] = {
     "tokens": "int_or_auto",
     "lookahead": "int",
     "spec": "int",
+    "sample": "int",
     "steps": "int",
     "how": "how",
     "blocks": "int_or_all",
@@ -51,27 +76,30 @@ FIELD_TYPES: dict[str, FieldType] = {
 ACTIONS: dict[str, Action] = {
     a.name: a
     for a in (
-        Action("arrive", ("req", "prompt")),
-        Action("lookup", ("req",), expect_keys=("hit", "junction"), needs_request=True),
-        Action(
-            "reserve",
-            ("req",),
-            expect_keys=("blocks", "step_blocks"),
-            needs_request=True,
-        ),
+        Action("arrive", ("req", "prompt"), valid_in=frozenset({"absent"})),
+        Action("lookup", ("req",), expect_keys=("hit", "junction"), valid_in=LIVE),
+        Action("reserve", ("req",), expect_keys=("blocks", "step_blocks"), valid_in=LIVE),
         Action(
             "allocate",
             ("req", "tokens"),
-            ("lookahead",),
+            ("lookahead", "sample"),
             expect_keys=("ok", "tokens"),
-            needs_request=True,
+            valid_in=LIVE,
+            issued_in=frozenset({"waiting", "running"}),
         ),
-        Action("decode1", ("req",), ("spec",), expect_keys=("ok",), needs_request=True),
+        Action(
+            "decode1",
+            ("req",),
+            ("spec", "lookahead"),
+            expect_keys=("ok",),
+            valid_in=LIVE,
+            issued_in=frozenset({"decoding"}),
+        ),
         Action("step", ()),
         Action("drain", (), expect_keys=("copies",)),
-        Action("free", ("req", "how"), needs_request=True),
-        Action("pop", ("req",), needs_request=True),
-        Action("release", ("req",), needs_request=True),
+        Action("free", ("req", "how"), valid_in=LIVE),
+        Action("pop", ("req",), valid_in=LIVE),
+        Action("release", ("req",), valid_in=frozenset({"popped"})),
         Action("evict", ("blocks",)),
         Action("check", ()),
         Action(
@@ -80,19 +108,54 @@ ACTIONS: dict[str, Action] = {
             ("lookahead",),
             expect_keys=("hit", "junction"),
             macro=True,
-            needs_request=True,
+            valid_in=LIVE,
         ),
-        Action(
-            "decode",
-            ("req", "steps"),
-            ("spec",),
-            macro=True,
-            needs_request=True,
-        ),
+        Action("decode", ("req", "steps"), ("spec",), macro=True, valid_in=LIVE),
     )
 }
 
 PRIMITIVE_OPS: tuple[str, ...] = tuple(n for n, a in ACTIONS.items() if not a.macro)
+
+
+def out_of_phase(op: str, req: str, phase: Phase, since: str = "") -> str:
+    """Why `op` cannot act on `req` in `phase` (`since`: when it got there)."""
+    when = f" ({since})" if since else ""
+    if op == "arrive":
+        return f"request {req!r} has already arrived"
+    if phase == "absent":
+        return f"request {req!r} is used before `arrive`"
+    if op == "release":
+        return f"`release` of {req!r} without a prior `pop`"
+    if phase == "popped":
+        return f"request {req!r} was popped{when}; only `release` may follow"
+    if phase == "ended":
+        return f"request {req!r} has ended{when}"
+    if op == "decode1":
+        return f"`decode1` of {req!r} before its prompt is computed"
+    return f"`{op}` of {req!r}, whose prompt is computed"
+
+
+def next_phase(
+    op: str, phase: Phase, how: str | None = None, observed: Mapping[str, Any] | None = None
+) -> Phase:
+    """The request's phase after `op` (with `how` for `free`). `observed` is
+    what the op reported; without it (the validator, before anything runs) an
+    allocation is taken to succeed and leave the prompt unfinished."""
+    if op == "arrive":
+        return "waiting"
+    if op in ("allocate", "decode1"):
+        if observed is not None and observed.get("ok") is not True:
+            return phase
+        finished = op == "decode1" or (observed is not None and observed.get("prompt_done") is True)
+        return "decoding" if finished else "running"
+    if op == "free":
+        return "waiting" if how == "preempt" else "ended"
+    if op == "pop":
+        return "popped"
+    if op == "release":
+        return "ended"
+    return phase
+
 
 # The type of each `expect` value, as the parser checks it: "int" is an int
 # >= 0, "bool" a YAML boolean, "copies" a list of [src, dst] block-id pairs.
@@ -137,6 +200,7 @@ class Step:
     tokens: int | Literal["auto"] | None = None
     lookahead: int = 0
     spec: int = 0
+    sample: int = 0  # allocate: output tokens sampled when the chunk computes every token
     how: str | None = None
     blocks: int | Literal["all"] | None = None
     expect: dict[str, Any] = field(default_factory=dict)

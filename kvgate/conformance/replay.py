@@ -12,7 +12,10 @@ next turn's lookup, say, after an earlier structural check).
 A target that raises while it runs a step has diverged at that step: the
 replay reports the exception's one-line summary instead of crashing. A step
 the target refuses (`StepRefused`) is the trace's fault, a `TraceError`,
-unless the model ran the very same step: then the target diverged.
+unless the model ran the very same step: then the target diverged. The
+model raising is neither: it is kvgate's own bug, a `ModelBug`, and never
+blamed on the target (the model is the lockstep side, or the target itself
+under `--target model`).
 """
 
 from __future__ import annotations
@@ -20,14 +23,22 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
-from itertools import count
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
+from kvgate.conformance.compare import (
+    NOT_REPORTED,
+    PROMPT_DONE,
+    observation_difference,
+    same,
+    same_check,
+    snapshot_difference,
+)
 from kvgate.conformance.config import Config, UnsupportedConfig
-from kvgate.conformance.ops import ACTIONS, Step
+from kvgate.conformance.macros import prefill_steps
+from kvgate.conformance.ops import Step
 from kvgate.conformance.target import Capabilities, StepRefused, Target
-from kvgate.conformance.trace import Trace, TraceError, prefill_lookup, prefill_round
+from kvgate.conformance.trace import Trace, TraceError
 
 Level = Literal["api", "strict"]
 LEVELS: tuple[Level, ...] = ("api", "strict")
@@ -44,20 +55,6 @@ RETIRE_NOTE = (
     "target does not retain retired states: lockstep model runs without; "
     "the trace's expectations still apply"
 )
-
-# A replayer-only observation key: which step ends a prefill's loop, not
-# something a manager's caller sees, so never compared as a value.
-PROMPT_DONE = "prompt_done"
-
-
-class _NotReported:
-    """Stands for a value an observation lacks."""
-
-    def __repr__(self) -> str:
-        return "(not reported)"
-
-
-NOT_REPORTED: Any = _NotReported()
 
 
 @dataclass(frozen=True)
@@ -101,7 +98,14 @@ class ReplayResult:
         return (self.divergence, *self.also) if self.divergence is not None else ()
 
 
-def replay(trace: Trace, target: Target, model: TargetFactory | None, level: Level) -> ReplayResult:
+def replay(
+    trace: Trace,
+    target: Target,
+    model: TargetFactory | None,
+    level: Level,
+    *,
+    target_is_model: bool = False,
+) -> ReplayResult:
     """Replay `trace` on `target`, with a lockstep model built by `model` if given.
 
     The caller owns `target` (builds and closes it); the model is built here,
@@ -111,24 +115,25 @@ def replay(trace: Trace, target: Target, model: TargetFactory | None, level: Lev
 
     Raises `TraceError` when the trace asks for something it may not (a
     refused step, a `check` key the target cannot observe) or the model
-    refuses its config.
+    refuses its config, and `ModelBug` when the model raises (with
+    `target_is_model`, the target is the model: its exceptions are that too).
     """
     started = time.perf_counter()
     notes: list[str] = []
     lockstep: Target | None = None
     if model is not None:
         config = trace.config
-        if config.retain_checkpoint and not target.capabilities.hold:
-            config = replace(config, retain_checkpoint=False)
+        if config.hold and not target.capabilities.hold:
+            config = replace(config, hold=False)
             notes.append(HOLD_NOTE)
-        if config.retain_retired and not target.capabilities.retire:
-            config = replace(config, retain_retired=False)
+        if config.hold_retired and not target.capabilities.retire:
+            config = replace(config, hold_retired=False)
             notes.append(RETIRE_NOTE)
         try:
             lockstep = model(config)
         except UnsupportedConfig as error:
             raise TraceError.unsupported(trace.path, error) from None
-    run = _Lockstep(trace, target, lockstep, level)
+    run = _Lockstep(trace, target, lockstep, level, target_is_model)
     failures: list[Divergence] = run.missed
     try:
         run.all_steps()
@@ -149,6 +154,39 @@ def replay(trace: Trace, target: Target, model: TargetFactory | None, level: Lev
     )
 
 
+class ModelBug(Exception):
+    """The model raised while replaying a step: a bug in kvgate, not in the
+    target and not in the trace (which was validated before it ran)."""
+
+    def __init__(self, trace: Trace, step: Step, error: BaseException) -> None:
+        self.trace = trace
+        self.step = step
+        super().__init__(
+            f"{trace.path}: {step.where()}: the kvgate model raised {one_line(error)}; "
+            "this is a bug in kvgate, not in the target: please report it with this trace"
+        )
+
+
+@dataclass(frozen=True)
+class TraceRunError:
+    """A trace that got no verdict on the target: refused while it ran (the
+    trace's fault, or a config the target cannot run), or stopped by a bug in
+    kvgate's model. `message` is one line naming the file, step and field."""
+
+    trace: Trace
+    message: str
+    bug: bool
+    seconds: float = 0.0
+
+    @property
+    def passed(self) -> bool:
+        return False
+
+
+# What one trace's run comes to: a verdict, or an error instead of one.
+Outcome = ReplayResult | TraceRunError
+
+
 class _Diverged(Exception):
     """Unwinds a replay from wherever the first divergence is found."""
 
@@ -161,8 +199,16 @@ T = TypeVar("T")
 
 
 class _Lockstep:
-    def __init__(self, trace: Trace, target: Target, model: Target | None, level: Level) -> None:
+    def __init__(
+        self,
+        trace: Trace,
+        target: Target,
+        model: Target | None,
+        level: Level,
+        target_is_model: bool = False,
+    ) -> None:
         self.trace = trace
+        self.target_is_model = target_is_model
         self.target = target
         self.model = model
         self.level = level
@@ -208,10 +254,9 @@ class _Lockstep:
             if not same(want, got):
                 self.miss(step, key, want, got)
         if modeled is not None:
-            for key in _ordered_keys(step, modeled, observed):
-                want, got = modeled.get(key, NOT_REPORTED), observed.get(key, NOT_REPORTED)
-                if not same(want, got):
-                    raise self.diverged(step, "api", key, want, got)
+            difference = observation_difference(step.op, modeled, observed)
+            if difference is not None:
+                raise self.diverged(step, "api", *difference)
         if self.level == "strict" and self.model is not None:
             self.compare_snapshots(step, self.model)
         return observed, modeled
@@ -244,7 +289,9 @@ class _Lockstep:
         except Exception as error:
             raise self.raised(step, who, error) from None
 
-    def raised(self, step: Step, who: str, error: Exception) -> _Diverged:
+    def raised(self, step: Step, who: str, error: Exception) -> Exception:
+        if who == "model" or self.target_is_model:
+            return ModelBug(self.trace, step, error)
         return self.diverged(
             step, "api", "exception", "no exception", one_line(error), f"raised by the {who}"
         )
@@ -252,10 +299,9 @@ class _Lockstep:
     def compare_snapshots(self, step: Step, model: Target) -> None:
         expected = self.guarded(step, "model", model.snapshot)
         actual = self.guarded(step, "target", self.target.snapshot)
-        first = next(iter(expected.differences(actual)), None)
-        if first is not None:
-            what, want, got = first
-            raise self.diverged(step, "strict", what, want, got)
+        difference = snapshot_difference(expected, actual)
+        if difference is not None:
+            raise self.diverged(step, "strict", *difference)
 
     # -- macros and checks --------------------------------------------------
 
@@ -266,9 +312,9 @@ class _Lockstep:
         in max_model_len is done within that many rounds; going past it, or
         an allocate that fails or moves nothing, means the prefill is stuck.
         """
-        self.primitive(prefill_lookup(macro))
-        for round_no in count(1):
-            allocate, step, drain = prefill_round(macro, round_no)
+        steps = prefill_steps(macro)
+        self.primitive(next(steps))  # the lookup
+        for round_no, allocate in enumerate(steps, start=1):
             observed, modeled = self.primitive(allocate)
             if observed.get("ok") is not True:
                 raise self.stalled(allocate, observed)
@@ -290,10 +336,8 @@ class _Lockstep:
                 observed.get("tokens") == 0 or round_no >= self.trace.config.max_model_len
             ):
                 raise self.stalled(allocate, observed)
-            self.primitive(step)
-            self.primitive(drain)
-            if done:
-                return
+            self.primitive(steps.send(done))  # step
+            self.primitive(next(steps))  # drain
 
     def stalled(self, allocate: Step, observed: Mapping[str, Any]) -> _Diverged:
         return self.diverged(
@@ -318,38 +362,11 @@ class _Lockstep:
                     "the target does not report it",
                 )
             got = values[key]
-            if key == "holds":
-                want, got = _holding(want), _holding(got)
-            if not same(want, got):
+            if not same_check(key, want, got):
                 self.miss(step, f"check {key}", want, got)
-
-
-def same(a: object, b: object) -> bool:
-    """Equality of observed values: lists equal tuples, but true is not 1."""
-    if isinstance(a, bool) or isinstance(b, bool):
-        return type(a) is type(b) and a == b
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
-    if isinstance(a, Mapping) and isinstance(b, Mapping):
-        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    return a == b
 
 
 def one_line(error: BaseException) -> str:
     """`TypeName: first line of the message`."""
     lines = str(error).strip().splitlines()
     return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
-
-
-def _holding(holds: object) -> object:
-    """A holds map without the requests that hold nothing."""
-    if not isinstance(holds, Mapping):
-        return holds
-    return {req: dict(groups) for req, groups in holds.items() if groups}
-
-
-def _ordered_keys(step: Step, *observations: Mapping[str, Any]) -> list[str]:
-    """The keys both sides reported, the op's own first; never `prompt_done`."""
-    reported = {k for o in observations for k in o} - {PROMPT_DONE}
-    own = [k for k in ACTIONS[step.op].expect_keys if k in reported]
-    return own + sorted(reported - set(own))

@@ -1,8 +1,14 @@
 """What a replay run tells people (the terminal) and CI (JUnit XML).
 
 Terminal shape, in order: the target's capabilities, a line per trace as it
-finishes, each failing trace's first divergence in a few lines, and a last
-line `N passed, M failed` on its own, for CI parsers.
+finishes (`PASS`, `FAIL`, or `ERROR` with its one-line reason when the trace
+got no verdict), each failing trace's first divergence in a few lines, and a
+last line `N passed, M failed` (`, K errors` when there are any) on its own,
+for CI parsers.
+
+Every piece of text from input (trace names, values, messages, paths) goes
+through `printable`: a report line is one physical line, and nothing in a
+trace can print a line of its own (a forged `PASS`) or break the XML.
 """
 
 from __future__ import annotations
@@ -12,8 +18,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TextIO
 
-from kvgate.conformance.replay import Divergence, ReplayResult
+from kvgate.conformance.replay import Divergence, Outcome, ReplayResult, TraceRunError
 from kvgate.conformance.target import Capabilities
+from kvgate.errors import printable
 
 # How much of one value a terminal line shows.
 WIDTH = 100
@@ -28,27 +35,31 @@ class TerminalReport:
 
     def __init__(self, out: TextIO) -> None:
         self.out = out
-        self.results: list[ReplayResult] = []
+        self.results: list[Outcome] = []
 
-    def target(self, capabilities: Capabilities) -> None:
-        self._line(capabilities_line(capabilities))
+    def target(self, capabilities: Capabilities | None, name: str = "") -> None:
+        """The header; None when no trace's config could be built on target `name`."""
+        if capabilities is None:
+            self._line(f"target: {name} (no trace's config could be built on it)")
+        else:
+            self._line(capabilities_line(capabilities))
 
-    def add(self, result: ReplayResult) -> None:
+    def add(self, result: Outcome) -> None:
         self.results.append(result)
         self._line(trace_line(result))
 
     def finish(self) -> None:
         for result in self.results:
-            if not result.passed:
+            if isinstance(result, ReplayResult) and not result.passed:
                 self._line("")
                 for line in divergence_lines(result):
                     self._line(line)
-        if any(not r.passed for r in self.results):
+        if any(isinstance(r, ReplayResult) and not r.passed for r in self.results):
             self._line("")
         self._line(summary_line(self.results))
 
     def _line(self, text: str) -> None:
-        print(text, file=self.out, flush=True)
+        print(printable(text), file=self.out, flush=True)
 
 
 def capabilities_line(capabilities: Capabilities) -> str:
@@ -62,14 +73,22 @@ def capabilities_line(capabilities: Capabilities) -> str:
     return f"target: {capabilities.implementation} (partial hits: {partial}, hold: {hold}{retire})"
 
 
-def trace_line(result: ReplayResult) -> str:
+def trace_line(result: Outcome) -> str:
+    if isinstance(result, TraceRunError):
+        return f"ERROR {result.trace.name} ({error_kind(result)}: {result.message})"
     verdict = "PASS" if result.passed else "FAIL"
     return f"{verdict} {result.trace.name} ({result.steps_run} steps, {result.seconds:.2f}s)"
 
 
-def summary_line(results: Sequence[ReplayResult]) -> str:
-    failed = sum(not r.passed for r in results)
-    return f"{len(results) - failed} passed, {failed} failed"
+def error_kind(error: TraceRunError) -> str:
+    return "kvgate bug" if error.bug else "refused"
+
+
+def summary_line(results: Sequence[Outcome]) -> str:
+    errors = sum(isinstance(r, TraceRunError) for r in results)
+    failed = sum(not r.passed for r in results) - errors
+    line = f"{len(results) - failed - errors} passed, {failed} failed"
+    return line + (f", {errors} error{'s' if errors > 1 else ''}" if errors else "")
 
 
 def divergence_lines(result: ReplayResult) -> list[str]:
@@ -153,31 +172,39 @@ def _cut(text: str) -> str:
     return text if len(text) <= WIDTH else text[: WIDTH - 3] + "..."
 
 
-def write_junit(results: Sequence[ReplayResult], path: str | Path, suite: str = "kvgate") -> None:
-    """One testcase per trace; a failing one carries its first divergence."""
-    failed = [r for r in results if not r.passed]
+def write_junit(
+    results: Sequence[Outcome],
+    path: str | Path,
+    suite: str = "kvgate",
+    unloaded: Sequence[tuple[str, str]] = (),
+) -> None:
+    """One testcase per trace; a failing one carries its first divergence, an
+    errored one its reason. `unloaded` adds an error case per (file, reason)
+    that could not even be loaded, so CI sees why nothing ran."""
+    replayed = [r for r in results if isinstance(r, ReplayResult)]
+    failed = [r for r in replayed if not r.passed]
     root = ET.Element("testsuites")
     suite_element = ET.SubElement(
         root,
         "testsuite",
         name=suite,
-        tests=str(len(results)),
+        tests=str(len(results) + len(unloaded)),
         failures=str(len(failed)),
-        errors="0",
+        errors=str(len(results) - len(replayed) + len(unloaded)),
         time=f"{sum(r.seconds for r in results):.3f}",
     )
-    if results:
+    if replayed:
         # As the terminal header: a run with the hold on, if any, names its source.
-        shown = next((r for r in results if r.capabilities.hold), results[0])
+        shown = next((r for r in replayed if r.capabilities.hold), replayed[0])
         properties = ET.SubElement(suite_element, "properties")
-        ET.SubElement(
+        _element(
             properties,
             "property",
             name="target",
             value=capabilities_line(shown.capabilities).removeprefix("target: "),
         )
     for result in results:
-        case = ET.SubElement(
+        case = _element(
             suite_element,
             "testcase",
             classname=suite,
@@ -185,13 +212,24 @@ def write_junit(results: Sequence[ReplayResult], path: str | Path, suite: str = 
             file=str(result.trace.path),
             time=f"{result.seconds:.3f}",
         )
-        if result.divergence is not None:
-            failure = ET.SubElement(
+        if isinstance(result, TraceRunError):
+            _element(case, "error", message=result.message, type=error_kind(result))
+        elif result.divergence is not None:
+            failure = _element(
                 case,
                 "failure",
                 message=divergence_summary(result.divergence),
                 type=result.divergence.level,
             )
-            failure.text = "\n".join(divergence_lines(result))
+            failure.text = "\n".join(printable(line) for line in divergence_lines(result))
+    for file, reason in unloaded:
+        case = _element(suite_element, "testcase", classname=suite, name=file, file=file, time="0")
+        _element(case, "error", message=reason, type="invalid trace")
     ET.indent(root)
     ET.ElementTree(root).write(path, encoding="utf-8", xml_declaration=True)
+
+
+def _element(parent: ET.Element, tag: str, **attributes: str) -> ET.Element:
+    """A child element whose attribute values are escaped to printable text:
+    XML 1.0 cannot hold most control characters at all, escaped or not."""
+    return ET.SubElement(parent, tag, {k: printable(v) for k, v in attributes.items()})

@@ -1,9 +1,25 @@
-"""The strict-level view of a manager, the same shape for every target."""
+"""The strict-level view of a manager, the same shape for every target.
+
+A `Snapshot` is an abstraction, not a dump: it holds the state a manager
+maintains *and* a user of it can observe (through what later calls return:
+hits, admission counts, copies, which block a request gets next), read
+through the same names for every target. Raw state that no call ever reads
+back is left out, each exclusion named in `EXCLUSIONS` with the reason and
+the releases whose raw state differs there; a target's `snapshot()` builds
+its view with the helpers below (`null_view`, `kept_aside`), so one rule
+applies to every target. docs/trace-format.md ("The strict view") lists the
+same exclusions for trace authors.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
+
+# Block 0 of every pool: the null block, a placeholder in block tables for
+# positions a request holds no state at. It is never queued, never hashed,
+# never handed out.
+NULL_BLOCK = 0
 
 
 @dataclass(frozen=True)
@@ -15,12 +31,55 @@ class BlockView:
 
 
 @dataclass(frozen=True)
+class Exclusion:
+    """Raw manager state the strict view leaves out, and why that is sound."""
+
+    name: str
+    what: str  # the raw state left out
+    why: str  # why no caller can observe it
+    releases: str  # whose raw state differs there (what makes it needed)
+
+
+EXCLUSIONS: tuple[Exclusion, ...] = (
+    Exclusion(
+        name="null-block-ref",
+        what="the null block's ref count (the view shows 0)",
+        why="the null block is never queued, evicted or handed out, and no manager path "
+        "reads its count: freeing it changes nothing a caller can see",
+        releases="vLLM 0.32.0 decrements it on every free of a table holding it (it goes "
+        "negative); 0.33.0 and 0.34.0 skip the null block in free_blocks",
+    ),
+    Exclusion(
+        name="null-block-kept-aside",
+        what="null-block entries in the list pop_blocks_for_free returns (the view keeps "
+        "the real blocks, in order)",
+        why="the caller only hands the list back to free_blocks, where a null entry is a "
+        "no-op (see null-block-ref); the real blocks and their release order are kept",
+        releases="vLLM 0.32.0 returns a table's leading null blocks too; 0.33.0 and "
+        "0.34.0 trim them",
+    ),
+)
+
+
+def null_view(view: BlockView) -> BlockView:
+    """The null block as the view shows it (`null-block-ref`): its keys (it
+    must carry none; the invariants check that) without its ref count."""
+    return view if view.ref == 0 else BlockView(0, view.hashes)
+
+
+def kept_aside(ids: Iterable[int]) -> tuple[int, ...]:
+    """A popped list as the view shows it (`null-block-kept-aside`)."""
+    return tuple(i for i in ids if i != NULL_BLOCK)
+
+
+@dataclass(frozen=True)
 class Snapshot:
     """Everything strict comparison reads after a step.
 
     Block ids are compared as they are: a faithful model hands out the same
     ids as the real pool. Requests whose tables are empty in every group are
-    left out (an empty table is bookkeeping, not state).
+    left out (an empty table is bookkeeping, not state). Built through
+    `null_view` and `kept_aside` (see `EXCLUSIONS`).
     """
 
     free_queue: tuple[int, ...]
@@ -28,7 +87,7 @@ class Snapshot:
     tables: Mapping[str, tuple[tuple[int, ...], ...]]  # req -> per group ids
     holds: Mapping[str, Mapping[int, tuple[int, int]]]  # req -> group -> (pos, id)
     pending_copies: tuple[tuple[int, int, int], ...]  # (group, src id, dst id)
-    popped: Mapping[str, tuple[int, ...]]  # req -> ids kept aside by `pop`
+    popped: Mapping[str, tuple[int, ...]]  # req -> non-null ids kept aside by `pop`
 
     def differences(self, other: Snapshot) -> Iterator[tuple[str, object, object]]:
         """(what, this side's value, the other's), first difference first."""
@@ -49,7 +108,7 @@ class Snapshot:
             yield "holds", _plain(self.holds), _plain(other.holds)
         if self.pending_copies != other.pending_copies:
             yield "pending copies", self.pending_copies, other.pending_copies
-        if dict(self.popped) != dict(other.popped):
+        if _plain_popped(self.popped) != _plain_popped(other.popped):
             yield "popped blocks", dict(self.popped), dict(other.popped)
 
 
@@ -57,3 +116,8 @@ def _plain(
     holds: Mapping[str, Mapping[int, tuple[int, int]]],
 ) -> dict[str, dict[int, tuple[int, int]]]:
     return {r: dict(g) for r, g in holds.items() if g}
+
+
+def _plain_popped(popped: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    # A request whose popped list held only null blocks kept nothing aside.
+    return {r: ids for r, ids in popped.items() if ids}

@@ -21,9 +21,9 @@ class Capabilities:
 
     implementation: str  # e.g. "kvgate model", "vllm 0.33.0"
     partial_hits: bool  # sub-block (hash-unit) Mamba hits with CoW
-    hold: bool  # the partial-tail checkpoint hold (retain_checkpoint)
+    hold: bool  # the partial-tail checkpoint hold (trace field `retain_checkpoint`)
     hold_source: str = ""  # which hold implementation ran, when `hold`
-    retire: bool = False  # the fork's retention of retired states (retain_retired)
+    retire: bool = False  # the fork's retention of retired states (`retain_retired`)
 
 
 class StepRefused(Exception):

@@ -20,18 +20,17 @@ Choices the format leaves to the reader, fixed here:
   leaves only `release`, which ends it. `all_of`/`prompt_of` may name any
   request that has arrived, ended or not.
 
-Macros: `decode` is expanded here, since its length is in the trace. The
-length of `prefill`'s allocate loop depends on the target's chunk split, so
-`Trace.primitives` keeps each `prefill` as one step and the replayer expands
-it while it runs, with `prefill_lookup` and `prefill_round` below.
+Macros expand in `macros.py`: `Trace.primitives` has each `decode`
+expanded and each `prefill` kept whole, since its loop's length depends on
+the target's chunk split.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, TypeGuard, cast
+from typing import Any, TypeGuard, cast
 
 import yaml
 from yaml.nodes import MappingNode
@@ -43,6 +42,17 @@ from kvgate.conformance.config import (
     UnsupportedConfig,
     validate,
 )
+from kvgate.conformance.limits import (
+    DEFAULT_LIMITS,
+    INT_DIGITS,
+    TOKEN_ID_BOUND,
+    LimitError,
+    Limits,
+    TraceBudget,
+    over,
+    read_bounded,
+)
+from kvgate.conformance.macros import expand
 from kvgate.conformance.ops import (
     ACTIONS,
     CHECK_KEYS,
@@ -50,9 +60,13 @@ from kvgate.conformance.ops import (
     FIELD_TYPES,
     FREE_HOW,
     Action,
+    Phase,
     Segment,
     Step,
+    next_phase,
+    out_of_phase,
 )
+from kvgate.errors import printable
 
 FORMAT = "kvgate-trace/1"
 
@@ -68,12 +82,24 @@ _CONFIG_OPTIONAL = (
     "retain_checkpoint",
     "retain_retired",
     "long_prefill_token_threshold",
+    "shared_prefix_checkpoint",
+)
+_GROUP_KEYS = (
+    "kind",
+    "block_size",
+    "speculative_blocks",
+    "prefill_checkpoint_blocks",
+    "prefill_checkpoint_alignment",
 )
 _GROUP_KINDS = ("full_attention", "mamba_align")
 _SEGMENT_KINDS = ("fresh", "all_of", "prompt_of", "tokens")
 
-# Macros the replayer expands while it runs (see the module docstring).
-RUNTIME_MACROS = ("prefill",)
+# How much of a field (a key path, perhaps a hostile key) an error line shows.
+FIELD_WIDTH = 80
+# How long a trace name may be: it heads report lines and names JUnit cases.
+NAME_WIDTH = 200
+# The words a report's verdict lines start with (report.trace_line).
+VERDICT_WORDS = ("PASS", "FAIL", "ERROR")
 
 
 class TraceError(ValueError):
@@ -93,8 +119,12 @@ class TraceError(ValueError):
         super().__init__(str(self))
 
     def __str__(self) -> str:
+        # A key or a path from the input may hold a newline or an escape
+        # sequence: escaped, the error stays one physical line that says
+        # only what it means. A field is a key path, short unless hostile.
         step = "" if self.step_index is None else f"step {self.step_index}: "
-        return f"{self.path}: {step}{self.field}: {self.message}"
+        field = self.field if len(self.field) <= FIELD_WIDTH else self.field[:FIELD_WIDTH] + "..."
+        return printable(f"{self.path}: {step}{field}: {self.message}")
 
     @classmethod
     def unsupported(cls, path: str | Path, error: UnsupportedConfig) -> TraceError:
@@ -118,23 +148,25 @@ class Trace:
     path: Path
 
 
-def load_trace(path: str | Path) -> Trace:
+def load_trace(path: str | Path, limits: Limits = DEFAULT_LIMITS) -> Trace:
+    """Read and validate the trace in file `path` (a regular file within the
+    limits: a FIFO or a device is refused without being read)."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_bounded(path, limits).decode("utf-8")
     except UnicodeDecodeError:
         raise TraceError(path, None, "file", "is not UTF-8 text") from None
-    except OSError as error:
-        raise TraceError(path, None, "file", f"cannot read: {error.strerror}") from None
-    return parse_trace(text, path)
+    except LimitError as error:
+        raise TraceError(path, None, error.field, error.message) from None
+    return parse_trace(text, path, limits)
 
 
-def parse_trace(text: str, path: str | Path = "<string>") -> Trace:
+def parse_trace(text: str, path: str | Path = "<string>", limits: Limits = DEFAULT_LIMITS) -> Trace:
     """Parse a trace from YAML text; `path` is only used to name errors."""
-    return _Reader(Path(path)).trace(_load_yaml(text, Path(path)))
+    return _Reader(Path(path), limits).trace(_load_yaml(text, Path(path), limits))
 
 
-def load_corpus(directory: str | Path) -> list[Trace]:
+def load_corpus(directory: str | Path, limits: Limits = DEFAULT_LIMITS) -> list[Trace]:
     """Every `*.yaml` trace in `directory`, sorted by file name.
 
     An empty corpus is an error: a gate that checks nothing must not pass.
@@ -142,9 +174,16 @@ def load_corpus(directory: str | Path) -> list[Trace]:
     directory = Path(directory)
     if not directory.is_dir():
         raise TraceError(directory, None, "corpus", "is not a directory")
-    traces = [load_trace(p) for p in sorted(directory.glob("*.yaml"))]
+    traces = [load_trace(p, limits) for p in sorted(directory.glob("*.yaml"))]
     if not traces:
         raise TraceError(directory, None, "corpus", "holds no *.yaml traces")
+    check_unique_names(traces)
+    return traces
+
+
+def check_unique_names(traces: Sequence[Trace]) -> None:
+    """Refuse two traces of one name: a report line or a JUnit case would
+    not say which of them passed."""
     first_path: dict[str, Path] = {}
     for trace in traces:
         if trace.name in first_path:
@@ -155,7 +194,6 @@ def load_corpus(directory: str | Path) -> list[Trace]:
                 f"{trace.name!r} is also the name of {first_path[trace.name]}",
             )
         first_path[trace.name] = trace.path
-    return traces
 
 
 def bundled_corpus() -> Path:
@@ -163,57 +201,25 @@ def bundled_corpus() -> Path:
     return Path(__file__).with_name("corpus")
 
 
-def expand(step: Step) -> tuple[Step, ...]:
-    """The primitives a written step stands for, as far as known before replay.
-
-    `decode {req, steps, spec}` becomes `steps` times decode1, step, drain.
-    A `prefill` stays whole (see `RUNTIME_MACROS`); every other op is itself.
-    """
-    if step.op != "decode":
-        return (step,)
-    expanded: list[Step] = []
-    for k in range(step.steps):
-        expanded += [
-            Step("decode1", step.index, 3 * k + 1, "decode", req=step.req, spec=step.spec),
-            Step("step", step.index, 3 * k + 2, "decode"),
-            Step("drain", step.index, 3 * k + 3, "decode"),
-        ]
-    return tuple(expanded)
-
-
-def prefill_lookup(prefill: Step) -> Step:
-    """The `lookup` a prefill starts with; the macro's `expect.hit` applies to it."""
-    return Step("lookup", prefill.index, 1, "prefill", req=prefill.req, expect=dict(prefill.expect))
-
-
-def prefill_round(prefill: Step, round_no: int) -> tuple[Step, Step, Step]:
-    """Round `round_no` (from 1) of a prefill's loop: allocate auto, step, drain."""
-    part = 3 * round_no - 1  # part 1 is the lookup
-    return (
-        Step(
-            "allocate",
-            prefill.index,
-            part,
-            "prefill",
-            req=prefill.req,
-            tokens="auto",
-            lookahead=prefill.lookahead,
-        ),
-        Step("step", prefill.index, part + 1, "prefill"),
-        Step("drain", prefill.index, part + 2, "prefill"),
-    )
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+_INT_TAG = "tag:yaml.org,2002:int"
 
 
 class _NoDuplicateKeys(yaml.constructor.SafeConstructor):
-    """PyYAML's safe constructor, except that a repeated mapping key is an error.
+    """PyYAML's safe constructor, except that a repeated mapping key is an
+    error (an integer has at most `INT_DIGITS` digits: `_bounded_int`).
 
     PyYAML silently keeps the last of two equal keys, which would let
-    `{req: A, req: B}` through as a valid step.
+    `{req: A, req: B}` through as a valid step. Merge keys (`<<: *base`) are
+    YAML's own way to repeat keys: they are not duplicates, and the keys
+    written beside them override the merged ones, as YAML says.
     """
 
     def construct_mapping(self, node: MappingNode, deep: bool = False) -> dict[Hashable, Any]:
         seen: set[object] = set()
         for key_node, _ in node.value:
+            if key_node.tag == _MERGE_TAG:
+                continue
             key = self.construct_object(key_node, deep=deep)
             if isinstance(key, Hashable) and key in seen:
                 raise yaml.constructor.ConstructorError(
@@ -233,10 +239,28 @@ class _StrictCLoader(_NoDuplicateKeys, yaml.CSafeLoader):
     long traces the workload generator writes (same documents)."""
 
 
-def _load_yaml(text: str, path: Path) -> object:
+def _bounded_int(loader: Any, node: yaml.ScalarNode) -> int:
+    # Python refuses to convert ints of more than 4,300 digits with a
+    # ValueError (not a YAML error), and no trace needs a tenth of that.
+    digits = sum(c.isalnum() for c in str(node.value))
+    if digits > INT_DIGITS + 2:  # a 0x/0o/0b prefix
+        raise yaml.constructor.ConstructorError(
+            None, None, f"integer of {digits} digits (at most {INT_DIGITS})", node.start_mark
+        )
+    return cast(int, loader.construct_yaml_int(node))
+
+
+for _loader in (_StrictLoader, _StrictCLoader):
+    _loader.add_constructor(_INT_TAG, _bounded_int)
+
+
+def _load_yaml(text: str, path: Path, limits: Limits) -> object:
     documents = _load_with_libyaml(text)
     try:
         if documents is None:
+            # The pure-Python composer recurses once per nesting level: the
+            # event stream (no recursion) is measured first.
+            _check_nesting(text, path, limits)
             documents = list(yaml.load_all(text, Loader=_StrictLoader))
     except yaml.MarkedYAMLError as error:
         mark = error.problem_mark
@@ -244,9 +268,32 @@ def _load_yaml(text: str, path: Path) -> object:
         raise TraceError(path, None, "yaml", f"{where}{error.problem or error}") from None
     except yaml.YAMLError as error:
         raise TraceError(path, None, "yaml", str(error)) from None
+    except (ValueError, RecursionError) as error:
+        # Not reachable on any input tried; kept so that nothing a YAML
+        # library raises about its input ever leaves as a traceback.
+        raise TraceError(path, None, "yaml", f"{type(error).__name__}: {error}") from None
     if len(documents) != 1:
         raise TraceError(path, None, "document", f"holds {len(documents)} YAML documents, not one")
     return documents[0]
+
+
+def _check_nesting(text: str, path: Path, limits: Limits) -> None:
+    depth = 0
+    for event in yaml.parse(text, Loader=yaml.SafeLoader):
+        if isinstance(event, yaml.CollectionStartEvent):
+            depth += 1
+            if depth > limits.nesting:
+                mark = event.start_mark
+                where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+                raise TraceError(
+                    path,
+                    None,
+                    "yaml",
+                    f"{where}collections nest deeper "
+                    f"than the limit nesting = {limits.nesting} (raise it with --limit nesting=N)",
+                )
+        elif isinstance(event, yaml.CollectionEndEvent):
+            depth -= 1
 
 
 def _load_with_libyaml(text: str) -> list[object] | None:
@@ -257,20 +304,24 @@ def _load_with_libyaml(text: str) -> list[object] | None:
         return None
     try:
         return list(yaml.load_all(text, Loader=_StrictCLoader))
-    except yaml.YAMLError:
+    except (yaml.YAMLError, ValueError, RecursionError):
         return None
-
-
-_RequestState = Literal["live", "popped", "ended"]
 
 
 class _Reader:
     """Validates one trace document, step by step, tracking each request's life."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, limits: Limits) -> None:
         self.path = path
-        self.requests: dict[str, tuple[_RequestState, str]] = {}  # name -> (state, since)
+        self.limits = limits
+        self.requests: dict[str, tuple[Phase, str]] = {}  # name -> (phase, since when)
         self.config: Config | None = None
+        self._budget: TraceBudget | None = None
+
+    @property
+    def budget(self) -> TraceBudget:
+        assert self._budget is not None, "the config is read first"
+        return self._budget
 
     def error(self, index: int | None, field: str, message: str) -> TraceError:
         return TraceError(self.path, index, field, message)
@@ -293,13 +344,29 @@ class _Reader:
         name = doc["name"]
         if not isinstance(name, str) or not name.strip():
             raise self.error(None, "name", f"must be a non-empty string, got {_got(name)}")
+        if not name.isprintable() or len(name) > NAME_WIDTH:
+            # It heads a report line: a newline in it would print a line of its own.
+            raise self.error(
+                None,
+                "name",
+                f"must be one line of at most {NAME_WIDTH} printable characters, got {_got(name)}",
+            )
+        if name.split(" ", 1)[0] in VERDICT_WORDS:
+            # A failing trace's report block starts with its name: this one
+            # would start a line a CI parser reads as a verdict.
+            raise self.error(
+                None, "name", f"may not start with a verdict word ({', '.join(VERDICT_WORDS)})"
+            )
         about = doc.get("about", "")
         if not isinstance(about, str):
             raise self.error(None, "about", f"must be a string, got {_got(about)}")
         self.config = self.read_config(doc["config"])
+        self._budget = TraceBudget(self.limits, self.config.max_model_len)
         raw_steps = doc["steps"]
         if not isinstance(raw_steps, list) or not raw_steps:
             raise self.error(None, "steps", f"must be a non-empty list, got {_got(raw_steps)}")
+        if len(raw_steps) > self.limits.steps:
+            raise self.error(None, "steps", over("steps", len(raw_steps), self.limits))
         steps = tuple(self.step(i, raw) for i, raw in enumerate(raw_steps))
         return Trace(
             name=name,
@@ -372,8 +439,9 @@ class _Reader:
             groups=groups,
             eagle=flag("eagle"),
             retention_interval=retention,
-            retain_checkpoint=flag("retain_checkpoint"),
-            retain_retired=flag("retain_retired"),
+            hold=flag("retain_checkpoint"),
+            hold_retired=flag("retain_retired"),
+            shared_prefix_checkpoint=flag("shared_prefix_checkpoint"),
             scheduler_block_size=count("scheduler_block_size", default_scheduler),
             max_model_len=count("max_model_len", 8192),
             max_num_scheduled_tokens=count("max_num_scheduled_tokens", 8192),
@@ -383,6 +451,10 @@ class _Reader:
             validate(config)
         except UnsupportedConfig as error:
             raise TraceError.unsupported(self.path, error) from None
+        if config.num_blocks > self.limits.num_blocks:
+            raise self.error(
+                None, "config.num_blocks", over("num_blocks", config.num_blocks, self.limits)
+            )
         return config
 
     def read_groups(self, raw: object) -> tuple[GroupConfig, ...]:
@@ -393,9 +465,7 @@ class _Reader:
             where = f"config.groups[{i}]"
             if not isinstance(group, dict):
                 raise self.error(None, where, f"must be a mapping, got {_got(group)}")
-            self.unknown_keys(
-                None, f"{where}.", group, ("kind", "block_size", "speculative_blocks"), "group key"
-            )
+            self.unknown_keys(None, f"{where}.", group, _GROUP_KEYS, "group key")
             self.missing_keys(None, f"{where}.", group, ("kind", "block_size"))
             kind = group["kind"]
             if kind not in _GROUP_KINDS:
@@ -403,14 +473,29 @@ class _Reader:
                     None, f"{where}.kind", f"{_got(kind)} is not one of {', '.join(_GROUP_KINDS)}"
                 )
             sizes: list[int] = []
-            for key in ("block_size", "speculative_blocks"):
+            for key in ("block_size", "speculative_blocks", "prefill_checkpoint_blocks"):
                 value = group.get(key, 0)
                 if not _is_count(value):
                     raise self.error(
                         None, f"{where}.{key}", f"must be an integer >= 0, got {_got(value)}"
                     )
                 sizes.append(value)
-            groups.append(GroupConfig(cast(GroupKind, kind), *sizes))
+            alignment = group.get("prefill_checkpoint_alignment")
+            if alignment is not None and (not _is_count(alignment) or alignment < 1):
+                raise self.error(
+                    None,
+                    f"{where}.prefill_checkpoint_alignment",
+                    f"must be an integer >= 1, got {_got(alignment)}",
+                )
+            groups.append(
+                GroupConfig(
+                    cast(GroupKind, kind),
+                    block_size=sizes[0],
+                    speculative_blocks=sizes[1],
+                    prefill_checkpoint_blocks=sizes[2],
+                    prefill_checkpoint_alignment=alignment,
+                )
+            )
         return tuple(groups)
 
     # -- steps ------------------------------------------------------------
@@ -440,7 +525,20 @@ class _Reader:
         }
         expect = self.expect(index, action, raw.get("expect", {}))
         self.track_request(index, action, values)
+        self.count(index, op, values)
         return Step(op, index, **values, expect=expect)
+
+    def count(self, index: int, op: str, values: Mapping[str, Any]) -> None:
+        """Charge the step to the trace's budget (before `decode` is expanded)."""
+        try:
+            if op == "arrive":
+                self.budget.arrive(values["req"], values["prompt"])
+            repeats = values["steps"] if op == "decode" else 1
+            self.budget.add_steps(3 * repeats if op == "decode" else 1, "steps")
+            if op in ("decode", "decode1"):
+                self.budget.decoded(values["req"], repeats)
+        except LimitError as error:
+            raise self.error(index, error.field, error.message) from None
 
     def field(self, index: int, key: str, value: object) -> Any:
         kind = FIELD_TYPES[key]
@@ -455,14 +553,31 @@ class _Reader:
         if kind == "int":
             if not _is_count(value):
                 raise self.error(index, key, f"must be an integer >= 0, got {_got(value)}")
+            if key in ("lookahead", "spec") and value > getattr(self.limits, key):
+                raise self.error(index, key, over(key, value, self.limits))
             return value
+        assert self.config is not None
         if kind == "int_or_auto":
             if value != "auto" and not (_is_count(value) and value != 0):
                 raise self.error(index, key, f"must be an integer >= 1 or auto, got {_got(value)}")
+            if isinstance(value, int) and value > self.config.max_model_len:
+                raise self.error(
+                    index,
+                    key,
+                    f"{value:,} tokens in one allocation, more than config.max_model_len "
+                    f"{self.config.max_model_len:,}",
+                )
             return value
         if kind == "int_or_all":
             if value != "all" and not _is_count(value):
                 raise self.error(index, key, f"must be an integer >= 0 or all, got {_got(value)}")
+            if isinstance(value, int) and value >= self.config.num_blocks:
+                raise self.error(
+                    index,
+                    key,
+                    f"{value:,} blocks, more than the pool's {self.config.num_blocks - 1:,} "
+                    "(config.num_blocks less the null block)",
+                )
             return value
         if value not in FREE_HOW:
             raise self.error(index, key, f"{_got(value)} is not one of {', '.join(FREE_HOW)}")
@@ -494,22 +609,39 @@ class _Reader:
         if kind == "fresh":
             if not _is_count(value):
                 raise self.error(index, field, f"must be an integer >= 0, got {_got(value)}")
+            self.charge(index, field, value)
             return Segment("fresh", count=value)
         if kind == "tokens":
-            if not isinstance(value, list) or not all(_is_count(t) for t in value):
+            if not isinstance(value, list):
                 raise self.error(
                     index, field, f"must be a list of token ids (integers >= 0), got {_got(value)}"
+                )
+            # Counted before it is read: one long list behind many aliases
+            # would otherwise be walked once per alias.
+            self.charge(index, field, len(value))
+            if not all(_is_count(t) and t < TOKEN_ID_BOUND for t in value):
+                raise self.error(
+                    index,
+                    field,
+                    f"must be a list of token ids (integers >= 0 and < 2**63), got {_got(value)}",
                 )
             return Segment("tokens", token_ids=tuple(value))
         if kind in ("all_of", "prompt_of"):
             if not isinstance(value, str) or value not in self.requests:
                 raise self.error(index, field, f"names no request that has arrived: {_got(value)}")
+            self.charge(index, field, self.budget.copied(kind, value))
             return Segment(kind, req=value)
         raise self.error(
             index,
             where,
             f"unknown segment kind {_got(kind)} (expected one of {', '.join(_SEGMENT_KINDS)})",
         )
+
+    def charge(self, index: int, field: str, tokens: int) -> None:
+        try:
+            self.budget.add_tokens(tokens, field)
+        except LimitError as error:
+            raise self.error(index, error.field, error.message) from None
 
     def expect(self, index: int, action: Action, raw: object) -> dict[str, Any]:
         if not isinstance(raw, dict):
@@ -636,36 +768,24 @@ class _Reader:
         return holds
 
     def track_request(self, index: int, action: Action, values: Mapping[str, object]) -> None:
-        """Enforce a request's life: arrive once, nothing after it ended."""
+        """Enforce a request's life as the action table declares it."""
         req = values.get("req")
-        if not isinstance(req, str):
+        if not isinstance(req, str) or not action.valid_in:
             return
-        if action.name == "arrive":
-            if req in self.requests:
-                raise self.error(index, "req", f"request {req!r} has already arrived")
-            self.requests[req] = ("live", f"arrived at step {index}")
-            return
-        if not action.needs_request:
-            return
-        if req not in self.requests:
-            raise self.error(index, "req", f"request {req!r} is used before `arrive`")
-        state, since = self.requests[req]
-        if action.name == "release":
-            if state != "popped":
-                raise self.error(index, "req", f"`release` of {req!r} without a prior `pop`")
-            self.requests[req] = ("ended", f"released at step {index}")
-        elif state == "popped":
-            raise self.error(
-                index, "req", f"request {req!r} was popped ({since}); only `release` may follow"
-            )
-        elif state == "ended":
-            raise self.error(index, "req", f"request {req!r} has ended ({since})")
-        elif action.name == "pop":
-            self.requests[req] = ("popped", f"popped at step {index}")
-        elif action.name == "free" and values.get("how") == "finish":
-            self.requests[req] = ("ended", f"finished at step {index}")
-        elif action.name == "free" and values.get("how") == "abort":
-            self.requests[req] = ("ended", f"aborted at step {index}")
+        phase, since = self.requests.get(req, ("absent", ""))
+        if phase not in action.valid_in:
+            raise self.error(index, "req", out_of_phase(action.name, req, phase, since))
+        how = values.get("how")
+        after = next_phase(action.name, phase, how if isinstance(how, str) else None)
+        if after in ("popped", "ended") or phase == "absent":
+            verb = _ENDED_BY.get(str(how), "") if action.name == "free" else _VERBS[action.name]
+            since = f"{verb} at step {index}"
+        self.requests[req] = (after, since)
+
+
+# How the validator says when a request arrived, was popped or ended.
+_VERBS = {"arrive": "arrived", "pop": "popped", "release": "released"}
+_ENDED_BY = {"finish": "finished", "abort": "aborted"}
 
 
 def _is_count(value: object) -> TypeGuard[int]:

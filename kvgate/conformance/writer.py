@@ -9,7 +9,7 @@ from typing import Any
 
 import yaml
 
-from kvgate.conformance.config import Config
+from kvgate.conformance.config import Config, GroupConfig
 from kvgate.conformance.ops import ACTIONS, Segment, Step
 
 FORMAT = "kvgate-trace/1"
@@ -24,20 +24,29 @@ def config_dict(config: Config) -> dict[str, Any]:
         "max_num_scheduled_tokens": config.max_num_scheduled_tokens,
         "eagle": config.eagle,
         "retention_interval": config.retention_interval,
-        "retain_checkpoint": config.retain_checkpoint,
+        "retain_checkpoint": config.hold,
         # Additive: written only when on, so older traces read back unchanged.
-        **({"retain_retired": True} if config.retain_retired else {}),
+        **({"retain_retired": True} if config.hold_retired else {}),
         **(
             {"long_prefill_token_threshold": config.long_prefill_token_threshold}
             if config.long_prefill_token_threshold
             else {}
         ),
-        "groups": [
-            {"kind": g.kind, "block_size": g.block_size}
-            | ({"speculative_blocks": g.speculative_blocks} if g.kind == "mamba_align" else {})
-            for g in config.groups
-        ],
+        **({"shared_prefix_checkpoint": True} if config.shared_prefix_checkpoint else {}),
+        "groups": [group_dict(g) for g in config.groups],
     }
+
+
+def group_dict(group: GroupConfig) -> dict[str, Any]:
+    out: dict[str, Any] = {"kind": group.kind, "block_size": group.block_size}
+    if group.kind == "mamba_align":
+        out["speculative_blocks"] = group.speculative_blocks
+        # Additive: written only when set, so older traces read back unchanged.
+        if group.prefill_checkpoint_blocks:
+            out["prefill_checkpoint_blocks"] = group.prefill_checkpoint_blocks
+        if group.prefill_checkpoint_alignment is not None:
+            out["prefill_checkpoint_alignment"] = group.prefill_checkpoint_alignment
+    return out
 
 
 def segment_dict(segment: Segment) -> dict[str, Any]:

@@ -30,6 +30,9 @@ from kvgate.explore.profiles import PROFILES, profile
 from kvgate.explore.runner import Outcome, explore, model_mode
 
 BAR_WIDTH = 30
+# The largest budget: this many examples, or this many seconds (a day).
+MAX_EXAMPLES = 10**7
+MAX_SECONDS = 86_400.0
 # Without a terminal, a progress line at most this often (seconds).
 PLAIN_PROGRESS_EVERY = 10.0
 
@@ -61,16 +64,23 @@ def parse_budget(text: str | None) -> tuple[int | None, float | None]:
     """(examples, seconds): `500` is examples, `90s`/`5m`/`1h` a duration."""
     if text is None:
         return None, None
-    if text.isdigit() and int(text) > 0:
+    if re.fullmatch(r"[0-9]{1,12}", text) and int(text) > 0:
+        if int(text) > MAX_EXAMPLES:
+            raise InputError(f"--budget: {text} examples is more than {MAX_EXAMPLES:,}")
         return int(text), None
-    match = re.fullmatch(r"(\d+(?:\.\d+)?)([smh])", text)
+    match = re.fullmatch(r"([0-9]{1,12}(?:\.[0-9]{1,6})?)([smh])", text)
     if match is None or float(match[1]) <= 0:
-        raise InputError(f"--budget: {text!r} is neither a count of examples nor a duration")
-    return None, float(match[1]) * {"s": 1, "m": 60, "h": 3600}[match[2]]
+        raise InputError(f"--budget: {text[:40]!r} is neither a count of examples nor a duration")
+    seconds = float(match[1]) * {"s": 1, "m": 60, "h": 3600}[match[2]]
+    if seconds > MAX_SECONDS:
+        raise InputError(f"--budget: {text} is longer than a day")
+    return None, seconds
 
 
 def handle(args: argparse.Namespace) -> int:
     examples, seconds = parse_budget(args.budget)
+    if not 0 <= args.seed < 2**63:
+        raise InputError(f"--seed: {args.seed} is outside 0..2**63-1")
     if args.target == "vllm":
         if args.hold == "on":
             raise InputError("--hold on: vLLM 0.33.0 has no hold; --target vllm runs hold off")

@@ -81,7 +81,7 @@ class Mode:
 
     def apply(self, config: Config) -> Config:
         """A drawn config with this mode's switches."""
-        return replace(config, retain_checkpoint=self.hold, retain_retired=self.retire)
+        return replace(config, hold=self.hold, hold_retired=self.retire)
 
 
 @st.composite
@@ -102,7 +102,7 @@ def configs(draw: st.DrawFn) -> Config:
         groups=groups,
         eagle=draw(st.booleans().map(lambda b: not b)),  # shrinks to True
         retention_interval=draw(st.sampled_from([0, None])),
-        retain_checkpoint=False,
+        hold=False,
         scheduler_block_size=mamba_block,
         max_num_scheduled_tokens=draw(st.sampled_from([8192, 64, 32])),
     )

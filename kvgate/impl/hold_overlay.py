@@ -13,6 +13,9 @@ specifies in `kvgate/model/hold.py`, called where `kvgate/model/mamba.py` and
 - a newer hold supersedes (and releases) the request's older one;
 - full-sequence admission reserves one more block per Mamba group for a
   partial-tail hit when that group holds nothing for the request yet;
+- with prefill checkpoint blocks, the prompt's partial tail lives in the
+  checkpoint column, not the running block: when it leaves the table the
+  request holds it (the table's ref becomes the hold's);
 - `free` releases the holds after every group freed its table, in one
   `free_blocks` call in group order; `pop_blocks_for_free` puts them first in
   the returned list, so the scheduler's tail-first release frees them last.
@@ -309,11 +312,17 @@ def _admission_extra(
 def _retire(manager: Manager, request_id: str, retired: list[Block]) -> list[Block]:
     """`Holds.retire`: hold the newest keyed block among those leaving the
     table, if newer than the hold (its table ref becomes the hold's); the
-    blocks to free: the rest, then a superseded hold."""
+    blocks to free: the rest, then a superseded hold. With the tail hold
+    alone only a sub-block position counts: a prefill checkpoint block
+    carrying the prompt's partial tail."""
+    every_state = _retires(manager)
+    block_size = int(manager.block_size)
     newest = None
     for block in retired:
         position = block.block_hash_num_tokens if block.block_hash is not None else None
-        if position is not None and (newest is None or position > newest[0]):
+        if position is None or (not every_state and position % block_size == 0):
+            continue
+        if newest is None or position > newest[0]:
             newest = (int(position), block)
     holds = _holds(manager)
     current = holds.get(request_id)
@@ -329,7 +338,7 @@ def _wrap_remove_range(original: Callable[..., None]) -> Callable[..., None]:
     def _remove_blocks_in_range(
         self: Manager, request_id: str, first_block: int, last_block: int
     ) -> None:
-        if not _retires(self):
+        if not (_retires(self) or _enabled(self)):
             return original(self, request_id, first_block, last_block)
         # vLLM frees what leaves the table in one `free_blocks` call; take
         # that list instead of freeing it, keep the newest state, free the rest.

@@ -50,7 +50,7 @@ class VllmTarget(OpDriver[Any]):
         self.plugin = plugin
         # The switch must be in the environment before vLLM reads it: set it
         # before the (first) import, and drop vLLM's env cache after it.
-        _vllm_api.set_retain_switch(config.retain_checkpoint, config.retain_retired)
+        _vllm_api.set_retain_switch(config.hold, config.hold_retired)
         api = _vllm_api.load()
         _vllm_api.clear_env_cache()
         plugin_module = _vllm_api.register_plugin(plugin) if plugin else None
@@ -79,11 +79,15 @@ class VllmTarget(OpDriver[Any]):
             scheduler_config=SimpleNamespace(
                 long_prefill_token_threshold=config.long_prefill_token_threshold
             ),
-            mamba_has_prefill_checkpoint_blocks=False,
-            mamba_prefill_checkpoint_alignment=None,
-            mamba_shared_prefix_checkpoint=False,
+            mamba_has_prefill_checkpoint_blocks=config.prefill_checkpoints,
+            mamba_prefill_checkpoint_alignment=config.prefill_checkpoint_alignment,
+            mamba_shared_prefix_checkpoint=(
+                partial
+                and config.hash_unit < config.scheduler_block_size
+                and bool(getattr(manager, "mamba_shared_prefix_checkpoint", False))
+            ),
         )
-        hold = _holds_partial_tails(api, self._managers, config.retain_checkpoint)
+        hold = _holds_partial_tails(api, self._managers, config.hold)
         self.capabilities = Capabilities(
             implementation=f"vllm {api.version}",
             partial_hits=partial,
@@ -256,26 +260,7 @@ class VllmTarget(OpDriver[Any]):
         return None if block is None else int(block.ref_cnt)
 
     def attention_cached(self, request: Any) -> int:
-        # Whole full-attention blocks cached from the prompt's start, in every
-        # full-attention group at once (the coordinator's phase-1 scan).
-        attention = [
-            (gid, m)
-            for gid, m in zip(self._group_ids, self._managers, strict=True)
-            if isinstance(m.kv_cache_spec, self._api.FullAttentionSpec)
-        ]
-        if not attention:
-            return 0
-        groups = [gid for gid, _ in attention]
-        block_size = int(attention[0][1].block_size)
-        per_block = block_size // self.config.hash_unit
-        hashes = request.block_hashes
-        usable = min(request.num_prompt_tokens // block_size, len(hashes) // per_block)
-        cached = 0
-        while cached < usable:
-            if self._pool.get_cached_block(hashes[(cached + 1) * per_block - 1], groups) is None:
-                break
-            cached += 1
-        return cached * block_size
+        return self._view.attention_cached(request)
 
     def snapshot(self) -> Snapshot:
         return self._view.snapshot(self.popped)
@@ -291,14 +276,36 @@ def _group_spec(api: VllmApi, index: int, group: GroupConfig) -> Any:
             block_size=group.block_size, num_kv_heads=1, head_size=1, dtype=float32
         )
     if group.kind == "mamba_align":
+        # The checkpoint fields only when set: a build without them still
+        # runs every trace that leaves them off (and refuses the others).
+        checkpoints: dict[str, Any] = {}
+        if group.prefill_checkpoint_blocks:
+            checkpoints["num_prefill_checkpoint_blocks"] = group.prefill_checkpoint_blocks
+        if group.prefill_checkpoint_alignment is not None:
+            checkpoints["prefill_checkpoint_alignment"] = group.prefill_checkpoint_alignment
         return api.MambaSpec(
             block_size=group.block_size,
             shapes=((1, 1),),
             dtypes=(float32,),
             mamba_cache_mode="align",
             num_speculative_blocks=group.speculative_blocks,
+            **checkpoints,
         )
     raise UnsupportedConfig(f"groups[{index}].kind", f"unknown group kind {group.kind!r}")
+
+
+def kv_cache_config(api: VllmApi, config: Config) -> Any:
+    """vLLM's `KVCacheConfig` for `config`: its pool, groups and retention."""
+    groups = [
+        api.KVCacheGroupSpec([f"layer{i}"], _group_spec(api, i, g))
+        for i, g in enumerate(config.groups)
+    ]
+    return api.KVCacheConfig(
+        num_blocks=config.num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=groups,
+        prefix_cache_retention_interval=config.retention_interval,
+    )
 
 
 def _build_manager(api: VllmApi, config: Config) -> Any:
@@ -306,25 +313,22 @@ def _build_manager(api: VllmApi, config: Config) -> Any:
 
     Anything vLLM raises while building it becomes `UnsupportedConfig`.
     """
-    groups = [
-        api.KVCacheGroupSpec([f"layer{i}"], _group_spec(api, i, g))
-        for i, g in enumerate(config.groups)
-    ]
     try:
-        kv_cache_config = api.KVCacheConfig(
-            num_blocks=config.num_blocks,
-            kv_cache_tensors=[],
-            kv_cache_groups=groups,
-            prefix_cache_retention_interval=config.retention_interval,
-        )
         return api.KVCacheManager(
-            kv_cache_config,
+            kv_cache_config(api, config),
             max_model_len=config.max_model_len,
             scheduler_block_size=config.scheduler_block_size,
             hash_block_size=config.hash_unit,
             enable_caching=True,
             use_eagle=config.eagle,
+            **(
+                {"enable_mamba_shared_prefix_checkpoint": True}
+                if config.shared_prefix_checkpoint
+                else {}
+            ),
         )
+    except UnsupportedConfig:
+        raise
     except Exception as exc:  # vLLM rejects with ValueError or a bare assert
         message = _describe(exc)
         raise UnsupportedConfig(_config_field(message), f"vLLM rejects it: {message}") from exc
@@ -345,6 +349,7 @@ def _describe(exc: BaseException) -> str:
 
 _FIELD_PATTERNS: tuple[tuple[str, str], ...] = (
     (r"retention", "retention_interval"),
+    (r"shared_prefix", "shared_prefix_checkpoint"),
     (r"scheduler_block_size", "scheduler_block_size"),
     (r"hash_block_size|hash", "hash_unit"),
     (r"num_gpu_blocks|num_blocks", "num_blocks"),
@@ -424,7 +429,7 @@ _PROBE_CONFIG = Config(
     ),
     eagle=False,
     retention_interval=None,
-    retain_checkpoint=True,
+    hold=True,
     scheduler_block_size=32,
 )
 

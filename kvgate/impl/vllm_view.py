@@ -20,7 +20,7 @@ from itertools import compress
 from operator import ne
 from typing import Any
 
-from kvgate.conformance.snapshot import BlockView, Snapshot
+from kvgate.conformance.snapshot import NULL_BLOCK, BlockView, Snapshot, kept_aside, null_view
 from kvgate.conformance.tokens import extend_prefix_keys
 from kvgate.impl._vllm_api import HOLD_ATTR, VllmApi
 
@@ -96,15 +96,20 @@ class ManagerView:
     # ------------------------------------------------------------- the view
 
     def snapshot(self, popped: Mapping[str, Sequence[Any]]) -> Snapshot:
-        """The manager's strict view; `popped`: blocks kept aside per request."""
+        """The manager's strict view; `popped`: blocks kept aside per request.
+
+        The abstraction of `kvgate.conformance.snapshot.EXCLUSIONS`: the null
+        block without its ref count, popped lists without null entries.
+        """
         self._sync_index()
+        views = self._block_views()
         return Snapshot(
             free_queue=tuple(self.free_queue_ids()),
-            blocks=self._block_views(),
+            blocks=views[:NULL_BLOCK] + (null_view(views[NULL_BLOCK]),) + views[NULL_BLOCK + 1 :],
             tables=self.tables(),
             holds=self.holds(),
             pending_copies=self.pending_copies(),
-            popped={req: block_ids(blocks) for req, blocks in popped.items()},
+            popped={req: kept_aside(block_ids(blocks)) for req, blocks in popped.items()},
         )
 
     def free_queue_ids(self) -> list[int]:
@@ -137,6 +142,29 @@ class ManagerView:
             for rid, (position, block) in held.items():
                 holds.setdefault(str(rid), {})[gid] = (int(position), int(block.block_id))
         return holds
+
+    def attention_cached(self, request: Any) -> int:
+        """Prompt tokens of `request` the attention groups have cached from its
+        start, in whole attention blocks, in every full-attention group at
+        once (the coordinator's phase-1 scan)."""
+        attention = [
+            (gid, m)
+            for gid, m in zip(self.group_ids, self._managers, strict=True)
+            if isinstance(m.kv_cache_spec, self._api.FullAttentionSpec)
+        ]
+        if not attention:
+            return 0
+        groups = [gid for gid, _ in attention]
+        block_size = int(attention[0][1].block_size)
+        per_block = block_size // self._hash_unit
+        hashes = request.block_hashes
+        usable = min(request.num_prompt_tokens // block_size, len(hashes) // per_block)
+        cached = 0
+        while cached < usable:
+            if self._pool.get_cached_block(hashes[(cached + 1) * per_block - 1], groups) is None:
+                break
+            cached += 1
+        return cached * block_size
 
     def pending_copies(self) -> tuple[tuple[int, int, int], ...]:
         return tuple(

@@ -9,7 +9,7 @@ Both trackers read only what the trace format exposes (snapshots, reported
 values, `check` values), so they run on any target; the explorer runs them
 on the model.
 
-`ResumeAtParentState` (no total miss)
+`NoTotalMiss` (no total miss)
     A request P "pins" a Mamba state when it takes part in a copy-on-write:
     the hit source it resumed from (a sub-block hit), or its own partial tail
     moved into a copy block. Let h be the newest position P pinned in every
@@ -22,7 +22,7 @@ on the model.
     post-copy release leaves it in the free queue and a burst evicts it while
     P still runs -- the seed's total miss.
 
-`ReservationCoversHold`
+`ReservationCoversTailSwap`
     R is the `reserve` op's `blocks` (the full-sequence admission count, with
     the cap) right before the request's admitting allocation, S its
     `step_blocks` (the same count without the admission extras). While the
@@ -125,8 +125,8 @@ def hash_names(snapshot: Snapshot) -> frozenset[str]:
     return names
 
 
-class ResumeAtParentState:
-    name = "resume_at_parent_state"
+class NoTotalMiss:
+    name = "no_total_miss"
 
     def __init__(self, world: World) -> None:
         self.world = world
@@ -231,8 +231,8 @@ class _Admission:
     peak: int = 0
 
 
-class ReservationCoversHold:
-    name = "reservation_covers_hold"
+class ReservationCoversTailSwap:
+    name = "reservation_covers_tail_swap"
 
     def __init__(self, world: World) -> None:
         self.world = world
@@ -342,5 +342,5 @@ class ReservationCoversHold:
         )
 
 
-Tracker = ResumeAtParentState | ReservationCoversHold
-TRACKERS: tuple[type[Tracker], ...] = (ResumeAtParentState, ReservationCoversHold)
+Tracker = NoTotalMiss | ReservationCoversTailSwap
+TRACKERS: tuple[type[Tracker], ...] = (NoTotalMiss, ReservationCoversTailSwap)

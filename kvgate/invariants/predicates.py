@@ -42,12 +42,12 @@ def references(snapshot: Snapshot) -> Counter[int]:
     return refs
 
 
-def ref_accounting(snapshot: Snapshot) -> list[Violation]:
+def no_leak(snapshot: Snapshot) -> list[Violation]:
     """Each block's ref count is exactly its references (no leak, no
     dangling use)."""
     refs = references(snapshot)
     return [
-        Violation("ref_accounting", f"block {i}: ref {b.ref}, referenced {refs[i]} times")
+        Violation("no_leak", f"block {i}: ref {b.ref}, referenced {refs[i]} times")
         for i, b in enumerate(snapshot.blocks)
         if i != 0 and b.ref != refs[i]
     ]
@@ -71,7 +71,7 @@ def free_queue_exact(snapshot: Snapshot) -> list[Violation]:
     return out
 
 
-def holds_on_keyed_states(snapshot: Snapshot) -> list[Violation]:
+def held_state_keyed(snapshot: Snapshot) -> list[Violation]:
     """A hold pins a block keyed, in its group, at the held position."""
     out = []
     for request, groups in snapshot.holds.items():
@@ -83,7 +83,7 @@ def holds_on_keyed_states(snapshot: Snapshot) -> list[Violation]:
             ):
                 out.append(
                     Violation(
-                        "holds_on_keyed_states",
+                        "held_state_keyed",
                         f"{request} holds block {block_id} in group {group} at {position}, "
                         f"keyed {list(keys) or 'nowhere'}",
                     )
@@ -114,9 +114,9 @@ def clean_when_idle(snapshot: Snapshot) -> list[Violation]:
 
 
 SNAPSHOT_INVARIANTS: dict[str, Callable[[Snapshot], list[Violation]]] = {
-    "ref_accounting": ref_accounting,
+    "no_leak": no_leak,
     "free_queue_exact": free_queue_exact,
-    "holds_on_keyed_states": holds_on_keyed_states,
+    "held_state_keyed": held_state_keyed,
     "clean_when_idle": clean_when_idle,
 }
 
@@ -128,7 +128,7 @@ def check_snapshot(snapshot: Snapshot) -> list[Violation]:
     return out
 
 
-def holds_in_mamba_groups(snapshot: Snapshot, mamba_group_ids: Sequence[int]) -> list[Violation]:
+def one_hold(snapshot: Snapshot, mamba_group_ids: Sequence[int]) -> list[Violation]:
     """Holds live only in Mamba groups, and a request holds one block per
     group (the snapshot keeps one per request and group, so a second one
     shows up as a hold on a block the request also holds in another group)."""
@@ -139,7 +139,7 @@ def holds_in_mamba_groups(snapshot: Snapshot, mamba_group_ids: Sequence[int]) ->
             if group not in allowed:
                 out.append(
                     Violation(
-                        "holds_in_mamba_groups",
+                        "one_hold",
                         f"{request} holds a block in group {group}, not a Mamba group",
                     )
                 )
@@ -148,7 +148,7 @@ def holds_in_mamba_groups(snapshot: Snapshot, mamba_group_ids: Sequence[int]) ->
             if n > 1:
                 out.append(
                     Violation(
-                        "holds_in_mamba_groups",
+                        "one_hold",
                         f"{request} holds block {block_id} in {n} groups",
                     )
                 )

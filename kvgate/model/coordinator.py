@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvgate.conformance.config import Config
+from kvgate.conformance.config import Config, GroupConfig
 from kvgate.model.groups import FullAttentionManager, cdiv
 from kvgate.model.hold import Holds
 from kvgate.model.mamba import MambaManager
@@ -47,7 +47,7 @@ class Coordinator:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.pool = BlockPool(config.num_blocks, config.hash_unit)
-        self.holds = Holds(self.pool, config.retain_checkpoint, config.retain_retired)
+        self.holds = Holds(self.pool, config.hold, config.hold_retired)
         self.scheduler_block = config.scheduler_block_size
         self.managers: list[GroupManagerT] = []
         for group_id, group in enumerate(config.groups):
@@ -55,18 +55,25 @@ class Coordinator:
                 self.managers.append(FullAttentionManager(self.pool, group_id, group.block_size))
             else:
                 mamba = MambaManager(
-                    self.pool, group_id, group.block_size, group.speculative_blocks, self.holds
+                    self.pool,
+                    group_id,
+                    group.block_size,
+                    group.speculative_blocks,
+                    self.holds,
+                    group.prefill_checkpoint_blocks,
+                    group.prefill_checkpoint_alignment,
                 )
                 mamba.drop_eagle_checkpoint = config.eagle
+                mamba.shared_prefix_checkpoint = config.shared_prefix_checkpoint_on
                 self.managers.append(mamba)
         self.partial_hits = config.partial_hits
         self.alignment = config.hash_unit if self.partial_hits else self.scheduler_block
         lookup_groups: list[_LookupGroup] = []
-        specs: dict[tuple[str, int, int], _LookupGroup] = {}
+        specs: dict[GroupConfig, _LookupGroup] = {}
         for group_id, group in enumerate(config.groups):
             self.managers[group_id].alignment = self.alignment
             self.managers[group_id].use_eagle = config.eagle
-            spec = (group.kind, group.block_size, group.speculative_blocks)
+            spec = group  # equal specs (every field) share one lookup
             if spec in specs:
                 specs[spec].group_ids.append(group_id)
             else:
@@ -153,11 +160,25 @@ class Coordinator:
         num_local_computed: int,
         num_tokens_main: int,
         admission: bool,
+        prefill_end: int = 0,
     ) -> int:
+        """Blocks the groups need; `prefill_end` is where the request's
+        prefill ends, which only sparse retention (0) reads: a prefill
+        checkpoint is then taken only on the chunk reaching it."""
         total = 0
+        if self.config.retention_interval != 0:
+            prefill_end = 0
         for manager, hit in zip(self.managers, hit_blocks, strict=True):
             if isinstance(manager, MambaManager):
-                total += manager.blocks_needed(request_id, num_tokens_main, hit, num_local_computed)
+                total += manager.blocks_needed(
+                    request_id,
+                    num_tokens_main,
+                    hit,
+                    num_local_computed,
+                    query_start=num_local_computed,
+                    prefill_end=prefill_end,
+                    record=not admission,
+                )
                 if admission:
                     total += self.holds.admission_extra(
                         manager.group_id,

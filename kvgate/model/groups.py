@@ -65,7 +65,7 @@ class GroupManager:
         assert table[index] is source and not source.is_null and source.ref > 0
         table[index] = copy
         self.pending_copies.append((source, copy))
-        self.pool.retain(copy)
+        self.pool.add_ref(copy)
 
     def retention_mask(
         self, start: int, end: int, retention: int | None, boundaries: Sequence[int]

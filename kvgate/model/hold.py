@@ -13,7 +13,11 @@ so concurrent allocation cannot evict it:
 - when a producer moves its keys to a copy, holds on the source follow them;
 - admission reserves one more block per Mamba group for a partial-tail hit
   (the held source and the moved tail coexist for a step);
-- every free path releases the holds last, after the request's blocks.
+- every free path releases the holds last, after the request's blocks;
+- with prefill checkpoint blocks the prompt's partial tail is exported into
+  a spare column instead of the running block, so no copy moves it: it
+  leaves the table at the next step, and the hold takes it then (`retire`,
+  sub-block positions only: the states the hold is about).
 
 `retire` is the production fork's older retention (config `retain_retired`),
 which the same hold map carries: of the keyed states that leave a request's
@@ -53,17 +57,21 @@ class Holds:
             self.pool.free_blocks([current[1]])
         return True
 
-    def retire(self, group_id: int, request_id: str, retired: list[Block]) -> list[Block]:
+    def retire(
+        self, group_id: int, request_id: str, retired: list[Block], block_size: int
+    ) -> list[Block]:
         """Blocks leaving the request's table: hold the newest keyed one if
         it is newer than the hold; return the blocks the caller frees (the
-        rest, then a superseded hold)."""
-        if not self.retire_enabled:
+        rest, then a superseded hold). With the tail hold alone, only a
+        partial tail (a sub-block position: a prefill checkpoint's) counts."""
+        if not (self.retire_enabled or self.enabled):
             return retired
         newest: Block | None = None
         for block in retired:
-            if block.hash_tokens is not None and (
-                newest is None or block.hash_tokens > (newest.hash_tokens or 0)
-            ):
+            position = block.hash_tokens
+            if position is None or (not self.retire_enabled and position % block_size == 0):
+                continue
+            if newest is None or position > (newest.hash_tokens or 0):
                 newest = block
         if newest is None or newest.hash_tokens is None:
             return retired

@@ -36,6 +36,34 @@ def checkpoint_position(num_tokens: int, unit: int, drop_eagle: bool) -> int:
     return max(position, 0)
 
 
+def prefill_checkpoint_valid(
+    query_start: int,
+    query_end: int,
+    position: int,
+    unit: int,
+    block_size: int,
+    alignment: int | None,
+) -> bool:
+    """Whether a backend can export the state at `position` from inside the
+    query [query_start, query_end) into a prefill checkpoint block.
+
+    The checkpoint column (the block before the query's last) must lie past
+    the column the query starts from, the position strictly inside the query
+    at least a unit past its start, on the backend's grid (`alignment`).
+    """
+    if alignment is None:
+        return False
+    start_column = (query_start - 1) // block_size
+    checkpoint_column = cdiv(query_end, block_size) - 2
+    return (
+        query_start % unit == 0
+        and checkpoint_column > start_column
+        and query_start + unit <= position
+        and query_start < position < query_end
+        and (position - query_start) % alignment == 0
+    )
+
+
 class MambaManager(GroupManager):
     def __init__(
         self,
@@ -44,9 +72,20 @@ class MambaManager(GroupManager):
         block_size: int,
         speculative_blocks: int,
         holds: Holds,
+        prefill_checkpoint_blocks: int = 0,
+        prefill_checkpoint_alignment: int | None = None,
     ) -> None:
         super().__init__(pool, group_id, block_size)
         self.speculative_blocks = speculative_blocks
+        # Prefill checkpoint blocks: one spare column per step, before the
+        # running one, that the backend exports a prefill's reusable state
+        # into from inside the chunk (their number beyond one only sizes
+        # memory). request id -> (checkpoint position, column) this step.
+        self.has_prefill_checkpoints = prefill_checkpoint_blocks > 0
+        self.prefill_checkpoint_alignment = prefill_checkpoint_alignment
+        self.checkpoints: dict[str, tuple[int, int]] = {}
+        # `enable_mamba_shared_prefix_checkpoint`, as the manager narrows it.
+        self.shared_prefix_checkpoint = False
         self.drop_eagle_checkpoint = False
         self.holds = holds
         self.cached_this_step: set[HashKey] = set()
@@ -91,12 +130,42 @@ class MambaManager(GroupManager):
     def skipped_tokens(self, num_computed: int) -> int:
         return num_computed - 1  # only the latest state matters
 
+    def needs_internal_checkpoint(
+        self, request_id: str, query_start: int, query_end: int, position: int, prefill_end: int
+    ) -> bool:
+        """This step exports a prefill checkpoint into a spare column: the
+        query reaches the prefill end (any chunk when `prefill_end` is 0), the
+        backend can export there, and the column holds no state of its own."""
+        column = cdiv(query_end, self.block_size) - 2
+        table = self.table(request_id)
+        return (
+            self.has_prefill_checkpoints
+            and query_end >= prefill_end
+            and prefill_checkpoint_valid(
+                query_start,
+                query_end,
+                position,
+                self.pool.hash_unit,
+                self.block_size,
+                self.prefill_checkpoint_alignment,
+            )
+            and column >= 0
+            and (
+                column >= len(table)
+                or table[column].is_null
+                or (request_id in self.allocated and column >= len(table) - self.speculative_blocks)
+            )
+        )
+
     def blocks_needed(
         self,
         request_id: str,
         num_tokens_main: int,
         hit_blocks: Sequence[Block],
         num_local_computed: int,
+        query_start: int = 0,
+        prefill_end: int = 0,
+        record: bool = False,
     ) -> int:
         if hit_blocks and hit_blocks[-1].hash in self.cached_this_step:
             # A state keyed this step is filled by this step's forward: defer
@@ -110,8 +179,21 @@ class MambaManager(GroupManager):
         )
         if partial:
             num_new = max(num_new, 0) + 1
+        position = checkpoint_position(num_tokens_main, self.alignment, self.drop_eagle_checkpoint)
+        if not self.needs_internal_checkpoint(
+            request_id, query_start, num_tokens_main, position, prefill_end
+        ):
+            position = 0
+        if record:
+            # The per-step count decides this step's checkpoint; allocation
+            # and keying read it.
+            if position > 0:
+                column = cdiv(num_tokens_main, self.block_size) - 2
+                self.checkpoints[request_id] = (position, column)
+            else:
+                self.checkpoints.pop(request_id, None)
         if num_new > 0:
-            cap = 1 + int(partial)
+            cap = 1 + int(partial) + int(position > 0)
             if request_id not in self.allocated:
                 cap += self.speculative_blocks
             num_new = min(num_new, cap)
@@ -122,7 +204,8 @@ class MambaManager(GroupManager):
         table = self.table(request_id)
         required = cdiv(num_tokens_main, self.block_size) + self.speculative_blocks
         partial = self.partial_hits.get(request_id)
-        if required <= len(table) and partial is None:
+        checkpoint = int(request_id in self.checkpoints)
+        if required <= len(table) and partial is None and not checkpoint:
             self.allocated.add(request_id)
             return []
         prev_len = len(table)
@@ -134,12 +217,14 @@ class MambaManager(GroupManager):
         elif prev_len > 0:
             self.last_state_index[request_id] = prev_len - 1
         num_skipped = required - self.speculative_blocks - 1
+        # A checkpoint step keeps the column before the running one for the
+        # exported state: not nulled, and a scratch block there stays.
         if prev_len < num_skipped:
-            table.extend([self.pool.null_block] * (num_skipped - prev_len))
+            table.extend([self.pool.null_block] * (num_skipped - checkpoint - prev_len))
         if running:
             # Scratch blocks the table moves past are reused at its new end.
             for index in range(prev_len - self.speculative_blocks, prev_len):
-                if index >= num_skipped:
+                if index >= num_skipped - checkpoint:
                     break
                 block = table[index]
                 assert not block.is_null and block.ref == 1 and block.hash is None
@@ -158,7 +243,7 @@ class MambaManager(GroupManager):
                 self.pool.move_keys(source, copy)
                 self.holds.follow_moved_keys(self.group_id, request_id, source, copy)
                 self.pending_copies.append((source, copy))
-                self.pool.retain(source)
+                self.pool.add_ref(source)
                 if copy.hash is not None:
                     self.cached_this_step.add(copy.hash)
                 self.holds.hold(self.group_id, request_id, copy)
@@ -184,7 +269,7 @@ class MambaManager(GroupManager):
                     if not table[i].is_null:
                         freed.append(table[i])
                         table[i] = self.pool.null_block
-                freed = self.holds.retire(self.group_id, request_id, freed)
+                freed = self.holds.retire(self.group_id, request_id, freed, self.block_size)
                 if freed:
                     self.pool.free_blocks(freed)
                 self.num_retired[request_id] = last
@@ -203,10 +288,18 @@ class MambaManager(GroupManager):
         self, start: int, end: int, retention: int | None, boundaries: Sequence[int]
     ) -> list[bool] | None:
         """Which table blocks [start, end) get keyed: all (dense, None), or
-        under sparse retention only those ending on a replay boundary."""
+        under sparse retention (0) only those ending on a replay boundary, and
+        with a positive interval also the last block of each interval."""
         if retention is None:
             return None
         mask = [False] * (end - start)
+        if retention > 0:
+            per_interval = retention // self.block_size
+            if per_interval <= 1:
+                return None  # every block ends an interval
+            first = (start + per_interval) // per_interval * per_interval - 1
+            for i in range(first - start, len(mask), per_interval):
+                mask[i] = True
         for boundary in boundaries:
             index = boundary // self.alignment * self.alignment // self.block_size - 1
             if start <= index < end:
@@ -224,7 +317,7 @@ class MambaManager(GroupManager):
         before = self.num_cached.get(rid, 0)
         self.cache_full(request, num_tokens, retention, boundaries)
         after = self.num_cached.get(rid, 0)
-        tail_key = self._cache_prompt_tail(request, num_tokens)
+        tail_key = self._cache_prompt_tail(request, num_tokens, retention)
         if tail_key is not None:
             self.cached_this_step.add(tail_key)
         table = self.tables[rid]
@@ -233,13 +326,52 @@ class MambaManager(GroupManager):
                 self.cached_this_step.add(block.hash)
         return tail_key
 
-    def _cache_prompt_tail(self, request: Request, num_tokens: int) -> HashKey | None:
-        """Key the prompt's partial tail on the running block, once reached."""
+    def _cache_checkpoint(
+        self, request: Request, position: int, column: int, retention: int | None
+    ) -> HashKey | None:
+        """Key this step's exported prefill checkpoint at its position, if it
+        is reusable: the prompt's checkpoint, a state retention keeps, or the
+        shared-prefix junction. Otherwise the state is transient and the
+        block's keys (a full-block key keyed this step included) go."""
+        table = self.tables[request.request_id]
+        block = table[column]
+        prompt_checkpoint = position == checkpoint_position(
+            request.num_prompt_tokens, self.alignment, self.drop_eagle_checkpoint
+        )
+        retained = False
+        if position % self.block_size == 0:
+            index = position // self.block_size - 1
+            mask = self.retention_mask(index, index + 1, retention, ())
+            retained = mask is None or mask[0]
+        if not prompt_checkpoint and not retained and position != request.shared_prefix_boundary:
+            self.pool.drop_keys(block)
+            return None
+        if block.hash_tokens == position:
+            return None
+        return self.pool.cache_partial_block(
+            request.keys, block, position, self.group_id, replace_existing=True
+        )
+
+    def _cache_prompt_tail(
+        self, request: Request, num_tokens: int, retention: int | None
+    ) -> HashKey | None:
+        """Key the prompt's partial tail (or, with the knob, the shared-prefix
+        junction) on the running block, once reached; or this step's prefill
+        checkpoint on its own block."""
+        checkpoint = self.checkpoints.get(request.request_id)
+        if checkpoint is not None:
+            return self._cache_checkpoint(request, *checkpoint, retention)
         unit = self.pool.hash_unit
         if num_tokens <= 0 or num_tokens % unit:
             return None
         tail = checkpoint_position(request.num_prompt_tokens, unit, self.drop_eagle_checkpoint)
-        if num_tokens != tail:
+        junction = request.shared_prefix_boundary
+        at_junction = (
+            self.shared_prefix_checkpoint
+            and num_tokens == junction
+            and request.num_computed_tokens < num_tokens <= request.num_prompt_tokens
+        )
+        if num_tokens != tail and not at_junction:
             return None
         index = cdiv(num_tokens, self.block_size) - 1
         table = self.tables[request.request_id]
@@ -259,6 +391,7 @@ class MambaManager(GroupManager):
 
     def pop_blocks(self, request_id: str) -> list[Block]:
         self.allocated.discard(request_id)
+        self.checkpoints.pop(request_id, None)
         self.last_state_index.pop(request_id, None)
         self.num_retired.pop(request_id, None)
         return super().pop_blocks(request_id)

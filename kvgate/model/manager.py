@@ -44,6 +44,7 @@ class KVCacheManager:
             computed,
             num_tokens,
             admission,
+            prefill_end=self._prefill_end(request),
         )
 
     def allocate_slots(
@@ -69,7 +70,13 @@ class KVCacheManager:
         coordinator.remove_skipped(rid, total_computed)
         hit_blocks = new_computed_blocks or self._no_hit()
         needed = coordinator.blocks_needed(
-            rid, num_need_slot, hit_blocks, num_local, num_tokens_main, admission=False
+            rid,
+            num_need_slot,
+            hit_blocks,
+            num_local,
+            num_tokens_main,
+            admission=False,
+            prefill_end=self._prefill_end(request),
         )
         if needed > self.block_pool.num_free():
             return False
@@ -96,6 +103,11 @@ class KVCacheManager:
 
     def new_step_starts(self) -> None:
         self.coordinator.new_step()
+
+    @staticmethod
+    def _prefill_end(request: Request) -> int:
+        # The scheduler's: a resumed request replays its output as prefill.
+        return max(request.num_prompt_tokens, request.num_tokens - 1)
 
     def _no_hit(self) -> HitBlocks:
         return tuple([] for _ in self.coordinator.managers)

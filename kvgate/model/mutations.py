@@ -30,9 +30,17 @@ Patch = tuple[type, str, Callable[..., Any]]  # (class, method name, replacement
 
 @dataclass(frozen=True)
 class Mutation:
+    """One deliberate bug, recorded once: its twin encoding in
+    `kvgate.invariants.z3.transitions` is found by `name`."""
+
     name: str
     doc: str
     patches: Callable[[], list[Patch]]
+    # The invariant (kvgate.invariants.catalogue) the bug is meant to break.
+    target: str
+    # Whether it is upstream vLLM 0.33.0's own behaviour: its counterexample
+    # then fails on the installed vLLM the same way.
+    upstream: bool = False
 
 
 def _hold_off() -> list[Patch]:
@@ -125,33 +133,50 @@ def _no_follow() -> list[Patch]:
 MUTATIONS: dict[str, Mutation] = {
     m.name: m
     for m in (
-        Mutation("hold_off", "the hold never acts although the switch is on", _hold_off),
+        Mutation(
+            "hold_off",
+            "the hold never acts although the switch is on",
+            _hold_off,
+            target="no_total_miss",
+            upstream=True,
+        ),
         Mutation(
             "no_admission_extra",
             "admission forgets the +1 for a partial-tail hit",
             _no_admission_extra,
+            target="reservation_covers_tail_swap",
+            upstream=True,
         ),
         Mutation(
             "abort_keeps_hold",
             "free(abort) forgets the request's holds without releasing them",
             _abort_keeps_hold,
+            target="no_leak",
         ),
         Mutation(
             "cow_copy_unreferenced",
             "apply_cow forgets the pending copy's ref on the private copy",
             _cow_copy_unreferenced,
+            target="no_leak",
         ),
         Mutation(
             "touch_keeps_queued",
             "touch adopts a ref-0 block without taking it out of the free queue",
             _touch_keeps_queued,
+            target="free_queue_exact",
         ),
         Mutation(
             "superseded_hold_kept",
             "a newer hold does not release the one it supersedes",
             _superseded_hold_kept,
+            target="one_hold",
         ),
-        Mutation("no_follow", "holds stay on a producer's block when its keys move", _no_follow),
+        Mutation(
+            "no_follow",
+            "holds stay on a producer's block when its keys move",
+            _no_follow,
+            target="held_state_keyed",
+        ),
     )
 }
 

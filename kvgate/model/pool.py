@@ -141,7 +141,7 @@ class BlockPool:
             self.changed.add(block.block_id)
         return taken
 
-    def retain(self, block: Block) -> None:
+    def add_ref(self, block: Block) -> None:
         """One more ref on a block in use (a copy endpoint kept until it ran)."""
         assert block.ref > 0 and not block.is_null
         block.ref += 1

@@ -18,7 +18,8 @@ class Request:
         self.num_computed_tokens = 0
         self.spec_token_ids: list[int] = []
         # The junction of the request's last lookup (0: none), as the
-        # scheduler stores it; the split and sparse retention read it.
+        # scheduler stores it; the split, sparse retention and a prefill
+        # checkpoint's keying read it.
         self.shared_prefix_boundary = 0
 
     @property

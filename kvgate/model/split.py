@@ -4,13 +4,17 @@ Mamba states are written at chunk ends, so a chunk ends on a block boundary
 (except the prompt's last chunk), never runs past the last cacheable block
 boundary, with sub-block hits stops at the prompt's partial-tail boundary so
 that state is computed and keyed, and stops at the request's shared-prefix
-junction (block-floored from the chunk's start) so a sibling can resume there.
+junction (block-floored from the chunk's start; exact with the shared-prefix
+checkpoint) so a sibling can resume there. When every Mamba group has a
+prefill checkpoint block and the backend can export the prompt's checkpoint
+from inside the final chunk, that chunk needs neither the block nor the
+tail stop.
 """
 
 from __future__ import annotations
 
 from kvgate.conformance.config import Config
-from kvgate.model.mamba import checkpoint_position
+from kvgate.model.mamba import checkpoint_position, prefill_checkpoint_valid
 from kvgate.model.request import Request
 
 
@@ -26,6 +30,16 @@ def chunk_tokens(config: Config, request: Request, num_new: int, num_new_hit: in
     partial_hits = config.partial_hits and unit < block
     last_cacheable = checkpoint_position(request.num_tokens, block, eagle)
     end = start + num_new
+    checkpoint = checkpoint_position(prefill_end, unit if partial_hits else block, eagle)
+    internal_checkpoint = (
+        config.prefill_checkpoints
+        and end >= prefill_end
+        and prefill_checkpoint_valid(
+            start, end, checkpoint, unit, block, config.prefill_checkpoint_alignment
+        )
+    )
+    if internal_checkpoint:
+        last_cacheable = 0
     if end < prefill_end:
         # A block wider than any chunk may be advanced sub-block.
         widest = config.max_num_scheduled_tokens
@@ -34,13 +48,21 @@ def chunk_tokens(config: Config, request: Request, num_new: int, num_new_hit: in
         aligned = end // block * block
         if aligned > start or block <= widest:
             end = aligned
-    tail = checkpoint_position(request.num_prompt_tokens, unit, eagle) if partial_hits else 0
+    tail = (
+        checkpoint_position(request.num_prompt_tokens, unit, eagle)
+        if partial_hits and not internal_checkpoint
+        else 0
+    )
     junction = request.shared_prefix_boundary
     # Whole blocks from the start: a sub-block junction's state is not kept
-    # apart (version 1 runs without the shared-prefix checkpoint).
-    junction_stop = start + (junction - start) // block * block
+    # apart, unless the shared-prefix checkpoint keys it (within the prompt).
+    junction_stop = (
+        junction
+        if config.shared_prefix_checkpoint_on and junction <= request.num_prompt_tokens
+        else start + (junction - start) // block * block
+    )
     stops = (
-        (start // block + 1) * block if start % block else 0,
+        (start // block + 1) * block if start % block and not internal_checkpoint else 0,
         last_cacheable,
         tail if last_cacheable < tail < request.num_prompt_tokens else 0,
         junction_stop if start < junction < end else 0,

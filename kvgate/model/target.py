@@ -6,7 +6,7 @@ from typing import Any
 
 from kvgate.conformance.config import Config
 from kvgate.conformance.driver import OpDriver
-from kvgate.conformance.snapshot import BlockView, Snapshot
+from kvgate.conformance.snapshot import BlockView, Snapshot, kept_aside
 from kvgate.conformance.target import Capabilities
 from kvgate.model.coordinator import HitBlocks
 from kvgate.model.manager import KVCacheManager
@@ -28,13 +28,13 @@ class ModelTarget(OpDriver[Request]):
         self.attention_group = next(
             i for i, g in enumerate(config.groups) if g.kind == "full_attention"
         )
-        hold = config.retain_checkpoint
+        hold = config.hold
         self.capabilities = Capabilities(
             implementation="kvgate model",
             partial_hits=config.partial_hits,
             hold=hold,
             hold_source="kvgate model" if hold else "",
-            retire=config.retain_retired,
+            retire=config.hold_retired,
         )
 
     # -- requests -------------------------------------------------------------
@@ -165,5 +165,5 @@ class ModelTarget(OpDriver[Request]):
             pending_copies=tuple(
                 (m.group_id, s.block_id, d.block_id) for m in managers for s, d in m.pending_copies
             ),
-            popped={r: tuple(b.block_id for b in bs) for r, bs in self.popped.items()},
+            popped={r: kept_aside(b.block_id for b in bs) for r, bs in self.popped.items()},
         )

@@ -430,6 +430,16 @@ def judge(
         and baseline.exploration_usable
     ):
         catch = Catch("exploration", "exploration", run.exploration.failure)
+    if catch is None and fault.equivalent_under:
+        # Its only effect is state the strict view leaves out as unobservable.
+        return FaultResult(
+            fault,
+            "not applicable",
+            None,
+            seconds,
+            run.edit,
+            note=f"equivalent under the strict view's exclusion {fault.equivalent_under}",
+        )
     return FaultResult(
         fault,
         "caught" if catch is not None else "missed",

@@ -54,6 +54,11 @@ from kvgate.mutate.own_suite import (
 SUITES = ("gate", "vllm-own", "both")
 # Where `scripts/fetch-vllm-tests.sh` puts vLLM's own tests, from a checkout's root.
 DEFAULT_TESTS_DIR = Path(".cache/vllm-0.33.0-tests")
+# The flags' ranges: no more children than a box has use for, an exploration
+# per fault that ends, a timeout of at most a day.
+MAX_JOBS = 64
+MAX_EXPLORE = 100_000
+MAX_TIMEOUT = 86_400.0
 # How much of a catch's description a table row shows.
 DETAIL_WIDTH = 96
 
@@ -103,10 +108,13 @@ def handle(args: argparse.Namespace) -> int:
     if args.list:
         write_fault_list(sys.stdout, faults)
         return 0
-    if args.jobs < 1:
-        raise InputError("--jobs: must be at least 1")
-    if args.explore < 0:
-        raise InputError("--explore: must be 0 or more")
+    if not 1 <= args.jobs <= MAX_JOBS:
+        raise InputError(f"--jobs: must be between 1 and {MAX_JOBS}")
+    if not 0 <= args.explore <= MAX_EXPLORE:
+        raise InputError(f"--explore: must be between 0 and {MAX_EXPLORE:,}")
+    if args.timeout is not None and not 0 < args.timeout <= MAX_TIMEOUT:
+        # `not 0 < t` also refuses nan.
+        raise InputError(f"--timeout: must be more than 0 and at most {MAX_TIMEOUT:g} seconds")
     if importlib.util.find_spec("vllm") is None:
         raise InputError("--target vllm: vLLM is not installed here")
     out = sys.stdout
@@ -332,6 +340,11 @@ def write_fault_list(out: TextIO, faults: Sequence[Fault]) -> None:
     for fault in faults:
         _line(out, f"{fault.name} [{fault.area}] {fault.module}:{fault.qualname}")
         _line(out, f"  edit:    {fault.anchor}  ->  {fault.replacement}")
+        for port in fault.ports:
+            _line(out, f"  port:    {port.module}:{port.qualname} ({port.where})")
+            _line(out, f"           {port.anchor}  ->  {port.replacement}")
+        if fault.equivalent_under:
+            _line(out, f"  equivalent under the strict view's {fault.equivalent_under}")
         _line(out, f"  what:    {fault.what}")
         _line(out, f"  why:     {fault.why}")
         _line(out, f"  symptom: {fault.symptom}")

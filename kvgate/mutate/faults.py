@@ -5,8 +5,9 @@ Each fault is an exact one-line edit of one function of the installed vLLM
 changes, why it is a bug someone could plausibly write (most are the
 inverse of a comment or a guard standing right next to the line), and the
 symptom to expect in production. Anchors are the only vLLM text kvgate
-carries. A build whose code no longer holds an anchor reports that fault
-"not applicable".
+carries. Where a release only moved the line, a `Port` names the other
+spelling; a build whose code holds neither reports that fault "not
+applicable".
 
 Areas: the block pool (free queue, hash map, ref counts), the Mamba align
 paths (speculative blocks, state retirement, copy-on-write, same-step
@@ -27,6 +28,19 @@ _MANAGER = "vllm.v1.core.kv_cache_manager"
 
 
 @dataclass(frozen=True)
+class Port:
+    """The same fault where a release moved its line: another function or
+    another spelling of it. Tried, in order, when the fault's own anchor is
+    not in the installed code (a probe of the code, never of a version)."""
+
+    module: str
+    qualname: str
+    anchor: str
+    replacement: str
+    where: str  # which code shape this port fits, for the campaign's listing
+
+
+@dataclass(frozen=True)
 class Fault:
     name: str
     area: str
@@ -37,6 +51,16 @@ class Fault:
     what: str
     why: str  # why it is realistic
     symptom: str  # what it does to a deployment
+    ports: tuple[Port, ...] = ()
+    # The strict view's exclusion (kvgate.conformance.snapshot.EXCLUSIONS)
+    # under which this fault changes nothing a caller can observe: a gate
+    # miss is then no miss, and the campaign lists it apart.
+    equivalent_under: str = ""
+
+    def sites(self) -> tuple[Port, ...]:
+        """Where the fault may apply: its own anchor first, then its ports."""
+        own = Port(self.module, self.qualname, self.anchor, self.replacement, "")
+        return (own, *self.ports)
 
 
 FAULTS: tuple[Fault, ...] = (
@@ -72,6 +96,15 @@ FAULTS: tuple[Fault, ...] = (
         qualname="BlockPool.free_blocks",
         anchor="if block.ref_cnt == 0:",
         replacement="if block.ref_cnt <= 1:",
+        ports=(
+            Port(
+                _POOL,
+                "BlockPool.free_blocks",
+                "if block.ref_cnt == 0 and not block.is_null:",
+                "if block.ref_cnt <= 1 and not block.is_null:",
+                "the null block tested inside the same condition",
+            ),
+        ),
         what="free_blocks tests the ref count as if before its decrement",
         why="a check moved below the decrement without adjusting the constant",
         symptom="a block two requests share is queued as free while one still uses it: "
@@ -96,6 +129,15 @@ FAULTS: tuple[Fault, ...] = (
         qualname="BlockPool.get_new_blocks",
         anchor="self._maybe_evict_cached_block(block)",
         replacement="pass",
+        ports=(
+            Port(
+                _POOL,
+                "BlockPool.get_new_blocks",
+                "if block.block_hash is not None:",
+                "if block.block_hash is None:",
+                "separate loops with and without a metrics collector: the one without",
+            ),
+        ),
         what="get_new_blocks reuses a cached block without evicting its hash",
         why="the eviction is a side call in a loop duplicated for the no-cache path",
         symptom="the hash map still points at a block now holding other tokens: a later "
@@ -246,6 +288,10 @@ FAULTS: tuple[Fault, ...] = (
         why="free_blocks skips null blocks anyway, so the trim looks unnecessary",
         symptom="deferred-free callers get null placeholders they must not free or "
         "count; a connector reading the list sees block 0 as the request's",
+        # vLLM 0.32.0 returns exactly this list, and vLLM's only caller (the
+        # scheduler's deferred free) hands it back to free_blocks, where a
+        # null block is a no-op.
+        equivalent_under="null-block-kept-aside",
     ),
     Fault(
         name="pop-keeps-partial-hit",
@@ -337,6 +383,15 @@ FAULTS: tuple[Fault, ...] = (
         qualname="KVCacheManager.get_computed_blocks",
         anchor="max_cache_hit_length = request.num_tokens - 1",
         replacement="max_cache_hit_length = request.num_tokens",
+        ports=(
+            Port(
+                "vllm.v1.request",
+                "Request.get_max_cache_hit_length",
+                "limits = (self.num_tokens - 1, self.prefix_cache_hit_limit, bound)",
+                "limits = (self.num_tokens, self.prefix_cache_hit_limit, bound)",
+                "the bound computed by the request (with its prefix-cache hit limit)",
+            ),
+        ),
         what="a lookup may hit the whole prompt, last token included",
         why="the '- 1' looks like an off-by-one; the comment that explains it is above",
         symptom="a fully cached prompt schedules no token to compute: no logits for "

@@ -20,7 +20,7 @@ import inspect
 import textwrap
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import FunctionType
 from typing import Any
 
@@ -60,6 +60,28 @@ class Applied:
         setattr(self.owner, self.attribute, self.original)
 
 
+def at_site(fault: Fault) -> Fault:
+    """`fault` at the first of its sites (its own anchor, then its ports)
+    found exactly once in the installed code; `NotApplicable` naming why
+    each site failed when none is."""
+    reasons: list[str] = []
+    for site in fault.sites():
+        candidate = replace(
+            fault,
+            module=site.module,
+            qualname=site.qualname,
+            anchor=site.anchor,
+            replacement=site.replacement,
+        )
+        try:
+            _edit(candidate, locate(candidate)[3])
+        except NotApplicable as error:
+            reasons.append(str(error))
+            continue
+        return candidate
+    raise NotApplicable("; port: ".join(reasons))
+
+
 def locate(fault: Fault) -> tuple[Any, str, Any, FunctionType]:
     """(owner, attribute name, raw attribute, its function) for `fault`."""
     try:
@@ -84,6 +106,7 @@ def locate(fault: Fault) -> tuple[Any, str, Any, FunctionType]:
 
 def find_edit(fault: Fault) -> Edit:
     """The line `fault` changes, or `NotApplicable`. Changes nothing."""
+    fault = at_site(fault)
     _, _, _, function = locate(fault)
     return _edit(fault, function)[2]
 
@@ -150,7 +173,9 @@ def _defining_class(function: FunctionType) -> type | None:
 
 
 def apply(fault: Fault) -> Applied:
-    """Put `fault` into effect in this process; `NotApplicable` if it cannot."""
+    """Put `fault` into effect in this process (at its first site the
+    installed code holds); `NotApplicable` if it cannot."""
+    fault = at_site(fault)
     owner, attribute, raw, function = locate(fault)
     extra = set(function.__code__.co_freevars) - {"__class__"}
     if extra:

@@ -17,23 +17,36 @@ kvgate.impl.hold_overlay` for vLLM.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from kvgate.conformance.replay import LEVELS, Level
 from kvgate.conformance.report import capabilities_line
 from kvgate.errors import InputError
+from kvgate.targets import SCHEDULER_TARGETS
 from kvgate.workload import report
 from kvgate.workload.deployment import BUILDS, Deployment
 from kvgate.workload.generator import WorkloadStuck
+from kvgate.workload.lockstep import SchedulerFactory, scheduler_arm
 from kvgate.workload.plan import Workload
 from kvgate.workload.progress import Progress
 from kvgate.workload.runner import Arm, ArmResult, factories, replay_arm, write_traces
 
 DEFAULT_UNITS = "64,256,512,1024,4096"
 DEFAULT_OUT = Path("out/workload")
+# The flags' ranges. Sessions x turns at most 16 x 16 keeps a full-size
+# arm's trace within the trace limits (kvgate.conformance.limits: prompt
+# tokens summed); the scale and the units only divide token counts.
+FLAG_RANGES: dict[str, tuple[int, int]] = {
+    "sessions": (1, 16),
+    "turns": (1, 16),
+    "seed": (0, 2**63 - 1),
+    "scale": (1, 4096),
+}
+MAX_UNIT = 2**20
 
 
 def register(subparsers: Any) -> None:
@@ -44,7 +57,13 @@ def register(subparsers: Any) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    cmd.add_argument("--target", required=True, choices=("model", "vllm"))
+    cmd.add_argument(
+        "--target",
+        required=True,
+        choices=("model", "vllm", *SCHEDULER_TARGETS),
+        help="model; vllm: vLLM's KVCacheManager replaying the traces; vllm-scheduler: "
+        "vLLM's real Scheduler run beside kvgate's scheduler model",
+    )
     cmd.add_argument("--units", default=DEFAULT_UNITS, help=f"default {DEFAULT_UNITS}")
     cmd.add_argument("--hold", default="on,off", help="arms to run: on, off or on,off")
     cmd.add_argument(
@@ -68,19 +87,35 @@ def register(subparsers: Any) -> None:
     cmd.add_argument(
         "--level", default="api", choices=LEVELS, help="lockstep comparison level (default api)"
     )
-    cmd.add_argument("--plugin", metavar="MODULE", help="a vLLM plugin module for --target vllm")
+    cmd.add_argument("--plugin", metavar="MODULE", help="a vLLM plugin module for the vLLM targets")
     cmd.set_defaults(handler=run)
 
 
 def _units(text: str, scale: int) -> list[int]:
-    try:
-        units = [int(u) for u in text.split(",")]
-    except ValueError:
-        raise InputError(f"--units: {text!r} is not a comma-separated list of integers") from None
+    parts = text.split(",")
+    if not all(p.strip().isascii() and p.strip().isdigit() and len(p.strip()) < 10 for p in parts):
+        raise InputError(f"--units: {text[:40]!r} is not a comma-separated list of integers")
+    units = [int(u) for u in parts]
     for unit in units:
         if unit < 1 or unit % scale:
             raise InputError(f"--units: {unit} is not a positive multiple of --scale {scale}")
+        if unit > MAX_UNIT:
+            raise InputError(f"--units: {unit} is more than {MAX_UNIT}")
     return sorted({u // scale for u in units})
+
+
+def _check_out(out: Path) -> None:
+    """`--out` is a directory kvgate can create and write in, checked before
+    minutes of generation: not an existing file, not inside /proc."""
+    if out.exists() and not out.is_dir():
+        raise InputError(f"--out: {out} exists and is not a directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".kvgate-write-test"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as error:
+        raise InputError(f"--out: cannot write in {out}: {error.strerror}") from None
 
 
 def _holds(text: str) -> list[bool]:
@@ -93,9 +128,14 @@ def _holds(text: str) -> list[bool]:
 def run(args: argparse.Namespace) -> int:
     from kvgate.targets import LOCKSTEP_MODEL, target_factory
 
-    if args.plugin is not None and args.target != "vllm":
-        raise InputError("--plugin: only --target vllm loads plugins")
+    if args.plugin is not None and not args.target.startswith("vllm"):
+        raise InputError("--plugin: only the vLLM targets load plugins")
     level: Level = args.level
+    for flag, (low, high) in FLAG_RANGES.items():
+        value = getattr(args, flag)
+        if not low <= value <= high:
+            raise InputError(f"--{flag}: {value} is outside {low}..{high}")
+    _check_out(args.out)
     try:
         workload = Workload(sessions=args.sessions, turns=args.turns, seed=args.seed)
         deployment = Deployment(build=args.build).scaled(args.scale)
@@ -105,17 +145,32 @@ def run(args: argparse.Namespace) -> int:
             deployment.config(arm.unit, arm.hold, workload.sessions)
     except ValueError as error:
         raise InputError(str(error)) from None
-    factory, model = factories(target_factory, args.target, args.plugin, LOCKSTEP_MODEL)
-
     progress = Progress()
-    try:
-        paths = write_traces(workload, deployment, arms, args.out, progress)
-    except WorkloadStuck as error:
-        raise InputError(str(error)) from None
-    results = [
-        replay_arm(path, arm, factory, model, level, progress)
-        for arm, path in zip(arms, paths, strict=True)
-    ]
+    if args.target in SCHEDULER_TARGETS:
+        scheduler = cast(SchedulerFactory, target_factory(args.target))
+        if args.plugin is not None:
+            scheduler = functools.partial(scheduler, plugin=args.plugin)
+        try:
+            results = [
+                scheduler_arm(workload, deployment, arm, scheduler, args.out, level, progress)
+                for arm in arms
+            ]
+        except WorkloadStuck as error:
+            raise InputError(str(error)) from None
+        except OSError as error:
+            raise InputError(f"--out: cannot write in {args.out}: {error.strerror}") from None
+    else:
+        factory, model = factories(target_factory, args.target, args.plugin, LOCKSTEP_MODEL)
+        try:
+            paths = write_traces(workload, deployment, arms, args.out, progress)
+        except WorkloadStuck as error:
+            raise InputError(str(error)) from None
+        except OSError as error:
+            raise InputError(f"--out: cannot write in {args.out}: {error.strerror}") from None
+        results = [
+            replay_arm(path, arm, factory, model, level, progress)
+            for arm, path in zip(arms, paths, strict=True)
+        ]
 
     if all(r.skipped for r in results):
         # Nothing replayed is nothing measured: not a pass.

@@ -4,7 +4,8 @@
 at a time, as `Scheduler.schedule()` does it:
 
 1. running requests in admission order, within the step's token budget: a
-   decoding request runs `decode1` (1 + K tokens), a prefilling one the next
+   decoding request runs `decode1` (1 + K tokens, fewer drafts when the
+   budget left is short, the full lookahead kept), a prefilling one the next
    chunk of its prompt, cut by the align-mode split (`allocate auto` when
    the budget left does not bind, else the split's count written out, so a
    trace never depends on a target's budget arithmetic). When an allocation
@@ -15,6 +16,16 @@ at a time, as `Scheduler.schedule()` does it:
    blocks), the first chunk; the first that does not fit ends admission;
 3. `step` and `drain`, then `free finish` of requests that generated their
    output; a follow-up arrives after its tool latency.
+
+A chunk that computes every token of its request samples the step's output
+token (`allocate sample 1`), as vLLM's `Scheduler` appends it after the step;
+the model's drafts are all rejected (one token per decode step).
+
+`SessionRun` is that loop, one engine step at a time; each step's decisions
+(`StepDecisions`: what ran with how many tokens, preemptions, lookups and
+admissions, copies, sampled tokens, finishes) go to an optional
+`StepObserver`, which is how the scheduler-level lockstep
+(`workload.lockstep`) drives vLLM's real `Scheduler` beside it.
 
 The generator branches on the model's answers (hits, `ok`, reservation
 counts) while it writes, so the trace is one fixed step list: every
@@ -30,7 +41,7 @@ import heapq
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from kvgate.conformance.config import Config
 from kvgate.conformance.driver import chunk_offer
@@ -58,6 +69,9 @@ class _Live:
     turn: int
     request: Request  # the oracle's request (prompt, output, progress)
     admitted: bool = False  # past its first admission (its hit is the cached tokens)
+    # Its last run sampled (a completed prefill or a decode): it decodes next,
+    # with drafts, as vLLM's Scheduler runs a request that has them.
+    decoding: bool = False
 
     @property
     def target_output(self) -> int:
@@ -99,8 +113,9 @@ class _Scheduler:
     waiting: deque[_Live] = field(default_factory=deque)
     running: list[_Live] = field(default_factory=list)
 
-    def schedule(self) -> tuple[bool, list[_Live]]:
-        """One scheduler step's allocations; (anything scheduled, finished)."""
+    def schedule(self, decisions: StepDecisions) -> tuple[bool, list[_Live]]:
+        """One scheduler step's allocations, recorded in `decisions`;
+        (anything scheduled, finished)."""
         budget = self.config.max_num_scheduled_tokens
         scheduled = False
         finished: list[_Live] = []
@@ -109,20 +124,19 @@ class _Scheduler:
         while index < len(self.running) and budget > 0:
             live = self.running[index]
             request = live.request
-            decoding = request.num_computed_tokens >= request.num_tokens
-            if decoding:
-                cost = 1 + self.spec
-                if cost > budget:
-                    index += 1
-                    continue
-                run = self._decode(live)
+            outputs = len(request.output)
+            if live.decoding:
+                # vLLM schedules what the budget leaves of 1 + K: fewer drafts.
+                drafts = min(self.spec, budget - 1)
+                cost = 1 + drafts
+                run = self._decode(live, drafts)
             else:
                 chunk = self._chunk(request, 0, budget)
                 if chunk is None:
                     index += 1
                     continue
                 cost = chunk[1]
-                run = self._allocate(live, chunk[0])
+                run = self._allocate(live, chunk)
             ok = run()
             while not ok:
                 # vLLM's FCFS policy preempts the last running request, the
@@ -130,6 +144,8 @@ class _Scheduler:
                 victim = self.running.pop()
                 self.writer.run("free", req=victim.name, how="preempt")
                 self.waiting.appendleft(victim)
+                victim.decoding = False
+                decisions.preempted.append(victim.name)
                 preempted = True
                 if victim is live:
                     break
@@ -139,26 +155,36 @@ class _Scheduler:
             budget -= cost
             scheduled = True
             index += 1
-            if decoding and len(request.output) >= live.target_output:
+            decisions.scheduled.append((live.name, cost))
+            live.decoding = len(request.output) > outputs  # it sampled
+            if len(request.output) >= live.target_output:
                 finished.append(live)
         if preempted:
             return scheduled, finished  # vLLM admits nothing in a step that preempted
         while budget > 0 and self.waiting and len(self.running) < self.max_num_seqs:
             live = self.waiting[0]
+            outputs = len(live.request.output)
             if not live.admitted and live.follows is not None:
-                self.writer.check({"attention_cached": {live.follows: 0}})
+                cached = self.writer.check({"attention_cached": {live.follows: 0}})
+                decisions.checked[live.name] = int(cached["attention_cached"][live.follows])
             hit = self.writer.run("lookup", req=live.name)["hit"]
+            decisions.lookups.append((live.name, hit))
             need = self.writer.run("reserve", req=live.name)["blocks"]
             if need > self.writer.oracle.num_free_blocks():
                 break
             chunk = self._chunk(live.request, hit, budget)
-            if chunk is None or not self._allocate(live, chunk[0])():
+            if chunk is None or not self._allocate(live, chunk, hit)():
                 break
             self.waiting.popleft()
             self.running.append(live)
             live.admitted = True
             budget -= chunk[1]
             scheduled = True
+            decisions.scheduled.append((live.name, chunk[1]))
+            decisions.admitted.append((live.name, hit))
+            live.decoding = len(live.request.output) > outputs  # it sampled
+            if len(live.request.output) >= live.target_output:
+                finished.append(live)
         return scheduled, finished
 
     def _chunk(
@@ -178,18 +204,149 @@ class _Scheduler:
         unbound = offered == full
         return ("auto" if unbound else tokens), tokens
 
-    def _allocate(self, live: _Live, tokens: int | Literal["auto"]) -> Callable[[], bool]:
+    def _allocate(
+        self, live: _Live, chunk: tuple[int | Literal["auto"], int], hit: int = 0
+    ) -> Callable[[], bool]:
+        written, tokens = chunk
+        request = live.request
+        # The chunk that computes every token samples the step's output token.
+        sample = int(request.num_computed_tokens + hit + tokens >= request.num_tokens)
+
         def run() -> bool:
-            result = self.writer.run("allocate", req=live.name, tokens=tokens, lookahead=self.spec)
+            result = self.writer.run(
+                "allocate", req=live.name, tokens=written, lookahead=self.spec, sample=sample
+            )
             return bool(result["ok"])
 
         return run
 
-    def _decode(self, live: _Live) -> Callable[[], bool]:
+    def _decode(self, live: _Live, drafts: int) -> Callable[[], bool]:
+        # Written only when the budget cut the drafts short.
+        lookahead = self.spec if drafts < self.spec else 0
+
         def run() -> bool:
-            return bool(self.writer.run("decode1", req=live.name, spec=self.spec)["ok"])
+            result = self.writer.run("decode1", req=live.name, spec=drafts, lookahead=lookahead)
+            return bool(result["ok"])
 
         return run
+
+
+@dataclass
+class StepDecisions:
+    """What the scheduler model did in one engine step, as vLLM's `Scheduler`
+    shows it: comparable step for step with the real one."""
+
+    # (request, tokens scheduled), in scheduling order: running requests
+    # first, then admissions.
+    scheduled: list[tuple[str, int]] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+    # Every prefix-cache lookup, (request, hit), admitted or not.
+    lookups: list[tuple[str, int]] = field(default_factory=list)
+    # (request, hit) of each admission (a new or a preempted request).
+    admitted: list[tuple[str, int]] = field(default_factory=list)
+    # follow-up -> its previous turn's attention_cached right before the
+    # follow-up's first lookup.
+    checked: dict[str, int] = field(default_factory=dict)
+    copies: list[list[int]] = field(default_factory=list)
+    # Output tokens each scheduled request gained this step (the model's ids).
+    sampled: dict[str, list[int]] = field(default_factory=dict)
+    finished: list[str] = field(default_factory=list)
+
+
+class StepObserver(Protocol):
+    """Sees each turn arrive and each engine step's decisions, in order."""
+
+    def arrived(self, name: str, tokens: list[int], max_tokens: int, follows: str | None) -> None:
+        """A turn arrived: its prompt's token ids, its output length, the turn
+        it follows."""
+
+    def stepped(self, decisions: StepDecisions, last: Step) -> None:
+        """An engine step ended (finishes freed); `last` is its last trace step."""
+
+
+class SessionRun:
+    """The scheduler model over the model, one engine step at a time."""
+
+    def __init__(
+        self,
+        config: Config,
+        sessions: Sequence[Session],
+        *,
+        system_prompt: int,
+        spec: int,
+        max_num_seqs: int,
+        observer: StepObserver | None = None,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.sessions = sessions
+        self.system_prompt = system_prompt
+        self.observer = observer
+        self.progress = progress
+        self.writer = _Writer(ModelTarget(config))
+        self.scheduler = _Scheduler(config, spec, max_num_seqs, self.writer)
+
+    @property
+    def oracle(self) -> ModelTarget:
+        return self.writer.oracle
+
+    def run(self) -> list[Step]:
+        """Every turn to its end; the trace's steps."""
+        writer, scheduler, sessions = self.writer, self.scheduler, self.sessions
+        total = sum(len(s.turns) for s in sessions)
+        if self.system_prompt > 0:
+            writer.run("arrive", req=SYSTEM, prompt=(Segment("fresh", count=self.system_prompt),))
+        # (arrival step, session, turn): ties arrive in session order.
+        arrivals = [(s.turns[0].delay, s.index, 0) for s in sessions]
+        heapq.heapify(arrivals)
+        by_index = {s.index: s for s in sessions}
+        now = done = idle = 0
+        while done < total:
+            if not scheduler.running and not scheduler.waiting:
+                now = max(now, arrivals[0][0])  # an idle engine waits for the next arrival
+            while arrivals and arrivals[0][0] <= now:
+                _, index, turn = heapq.heappop(arrivals)
+                live = _arrive(writer, by_index[index], turn, self.system_prompt > 0)
+                scheduler.waiting.append(live)
+                if self.observer is not None:
+                    self.observer.arrived(
+                        live.name,
+                        list(live.request.all_token_ids),
+                        live.target_output,
+                        live.follows,
+                    )
+            decisions = StepDecisions()
+            outputs = {live.name: len(live.request.output) for live in scheduler.running}
+            outputs.update((live.name, len(live.request.output)) for live in scheduler.waiting)
+            scheduled, finished = scheduler.schedule(decisions)
+            writer.run("step")
+            decisions.copies = writer.run("drain")["copies"]
+            for name, _ in decisions.scheduled:
+                request = writer.oracle.requests[name].request
+                decisions.sampled[name] = list(request.output[outputs[name] :])
+            for live in finished:
+                writer.run("free", req=live.name, how="finish")
+                scheduler.running.remove(live)
+                decisions.finished.append(live.name)
+                done += 1
+                if self.progress is not None:
+                    self.progress(done, total)
+                if live.turn + 1 < len(live.session.turns):
+                    delay = live.session.turns[live.turn + 1].delay
+                    heapq.heappush(arrivals, (now + delay, live.session.index, live.turn + 1))
+            if self.observer is not None:
+                self.observer.stepped(decisions, writer.steps[-1])
+            idle = 0 if scheduled else idle + 1
+            if idle > MAX_IDLE_STEPS:
+                stuck = scheduler.waiting[0].name if scheduler.waiting else "?"
+                raise WorkloadStuck(
+                    f"{stuck} cannot be admitted on a pool of {self.config.num_blocks} blocks "
+                    "with nothing running: the pool is too small for the plan"
+                )
+            now += 1
+        # Every turn is finished: the pool must hold no reference at all.
+        writer.check({"pool_clean": True, "free_blocks": 0})
+        return writer.steps
 
 
 def generate(
@@ -205,47 +362,14 @@ def generate(
 
     `progress(turns finished, turns)` is called as turns finish.
     """
-    oracle = ModelTarget(config)
-    writer = _Writer(oracle)
-    scheduler = _Scheduler(config, spec, max_num_seqs, writer)
-    total = sum(len(s.turns) for s in sessions)
-    if system_prompt > 0:
-        writer.run("arrive", req=SYSTEM, prompt=(Segment("fresh", count=system_prompt),))
-    # (arrival step, session, turn): ties arrive in session order.
-    arrivals = [(s.turns[0].delay, s.index, 0) for s in sessions]
-    heapq.heapify(arrivals)
-    by_index = {s.index: s for s in sessions}
-    now = done = idle = 0
-    while done < total:
-        if not scheduler.running and not scheduler.waiting:
-            now = max(now, arrivals[0][0])  # an idle engine waits for the next arrival
-        while arrivals and arrivals[0][0] <= now:
-            _, index, turn = heapq.heappop(arrivals)
-            session = by_index[index]
-            scheduler.waiting.append(_arrive(writer, session, turn, system_prompt > 0))
-        scheduled, finished = scheduler.schedule()
-        writer.run("step")
-        writer.run("drain")
-        for live in finished:
-            writer.run("free", req=live.name, how="finish")
-            scheduler.running.remove(live)
-            done += 1
-            if progress is not None:
-                progress(done, total)
-            if live.turn + 1 < len(live.session.turns):
-                delay = live.session.turns[live.turn + 1].delay
-                heapq.heappush(arrivals, (now + delay, live.session.index, live.turn + 1))
-        idle = 0 if scheduled else idle + 1
-        if idle > MAX_IDLE_STEPS:
-            stuck = scheduler.waiting[0].name if scheduler.waiting else "?"
-            raise WorkloadStuck(
-                f"{stuck} cannot be admitted on a pool of {config.num_blocks} blocks "
-                "with nothing running: the pool is too small for the plan"
-            )
-        now += 1
-    # Every turn is finished: the pool must hold no reference at all.
-    writer.check({"pool_clean": True, "free_blocks": 0})
-    return writer.steps
+    return SessionRun(
+        config,
+        sessions,
+        system_prompt=system_prompt,
+        spec=spec,
+        max_num_seqs=max_num_seqs,
+        progress=progress,
+    ).run()
 
 
 def _arrive(writer: _Writer, session: Session, turn: int, system: bool) -> _Live:

@@ -33,7 +33,9 @@ from kvgate.model.mamba import checkpoint_position
 
 
 @dataclass
-class _Seen:
+class Seen:
+    """What one request's admissions showed."""
+
     prompt_tokens: int
     follows: str | None
     last_hit: int = 0
@@ -50,7 +52,7 @@ class Recorder:
         self.inner = inner
         self.capabilities = inner.capabilities
         self.on_step = on_step
-        self.seen: dict[str, _Seen] = {}
+        self.seen: dict[str, Seen] = {}
         self._checked: dict[str, int] = {}  # req -> attention_cached, last check
 
     def apply(self, step: Step) -> dict[str, Any]:
@@ -61,7 +63,7 @@ class Recorder:
         if step.op == "arrive" and req is not None:
             first = step.prompt[0]
             request = self.inner.requests[req].request
-            self.seen[req] = _Seen(
+            self.seen[req] = Seen(
                 prompt_tokens=len(self.inner.prompt_tokens(request)),
                 follows=first.req if first.kind == "all_of" else None,
             )
@@ -149,13 +151,18 @@ class ArmCounts:
 
 def count(recorder: Recorder, config: Config) -> ArmCounts:
     """The follow-ups the replay admitted, classified (see the module doc)."""
+    return count_seen(recorder.seen, config)
+
+
+def count_seen(seen_by_request: Mapping[str, Seen], config: Config) -> ArmCounts:
+    """The admitted follow-ups among `seen_by_request`, classified."""
     attention = next(g.block_size for g in config.groups if g.kind == "full_attention")
     mamba = config.scheduler_block_size
     follow_ups = []
-    for name, seen in recorder.seen.items():
+    for name, seen in seen_by_request.items():
         if seen.follows is None or seen.admitted_hit is None:
             continue
-        previous = recorder.seen[seen.follows]
+        previous = seen_by_request[seen.follows]
         if previous.admitted_hit is None or seen.admitted_previous_cached is None:
             continue
         whole = previous.prompt_tokens // attention * attention

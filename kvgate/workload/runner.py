@@ -59,6 +59,15 @@ def trace_name(workload: Workload, deployment: Deployment, arm: Arm) -> str:
     )
 
 
+def about(workload: Workload, deployment: Deployment, arm: Arm) -> str:
+    """The `about` text of an arm's trace."""
+    return (
+        f"kvgate workload: {workload.sessions} agent sessions x {workload.turns} turns "
+        f"(seed {workload.seed}), {arm.label}; generated with the model as oracle; "
+        + "; ".join(deployment.describe((arm.unit,), workload.sessions))
+    )
+
+
 def write_traces(
     workload: Workload,
     deployment: Deployment,
@@ -80,12 +89,8 @@ def write_traces(
             max_num_seqs=deployment.max_num_seqs,
             progress=lambda done, _total: progress.set(done),
         )
-        about = (
-            f"kvgate workload: {workload.sessions} agent sessions x {workload.turns} turns "
-            f"(seed {workload.seed}), {arm.label}; generated with the model as oracle; "
-            + "; ".join(deployment.describe((arm.unit,), workload.sessions))
-        )
-        paths.append(save_trace(out, trace_name(workload, deployment, arm), config, steps, about))
+        name = trace_name(workload, deployment, arm)
+        paths.append(save_trace(out, name, config, steps, about(workload, deployment, arm)))
         progress.finish(f"{len(steps)} steps")
     return paths
 
@@ -103,7 +108,7 @@ def replay_arm(
     trace = load_trace(path)
     progress.finish()
     built = target(trace.config)
-    lacking = _lacking(trace.config, built.capabilities)
+    lacking = lacking_capability(trace.config, built.capabilities)
     if lacking:
         built.close()
         return ArmResult(arm, trace, skipped=f"{built.capabilities.implementation} {lacking}")
@@ -120,11 +125,11 @@ def replay_arm(
     return ArmResult(arm, trace, count(recorder, trace.config), result)
 
 
-def _lacking(config: Config, capabilities: Capabilities) -> str:
+def lacking_capability(config: Config, capabilities: Capabilities) -> str:
     """What the arm's config needs that the target lacks ("" when nothing)."""
-    if config.retain_checkpoint and not capabilities.hold:
+    if config.hold and not capabilities.hold:
         return "has no hold (pass --plugin kvgate.impl.hold_overlay)"
-    if config.retain_retired and not capabilities.retire:
+    if config.hold_retired and not capabilities.retire:
         return (
             "keeps no retired state (pass --plugin kvgate.impl.hold_overlay, or --build upstream)"
         )

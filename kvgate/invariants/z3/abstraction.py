@@ -21,6 +21,7 @@ from typing import Any
 import z3
 
 from kvgate.conformance.config import Config
+from kvgate.conformance.ops import LIVE
 from kvgate.conformance.tokens import key_position
 from kvgate.invariants.z3.properties import PROPERTIES, init
 from kvgate.invariants.z3.transitions import ENCODINGS, acts_on_request
@@ -56,8 +57,8 @@ def observe(target: ModelTarget, names: Mapping[str, int], bounds: Bounds) -> Va
     coordinator = target.manager.coordinator
     managers = coordinator.managers
     out: Values = {f.name: {} for f in FIELDS if not f.ghost}
-    out["hold_on"][()] = target.config.retain_checkpoint
-    out["retire_on"][()] = target.config.retain_retired
+    out["hold_on"][()] = target.config.hold
+    out["retire_on"][()] = target.config.hold_retired
     pend = {b: 0 for b in bounds.block_ids}
     # `grp` is a ghost only for a block nothing uses: a used or keyed block's
     # group is observed (its keys', its table's, its pending copy's, its hold's).
@@ -88,13 +89,13 @@ def observe(target: ModelTarget, names: Mapping[str, int], bounds: Bounds) -> Va
         # A request slot no request has taken yet reads as absent.
         name = by_number.get(r, "")
         pending = target.requests.get(name) if name else None
-        live = pending is not None and not pending.ended
+        live = pending is not None and pending.phase in LIVE
         rid = name
         if pending is None:
             phase = ABSENT
         elif name in target.popped:
             phase = POPPED
-        elif pending.ended:
+        elif pending.phase not in LIVE:
             phase = ENDED
         else:
             phase = RUNNING if target.has_blocks(pending.request) else WAITING

@@ -42,7 +42,7 @@ from pathlib import Path as FilePath
 from typing import Any
 
 from kvgate.conformance.config import Config, GroupConfig
-from kvgate.conformance.ops import Segment, Step
+from kvgate.conformance.ops import LIVE, Segment, Step
 from kvgate.conformance.target import StepRefused
 from kvgate.conformance.writer import save_trace
 from kvgate.invariants.z3.abstraction import Drift, acting, observe
@@ -89,7 +89,7 @@ def trace_config(bounds: Bounds, geometry: Geometry = GEOMETRIES[0]) -> Config:
         ),
         eagle=geometry.eagle,
         retention_interval=0,
-        retain_checkpoint=True,
+        hold=True,
         scheduler_block_size=geometry.block,
     )
 
@@ -349,7 +349,7 @@ def _epilogue(concretizer: Concretizer, clean: Clean, at: int) -> list[Step]:
         seen = clean.apply(step)
         steps.append(replace(step, index=at + len(steps), expect={k: seen[k] for k in expect}))
 
-    live = [n for n, p in target.requests.items() if not p.ended]
+    live = [n for n, p in target.requests.items() if p.phase in LIVE]
     if path.prop == "no_total_miss":
         victim = request_name(path.victims[0])
         add(Step("evict", 0, blocks="all"))

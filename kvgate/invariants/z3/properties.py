@@ -14,12 +14,12 @@ Invariants
     no_leak                 every ref is accounted for, exactly: a table
                             entry, a hold, a pending copy's endpoint, or a
                             block `pop` put aside (snapshot twin:
-                            `predicates.ref_accounting`)
+                            `predicates.no_leak`)
     free_queue_exact        a block is in the free queue iff its ref is 0
                             (`predicates.free_queue_exact`)
     one_hold                a request holds at most one block per Mamba group
     held_state_keyed        a held block carries a key (a hold pins a state,
-                            not a bare block; `predicates.holds_on_keyed_states`)
+                            not a bare block; `predicates.held_state_keyed`)
     no_total_miss           with the hold on, the state a resident request
                             must resume from (its partial-hit source, or its
                             own moved partial tail) stays keyed and off the
@@ -31,7 +31,7 @@ Invariants
                             moved tail's copy taken before the old hold is
                             released (the tail swap) -- never exceed the one
                             copy a step already counts plus the extra block
-                            its admission reserved (`lifecycle.ReservationCoversHold`
+                            its admission reserved (`lifecycle.ReservationCoversTailSwap`
                             checks the same on concrete runs); without the
                             fork's retention
     clean_when_idle         no resident request, no popped blocks, no

@@ -7,7 +7,7 @@ next state `t` (both `vocabulary.State`) for one acting request `r`; the ops
 that act on no request (`step`, `drain`, `evict`) take none.
 
 Each method follows the model's code path for that op, in the model's order,
-as a sequence of pool micro-steps (`get_new`, `touch`, `retain`,
+as a sequence of pool micro-steps (`get_new`, `touch`, `add_ref`,
 `free_blocks`: the model's `BlockPool` calls) over intermediate values, so a
 ref count that drops to 0 and is taken again inside one op is handled as the
 model handles it. What the model decides from token positions (how many
@@ -54,9 +54,12 @@ to satisfy its transition.
 Transition clauses are named (`op: what`), so an unsat core lists the parts
 of a transition a proof used, and a failed check can name them.
 
-Mutated transitions (`MUTATIONS`) subclass `Encoding` and override one
-micro-step each; `kvgate.model.mutations` applies the same change to the
-executable model, under the same name.
+Mutated transitions (`MUTATIONS`) subclass `Encoding` and override the
+micro-steps their bug touches (one each; `hold_off` two, the hold switch and
+its admission extra). Each mutation is recorded once, in
+`kvgate.model.mutations.MUTATIONS` (what it breaks, the invariant it
+targets, whether upstream has it), which also applies the same change to
+the executable model; the subclass here is found by that record's name.
 """
 
 from __future__ import annotations
@@ -70,10 +73,10 @@ import z3
 from kvgate.conformance.ops import ACTIONS, PRIMITIVE_OPS
 from kvgate.invariants.z3.vocabulary import (
     ABORT,
-    ABSENT,
     ATTENTION,
     ENDED,
     FIELDS,
+    PHASE_NUMBER,
     POPPED,
     PREEMPT,
     RUNNING,
@@ -168,12 +171,9 @@ class Encoding:
     """The clean manager. `realizable` adds the constraints bounded model
     checking uses to keep counterexamples concrete (see `checker.bmc`)."""
 
+    # "clean", or the name of a mutation recorded in `kvgate.model.mutations`
+    # (what it breaks, its target invariant, whether upstream has it).
     name = "clean"
-    # A mutation's twin in `kvgate.model.mutations`, the invariant it breaks,
-    # and whether it is upstream vLLM 0.33.0's behaviour (its counterexample
-    # then fails on the installed vLLM the same way).
-    target = ""
-    upstream = False
 
     def __init__(self, bounds: Bounds, realizable: bool = False) -> None:
         self.bounds = bounds
@@ -190,6 +190,9 @@ class Encoding:
         if acts_on_request(op) != (r is not None):
             raise ValueError(f"{op}: acting request {r!r} does not fit the op")
         tx = Tx(s, op, r, tag)
+        if r is not None:  # the phases the action table accepts the op in
+            numbers = sorted({PHASE_NUMBER[p] for p in ACTIONS[op].valid_in})
+            tx.require("guard", z3.Or([s.phase[r] == n for n in numbers]))
         TRANSITIONS[op](self, tx)
         return tx
 
@@ -218,8 +221,8 @@ class Encoding:
             out.free[b] = z3.And(pool.free[b], z3.Not(z3.And(k > 0, pool.ref[b] == 0)))
         return out
 
-    def retain(self, tx: Tx, pool: Pool, n: Counts) -> Pool:
-        """`retain`: one more ref on a block in use; the queue is not looked at."""
+    def add_ref(self, tx: Tx, pool: Pool, n: Counts) -> Pool:
+        """`add_ref`: one more ref on a block in use; the queue is not looked at."""
         out = _copy(pool)
         for b, k in n.items():
             out.ref[b] = pool.ref[b] + _as_int(k)
@@ -239,7 +242,7 @@ class Encoding:
 
     def cow_retain(self, tx: Tx, pool: Pool, copy: Counts) -> Pool:
         """`apply_cow`: the private copy takes a ref for the pending copy too."""
-        return self.retain(tx, pool, copy)
+        return self.add_ref(tx, pool, copy)
 
     def hold_enabled(self, tx: Tx) -> Any:
         """`Holds.enabled`: the switch."""
@@ -272,13 +275,11 @@ class Encoding:
     # -- the ops ----------------------------------------------------------------------
 
     def op_arrive(self, tx: Tx) -> None:
-        s, r = tx.s, tx.req
-        tx.require("guard", s.phase[r] == ABSENT)
+        r = tx.req
         tx.next["phase"][r] = z3.IntVal(WAITING)
 
     def op_lookup(self, tx: Tx) -> None:
         s, r, n, bounds = tx.s, tx.req, tx.next, self.bounds
-        tx.require("guard", _live(s, r))
         n["hashit"][r] = z3.BoolVal(True)
         shape = []
         for g in bounds.group_ids:
@@ -306,7 +307,7 @@ class Encoding:
 
     def op_reserve(self, tx: Tx) -> None:
         # Reads only: the admission count is `admission_extra` at the allocate.
-        tx.require("guard", _live(tx.s, tx.req))
+        return None
 
     def op_allocate(self, tx: Tx) -> None:
         self._allocate_slots(tx, adopt_hit=True)
@@ -324,7 +325,6 @@ class Encoding:
 
     def op_free(self, tx: Tx) -> None:
         s, r, bounds = tx.s, tx.req, self.bounds
-        tx.require("guard", _live(s, r))
         how = tx.int("how")
         tx.require("how", z3.And(how >= 0, how <= 2))
         tables = {b: count(s.table[r, g, b] for g in bounds.group_ids) for b in bounds.block_ids}
@@ -337,7 +337,6 @@ class Encoding:
 
     def op_pop(self, tx: Tx) -> None:
         s, r, bounds = tx.s, tx.req, self.bounds
-        tx.require("guard", _live(s, r))
         for b in bounds.block_ids:
             tx.next["popped"][r, b] = count(s.table[r, g, b] for g in bounds.group_ids) + count(
                 s.hold[r, m, b] for m in bounds.mamba_ids
@@ -347,7 +346,6 @@ class Encoding:
 
     def op_release(self, tx: Tx) -> None:
         s, r, bounds = tx.s, tx.req, self.bounds
-        tx.require("guard", s.phase[r] == POPPED)
         popped = {b: s.popped[r, b] for b in bounds.block_ids}
         tx.set_pool(self.free_blocks(tx, tx.pool(), popped))
         for b in bounds.block_ids:
@@ -366,7 +364,6 @@ class Encoding:
 
     def _allocate_slots(self, tx: Tx, adopt_hit: bool) -> None:
         s, r, n, bounds = tx.s, tx.req, tx.next, self.bounds
-        tx.require("guard", _live(s, r))
         ok = tx.bool("ok")
         if self.realizable:
             tx.require("realizable: ok", ok)
@@ -512,7 +509,7 @@ class Encoding:
         pool = self.free_blocks(tx, pool, released)
         for b in blocks:
             pool.pend[b] = pool.pend[b] + count([z3.And(move, tail[b]), z3.And(move, copy[b])])
-        pool = self.retain(tx, pool, {b: z3.And(move, tail[b]) for b in blocks})
+        pool = self.add_ref(tx, pool, {b: z3.And(move, tail[b]) for b in blocks})
         for b in blocks:
             n["cowsrc"][r, m, b] = z3.And(s.cowsrc[r, m, b], z3.Not(move))
 
@@ -597,10 +594,6 @@ class Encoding:
                 n["cowsrc"][r, m, b] = n["hold"][r, m, b] = n["ckpt"][r, m, b] = false
 
 
-def _live(s: State, r: int) -> Any:
-    return z3.Or(s.phase[r] == WAITING, s.phase[r] == RUNNING)
-
-
 def _moved(moves: Any, held: Any, source: Any, copy: Any) -> Any:
     """A membership after `source`'s keys moved to `copy` (when `moves`)."""
     return z3.If(moves, z3.Or(z3.And(held, z3.Not(source)), copy), held)
@@ -645,8 +638,6 @@ class HoldOff(Encoding):
     """The hold never acts although the switch is on: upstream vLLM 0.33.0."""
 
     name = "hold_off"
-    target = "no_total_miss"
-    upstream = True
 
     def hold_enabled(self, tx: Tx) -> Any:
         return z3.BoolVal(False)
@@ -659,8 +650,6 @@ class NoAdmissionExtra(Encoding):
     """Admission forgets the +1 for a partial-tail hit."""
 
     name = "no_admission_extra"
-    target = "reservation_covers_tail_swap"
-    upstream = True
 
     def admission_extra(self, tx: Tx, partial_hit: Any, holding: Any) -> Any:
         return z3.IntVal(0)
@@ -670,7 +659,6 @@ class AbortKeepsHold(Encoding):
     """`free(abort)` forgets the request's holds without releasing them."""
 
     name = "abort_keeps_hold"
-    target = "no_leak"
 
     def release_holds(self, tx: Tx, pool: Pool, n: Counts, how: Any) -> Pool:
         kept = {b: z3.If(how == ABORT, 0, _as_int(k)) for b, k in n.items()}
@@ -681,7 +669,6 @@ class CowCopyUnreferenced(Encoding):
     """`apply_cow` forgets the pending copy's ref on the private copy."""
 
     name = "cow_copy_unreferenced"
-    target = "no_leak"
 
     def cow_retain(self, tx: Tx, pool: Pool, copy: Counts) -> Pool:
         return pool
@@ -691,17 +678,15 @@ class TouchKeepsQueued(Encoding):
     """`touch` adopts a ref-0 block without taking it out of the free queue."""
 
     name = "touch_keeps_queued"
-    target = "free_queue_exact"
 
     def touch(self, tx: Tx, pool: Pool, n: Counts) -> Pool:
-        return self.retain(tx, pool, n)
+        return self.add_ref(tx, pool, n)
 
 
 class SupersededHoldKept(Encoding):
     """A newer hold does not release the one it supersedes: the request holds both."""
 
     name = "superseded_hold_kept"
-    target = "one_hold"
 
     def supersede(
         self, tx: Tx, pool: Pool, old: Mapping[int, Any], do_hold: Any
@@ -713,7 +698,6 @@ class NoFollow(Encoding):
     """Holds stay on a producer's block when its keys move to the copy."""
 
     name = "no_follow"
-    target = "held_state_keyed"
 
     def follows(self, tx: Tx) -> Any:
         return z3.BoolVal(False)

@@ -28,7 +28,7 @@ transition below, on a finite instance of the sorts):
   request's hold in a Mamba group (`tokh<m>(r, b)`), a pending copy's source
   and destination endpoint (`tokcs(c)` on `src(c)`, `tokcd(c)` on `dst(c)`).
   ref(b) = the number of tokens on b, by definition. Each pool call of the
-  model (`touch`, `retain`, `free_blocks`, `get_new_blocks`) adds or removes
+  model (`touch`, `add_ref`, `free_blocks`, `get_new_blocks`) adds or removes
   the token of the holder its call site acts for. A call the integer count
   would absorb but the token set cannot -- a ref taken twice for one holder,
   a ref dropped that no holder had, a block taken from the queue while still
@@ -344,8 +344,9 @@ def live(s: UState, r: Any) -> Any:
 class UEncoding:
     """The clean manager, for every size; hooks as in `transitions.Encoding`."""
 
+    # "clean", or a mutation recorded in `kvgate.model.mutations` (its
+    # target invariant and whether upstream has it are read there).
     name = "clean"
-    target = ""
 
     def __init__(self, groups: int) -> None:
         self.groups = groups
@@ -386,8 +387,8 @@ class UEncoding:
         self._miscount(tx, clash)
         tx.map_block("free", lambda b, old: z3.And(old, z3.Not(z3.And(on(b), z3.Not(had(b))))))
 
-    def retain(self, tx: UTx, edits: list[Edit]) -> None:
-        """`retain`: a ref each; the queue is not looked at."""
+    def add_ref(self, tx: UTx, edits: list[Edit]) -> None:
+        """`add_ref`: a ref each; the queue is not looked at."""
         _, clash = self._apply_tokens(tx, edits, True)
         self._miscount(tx, clash)
 
@@ -414,7 +415,7 @@ class UEncoding:
     # -- hooks the mutations override ------------------------------------------------
 
     def cow_retain(self, tx: UTx, edits: list[Edit]) -> None:
-        self.retain(tx, edits)
+        self.add_ref(tx, edits)
 
     def hold_enabled(self, tx: UTx) -> Any:
         return tx.s["hold_on"]
@@ -748,7 +749,7 @@ class UEncoding:
         self.free_blocks(tx, [holders_edit(f"tokh{m}", holder, tail_block)])
         # The moved tail's pending copy: the source keeps a ref for it.
         self._new_copy(tx, cc, move, tail_block, copy_block)
-        self.retain(tx, [one_copy("tokcs", cc, move, tail_block)])
+        self.add_ref(tx, [one_copy("tokcs", cc, move, tail_block)])
         cowsrc = tx.row(f"cowsrc{m}")
         tx.set_row(f"cowsrc{m}", lambda b: z3.And(cowsrc(b), z3.Not(move)))
 
@@ -855,7 +856,6 @@ def _moved(moves: Any, held: Any, is_source: Any, is_copy: Any) -> Any:
 
 class UHoldOff(UEncoding):
     name = "hold_off"
-    target = "no_total_miss"
 
     def hold_enabled(self, tx: UTx) -> Any:
         return z3.BoolVal(False)
@@ -866,7 +866,6 @@ class UHoldOff(UEncoding):
 
 class UNoAdmissionExtra(UEncoding):
     name = "no_admission_extra"
-    target = "reservation_covers_tail_swap"
 
     def admission_extra(self, tx: UTx, partial_hit: Any, holding: Any) -> Any:
         return z3.IntVal(0)
@@ -874,7 +873,6 @@ class UNoAdmissionExtra(UEncoding):
 
 class UAbortKeepsHold(UEncoding):
     name = "abort_keeps_hold"
-    target = "no_leak"
 
     def release_holds(self, tx: UTx, how: Any) -> None:
         holds = []
@@ -887,7 +885,6 @@ class UAbortKeepsHold(UEncoding):
 
 class UCowCopyUnreferenced(UEncoding):
     name = "cow_copy_unreferenced"
-    target = "no_leak"
 
     def cow_retain(self, tx: UTx, edits: list[Edit]) -> None:
         return None
@@ -895,15 +892,13 @@ class UCowCopyUnreferenced(UEncoding):
 
 class UTouchKeepsQueued(UEncoding):
     name = "touch_keeps_queued"
-    target = "free_queue_exact"
 
     def touch(self, tx: UTx, edits: list[Edit]) -> None:
-        self.retain(tx, edits)
+        self.add_ref(tx, edits)
 
 
 class USupersededHoldKept(UEncoding):
     name = "superseded_hold_kept"
-    target = "one_hold"
 
     def supersede(self, tx: UTx, m: int, old: Fn, do_hold: Any) -> Fn:
         return old
@@ -911,7 +906,6 @@ class USupersededHoldKept(UEncoding):
 
 class UNoFollow(UEncoding):
     name = "no_follow"
-    target = "held_state_keyed"
 
     def follows(self, tx: UTx) -> Any:
         return z3.BoolVal(False)

@@ -57,11 +57,15 @@ from typing import Any, Literal
 
 import z3
 
-from kvgate.conformance.ops import FREE_HOW
+from kvgate.conformance.ops import FREE_HOW, PHASES, Phase
 
-# Request phases.
-ABSENT, WAITING, RUNNING, POPPED, ENDED = range(5)
-PHASE_NAMES = ("absent", "waiting", "running", "popped", "ended")
+# Request phases: the action table's, with `decoding` folded into `running`
+# (the encoding does not track whether a prompt is computed).
+PHASE_NAMES: tuple[Phase, ...] = tuple(p for p in PHASES if p != "decoding")
+ABSENT, WAITING, RUNNING, POPPED, ENDED = range(len(PHASE_NAMES))
+PHASE_NUMBER: dict[Phase, int] = {
+    p: PHASE_NAMES.index("running" if p == "decoding" else p) for p in PHASES
+}
 # `free`'s `how`, numbered in the action table's order.
 HOW: dict[str, int] = {how: i for i, how in enumerate(FREE_HOW)}
 FINISH, ABORT, PREEMPT = HOW["finish"], HOW["abort"], HOW["preempt"]
@@ -137,8 +141,8 @@ class Field:
 
 
 FIELDS: tuple[Field, ...] = (
-    Field("hold_on", "bool", (), False, "the hold switch (retain_checkpoint); never changes"),
-    Field("retire_on", "bool", (), False, "the fork's retention (retain_retired); never changes"),
+    Field("hold_on", "bool", (), False, "the hold switch (config.hold); never changes"),
+    Field("retire_on", "bool", (), False, "the fork's retention (hold_retired); never changes"),
     Field("ref", "int", ("block",), False, "the block's ref count"),
     Field("free", "bool", ("block",), False, "the block is in the free queue"),
     Field("keyed", "bool", ("block",), False, "the block carries a prefix key"),

@@ -1,0 +1,62 @@
+"""The scheduler-level contract: a real `Scheduler` driven one engine step at a time.
+
+Where `target.Target` replays manager calls (trace ops), a `SchedulerTarget`
+is a whole scheduler owning its manager: requests are added, each engine
+step is one `schedule()` and, once the model runner's output is known, one
+`update()`. What a step did is reported as a `ScheduledStep`, in the same
+terms kvgate's scheduler model reports its own decisions, so the two are
+compared step for step; `snapshot()` is the owned manager's strict view.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvgate.conformance.snapshot import Snapshot
+from kvgate.conformance.target import Capabilities
+
+
+@dataclass
+class ScheduledStep:
+    """One `schedule()` call, as the scheduler showed it."""
+
+    # (request, tokens scheduled), in the order the scheduler scheduled them.
+    scheduled: list[tuple[str, int]] = field(default_factory=list)
+    # Requests preempted in the step, sorted (vLLM reports them as a set).
+    preempted: list[str] = field(default_factory=list)
+    # Every prefix-cache lookup, (request, hit), admitted or not, in order.
+    lookups: list[tuple[str, int]] = field(default_factory=list)
+    # (request, hit) of each request admitted from waiting.
+    admitted: list[tuple[str, int]] = field(default_factory=list)
+    # follow-up -> the attention_cached of the turn it follows, right before
+    # the follow-up's lookup (while it was never admitted yet).
+    checked: dict[str, int] = field(default_factory=dict)
+    # Copies handed to the model runner, [src, dst] block ids.
+    copies: list[list[int]] = field(default_factory=list)
+
+
+class SchedulerTarget(Protocol):
+    capabilities: Capabilities
+
+    def add_request(
+        self, name: str, tokens: list[int], max_tokens: int, follows: str | None
+    ) -> None:
+        """A new request; `follows`: the request whose output it continues.
+
+        Raises `target.StepRefused` for a request the engine would not take.
+        """
+        ...
+
+    def schedule(self) -> ScheduledStep: ...
+
+    def update(self, sampled: Mapping[str, list[int]]) -> list[str]:
+        """The model runner's output for the last `schedule()`: the tokens
+        each scheduled request sampled (drafts all rejected). Returns the
+        requests that finished, in order."""
+        ...
+
+    def snapshot(self) -> Snapshot: ...
+
+    def close(self) -> None: ...

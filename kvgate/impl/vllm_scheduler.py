@@ -1,0 +1,342 @@
+"""vLLM's real `Scheduler` (v1, CPU, no weights) as a scheduler-level target.
+
+`VllmScheduler` builds the installed vLLM's `Scheduler` for a trace config:
+a `VllmConfig` from a tiny local hybrid model config (a Qwen3-Next-class
+`config.json` written offline with transformers' own config class: two
+layers, one Gated DeltaNet and one full attention; nothing is downloaded and
+no weights exist), MTP speculative decoding with K draft tokens, the
+scheduler's token budget and sequence cap, and the `KVCacheConfig` built
+from the trace config exactly as the manager-level adapter builds it (same
+groups, block sizes, hash unit, pool, retention). What vLLM derives from
+those settings is then checked against the config (block sizes, unit, pool,
+eagle drop, lookahead, no lookahead hashes): a mismatch is an
+`UnsupportedConfig` naming the field, as is anything vLLM raises while
+building it.
+
+Each engine step is `schedule()`, then `update()` with fake model-runner
+output (`ModelRunnerOutput`: the tokens each request sampled, every draft
+rejected) and the next drafts (`update_draft_token_ids`). A wrapper on the
+owned manager's `get_computed_blocks` (an instance attribute; the call
+passes through unchanged) records each lookup's hit, and, before a
+follow-up's lookup, how much of the turn it follows the attention group
+still has cached. The manager's state is read through `vllm_view.ManagerView`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import shutil
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from kvgate.conformance.config import Config, UnsupportedConfig
+from kvgate.conformance.scheduling import ScheduledStep
+from kvgate.conformance.snapshot import Snapshot
+from kvgate.conformance.target import Capabilities, StepRefused
+from kvgate.impl import _vllm_api
+from kvgate.impl.vllm_target import (
+    _describe,
+    _hold_source,
+    _holds_partial_tails,
+    _retains_retired,
+    kv_cache_config,
+)
+from kvgate.impl.vllm_view import ManagerView
+
+__all__ = ["VllmScheduler", "model_dir"]
+
+# The draft token ids handed back after each step: never verified (every
+# draft is rejected), so never part of a token sequence.
+DRAFT_TOKEN = 0
+
+
+@functools.cache
+def model_dir() -> Path:
+    """A directory holding a tiny Qwen3-Next-class hybrid `config.json`,
+    written once per process (removed at exit)."""
+    from transformers import Qwen3NextConfig
+
+    folder = Path(tempfile.mkdtemp(prefix="kvgate-hybrid-model-"))
+    atexit.register(shutil.rmtree, folder, True)
+    config = Qwen3NextConfig(
+        vocab_size=1024,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        layer_types=["linear_attention", "full_attention"],
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        linear_num_key_heads=2,
+        linear_num_value_heads=2,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+        # Long enough for any trace's max_model_len.
+        max_position_embeddings=1 << 22,
+        architectures=["Qwen3NextForCausalLM"],
+    )
+    config.num_nextn_predict_layers = 1  # one MTP layer, as Qwen3-Next ships
+    config.save_pretrained(folder)
+    return folder
+
+
+def _vllm_config(config: Config, spec_tokens: int, max_num_seqs: int) -> Any:
+    from vllm.config import (
+        CacheConfig,
+        ModelConfig,
+        ParallelConfig,
+        SchedulerConfig,
+        SpeculativeConfig,
+        VllmConfig,
+    )
+
+    model = ModelConfig(
+        model=str(model_dir()),
+        skip_tokenizer_init=True,
+        max_model_len=config.max_model_len,
+        dtype="float32",
+    )
+    scheduler = SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=config.max_num_scheduled_tokens,
+        max_model_len=config.max_model_len,
+        enable_chunked_prefill=True,
+        long_prefill_token_threshold=config.long_prefill_token_threshold,
+        is_encoder_decoder=False,
+    )
+    cache = CacheConfig(
+        block_size=config.scheduler_block_size,
+        enable_prefix_caching=True,
+        mamba_cache_mode="align",
+        enable_mamba_shared_prefix_checkpoint=config.shared_prefix_checkpoint,
+    )
+    speculative = None
+    if spec_tokens:
+        speculative = SpeculativeConfig(
+            method="mtp",
+            num_speculative_tokens=spec_tokens,
+            # kvgate's model drops the trailing block (eagle) with legacy hashes.
+            disable_lookahead_block_hashes=True,
+            disable_eagle_block_drop=not config.eagle,
+            target_model_config=model,
+            target_parallel_config=ParallelConfig(),
+        )
+    vllm_config = VllmConfig(
+        model_config=model,
+        cache_config=cache,
+        scheduler_config=scheduler,
+        speculative_config=speculative,
+    )
+    vllm_config.cache_config.num_gpu_blocks = config.num_blocks
+    return vllm_config
+
+
+def _check_derived(scheduler: Any, config: Config, spec_tokens: int) -> None:
+    """What vLLM derived from the settings must be what the config says."""
+    manager = scheduler.kv_cache_manager
+    coordinator = manager.coordinator
+    sizes = tuple(int(m.block_size) for m in coordinator.single_type_managers)
+    checks: tuple[tuple[str, object, object], ...] = (
+        (
+            "scheduler_block_size",
+            int(scheduler.cache_config.block_size),
+            config.scheduler_block_size,
+        ),
+        ("scheduler_block_size", int(scheduler.block_size), config.scheduler_block_size),
+        ("hash_unit", int(scheduler.hash_block_size), config.hash_unit),
+        ("num_blocks", int(manager.block_pool.num_gpu_blocks), config.num_blocks),
+        ("groups", sizes, tuple(g.block_size for g in config.groups)),
+        ("eagle", bool(scheduler.use_eagle_block_drop), config.eagle),
+        (
+            "max_num_scheduled_tokens",
+            int(scheduler.max_num_scheduled_tokens),
+            config.max_num_scheduled_tokens,
+        ),
+        (
+            "long_prefill_token_threshold",
+            int(scheduler.scheduler_config.long_prefill_token_threshold),
+            config.long_prefill_token_threshold,
+        ),
+        ("max_model_len", int(scheduler.max_model_len), config.max_model_len),
+        # Drafts: K tokens and K lookahead slots, no lookahead hashes, no
+        # multi-module prefill reservation (a lookahead of 1 never acts).
+        ("eagle", int(scheduler.num_spec_tokens), spec_tokens),
+        ("eagle", int(scheduler.num_lookahead_tokens), spec_tokens),
+        ("eagle", int(scheduler.num_hash_lookahead_tokens), 0),
+        (
+            "eagle",
+            min(int(scheduler.num_prefill_lookahead), 1),
+            int(scheduler.num_prefill_lookahead),
+        ),
+        (
+            "shared_prefix_checkpoint",
+            bool(scheduler.mamba_shared_prefix_checkpoint),
+            config.shared_prefix_checkpoint_on,
+        ),
+    )
+    for name, got, want in checks:
+        if got != want:
+            raise UnsupportedConfig(name, f"vLLM's Scheduler runs it as {got!r}, not {want!r}")
+
+
+class VllmScheduler:
+    """The installed vLLM's `Scheduler`, driven one engine step at a time."""
+
+    capabilities: Capabilities
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        spec_tokens: int,
+        max_num_seqs: int,
+        plugin: str | None = None,
+    ) -> None:
+        self.config = config
+        self.spec_tokens = spec_tokens
+        _vllm_api.set_retain_switch(config.hold, config.hold_retired)
+        api = _vllm_api.load()
+        _vllm_api.clear_env_cache()
+        plugin_module = _vllm_api.register_plugin(plugin) if plugin else None
+        api.init_none_hash(api.sha256)
+        self._api = api
+        if spec_tokens == 0 and config.eagle:
+            raise UnsupportedConfig("eagle", "the eagle drop needs draft tokens (spec > 0)")
+        try:
+            from vllm.v1.core.sched.scheduler import Scheduler
+            from vllm.v1.structured_output import StructuredOutputManager
+
+            vllm_config = _vllm_config(config, spec_tokens, max_num_seqs)
+            scheduler = Scheduler(
+                vllm_config=vllm_config,
+                kv_cache_config=kv_cache_config(api, config),
+                structured_output_manager=StructuredOutputManager(vllm_config),
+                block_size=config.scheduler_block_size,
+                hash_block_size=config.hash_unit,
+            )
+        except UnsupportedConfig:
+            raise
+        except Exception as exc:  # pydantic, ValueError or a bare assert
+            raise UnsupportedConfig(
+                "groups", f"vLLM's Scheduler rejects it: {_describe(exc)}"
+            ) from exc
+        _check_derived(scheduler, config, spec_tokens)
+        self._scheduler: Any = scheduler
+        manager = scheduler.kv_cache_manager
+        self._view = ManagerView(api, manager, config.hash_unit)
+        self._hasher: Any = api.get_request_block_hasher(config.hash_unit, api.sha256)
+        managers = self._view.managers
+        hold = _holds_partial_tails(api, managers, config.hold)
+        self.capabilities = Capabilities(
+            implementation=f"vllm {api.version} Scheduler",
+            partial_hits=bool(getattr(manager.coordinator, "enable_partial_hash_hits", False)),
+            hold=hold,
+            hold_source=_hold_source(managers, plugin, plugin_module) if hold else "",
+            retire=_retains_retired(api, managers),
+        )
+        # Every request ever added, by name (finished ones too: a follow-up's
+        # check reads the turn it follows).
+        self._requests: dict[str, Any] = {}
+        self._follows: dict[str, str] = {}
+        self._admitted: set[str] = set()
+        self._output: Any = None
+        self._step = ScheduledStep()
+        lookup = manager.get_computed_blocks
+
+        def observed_lookup(request: Any, *args: Any, **kwargs: Any) -> Any:
+            name = request.request_id
+            previous = self._follows.get(name)
+            if previous is not None and name not in self._admitted:
+                cached = self._view.attention_cached(self._requests[previous])
+                self._step.checked[name] = cached
+            result = lookup(request, *args, **kwargs)
+            self._step.lookups.append((name, int(result[1])))
+            return result
+
+        manager.get_computed_blocks = observed_lookup
+
+    @property
+    def scheduler(self) -> Any:
+        """The vLLM `Scheduler` under test."""
+        return self._scheduler
+
+    def add_request(
+        self, name: str, tokens: list[int], max_tokens: int, follows: str | None
+    ) -> None:
+        if name in self._requests:
+            raise StepRefused("req", f"request {name!r} already added")
+        limit = self.config.max_model_len
+        if len(tokens) + max_tokens > limit:
+            # vLLM's input processing refuses it before the scheduler sees it.
+            raise StepRefused(
+                "prompt",
+                f"{len(tokens)} prompt + {max_tokens} output tokens exceed max_model_len {limit}",
+            )
+        api = self._api
+        request = api.Request(
+            request_id=name,
+            prompt_token_ids=tokens,
+            sampling_params=api.SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+            pooling_params=None,
+            block_hasher=self._hasher,
+        )
+        self._requests[name] = request
+        if follows is not None:
+            self._follows[name] = follows
+        self._view.track(name, request)
+        self._scheduler.add_request(request)
+
+    def schedule(self) -> ScheduledStep:
+        self._step = step = ScheduledStep()
+        running = {r.request_id for r in self._scheduler.running}
+        output = self._scheduler.schedule()
+        self._output = output
+        step.scheduled = [(str(r), int(n)) for r, n in output.num_scheduled_tokens.items()]
+        step.preempted = sorted(str(r) for r in output.preempted_req_ids)
+        hits = dict(step.lookups)
+        step.admitted = [(r, hits.get(r, 0)) for r, _ in step.scheduled if r not in running]
+        self._admitted.update(r for r, _ in step.admitted)
+        step.copies = [
+            [int(c.src_block_id), int(c.dst_block_id)] for c in (output.kv_cache_block_copies or ())
+        ]
+        return step
+
+    def update(self, sampled: Mapping[str, list[int]]) -> list[str]:
+        from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
+
+        output, self._output = self._output, None
+        if output is None:
+            raise RuntimeError("update() without a schedule() before it")
+        ids = [str(r) for r in output.num_scheduled_tokens]
+        runner_output = ModelRunnerOutput(
+            req_ids=ids,
+            req_id_to_index={r: i for i, r in enumerate(ids)},
+            sampled_token_ids=[list(sampled.get(r, ())) for r in ids],
+        )
+        self._scheduler.update_from_output(output, runner_output)
+        finished = [r for r in ids if self._requests[r].is_finished()]
+        # The drafter proposes K tokens for every request that goes on (the
+        # Scheduler drops them for a prefill chunk).
+        going_on = [r for r in ids if not self._requests[r].is_finished()]
+        if going_on and self.spec_tokens:
+            self._scheduler.update_draft_token_ids(
+                DraftTokenIds(going_on, [[DRAFT_TOKEN] * self.spec_tokens for _ in going_on])
+            )
+        for r in ids:
+            self._view.touched(r)
+        return finished
+
+    def snapshot(self) -> Snapshot:
+        return self._view.snapshot({})
+
+    def close(self) -> None:
+        self._view.close()
+        self._requests.clear()
+        self._scheduler = None

@@ -1,0 +1,122 @@
+"""The strict view's abstraction (kvgate.conformance.snapshot.EXCLUSIONS),
+on its own and through the vLLM adapter's snapshot of the installed vLLM."""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterator
+
+import pytest
+
+from kvgate.conformance.config import Config, GroupConfig
+from kvgate.conformance.ops import Segment, Step
+from kvgate.conformance.snapshot import (
+    EXCLUSIONS,
+    NULL_BLOCK,
+    BlockView,
+    Snapshot,
+    kept_aside,
+    null_view,
+)
+
+CONFIG = Config(
+    num_blocks=64,
+    hash_unit=8,
+    groups=(
+        GroupConfig("full_attention", 8),
+        GroupConfig("mamba_align", 32, speculative_blocks=3),
+    ),
+    eagle=True,
+    retention_interval=0,
+    hold=False,
+    scheduler_block_size=32,
+)
+
+
+def _snapshot(popped: dict[str, tuple[int, ...]], null_ref: int = 0) -> Snapshot:
+    return Snapshot(
+        free_queue=(2,),
+        blocks=(BlockView(null_ref), BlockView(1, ("g0/k",)), BlockView(0)),
+        tables={"A": ((1,), (0,))},
+        holds={},
+        pending_copies=(),
+        popped=popped,
+    )
+
+
+def test_every_exclusion_is_explained() -> None:
+    names = [e.name for e in EXCLUSIONS]
+    assert len(set(names)) == len(names)
+    for exclusion in EXCLUSIONS:
+        assert exclusion.what and exclusion.why and "vLLM" in exclusion.releases
+
+
+def test_the_helpers_drop_only_the_null_block() -> None:
+    assert null_view(BlockView(-4, ())) == BlockView(0, ())
+    # Keys on the null block stay visible: the invariants must see them.
+    assert null_view(BlockView(-1, ("g0/x",))) == BlockView(0, ("g0/x",))
+    assert kept_aside([3, NULL_BLOCK, NULL_BLOCK, 5, 4]) == (3, 5, 4)
+    assert kept_aside([]) == ()
+
+
+def test_differences_still_see_real_blocks() -> None:
+    a = _snapshot({"A": (1,)})
+    assert list(a.differences(_snapshot({"A": (1,)}))) == []
+    # A popped list with only null entries kept nothing aside.
+    assert list(_snapshot({}).differences(_snapshot({"A": ()}))) == []
+    assert [d[0] for d in a.differences(_snapshot({"A": (2,)}))] == ["popped blocks"]
+    # The snapshot compares the null block's ref when a target forgets the
+    # view: the helper is what makes the exclusion, not a blind spot.
+    assert [d[0] for d in a.differences(_snapshot({"A": (1,)}, null_ref=-1))] == ["block 0 ref"]
+
+
+vllm_only = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"
+)
+
+
+@pytest.fixture
+def popped_target() -> Iterator[object]:
+    from kvgate.impl.vllm_target import VllmTarget
+
+    target = VllmTarget(CONFIG)
+    steps = [
+        Step(op="arrive", index=0, req="A", prompt=(Segment("fresh", count=100),)),
+        Step(op="lookup", index=1, req="A"),
+        Step(op="allocate", index=2, req="A", tokens=64, lookahead=3),
+        Step(op="step", index=3),
+        Step(op="drain", index=4),
+        Step(op="allocate", index=5, req="A", tokens=32, lookahead=3),
+        Step(op="pop", index=6, req="A"),
+    ]
+    for step in steps:
+        target.apply(step)
+    yield target
+    target.close()
+
+
+@vllm_only
+def test_the_adapter_builds_the_view(popped_target: object) -> None:
+    from kvgate.impl.vllm_target import VllmTarget
+
+    assert isinstance(popped_target, VllmTarget)
+    target = popped_target
+    pool = target.manager.block_pool
+    before = target.snapshot()
+    assert before.popped["A"] and NULL_BLOCK not in before.popped["A"]
+    # What a release that counts the null block's refs, and returns the
+    # table's null entries from pop, leaves in its raw state.
+    pool.null_block.ref_cnt -= 4
+    target.popped["A"][1:1] = [pool.null_block, pool.null_block]
+    try:
+        after = target.snapshot()
+        assert after.blocks[NULL_BLOCK].ref == 0
+        assert after == before
+        # A real block's count is still in the view.
+        real = before.popped["A"][0]
+        pool.blocks[real].ref_cnt += 1
+        assert [d[0] for d in before.differences(target.snapshot())] == [f"block {real} ref"]
+        pool.blocks[real].ref_cnt -= 1
+    finally:
+        pool.null_block.ref_cnt += 4
+        del target.popped["A"][1:3]

@@ -1,0 +1,195 @@
+"""The workload on vLLM's real `Scheduler`, in lockstep with kvgate's scheduler model.
+
+A reduced workload (every token count / 32, four sessions x three turns) at
+the smallest unit and at the Mamba block, both builds, hold on (the overlay)
+and off, compared at strict level every engine step; the counts the real
+scheduler's observations give are the model's on the same trace; a
+scheduler built with other settings, or one that raises mid-run, is a
+divergence at that step; a request or config the Scheduler refuses is one
+line, exit 2.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import io
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvgate import cli, targets
+from kvgate.conformance.config import UnsupportedConfig
+from kvgate.conformance.replay import replay
+from kvgate.conformance.trace import load_trace
+from kvgate.model import ModelTarget
+from kvgate.workload import command
+from kvgate.workload.deployment import Deployment
+from kvgate.workload.lockstep import SchedulerFactory, run_on_scheduler, scheduler_arm
+from kvgate.workload.measure import Recorder, count
+from kvgate.workload.plan import Workload, make_plan
+from kvgate.workload.progress import Progress
+from kvgate.workload.runner import Arm, ArmResult
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="needs the installed vLLM"
+)
+
+SCALE = 32
+WORKLOAD = Workload(sessions=4, turns=3)
+PLUGIN = "kvgate.impl.hold_overlay"
+UNITS = (64 // SCALE, 4096 // SCALE)
+
+
+def _quiet() -> Progress:
+    return Progress(stream=io.StringIO())
+
+
+def _scheduler(plugin: str | None = PLUGIN) -> SchedulerFactory:
+    factory: Any = targets.target_factory("vllm-scheduler")
+    return functools.partial(factory, plugin=plugin) if plugin else factory
+
+
+@pytest.fixture(scope="module")
+def arms(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[ArmResult]]:
+    out = tmp_path_factory.mktemp("scheduler")
+    results: dict[str, list[ArmResult]] = {}
+    for build in ("fork", "upstream"):
+        deployment = Deployment(build=build).scaled(SCALE)
+        results[build] = [
+            scheduler_arm(
+                WORKLOAD, deployment, Arm(unit, hold), _scheduler(), out, "strict", _quiet()
+            )
+            for unit in UNITS
+            for hold in (False, True)
+        ]
+    return results
+
+
+@pytest.mark.parametrize("build", ["fork", "upstream"])
+def test_real_scheduler_keeps_lockstep_with_the_model_at_strict_level(
+    arms: dict[str, list[ArmResult]], build: str
+) -> None:
+    for result in arms[build]:
+        assert result.replay is not None and result.counts is not None, result.skipped
+        assert result.replay.passed, result.replay.divergence
+        assert result.replay.capabilities.implementation.endswith("Scheduler")
+        assert result.replay.level == "strict"
+        # Every follow-up was admitted on the real scheduler and counted.
+        assert len(result.counts.follow_ups) == WORKLOAD.sessions * (WORKLOAD.turns - 1)
+
+
+@pytest.mark.parametrize("build", ["fork", "upstream"])
+def test_counts_on_the_real_scheduler_are_the_models_on_the_same_trace(
+    arms: dict[str, list[ArmResult]], build: str
+) -> None:
+    for result in arms[build]:
+        recorder = Recorder(ModelTarget(result.trace.config))
+        replayed = replay(load_trace(result.trace.path), recorder, None, "api")
+        assert replayed.passed, replayed.divergence
+        assert count(recorder, result.trace.config) == result.counts
+
+
+def _one_arm(tmp_path: Path, factory: SchedulerFactory) -> Any:
+    deployment = Deployment(build="upstream").scaled(SCALE)
+    config = deployment.config(UNITS[0], False, WORKLOAD.sessions)
+    return run_on_scheduler(
+        config,
+        make_plan(Workload(sessions=2, turns=2), SCALE),
+        real=factory(config, spec_tokens=deployment.spec_tokens, max_num_seqs=16),
+        name="one-arm",
+        out=tmp_path,
+        about="test",
+        system_prompt=WORKLOAD.system_prompt // SCALE,
+        spec=deployment.spec_tokens,
+        max_num_seqs=deployment.max_num_seqs,
+        level="api",
+    )
+
+
+def test_a_scheduler_built_otherwise_diverges_at_the_first_step_it_decides_otherwise(
+    tmp_path: Path,
+) -> None:
+    # One running sequence at a time instead of the model's 16.
+    real = functools.partial(_scheduler(None), max_num_seqs=1)
+
+    def build(config: Any, *, spec_tokens: int, max_num_seqs: int) -> Any:
+        return real(config, spec_tokens=spec_tokens)
+
+    result = _one_arm(tmp_path, build)
+    divergence = result.replay.divergence
+    assert divergence is not None
+    assert divergence.level == "api"
+    assert "scheduled" in divergence.what or "lookups" in divergence.what
+
+
+def test_a_scheduler_exception_mid_run_is_a_divergence_at_that_step(tmp_path: Path) -> None:
+    def build(config: Any, *, spec_tokens: int, max_num_seqs: int) -> Any:
+        real: Any = _scheduler(None)(config, spec_tokens=spec_tokens, max_num_seqs=max_num_seqs)
+        schedule = real.scheduler.schedule
+        calls = iter(range(1_000_000))
+
+        def failing(*args: Any, **kwargs: Any) -> Any:
+            if next(calls) == 4:
+                raise AssertionError("injected at the fifth step")
+            return schedule(*args, **kwargs)
+
+        real.scheduler.schedule = failing
+        return real
+
+    result = _one_arm(tmp_path, build)
+    divergence = result.replay.divergence
+    assert divergence is not None
+    assert divergence.what == "engine step 5: schedule() raised"
+    assert divergence.actual == "AssertionError: injected at the fifth step"
+    assert divergence.step.op == "drain"
+
+
+def _workload_command(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    **knobs: Any,
+) -> tuple[int, str]:
+    monkeypatch.setattr(command, "Deployment", functools.partial(Deployment, **knobs))
+    argv = [
+        "workload", "--target", "vllm-scheduler", "--scale", str(SCALE), "--sessions", "2",
+        "--turns", "2", "--units", "64", "--hold", "off", "--build", "upstream",
+        "--out", str(tmp_path),
+    ]  # fmt: skip
+    code = cli.main(argv)
+    return code, capsys.readouterr().err
+
+
+def test_a_request_the_scheduler_refuses_is_one_line_naming_the_step(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # max_model_len 4096 / 32 = 128 tokens: the first prompt is longer.
+    code, err = _workload_command(monkeypatch, capsys, tmp_path, max_model_len=4096)
+    assert code == 2
+    (line,) = [x for x in err.splitlines() if x.startswith("kvgate: error:")]
+    assert ": step 1: prompt: vLLM's Scheduler refuses it: " in line
+    assert "exceed max_model_len 128" in line
+    assert "Traceback" not in err
+
+
+def test_a_config_the_scheduler_cannot_run_is_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # The eagle drop without draft tokens: vLLM has no such configuration.
+    code, err = _workload_command(monkeypatch, capsys, tmp_path, spec_tokens=0)
+    assert code == 2
+    assert err.splitlines()[-1] == (
+        "kvgate: error: unit 2 hold off: vLLM's Scheduler cannot run config.eagle: "
+        "the eagle drop needs draft tokens (spec > 0)"
+    )
+    assert "Traceback" not in err
+
+
+def test_unsupported_config_names_the_field() -> None:
+    deployment = Deployment(build="upstream").scaled(SCALE)
+    config = deployment.config(UNITS[0], False, 2)
+    with pytest.raises(UnsupportedConfig) as error:
+        _scheduler(None)(config, spec_tokens=0, max_num_seqs=16)
+    assert error.value.field == "eagle"
