@@ -185,7 +185,9 @@ def run_traces(
     if traces:
         report.target(_header_capabilities(factory, traces), target_name)
     for trace in traces:
-        result = _run_one(trace, factory, model, level, target_name == LOCKSTEP_MODEL)
+        excluded: list[str] = []
+        result = _run_one(trace, factory, model, level, target_name == LOCKSTEP_MODEL, excluded)
+        report.exclusions(trace.name, excluded)
         if isinstance(result, TraceRunError):
             kind = "internal error" if result.bug else "error"
             print(f"kvgate: {kind}: {printable(result.message)}", file=sys.stderr)
@@ -208,13 +210,18 @@ def _run_one(
     model: TargetFactory | None,
     level: Level,
     target_is_model: bool,
+    excluded: list[str] | None = None,
 ) -> Outcome:
-    """One trace's verdict, or the error that kept it from getting one."""
+    """One trace's verdict, or the error that kept it from getting one;
+    `excluded` gets the strict-view exclusions that hid the target's raw state."""
     started = time.perf_counter()
     try:
         target = build_target(factory, trace)
         try:
-            return replay(trace, target, model, level, target_is_model=target_is_model)
+            result = replay(trace, target, model, level, target_is_model=target_is_model)
+            if excluded is not None:
+                excluded.extend(getattr(target, "exclusions_applied", ()))
+            return result
         finally:
             target.close()
     except TraceError as error:

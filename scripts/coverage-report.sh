@@ -1,10 +1,18 @@
 #!/usr/bin/env bash
 # Coverage (line and branch) of vLLM 0.33.0's block_pool.py,
 # kv_cache_manager.py, kv_cache_coordinator.py and the MambaManager class,
-# reached by kvgate's differential exploration (ci profile) next to vLLM's
-# own tests (tests/v1/core/prefix_cache/ and test_prefix_caching.py).
+# reached by kvgate (the corpus gate at strict level plus the differential
+# exploration, ci profile, combined) next to vLLM's own manager tests
+# (tests/v1/core/prefix_cache/ and test_prefix_caching.py).
 #
 #   scripts/coverage-report.sh [OUT_DIR]     (default: out/coverage)
+#
+# KVGATE_VENV names the venv (default .venv; KVGATE_SKIP_SETUP=1 passes on to
+# scripts/vllm-own-tests.sh for a venv set up already). KVGATE_OWN_COVERAGE
+# names an earlier run's OUT_DIR/.coverage.vllm-tests to reuse instead of
+# running vLLM's tests again (about an hour under coverage on 2 busy cores).
+# Each column's unreached lines and branch exits go to
+# OUT_DIR/missing-<column>.txt, for finding what is still unreached.
 #
 # vLLM's own tests run through scripts/vllm-own-tests.sh when it exists
 # (it installs their extra test deps); otherwise they are fetched with
@@ -51,13 +59,25 @@ run_covered() {  # NAME COMMAND...: run COMMAND with coverage in every process
     "$out"/.coverage."$name".* >/dev/null 2>&1 || echo "coverage-report: no data for $name" >&2
 }
 
+echo "== kvgate corpus gate (strict)" >&2
+run_covered gate "$py" -m kvgate gate --target vllm --level strict
 echo "== kvgate differential exploration (ci profile)" >&2
 run_covered explore "$py" -m kvgate explore --target vllm --hold off --profile ci \
   --out "$out/explore-traces"
+# The kvgate column: both runs, combined into one data file.
+rm -f "$out/.coverage.kvgate"
+cp "$out/.coverage.gate" "$out/.coverage.kvgate.gate" 2>/dev/null || true
+cp "$out/.coverage.explore" "$out/.coverage.kvgate.explore" 2>/dev/null || true
+"$py" -m coverage combine --rcfile="$(rcfile kvgate)" --data-file="$out/.coverage.kvgate" \
+  "$out"/.coverage.kvgate.* >/dev/null 2>&1 || echo "coverage-report: no data for kvgate" >&2
 
 echo "== vLLM 0.33.0's own tests" >&2
 own_tests=(tests/v1/core/prefix_cache tests/v1/core/test_prefix_caching.py)
-if [ -f scripts/vllm-own-tests.sh ] && [ "${KVGATE_OWN_TESTS:-}" != fallback ]; then
+if [ -n "${KVGATE_OWN_COVERAGE:-}" ]; then
+  # Their column does not change with kvgate: reuse a data file recorded by
+  # an earlier run of this script (its OUT_DIR/.coverage.vllm-tests).
+  cp "$KVGATE_OWN_COVERAGE" "$out/.coverage.vllm-tests"
+elif [ -f scripts/vllm-own-tests.sh ] && [ "${KVGATE_OWN_TESTS:-}" != fallback ]; then
   run_covered vllm-tests bash scripts/vllm-own-tests.sh "${own_tests[@]}" -q
 fi
 if [ ! -s "$out/.coverage.vllm-tests" ]; then
@@ -67,6 +87,6 @@ if [ ! -s "$out/.coverage.vllm-tests" ]; then
     ${own_tests[*]}"
 fi
 
-"$py" -m kvgate.explore.coverage \
-  "kvgate explore (differential, ci)=$out/.coverage.explore" \
-  "vLLM's own tests=$out/.coverage.vllm-tests" | tee "$out/coverage.txt"
+"$py" -m kvgate.explore.coverage --missing "$out" \
+  "kvgate (gate + explore ci)=$out/.coverage.kvgate" \
+  "vLLM's own manager tests=$out/.coverage.vllm-tests" | tee "$out/coverage.txt"

@@ -2,7 +2,7 @@
 """The hostile-input campaign: many variants of malformed traces and flags.
 
     scripts/fuzz-input.py [--variants N] [--seed S] [--timeout SECONDS]
-                          [--memory-limit-mib M]
+                          [--memory-limit-mib M] [--target model|vllm]
 
 Draws N variants with `tests/hostile_inputs.make_variant` (seeded: the same
 seed draws the same variants), runs each in this process through kvgate's
@@ -11,7 +11,10 @@ and by exit code, then tracebacks, timeouts, forged report lines, passes of
 an impossible step, other contract breaks, and the process's peak memory
 (its resident set's high-water mark). The address space is capped at
 `--memory-limit-mib`, so a run-away allocation shows as a MemoryError
-(a traceback) instead of taking the box down. Exit 0 when nothing broke.
+(a traceback) instead of taking the box down (vLLM's import reserves much
+address space: give `--target vllm` a larger cap). `--target vllm` replays
+the trace variants on the installed vLLM, the model in lockstep. Exit 0
+when nothing broke.
 The README's table comes from `scripts/fuzz-input.py --variants 2000`.
 """
 
@@ -32,7 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from hostile_inputs import Outcome, make_variant, run_variant  # noqa: E402
+from hostile_inputs import Outcome, base_doc, dump, make_variant, run_variant  # noqa: E402
 
 
 class Timeout(BaseException):  # not an Exception: kvgate must not catch it
@@ -49,11 +52,21 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=int, default=30, help="seconds per variant")
     parser.add_argument("--memory-limit-mib", type=int, default=4096)
+    parser.add_argument("--target", default="model", choices=("model", "vllm"))
     args = parser.parse_args()
 
     limit = args.memory_limit_mib * 2**20
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     signal.signal(signal.SIGALRM, _alarm)
+    if args.target != "model":
+        # Import the target once, outside any variant's alarm: on a busy box
+        # vLLM's import alone can outlast it, and an import cut short leaves
+        # the process unable to import it again.
+        from kvgate.conformance.trace import parse_trace
+        from kvgate.targets import target_factory
+
+        config = parse_trace(dump(base_doc()).decode()).config
+        target_factory(args.target)(config).close()
     rng = random.Random(args.seed)
     by_kind: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
     counts: collections.Counter[str] = collections.Counter()
@@ -62,6 +75,8 @@ def main() -> int:
     slowest = (0.0, "")
     for number in range(args.variants):
         variant = make_variant(rng)
+        if args.target != "model":
+            variant.argv = [args.target if a == "model" else a for a in variant.argv]
         with tempfile.TemporaryDirectory(prefix="kvgate-fuzz-") as workdir:
             signal.alarm(args.timeout)
             try:
@@ -84,14 +99,17 @@ def main() -> int:
         ]
         counts["other contract breaks"] += bool(other)
         if outcome.problems and len(examples) < 20:
-            examples.append(f"#{number} {variant.kind} {variant.argv}: {outcome.problems}")
+            examples.append(
+                f"#{number} {variant.kind} {variant.argv}: {outcome.problems} {outcome.err[-300:]!r}"
+            )
         if outcome.seconds > slowest[0]:
             slowest = (outcome.seconds, f"#{number} {variant.kind}")
 
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     codes = sorted({c for kinds in by_kind.values() for c in kinds})
     print(
-        f"kvgate hostile-input campaign: {args.variants} variants, seed {args.seed}, "
+        f"kvgate hostile-input campaign: {args.variants} variants on --target {args.target}, "
+        f"seed {args.seed}, "
         f"{time.perf_counter() - started:.0f}s, timeout {args.timeout}s per variant, "
         f"address space capped at {args.memory_limit_mib} MiB"
     )

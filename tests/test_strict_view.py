@@ -112,6 +112,8 @@ def test_the_adapter_builds_the_view(popped_target: object) -> None:
         after = target.snapshot()
         assert after.blocks[NULL_BLOCK].ref == 0
         assert after == before
+        # ... and names what it hid, for the gate's report.
+        assert target.exclusions_applied == {"null-block-ref", "null-block-kept-aside"}
         # A real block's count is still in the view.
         real = before.popped["A"][0]
         pool.blocks[real].ref_cnt += 1
@@ -120,3 +122,37 @@ def test_the_adapter_builds_the_view(popped_target: object) -> None:
     finally:
         pool.null_block.ref_cnt += 4
         del target.popped["A"][1:3]
+
+
+def test_the_report_names_each_difference_once() -> None:
+    from kvgate.conformance.report import difference_lines
+
+    assert difference_lines({}) == []
+    lines = difference_lines({"null-block-ref": ["t1", "t2"], "unknown": ["t3"]})
+    assert lines[0].startswith("difference null-block-ref (2 traces, e.g. t1): not compared:")
+    assert "0.32.0" in lines[1] and "not a bug" in lines[1]
+    assert len(lines) == 3 and lines[2] == ""  # one difference, then a blank line
+
+
+def test_a_known_difference_explains_only_its_exact_divergence() -> None:
+    from pathlib import Path
+
+    from kvgate.conformance.differences import explain
+    from kvgate.conformance.replay import Divergence
+
+    def divergence(index: int, actual: tuple[str, ...]) -> Divergence:
+        return Divergence(
+            trace="abort-mid-prefill",
+            path=Path("abort-mid-prefill.yaml"),
+            step=Step(op="allocate", index=index, req="B"),
+            level="strict",
+            what="block 17 hashes",
+            expected=("g1/32:k",),
+            actual=actual,
+        )
+
+    known = explain(divergence(15, ()))
+    assert known is not None and known.name == "junction-eagle-peek"
+    assert "bug" in known.verdict
+    assert explain(divergence(14, ())) is None  # another step
+    assert explain(divergence(15, ("g1/64:x",))) is None  # not a missing key

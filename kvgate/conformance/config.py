@@ -46,6 +46,12 @@ class Config:
     # shared-prefix junction a lookup reported (effective only with eagle and
     # sub-block hits, as vLLM narrows it).
     shared_prefix_checkpoint: bool = False
+    # vLLM's enable_kv_cache_events: the pool queues BlockStored /
+    # BlockRemoved / AllBlocksCleared events for the `events` op.
+    kv_events: bool = False
+    # Every request asks for `kv_cache_report_mode: full`: a lookup's hit is
+    # reported as BlockStored events too (for a consumer that joined late).
+    kv_events_full: bool = False
 
     @property
     def mamba_group_ids(self) -> tuple[int, ...]:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from kvgate.conformance.config import Config
+from kvgate.conformance.events import KvEvent, normalized
 from kvgate.conformance.ops import ACTIONS, LIVE, Phase, Segment, Step, next_phase
 from kvgate.conformance.snapshot import Snapshot
 from kvgate.conformance.target import Capabilities, StepRefused
@@ -127,6 +128,24 @@ class OpDriver(ABC, Generic[R]):
     @abstractmethod
     def evict(self, n: int) -> None:
         """Take `n` free blocks (evicting cached states) and free them again."""
+
+    @abstractmethod
+    def record_prefix_cache_stats(self, request: R, hit: int) -> None:
+        """Count an admitted lookup in the prefix-cache stats, as the scheduler
+        does once `allocate_slots` admitted the request after its lookup."""
+
+    @abstractmethod
+    def make_prefix_cache_stats(self) -> dict[str, Any]:
+        """The stats since the last call (the `stats` op's keys), reset; and
+        `usage`, the pool's used fraction (KVCacheManager.usage), compared in
+        lockstep but no `expect` key."""
+
+    @abstractmethod
+    def reset_prefix_cache(self) -> bool: ...
+
+    @abstractmethod
+    def take_events(self) -> list[KvEvent]:
+        """The KV-cache events queued since the last call ([] when off)."""
 
     @abstractmethod
     def pool_clean(self) -> bool:
@@ -265,6 +284,7 @@ class OpDriver(ABC, Generic[R]):
         pending = self._pending(step)
         request = pending.request
         blocks, hit = self._hit_for_allocation(pending)
+        admitting = pending.has_hit and not self.has_blocks(request)
         start = self.num_computed(request) + hit
         total = len(self.all_tokens(request))
         if step.tokens == "auto":
@@ -284,6 +304,8 @@ class OpDriver(ABC, Generic[R]):
                 )
         ok = self.allocate_slots(request, num_new, hit, blocks, step.lookahead)
         if ok:
+            if admitting:
+                self.record_prefix_cache_stats(request, hit)
             self.set_num_computed(request, start + num_new)
             pending.has_hit, pending.hit_blocks, pending.hit = False, None, 0
             self.mark(request, "running")
@@ -344,6 +366,18 @@ class OpDriver(ABC, Generic[R]):
         # Tail first, as the scheduler frees a request's blocks.
         self.free_blocks(list(reversed(self.popped.pop(step.req))))
         return {}
+
+    def _op_reset(self, step: Step) -> dict[str, Any]:
+        return {"ok": self.reset_prefix_cache()}
+
+    def _op_events(self, step: Step) -> dict[str, Any]:
+        events = normalized(self.take_events())
+        # `events` is what a trace expects; `event_keys` (full keys, parents
+        # included) is what the lockstep comparison reads besides.
+        return {"events": [e.line() for e in events], "event_keys": [e.exact() for e in events]}
+
+    def _op_stats(self, step: Step) -> dict[str, Any]:
+        return self.make_prefix_cache_stats()
 
     def _op_evict(self, step: Step) -> dict[str, Any]:
         free = self.num_free_blocks()

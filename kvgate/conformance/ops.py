@@ -73,6 +73,20 @@ FIELD_TYPES: dict[str, FieldType] = {
     "blocks": "int_or_all",
 }
 
+# The prefix-cache hit stats a `stats` op reports (vLLM's PrefixCacheStats):
+# requests admitted after a lookup, their tokens (queries) and hit tokens, the
+# same three for requests admitted again after a preemption, and whether the
+# prefix cache was reset since the last `stats`.
+STATS_KEYS: tuple[str, ...] = (
+    "requests",
+    "queries",
+    "hits",
+    "preempted_requests",
+    "preempted_queries",
+    "preempted_hits",
+    "reset",
+)
+
 ACTIONS: dict[str, Action] = {
     a.name: a
     for a in (
@@ -101,6 +115,11 @@ ACTIONS: dict[str, Action] = {
         Action("pop", ("req",), valid_in=LIVE),
         Action("release", ("req",), valid_in=frozenset({"popped"})),
         Action("evict", ("blocks",)),
+        # Additive to version 1: the calls a deployment makes besides
+        # scheduling (see docs/trace-format.md, "Cache reset, events, stats").
+        Action("reset", (), expect_keys=("ok",)),
+        Action("events", (), expect_keys=("events",)),
+        Action("stats", (), expect_keys=STATS_KEYS),
         Action("check", ()),
         Action(
             "prefill",
@@ -158,8 +177,9 @@ def next_phase(
 
 
 # The type of each `expect` value, as the parser checks it: "int" is an int
-# >= 0, "bool" a YAML boolean, "copies" a list of [src, dst] block-id pairs.
-ExpectType = Literal["int", "bool", "copies"]
+# >= 0, "bool" a YAML boolean, "copies" a list of [src, dst] block-id pairs,
+# "events" a list of event lines (kvgate.conformance.events).
+ExpectType = Literal["int", "bool", "copies", "events"]
 
 EXPECT_TYPES: dict[str, ExpectType] = {
     "hit": "int",
@@ -169,6 +189,9 @@ EXPECT_TYPES: dict[str, ExpectType] = {
     "ok": "bool",
     "tokens": "int",
     "copies": "copies",
+    "events": "events",
+    **{key: "int" for key in STATS_KEYS if key != "reset"},
+    "reset": "bool",
 }
 
 # Keys of a `check` step.

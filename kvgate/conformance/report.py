@@ -2,9 +2,11 @@
 
 Terminal shape, in order: the target's capabilities, a line per trace as it
 finishes (`PASS`, `FAIL`, or `ERROR` with its one-line reason when the trace
-got no verdict), each failing trace's first divergence in a few lines, and a
-last line `N passed, M failed` (`, K errors` when there are any) on its own,
-for CI parsers.
+got no verdict), each failing trace's first divergence in a few lines, the
+named differences (strict-view exclusions that hid raw state of the target:
+a release that keeps unobservable state differently), and a last line
+`N passed, M failed` (`, K errors` when there are any) on its own, for CI
+parsers.
 
 Every piece of text from input (trace names, values, messages, paths) goes
 through `printable`: a report line is one physical line, and nothing in a
@@ -14,11 +16,13 @@ trace can print a line of its own (a forged `PASS`) or break the XML.
 from __future__ import annotations
 
 import xml.etree.ElementTree as ET
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TextIO
 
+from kvgate.conformance.differences import explain
 from kvgate.conformance.replay import Divergence, Outcome, ReplayResult, TraceRunError
+from kvgate.conformance.snapshot import EXCLUSIONS
 from kvgate.conformance.target import Capabilities
 from kvgate.errors import printable
 
@@ -36,6 +40,14 @@ class TerminalReport:
     def __init__(self, out: TextIO) -> None:
         self.out = out
         self.results: list[Outcome] = []
+        # Strict-view exclusion name -> the traces whose target it hid raw
+        # state of (named, explained differences rather than failures).
+        self.excluded: dict[str, list[str]] = {}
+
+    def exclusions(self, trace: str, names: Iterable[str]) -> None:
+        """The strict view's exclusions that hid raw state during `trace`."""
+        for name in names:
+            self.excluded.setdefault(name, []).append(trace)
 
     def target(self, capabilities: Capabilities | None, name: str = "") -> None:
         """The header; None when no trace's config could be built on target `name`."""
@@ -56,10 +68,31 @@ class TerminalReport:
                     self._line(line)
         if any(isinstance(r, ReplayResult) and not r.passed for r in self.results):
             self._line("")
+        for line in difference_lines(self.excluded):
+            self._line(line)
         self._line(summary_line(self.results))
 
     def _line(self, text: str) -> None:
         print(printable(text), file=self.out, flush=True)
+
+
+def difference_lines(excluded: Mapping[str, Sequence[str]]) -> list[str]:
+    """Each strict-view exclusion that hid something, as a named difference:
+    how many traces, what the view leaves out, whose raw state differs, why
+    no caller can observe it (in `EXCLUSIONS` order)."""
+    lines: list[str] = []
+    for exclusion in EXCLUSIONS:
+        traces = excluded.get(exclusion.name)
+        if not traces:
+            continue
+        lines.append(
+            f"difference {exclusion.name} ({len(traces)} traces, e.g. {traces[0]}): "
+            f"not compared: {exclusion.what}"
+        )
+        lines.append(f"  {exclusion.releases}; not a bug: {exclusion.why}")
+    if lines:
+        lines.append("")
+    return lines
 
 
 def capabilities_line(capabilities: Capabilities) -> str:
@@ -104,6 +137,9 @@ def divergence_lines(result: ReplayResult) -> list[str]:
         f"  actual:   {actual}",
     ]
     lines += [f"  note:     {note}" for note in (d.note, *result.notes) if note]
+    known = explain(d)
+    if known is not None:
+        lines.append(f"  known:    difference {known.name}: {known.explanation}; {known.verdict}")
     lines += [f"  also:     {divergence_summary(later)}" for later in result.also]
     lines.append(f"  trace:    {d.path}")
     return lines

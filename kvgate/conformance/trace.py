@@ -83,6 +83,8 @@ _CONFIG_OPTIONAL = (
     "retain_retired",
     "long_prefill_token_threshold",
     "shared_prefix_checkpoint",
+    "kv_events",
+    "kv_events_full",
 )
 _GROUP_KEYS = (
     "kind",
@@ -442,6 +444,8 @@ class _Reader:
             hold=flag("retain_checkpoint"),
             hold_retired=flag("retain_retired"),
             shared_prefix_checkpoint=flag("shared_prefix_checkpoint"),
+            kv_events=flag("kv_events"),
+            kv_events_full=flag("kv_events_full"),
             scheduler_block_size=count("scheduler_block_size", default_scheduler),
             max_model_len=count("max_model_len", 8192),
             max_num_scheduled_tokens=count("max_num_scheduled_tokens", 8192),
@@ -657,6 +661,10 @@ class _Reader:
                 raise self.error(index, field, f"must be true or false, got {_got(value)}")
             if kind == "copies":
                 value = self.copies(index, field, value)
+            if kind == "events" and not (
+                isinstance(value, list) and all(isinstance(e, str) for e in value)
+            ):
+                raise self.error(index, field, f"must be a list of event lines, got {_got(value)}")
             expect[key] = value
         return expect
 

@@ -33,6 +33,8 @@ def config_dict(config: Config) -> dict[str, Any]:
             else {}
         ),
         **({"shared_prefix_checkpoint": True} if config.shared_prefix_checkpoint else {}),
+        **({"kv_events": True} if config.kv_events else {}),
+        **({"kv_events_full": True} if config.kv_events_full else {}),
         "groups": [group_dict(g) for g in config.groups],
     }
 

@@ -1,6 +1,6 @@
 """Line and branch coverage of vLLM's KV-cache manager files, as a table.
 
-    python -m kvgate.explore.coverage NAME=DATAFILE [NAME=DATAFILE ...]
+    python -m kvgate.explore.coverage [--missing DIR] NAME=DATAFILE [NAME=DATAFILE ...]
 
 Each column is one coverage.py data file (recorded with --branch); rows are
 block_pool.py, kv_cache_manager.py, kv_cache_coordinator.py and the
@@ -8,6 +8,8 @@ MambaManager class of single_type_kv_cache_manager.py. A file's figures are
 coverage.py's own analysis; the class's are counted inside its line range
 (from the source's syntax tree): statements and branch exits the parser
 finds there, against the lines and arcs the data file recorded.
+`--missing DIR` also writes, per column, the statements and branch exits
+it did not reach (DIR/missing-<column>.txt): where the gaps are.
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ class Figures:
     lines_hit: int
     branches: int
     branches_hit: int
+    # What was not reached: statement lines, and branch exits (src, dst).
+    missing_lines: tuple[int, ...] = ()
+    missing_branches: tuple[tuple[int, int], ...] = ()
 
     @staticmethod
     def pct(hit: int, total: int) -> str:
@@ -87,10 +92,13 @@ def figures(data_file: Path, path: Path, within: tuple[int, int] | None = None) 
         lines_hit=len(statements & executed),
         branches=len(branch_arcs),
         branches_hit=len(branch_arcs & arcs),
+        missing_lines=tuple(sorted(statements - executed)),
+        missing_branches=tuple(sorted(branch_arcs - arcs)),
     )
 
 
-def table(columns: Sequence[tuple[str, Path]]) -> str:
+def measure(columns: Sequence[tuple[str, Path]]) -> list[tuple[str, list[Figures]]]:
+    """One row per source, one `Figures` per column."""
     core = core_dir()
     rows: list[tuple[str, list[Figures]]] = []
     for name in FILES:
@@ -102,6 +110,10 @@ def table(columns: Sequence[tuple[str, Path]]) -> str:
             [figures(data, core / CLASS_FILE, span) for _, data in columns],
         )
     )
+    return rows
+
+
+def table(columns: Sequence[tuple[str, Path]], rows: list[tuple[str, list[Figures]]]) -> str:
     width = max(len(r[0]) for r in rows) + 2
     cell = 40
     out = [
@@ -113,9 +125,36 @@ def table(columns: Sequence[tuple[str, Path]]) -> str:
     return "\n".join(out)
 
 
+def missing_report(name: str, rows: Sequence[tuple[str, list[Figures]]], column: int) -> str:
+    """A column's unreached statements and branch exits, per source."""
+    out: list[str] = []
+    for row, cells in rows:
+        fig = cells[column]
+        out.append(f"{row}: lines {_ranges(fig.missing_lines)}")
+        exits = ", ".join(f"{s}->{d if d > 0 else 'exit'}" for s, d in fig.missing_branches)
+        out.append(f"{row}: branches {exits or '-'}")
+    return f"# {name}\n" + "\n".join(out) + "\n"
+
+
+def _ranges(lines: Sequence[int]) -> str:
+    """`3-5, 9`: consecutive line numbers folded."""
+    spans: list[list[int]] = []
+    for n in lines:
+        if spans and spans[-1][1] == n - 1:
+            spans[-1][1] = n
+        else:
+            spans.append([n, n])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans) or "-"
+
+
 def main(argv: Sequence[str]) -> int:
+    args = list(argv)
+    missing_dir: Path | None = None
+    if args[:1] == ["--missing"] and len(args) >= 2:
+        missing_dir = Path(args[1])
+        args = args[2:]
     columns = []
-    for arg in argv:
+    for arg in args:
         title, sep, data = arg.partition("=")
         if not sep or not Path(data).is_file():
             print(f"usage: NAME=DATAFILE ...; bad or missing: {arg}", file=sys.stderr)
@@ -124,7 +163,15 @@ def main(argv: Sequence[str]) -> int:
     if not columns:
         print("usage: python -m kvgate.explore.coverage NAME=DATAFILE ...", file=sys.stderr)
         return 2
-    print(table(columns))
+    rows = measure(columns)
+    print(table(columns, rows))
+    if missing_dir is not None:
+        missing_dir.mkdir(parents=True, exist_ok=True)
+        for i, (title, _) in enumerate(columns):
+            slug = "".join(c if c.isalnum() else "-" for c in title.lower()).strip("-")
+            (missing_dir / f"missing-{slug}.txt").write_text(
+                missing_report(title, rows, i), encoding="utf-8"
+            )
     return 0
 
 

@@ -105,6 +105,7 @@ def configs(draw: st.DrawFn) -> Config:
         hold=False,
         scheduler_block_size=mamba_block,
         max_num_scheduled_tokens=draw(st.sampled_from([8192, 64, 32])),
+        kv_events=draw(st.booleans()),
     )
 
 
@@ -318,6 +319,29 @@ class ExploreMachine(RuleBasedStateMachine):
         the trace and are compared with the lockstep target's. (The model
         alone checks every invariant after every step already.)"""
         self._run("check", check={k: {} if k == "holds" else 0 for k in keys})
+
+    # -- what a deployment calls besides scheduling -----------------------------
+
+    @precondition(lambda self: self._session is not None)
+    @rule(preempt_running=st.booleans())
+    def reset(self, preempt_running: bool) -> None:
+        """`reset_prefix_cache`, optionally as the scheduler's reset with
+        `reset_running_requests`: every running request preempted, the
+        step's copies drained, then the reset (refused while anything else
+        still holds a block: a popped request, a waiting one's queued copy)."""
+        if preempt_running:
+            session = self.session
+            for req in session.in_phase("running", "decoding"):
+                self._run("free", req=req, how="preempt")
+            self._run("drain")
+        self._run("reset")
+
+    @precondition(lambda self: self._session is not None)
+    @rule(events=st.booleans())
+    def observe(self, events: bool) -> None:
+        """What a deployment's monitoring takes each step: the KV-cache
+        events (empty unless the config queues them), or the hit stats."""
+        self._run("events" if events else "stats")
 
     # -- other requests' prefills ---------------------------------------------
 

@@ -51,6 +51,10 @@ class VllmApi:
     get_block_hash: Any
     get_group_id: Any
     make_block_hash_with_group_id: Any
+    # KV-cache event classes (vllm.distributed.kv_events).
+    BlockStored: Any
+    BlockRemoved: Any
+    AllBlocksCleared: Any
 
 
 @functools.cache
@@ -60,6 +64,7 @@ def load() -> VllmApi:
     import torch
     import vllm
     from vllm import envs
+    from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -101,6 +106,9 @@ def load() -> VllmApi:
         get_block_hash=get_block_hash,
         get_group_id=get_group_id,
         make_block_hash_with_group_id=make_block_hash_with_group_id,
+        BlockStored=BlockStored,
+        BlockRemoved=BlockRemoved,
+        AllBlocksCleared=AllBlocksCleared,
     )
 
 

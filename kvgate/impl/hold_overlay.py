@@ -1,4 +1,4 @@
-"""The partial-tail checkpoint hold, overlaid at run time on upstream vLLM 0.33.0.
+"""The partial-tail checkpoint hold, overlaid at run time on upstream vLLM.
 
 A vLLM general plugin (entry point group `vllm.general_plugins`, name
 `kvgate_hold`): `register()` wraps a few methods of vLLM's `MambaManager` and
@@ -66,8 +66,34 @@ STARTUP_LINE = (
     "Mamba state referenced until it is freed (hash unit %d < Mamba block %d)"
 )
 _SWITCH_ON = ("1", "true", "yes", "on")
-# The vLLM version whose internals the wrappers read.
-WRITTEN_FOR = "0.33.0"
+# What the wrappers wrap and read, probed before installing (never a version
+# string): (class, method) -> parameters the wrapper passes by name;
+# attributes the wrappers read on a Mamba manager or a block.
+_WRAPPED: dict[tuple[str, str], tuple[str, ...]] = {
+    ("MambaManager", "__init__"): ("kv_cache_spec", "block_pool"),
+    ("MambaManager", "get_num_blocks_to_allocate"): (
+        "request_id",
+        "num_tokens",
+        "new_computed_blocks",
+        "total_computed_tokens",
+        "num_local_computed_tokens",
+        "num_tokens_main_model",
+        "apply_admission_cap",
+        "prefill_end",
+    ),
+    ("MambaManager", "allocate_new_blocks"): ("request_id", "num_tokens", "num_tokens_main_model"),
+    ("MambaManager", "_remove_blocks_in_range"): ("request_id", "first_block", "last_block"),
+    ("KVCacheCoordinator", "free"): ("request_id",),
+    ("KVCacheCoordinator", "pop_blocks_for_free"): ("request_id",),
+}
+_MAMBA_READS = (
+    "_partial_hit_reqs",
+    "_allocated_block_reqs",
+    "_pending_cow_copies",
+    "_has_partial_local_hit",
+    "mamba_cache_mode",
+    "enable_caching",
+)
 
 Block = Any  # vllm.v1.core.kv_cache_utils.KVCacheBlock
 Manager = Any  # vllm.v1.core.single_type_kv_cache_manager.MambaManager
@@ -97,6 +123,9 @@ def register() -> None:
 
     A vLLM build that already has the switch (a patched build) is left alone:
     its own hold runs, and overlaying a second one would double every ref.
+    A build lacking what the wrappers wrap or read (`missing_internals`) is
+    refused with one warning line naming what is missing; nothing is
+    installed then, so a gate's hold-on traces fail on their expectations.
     """
     with _lock:
         if _originals:
@@ -113,15 +142,16 @@ def register() -> None:
                 RETAIN_SWITCH,
             )
             return
-        import vllm
+        missing = missing_internals()
+        if missing:
+            import vllm
 
-        version = str(getattr(vllm, "__version__", "unknown"))
-        if version != WRITTEN_FOR:
             logger.warning(
-                "kvgate hold overlay targets vLLM %s internals; installed: %s",
-                WRITTEN_FOR,
-                version,
+                "kvgate hold overlay refused: vLLM %s lacks %s",
+                getattr(vllm, "__version__", "unknown"),
+                ", ".join(missing),
             )
+            return
         patches: dict[tuple[type, str], Callable[[Callable[..., Any]], Callable[..., Any]]] = {
             (MambaManager, "__init__"): functools.partial(_wrap_init, logger),
             (MambaManager, "get_num_blocks_to_allocate"): _wrap_blocks_needed,
@@ -143,6 +173,38 @@ def register() -> None:
             wrapper.__module__ = __name__
             _originals[(cls, name)] = original
             setattr(cls, name, wrapper)
+
+
+def missing_internals() -> list[str]:
+    """What the overlay wraps or reads that the installed vLLM lacks, by name
+    (empty: the overlay supports this build). Probes the classes and their
+    signatures and sources; imports vLLM."""
+    import inspect
+
+    from vllm.v1.core import kv_cache_coordinator, kv_cache_utils, single_type_kv_cache_manager
+
+    classes = {
+        "MambaManager": getattr(single_type_kv_cache_manager, "MambaManager", None),
+        "KVCacheCoordinator": getattr(kv_cache_coordinator, "KVCacheCoordinator", None),
+    }
+    missing: list[str] = []
+    for (owner, method), params in _WRAPPED.items():
+        cls = classes[owner]
+        # Defined on the class itself: `unregister` must put back exactly that.
+        function = None if cls is None else cls.__dict__.get(method)
+        if function is None:
+            missing.append(f"{owner}.{method}")
+            continue
+        have = inspect.signature(function).parameters
+        missing.extend(f"{owner}.{method}({p})" for p in params if p not in have)
+    mamba = classes["MambaManager"]
+    if mamba is not None:
+        # Instance attributes are set in __init__, here or in a base class.
+        source = "".join(inspect.getsource(c) for c in mamba.__mro__ if c is not object)
+        missing.extend(f"MambaManager.{a}" for a in _MAMBA_READS if f"self.{a}" not in source)
+    if not hasattr(kv_cache_utils.KVCacheBlock, "block_hash_num_tokens"):
+        missing.append("KVCacheBlock.block_hash_num_tokens")
+    return missing
 
 
 def unregister() -> None:

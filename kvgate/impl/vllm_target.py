@@ -27,8 +27,11 @@ from typing import Any
 
 from kvgate.conformance.config import Config, GroupConfig, UnsupportedConfig
 from kvgate.conformance.driver import OpDriver
+from kvgate.conformance.events import KvEvent
+from kvgate.conformance.ops import STATS_KEYS
 from kvgate.conformance.snapshot import Snapshot
 from kvgate.conformance.target import Capabilities
+from kvgate.conformance.tokens import key_position
 from kvgate.impl import _vllm_api
 from kvgate.impl._vllm_api import HOLD_ATTR, RETAIN_SWITCH, VllmApi
 from kvgate.impl.vllm_view import ManagerView
@@ -110,6 +113,12 @@ class VllmTarget(OpDriver[Any]):
     def num_computed_tokens(self, req: str) -> int:
         return int(self.requests[req].request.num_computed_tokens)
 
+    @property
+    def exclusions_applied(self) -> frozenset[str]:
+        """The strict view's exclusions (`snapshot.EXCLUSIONS`) that hid raw
+        state of this manager so far: named differences for the report."""
+        return frozenset(self._view.exclusions_applied)
+
     def close(self) -> None:
         super().close()
         self._manager = self._coordinator = self._pool = None
@@ -122,7 +131,12 @@ class VllmTarget(OpDriver[Any]):
         request = self._api.Request(
             request_id=name,
             prompt_token_ids=tokens,
-            sampling_params=self._api.SamplingParams(max_tokens=self.config.max_model_len),
+            sampling_params=self._api.SamplingParams(
+                max_tokens=self.config.max_model_len,
+                extra_args=(
+                    {"kv_cache_report_mode": "full"} if self.config.kv_events_full else None
+                ),
+            ),
             pooling_params=None,
             block_hasher=self._hasher,
         )
@@ -157,6 +171,8 @@ class VllmTarget(OpDriver[Any]):
     def mark(self, request: Any, status: str) -> None:
         statuses = self._api.RequestStatus
         request.status = statuses.PREEMPTED if status == "preempted" else statuses.RUNNING
+        if status == "preempted":
+            request.num_preemptions += 1  # as Scheduler._preempt_request counts it
 
     # --------------------------------------------------------- manager calls
 
@@ -225,6 +241,46 @@ class VllmTarget(OpDriver[Any]):
         self._pool.free_blocks(self._pool.get_new_blocks(n))
 
     # ----------------------------------------------------------- observation
+
+    def record_prefix_cache_stats(self, request: Any, hit: int) -> None:
+        self._manager.record_prefix_cache_stats(request, hit)
+
+    def make_prefix_cache_stats(self) -> dict[str, Any]:
+        stats = self._manager.make_prefix_cache_stats()
+        return {**{key: getattr(stats, key) for key in STATS_KEYS}, "usage": self._manager.usage}
+
+    def reset_prefix_cache(self) -> bool:
+        return bool(self._manager.reset_prefix_cache())
+
+    def take_events(self) -> list[KvEvent]:
+        api, view = self._api, self._view
+        events: list[KvEvent] = []
+        for event in self._manager.take_events():
+            if isinstance(event, api.AllBlocksCleared):
+                events.append(KvEvent("cleared"))
+            elif isinstance(event, api.BlockRemoved):
+                events.extend(
+                    KvEvent("removed", int(event.group_idx), (view.prefix_key(h),))
+                    for h in event.block_hashes
+                )
+            elif isinstance(event, api.BlockStored):
+                parent = event.parent_block_hash
+                parent_key = None if parent is None else view.prefix_key(parent)
+                start = 0 if parent_key is None else key_position(parent_key)
+                events.append(
+                    KvEvent(
+                        "stored",
+                        int(event.group_idx),
+                        tuple(view.prefix_key(h) for h in event.block_hashes),
+                        parent_key,
+                        start,
+                        start + len(event.token_ids),
+                        int(event.block_size),
+                    )
+                )
+            else:
+                raise RuntimeError(f"unknown KV-cache event {type(event).__name__}")
+        return events
 
     def pool_clean(self) -> bool:
         pool = self._pool
@@ -321,6 +377,8 @@ def _build_manager(api: VllmApi, config: Config) -> Any:
             hash_block_size=config.hash_unit,
             enable_caching=True,
             use_eagle=config.eagle,
+            log_stats=True,
+            enable_kv_cache_events=config.kv_events,
             **(
                 {"enable_mamba_shared_prefix_checkpoint": True}
                 if config.shared_prefix_checkpoint

@@ -48,6 +48,9 @@ class _Views:
     views: list[BlockView]
 
 
+_LOW_64 = (1 << 64) - 1
+
+
 def block_ids(blocks: Sequence[Any]) -> tuple[int, ...]:
     return tuple(b.block_id for b in blocks)
 
@@ -68,7 +71,12 @@ class ManagerView:
         # vLLM BlockHash (bytes) -> prefix key; BlockHashWithGroupId -> name.
         self._key_of: dict[bytes, str] = {}
         self._names: dict[Any, str] = {}
+        # The same index by the 64-bit ints KV-cache events carry.
+        self._key_of_int: dict[int, str] = {}
         self._last_views: _Views | None = None
+        # The strict view's exclusions that hid something here (the raw
+        # state differed from the view): what the gate names as differences.
+        self.exclusions_applied: set[str] = set()
 
     @property
     def managers(self) -> tuple[Any, ...]:
@@ -90,6 +98,7 @@ class ManagerView:
         self._keys.clear()
         self._dirty.clear()
         self._key_of.clear()
+        self._key_of_int.clear()
         self._names.clear()
         self._last_views = None
 
@@ -103,13 +112,18 @@ class ManagerView:
         """
         self._sync_index()
         views = self._block_views()
+        kept = {req: block_ids(blocks) for req, blocks in popped.items()}
+        if views[NULL_BLOCK].ref:
+            self.exclusions_applied.add("null-block-ref")
+        if any(NULL_BLOCK in ids for ids in kept.values()):
+            self.exclusions_applied.add("null-block-kept-aside")
         return Snapshot(
             free_queue=tuple(self.free_queue_ids()),
             blocks=views[:NULL_BLOCK] + (null_view(views[NULL_BLOCK]),) + views[NULL_BLOCK + 1 :],
             tables=self.tables(),
             holds=self.holds(),
             pending_copies=self.pending_copies(),
-            popped={req: kept_aside(block_ids(blocks)) for req, blocks in popped.items()},
+            popped={req: kept_aside(ids) for req, ids in kept.items()},
         )
 
     def free_queue_ids(self) -> list[int]:
@@ -174,6 +188,22 @@ class ManagerView:
         )
 
     # ------------------------------------------------------------ hash index
+
+    def prefix_key(self, block_hash: Any) -> str:
+        """The prefix key of a KV-cache event's hash: vLLM's bytes, or (with
+        VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES, its default) their low 64 bits."""
+        self._sync_index()
+        if isinstance(block_hash, int):
+            if len(self._key_of_int) != len(self._key_of):
+                self._key_of_int = {
+                    int.from_bytes(h, "big") & _LOW_64: k for h, k in self._key_of.items()
+                }
+            key = self._key_of_int.get(block_hash)
+        else:
+            key = self._key_of.get(bytes(block_hash))
+        if key is None:
+            raise RuntimeError(f"event hash {block_hash!r} names no prefix of this trace")
+        return key
 
     def _sync_index(self) -> None:
         """Enter every new request-level hash into the hash -> key index."""

@@ -46,7 +46,7 @@ def replay_boundaries(num_prompt: int, scheduler_block: int, eagle: bool) -> tup
 class Coordinator:
     def __init__(self, config: Config) -> None:
         self.config = config
-        self.pool = BlockPool(config.num_blocks, config.hash_unit)
+        self.pool = BlockPool(config.num_blocks, config.hash_unit, events=config.kv_events)
         self.holds = Holds(self.pool, config.hold, config.hold_retired)
         self.scheduler_block = config.scheduler_block_size
         self.managers: list[GroupManagerT] = []

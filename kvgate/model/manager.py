@@ -7,10 +7,37 @@ Method names follow the real `KVCacheManager` so the op driver
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass
+
 from kvgate.conformance.config import Config, validate
+from kvgate.conformance.events import KvEvent
 from kvgate.model.coordinator import Coordinator, HitBlocks
 from kvgate.model.pool import Block
 from kvgate.model.request import Request
+
+
+@dataclass
+class PrefixCacheStats:
+    """What a user's hit-rate metric reads: lookups counted at admission, a
+    request admitted again after a preemption counted apart."""
+
+    requests: int = 0
+    queries: int = 0
+    hits: int = 0
+    preempted_requests: int = 0
+    preempted_queries: int = 0
+    preempted_hits: int = 0
+    reset: bool = False
+
+    def record(self, num_tokens: int, num_hits: int, preempted: bool) -> None:
+        if preempted:
+            self.preempted_requests += 1
+            self.preempted_queries += num_tokens
+            self.preempted_hits += num_hits
+        else:
+            self.requests += 1
+            self.queries += num_tokens
+            self.hits += num_hits
 
 
 class KVCacheManager:
@@ -19,6 +46,32 @@ class KVCacheManager:
         self.config = config
         self.coordinator = Coordinator(config)
         self.block_pool = self.coordinator.pool
+        self.prefix_cache_stats = PrefixCacheStats()
+
+    def record_prefix_cache_stats(self, request: Request, num_hits: int) -> None:
+        self.prefix_cache_stats.record(
+            request.num_tokens, num_hits, preempted=request.num_preemptions > 0
+        )
+
+    def make_prefix_cache_stats(self) -> dict[str, int | bool]:
+        """The stats since the last call, as the `stats` op reports them; reset."""
+        stats, self.prefix_cache_stats = self.prefix_cache_stats, PrefixCacheStats()
+        return asdict(stats)
+
+    @property
+    def usage(self) -> float:
+        """The used fraction of the pool, the null block left out."""
+        total = self.block_pool.num_blocks - 1
+        if not total:
+            return 0
+        return 1.0 - (self.block_pool.num_free() / total)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached state; refused while any block is in use."""
+        if not self.block_pool.reset_prefix_cache():
+            return False
+        self.prefix_cache_stats.reset = True
+        return True
 
     def get_computed_blocks(self, request: Request) -> tuple[HitBlocks | None, int, int]:
         """The agreed prefix hit (None for blocks when no group has any), and
@@ -28,7 +81,24 @@ class KVCacheManager:
         its logits. The caller stores the junction on the request.
         """
         blocks, hit, junction = self.coordinator.find_hit(request.keys, request.num_tokens - 1)
+        if hit > 0 and self.config.kv_events_full:
+            self._report_hit(request, blocks)
         return (blocks if any(blocks) else None), hit, junction
+
+    def _report_hit(self, request: Request, blocks: HitBlocks) -> None:
+        """With `kv_cache_report_mode: full`, a hit is reported as one
+        BlockStored per group that hit: the prefix its blocks cover, from 0."""
+        events = self.block_pool.events
+        if events is None:
+            return
+        unit = self.config.hash_unit
+        for group_id, group_blocks in enumerate(blocks):
+            if not group_blocks:
+                continue
+            size = self.config.groups[group_id].block_size
+            n = len(group_blocks)
+            keys = tuple(request.keys[(i + 1) * size // unit - 1] for i in range(n))
+            events.append(KvEvent("stored", group_id, keys, None, 0, n * size, size))
 
     def get_num_blocks_to_allocate(
         self, request: Request, hit_blocks: HitBlocks | None, hit: int, admission: bool

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 
+from kvgate.conformance.events import KvEvent
+
 HashKey = tuple[int, str]  # (group id, prefix key of kvgate.conformance.tokens)
 
 
@@ -90,8 +92,10 @@ class FreeQueue:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, hash_unit: int) -> None:
+    def __init__(self, num_blocks: int, hash_unit: int, events: bool = False) -> None:
         self.hash_unit = hash_unit
+        # The KV-cache event queue (vLLM's enable_kv_cache_events); None: off.
+        self.events: list[KvEvent] | None = [] if events else None
         self.num_blocks = num_blocks
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue = FreeQueue(range(num_blocks))
@@ -135,7 +139,7 @@ class BlockPool:
             raise ValueError(f"cannot get {n} free blocks from the pool")
         taken = [self.blocks[self.free_queue.pop_head()] for _ in range(n)]
         for block in taken:
-            self.drop_keys(block)  # reuse evicts the cached state
+            self._removed(self.drop_keys(block))  # reuse evicts the cached state
             assert block.ref == 0
             block.ref = 1
             self.changed.add(block.block_id)
@@ -174,7 +178,31 @@ class BlockPool:
         self.free_queue.prepend_all(to_head)
         self.free_queue.append_all(to_tail)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every key, if every block but the null block is free."""
+        if self.num_free() != self.num_blocks - 1:
+            return False
+        self.cached.clear()
+        self.secondary.clear()
+        for block in self.blocks:
+            block.hash = None
+            block.hash_tokens = None
+        self.changed.update(range(self.num_blocks))
+        if self.events is not None:
+            self.events.append(KvEvent("cleared"))
+        return True
+
+    def take_events(self) -> list[KvEvent]:
+        if self.events is None:
+            return []
+        taken, self.events = self.events, []
+        return taken
+
     # -- the hash map -----------------------------------------------------
+
+    def _removed(self, keys: Iterable[HashKey]) -> None:
+        if self.events is not None:
+            self.events.extend(KvEvent("removed", g, (k,)) for g, k in keys)
 
     def drop_keys(self, block: Block) -> list[HashKey]:
         """Remove every key pointing at `block`; return the ones removed."""
@@ -216,7 +244,10 @@ class BlockPool:
         mask: Sequence[bool] | None,
     ) -> None:
         """Key table blocks [num_cached, num_full) at their block boundaries."""
+        if num_cached >= num_full:
+            return
         scale = block_size // self.hash_unit
+        stored: list[str] = []
         for i in range(num_cached, num_full):
             block = table[i]
             if block.is_null or (mask is not None and not mask[i - num_cached]):
@@ -225,8 +256,23 @@ class BlockPool:
             if block.hash is not None:
                 # A partial entry on this block is promoted to the full one.
                 assert block.hash_tokens is not None and block.hash_tokens < num_tokens
-                self.drop_keys(block)
-            self.add_key((group_id, keys[(i + 1) * scale - 1]), block, num_tokens)
+                self._removed(self.drop_keys(block))
+            key = keys[(i + 1) * scale - 1]
+            self.add_key((group_id, key), block, num_tokens)
+            stored.append(key)
+        if self.events is not None:
+            # One event per call, even when every block was skipped.
+            self.events.append(
+                KvEvent(
+                    "stored",
+                    group_id,
+                    tuple(stored),
+                    keys[num_cached * scale - 1] if num_cached else None,
+                    num_cached * block_size,
+                    num_full * block_size,
+                    block_size,
+                )
+            )
 
     def cache_partial_block(
         self,
@@ -239,7 +285,9 @@ class BlockPool:
         """Make `block` reachable from the hash-unit boundary `num_tokens`."""
         if block.is_null:
             return None
-        key = (group_id, keys[num_tokens // self.hash_unit - 1])
+        unit = self.hash_unit
+        n = num_tokens // unit
+        key = (group_id, keys[n - 1])
         already = block.hash == key or block.block_id in self.cached.get(key, {})
         if replace_existing or (
             not already
@@ -247,8 +295,14 @@ class BlockPool:
             and block.hash_tokens is not None
             and block.hash_tokens < num_tokens
         ):
-            self.drop_keys(block)
+            self._removed(self.drop_keys(block))
+            already = already and not replace_existing
         self.add_key(key, block, num_tokens)
+        if self.events is not None and not already:
+            parent = keys[n - 2] if n > 1 else None
+            self.events.append(
+                KvEvent("stored", group_id, (key[1],), parent, (n - 1) * unit, n * unit, unit)
+            )
         return key
 
     def move_keys(self, source: Block, target: Block) -> None:

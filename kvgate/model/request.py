@@ -21,6 +21,7 @@ class Request:
         # scheduler stores it; the split, sparse retention and a prefill
         # checkpoint's keying read it.
         self.shared_prefix_boundary = 0
+        self.num_preemptions = 0  # the hit stats count a re-admission apart
 
     @property
     def num_tokens(self) -> int:

@@ -6,6 +6,7 @@ from typing import Any
 
 from kvgate.conformance.config import Config
 from kvgate.conformance.driver import OpDriver
+from kvgate.conformance.events import KvEvent
 from kvgate.conformance.snapshot import BlockView, Snapshot, kept_aside
 from kvgate.conformance.target import Capabilities
 from kvgate.model.coordinator import HitBlocks
@@ -64,7 +65,9 @@ class ModelTarget(OpDriver[Request]):
         request.spec_token_ids = tokens
 
     def mark(self, request: Request, status: str) -> None:
-        return None  # the model keeps no status: no watermark is modelled
+        # No other status is kept: no watermark is modelled.
+        if status == "preempted":
+            request.num_preemptions += 1
 
     # -- manager calls ----------------------------------------------------------
 
@@ -107,6 +110,18 @@ class ModelTarget(OpDriver[Request]):
 
     def evict(self, n: int) -> None:
         self.pool.free_blocks(self.pool.get_new_blocks(n))
+
+    def record_prefix_cache_stats(self, request: Request, hit: int) -> None:
+        self.manager.record_prefix_cache_stats(request, hit)
+
+    def make_prefix_cache_stats(self) -> dict[str, Any]:
+        return {**self.manager.make_prefix_cache_stats(), "usage": self.manager.usage}
+
+    def reset_prefix_cache(self) -> bool:
+        return self.manager.reset_prefix_cache()
+
+    def take_events(self) -> list[KvEvent]:
+        return self.pool.take_events()
 
     # -- observation ------------------------------------------------------------
 

@@ -13,7 +13,8 @@ Areas: the block pool (free queue, hash map, ref counts), the Mamba align
 paths (speculative blocks, state retirement, copy-on-write, same-step
 deferral), the shared single-type manager (free and pop paths, admission
 counts), the coordinator and `KVCacheManager` (fan-out, drain, admission,
-lookup).
+lookup), and what a deployment reads besides scheduling (prefix-cache
+reset, KV-cache events, the hit stats).
 """
 
 from __future__ import annotations
@@ -408,6 +409,137 @@ FAULTS: tuple[Fault, ...] = (
         why="a dropped 'not'",
         symptom="the hit includes the block whose KV holds the next prefill token: the "
         "drafting head reads polluted state (wrong drafts, lower acceptance)",
+    ),
+    # ------------------------------------------- reset, events, hit stats
+    Fault(
+        name="reset-while-in-use",
+        area="reset",
+        module=_POOL,
+        qualname="BlockPool.reset_prefix_cache",
+        anchor="if num_used_blocks != 1:",
+        replacement="if num_used_blocks < 1:",
+        what="reset_prefix_cache proceeds while blocks are still in use",
+        why="'the null block is always used' read as 'at least one block is used'",
+        symptom="a reset under load forgets the keys of running requests' blocks; "
+        "requests in flight lose their cached prefix and the caller is told it worked",
+    ),
+    Fault(
+        name="reset-stats-unflagged",
+        area="hit stats",
+        module=_MANAGER,
+        qualname="KVCacheManager.reset_prefix_cache",
+        anchor="self.prefix_cache_stats.reset = True",
+        replacement="self.prefix_cache_stats.reset = False",
+        what="a successful reset does not flag the hit stats",
+        why="the flag's default restated instead of set",
+        symptom="the hit-rate metric never restarts at a reset: dashboards average the "
+        "old weights' hits into the new ones",
+    ),
+    Fault(
+        name="reset-no-cleared-event",
+        area="events",
+        module=_POOL,
+        qualname="BlockPool.reset_prefix_cache",
+        anchor="if self.enable_kv_cache_events:",
+        replacement="if not self.enable_kv_cache_events:",
+        what="a reset queues no AllBlocksCleared event when events are on",
+        why="a flipped guard",
+        symptom="a cache-aware router keeps routing to prefixes this replica forgot",
+    ),
+    Fault(
+        name="stored-event-wrong-parent",
+        area="events",
+        module=_POOL,
+        qualname="BlockPool.cache_full_blocks",
+        anchor="block_hashes[num_cached_blocks - 1]",
+        replacement="block_hashes[num_cached_blocks]",
+        what="a BlockStored event names the first new block as its own parent",
+        why="the classic off-by-one of 'the block before the new ones'",
+        symptom="an event consumer cannot chain a chunked prefill's blocks: its prefix "
+        "tree breaks at every chunk boundary",
+    ),
+    Fault(
+        name="stored-event-whole-prefix",
+        area="events",
+        module=_POOL,
+        qualname="BlockPool.cache_full_blocks",
+        anchor="start_token_idx = num_cached_blocks * block_size",
+        replacement="start_token_idx = 0",
+        what="a BlockStored event carries the tokens from the prompt's start",
+        why="the token range copied from the first-chunk case",
+        symptom="events carry tokens of blocks stored earlier: a consumer keying on "
+        "tokens mislabels every later chunk",
+    ),
+    Fault(
+        name="eviction-no-removed-event",
+        area="events",
+        module=_POOL,
+        qualname="BlockPool._emit_block_removed_events",
+        anchor="if not self.enable_kv_cache_events:",
+        replacement="if self.enable_kv_cache_events:",
+        what="evicting a cached block queues no BlockRemoved event when events are on",
+        why="a flipped guard",
+        symptom="a router believes evicted prefixes are still cached here and routes "
+        "requests to a replica that misses them",
+    ),
+    Fault(
+        name="events-not-cleared-on-take",
+        area="events",
+        module=_POOL,
+        qualname="BlockPool.take_events",
+        anchor="self.kv_event_queue = []",
+        replacement="self.kv_event_queue = events",
+        what="taking the events leaves them queued",
+        why="the swap written as keeping the same list",
+        symptom="every event is published again at each step, and the queue grows without bound",
+    ),
+    Fault(
+        name="hit-report-mode-inverted",
+        area="events",
+        module=_MANAGER,
+        qualname="KVCacheManager.get_computed_blocks",
+        anchor='and getattr(request, "kv_cache_report_mode", "incremental") == "full"',
+        replacement='and getattr(request, "kv_cache_report_mode", "incremental") != "full"',
+        what="lookups report their hit as BlockStored events for every request but "
+        "those that asked for it",
+        why="a flipped comparison",
+        symptom="incremental consumers see every reused prefix re-announced as newly "
+        "stored; a late-joining consumer never learns the prefixes it asked for",
+    ),
+    Fault(
+        name="stats-preempted-as-new",
+        area="hit stats",
+        module=_MANAGER,
+        qualname="KVCacheManager.record_prefix_cache_stats",
+        anchor="preempted=request.num_preemptions > 0,",
+        replacement="preempted=request.num_preemptions > 1,",
+        what="a request admitted again after its first preemption counts as new",
+        why="an off-by-one on the preemption count",
+        symptom="a re-admitted request's replayed output inflates the new-request hit "
+        "rate: the metric reports hits that are recomputation savings",
+    ),
+    Fault(
+        name="stats-queries-prompt-only",
+        area="hit stats",
+        module=_MANAGER,
+        qualname="KVCacheManager.record_prefix_cache_stats",
+        anchor="num_tokens=request.num_tokens,",
+        replacement="num_tokens=request.num_prompt_tokens,",
+        what="queries count only the prompt, not the output a resumed request replays",
+        why="'the tokens queried' read as 'the prompt'",
+        symptom="the preempted hit rate exceeds what was queried (it can pass 100 %)",
+    ),
+    Fault(
+        name="stats-never-restart",
+        area="hit stats",
+        module=_MANAGER,
+        qualname="KVCacheManager.make_prefix_cache_stats",
+        anchor="self.prefix_cache_stats = PrefixCacheStats()",
+        replacement="self.prefix_cache_stats = stats",
+        what="taking the stats does not start a new interval",
+        why="the hand-off kept the same object",
+        symptom="each logging interval counts every earlier one again: the hit "
+        "counters grow quadratically",
     ),
 )
 

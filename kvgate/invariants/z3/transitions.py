@@ -4,7 +4,8 @@
 (`kvgate.conformance.ops.PRIMITIVE_OPS`) but `check`, which replays nothing,
 to one method of `Encoding`. A transition relates a pre-state `s` and a
 next state `t` (both `vocabulary.State`) for one acting request `r`; the ops
-that act on no request (`step`, `drain`, `evict`) take none.
+that act on no request (`step`, `drain`, `evict`, `reset`, `events`,
+`stats`) take none.
 
 Each method follows the model's code path for that op, in the model's order,
 as a sequence of pool micro-steps (`get_new`, `touch`, `add_ref`,
@@ -352,6 +353,21 @@ class Encoding:
             tx.next["popped"][r, b] = z3.IntVal(0)
         tx.next["phase"][r] = z3.IntVal(ENDED)
 
+    def op_reset(self, tx: Tx) -> None:
+        # reset_prefix_cache: with every block free, every key is forgotten;
+        # with any block in use, nothing changes (the call is refused).
+        pool = tx.pool()
+        clean = z3.And([pool.free[b] for b in self.bounds.block_ids])
+        pool.keyed = {b: z3.And(z3.Not(clean), k) for b, k in pool.keyed.items()}
+        pool.tailkey = {b: z3.And(z3.Not(clean), k) for b, k in pool.tailkey.items()}
+        tx.set_pool(pool)
+
+    def op_events(self, tx: Tx) -> None:
+        return None  # takes the event queue: no manager state changes
+
+    def op_stats(self, tx: Tx) -> None:
+        return None  # takes the hit stats: no manager state changes
+
     def op_evict(self, tx: Tx) -> None:
         s, bounds = tx.s, self.bounds
         taken = {b: tx.bool(f"evict[{b}]") for b in bounds.block_ids}
@@ -622,6 +638,9 @@ TRANSITIONS: dict[str, Callable[[Encoding, Tx], None]] = {
     "pop": Encoding.op_pop,
     "release": Encoding.op_release,
     "evict": Encoding.op_evict,
+    "reset": Encoding.op_reset,
+    "events": Encoding.op_events,
+    "stats": Encoding.op_stats,
 }
 # `check` compares state and replays nothing: it is no transition.
 ENCODED_OPS: tuple[str, ...] = tuple(op for op in PRIMITIVE_OPS if op != "check")

@@ -514,6 +514,20 @@ class UEncoding:
             tx.set_row(f"poph{m}", false)
         tx.set_req("phase", z3.IntVal(ENDED))
 
+    def op_reset(self, tx: UTx) -> None:
+        # reset_prefix_cache: with every block free, every key is forgotten;
+        # with any block in use, nothing changes (the call is refused).
+        free = tx.s["free"]
+        clean = forall((BLOCK,), lambda b: free(b))
+        for key in ("keyed", "tailkey"):
+            tx.map_block(key, lambda b, old: z3.And(z3.Not(clean), old))
+
+    def op_events(self, tx: UTx) -> None:
+        return None  # takes the event queue: no manager state changes
+
+    def op_stats(self, tx: UTx) -> None:
+        return None  # takes the hit stats: no manager state changes
+
     def op_evict(self, tx: UTx) -> None:
         taken = tx.fresh("evict", BLOCK)
         free = tx.n["free"]

@@ -1,0 +1,76 @@
+"""KV-cache events (vLLM's BlockStored / BlockRemoved / AllBlocksCleared) as
+both targets report them, and as a trace writes them.
+
+A target with `kv_events` on queues an event whenever prefix-cache entries
+appear or disappear; the `events` op takes the queue. Each event is a
+`KvEvent` over prefix keys (`kvgate.conformance.tokens`), so the model's and
+vLLM's compare directly. A trace's `expect: {events: [...]}` lists them as
+lines, positions instead of digests:
+
+    stored g<G> <start>-<end>/<block size>: <key positions, or ->
+    removed g<G> <position>
+    cleared
+
+`stored` covers the tokens start..end of the request that cached them (its
+parent is the key at `start`, none at 0); a Mamba group in align mode keys
+only some of its blocks, so the positions may be fewer than the blocks, even
+none. One eviction can remove several keys of one block in an order vLLM
+leaves to a set: every run of consecutive `removed` events is sorted (by group, then
+position).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+from kvgate.conformance.tokens import key_position
+
+EventKind = Literal["stored", "removed", "cleared"]
+
+
+@dataclass(frozen=True)
+class KvEvent:
+    kind: EventKind
+    group: int = -1
+    # stored: the keys entered, in block order; removed: the one key.
+    keys: tuple[str, ...] = ()
+    parent: str | None = None  # stored: the key the first block chains on
+    start: int = 0  # stored: the token span the event carries
+    end: int = 0
+    block_size: int = 0
+
+    def line(self) -> str:
+        """The event as a trace writes it (positions)."""
+        if self.kind == "cleared":
+            return "cleared"
+        positions = " ".join(str(key_position(k)) for k in self.keys) or "-"
+        if self.kind == "removed":
+            return f"removed g{self.group} {positions}"
+        return f"stored g{self.group} {self.start}-{self.end}/{self.block_size}: {positions}"
+
+    def exact(self) -> str:
+        """The event with its full keys: what two targets compare."""
+        if self.kind == "stored":
+            return f"{self.line()} keys {' '.join(self.keys)} parent {self.parent}"
+        return f"{self.line()} keys {' '.join(self.keys)}"
+
+
+def normalized(events: Iterable[KvEvent]) -> list[KvEvent]:
+    """`events` with each run of consecutive `removed` events sorted."""
+    out: list[KvEvent] = []
+    run: list[KvEvent] = []
+    for event in events:
+        if event.kind == "removed":
+            run.append(event)
+            continue
+        out += sorted(run, key=_removal_order)
+        run = []
+        out.append(event)
+    out += sorted(run, key=_removal_order)
+    return out
+
+
+def _removal_order(event: KvEvent) -> tuple[int, list[int], tuple[str, ...]]:
+    return event.group, [key_position(k) for k in event.keys], event.keys
