@@ -18,9 +18,11 @@ only integers are a request's phase, reservation and peak and a block's group
 (ghost) -- compared with constants, never summed over a sort -- and the
 quantifier alternation is stratified (Block over Req and Copy, "some holder
 of this block"). What needs an unbounded count in the bounded encoding is an
-abstraction here, stated, and checked against the model by the drift test
-(`tests/test_z3_drift.py`: every concrete step is an instance of the
-transition below, on a finite instance of the sorts):
+abstraction here, stated below. Each op is written as the same micro-steps
+as the bounded transition, which the drift test (`tests/test_z3_drift.py`)
+checks against the model; here, `tests/test_z3_unbounded.py` checks each
+transition satisfiable on a finite instance of the sorts (`finite`), but
+no check yet maps every concrete or bounded step onto this encoding:
 
 - Ref counts are sets of holders. The pool's ref on a block is the set of
   its ref *tokens*, one per holder identity: a request's table entry in a
