@@ -25,8 +25,8 @@ pending copy's endpoints are two blocks), which the copies' identities need.
 every property P and op, I the conjunction of all of them, each tracked by
 name so an unsat core lists what a proof used. A failed check yields a
 finite model (Z3 picks a universe for each sort): the counterexample to
-induction, whose sizes say where bounded model checking looks for a
-concrete run (see `command.py`).
+induction, whose sizes the table shows; the trace comes from bounded model
+checking from `init` (see `command.py`).
 """
 
 from __future__ import annotations
