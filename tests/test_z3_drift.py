@@ -44,7 +44,8 @@ def configs(draw: st.DrawFn) -> Config:
             *[GroupConfig("mamba_align", size, speculative_blocks=spec) for size in mamba],
         ),
         eagle=draw(st.booleans()),
-        retention_interval=draw(st.sampled_from([None, 0])),
+        # Periodic retention (64) only changes which own blocks a chunk keys.
+        retention_interval=draw(st.sampled_from([None, 0, 64])),
         hold=draw(st.sampled_from([True, True, False])),
         hold_retired=draw(st.booleans()),  # the production fork's retention
         scheduler_block_size=32,

@@ -166,6 +166,13 @@ def write_summary(out: TextIO, outcome: Outcome) -> None:
     missing += [f"free:{how}" for how in FREE_HOW if not ops[f"free:{how}"]]
     if missing:
         print(f"  never exercised: {', '.join(missing)}", file=out)
+    print("configs drawn per align-mode knob:", file=out)
+    knobs: dict[str, list[str]] = {}
+    for key in stats.knobs:
+        knob, value = key.split("=", 1)
+        knobs.setdefault(knob, []).append(f"{value} {stats.knobs[key]}")
+    for knob, values in knobs.items():
+        print(f"  {knob}: {', '.join(sorted(values))}", file=out)
     failure = outcome.failure
     if failure is None:
         print("no failure found", file=out)

@@ -355,7 +355,10 @@ def _admission_extra(
     num_tokens: int,
 ) -> int:
     """`Holds.admission_extra`: for a partial-tail hit with the hold on (the
-    held source and the moved tail coexist for a step); with retired states
+    held source and the moved tail coexist for a step), and with the hold on
+    for a group keying sub-block states besides the prompt's tail (prefill
+    checkpoint blocks, the shared-prefix checkpoint): a held one and a moved
+    tail coexist; with retired states
     retained, for a prompt that will retire one unless a hit brings it, and
     for a prompt within a block whose own tail the hold keeps."""
     hold, retire = _enabled(manager), _retires(manager)
@@ -363,9 +366,17 @@ def _admission_extra(
         return 0
     if hold and manager._has_partial_local_hit(hit, num_local_computed_tokens):
         return 1
+    block_size = int(manager.block_size)
+    # A held sub-block state besides the prompt's tail (an exported
+    # checkpoint, a junction's), beside a moved tail.
+    sub_block = int(manager.block_pool.hash_block_size) < block_size
+    more_partial_states = bool(getattr(manager, "has_prefill_checkpoint_blocks", False)) or bool(
+        getattr(manager, "shared_prefix_checkpoint", False)
+    )
+    if hold and more_partial_states and sub_block:
+        return 1
     if not retire:
         return 0
-    block_size = int(manager.block_size)
     if num_tokens <= block_size:
         return int(hold and int(manager.block_pool.hash_block_size) < block_size)
     return 0 if any(not block.is_null for block in hit) else 1

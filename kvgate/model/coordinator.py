@@ -187,6 +187,9 @@ class Coordinator:
                         num_tokens=num_tokens_main,
                         block_size=manager.block_size,
                         hit_has_block=any(not b.is_null for b in hit),
+                        more_partial_states=(
+                            manager.has_prefill_checkpoints or manager.shared_prefix_checkpoint
+                        ),
                     )
             else:
                 total += manager.blocks_needed(request_id, num_tokens, hit, num_local_computed)

@@ -109,12 +109,17 @@ class Holds:
         num_tokens: int,
         block_size: int,
         hit_has_block: bool,
+        more_partial_states: bool = False,
     ) -> int:
         """The extra block admission reserves in one group for a block the
         request will hold outside its table (none once it holds one):
 
         - the tail hold, for a partial-tail hit: the held source and the
           moved tail coexist for one step;
+        - the tail hold where a request keys sub-block states besides its
+          prompt's tail (`more_partial_states`: prefill checkpoint blocks, or
+          the shared-prefix checkpoint), with a unit finer than the block: a
+          held one and a moved tail may coexist for one step;
         - with retired states retained too (the fork), for a prompt that will
           retire one (longer than a block) unless a hit brings the block it
           holds; a prompt within one block retires none, but with the tail
@@ -123,6 +128,8 @@ class Holds:
         if self.held(group_id, request_id):
             return 0
         if self.enabled and partial_hit:
+            return 1
+        if self.enabled and more_partial_states and self.pool.hash_unit < block_size:
             return 1
         if not self.retire_enabled:
             return 0

@@ -265,6 +265,72 @@ FAULTS: tuple[Fault, ...] = (
         symptom="the block sits twice in the table: freeing the request drops two refs "
         "for one, corrupting the count (negative refs, double queueing)",
     ),
+    # ---------------------------------- Mamba align: prefill checkpoints, retention
+    Fault(
+        name="checkpoint-transient-keeps-keys",
+        area="mamba align",
+        module=_SINGLE,
+        qualname="MambaManager._cache_partial_tail_block",
+        anchor="self.block_pool._maybe_evict_cached_block(checkpoint_block)",
+        replacement="pass  # the transient checkpoint keeps its keys",
+        what="a transient prefill checkpoint (neither the prompt's, retained, nor the "
+        "junction) keeps the full-block key keyed on its column this step",
+        why="the comment says the state is not reusable, and returning early looks "
+        "like enough; the eviction of a key registered moments before is easy to drop",
+        symptom="the column holds a mid-block state under a block-boundary key: a later "
+        "request resumes from the wrong state (silently wrong output)",
+    ),
+    Fault(
+        name="checkpoint-column-nulled",
+        area="mamba align",
+        module=_SINGLE,
+        qualname="MambaManager.allocate_new_blocks",
+        anchor="null_end = num_skipped_blocks - checkpoint_block",
+        replacement="null_end = num_skipped_blocks",
+        what="a checkpoint step nulls the checkpoint column like any skipped one",
+        why="the null padding predates checkpoint blocks; the '- checkpoint_block' is "
+        "the kind of term a merge drops",
+        symptom="the exported checkpoint has no block: the prompt's reusable state is "
+        "never keyed, and the next turn recomputes the whole prompt",
+    ),
+    Fault(
+        name="checkpoint-block-not-counted",
+        area="mamba align",
+        module=_SINGLE,
+        qualname="MambaManager.get_num_blocks_to_allocate",
+        anchor="physical_block_cap = 1 + int(has_partial_hit) + checkpoint_block",
+        replacement="physical_block_cap = 1 + int(has_partial_hit)",
+        what="admission and the per-step estimate leave out the checkpoint block",
+        why="the cap was written before checkpoint blocks; allocation counts the block "
+        "itself, so the two drift apart unnoticed",
+        symptom="a step admitted at the pool's edge cannot take its checkpoint block: "
+        "the allocation fails after the scheduler committed to it",
+    ),
+    Fault(
+        name="checkpoint-scratch-relocated",
+        area="mamba align",
+        module=_SINGLE,
+        qualname="MambaManager.allocate_new_blocks",
+        anchor="if block_idx < num_skipped_blocks - checkpoint_block:",
+        replacement="if block_idx < num_skipped_blocks:",
+        what="a running request's checkpoint step relocates the scratch block that "
+        "should stay as the checkpoint column",
+        why="the same bound as the null padding above it, without the checkpoint term",
+        symptom="the checkpoint column is left null (or a block is asked for twice): "
+        "the prompt's reusable state is lost after a resumed prefill",
+    ),
+    Fault(
+        name="periodic-retention-off-by-one",
+        area="mamba align",
+        module=_SINGLE,
+        qualname="MambaManager.reachable_block_mask",
+        anchor="for i in range(first_boundary - start_block, len(mask), per_segment):",
+        replacement="for i in range(first_boundary - start_block + 1, len(mask), per_segment):",
+        what="periodic retention keeps the block after each interval's last one",
+        why="block i ends at (i + 1) * block_size: the classic fencepost",
+        symptom="siblings resume one block past the interval boundary's state, which "
+        "is not kept: they miss the periodic checkpoint and recompute the prefix",
+    ),
     # ------------------------------------------------------- single-type manager
     Fault(
         name="free-order-not-reversed",
