@@ -165,12 +165,16 @@ def _workload_command(
 def test_a_request_the_scheduler_refuses_is_one_line_naming_the_step(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    # max_model_len 4096 / 32 = 128 tokens: the first prompt is longer.
-    code, err = _workload_command(monkeypatch, capsys, tmp_path, max_model_len=4096)
+    # max_model_len = the first turn's prompt: the model takes the prompt,
+    # the engine refuses it (no room left for the output).
+    plan = make_plan(Workload(sessions=2, turns=2), SCALE)
+    first = min(plan, key=lambda s: (s.turns[0].delay, s.index))
+    prompt = WORKLOAD.system_prompt // SCALE + first.turns[0].fresh
+    code, err = _workload_command(monkeypatch, capsys, tmp_path, max_model_len=prompt * SCALE)
     assert code == 2
     (line,) = [x for x in err.splitlines() if x.startswith("kvgate: error:")]
     assert ": step 1: prompt: vLLM's Scheduler refuses it: " in line
-    assert "exceed max_model_len 128" in line
+    assert f"exceed max_model_len {prompt}" in line
     assert "Traceback" not in err
 
 

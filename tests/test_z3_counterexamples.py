@@ -28,7 +28,7 @@ from kvgate.conformance.trace import Trace, load_trace
 from kvgate.invariants.z3.abstraction import Drift, acting, bounds_of, observe
 from kvgate.invariants.z3.checker import prove
 from kvgate.invariants.z3.command import DEFAULT_DEPTH
-from kvgate.invariants.z3.counterexample import Found, find
+from kvgate.invariants.z3.counterexample import GEOMETRIES, Found, Geometry, find
 from kvgate.invariants.z3.transitions import MUTATIONS
 from kvgate.invariants.z3.vocabulary import Bounds
 from kvgate.model.mutations import MUTATIONS as MODEL_MUTATIONS
@@ -129,3 +129,23 @@ def test_upstream_counterexample_fails_the_same_way_on_vllm(
     # misses exactly the mutated model's expectations, and maybe more: the
     # mutation disables one part of the hold, vLLM lacks all of it.
     assert set(on_model) <= set(misses(on_vllm))
+
+
+@pytest.mark.parametrize("geometry", GEOMETRIES[1:], ids=str)
+def test_counterexamples_at_other_geometries(tmp_path: Path, geometry: Geometry) -> None:
+    """Bounded model checking's paths concretize at more than one geometry
+    (a coarser hash unit and block, eagle's drop): the trace runs at it,
+    passes on the clean model and fails on the mutated one."""
+    found = find(
+        Bounds(), "abort_keeps_hold", "no_leak", tmp_path, DEFAULT_DEPTH, geometries=(geometry,)
+    )
+    assert found.file is not None, found.note
+    trace = load_trace(found.file)
+    assert (trace.config.hash_unit, trace.config.eagle) == (
+        geometry.hash_unit,
+        geometry.eagle,
+    )
+    assert trace.config.groups[1].block_size == geometry.block
+    assert misses(replay(trace, ModelTarget(trace.config), None, "api")) == []
+    with mutated("abort_keeps_hold"):
+        assert misses(replay(trace, ModelTarget(trace.config), None, "api"))

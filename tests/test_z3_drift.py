@@ -47,6 +47,7 @@ def configs(draw: st.DrawFn) -> Config:
         # Periodic retention (64) only changes which own blocks a chunk keys.
         retention_interval=draw(st.sampled_from([None, 0, 64])),
         hold=draw(st.sampled_from([True, True, False])),
+        hold_retired=draw(st.booleans()),  # the production fork's retention
         scheduler_block_size=32,
         max_num_scheduled_tokens=draw(st.sampled_from([16, 32, 8192])),
     )
@@ -91,6 +92,10 @@ class Run:
         for what, happened in (
             ("a tail moved", moved),
             ("a request holds a block", any(after["hold"].values())),
+            (
+                "a retired state is held",  # the fork's retention: a table block becomes a hold
+                any(v and before["table"][k] for k, v in after["hold"].items()),
+            ),
             ("a copy is pending", any(after["pend"].values())),
             ("blocks are popped", any(after["popped"].values())),
         ):

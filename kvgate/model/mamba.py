@@ -344,7 +344,7 @@ class MambaManager(GroupManager):
             mask = self.retention_mask(index, index + 1, retention, ())
             retained = mask is None or mask[0]
         if not prompt_checkpoint and not retained and position != request.shared_prefix_boundary:
-            self.pool.drop_keys(block)
+            self.pool.evict_keys(block)
             return None
         if block.hash_tokens == position:
             return None

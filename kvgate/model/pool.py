@@ -139,7 +139,7 @@ class BlockPool:
             raise ValueError(f"cannot get {n} free blocks from the pool")
         taken = [self.blocks[self.free_queue.pop_head()] for _ in range(n)]
         for block in taken:
-            self._removed(self.drop_keys(block))  # reuse evicts the cached state
+            self.evict_keys(block)  # reuse evicts the cached state
             assert block.ref == 0
             block.ref = 1
             self.changed.add(block.block_id)
@@ -199,6 +199,11 @@ class BlockPool:
         return taken
 
     # -- the hash map -----------------------------------------------------
+
+    def evict_keys(self, block: Block) -> None:
+        """Evict `block` from the prefix cache (its keys go, with a
+        `removed` event each); its ref count and place stay."""
+        self._removed(self.drop_keys(block))
 
     def _removed(self, keys: Iterable[HashKey]) -> None:
         if self.events is not None:

@@ -63,10 +63,11 @@ class _Diverged(Exception):
 
 
 class _Refused(Exception):
-    def __init__(self, step_index: int, refusal: StepRefused) -> None:
+    def __init__(self, step_index: int, refusal: StepRefused, who: str) -> None:
         super().__init__(refusal.message)
         self.step_index = step_index
         self.refusal = refusal
+        self.who = who
 
 
 @dataclass
@@ -86,7 +87,7 @@ class _Lockstep:
         try:
             self.real.add_request(name, tokens, max_tokens, follows)
         except StepRefused as refusal:
-            raise _Refused(step.index, refusal) from None
+            raise _Refused(step.index, refusal, "vLLM's Scheduler") from None
         except Exception as error:
             raise _Diverged(step, "api", "exception", "no exception", one_line(error)) from error
 
@@ -184,6 +185,10 @@ def run_on_scheduler(
         diverged = error
     except _Refused as error:
         refused = error
+    except StepRefused as refusal:
+        # The model refuses the step being written (e.g. a prompt longer than
+        # max_model_len): the plan does not fit the config.
+        refused = _Refused(len(run.writer.steps), refusal, "kvgate's model")
     seconds = time.perf_counter() - started
     path = save_trace(out, name, config, run.writer.steps, about)
     if refused is not None:
@@ -191,7 +196,7 @@ def run_on_scheduler(
             path,
             refused.step_index,
             refused.refusal.field,
-            f"vLLM's Scheduler refuses it: {refused.refusal.message}",
+            f"{refused.who} refuses it: {refused.refusal.message}",
         )
     trace = load_trace(path)
     divergence = None

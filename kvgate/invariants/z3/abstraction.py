@@ -58,6 +58,7 @@ def observe(target: ModelTarget, names: Mapping[str, int], bounds: Bounds) -> Va
     managers = coordinator.managers
     out: Values = {f.name: {} for f in FIELDS if not f.ghost}
     out["hold_on"][()] = target.config.hold
+    out["retire_on"][()] = target.config.hold_retired
     pend = {b: 0 for b in bounds.block_ids}
     # `grp` is a ghost only for a block nothing uses: a used or keyed block's
     # group is observed (its keys', its table's, its pending copy's, its hold's).

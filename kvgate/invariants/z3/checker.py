@@ -277,7 +277,8 @@ def bmc(
     moves = [(op, r) for op in ops for r in (bounds.request_ids if acts_on_request(op) else [None])]
     states = [State(bounds, "s0")]
     solver = z3.Solver()
-    solver.add(init(states[0]), states[0].hold_on == hold_on)
+    # The traces it writes run without the fork's retention.
+    solver.add(init(states[0]), states[0].hold_on == hold_on, z3.Not(states[0].retire_on))
     selectors: list[dict[tuple[str, int | None], Any]] = []
     for k in range(1, depth + 1):
         pre, post = states[-1], State(bounds, f"s{k}")

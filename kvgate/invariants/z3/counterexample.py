@@ -2,9 +2,12 @@
 
 A `checker.Path` is a run of the abstract machine: ops, acting requests and
 the states between them, but no tokens. `concretize` turns it into trace
-steps for a fixed concrete geometry (`trace_config`: hash unit 8, one block
-size of 32 for attention and every Mamba group, so a hit is partial in every
-group or in none; no eagle drop; sparse retention; the hold switch on):
+steps for a concrete geometry (`trace_config`: one block size for attention
+and every Mamba group, so a hit is partial in every group or in none;
+sparse retention; the hold switch on), trying each of `GEOMETRIES` in turn
+until one reproduces the path: hash unit 8 under 32-token blocks, then
+16 under 64, then 8 under 32 with eagle's drop (a path some geometry cannot
+show, another may):
 
 - each abstract op becomes its trace op: `allocate` is `allocate {tokens:
   auto}` while the prompt is not computed and `decode1` after, each followed
@@ -52,24 +55,42 @@ from kvgate.invariants.z3.vocabulary import (
 from kvgate.model.mutations import mutated
 from kvgate.model.target import ModelTarget
 
-HASH_UNIT = 8
-BLOCK = 32
-FRESH_LENGTHS = range(1, 49)  # the `fresh` suffix lengths tried, shortest first
 NEXT_TURN = "next"  # the follow-up request of the no-total-miss epilogue
 
 
-def trace_config(bounds: Bounds) -> Config:
+@dataclass(frozen=True)
+class Geometry:
+    """The token geometry a counterexample trace runs at."""
+
+    hash_unit: int
+    block: int
+    eagle: bool
+
+    @property
+    def fresh_lengths(self) -> range:
+        """The `fresh` suffix lengths tried, shortest first: up to a block
+        and a half, so a prompt can end inside its second block."""
+        return range(1, self.block * 3 // 2 + 1)
+
+    def __str__(self) -> str:
+        return f"unit {self.hash_unit}, block {self.block}" + (", eagle" if self.eagle else "")
+
+
+GEOMETRIES = (Geometry(8, 32, False), Geometry(16, 64, False), Geometry(8, 32, True))
+
+
+def trace_config(bounds: Bounds, geometry: Geometry = GEOMETRIES[0]) -> Config:
     return Config(
         num_blocks=bounds.blocks,
-        hash_unit=HASH_UNIT,
+        hash_unit=geometry.hash_unit,
         groups=(
-            GroupConfig("full_attention", BLOCK),
-            *[GroupConfig("mamba_align", BLOCK) for _ in bounds.mamba_ids],
+            GroupConfig("full_attention", geometry.block),
+            *[GroupConfig("mamba_align", geometry.block) for _ in bounds.mamba_ids],
         ),
-        eagle=False,
+        eagle=geometry.eagle,
         retention_interval=0,
         hold=True,
-        scheduler_block_size=BLOCK,
+        scheduler_block_size=geometry.block,
     )
 
 
@@ -109,11 +130,12 @@ class Run:
 class Concretizer:
     """Searches concrete steps that reproduce a path on the (mutated) model."""
 
-    def __init__(self, path: Path, mutation: str) -> None:
+    def __init__(self, path: Path, mutation: str, geometry: Geometry = GEOMETRIES[0]) -> None:
         self.path = path
         self.mutation = mutation
         self.bounds = path.bounds
-        self.config = trace_config(self.bounds)
+        self.geometry = geometry
+        self.config = trace_config(self.bounds, geometry)
         self.names = {request_name(r): r for r in self.bounds.request_ids}
         self.first_use = _first_uses(path.steps)
         self.base = {r: _resumes_from(path.steps, r) for r in self.first_use}
@@ -134,7 +156,7 @@ class Concretizer:
         r = todo[0]
         later = [self.first_use[q] for q in todo[1:]]
         horizon = min(later) if later else len(self.path.steps)
-        for n in FRESH_LENGTHS:
+        for n in self.geometry.fresh_lengths:
             trial = {**lengths, r: n}
             if self.simulate(trial).matched >= horizon:
                 found = self._search(trial)
@@ -333,7 +355,7 @@ def _epilogue(concretizer: Concretizer, clean: Clean, at: int) -> list[Step]:
         add(Step("evict", 0, blocks="all"))
         add(Step("free", 0, req=victim, how="finish"))
         add(Step("drain", 0))
-        fresh = Segment("fresh", count=HASH_UNIT)
+        fresh = Segment("fresh", count=concretizer.geometry.hash_unit)
         add(Step("arrive", 0, req=NEXT_TURN, prompt=(Segment("all_of", req=victim), fresh)))
         add(Step("lookup", 0, req=NEXT_TURN), hit=True)
         return steps
@@ -361,15 +383,23 @@ class NotConcretized(Exception):
     """No concrete trace reproduces the path (its shape, or its violation)."""
 
 
-def concretize(path: Path, mutation: str) -> Counterexample:
-    concretizer = Concretizer(path, mutation)
-    run = concretizer.search()
-    if run is None:
-        raise NotConcretized(f"no fresh lengths reproduce {path.describe()}")
-    if not violates(concretizer, run):
-        raise NotConcretized(f"{path.describe()}: the concrete run keeps {path.prop}")
-    steps = build_steps(concretizer, run)
-    return Counterexample(path, tuple(steps), concretizer.config)
+def concretize(
+    path: Path, mutation: str, geometries: Sequence[Geometry] = GEOMETRIES
+) -> Counterexample:
+    """The path as a trace at the first geometry that reproduces it."""
+    why = []
+    for geometry in geometries:
+        concretizer = Concretizer(path, mutation, geometry)
+        run = concretizer.search()
+        if run is None:
+            why.append(f"no fresh lengths reproduce {path.describe()} at {geometry}")
+            continue
+        if not violates(concretizer, run):
+            why.append(f"{path.describe()}: the concrete run keeps {path.prop} at {geometry}")
+            continue
+        steps = build_steps(concretizer, run)
+        return Counterexample(path, tuple(steps), concretizer.config)
+    raise NotConcretized("; ".join(why))
 
 
 def violates(concretizer: Concretizer, run: Run) -> bool:
@@ -414,27 +444,37 @@ class Found:
 
 
 def find(
-    bounds: Bounds, mutation: str, prop: str, directory: FilePath, depth: int, attempts: int = 3
+    bounds: Bounds,
+    mutation: str,
+    prop: str,
+    directory: FilePath,
+    depth: int,
+    attempts: int = 3,
+    geometries: Sequence[Geometry] = GEOMETRIES,
 ) -> Found:
     """Bounded model checking for `prop` (reduced bounds first, then the
-    full ones), each path concretized; a path no concrete run reproduces is
-    blocked and the search goes on, `attempts` times per bound."""
+    full ones), each path concretized at the first geometry; a path no
+    concrete run reproduces is blocked and the search goes on, `attempts`
+    times per bound; then the same at the next geometry."""
     tried: list[str] = []
-    for where in dict.fromkeys([search_bounds(bounds), bounds]):
-        blocked: list[tuple[tuple[str, int | None], ...]] = []
-        for _ in range(attempts):
-            path = bmc(where, prop, mutation, depth, blocked=blocked)
-            if path is None:
-                tried.append(f"no run of <= {depth} ops at {where}")
-                break
-            try:
-                example = concretize(path, mutation)
-            except NotConcretized as error:
-                tried.append(str(error))
-                blocked.append(tuple((s.op, s.req) for s in path.steps))
-                continue
-            file = write(example, directory)
-            return Found(prop, file, f"{len(path.steps)} ops at {where}", path)
+    for geometry in geometries:
+        if tried and all(t.startswith("no run of") for t in tried):
+            break  # no path at all: no geometry can help
+        for where in dict.fromkeys([search_bounds(bounds), bounds]):
+            blocked: list[tuple[tuple[str, int | None], ...]] = []
+            for _ in range(attempts):
+                path = bmc(where, prop, mutation, depth, blocked=blocked)
+                if path is None:
+                    tried.append(f"no run of <= {depth} ops at {where}")
+                    break
+                try:
+                    example = concretize(path, mutation, (geometry,))
+                except NotConcretized as error:
+                    tried.append(str(error))
+                    blocked.append(tuple((s.op, s.req) for s in path.steps))
+                    continue
+                file = write(example, directory)
+                return Found(prop, file, f"{len(path.steps)} ops at {where}, {geometry}", path)
     return Found(prop, None, "; ".join(tried))
 
 

@@ -32,7 +32,8 @@ Invariants
                             released (the tail swap) -- never exceed the one
                             copy a step already counts plus the extra block
                             its admission reserved (`lifecycle.ReservationCoversTailSwap`
-                            checks the same on concrete runs)
+                            checks the same on concrete runs); without the
+                            fork's retention
     clean_when_idle         no resident request, no popped blocks, no
                             pending copy: every block is free at ref 0
 
@@ -51,14 +52,22 @@ Lemmas (the strengthening; each is what some invariant's induction needs)
     pending_tail_shape      a keyed tail awaiting its move is one keyed block
                             the request took itself, keyed this life
     checkpoint_is_hold      with the hold on, a request holds exactly its
-                            checkpoint; with it off, nothing (no_total_miss
+                            checkpoint; with it off, nothing but a state
+                            the fork's retention kept (no_total_miss
                             rests on it: a checkpoint is pinned by its hold)
+    held_outside_table      a request never holds a block of its own table
+                            (the fork's retention needs it: a hold is not
+                            a pending tail whose keys move away)
     hold_reserved           until the tail moves, a request holds no more
                             than its admission reserved (reservation rests on
                             it: at the swap, the old hold is a reserved one)
 
-Every property is proved with the hold switch (`hold_on`) free, so for both
-settings at once; those about the hold say "with the hold on" themselves.
+Every property is proved with the hold switch (`hold_on`) and the fork's
+retention (`retire_on`) free, so for all four settings at once; those about
+the hold say "with the hold on" themselves. `reservation_covers_tail_swap`
+and `hold_reserved` are claimed without the fork's retention only: a state
+it retains is a pin the admission rule this invariant checks does not count
+(the exploration's finding, see README).
 """
 
 from __future__ import annotations
@@ -171,8 +180,15 @@ def no_total_miss(s: State, bounds: Bounds) -> list[Instance]:
 
 
 def reservation_covers_tail_swap(s: State, bounds: Bounds) -> list[Instance]:
+    # Written for the hold alone: with the fork's retention a retained state
+    # is a pin admission does not count (see README, Exploring).
     return [
-        _inst("reservation_covers_tail_swap", s.peak[r, m] <= STEP_COPY + s.rsv[r, m], r=r, g=m)
+        _inst(
+            "reservation_covers_tail_swap",
+            z3.Implies(z3.Not(s.retire_on), s.peak[r, m] <= STEP_COPY + s.rsv[r, m]),
+            r=r,
+            g=m,
+        )
         for r in bounds.request_ids
         for m in bounds.mamba_ids
     ]
@@ -290,13 +306,24 @@ def pending_tail_shape(s: State, bounds: Bounds) -> list[Instance]:
 
 
 def checkpoint_is_hold(s: State, bounds: Bounds) -> list[Instance]:
-    """With the hold on a request holds exactly its checkpoint; off, nothing."""
+    """With the hold on a request holds exactly its checkpoint; off, nothing
+    but a state the fork's retention kept."""
     return _per_mamba_slot(
         "checkpoint_is_hold",
         bounds,
         lambda r, m, b: z3.If(
-            s.hold_on, s.hold[r, m, b] == s.ckpt[r, m, b], z3.Not(s.hold[r, m, b])
+            s.hold_on, s.hold[r, m, b] == s.ckpt[r, m, b], z3.Implies(s.hold[r, m, b], s.retire_on)
         ),
+    )
+
+
+def held_outside_table(s: State, bounds: Bounds) -> list[Instance]:
+    """A request's hold is never in its own table: it holds a source its
+    copy replaced, a moved tail's copy, or a state its table dropped."""
+    return _per_mamba_slot(
+        "held_outside_table",
+        bounds,
+        lambda r, m, b: z3.Implies(s.hold[r, m, b], z3.Not(s.table[r, m, b])),
     )
 
 
@@ -312,7 +339,10 @@ def hold_reserved(s: State, bounds: Bounds) -> list[Instance]:
                 s.rsv[r, m] >= 0,
                 s.rsv[r, m] <= 1,
                 s.peak[r, m] >= 0,
-                z3.Implies(z3.Or(z3.Not(s.tailed[r, m]), awaiting), held <= s.rsv[r, m]),
+                z3.Implies(
+                    z3.And(z3.Not(s.retire_on), z3.Or(z3.Not(s.tailed[r, m]), awaiting)),
+                    held <= s.rsv[r, m],
+                ),
             )
             out.append(_inst("hold_reserved", reserved, r=r, g=m))
     return out
@@ -365,6 +395,9 @@ LEMMAS: tuple[Property, ...] = (
         "checkpoint_is_hold", "lemma", "hold on: hold = checkpoint; off: none", checkpoint_is_hold
     ),
     Property("hold_reserved", "lemma", "before the tail moves, holds <= reserved", hold_reserved),
+    Property(
+        "held_outside_table", "lemma", "a request's hold is not in its table", held_outside_table
+    ),
 )
 
 PROPERTIES: tuple[Property, ...] = INVARIANTS + LEMMAS

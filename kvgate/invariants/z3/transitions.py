@@ -37,9 +37,16 @@ the model guarantees whatever the positions:
   run whose stale hit was retaken by another group is outside this
   encoding (the drift test's runs keep lookups fresh).
 
-The encoding covers configs without `retain_retired` (the production fork's
-retention of retired states, which kvgate models and the overlay offers):
-`remove_skipped` frees what it drops, as upstream and the hold alone do.
+- with `retain_retired` (the production fork's retention, `retire_on`),
+  `remove_skipped` may keep one keyed block it drops as the request's hold
+  (its table ref becomes the hold's), superseding the hold, which it frees
+  with the rest; whether the dropped state is newer than the hold is a free
+  choice, and so is whether a newer held state makes `Holds.hold` refuse a
+  later copy. The admission extra is then a free 0 or 1 (the fork's rule
+  counts tokens);
+- holds follow a producer's moved keys whatever the switches (the model
+  follows them unconditionally; without retention no one holds with the
+  hold off).
 
 Each of these is checked, not trusted: the drift test
 (`tests/test_z3_drift.py`) runs the model and requires every concrete step
@@ -244,11 +251,15 @@ class Encoding:
 
     def follows(self, tx: Tx) -> Any:
         """Whether holds follow a producer's moved keys (`follow_moved_keys`)."""
-        return self.hold_enabled(tx)
+        return z3.BoolVal(True)
 
     def admission_extra(self, tx: Tx, partial_hit: Any, holding: Any) -> Any:
-        """`Holds.admission_extra`: one block for a partial-tail hit, hold on."""
-        return z3.If(z3.And(tx.s.hold_on, partial_hit, z3.Not(holding)), 1, 0)
+        """`Holds.admission_extra`: one block for a partial-tail hit, hold on;
+        with the fork's retention, a free 0 or 1."""
+        upstream = z3.If(z3.And(tx.s.hold_on, partial_hit, z3.Not(holding)), 1, 0)
+        fork = tx.int("fork_extra")
+        tx.require("the fork's extra is 0 or 1", z3.And(fork >= 0, fork <= 1))
+        return z3.If(tx.s.retire_on, fork, upstream)
 
     def supersede(
         self, tx: Tx, pool: Pool, old: Mapping[int, Any], do_hold: Any
@@ -380,13 +391,24 @@ class Encoding:
         freed: dict[int, Any] = {b: z3.IntVal(0) for b in bounds.block_ids}
         within = []
         for m in bounds.mamba_ids:
+            # Holds.retire: maybe keep one keyed dropped state as the hold.
+            keep = {b: tx.bool(f"retire[{m},{b}]") for b in bounds.block_ids}
+            retained = any_of(keep.values())
+            within.append(count(keep.values()) <= 1)
             for b in bounds.block_ids:
                 drop = tx.bool(f"drop[{m},{b}]")
                 within.append(z3.Implies(drop, z3.And(s.table[r, m, b], z3.Not(s.cowsrc[r, m, b]))))
+                within.append(z3.Implies(keep[b], z3.And(drop, s.keyed[b], s.retire_on)))
                 n["table"][r, m, b] = z3.And(s.table[r, m, b], z3.Not(drop))
                 n["own"][r, m, b] = z3.And(s.own[r, m, b], z3.Not(drop))
-                freed[b] = freed[b] + z3.If(drop, 1, 0)
-        tx.require("skipped states are own, not the keyed tail", z3.And(within))
+                superseded = z3.And(retained, s.hold[r, m, b])
+                freed[b] = freed[b] + z3.If(z3.And(drop, z3.Not(keep[b])), 1, 0)
+                freed[b] = freed[b] + z3.If(superseded, 1, 0)
+            for b in bounds.block_ids:
+                n["hold"][r, m, b] = z3.If(retained, keep[b], s.hold[r, m, b])
+                # With the hold on, the newest state held is the one to resume from.
+                n["ckpt"][r, m, b] = z3.If(z3.And(retained, s.hold_on), keep[b], s.ckpt[r, m, b])
+        tx.require("skipped states are own, not the keyed tail; one retained", z3.And(within))
         pool = self.free_blocks(tx, pool, freed)
 
         # add_hit_blocks: the pending lookup, on the first allocation only.
@@ -510,11 +532,19 @@ class Encoding:
         # Holds.hold: the hit source a new request copied from, or the copy a
         # running request's tail moved to, if it carries a key.
         target = {b: z3.Or(source[b], z3.And(move, copy[b])) for b in blocks}
+        old = {b: n["hold"][r, m, b] for b in blocks}
+        # A newer retained state (the fork's) makes the hold refuse the copy.
+        refuse = tx.bool(f"refuse[{m}]")
+        tx.require(
+            f"group {m}: only a retained hold refuses",
+            z3.Implies(refuse, z3.And(s.retire_on, any_of(old.values()))),
+        )
         takes = z3.And(
-            z3.Or(cow_new, move), any_of(z3.And(target[b], pool.keyed[b]) for b in blocks)
+            z3.Or(cow_new, move),
+            any_of(z3.And(target[b], pool.keyed[b]) for b in blocks),
+            z3.Not(refuse),
         )
         do_hold = z3.And(self.hold_enabled(tx), takes)
-        old = {b: n["hold"][r, m, b] for b in blocks}
         pool = self.touch(tx, pool, {b: z3.And(do_hold, target[b]) for b in blocks})
         pool, kept = self.supersede(tx, pool, old, do_hold)
         for b in blocks:

@@ -18,9 +18,11 @@ only integers are a request's phase, reservation and peak and a block's group
 (ghost) -- compared with constants, never summed over a sort -- and the
 quantifier alternation is stratified (Block over Req and Copy, "some holder
 of this block"). What needs an unbounded count in the bounded encoding is an
-abstraction here, stated, and checked against the model by the drift test
-(`tests/test_z3_drift.py`: every concrete step is an instance of the
-transition below, on a finite instance of the sorts):
+abstraction here, stated below. Each op is written as the same micro-steps
+as the bounded transition, which the drift test (`tests/test_z3_drift.py`)
+checks against the model; here, `tests/test_z3_unbounded.py` checks each
+transition satisfiable on a finite instance of the sorts (`finite`), but
+no check yet maps every concrete or bounded step onto this encoding:
 
 - Ref counts are sets of holders. The pool's ref on a block is the set of
   its ref *tokens*, one per holder identity: a request's table entry in a
@@ -91,6 +93,7 @@ RB = ("req", "block")
 
 UFIELDS: tuple[UField, ...] = (
     UField("hold_on", (), "bool", "", False, "the hold switch; never changes"),
+    UField("retire_on", (), "bool", "", False, "the fork's retention; never changes"),
     UField("free", ("block",), "bool", "", False, "in the free queue"),
     UField("keyed", ("block",), "bool", "", False, "carries a prefix key"),
     UField("tailkey", ("block",), "bool", "", False, "carries a mid-block key"),
@@ -187,6 +190,16 @@ class UState:
 def forall(sorts: tuple[Any, ...], body: Callable[..., Any], prefix: str = "q") -> Any:
     xs = [z3.FreshConst(s, prefix) for s in sorts]
     return z3.ForAll(xs, body(*xs))
+
+
+def finite(sort: Any, size: int, name: str) -> tuple[list[Any], Any]:
+    """A universe of exactly `size` elements for `sort`: the elements, and
+    the constraint that they are all (and distinct). Checks over a finite
+    instance are decided by instantiating the quantifiers."""
+    elements = [z3.Const(f"{name}{i}", sort) for i in range(size)]
+    v = z3.FreshConst(sort, name)
+    closed = z3.ForAll([v], z3.Or([v == e for e in elements]))
+    return elements, z3.And(closed, z3.Distinct(*elements)) if size > 1 else closed
 
 
 def at_most_one(rel: Fn) -> Any:
@@ -410,10 +423,13 @@ class UEncoding:
         return tx.s["hold_on"]
 
     def follows(self, tx: UTx) -> Any:
-        return self.hold_enabled(tx)
+        return z3.BoolVal(True)
 
     def admission_extra(self, tx: UTx, partial_hit: Any, holding: Any) -> Any:
-        return z3.If(z3.And(tx.s["hold_on"], partial_hit, z3.Not(holding)), 1, 0)
+        upstream = z3.If(z3.And(tx.s["hold_on"], partial_hit, z3.Not(holding)), 1, 0)
+        fork = tx.fresh("fork_extra", out=z3.IntSort())
+        tx.require("the fork's extra is 0 or 1", z3.And(fork >= 0, fork <= 1))
+        return z3.If(tx.s["retire_on"], fork, upstream)
 
     def supersede(self, tx: UTx, m: int, old: Fn, do_hold: Any) -> Fn:
         """Release the superseded hold; returns which old blocks stay held."""
@@ -500,6 +516,20 @@ class UEncoding:
             tx.set_row(f"poph{m}", false)
         tx.set_req("phase", z3.IntVal(ENDED))
 
+    def op_reset(self, tx: UTx) -> None:
+        # reset_prefix_cache: with every block free, every key is forgotten;
+        # with any block in use, nothing changes (the call is refused).
+        free = tx.s["free"]
+        clean = forall((BLOCK,), lambda b: free(b))
+        for key in ("keyed", "tailkey"):
+            tx.map_block(key, lambda b, old: z3.And(z3.Not(clean), old))
+
+    def op_events(self, tx: UTx) -> None:
+        return None  # takes the event queue: no manager state changes
+
+    def op_stats(self, tx: UTx) -> None:
+        return None  # takes the hit stats: no manager state changes
+
     def op_evict(self, tx: UTx) -> None:
         taken = tx.fresh("evict", BLOCK)
         free = tx.n["free"]
@@ -523,7 +553,8 @@ class UEncoding:
         adopt = z3.And(ok, first, s["hashit"](r)) if adopt_hit else z3.BoolVal(False)
 
         # remove_skipped: the request's own Mamba states behind the running one.
-        dropped = []
+        dropped: list[Edit] = []
+        retained: list[tuple[int, Any, Any]] = []
         for m in s.mamba_ids:
             drop = tx.fresh(f"drop{m}", BLOCK)
             table, cowsrc = s.f("table", m), s.f("cowsrc", m)
@@ -539,8 +570,58 @@ class UEncoding:
             for key in (f"table{m}", f"own{m}"):
                 row = tx.row(key)
                 tx.set_row(key, lambda b, row=row, drop=drop: z3.And(row(b), z3.Not(drop(b))))
-            dropped.append(req_edit(f"tokt{m}", r, drop))
+            # Holds.retire: maybe keep one keyed dropped state as the hold,
+            # superseding (and freeing) the hold.
+            kept, retains = tx.fresh(f"retired{m}", out=BLOCK), tx.fresh(f"retains{m}")
+            tx.require(
+                f"a retained state is a keyed dropped one (group {m})",
+                z3.Implies(retains, z3.And(drop(kept), s["keyed"](kept), s["retire_on"])),
+            )
+            retained.append((m, kept, retains))
+            hold = s.f("hold", m)
+            dropped.append(
+                req_edit(
+                    f"tokt{m}",
+                    r,
+                    lambda b, drop=drop, kept=kept, retains=retains: z3.And(
+                        drop(b), z3.Not(z3.And(retains, b == kept))
+                    ),
+                )
+            )
+            dropped.append(
+                req_edit(
+                    f"tokh{m}",
+                    r,
+                    lambda b, hold=hold, retains=retains: z3.And(retains, hold(r, b)),
+                )
+            )
         self.free_blocks(tx, dropped)
+        for m, kept, retains in retained:
+            # The kept state's table ref is now the hold's.
+            tokt, tokh = tx.n[f"tokt{m}"], tx.n[f"tokh{m}"]
+            moves = lambda x, b, kept=kept, retains=retains: z3.And(  # noqa: E731
+                retains, x == r, b == kept
+            )
+            tx.n[f"tokt{m}"] = lambda x, b, tokt=tokt, moves=moves: z3.And(
+                tokt(x, b), z3.Not(moves(x, b))
+            )
+            tx.n[f"tokh{m}"] = lambda x, b, tokh=tokh, moves=moves, tokt=tokt: z3.Or(
+                tokh(x, b), z3.And(moves(x, b), tokt(x, b))
+            )
+            hold_row, ckpt_row = tx.row(f"hold{m}"), tx.row(f"ckpt{m}")
+            tx.set_row(
+                f"hold{m}",
+                lambda b, kept=kept, retains=retains, row=hold_row: z3.If(
+                    retains, b == kept, row(b)
+                ),
+            )
+            # With the hold on, the newest state held is the one to resume from.
+            tx.set_row(
+                f"ckpt{m}",
+                lambda b, kept=kept, retains=retains, row=ckpt_row: z3.If(
+                    z3.And(retains, s["hold_on"]), b == kept, row(b)
+                ),
+            )
 
         if adopt_hit:
             # add_hit_blocks: the fresh lookup's blocks join the tables.
@@ -591,10 +672,12 @@ class UEncoding:
 
     def _allocate_group(self, tx: UTx, g: int, ok: Any, adopt: Any) -> None:
         s, r = tx.s, tx.r
-        source_block, partial = self._skolem_of(tx, f"hsrc{g}", lambda b: s.f("hsrc", g)(r, b))
+        source_block, partial = self._skolem_of(tx, f"srcblock{g}", lambda b: s.f("hsrc", g)(r, b))
         cow_new = z3.And(adopt, partial)
         if g != ATTENTION:
-            tail_block, has_tail = self._skolem_of(tx, f"tail{g}", lambda b: s.f("cowsrc", g)(r, b))
+            tail_block, has_tail = self._skolem_of(
+                tx, f"tailblock{g}", lambda b: s.f("cowsrc", g)(r, b)
+            )
             move = z3.And(ok, has_tail)
         else:
             tail_block, move = None, z3.BoolVal(False)
@@ -689,10 +772,16 @@ class UEncoding:
         # Holds.hold: the hit source a new request copied from, or the copy
         # its running tail moved to, if it carries a key.
         target = z3.If(cow_new, source_block, copy_block)
-        takes = z3.And(copies, tx.n["keyed"](target))
-        do_hold = z3.And(self.hold_enabled(tx), takes)
         old_hold = tx.row(f"hold{m}")
         held_block, holding = self._skolem_of(tx, f"held{m}", old_hold)
+        # A newer retained state (the fork's) makes the hold refuse the copy.
+        refuse = tx.fresh(f"refuse{m}")
+        tx.require(
+            f"group {m}: only a retained hold refuses",
+            z3.Implies(refuse, z3.And(s["retire_on"], holding)),
+        )
+        takes = z3.And(copies, tx.n["keyed"](target), z3.Not(refuse))
+        do_hold = z3.And(self.hold_enabled(tx), takes)
         self.touch(tx, [req_edit(f"tokh{m}", r, lambda b: z3.And(do_hold, b == target))])
         kept = self.supersede(tx, m, old_hold, do_hold)
         tx.set_row(f"hold{m}", lambda b: z3.If(do_hold, z3.Or(b == target, kept(b)), old_hold(b)))

@@ -25,8 +25,8 @@ pending copy's endpoints are two blocks), which the copies' identities need.
 every property P and op, I the conjunction of all of them, each tracked by
 name so an unsat core lists what a proof used. A failed check yields a
 finite model (Z3 picks a universe for each sort): the counterexample to
-induction, whose sizes say where bounded model checking looks for a
-concrete run (see `command.py`).
+induction, whose sizes the table shows; the trace comes from bounded model
+checking from `init` (see `command.py`).
 """
 
 from __future__ import annotations
@@ -134,7 +134,12 @@ def no_total_miss(s: UState) -> Any:
 def reservation_covers_tail_swap(s: UState) -> Any:
     return z3.And(
         [
-            forall((REQ,), lambda r, m=m: s.f("peak", m)(r) <= STEP_COPY + s.f("rsv", m)(r))
+            forall(
+                (REQ,),
+                lambda r, m=m: z3.Implies(
+                    z3.Not(s["retire_on"]), s.f("peak", m)(r) <= STEP_COPY + s.f("rsv", m)(r)
+                ),
+            )
             for m in s.mamba_ids
         ]
     )
@@ -242,7 +247,7 @@ def pending_tail_shape(s: UState) -> Any:
 def checkpoint_is_hold(s: UState) -> Any:
     def each(r: Any, b: Any, m: int) -> Any:
         hold, ckpt = s.f("hold", m)(r, b), s.f("ckpt", m)(r, b)
-        return z3.If(s["hold_on"], hold == ckpt, z3.Not(hold))
+        return z3.If(s["hold_on"], hold == ckpt, z3.Implies(hold, s["retire_on"]))
 
     return z3.And([forall((REQ, BLOCK), lambda r, b, m=m: each(r, b, m)) for m in s.mamba_ids])
 
@@ -256,10 +261,22 @@ def hold_reserved(s: UState) -> Any:
             rsv >= 0,
             rsv <= 1,
             peak >= 0,
-            z3.Implies(z3.And(z3.Or(z3.Not(s.f("tailed", m)(r)), awaiting), held), rsv >= 1),
+            z3.Implies(
+                z3.And(z3.Not(s["retire_on"]), z3.Or(z3.Not(s.f("tailed", m)(r)), awaiting), held),
+                rsv >= 1,
+            ),
         )
 
     return z3.And([forall((REQ,), lambda r, m=m: each(r, m)) for m in s.mamba_ids])
+
+
+def held_outside_table(s: UState) -> Any:
+    def each(r: Any, b: Any) -> Any:
+        return z3.And(
+            [z3.Implies(s.f("hold", m)(r, b), z3.Not(s.f("table", m)(r, b))) for m in s.mamba_ids]
+        )
+
+    return forall((REQ, BLOCK), each)
 
 
 def copy_shape(s: UState) -> Any:
@@ -317,6 +334,9 @@ ULEMMAS: tuple[UProperty, ...] = (
         "checkpoint_is_hold", "lemma", "hold on: hold = checkpoint; off: none", checkpoint_is_hold
     ),
     UProperty("hold_reserved", "lemma", "before the tail moves, holds <= reserved", hold_reserved),
+    UProperty(
+        "held_outside_table", "lemma", "a request's hold is not in its table", held_outside_table
+    ),
     UProperty("copy_shape", "lemma", "a pending copy's endpoints differ", copy_shape),
 )
 UPROPERTIES: tuple[UProperty, ...] = UINVARIANTS + ULEMMAS

@@ -142,6 +142,7 @@ class Field:
 
 FIELDS: tuple[Field, ...] = (
     Field("hold_on", "bool", (), False, "the hold switch (config.hold); never changes"),
+    Field("retire_on", "bool", (), False, "the fork's retention (hold_retired); never changes"),
     Field("ref", "int", ("block",), False, "the block's ref count"),
     Field("free", "bool", ("block",), False, "the block is in the free queue"),
     Field("keyed", "bool", ("block",), False, "the block carries a prefix key"),
@@ -171,6 +172,7 @@ class State:
     """One state: a Z3 variable per field and index, named `<prefix>.<field>[index]`."""
 
     hold_on: Any
+    retire_on: Any
     ref: dict[int, Any]
     free: dict[int, Any]
     keyed: dict[int, Any]
