@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import io
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,19 @@ pytestmark = pytest.mark.skipif(
 SCALE = 32
 WORKLOAD = Workload(sessions=4, turns=3)
 PLUGIN = "kvgate.impl.hold_overlay"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _overlay_uninstalled_after() -> Iterator[None]:
+    """These runs load the overlay into vLLM; no later test may run on it."""
+    from kvgate.impl import hold_overlay
+
+    before = hold_overlay.is_registered()
+    yield
+    if not before and hold_overlay.is_registered():
+        hold_overlay.unregister()
+
+
 UNITS = (64 // SCALE, 4096 // SCALE)
 
 
