@@ -52,6 +52,10 @@ class Config:
     # Every request asks for `kv_cache_report_mode: full`: a lookup's hit is
     # reported as BlockStored events too (for a consumer that joined late).
     kv_events_full: bool = False
+    # The scheduler's `scheduler_reserve_full_isl` (vLLM's default: on): a
+    # request is admitted only if its whole sequence fits the free blocks
+    # (`allocate_slots(full_sequence_must_fit=True)` on admission).
+    reserve_full_sequence: bool = False
 
     @property
     def mamba_group_ids(self) -> tuple[int, ...]:

@@ -85,6 +85,7 @@ _CONFIG_OPTIONAL = (
     "shared_prefix_checkpoint",
     "kv_events",
     "kv_events_full",
+    "reserve_full_sequence",
 )
 _GROUP_KEYS = (
     "kind",
@@ -446,6 +447,7 @@ class _Reader:
             shared_prefix_checkpoint=flag("shared_prefix_checkpoint"),
             kv_events=flag("kv_events"),
             kv_events_full=flag("kv_events_full"),
+            reserve_full_sequence=flag("reserve_full_sequence"),
             scheduler_block_size=count("scheduler_block_size", default_scheduler),
             max_model_len=count("max_model_len", 8192),
             max_num_scheduled_tokens=count("max_num_scheduled_tokens", 8192),

@@ -35,6 +35,7 @@ def config_dict(config: Config) -> dict[str, Any]:
         **({"shared_prefix_checkpoint": True} if config.shared_prefix_checkpoint else {}),
         **({"kv_events": True} if config.kv_events else {}),
         **({"kv_events_full": True} if config.kv_events_full else {}),
+        **({"reserve_full_sequence": True} if config.reserve_full_sequence else {}),
         "groups": [group_dict(g) for g in config.groups],
     }
 
