@@ -211,3 +211,32 @@ def test_unsupported_config_names_the_field() -> None:
     with pytest.raises(UnsupportedConfig) as error:
         _scheduler(None)(config, spec_tokens=0, max_num_seqs=16)
     assert error.value.field == "eagle"
+
+
+def test_the_prefill_threshold_counts_the_schedulers_requests_not_the_system_prompt(
+    tmp_path: Path,
+) -> None:
+    # vLLM cuts a prefill to `long_prefill_token_threshold` only while it
+    # holds more than one request; the system prompt's holder is kvgate's
+    # bookkeeping, never a request of the Scheduler. One session: a turn alone.
+    from dataclasses import replace
+
+    deployment = Deployment(build="upstream").scaled(SCALE)
+    config = deployment.config(UNITS[0], False, 1)
+    config = replace(config, long_prefill_token_threshold=config.scheduler_block_size)
+    result = run_on_scheduler(
+        config,
+        make_plan(Workload(sessions=1, turns=2), SCALE),
+        real=_scheduler(None)(config, spec_tokens=deployment.spec_tokens, max_num_seqs=16),
+        name="threshold-alone",
+        out=tmp_path,
+        about="test",
+        system_prompt=WORKLOAD.system_prompt // SCALE,
+        spec=deployment.spec_tokens,
+        max_num_seqs=deployment.max_num_seqs,
+        level="api",
+    )
+    assert result.replay.passed, result.replay.divergence
+    # The trace replays on the manager-level target too (`auto` chunks included).
+    replayed = replay(load_trace(result.path), ModelTarget(config), None, "api")
+    assert replayed.passed, replayed.divergence

@@ -37,13 +37,9 @@ from kvgate.conformance.scheduling import ScheduledStep
 from kvgate.conformance.snapshot import Snapshot
 from kvgate.conformance.target import Capabilities, StepRefused
 from kvgate.impl import _vllm_api
-from kvgate.impl.vllm_target import (
-    _describe,
-    _hold_source,
-    _holds_partial_tails,
-    _retains_retired,
-    kv_cache_config,
-)
+from kvgate.impl.vllm_build import kv_cache_config
+from kvgate.impl.vllm_errors import describe
+from kvgate.impl.vllm_probe import hold_source, holds_partial_tails, retains_retired
 from kvgate.impl.vllm_view import ManagerView
 
 __all__ = ["VllmScheduler", "model_dir"]
@@ -225,7 +221,7 @@ class VllmScheduler:
             raise
         except Exception as exc:  # pydantic, ValueError or a bare assert
             raise UnsupportedConfig(
-                "groups", f"vLLM's Scheduler rejects it: {_describe(exc)}"
+                "groups", f"vLLM's Scheduler rejects it: {describe(exc)}"
             ) from exc
         _check_derived(scheduler, config, spec_tokens)
         self._scheduler: Any = scheduler
@@ -233,13 +229,13 @@ class VllmScheduler:
         self._view = ManagerView(api, manager, config.hash_unit)
         self._hasher: Any = api.get_request_block_hasher(config.hash_unit, api.sha256)
         managers = self._view.managers
-        hold = _holds_partial_tails(api, managers, config.hold)
+        hold = holds_partial_tails(api, managers, config.hold)
         self.capabilities = Capabilities(
             implementation=f"vllm {api.version} Scheduler",
             partial_hits=bool(getattr(manager.coordinator, "enable_partial_hash_hits", False)),
             hold=hold,
-            hold_source=_hold_source(managers, plugin, plugin_module) if hold else "",
-            retire=_retains_retired(api, managers),
+            hold_source=hold_source(managers, plugin, plugin_module) if hold else "",
+            retire=retains_retired(api, managers),
         )
         # Every request ever added, by name (finished ones too: a follow-up's
         # check reads the turn it follows).
