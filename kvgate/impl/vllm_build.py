@@ -66,6 +66,8 @@ def build_manager(api: VllmApi, config: Config) -> Any:
         return api.KVCacheManager(
             kv_cache_config(api, config),
             max_model_len=config.max_model_len,
+            # What the Scheduler passes: one batch in flight of its budget.
+            max_in_flight_tokens=config.max_num_scheduled_tokens,
             scheduler_block_size=config.scheduler_block_size,
             hash_block_size=config.hash_unit,
             enable_caching=True,

@@ -187,7 +187,13 @@ class VllmTarget(OpDriver[Any]):
         return int(split(self._split_self, request, num_new, hit))
 
     def allocate_slots(
-        self, request: Any, num_new: int, hit: int, hit_blocks: Any, lookahead: int
+        self,
+        request: Any,
+        num_new: int,
+        hit: int,
+        hit_blocks: Any,
+        lookahead: int,
+        full_sequence: bool = False,
     ) -> bool:
         got = self._manager.allocate_slots(
             request,
@@ -195,8 +201,30 @@ class VllmTarget(OpDriver[Any]):
             num_new_computed_tokens=hit,
             new_computed_blocks=hit_blocks,
             num_lookahead_tokens=lookahead,
+            full_sequence_must_fit=full_sequence,
         )
         return got is not None
+
+    def cache_blocks(self, request: Any, num_computed: int) -> None:
+        self._manager.cache_blocks(request, num_computed)
+
+    def estimate_cached_tokens(self, request: Any) -> int:
+        return int(self._manager.estimate_cached_tokens(request))
+
+    def computed_block_ids(self, request: Any, num_computed: int) -> list[list[int]]:
+        ids = self._manager.get_block_ids_for_computed_tokens(request.request_id, num_computed)
+        return [[int(i) for i in group] for group in ids]
+
+    def take_boundary_offloads(self) -> list[list[Any]]:
+        offloads = self._manager.take_boundary_state_offloads()
+        return [
+            [str(rid), int(group), int(block), int(tokens)]
+            for rid, entries in offloads.items()
+            for group, block, tokens in entries
+        ]
+
+    def take_new_block_ids(self) -> list[int]:
+        return [int(i) for i in self._manager.take_new_block_ids()]
 
     def free(self, request: Any) -> None:
         self._manager.free(request)
