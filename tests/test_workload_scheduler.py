@@ -213,20 +213,26 @@ def test_unsupported_config_names_the_field() -> None:
     assert error.value.field == "eagle"
 
 
+@pytest.mark.parametrize(("sessions", "adaptive"), [(1, False), (4, True)])
 def test_the_prefill_threshold_counts_the_schedulers_requests_not_the_system_prompt(
-    tmp_path: Path,
+    tmp_path: Path, sessions: int, adaptive: bool
 ) -> None:
     # vLLM cuts a prefill to `long_prefill_token_threshold` only while it
     # holds more than one request; the system prompt's holder is kvgate's
-    # bookkeeping, never a request of the Scheduler. One session: a turn alone.
+    # bookkeeping, never a request of the Scheduler. One session: a turn
+    # alone. Four, adaptive: the cap floored at the budget's fair share.
     from dataclasses import replace
 
     deployment = Deployment(build="upstream").scaled(SCALE)
-    config = deployment.config(UNITS[0], False, 1)
-    config = replace(config, long_prefill_token_threshold=config.scheduler_block_size)
+    config = deployment.config(UNITS[0], False, sessions)
+    config = replace(
+        config,
+        long_prefill_token_threshold=config.scheduler_block_size // 2,
+        long_prefill_token_threshold_adaptive=adaptive,
+    )
     result = run_on_scheduler(
         config,
-        make_plan(Workload(sessions=1, turns=2), SCALE),
+        make_plan(Workload(sessions=sessions, turns=2), SCALE),
         real=_scheduler(None)(config, spec_tokens=deployment.spec_tokens, max_num_seqs=16),
         name="threshold-alone",
         out=tmp_path,

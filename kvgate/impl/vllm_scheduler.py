@@ -106,6 +106,12 @@ def _vllm_config(config: Config, spec_tokens: int, max_num_seqs: int) -> Any:
         enable_chunked_prefill=True,
         long_prefill_token_threshold=config.long_prefill_token_threshold,
         is_encoder_decoder=False,
+        # Only when set: a release without the setting still runs the rest.
+        **(
+            {"long_prefill_token_threshold_adaptive": True}
+            if config.long_prefill_token_threshold_adaptive
+            else {}
+        ),
     )
     cache = CacheConfig(
         block_size=config.scheduler_block_size,
@@ -159,6 +165,11 @@ def _check_derived(scheduler: Any, config: Config, spec_tokens: int) -> None:
             "long_prefill_token_threshold",
             int(scheduler.scheduler_config.long_prefill_token_threshold),
             config.long_prefill_token_threshold,
+        ),
+        (
+            "long_prefill_token_threshold_adaptive",
+            bool(getattr(scheduler, "adaptive_long_prefill_threshold", False)),
+            config.long_prefill_token_threshold_adaptive,
         ),
         ("max_model_len", int(scheduler.max_model_len), config.max_model_len),
         # Drafts: K tokens and K lookahead slots, no lookahead hashes, no
