@@ -208,11 +208,7 @@ class VllmScheduler:
     ) -> None:
         self.config = config
         self.spec_tokens = spec_tokens
-        _vllm_api.set_retain_switch(config.hold, config.hold_retired)
-        api = _vllm_api.load()
-        _vllm_api.clear_env_cache()
-        plugin_module = _vllm_api.register_plugin(plugin) if plugin else None
-        api.init_none_hash(api.sha256)
+        api, plugin_module = _vllm_api.load_with_hold(config.hold, config.hold_retired, plugin)
         self._api = api
         if spec_tokens == 0 and config.eagle:
             raise UnsupportedConfig("eagle", "the eagle drop needs draft tokens (spec > 0)")
