@@ -42,6 +42,10 @@ class Config:
     # chunk's cap while another request waits or runs, and the width the
     # align-mode split may run sub-block below (see `allocate`'s `auto`).
     long_prefill_token_threshold: int = 0
+    # The scheduler's `long_prefill_token_threshold_adaptive`: the cap is
+    # floored at a fair share of the token budget, max_num_scheduled_tokens
+    # divided by the requests it holds.
+    long_prefill_token_threshold_adaptive: bool = False
     # `enable_mamba_shared_prefix_checkpoint`: also key a Mamba state at the
     # shared-prefix junction a lookup reported (effective only with eagle and
     # sub-block hits, as vLLM narrows it).

@@ -39,8 +39,11 @@ class Pending(Generic[R]):
 def chunk_offer(config: Config, remaining: int, budget: int, num_live: int) -> int:
     """The prefill tokens vLLM's `Scheduler.schedule` hands its align-mode
     split: what is left, cut to `long_prefill_token_threshold` unless the
-    request is the only one the scheduler holds, then to the token budget."""
+    request is the only one the scheduler holds (the adaptive threshold no
+    lower than an equal share of the budget), then to the token budget."""
     threshold = config.long_prefill_token_threshold if num_live > 1 else 0
+    if threshold > 0 and config.long_prefill_token_threshold_adaptive:
+        threshold = max(threshold, config.max_num_scheduled_tokens // num_live)
     if 0 < threshold < remaining:
         remaining = threshold
     return min(remaining, budget)

@@ -11,7 +11,8 @@ Choices the format leaves to the reader, fixed here:
   are different modes and a silent default would hide which one a trace
   tests; `scheduler_block_size` defaults to the largest `mamba_align` block
   size; `max_model_len` and `max_num_scheduled_tokens` default to 8192;
-  `long_prefill_token_threshold` defaults to 0 (no cap).
+  `long_prefill_token_threshold` defaults to 0 (no cap), and its
+  `long_prefill_token_threshold_adaptive` to false.
 - Step indices count from 0: `step 3` is `steps[3]`.
 - A `check` step's keys are fields of the step: `{op: check, free_blocks: 3}`.
   Its `holds` is the whole holds map (requests with `{}` count as holding
@@ -82,6 +83,7 @@ _CONFIG_OPTIONAL = (
     "retain_checkpoint",
     "retain_retired",
     "long_prefill_token_threshold",
+    "long_prefill_token_threshold_adaptive",
     "shared_prefix_checkpoint",
     "kv_events",
     "kv_events_full",
@@ -452,6 +454,7 @@ class _Reader:
             max_model_len=count("max_model_len", 8192),
             max_num_scheduled_tokens=count("max_num_scheduled_tokens", 8192),
             long_prefill_token_threshold=count("long_prefill_token_threshold", 0),
+            long_prefill_token_threshold_adaptive=flag("long_prefill_token_threshold_adaptive"),
         )
         try:
             validate(config)

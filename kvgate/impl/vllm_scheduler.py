@@ -106,6 +106,12 @@ def _vllm_config(config: Config, spec_tokens: int, max_num_seqs: int) -> Any:
         enable_chunked_prefill=True,
         long_prefill_token_threshold=config.long_prefill_token_threshold,
         is_encoder_decoder=False,
+        # Only when set: a release without the setting still runs the rest.
+        **(
+            {"long_prefill_token_threshold_adaptive": True}
+            if config.long_prefill_token_threshold_adaptive
+            else {}
+        ),
     )
     cache = CacheConfig(
         block_size=config.scheduler_block_size,
@@ -160,6 +166,11 @@ def _check_derived(scheduler: Any, config: Config, spec_tokens: int) -> None:
             int(scheduler.scheduler_config.long_prefill_token_threshold),
             config.long_prefill_token_threshold,
         ),
+        (
+            "long_prefill_token_threshold_adaptive",
+            bool(getattr(scheduler, "adaptive_long_prefill_threshold", False)),
+            config.long_prefill_token_threshold_adaptive,
+        ),
         ("max_model_len", int(scheduler.max_model_len), config.max_model_len),
         # Drafts: K tokens and K lookahead slots, no lookahead hashes, no
         # multi-module prefill reservation (a lookahead of 1 never acts).
@@ -197,11 +208,7 @@ class VllmScheduler:
     ) -> None:
         self.config = config
         self.spec_tokens = spec_tokens
-        _vllm_api.set_retain_switch(config.hold, config.hold_retired)
-        api = _vllm_api.load()
-        _vllm_api.clear_env_cache()
-        plugin_module = _vllm_api.register_plugin(plugin) if plugin else None
-        api.init_none_hash(api.sha256)
+        api, plugin_module = _vllm_api.load_with_hold(config.hold, config.hold_retired, plugin)
         self._api = api
         if spec_tokens == 0 and config.eagle:
             raise UnsupportedConfig("eagle", "the eagle drop needs draft tokens (spec > 0)")

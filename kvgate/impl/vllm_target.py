@@ -50,13 +50,7 @@ class VllmTarget(OpDriver[Any]):
     def __init__(self, config: Config, plugin: str | None = None) -> None:
         super().__init__(config)
         self.plugin = plugin
-        # The switch must be in the environment before vLLM reads it: set it
-        # before the (first) import, and drop vLLM's env cache after it.
-        _vllm_api.set_retain_switch(config.hold, config.hold_retired)
-        api = _vllm_api.load()
-        _vllm_api.clear_env_cache()
-        plugin_module = _vllm_api.register_plugin(plugin) if plugin else None
-        api.init_none_hash(api.sha256)
+        api, plugin_module = _vllm_api.load_with_hold(config.hold, config.hold_retired, plugin)
         self._api: VllmApi = api
 
         manager = build_manager(api, config)

@@ -46,6 +46,7 @@ from typing import Any, Literal, Protocol
 from kvgate.conformance.config import Config
 from kvgate.conformance.driver import chunk_offer
 from kvgate.conformance.ops import ACTIONS, Segment, Step
+from kvgate.conformance.scheduling import ScheduledStep
 from kvgate.model import ModelTarget
 from kvgate.model.request import Request
 from kvgate.model.split import chunk_tokens
@@ -238,22 +239,12 @@ class _Scheduler:
 
 
 @dataclass
-class StepDecisions:
-    """What the scheduler model did in one engine step, as vLLM's `Scheduler`
-    shows it: comparable step for step with the real one."""
+class StepDecisions(ScheduledStep):
+    """What the scheduler model did in one engine step: what vLLM's
+    `Scheduler` shows of a step (comparable step for step with the real one;
+    running requests are scheduled first, then admissions), and what the
+    model runner and the finish check then did."""
 
-    # (request, tokens scheduled), in scheduling order: running requests
-    # first, then admissions.
-    scheduled: list[tuple[str, int]] = field(default_factory=list)
-    preempted: list[str] = field(default_factory=list)
-    # Every prefix-cache lookup, (request, hit), admitted or not.
-    lookups: list[tuple[str, int]] = field(default_factory=list)
-    # (request, hit) of each admission (a new or a preempted request).
-    admitted: list[tuple[str, int]] = field(default_factory=list)
-    # follow-up -> its previous turn's attention_cached right before the
-    # follow-up's first lookup.
-    checked: dict[str, int] = field(default_factory=dict)
-    copies: list[list[int]] = field(default_factory=list)
     # Output tokens each scheduled request gained this step (the model's ids).
     sampled: dict[str, list[int]] = field(default_factory=dict)
     finished: list[str] = field(default_factory=list)
