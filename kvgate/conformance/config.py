@@ -60,6 +60,9 @@ class Config:
     # request is admitted only if its whole sequence fits the free blocks
     # (`allocate_slots(full_sequence_must_fit=True)` on admission).
     reserve_full_sequence: bool = False
+    # vLLM's `--disable-log-stats`: the manager keeps no prefix-cache stats
+    # (`log_stats=False`), so `stats` reports none.
+    disable_log_stats: bool = False
 
     @property
     def mamba_group_ids(self) -> tuple[int, ...]:

@@ -134,6 +134,12 @@ class OpDriver(ABC, Generic[R]):
         hands a KV connector when the request ends)."""
 
     @abstractmethod
+    def finalize_partial_tail_offloads(self, request: R) -> list[list[int]]:
+        """`finalize_partial_tail_offloads`: the partial tails the request
+        produced that a KV producer's connector may still offload when it
+        ends, as [group, block id, tokens]; the request's tails are consumed."""
+
+    @abstractmethod
     def take_boundary_offloads(self) -> list[list[Any]]:
         """`take_boundary_state_offloads`, drained: each Mamba state this step
         keyed, as [request, group, block id, tokens], grouped by request in
@@ -403,7 +409,9 @@ class OpDriver(ABC, Generic[R]):
         pending = self._pending(step)
         result: dict[str, Any] = {}
         if step.how != "preempt":
-            # A request that ends hands its computed blocks to the KV connector.
+            # A request that ends hands a KV producer's connector its partial
+            # tails, then its computed blocks (`_connector_finished`).
+            result["partial_tail_offloads"] = self.finalize_partial_tail_offloads(pending.request)
             result["computed_block_ids"] = self.computed_block_ids(
                 pending.request, self.num_computed(pending.request)
             )

@@ -88,6 +88,7 @@ _CONFIG_OPTIONAL = (
     "kv_events",
     "kv_events_full",
     "reserve_full_sequence",
+    "disable_log_stats",
 )
 _GROUP_KEYS = (
     "kind",
@@ -450,6 +451,7 @@ class _Reader:
             kv_events=flag("kv_events"),
             kv_events_full=flag("kv_events_full"),
             reserve_full_sequence=flag("reserve_full_sequence"),
+            disable_log_stats=flag("disable_log_stats"),
             scheduler_block_size=count("scheduler_block_size", default_scheduler),
             max_model_len=count("max_model_len", 8192),
             max_num_scheduled_tokens=count("max_num_scheduled_tokens", 8192),

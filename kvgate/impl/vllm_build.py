@@ -72,7 +72,7 @@ def build_manager(api: VllmApi, config: Config) -> Any:
             hash_block_size=config.hash_unit,
             enable_caching=True,
             use_eagle=config.eagle,
-            log_stats=True,
+            log_stats=not config.disable_log_stats,
             enable_kv_cache_events=config.kv_events,
             **(
                 {"enable_mamba_shared_prefix_checkpoint": True}

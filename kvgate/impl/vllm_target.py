@@ -220,6 +220,10 @@ class VllmTarget(OpDriver[Any]):
     def take_new_block_ids(self) -> list[int]:
         return [int(i) for i in self._manager.take_new_block_ids()]
 
+    def finalize_partial_tail_offloads(self, request: Any) -> list[list[int]]:
+        tails = self._manager.finalize_partial_tail_offloads(request)
+        return [[int(group), int(block), int(tokens)] for group, block, tokens in tails]
+
     def free(self, request: Any) -> None:
         self._manager.free(request)
 
@@ -249,6 +253,8 @@ class VllmTarget(OpDriver[Any]):
 
     def make_prefix_cache_stats(self) -> dict[str, Any]:
         stats = self._manager.make_prefix_cache_stats()
+        if stats is None:  # log_stats off: the manager keeps none
+            return {"usage": self._manager.usage}
         return {**{key: getattr(stats, key) for key in STATS_KEYS}, "usage": self._manager.usage}
 
     def reset_prefix_cache(self) -> bool:

@@ -265,6 +265,14 @@ class Coordinator:
                 offloads.setdefault(rid, []).append((group_id, block.block_id, tokens))
         return offloads
 
+    def finalize_partial_tails(self, request_id: str, num_computed: int) -> list[list[int]]:
+        tails: list[list[int]] = []
+        for manager in self.mambas:
+            tail = manager.finalize_partial_tail(request_id, num_computed)
+            if tail is not None:
+                tails.append([manager.group_id, *tail])
+        return tails
+
     def take_new_block_ids(self) -> list[int]:
         ids: list[int] = []
         for manager in self.managers:

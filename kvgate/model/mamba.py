@@ -412,6 +412,14 @@ class MambaManager(GroupManager):
         self.pending_offloads = [o for o in self.pending_offloads if o[0] != request_id]
         return super().pop_blocks(request_id)
 
+    def finalize_partial_tail(self, request_id: str, num_computed: int) -> tuple[int, int] | None:
+        """The request's partial tail, if its running block still holds that
+        state (nothing computed past it): (block id, tokens). Consumed."""
+        tail = self.producer_tails.pop(request_id, None)
+        if tail is None or num_computed != tail[1]:
+            return None
+        return tail[0].block_id, tail[1]
+
     def take_offloads(self) -> list[tuple[str, int, Block, int]]:
         offloads, self.pending_offloads = self.pending_offloads, []
         return offloads

@@ -49,12 +49,17 @@ class KVCacheManager:
         self.prefix_cache_stats = PrefixCacheStats()
 
     def record_prefix_cache_stats(self, request: Request, num_hits: int) -> None:
+        if self.config.disable_log_stats:
+            return
         self.prefix_cache_stats.record(
             request.num_tokens, num_hits, preempted=request.num_preemptions > 0
         )
 
     def make_prefix_cache_stats(self) -> dict[str, int | bool]:
-        """The stats since the last call, as the `stats` op reports them; reset."""
+        """The stats since the last call, as the `stats` op reports them; reset.
+        Nothing when stats are not logged."""
+        if self.config.disable_log_stats:
+            return {}
         stats, self.prefix_cache_stats = self.prefix_cache_stats, PrefixCacheStats()
         return asdict(stats)
 
@@ -189,6 +194,12 @@ class KVCacheManager:
 
     def take_new_block_ids(self) -> list[int]:
         return self.coordinator.take_new_block_ids()
+
+    def finalize_partial_tail_offloads(self, request: Request) -> list[list[int]]:
+        # No step is ever in flight here (no async scheduling).
+        return self.coordinator.finalize_partial_tails(
+            request.request_id, request.num_computed_tokens
+        )
 
     def free(self, request: Request) -> None:
         self.coordinator.free(request.request_id)

@@ -111,6 +111,9 @@ class ModelTarget(OpDriver[Request]):
     def take_new_block_ids(self) -> list[int]:
         return self.manager.take_new_block_ids()
 
+    def finalize_partial_tail_offloads(self, request: Request) -> list[list[int]]:
+        return self.manager.finalize_partial_tail_offloads(request)
+
     def free(self, request: Request) -> None:
         self.manager.free(request)
 
