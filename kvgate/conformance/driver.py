@@ -61,7 +61,9 @@ class OpDriver(ABC, Generic[R]):
     # -- hooks a target implements ------------------------------------------------
 
     @abstractmethod
-    def new_request(self, name: str, tokens: list[int]) -> R: ...
+    def new_request(self, name: str, tokens: list[int], skip_prefix_cache: bool = False) -> R:
+        """A request; `skip_prefix_cache`: it never reads the prefix cache (vLLM's
+        `skip_reading_prefix_cache`, set by prompt logprobs or pooling)."""
 
     @abstractmethod
     def prompt_tokens(self, request: R) -> list[int]: ...
@@ -298,7 +300,9 @@ class OpDriver(ABC, Generic[R]):
                 f"{len(tokens):,} tokens, more than config.max_model_len "
                 f"{self.config.max_model_len:,}",
             )
-        self.requests[step.req] = Pending(self.new_request(step.req, tokens))
+        self.requests[step.req] = Pending(
+            self.new_request(step.req, tokens, step.skip_prefix_cache)
+        )
         return {}
 
     def _op_lookup(self, step: Step) -> dict[str, Any]:

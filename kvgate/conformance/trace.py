@@ -561,6 +561,10 @@ class _Reader:
             return value
         if kind == "prompt":
             return self.prompt(index, value)
+        if kind == "bool":
+            if not isinstance(value, bool):
+                raise self.error(index, key, f"must be true or false, got {_got(value)}")
+            return value
         if kind == "int":
             if not _is_count(value):
                 raise self.error(index, key, f"must be an integer >= 0, got {_got(value)}")

@@ -101,12 +101,14 @@ class VllmTarget(OpDriver[Any]):
 
     # -------------------------------------------------------------- requests
 
-    def new_request(self, name: str, tokens: list[int]) -> Any:
+    def new_request(self, name: str, tokens: list[int], skip_prefix_cache: bool = False) -> Any:
         request = self._api.Request(
             request_id=name,
             prompt_token_ids=tokens,
             sampling_params=self._api.SamplingParams(
                 max_tokens=self.config.max_model_len,
+                # None: vLLM derives it (from prompt logprobs), as for a user's.
+                skip_reading_prefix_cache=True if skip_prefix_cache else None,
                 extra_args=(
                     {"kv_cache_report_mode": "full"} if self.config.kv_events_full else None
                 ),

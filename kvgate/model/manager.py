@@ -49,7 +49,7 @@ class KVCacheManager:
         self.prefix_cache_stats = PrefixCacheStats()
 
     def record_prefix_cache_stats(self, request: Request, num_hits: int) -> None:
-        if self.config.disable_log_stats:
+        if self.config.disable_log_stats or request.skip_reading_prefix_cache:
             return
         self.prefix_cache_stats.record(
             request.num_tokens, num_hits, preempted=request.num_preemptions > 0
@@ -83,8 +83,11 @@ class KVCacheManager:
         the shared-prefix junction (0: the groups agree).
 
         At most `num_tokens - 1` tokens hit: the last one is recomputed for
-        its logits. The caller stores the junction on the request.
+        its logits. The caller stores the junction on the request. A request
+        that skips reading the cache finds nothing.
         """
+        if request.skip_reading_prefix_cache:
+            return None, 0, 0
         blocks, hit, junction = self.coordinator.find_hit(request.keys, request.num_tokens - 1)
         if hit > 0 and self.config.kv_events_full:
             self._report_hit(request, blocks)

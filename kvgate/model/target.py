@@ -40,8 +40,10 @@ class ModelTarget(OpDriver[Request]):
 
     # -- requests -------------------------------------------------------------
 
-    def new_request(self, name: str, tokens: list[int]) -> Request:
-        return Request(name, tokens, self.config.hash_unit)
+    def new_request(self, name: str, tokens: list[int], skip_prefix_cache: bool = False) -> Request:
+        request = Request(name, tokens, self.config.hash_unit)
+        request.skip_reading_prefix_cache = skip_prefix_cache
+        return request
 
     def prompt_tokens(self, request: Request) -> list[int]:
         return request.prompt
