@@ -159,11 +159,9 @@ def check_op(
     solver = z3.Solver()
     if minimize:
         solver.set("core.minimize", True)
-    for p in PROPERTIES:
-        solver.assert_and_track(p.holds(s), z3.Bool(f"pre {p.name}"))
+    hypothesis = [(p.holds(s), z3.Bool(f"pre {p.name}")) for p in PROPERTIES]
     tx = encoding.build(op, s, 0 if acts_on_request(op) else None, "x")
-    for name, clause in tx.named():
-        solver.assert_and_track(clause, z3.Bool(name))
+    assume_step(solver, hypothesis, tx.named())
     # The next state as expressions, not variables: the incremental solver
     # that tracking needs does not eliminate equalities by itself.
     t = tx.successor()
@@ -191,6 +189,20 @@ def check_op(
         solver.pop()
         out.append(row)
     return out
+
+
+def assume_step(
+    solver: Any, hypothesis: Iterable[tuple[Any, Any]], clauses: Iterable[tuple[str, Any]]
+) -> None:
+    """Both encodings' induction step: assert I(s), each property with its
+    tracking literal `pre <name>` (built, with the property, before the
+    transition: Z3's search follows the order terms were created in), then
+    the transition's named clauses, each tracked by its name, so an unsat
+    core names the lemmas and clauses a proof used."""
+    for holds, literal in hypothesis:
+        solver.assert_and_track(holds, literal)
+    for name, clause in clauses:
+        solver.assert_and_track(clause, z3.Bool(name))
 
 
 def representative(instance: Instance) -> bool:
