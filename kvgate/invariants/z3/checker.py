@@ -159,9 +159,9 @@ def check_op(
     solver = z3.Solver()
     if minimize:
         solver.set("core.minimize", True)
-    hypothesis = [(p.holds(s), z3.Bool(f"pre {p.name}")) for p in PROPERTIES]
+    track(solver, ((f"pre {p.name}", p.holds(s)) for p in PROPERTIES))  # I(s)
     tx = encoding.build(op, s, 0 if acts_on_request(op) else None, "x")
-    assume_step(solver, hypothesis, tx.named())
+    track(solver, tx.named())  # T_op(s, t)
     # The next state as expressions, not variables: the incremental solver
     # that tracking needs does not eliminate equalities by itself.
     t = tx.successor()
@@ -191,18 +191,14 @@ def check_op(
     return out
 
 
-def assume_step(
-    solver: Any, hypothesis: Iterable[tuple[Any, Any]], clauses: Iterable[tuple[str, Any]]
-) -> None:
-    """Both encodings' induction step: assert I(s), each property with its
-    tracking literal `pre <name>` (built, with the property, before the
-    transition: Z3's search follows the order terms were created in), then
-    the transition's named clauses, each tracked by its name, so an unsat
-    core names the lemmas and clauses a proof used."""
-    for holds, literal in hypothesis:
-        solver.assert_and_track(holds, literal)
-    for name, clause in clauses:
-        solver.assert_and_track(clause, z3.Bool(name))
+def track(solver: Any, named: Iterable[tuple[str, Any]]) -> None:
+    """Assert each formula under a tracking literal of its name, so an unsat
+    core names the lemmas (`pre <name>`) and transition clauses a proof
+    used. Both encodings' induction step; `named` may be lazy: Z3's search
+    follows the order terms are created in, and each formula is then built
+    just before its literal, as it always was."""
+    for name, formula in named:
+        solver.assert_and_track(formula, z3.Bool(name))
 
 
 def representative(instance: Instance) -> bool:
