@@ -214,6 +214,21 @@ def test_the_offer_caps_at_the_threshold_only_beside_another_request() -> None:
     assert chunk_offer(CONFIG, 300, 8192, num_live=5) == 300
 
 
+def test_the_adaptive_threshold_is_floored_at_a_fair_share_of_the_budget() -> None:
+    config = replace(
+        CONFIG,
+        long_prefill_token_threshold=48,
+        long_prefill_token_threshold_adaptive=True,
+        max_num_scheduled_tokens=256,
+    )
+    assert chunk_offer(config, 300, 256, num_live=2) == 128  # 256 // 2 beats 48
+    assert chunk_offer(config, 300, 256, num_live=8) == 48  # 256 // 8 = 32 is below it
+    assert chunk_offer(config, 300, 256, num_live=1) == 256  # alone: no cap at all
+    # Without a threshold the flag does nothing, as in vLLM.
+    off = replace(config, long_prefill_token_threshold=0)
+    assert chunk_offer(off, 300, 256, num_live=2) == 256
+
+
 def test_auto_chunks_honour_the_threshold(make: Callable[[Config], OpDriver[Any]]) -> None:
     config = replace(CONFIG, long_prefill_token_threshold=48)
     ops = Ops(make(config))

@@ -307,6 +307,23 @@ def test_long_prefill_threshold_is_read_and_written_only_when_set() -> None:
     assert "long_prefill_token_threshold" not in dump_trace(off.name, off.config, off.steps)
 
 
+def test_adaptive_threshold_is_read_and_written_only_when_set() -> None:
+    on = parse_trace(
+        trace_text(
+            ARRIVE,
+            CONFIG
+            + "  long_prefill_token_threshold: 48\n  long_prefill_token_threshold_adaptive: true\n",
+        )
+    )
+    assert on.config.long_prefill_token_threshold_adaptive is True
+    text = dump_trace(on.name, on.config, on.steps)
+    assert "long_prefill_token_threshold_adaptive: true" in text
+    assert parse_trace(text).config == on.config
+    off = parse_trace(trace_text(ARRIVE))
+    assert off.config.long_prefill_token_threshold_adaptive is False
+    assert "adaptive" not in dump_trace(off.name, off.config, off.steps)
+
+
 def test_retention_interval_null_means_unset() -> None:
     trace = parse_trace(
         trace_text(ARRIVE, CONFIG.replace("retention_interval: 0", "retention_interval: null"))

@@ -22,7 +22,8 @@ from kvgate.conformance.ops import Segment, Step
 from kvgate.conformance.snapshot import Snapshot
 from kvgate.conformance.target import StepRefused, Target
 from kvgate.conformance.tokens import prefix_keys
-from kvgate.impl.vllm_target import VllmTarget, probe
+from kvgate.impl.vllm_probe import probe
+from kvgate.impl.vllm_target import VllmTarget
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from kvgate import cli, targets
-from kvgate.conformance.config import UnsupportedConfig
+from kvgate.conformance.config import Config, UnsupportedConfig
 from kvgate.conformance.replay import replay
 from kvgate.conformance.trace import load_trace
 from kvgate.model import ModelTarget
@@ -105,12 +105,21 @@ def test_counts_on_the_real_scheduler_are_the_models_on_the_same_trace(
         assert count(recorder, result.trace.config) == result.counts
 
 
-def _one_arm(tmp_path: Path, factory: SchedulerFactory) -> Any:
+def _one_arm(
+    tmp_path: Path,
+    factory: SchedulerFactory,
+    config: Config | None = None,
+    workload: Workload | None = None,
+) -> Any:
+    """A small upstream arm at the smallest unit, hold off, on `factory`'s scheduler."""
     deployment = Deployment(build="upstream").scaled(SCALE)
-    config = deployment.config(UNITS[0], False, WORKLOAD.sessions)
+    if config is None:
+        config = deployment.config(UNITS[0], False, WORKLOAD.sessions)
+    if workload is None:
+        workload = Workload(sessions=2, turns=2)
     return run_on_scheduler(
         config,
-        make_plan(Workload(sessions=2, turns=2), SCALE),
+        make_plan(workload, SCALE),
         real=factory(config, spec_tokens=deployment.spec_tokens, max_num_seqs=16),
         name="one-arm",
         out=tmp_path,
@@ -211,3 +220,27 @@ def test_unsupported_config_names_the_field() -> None:
     with pytest.raises(UnsupportedConfig) as error:
         _scheduler(None)(config, spec_tokens=0, max_num_seqs=16)
     assert error.value.field == "eagle"
+
+
+@pytest.mark.parametrize(("sessions", "adaptive"), [(1, False), (4, True)])
+def test_the_prefill_threshold_counts_the_schedulers_requests_not_the_system_prompt(
+    tmp_path: Path, sessions: int, adaptive: bool
+) -> None:
+    # vLLM cuts a prefill to `long_prefill_token_threshold` only while it
+    # holds more than one request; the system prompt's holder is kvgate's
+    # bookkeeping, never a request of the Scheduler. One session: a turn
+    # alone. Four, adaptive: the cap floored at the budget's fair share.
+    from dataclasses import replace
+
+    deployment = Deployment(build="upstream").scaled(SCALE)
+    config = deployment.config(UNITS[0], False, sessions)
+    config = replace(
+        config,
+        long_prefill_token_threshold=config.scheduler_block_size // 2,
+        long_prefill_token_threshold_adaptive=adaptive,
+    )
+    result = _one_arm(tmp_path, _scheduler(None), config, Workload(sessions=sessions, turns=2))
+    assert result.replay.passed, result.replay.divergence
+    # The trace replays on the manager-level target too (`auto` chunks included).
+    replayed = replay(load_trace(result.path), ModelTarget(config), None, "api")
+    assert replayed.passed, replayed.divergence

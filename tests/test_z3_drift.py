@@ -87,7 +87,7 @@ class Run:
         assert not verdict.not_admitted, self.report(f"not admitted: {verdict.not_admitted}")
         assert not verdict.violated, self.report(f"properties violated: {verdict.violated}")
         moved = step.op in ("allocate", "decode1") and any(
-            v and not after["cowsrc"][k] for k, v in before["cowsrc"].items()
+            v and not after["pending_tail"][k] for k, v in before["pending_tail"].items()
         )
         for what, happened in (
             ("a tail moved", moved),
@@ -96,7 +96,7 @@ class Run:
                 "a retired state is held",  # the fork's retention: a table block becomes a hold
                 any(v and before["table"][k] for k, v in after["hold"].items()),
             ),
-            ("a copy is pending", any(after["pend"].values())),
+            ("a copy is pending", any(after["copy_ends"].values())),
             ("blocks are popped", any(after["popped"].values())),
         ):
             if happened and what not in self.seen:

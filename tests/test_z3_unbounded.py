@@ -95,10 +95,10 @@ def test_each_transition_is_satisfiable_from_an_invariant_state(op: str) -> None
     t = tx.view()
     if op in ("allocate", "decode1"):
         b = z3.Const("x.srcblock1" if op == "allocate" else "x.tailblock1", BLOCK)
-        before = s["hsrc1"](r, b) if op == "allocate" else s["cowsrc1"](r, b)
-        solver.add(z3.Bool("x.ok"), s["hold_on"], before, s["hashit"](r))
+        before = s["hit_source1"](r, b) if op == "allocate" else s["pending_tail1"](r, b)
+        solver.add(z3.Bool("x.ok"), s["hold_on"], before, s["has_hit"](r))
         h = z3.Const("held", BLOCK)
-        solver.add(z3.Exists([h], z3.And(t["hold1"](r, h), t["tokh1"](r, h))))
+        solver.add(z3.Exists([h], z3.And(t["hold1"](r, h), t["hold_token1"](r, h))))
         solver.add(s["phase"](r) == (WAITING if op == "allocate" else RUNNING))
     assert solver.check() == z3.sat, op
 

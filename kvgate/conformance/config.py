@@ -42,6 +42,10 @@ class Config:
     # chunk's cap while another request waits or runs, and the width the
     # align-mode split may run sub-block below (see `allocate`'s `auto`).
     long_prefill_token_threshold: int = 0
+    # The scheduler's `long_prefill_token_threshold_adaptive`: the cap is
+    # floored at a fair share of the token budget, max_num_scheduled_tokens
+    # divided by the requests it holds.
+    long_prefill_token_threshold_adaptive: bool = False
     # `enable_mamba_shared_prefix_checkpoint`: also key a Mamba state at the
     # shared-prefix junction a lookup reported (effective only with eagle and
     # sub-block hits, as vLLM narrows it).
@@ -52,6 +56,13 @@ class Config:
     # Every request asks for `kv_cache_report_mode: full`: a lookup's hit is
     # reported as BlockStored events too (for a consumer that joined late).
     kv_events_full: bool = False
+    # The scheduler's `scheduler_reserve_full_isl` (vLLM's default: on): a
+    # request is admitted only if its whole sequence fits the free blocks
+    # (`allocate_slots(full_sequence_must_fit=True)` on admission).
+    reserve_full_sequence: bool = False
+    # vLLM's `--disable-log-stats`: the manager keeps no prefix-cache stats
+    # (`log_stats=False`), so `stats` reports none.
+    disable_log_stats: bool = False
 
     @property
     def mamba_group_ids(self) -> tuple[int, ...]:

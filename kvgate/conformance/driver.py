@@ -39,8 +39,11 @@ class Pending(Generic[R]):
 def chunk_offer(config: Config, remaining: int, budget: int, num_live: int) -> int:
     """The prefill tokens vLLM's `Scheduler.schedule` hands its align-mode
     split: what is left, cut to `long_prefill_token_threshold` unless the
-    request is the only one the scheduler holds, then to the token budget."""
+    request is the only one the scheduler holds (the adaptive threshold no
+    lower than an equal share of the budget), then to the token budget."""
     threshold = config.long_prefill_token_threshold if num_live > 1 else 0
+    if threshold > 0 and config.long_prefill_token_threshold_adaptive:
+        threshold = max(threshold, config.max_num_scheduled_tokens // num_live)
     if 0 < threshold < remaining:
         remaining = threshold
     return min(remaining, budget)
@@ -58,7 +61,9 @@ class OpDriver(ABC, Generic[R]):
     # -- hooks a target implements ------------------------------------------------
 
     @abstractmethod
-    def new_request(self, name: str, tokens: list[int]) -> R: ...
+    def new_request(self, name: str, tokens: list[int], skip_prefix_cache: bool = False) -> R:
+        """A request; `skip_prefix_cache`: it never reads the prefix cache (vLLM's
+        `skip_reading_prefix_cache`, set by prompt logprobs or pooling)."""
 
     @abstractmethod
     def prompt_tokens(self, request: R) -> list[int]: ...
@@ -103,8 +108,49 @@ class OpDriver(ABC, Generic[R]):
 
     @abstractmethod
     def allocate_slots(
-        self, request: R, num_new: int, hit: int, hit_blocks: Any, lookahead: int
-    ) -> bool: ...
+        self,
+        request: R,
+        num_new: int,
+        hit: int,
+        hit_blocks: Any,
+        lookahead: int,
+        full_sequence: bool = False,
+    ) -> bool:
+        """`allocate_slots`; `full_sequence`: the scheduler's admission gate
+        (`full_sequence_must_fit`), refusing unless the whole sequence fits."""
+
+    @abstractmethod
+    def cache_blocks(self, request: R, num_computed: int) -> None:
+        """`KVCacheManager.cache_blocks`: key the request's states up to
+        `num_computed` tokens (the scheduler's re-cache after a step)."""
+
+    @abstractmethod
+    def estimate_cached_tokens(self, request: R) -> int:
+        """The prefix-cache tokens the request's blocks cover (the scheduler
+        reports it in a finished prefill's stats)."""
+
+    @abstractmethod
+    def computed_block_ids(self, request: R, num_computed: int) -> list[list[int]]:
+        """`get_block_ids_for_computed_tokens`: per group, the block ids that
+        cover the request's computed tokens (the block table the scheduler
+        hands a KV connector when the request ends)."""
+
+    @abstractmethod
+    def finalize_partial_tail_offloads(self, request: R) -> list[list[int]]:
+        """`finalize_partial_tail_offloads`: the partial tails the request
+        produced that a KV producer's connector may still offload when it
+        ends, as [group, block id, tokens]; the request's tails are consumed."""
+
+    @abstractmethod
+    def take_boundary_offloads(self) -> list[list[Any]]:
+        """`take_boundary_state_offloads`, drained: each Mamba state this step
+        keyed, as [request, group, block id, tokens], grouped by request in
+        the order the requests first appear (groups in order)."""
+
+    @abstractmethod
+    def take_new_block_ids(self) -> list[int]:
+        """`take_new_block_ids`, drained: the attention blocks allocated since
+        the last call, which the worker zeroes (a Mamba model needs it)."""
 
     @abstractmethod
     def free(self, request: R) -> None: ...
@@ -254,7 +300,9 @@ class OpDriver(ABC, Generic[R]):
                 f"{len(tokens):,} tokens, more than config.max_model_len "
                 f"{self.config.max_model_len:,}",
             )
-        self.requests[step.req] = Pending(self.new_request(step.req, tokens))
+        self.requests[step.req] = Pending(
+            self.new_request(step.req, tokens, step.skip_prefix_cache)
+        )
         return {}
 
     def _op_lookup(self, step: Step) -> dict[str, Any]:
@@ -302,7 +350,14 @@ class OpDriver(ABC, Generic[R]):
                 raise StepRefused(
                     "tokens", f"{num_new:,} asked, {max(total - start, 0):,} left to compute"
                 )
-        ok = self.allocate_slots(request, num_new, hit, blocks, step.lookahead)
+        ok = self.allocate_slots(
+            request,
+            num_new,
+            hit,
+            blocks,
+            step.lookahead,
+            full_sequence=admitting and self.config.reserve_full_sequence,
+        )
         if ok:
             if admitting:
                 self.record_prefix_cache_stats(request, hit)
@@ -315,7 +370,12 @@ class OpDriver(ABC, Generic[R]):
             # (as vLLM's Scheduler appends it after the step): the next decode
             # finds it already appended.
             self.append_output(request, self.fresh.take(step.sample))
-        return {"ok": ok, "tokens": num_new, "prompt_done": done}
+        result: dict[str, Any] = {"ok": ok, "tokens": num_new, "prompt_done": done}
+        if ok and done:
+            # The chunk that completes the prefill emits the first output;
+            # the scheduler then reports the tokens the prefix cache covered.
+            result["cached_tokens"] = self.estimate_cached_tokens(request)
+        return result
 
     def _op_decode1(self, step: Step) -> dict[str, Any]:
         request = self._pending(step).request
@@ -331,6 +391,10 @@ class OpDriver(ABC, Generic[R]):
         if ok:
             self.set_num_computed(request, self.num_computed(request) + 1)
             self.append_output(request, self.fresh.take(1))
+            if step.spec:
+                # With drafts, `update_from_output` re-caches the request up
+                # to its computed tokens once the step's output is in.
+                self.cache_blocks(request, self.num_computed(request))
         return {"ok": ok}
 
     def _op_step(self, step: Step) -> dict[str, Any]:
@@ -338,12 +402,23 @@ class OpDriver(ABC, Generic[R]):
         return {}
 
     def _op_drain(self, step: Step) -> dict[str, Any]:
+        # What `Scheduler.schedule` drains at its end, in its order: the
+        # boundary-state hand-offs, the copies, the blocks to zero.
+        offloads = self.take_boundary_offloads()
         copies, retained = self.take_copies()
         self.free_blocks(retained)
-        return {"copies": copies}
+        return {"copies": copies, "offloads": offloads, "zeroed": self.take_new_block_ids()}
 
     def _op_free(self, step: Step) -> dict[str, Any]:
         pending = self._pending(step)
+        result: dict[str, Any] = {}
+        if step.how != "preempt":
+            # A request that ends hands a KV producer's connector its partial
+            # tails, then its computed blocks (`_connector_finished`).
+            result["partial_tail_offloads"] = self.finalize_partial_tail_offloads(pending.request)
+            result["computed_block_ids"] = self.computed_block_ids(
+                pending.request, self.num_computed(pending.request)
+            )
         self.free(pending.request)
         if step.how == "preempt":
             # Back to waiting with nothing computed; the output stays.
@@ -351,7 +426,7 @@ class OpDriver(ABC, Generic[R]):
             self.set_drafts(pending.request, [])
             pending.has_hit, pending.hit_blocks, pending.hit = False, None, 0
             self.mark(pending.request, "preempted")
-        return {}
+        return result
 
     def _op_pop(self, step: Step) -> dict[str, Any]:
         pending = self._pending(step)

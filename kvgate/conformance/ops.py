@@ -30,6 +30,7 @@ FieldType = Literal[
     "int_or_auto",  # an int >= 1, or "auto"
     "int_or_all",  # an int >= 0, or "all"
     "how",  # finish / abort / preempt
+    "bool",  # true / false
 ]
 
 
@@ -71,6 +72,7 @@ FIELD_TYPES: dict[str, FieldType] = {
     "steps": "int",
     "how": "how",
     "blocks": "int_or_all",
+    "skip_prefix_cache": "bool",
 }
 
 # The prefix-cache hit stats a `stats` op reports (vLLM's PrefixCacheStats):
@@ -90,7 +92,7 @@ STATS_KEYS: tuple[str, ...] = (
 ACTIONS: dict[str, Action] = {
     a.name: a
     for a in (
-        Action("arrive", ("req", "prompt"), valid_in=frozenset({"absent"})),
+        Action("arrive", ("req", "prompt"), ("skip_prefix_cache",), valid_in=frozenset({"absent"})),
         Action("lookup", ("req",), expect_keys=("hit", "junction"), valid_in=LIVE),
         Action("reserve", ("req",), expect_keys=("blocks", "step_blocks"), valid_in=LIVE),
         Action(
@@ -226,6 +228,8 @@ class Step:
     sample: int = 0  # allocate: output tokens sampled when the chunk computes every token
     how: str | None = None
     blocks: int | Literal["all"] | None = None
+    # arrive: the request never reads the prefix cache (prompt logprobs, pooling)
+    skip_prefix_cache: bool = False
     expect: dict[str, Any] = field(default_factory=dict)
     check: dict[str, Any] = field(default_factory=dict)
     steps: int = 0  # the `decode` macro's repeat count; the parser expands it

@@ -11,7 +11,8 @@ Choices the format leaves to the reader, fixed here:
   are different modes and a silent default would hide which one a trace
   tests; `scheduler_block_size` defaults to the largest `mamba_align` block
   size; `max_model_len` and `max_num_scheduled_tokens` default to 8192;
-  `long_prefill_token_threshold` defaults to 0 (no cap).
+  `long_prefill_token_threshold` defaults to 0 (no cap), and its
+  `long_prefill_token_threshold_adaptive` to false.
 - Step indices count from 0: `step 3` is `steps[3]`.
 - A `check` step's keys are fields of the step: `{op: check, free_blocks: 3}`.
   Its `holds` is the whole holds map (requests with `{}` count as holding
@@ -82,9 +83,12 @@ _CONFIG_OPTIONAL = (
     "retain_checkpoint",
     "retain_retired",
     "long_prefill_token_threshold",
+    "long_prefill_token_threshold_adaptive",
     "shared_prefix_checkpoint",
     "kv_events",
     "kv_events_full",
+    "reserve_full_sequence",
+    "disable_log_stats",
 )
 _GROUP_KEYS = (
     "kind",
@@ -446,10 +450,13 @@ class _Reader:
             shared_prefix_checkpoint=flag("shared_prefix_checkpoint"),
             kv_events=flag("kv_events"),
             kv_events_full=flag("kv_events_full"),
+            reserve_full_sequence=flag("reserve_full_sequence"),
+            disable_log_stats=flag("disable_log_stats"),
             scheduler_block_size=count("scheduler_block_size", default_scheduler),
             max_model_len=count("max_model_len", 8192),
             max_num_scheduled_tokens=count("max_num_scheduled_tokens", 8192),
             long_prefill_token_threshold=count("long_prefill_token_threshold", 0),
+            long_prefill_token_threshold_adaptive=flag("long_prefill_token_threshold_adaptive"),
         )
         try:
             validate(config)
@@ -554,6 +561,10 @@ class _Reader:
             return value
         if kind == "prompt":
             return self.prompt(index, value)
+        if kind == "bool":
+            if not isinstance(value, bool):
+                raise self.error(index, key, f"must be true or false, got {_got(value)}")
+            return value
         if kind == "int":
             if not _is_count(value):
                 raise self.error(index, key, f"must be an integer >= 0, got {_got(value)}")

@@ -32,9 +32,16 @@ def config_dict(config: Config) -> dict[str, Any]:
             if config.long_prefill_token_threshold
             else {}
         ),
+        **(
+            {"long_prefill_token_threshold_adaptive": True}
+            if config.long_prefill_token_threshold_adaptive
+            else {}
+        ),
         **({"shared_prefix_checkpoint": True} if config.shared_prefix_checkpoint else {}),
         **({"kv_events": True} if config.kv_events else {}),
         **({"kv_events_full": True} if config.kv_events_full else {}),
+        **({"reserve_full_sequence": True} if config.reserve_full_sequence else {}),
+        **({"disable_log_stats": True} if config.disable_log_stats else {}),
         "groups": [group_dict(g) for g in config.groups],
     }
 

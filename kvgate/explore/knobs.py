@@ -130,6 +130,12 @@ KNOBS: tuple[Knob, ...] = (
         lambda c, v: replace(c, shared_prefix_checkpoint=v),
     ),
     Knob("long_prefill_token_threshold", (0, 48, None), _long_prefill),
+    # Acts only with a threshold (as in vLLM): the cap's fair-share floor.
+    Knob(
+        "long_prefill_token_threshold_adaptive",
+        (False, True),
+        lambda c, v: replace(c, long_prefill_token_threshold_adaptive=v),
+    ),
     Knob(
         "num_blocks",
         (32, 64, 128),

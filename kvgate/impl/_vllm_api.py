@@ -168,3 +168,17 @@ def register_plugin(name: str) -> ModuleType | None:
             register()
     _registered[name] = module
     return module
+
+
+def load_with_hold(
+    hold: bool, hold_retired: bool, plugin: str | None
+) -> tuple[VllmApi, ModuleType | None]:
+    """vLLM with the hold switch as a config asks (set before vLLM reads its
+    environment, vLLM's env cache dropped after), `plugin` registered:
+    (the API, the plugin's module or None)."""
+    set_retain_switch(hold, hold_retired)
+    api = load()
+    clear_env_cache()
+    plugin_module = register_plugin(plugin) if plugin else None
+    api.init_none_hash(api.sha256)
+    return api, plugin_module

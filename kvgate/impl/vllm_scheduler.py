@@ -37,13 +37,9 @@ from kvgate.conformance.scheduling import ScheduledStep
 from kvgate.conformance.snapshot import Snapshot
 from kvgate.conformance.target import Capabilities, StepRefused
 from kvgate.impl import _vllm_api
-from kvgate.impl.vllm_target import (
-    _describe,
-    _hold_source,
-    _holds_partial_tails,
-    _retains_retired,
-    kv_cache_config,
-)
+from kvgate.impl.vllm_build import kv_cache_config
+from kvgate.impl.vllm_errors import describe
+from kvgate.impl.vllm_probe import hold_source, holds_partial_tails, retains_retired
 from kvgate.impl.vllm_view import ManagerView
 
 __all__ = ["VllmScheduler", "model_dir"]
@@ -110,6 +106,12 @@ def _vllm_config(config: Config, spec_tokens: int, max_num_seqs: int) -> Any:
         enable_chunked_prefill=True,
         long_prefill_token_threshold=config.long_prefill_token_threshold,
         is_encoder_decoder=False,
+        # Only when set: a release without the setting still runs the rest.
+        **(
+            {"long_prefill_token_threshold_adaptive": True}
+            if config.long_prefill_token_threshold_adaptive
+            else {}
+        ),
     )
     cache = CacheConfig(
         block_size=config.scheduler_block_size,
@@ -164,6 +166,11 @@ def _check_derived(scheduler: Any, config: Config, spec_tokens: int) -> None:
             int(scheduler.scheduler_config.long_prefill_token_threshold),
             config.long_prefill_token_threshold,
         ),
+        (
+            "long_prefill_token_threshold_adaptive",
+            bool(getattr(scheduler, "adaptive_long_prefill_threshold", False)),
+            config.long_prefill_token_threshold_adaptive,
+        ),
         ("max_model_len", int(scheduler.max_model_len), config.max_model_len),
         # Drafts: K tokens and K lookahead slots, no lookahead hashes, no
         # multi-module prefill reservation (a lookahead of 1 never acts).
@@ -201,11 +208,7 @@ class VllmScheduler:
     ) -> None:
         self.config = config
         self.spec_tokens = spec_tokens
-        _vllm_api.set_retain_switch(config.hold, config.hold_retired)
-        api = _vllm_api.load()
-        _vllm_api.clear_env_cache()
-        plugin_module = _vllm_api.register_plugin(plugin) if plugin else None
-        api.init_none_hash(api.sha256)
+        api, plugin_module = _vllm_api.load_with_hold(config.hold, config.hold_retired, plugin)
         self._api = api
         if spec_tokens == 0 and config.eagle:
             raise UnsupportedConfig("eagle", "the eagle drop needs draft tokens (spec > 0)")
@@ -225,7 +228,7 @@ class VllmScheduler:
             raise
         except Exception as exc:  # pydantic, ValueError or a bare assert
             raise UnsupportedConfig(
-                "groups", f"vLLM's Scheduler rejects it: {_describe(exc)}"
+                "groups", f"vLLM's Scheduler rejects it: {describe(exc)}"
             ) from exc
         _check_derived(scheduler, config, spec_tokens)
         self._scheduler: Any = scheduler
@@ -233,13 +236,13 @@ class VllmScheduler:
         self._view = ManagerView(api, manager, config.hash_unit)
         self._hasher: Any = api.get_request_block_hasher(config.hash_unit, api.sha256)
         managers = self._view.managers
-        hold = _holds_partial_tails(api, managers, config.hold)
+        hold = holds_partial_tails(api, managers, config.hold)
         self.capabilities = Capabilities(
             implementation=f"vllm {api.version} Scheduler",
             partial_hits=bool(getattr(manager.coordinator, "enable_partial_hash_hits", False)),
             hold=hold,
-            hold_source=_hold_source(managers, plugin, plugin_module) if hold else "",
-            retire=_retains_retired(api, managers),
+            hold_source=hold_source(managers, plugin, plugin_module) if hold else "",
+            retire=retains_retired(api, managers),
         )
         # Every request ever added, by name (finished ones too: a follow-up's
         # check reads the turn it follows).

@@ -4,8 +4,11 @@
 the op semantics of trace format version 1 define them. The op flow itself
 (pending lookups, token bookkeeping, refusals, `prompt_done`) is the shared
 `OpDriver`'s, exactly as for the model; this module supplies the vLLM calls
-behind its hooks; `vllm_view.ManagerView` shows the manager's state as a
-`Snapshot` keyed like the model's (prefix keys instead of vLLM's digests).
+behind its hooks. Its neighbours do the rest, one job each: `vllm_build`
+turns the trace's config into vLLM's objects, `vllm_errors` turns vLLM's
+refusals into one-line errors, `vllm_probe` finds what the build offers, and
+`vllm_view.ManagerView` shows the manager's state as a `Snapshot` keyed like
+the model's (prefix keys instead of vLLM's digests).
 
 vLLM is imported lazily, by the first `VllmTarget` or `probe()`, never when
 this module is imported. An exception vLLM raises inside an op propagates
@@ -17,15 +20,9 @@ and `manager` (the vLLM `KVCacheManager` itself), for tests and debugging.
 
 from __future__ import annotations
 
-import os
-import re
-import sys
-import traceback
-from collections.abc import Sequence
-from types import ModuleType, SimpleNamespace
 from typing import Any
 
-from kvgate.conformance.config import Config, GroupConfig, UnsupportedConfig
+from kvgate.conformance.config import Config
 from kvgate.conformance.driver import OpDriver
 from kvgate.conformance.events import KvEvent
 from kvgate.conformance.ops import STATS_KEYS
@@ -33,10 +30,12 @@ from kvgate.conformance.snapshot import Snapshot
 from kvgate.conformance.target import Capabilities
 from kvgate.conformance.tokens import key_position
 from kvgate.impl import _vllm_api
-from kvgate.impl._vllm_api import HOLD_ATTR, RETAIN_SWITCH, VllmApi
+from kvgate.impl._vllm_api import VllmApi
+from kvgate.impl.vllm_build import build_manager, split_context
+from kvgate.impl.vllm_probe import hold_source, holds_partial_tails, retains_retired
 from kvgate.impl.vllm_view import ManagerView
 
-__all__ = ["VllmTarget", "probe"]
+__all__ = ["VllmTarget"]
 
 
 class VllmTarget(OpDriver[Any]):
@@ -51,16 +50,10 @@ class VllmTarget(OpDriver[Any]):
     def __init__(self, config: Config, plugin: str | None = None) -> None:
         super().__init__(config)
         self.plugin = plugin
-        # The switch must be in the environment before vLLM reads it: set it
-        # before the (first) import, and drop vLLM's env cache after it.
-        _vllm_api.set_retain_switch(config.hold, config.hold_retired)
-        api = _vllm_api.load()
-        _vllm_api.clear_env_cache()
-        plugin_module = _vllm_api.register_plugin(plugin) if plugin else None
-        api.init_none_hash(api.sha256)
+        api, plugin_module = _vllm_api.load_with_hold(config.hold, config.hold_retired, plugin)
         self._api: VllmApi = api
 
-        manager = _build_manager(api, config)
+        manager = build_manager(api, config)
         self._manager: Any = manager
         self._coordinator: Any = manager.coordinator
         self._pool: Any = manager.block_pool
@@ -70,33 +63,14 @@ class VllmTarget(OpDriver[Any]):
         self._hasher: Any = api.get_request_block_hasher(config.hash_unit, api.sha256)
 
         partial = bool(getattr(self._coordinator, "enable_partial_hash_hits", False))
-        # `self` for Scheduler._mamba_block_aligned_split: the attributes it reads.
-        self._split_self = SimpleNamespace(
-            block_size=config.scheduler_block_size,
-            cache_config=SimpleNamespace(block_size=config.scheduler_block_size),
-            hash_block_size=config.hash_unit,
-            mamba_partial_cache_hit=partial and config.hash_unit < config.scheduler_block_size,
-            use_eagle_block_drop=config.eagle,
-            num_hash_lookahead_tokens=0,
-            max_num_scheduled_tokens=config.max_num_scheduled_tokens,
-            scheduler_config=SimpleNamespace(
-                long_prefill_token_threshold=config.long_prefill_token_threshold
-            ),
-            mamba_has_prefill_checkpoint_blocks=config.prefill_checkpoints,
-            mamba_prefill_checkpoint_alignment=config.prefill_checkpoint_alignment,
-            mamba_shared_prefix_checkpoint=(
-                partial
-                and config.hash_unit < config.scheduler_block_size
-                and bool(getattr(manager, "mamba_shared_prefix_checkpoint", False))
-            ),
-        )
-        hold = _holds_partial_tails(api, self._managers, config.hold)
+        self._split_self = split_context(config, self._coordinator, manager)
+        hold = holds_partial_tails(api, self._managers, config.hold)
         self.capabilities = Capabilities(
             implementation=f"vllm {api.version}",
             partial_hits=partial,
             hold=hold,
-            hold_source=_hold_source(self._managers, plugin, plugin_module) if hold else "",
-            retire=_retains_retired(api, self._managers),
+            hold_source=hold_source(self._managers, plugin, plugin_module) if hold else "",
+            retire=retains_retired(api, self._managers),
         )
 
     # ---------------------------------------------------------------- extras
@@ -127,12 +101,14 @@ class VllmTarget(OpDriver[Any]):
 
     # -------------------------------------------------------------- requests
 
-    def new_request(self, name: str, tokens: list[int]) -> Any:
+    def new_request(self, name: str, tokens: list[int], skip_prefix_cache: bool = False) -> Any:
         request = self._api.Request(
             request_id=name,
             prompt_token_ids=tokens,
             sampling_params=self._api.SamplingParams(
                 max_tokens=self.config.max_model_len,
+                # None: vLLM derives it (from prompt logprobs), as for a user's.
+                skip_reading_prefix_cache=True if skip_prefix_cache else None,
                 extra_args=(
                     {"kv_cache_report_mode": "full"} if self.config.kv_events_full else None
                 ),
@@ -207,7 +183,13 @@ class VllmTarget(OpDriver[Any]):
         return int(split(self._split_self, request, num_new, hit))
 
     def allocate_slots(
-        self, request: Any, num_new: int, hit: int, hit_blocks: Any, lookahead: int
+        self,
+        request: Any,
+        num_new: int,
+        hit: int,
+        hit_blocks: Any,
+        lookahead: int,
+        full_sequence: bool = False,
     ) -> bool:
         got = self._manager.allocate_slots(
             request,
@@ -215,8 +197,34 @@ class VllmTarget(OpDriver[Any]):
             num_new_computed_tokens=hit,
             new_computed_blocks=hit_blocks,
             num_lookahead_tokens=lookahead,
+            full_sequence_must_fit=full_sequence,
         )
         return got is not None
+
+    def cache_blocks(self, request: Any, num_computed: int) -> None:
+        self._manager.cache_blocks(request, num_computed)
+
+    def estimate_cached_tokens(self, request: Any) -> int:
+        return int(self._manager.estimate_cached_tokens(request))
+
+    def computed_block_ids(self, request: Any, num_computed: int) -> list[list[int]]:
+        ids = self._manager.get_block_ids_for_computed_tokens(request.request_id, num_computed)
+        return [[int(i) for i in group] for group in ids]
+
+    def take_boundary_offloads(self) -> list[list[Any]]:
+        offloads = self._manager.take_boundary_state_offloads()
+        return [
+            [str(rid), int(group), int(block), int(tokens)]
+            for rid, entries in offloads.items()
+            for group, block, tokens in entries
+        ]
+
+    def take_new_block_ids(self) -> list[int]:
+        return [int(i) for i in self._manager.take_new_block_ids()]
+
+    def finalize_partial_tail_offloads(self, request: Any) -> list[list[int]]:
+        tails = self._manager.finalize_partial_tail_offloads(request)
+        return [[int(group), int(block), int(tokens)] for group, block, tokens in tails]
 
     def free(self, request: Any) -> None:
         self._manager.free(request)
@@ -247,6 +255,8 @@ class VllmTarget(OpDriver[Any]):
 
     def make_prefix_cache_stats(self) -> dict[str, Any]:
         stats = self._manager.make_prefix_cache_stats()
+        if stats is None:  # log_stats off: the manager keeps none
+            return {"usage": self._manager.usage}
         return {**{key: getattr(stats, key) for key in STATS_KEYS}, "usage": self._manager.usage}
 
     def reset_prefix_cache(self) -> bool:
@@ -320,212 +330,3 @@ class VllmTarget(OpDriver[Any]):
 
     def snapshot(self) -> Snapshot:
         return self._view.snapshot(self.popped)
-
-
-# ---------------------------------------------------------------- helpers
-
-
-def _group_spec(api: VllmApi, index: int, group: GroupConfig) -> Any:
-    float32 = api.torch.float32
-    if group.kind == "full_attention":
-        return api.FullAttentionSpec(
-            block_size=group.block_size, num_kv_heads=1, head_size=1, dtype=float32
-        )
-    if group.kind == "mamba_align":
-        # The checkpoint fields only when set: a build without them still
-        # runs every trace that leaves them off (and refuses the others).
-        checkpoints: dict[str, Any] = {}
-        if group.prefill_checkpoint_blocks:
-            checkpoints["num_prefill_checkpoint_blocks"] = group.prefill_checkpoint_blocks
-        if group.prefill_checkpoint_alignment is not None:
-            checkpoints["prefill_checkpoint_alignment"] = group.prefill_checkpoint_alignment
-        return api.MambaSpec(
-            block_size=group.block_size,
-            shapes=((1, 1),),
-            dtypes=(float32,),
-            mamba_cache_mode="align",
-            num_speculative_blocks=group.speculative_blocks,
-            **checkpoints,
-        )
-    raise UnsupportedConfig(f"groups[{index}].kind", f"unknown group kind {group.kind!r}")
-
-
-def kv_cache_config(api: VllmApi, config: Config) -> Any:
-    """vLLM's `KVCacheConfig` for `config`: its pool, groups and retention."""
-    groups = [
-        api.KVCacheGroupSpec([f"layer{i}"], _group_spec(api, i, g))
-        for i, g in enumerate(config.groups)
-    ]
-    return api.KVCacheConfig(
-        num_blocks=config.num_blocks,
-        kv_cache_tensors=[],
-        kv_cache_groups=groups,
-        prefix_cache_retention_interval=config.retention_interval,
-    )
-
-
-def _build_manager(api: VllmApi, config: Config) -> Any:
-    """A `KVCacheManager` for `config`, as the op semantics prescribe.
-
-    Anything vLLM raises while building it becomes `UnsupportedConfig`.
-    """
-    try:
-        return api.KVCacheManager(
-            kv_cache_config(api, config),
-            max_model_len=config.max_model_len,
-            scheduler_block_size=config.scheduler_block_size,
-            hash_block_size=config.hash_unit,
-            enable_caching=True,
-            use_eagle=config.eagle,
-            log_stats=True,
-            enable_kv_cache_events=config.kv_events,
-            **(
-                {"enable_mamba_shared_prefix_checkpoint": True}
-                if config.shared_prefix_checkpoint
-                else {}
-            ),
-        )
-    except UnsupportedConfig:
-        raise
-    except Exception as exc:  # vLLM rejects with ValueError or a bare assert
-        message = _describe(exc)
-        raise UnsupportedConfig(_config_field(message), f"vLLM rejects it: {message}") from exc
-
-
-def _describe(exc: BaseException) -> str:
-    """One line: the exception, or for a bare assert the failing source line."""
-    text = " ".join(str(exc).split())
-    if not text:
-        frames = traceback.extract_tb(exc.__traceback__)
-        if frames:
-            last = frames[-1]
-            where = f"{os.path.basename(last.filename)}:{last.lineno}"
-            text = f"at {where}: {' '.join((last.line or '').split())}"
-    text = f"{type(exc).__name__} {text}".strip()
-    return text if len(text) <= 240 else text[:237] + "..."
-
-
-_FIELD_PATTERNS: tuple[tuple[str, str], ...] = (
-    (r"retention", "retention_interval"),
-    (r"shared_prefix", "shared_prefix_checkpoint"),
-    (r"scheduler_block_size", "scheduler_block_size"),
-    (r"hash_block_size|hash", "hash_unit"),
-    (r"num_gpu_blocks|num_blocks", "num_blocks"),
-    (r"max_model_len", "max_model_len"),
-    (r"eagle|speculative", "eagle"),
-)
-
-
-def _config_field(message: str) -> str:
-    for pattern, name in _FIELD_PATTERNS:
-        if re.search(pattern, message):
-            return name
-    return "groups"
-
-
-def _is_mamba(api: VllmApi, manager: Any) -> bool:
-    return isinstance(getattr(manager, "kv_cache_spec", None), api.MambaSpec)
-
-
-def _holds_partial_tails(api: VllmApi, managers: Sequence[Any], switch: bool) -> bool:
-    """Whether this build holds partial-tail checkpoints, switch included.
-
-    Probed on the managers themselves: a Mamba manager carrying the hold map,
-    with the build's own switch flag when it exposes one.
-    """
-    return any(
-        hasattr(m, HOLD_ATTR) and bool(getattr(m, "_retain_checkpoint", switch))
-        for m in managers
-        if _is_mamba(api, m)
-    )
-
-
-def _retains_retired(api: VllmApi, managers: Sequence[Any]) -> bool:
-    """Whether kvgate's overlay retains retired states on these managers."""
-    return any(
-        bool(getattr(m, _vllm_api.RETIRE_ATTR, False)) for m in managers if _is_mamba(api, m)
-    )
-
-
-def _hold_source(managers: Sequence[Any], plugin: str | None, module: ModuleType | None) -> str:
-    """Which implementation of the hold ran: a plugin's overlay, or the vLLM build's.
-
-    The plugin module's `HOLD_SOURCE` when it declares one; else the module
-    that patched the managers' class, found by the patched methods'
-    `__module__` (so an overlay loaded through vLLM's entry points, or earlier
-    in this process, is named too), by its `HOLD_SOURCE` or as `plugin NAME`.
-    """
-    if module is not None:
-        declared = getattr(module, "HOLD_SOURCE", None)
-        if isinstance(declared, str) and declared:
-            return declared
-    patcher = _patching_module(managers)
-    if patcher is not None:
-        declared = getattr(sys.modules.get(patcher), "HOLD_SOURCE", None)
-        if isinstance(declared, str) and declared:
-            return declared
-        return f"plugin {plugin if module is not None else patcher}"
-    return f"vllm build ({RETAIN_SWITCH})"
-
-
-def _patching_module(managers: Sequence[Any]) -> str | None:
-    """The module outside vLLM that replaced a manager class's hold-path method."""
-    for m in managers:
-        for attr in ("__init__", "allocate_new_blocks", "pop_blocks_for_free"):
-            name = str(getattr(getattr(type(m), attr, None), "__module__", "vllm"))
-            if not name.startswith("vllm"):
-                return name
-    return None
-
-
-_PROBE_CONFIG = Config(
-    num_blocks=16,
-    hash_unit=8,
-    groups=(
-        GroupConfig("full_attention", 8),
-        GroupConfig("mamba_align", 32),
-    ),
-    eagle=False,
-    retention_interval=None,
-    hold=True,
-    scheduler_block_size=32,
-)
-
-
-def probe() -> dict[str, Any]:
-    """What the installed vLLM offers, for a gate report's header.
-
-    Keys: `vllm` (version, or None when it cannot be imported, with `error`),
-    `location`, `partial_hits` (sub-block Mamba hits on a hybrid config),
-    `hold` (the partial-tail checkpoint hold exists; probed on a small manager
-    built with the switch on), `hold_switch` (its environment variable),
-    `deferred_free` (`KVCacheManager.pop_blocks_for_free`).
-    """
-    try:
-        api = _vllm_api.load()
-    except Exception as exc:
-        return {"vllm": None, "error": _describe(exc)}
-    info: dict[str, Any] = {
-        "vllm": api.version,
-        "location": api.location,
-        "partial_hits": False,
-        "hold": False,
-        "hold_switch": RETAIN_SWITCH,
-        "deferred_free": callable(getattr(api.KVCacheManager, "pop_blocks_for_free", None)),
-    }
-    previous = os.environ.get(RETAIN_SWITCH)
-    try:
-        _vllm_api.set_retain_switch(True)
-        manager = _build_manager(api, _PROBE_CONFIG)
-        managers = tuple(manager.coordinator.single_type_managers)
-        info["partial_hits"] = bool(getattr(manager.coordinator, "enable_partial_hash_hits", False))
-        info["hold"] = _holds_partial_tails(api, managers, True)
-    except Exception as exc:
-        info["error"] = _describe(exc)
-    finally:
-        if previous is None:
-            os.environ.pop(RETAIN_SWITCH, None)
-        else:
-            os.environ[RETAIN_SWITCH] = previous
-        _vllm_api.clear_env_cache()
-    return info

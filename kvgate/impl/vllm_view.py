@@ -61,6 +61,7 @@ class ManagerView:
     def __init__(self, api: VllmApi, manager: Any, hash_unit: int) -> None:
         self._api = api
         self._hash_unit = hash_unit
+        self._manager: Any = manager
         self._pool: Any = manager.block_pool
         self._managers: tuple[Any, ...] = tuple(manager.coordinator.single_type_managers)
         self.group_ids: tuple[int, ...] = tuple(int(m.kv_cache_group_id) for m in self._managers)
@@ -94,7 +95,7 @@ class ManagerView:
 
     def close(self) -> None:
         self._managers = ()
-        self._pool = None
+        self._manager = self._pool = None
         self._keys.clear()
         self._dirty.clear()
         self._key_of.clear()
@@ -141,7 +142,9 @@ class ManagerView:
         rids = dict.fromkeys(rid for m in managers for rid in m.req_to_blocks)
         tables: dict[str, tuple[tuple[int, ...], ...]] = {}
         for rid in rids:
-            per_group = tuple(block_ids(m.req_to_blocks.get(rid, ())) for m in managers)
+            # Read through `get_block_ids`, the call whose answer the
+            # scheduler sends a worker as the request's block table.
+            per_group = tuple(tuple(ids) for ids in self._manager.get_block_ids(rid))
             if any(per_group):
                 tables[str(rid)] = per_group
         return tables

@@ -257,6 +257,50 @@ class Coordinator:
             copies.extend((manager.group_id, s, d) for s, d in manager.take_pending_copies())
         return copies
 
+    def take_boundary_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
+        """Each request's drained hand-offs as (group, block id, tokens)."""
+        offloads: dict[str, list[tuple[int, int, int]]] = {}
+        for manager in self.mambas:
+            for rid, group_id, block, tokens in manager.take_offloads():
+                offloads.setdefault(rid, []).append((group_id, block.block_id, tokens))
+        return offloads
+
+    def finalize_partial_tails(self, request_id: str, num_computed: int) -> list[list[int]]:
+        tails: list[list[int]] = []
+        for manager in self.mambas:
+            tail = manager.finalize_partial_tail(request_id, num_computed)
+            if tail is not None:
+                tails.append([manager.group_id, *tail])
+        return tails
+
+    def take_new_block_ids(self) -> list[int]:
+        ids: list[int] = []
+        for manager in self.managers:
+            if isinstance(manager, FullAttentionManager):
+                ids.extend(manager.take_new_block_ids())
+        return ids
+
+    def estimate_cached_tokens(self, request_id: str) -> int:
+        """The shortest, over the groups, of the longest prefix a block of the
+        request's table is keyed at."""
+        cached: int | None = None
+        for manager in self.managers:
+            table = manager.tables.get(request_id, [])
+            longest = max((b.hash_tokens or 0 for b in table), default=0)
+            cached = longest if cached is None else min(cached, longest)
+        return cached or 0
+
+    def computed_block_ids(self, request_id: str, num_computed: int) -> list[list[int]]:
+        """Per group, the table's block ids covering `num_computed` tokens:
+        attention cut to them, a Mamba table whole."""
+        ids: list[list[int]] = []
+        for manager in self.managers:
+            table = [b.block_id for b in manager.tables.get(request_id, [])]
+            if isinstance(manager, FullAttentionManager):
+                table = table[: cdiv(num_computed, manager.block_size)]
+            ids.append(table)
+        return ids
+
     def new_step(self) -> None:
         for manager in self.managers:
             manager.new_step()

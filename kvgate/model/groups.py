@@ -127,6 +127,16 @@ class GroupManager:
 
 
 class FullAttentionManager(GroupManager):
+    def __init__(self, pool: BlockPool, group_id: int, block_size: int) -> None:
+        super().__init__(pool, group_id, block_size)
+        # Blocks allocated since the scheduler last drained them: the worker
+        # zeroes them before use (a model with Mamba layers needs it).
+        self.new_block_ids: list[int] = []
+
+    def take_new_block_ids(self) -> list[int]:
+        ids, self.new_block_ids = self.new_block_ids, []
+        return ids
+
     def find_hit(
         self, keys: Sequence[str], max_length: int, drop_eagle: bool
     ) -> tuple[list[Block], int]:
@@ -188,6 +198,7 @@ class FullAttentionManager(GroupManager):
             blocks = self.pool.get_new_blocks(missing)
             table.extend(blocks)
             new.extend(blocks)
+        self.new_block_ids.extend(b.block_id for b in new)
         return new
 
     def remove_skipped(self, request_id: str, num_processed: int) -> None:

@@ -92,6 +92,12 @@ class MambaManager(GroupManager):
         self.last_state_index: dict[str, int] = {}
         self.num_retired: dict[str, int] = {}
         self.allocated: set[str] = set()  # requests past their first allocation
+        # Boundary-state hand-offs the scheduler drains every step (for a KV
+        # connector): (request, group, block, tokens) per state keyed, and
+        # the request whose partial tail sits on its running block, with the
+        # tail's position (its copy is handed off once made).
+        self.pending_offloads: list[tuple[str, int, Block, int]] = []
+        self.producer_tails: dict[str, tuple[Block, int]] = {}
 
     # -- lookup -------------------------------------------------------------
 
@@ -244,6 +250,10 @@ class MambaManager(GroupManager):
                 self.holds.follow_moved_keys(self.group_id, request_id, source, copy)
                 self.pending_copies.append((source, copy))
                 self.pool.add_ref(source)
+                tail = self.producer_tails.pop(request_id, None)
+                if tail is not None:
+                    assert tail[0] is source
+                    self.pending_offloads.append((request_id, self.group_id, copy, tail[1]))
                 if copy.hash is not None:
                     self.cached_this_step.add(copy.hash)
                 self.holds.hold(self.group_id, request_id, copy)
@@ -324,6 +334,8 @@ class MambaManager(GroupManager):
         for block in table[before:after]:
             if not block.is_null and block.hash is not None:
                 self.cached_this_step.add(block.hash)
+                assert block.hash_tokens is not None
+                self.pending_offloads.append((rid, self.group_id, block, block.hash_tokens))
         return tail_key
 
     def _cache_checkpoint(
@@ -385,6 +397,7 @@ class MambaManager(GroupManager):
             # The next chunk overwrites this block: it must move the key.
             self.partial_hits[request.request_id] = (index, source)
             self.num_cached[request.request_id] = index
+            self.producer_tails[request.request_id] = (source, num_tokens)
         return key
 
     # -- ending a request ---------------------------------------------------
@@ -394,7 +407,22 @@ class MambaManager(GroupManager):
         self.checkpoints.pop(request_id, None)
         self.last_state_index.pop(request_id, None)
         self.num_retired.pop(request_id, None)
+        self.producer_tails.pop(request_id, None)
+        # Its blocks go back to the pool: its hand-offs not yet drained go too.
+        self.pending_offloads = [o for o in self.pending_offloads if o[0] != request_id]
         return super().pop_blocks(request_id)
+
+    def finalize_partial_tail(self, request_id: str, num_computed: int) -> tuple[int, int] | None:
+        """The request's partial tail, if its running block still holds that
+        state (nothing computed past it): (block id, tokens). Consumed."""
+        tail = self.producer_tails.pop(request_id, None)
+        if tail is None or num_computed != tail[1]:
+            return None
+        return tail[0].block_id, tail[1]
+
+    def take_offloads(self) -> list[tuple[str, int, Block, int]]:
+        offloads, self.pending_offloads = self.pending_offloads, []
+        return offloads
 
     def new_step(self) -> None:
         self.cached_this_step.clear()

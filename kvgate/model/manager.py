@@ -49,12 +49,17 @@ class KVCacheManager:
         self.prefix_cache_stats = PrefixCacheStats()
 
     def record_prefix_cache_stats(self, request: Request, num_hits: int) -> None:
+        if self.config.disable_log_stats or request.skip_reading_prefix_cache:
+            return
         self.prefix_cache_stats.record(
             request.num_tokens, num_hits, preempted=request.num_preemptions > 0
         )
 
     def make_prefix_cache_stats(self) -> dict[str, int | bool]:
-        """The stats since the last call, as the `stats` op reports them; reset."""
+        """The stats since the last call, as the `stats` op reports them; reset.
+        Nothing when stats are not logged."""
+        if self.config.disable_log_stats:
+            return {}
         stats, self.prefix_cache_stats = self.prefix_cache_stats, PrefixCacheStats()
         return asdict(stats)
 
@@ -78,8 +83,11 @@ class KVCacheManager:
         the shared-prefix junction (0: the groups agree).
 
         At most `num_tokens - 1` tokens hit: the last one is recomputed for
-        its logits. The caller stores the junction on the request.
+        its logits. The caller stores the junction on the request. A request
+        that skips reading the cache finds nothing.
         """
+        if request.skip_reading_prefix_cache:
+            return None, 0, 0
         blocks, hit, junction = self.coordinator.find_hit(request.keys, request.num_tokens - 1)
         if hit > 0 and self.config.kv_events_full:
             self._report_hit(request, blocks)
@@ -124,9 +132,11 @@ class KVCacheManager:
         num_new_computed_tokens: int = 0,
         new_computed_blocks: HitBlocks | None = None,
         num_lookahead_tokens: int = 0,
+        full_sequence_must_fit: bool = False,
     ) -> bool:
         """Give the request slots for `num_new_tokens` more tokens (plus
-        lookahead for drafts); False, changing nothing, if the pool is short."""
+        lookahead for drafts); False, changing nothing, if the pool is short
+        (with `full_sequence_must_fit`, short of the whole sequence's blocks)."""
         if num_new_tokens == 0 and num_new_computed_tokens == 0:
             raise ValueError("num_new_tokens must be > 0 when no computed tokens are adopted")
         max_len = self.config.max_model_len
@@ -136,9 +146,23 @@ class KVCacheManager:
         total_computed = min(num_local, max_len)
         num_tokens_main = total_computed + num_new_tokens
         num_need_slot = min(num_tokens_main + num_lookahead_tokens, max_len)
+        hit_blocks = new_computed_blocks or self._no_hit()
+        if full_sequence_must_fit:
+            # The admission gate: the whole sequence's count, admission cap on.
+            num_full = min(request.num_tokens, max_len)
+            needed_full = coordinator.blocks_needed(
+                rid,
+                num_full,
+                hit_blocks,
+                num_local,
+                num_full,
+                admission=True,
+                prefill_end=self._prefill_end(request),
+            )
+            if needed_full > self.block_pool.num_free():
+                return False
         # States behind the computed prefix are freed even if this fails.
         coordinator.remove_skipped(rid, total_computed)
-        hit_blocks = new_computed_blocks or self._no_hit()
         needed = coordinator.blocks_needed(
             rid,
             num_need_slot,
@@ -156,6 +180,29 @@ class KVCacheManager:
         # Draft tokens are never keyed: cache only up to the request's tokens.
         coordinator.cache(request, min(total_computed + num_new_tokens, request.num_tokens))
         return True
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        self.coordinator.cache(request, num_computed_tokens)
+
+    def estimate_cached_tokens(self, request: Request) -> int:
+        return self.coordinator.estimate_cached_tokens(request.request_id)
+
+    def get_block_ids_for_computed_tokens(
+        self, request_id: str, num_computed_tokens: int
+    ) -> list[list[int]]:
+        return self.coordinator.computed_block_ids(request_id, num_computed_tokens)
+
+    def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
+        return self.coordinator.take_boundary_offloads()
+
+    def take_new_block_ids(self) -> list[int]:
+        return self.coordinator.take_new_block_ids()
+
+    def finalize_partial_tail_offloads(self, request: Request) -> list[list[int]]:
+        # No step is ever in flight here (no async scheduling).
+        return self.coordinator.finalize_partial_tails(
+            request.request_id, request.num_computed_tokens
+        )
 
     def free(self, request: Request) -> None:
         self.coordinator.free(request.request_id)

@@ -22,6 +22,9 @@ class Request:
         # checkpoint's keying read it.
         self.shared_prefix_boundary = 0
         self.num_preemptions = 0  # the hit stats count a re-admission apart
+        # Never reads the prefix cache (prompt logprobs, pooling): its lookups
+        # hit nothing and the hit stats leave it out; its states are cached.
+        self.skip_reading_prefix_cache = False
 
     @property
     def num_tokens(self) -> int:

@@ -40,8 +40,10 @@ class ModelTarget(OpDriver[Request]):
 
     # -- requests -------------------------------------------------------------
 
-    def new_request(self, name: str, tokens: list[int]) -> Request:
-        return Request(name, tokens, self.config.hash_unit)
+    def new_request(self, name: str, tokens: list[int], skip_prefix_cache: bool = False) -> Request:
+        request = Request(name, tokens, self.config.hash_unit)
+        request.skip_reading_prefix_cache = skip_prefix_cache
+        return request
 
     def prompt_tokens(self, request: Request) -> list[int]:
         return request.prompt
@@ -84,10 +86,35 @@ class ModelTarget(OpDriver[Request]):
         return chunk_tokens(self.config, request, num_new, hit)
 
     def allocate_slots(
-        self, request: Request, num_new: int, hit: int, hit_blocks: Any, lookahead: int
+        self,
+        request: Request,
+        num_new: int,
+        hit: int,
+        hit_blocks: Any,
+        lookahead: int,
+        full_sequence: bool = False,
     ) -> bool:
         blocks: HitBlocks | None = hit_blocks
-        return self.manager.allocate_slots(request, num_new, hit, blocks, lookahead)
+        return self.manager.allocate_slots(request, num_new, hit, blocks, lookahead, full_sequence)
+
+    def cache_blocks(self, request: Request, num_computed: int) -> None:
+        self.manager.cache_blocks(request, num_computed)
+
+    def estimate_cached_tokens(self, request: Request) -> int:
+        return self.manager.estimate_cached_tokens(request)
+
+    def computed_block_ids(self, request: Request, num_computed: int) -> list[list[int]]:
+        return self.manager.get_block_ids_for_computed_tokens(request.request_id, num_computed)
+
+    def take_boundary_offloads(self) -> list[list[Any]]:
+        offloads = self.manager.take_boundary_state_offloads()
+        return [[rid, *entry] for rid, entries in offloads.items() for entry in entries]
+
+    def take_new_block_ids(self) -> list[int]:
+        return self.manager.take_new_block_ids()
+
+    def finalize_partial_tail_offloads(self, request: Request) -> list[list[int]]:
+        return self.manager.finalize_partial_tail_offloads(request)
 
     def free(self, request: Request) -> None:
         self.manager.free(request)

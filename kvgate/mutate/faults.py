@@ -607,6 +607,58 @@ FAULTS: tuple[Fault, ...] = (
         symptom="each logging interval counts every earlier one again: the hit "
         "counters grow quadratically",
     ),
+    # ------------------------------------------ what the scheduler reads back
+    Fault(
+        name="admission-gate-chunk-only",
+        area="sched reads",
+        module=_MANAGER,
+        qualname="KVCacheManager.allocate_slots",
+        anchor="full_num_tokens = min(request.num_tokens, self.max_model_len)",
+        replacement="full_num_tokens = min("
+        "total_computed_tokens + num_new_tokens, self.max_model_len)",
+        what="the full-sequence admission gate counts only this chunk's tokens",
+        why="'the tokens the request needs now' read for 'the whole sequence'",
+        symptom="with scheduler_reserve_full_isl (the default) requests are admitted "
+        "whose prompt cannot fit: they are preempted mid-prefill and thrash",
+    ),
+    Fault(
+        name="offload-boundary-from-call",
+        area="sched reads",
+        module=_SINGLE,
+        qualname="MambaManager.cache_blocks",
+        anchor="block.block_hash_num_tokens,",
+        replacement="num_tokens,",
+        what="a boundary-state hand-off names the tokens cached so far, not the "
+        "state's own boundary",
+        why="the call's `num_tokens` is in scope and reads like the boundary",
+        symptom="a connector offloads a Mamba state under the wrong prefix length: a "
+        "later hit on it resumes from a state of another position",
+    ),
+    Fault(
+        name="zeroing-guard-inverted",
+        area="sched reads",
+        module=_SINGLE,
+        qualname="SingleTypeKVCacheManager.allocate_new_blocks",
+        anchor="if self._record_new_block_ids:",
+        replacement="if not self._record_new_block_ids:",
+        what="new attention blocks are not listed for zeroing (a hybrid model's are "
+        "exactly the ones that need it)",
+        why="a flipped guard",
+        symptom="the worker reads a reused block's stale bytes (a Mamba page's state "
+        "reinterpreted as KV): NaN/Inf in attention",
+    ),
+    Fault(
+        name="cached-tokens-longest-group",
+        area="sched reads",
+        module=_MANAGER,
+        qualname="KVCacheManager.estimate_cached_tokens",
+        anchor="else min(cached_tokens, group_cached_tokens)",
+        replacement="else max(cached_tokens, group_cached_tokens)",
+        what="a finished prefill's cached tokens take the group that cached the most",
+        why="min and max swapped",
+        symptom="prefill stats report attention's cached prefix although Mamba has no "
+        "state there: the cache looks to save work it does not",
+    ),
 )
 
 BY_NAME: dict[str, Fault] = {f.name: f for f in FAULTS}

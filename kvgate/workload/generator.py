@@ -46,6 +46,7 @@ from typing import Any, Literal, Protocol
 from kvgate.conformance.config import Config
 from kvgate.conformance.driver import chunk_offer
 from kvgate.conformance.ops import ACTIONS, Segment, Step
+from kvgate.conformance.scheduling import ScheduledStep
 from kvgate.model import ModelTarget
 from kvgate.model.request import Request
 from kvgate.model.split import chunk_tokens
@@ -112,6 +113,7 @@ class _Scheduler:
     writer: _Writer
     waiting: deque[_Live] = field(default_factory=deque)
     running: list[_Live] = field(default_factory=list)
+    num_eligible: int = 0  # waiting + running when this step began
 
     def schedule(self, decisions: StepDecisions) -> tuple[bool, list[_Live]]:
         """One scheduler step's allocations, recorded in `decisions`;
@@ -120,6 +122,10 @@ class _Scheduler:
         scheduled = False
         finished: list[_Live] = []
         preempted = False
+        # What vLLM's Scheduler counts, once per step, to decide whether
+        # `long_prefill_token_threshold` applies: its own queues. The oracle's
+        # live requests also hold the system prompt's holder, never scheduled.
+        self.num_eligible = len(self.waiting) + len(self.running)
         index = 0
         while index < len(self.running) and budget > 0:
             live = self.running[index]
@@ -193,16 +199,17 @@ class _Scheduler:
         """The next prefill chunk within `budget`: (as written, tokens), or None
         when the split leaves nothing to run this step."""
         remaining = request.num_tokens - request.num_computed_tokens - hit
-        num_live = self.writer.oracle.num_live()
-        offered = chunk_offer(self.config, remaining, budget, num_live)
+        offered = chunk_offer(self.config, remaining, budget, self.num_eligible)
         tokens = chunk_tokens(self.config, request, offered, hit)
         if tokens <= 0:
             return None
-        # `auto` offers the full budget: the same chunk unless this step's
-        # budget left is what binds.
-        full = chunk_offer(self.config, remaining, self.config.max_num_scheduled_tokens, num_live)
-        unbound = offered == full
-        return ("auto" if unbound else tokens), tokens
+        # `auto` is the replayer's chunk: the full budget, the threshold by the
+        # trace's live requests. Written only when it is this chunk.
+        most = self.config.max_num_scheduled_tokens
+        full = chunk_offer(self.config, remaining, most, self.num_eligible)
+        replayed = chunk_offer(self.config, remaining, most, self.writer.oracle.num_live())
+        auto = offered == full and chunk_tokens(self.config, request, replayed, hit) == tokens
+        return ("auto" if auto else tokens), tokens
 
     def _allocate(
         self, live: _Live, chunk: tuple[int | Literal["auto"], int], hit: int = 0
@@ -232,22 +239,12 @@ class _Scheduler:
 
 
 @dataclass
-class StepDecisions:
-    """What the scheduler model did in one engine step, as vLLM's `Scheduler`
-    shows it: comparable step for step with the real one."""
+class StepDecisions(ScheduledStep):
+    """What the scheduler model did in one engine step: what vLLM's
+    `Scheduler` shows of a step (comparable step for step with the real one;
+    running requests are scheduled first, then admissions), and what the
+    model runner and the finish check then did."""
 
-    # (request, tokens scheduled), in scheduling order: running requests
-    # first, then admissions.
-    scheduled: list[tuple[str, int]] = field(default_factory=list)
-    preempted: list[str] = field(default_factory=list)
-    # Every prefix-cache lookup, (request, hit), admitted or not.
-    lookups: list[tuple[str, int]] = field(default_factory=list)
-    # (request, hit) of each admission (a new or a preempted request).
-    admitted: list[tuple[str, int]] = field(default_factory=list)
-    # follow-up -> its previous turn's attention_cached right before the
-    # follow-up's first lookup.
-    checked: dict[str, int] = field(default_factory=dict)
-    copies: list[list[int]] = field(default_factory=list)
     # Output tokens each scheduled request gained this step (the model's ids).
     sampled: dict[str, list[int]] = field(default_factory=dict)
     finished: list[str] = field(default_factory=list)

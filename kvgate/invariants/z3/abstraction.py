@@ -59,19 +59,22 @@ def observe(target: ModelTarget, names: Mapping[str, int], bounds: Bounds) -> Va
     out: Values = {f.name: {} for f in FIELDS if not f.ghost}
     out["hold_on"][()] = target.config.hold
     out["retire_on"][()] = target.config.hold_retired
-    pend = {b: 0 for b in bounds.block_ids}
-    # `grp` is a ghost only for a block nothing uses: a used or keyed block's
-    # group is observed (its keys', its table's, its pending copy's, its hold's).
-    out["grp"] = {}
+    copy_ends = {b: 0 for b in bounds.block_ids}
+    # `block_group` is a ghost only for a block nothing uses: a used or keyed
+    # block's group is observed (its keys', its table's, its pending copy's,
+    # its hold's).
+    out["block_group"] = {}
     for manager in managers:
         for src, dst in manager.pending_copies:
-            pend[src.block_id] += 1
-            pend[dst.block_id] += 1
-            out["grp"][src.block_id] = out["grp"][dst.block_id] = manager.group_id
+            copy_ends[src.block_id] += 1
+            copy_ends[dst.block_id] += 1
+            out["block_group"][src.block_id] = out["block_group"][dst.block_id] = manager.group_id
         for table in manager.tables.values():
-            out["grp"].update((blk.block_id, manager.group_id) for blk in table if not blk.is_null)
+            out["block_group"].update(
+                (blk.block_id, manager.group_id) for blk in table if not blk.is_null
+            )
     for group_id, by_request in coordinator.holds.by_group.items():
-        out["grp"].update((blk.block_id, group_id) for _, blk in by_request.values())
+        out["block_group"].update((blk.block_id, group_id) for _, blk in by_request.values())
     for b in bounds.block_ids:
         block = pool.blocks[b]
         out["ref"][b] = block.ref
@@ -79,11 +82,11 @@ def observe(target: ModelTarget, names: Mapping[str, int], bounds: Bounds) -> Va
         keys = pool.keys_of(block)
         out["keyed"][b] = bool(keys)
         if keys:
-            out["grp"][b] = keys[0][0]
-        out["tailkey"][b] = any(
+            out["block_group"][b] = keys[0][0]
+        out["tail_keyed"][b] = any(
             key_position(prefix) % managers[group].block_size for group, prefix in keys
         )
-        out["pend"][b] = pend[b]
+        out["copy_ends"][b] = copy_ends[b]
     by_number = {r: name for name, r in names.items()}
     for r in bounds.request_ids:
         # A request slot no request has taken yet reads as absent.
@@ -100,7 +103,7 @@ def observe(target: ModelTarget, names: Mapping[str, int], bounds: Bounds) -> Va
         else:
             phase = RUNNING if target.has_blocks(pending.request) else WAITING
         out["phase"][r] = phase
-        out["hashit"][r] = live and pending is not None and pending.has_hit
+        out["has_hit"][r] = live and pending is not None and pending.has_hit
         hits, sources = _lookup(target, pending.hit_blocks if live and pending else None, pending)
         popped: dict[int, int] = {}
         for block in target.popped.get(name, []):
@@ -113,7 +116,7 @@ def observe(target: ModelTarget, names: Mapping[str, int], bounds: Bounds) -> Va
             for b in bounds.block_ids:
                 out["table"][r, g, b] = b in in_table
                 out["hit"][r, g, b] = b in hits.get(g, ())
-                out["hsrc"][r, g, b] = sources.get(g) == b
+                out["hit_source"][r, g, b] = sources.get(g) == b
         for m in bounds.mamba_ids:
             mamba = managers[m]
             tail = mamba.partial_hits.get(rid) if isinstance(mamba, MambaManager) else None
@@ -124,7 +127,7 @@ def observe(target: ModelTarget, names: Mapping[str, int], bounds: Bounds) -> Va
                 blk.block_id for blk in superseded_holds(coordinator.holds).get((m, rid), [])
             }
             for b in bounds.block_ids:
-                out["cowsrc"][r, m, b] = tail is not None and tail[1].block_id == b
+                out["pending_tail"][r, m, b] = tail is not None and tail[1].block_id == b
                 out["hold"][r, m, b] = b in holding
     return out
 
@@ -155,7 +158,7 @@ def init_ghosts(bounds: Bounds) -> Values:
     solver = z3.Solver()
     solver.add(init(s))
     for b in bounds.block_ids:
-        solver.add(s.grp[b] == 0)  # never taken: any group; pick the first
+        solver.add(s.block_group[b] == 0)  # never taken: any group; pick the first
     assert solver.check() == z3.sat
     values = s.evaluate(solver.model())
     return {name: values[name] for name in GHOSTS}
@@ -189,7 +192,7 @@ class Drift:
         """Check one concrete step: is it admitted, and does every proved
         property hold in the abstract state it reaches?"""
         solver, s, t, props = self._solver(op, r)
-        # Observed values win over carried ghosts (`grp` is partly observed).
+        # Observed values win over carried ghosts (`block_group` is partly observed).
         known = {name: {**self.ghosts.get(name, {}), **pre.get(name, {})} for name in FIELD_NAMES}
         fixed = s.literals(known) + t.literals(post)
         if solver.check(*fixed) != z3.sat:

@@ -238,7 +238,7 @@ def realizable(s: State) -> list[Any]:
             return any_of(s.hit[r, g, b] for b in blocks)
 
         def partial(g: int, r: int = r) -> Any:
-            return any_of(s.hsrc[r, g, b] for b in blocks)
+            return any_of(s.hit_source[r, g, b] for b in blocks)
 
         first = bounds.mamba_ids[0]
         out += [hit(ATTENTION) == hit(first), partial(ATTENTION) == partial(first)]
@@ -247,12 +247,12 @@ def realizable(s: State) -> list[Any]:
                 hit(m) == hit(first),
                 partial(m) == partial(first),
                 s.tailed[r, m] == s.tailed[r, first],
-                any_of(s.cowsrc[r, m, b] for b in blocks)
-                == any_of(s.cowsrc[r, first, b] for b in blocks),
+                any_of(s.pending_tail[r, m, b] for b in blocks)
+                == any_of(s.pending_tail[r, first, b] for b in blocks),
                 count(s.hold[r, m, b] for b in blocks)
                 == count(s.hold[r, first, b] for b in blocks),
-                any_of(s.ckpt[r, m, b] for b in blocks)
-                == any_of(s.ckpt[r, first, b] for b in blocks),
+                any_of(s.checkpoint[r, m, b] for b in blocks)
+                == any_of(s.checkpoint[r, first, b] for b in blocks),
             ]
     return out
 

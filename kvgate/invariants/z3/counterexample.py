@@ -110,10 +110,10 @@ def shape(values: Values, bounds: Bounds, r: int) -> Shape:
 
     return (
         values["phase"][r],
-        values["hashit"][r],
-        tuple((some("hit", r, g), some("hsrc", r, g)) for g in bounds.group_ids),
+        values["has_hit"][r],
+        tuple((some("hit", r, g), some("hit_source", r, g)) for g in bounds.group_ids),
         tuple(
-            (some("cowsrc", r, m), sum(bool(values["hold"][r, m, b]) for b in blocks))
+            (some("pending_tail", r, m), sum(bool(values["hold"][r, m, b]) for b in blocks))
             for m in bounds.mamba_ids
         ),
     )

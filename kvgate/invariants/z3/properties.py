@@ -141,7 +141,7 @@ def _refs(s: State, bounds: Bounds, b: int) -> Any:
     return (
         count(s.table[r, g, b] for r in bounds.request_ids for g in bounds.group_ids)
         + count(s.hold[r, m, b] for r in bounds.request_ids for m in bounds.mamba_ids)
-        + s.pend[b]
+        + s.copy_ends[b]
         + z3.Sum([s.popped[r, b] for r in bounds.request_ids])
     )
 
@@ -173,7 +173,7 @@ def no_total_miss(s: State, bounds: Bounds) -> list[Instance]:
         "no_total_miss",
         bounds,
         lambda r, m, b: z3.Implies(
-            z3.And(s.hold_on, s.phase[r] == RUNNING, s.ckpt[r, m, b]),
+            z3.And(s.hold_on, s.phase[r] == RUNNING, s.checkpoint[r, m, b]),
             z3.And(s.ref[b] >= 1, s.keyed[b]),
         ),
     )
@@ -185,7 +185,7 @@ def reservation_covers_tail_swap(s: State, bounds: Bounds) -> list[Instance]:
     return [
         _inst(
             "reservation_covers_tail_swap",
-            z3.Implies(z3.Not(s.retire_on), s.peak[r, m] <= STEP_COPY + s.rsv[r, m]),
+            z3.Implies(z3.Not(s.retire_on), s.peak[r, m] <= STEP_COPY + s.reserved[r, m]),
             r=r,
             g=m,
         )
@@ -197,7 +197,7 @@ def reservation_covers_tail_swap(s: State, bounds: Bounds) -> list[Instance]:
 def clean_when_idle(s: State, bounds: Bounds) -> list[Instance]:
     idle = z3.And(
         *[z3.And(s.phase[r] != RUNNING, s.phase[r] != POPPED) for r in bounds.request_ids],
-        *[s.pend[b] == 0 for b in bounds.block_ids],
+        *[s.copy_ends[b] == 0 for b in bounds.block_ids],
     )
     clean = z3.And([z3.And(s.ref[b] == 0, s.free[b]) for b in bounds.block_ids])
     return [_inst("clean_when_idle", z3.Implies(idle, clean))]
@@ -210,7 +210,7 @@ def counts_nonnegative(s: State, bounds: Bounds) -> list[Instance]:
     return [
         _inst(
             "counts_nonnegative",
-            z3.And(s.pend[b] >= 0, *[s.popped[r, b] >= 0 for r in bounds.request_ids]),
+            z3.And(s.copy_ends[b] >= 0, *[s.popped[r, b] >= 0 for r in bounds.request_ids]),
             b=b,
         )
         for b in bounds.block_ids
@@ -236,9 +236,9 @@ def only_residents_own(s: State, bounds: Bounds) -> list[Instance]:
             for b in bounds.block_ids
         ]
         for m in bounds.mamba_ids:
-            owned += [s.tailed[r, m], s.rsv[r, m] != 0, s.peak[r, m] != 0]
+            owned += [s.tailed[r, m], s.reserved[r, m] != 0, s.peak[r, m] != 0]
             for b in bounds.block_ids:
-                owned += [s.hold[r, m, b], s.cowsrc[r, m, b], s.ckpt[r, m, b]]
+                owned += [s.hold[r, m, b], s.pending_tail[r, m, b], s.checkpoint[r, m, b]]
         aside = [s.popped[r, b] != 0 for b in bounds.block_ids]
         owns = z3.And(
             z3.Implies(z3.Not(running), z3.Not(z3.Or(owned))),
@@ -253,8 +253,8 @@ def lookup_shape(s: State, bounds: Bounds) -> list[Instance]:
     out = []
     for r in bounds.request_ids:
         for g in bounds.group_ids:
-            sources = [s.hsrc[r, g, b] for b in bounds.block_ids]
-            inside = [z3.Implies(s.hsrc[r, g, b], s.hit[r, g, b]) for b in bounds.block_ids]
+            sources = [s.hit_source[r, g, b] for b in bounds.block_ids]
+            inside = [z3.Implies(s.hit_source[r, g, b], s.hit[r, g, b]) for b in bounds.block_ids]
             out.append(_inst("lookup_shape", z3.And(count(sources) <= 1, *inside), r=r, g=g))
     return out
 
@@ -276,12 +276,12 @@ def block_groups(s: State, bounds: Bounds) -> list[Instance]:
     out = []
     for b in bounds.block_ids:
         uses = [
-            z3.Implies(s.table[r, g, b], s.grp[b] == g)
+            z3.Implies(s.table[r, g, b], s.block_group[b] == g)
             for r in bounds.request_ids
             for g in bounds.group_ids
         ]
         uses += [
-            z3.Implies(z3.Or(s.hold[r, m, b], s.cowsrc[r, m, b]), s.grp[b] == m)
+            z3.Implies(z3.Or(s.hold[r, m, b], s.pending_tail[r, m, b]), s.block_group[b] == m)
             for r in bounds.request_ids
             for m in bounds.mamba_ids
         ]
@@ -295,9 +295,9 @@ def pending_tail_shape(s: State, bounds: Bounds) -> list[Instance]:
     out = []
     for r in bounds.request_ids:
         for m in bounds.mamba_ids:
-            tail = [s.cowsrc[r, m, b] for b in bounds.block_ids]
+            tail = [s.pending_tail[r, m, b] for b in bounds.block_ids]
             where = [
-                z3.Implies(s.cowsrc[r, m, b], z3.And(s.own[r, m, b], s.keyed[b]))
+                z3.Implies(s.pending_tail[r, m, b], z3.And(s.own[r, m, b], s.keyed[b]))
                 for b in bounds.block_ids
             ]
             shape = z3.And(count(tail) <= 1, z3.Implies(z3.Or(tail), s.tailed[r, m]), *where)
@@ -312,7 +312,9 @@ def checkpoint_is_hold(s: State, bounds: Bounds) -> list[Instance]:
         "checkpoint_is_hold",
         bounds,
         lambda r, m, b: z3.If(
-            s.hold_on, s.hold[r, m, b] == s.ckpt[r, m, b], z3.Implies(s.hold[r, m, b], s.retire_on)
+            s.hold_on,
+            s.hold[r, m, b] == s.checkpoint[r, m, b],
+            z3.Implies(s.hold[r, m, b], s.retire_on),
         ),
     )
 
@@ -334,14 +336,14 @@ def hold_reserved(s: State, bounds: Bounds) -> list[Instance]:
     for r in bounds.request_ids:
         for m in bounds.mamba_ids:
             held = count(s.hold[r, m, b] for b in bounds.block_ids)
-            awaiting = any_of(s.cowsrc[r, m, b] for b in bounds.block_ids)
+            awaiting = any_of(s.pending_tail[r, m, b] for b in bounds.block_ids)
             reserved = z3.And(
-                s.rsv[r, m] >= 0,
-                s.rsv[r, m] <= 1,
+                s.reserved[r, m] >= 0,
+                s.reserved[r, m] <= 1,
                 s.peak[r, m] >= 0,
                 z3.Implies(
                     z3.And(z3.Not(s.retire_on), z3.Or(z3.Not(s.tailed[r, m]), awaiting)),
-                    held <= s.rsv[r, m],
+                    held <= s.reserved[r, m],
                 ),
             )
             out.append(_inst("hold_reserved", reserved, r=r, g=m))
@@ -410,18 +412,26 @@ def init(s: State) -> Any:
     bounds = s.bounds
     out = []
     for b in bounds.block_ids:
-        out += [s.ref[b] == 0, s.free[b], z3.Not(s.keyed[b]), s.pend[b] == 0]
-        out.append(z3.Not(s.tailkey[b]))
+        out += [s.ref[b] == 0, s.free[b], z3.Not(s.keyed[b]), s.copy_ends[b] == 0]
+        out.append(z3.Not(s.tail_keyed[b]))
     for r in bounds.request_ids:
-        out += [s.phase[r] == ABSENT, z3.Not(s.hashit[r])]
+        out += [s.phase[r] == ABSENT, z3.Not(s.has_hit[r])]
         for b in bounds.block_ids:
             out.append(s.popped[r, b] == 0)
         for g in bounds.group_ids:
             for b in bounds.block_ids:
-                out += [z3.Not(s.table[r, g, b]), z3.Not(s.hit[r, g, b]), z3.Not(s.hsrc[r, g, b])]
+                out += [
+                    z3.Not(s.table[r, g, b]),
+                    z3.Not(s.hit[r, g, b]),
+                    z3.Not(s.hit_source[r, g, b]),
+                ]
                 out.append(z3.Not(s.own[r, g, b]))
         for m in bounds.mamba_ids:
-            out += [z3.Not(s.tailed[r, m]), s.rsv[r, m] == 0, s.peak[r, m] == 0]
+            out += [z3.Not(s.tailed[r, m]), s.reserved[r, m] == 0, s.peak[r, m] == 0]
             for b in bounds.block_ids:
-                out += [z3.Not(s.cowsrc[r, m, b]), z3.Not(s.hold[r, m, b]), z3.Not(s.ckpt[r, m, b])]
+                out += [
+                    z3.Not(s.pending_tail[r, m, b]),
+                    z3.Not(s.hold[r, m, b]),
+                    z3.Not(s.checkpoint[r, m, b]),
+                ]
     return z3.And(out)

@@ -100,9 +100,9 @@ class Pool:
     ref: dict[int, Any]
     free: dict[int, Any]
     keyed: dict[int, Any]
-    pend: dict[int, Any]
-    grp: dict[int, Any]
-    tailkey: dict[int, Any]
+    copy_ends: dict[int, Any]
+    block_group: dict[int, Any]
+    tail_keyed: dict[int, Any]
 
 
 class Tx:
@@ -208,9 +208,9 @@ class Encoding:
             out.ref[b] = z3.If(taken, 1, pool.ref[b])
             out.free[b] = z3.And(pool.free[b], z3.Not(taken))
             out.keyed[b] = z3.And(pool.keyed[b], z3.Not(taken))
-            out.tailkey[b] = z3.And(pool.tailkey[b], z3.Not(taken))
+            out.tail_keyed[b] = z3.And(pool.tail_keyed[b], z3.Not(taken))
             if group is not None:
-                out.grp[b] = z3.If(taken, group, pool.grp[b])
+                out.block_group[b] = z3.If(taken, group, pool.block_group[b])
         return out
 
     def touch(self, tx: Tx, pool: Pool, n: Counts) -> Pool:
@@ -281,24 +281,24 @@ class Encoding:
 
     def op_lookup(self, tx: Tx) -> None:
         s, r, n, bounds = tx.s, tx.req, tx.next, self.bounds
-        n["hashit"][r] = z3.BoolVal(True)
+        n["has_hit"][r] = z3.BoolVal(True)
         shape = []
         for g in bounds.group_ids:
             hits, sources = [], []
             for b in bounds.block_ids:
                 hit, source = tx.bool(f"hit[{g},{b}]"), tx.bool(f"src[{g},{b}]")
                 shape += [
-                    z3.Implies(hit, z3.And(s.keyed[b], s.grp[b] == g)),
+                    z3.Implies(hit, z3.And(s.keyed[b], s.block_group[b] == g)),
                     z3.Implies(source, hit),
                 ]
                 if g != ATTENTION:
                     # A Mamba hit ends where its state's key ends: a partial
                     # hit is on a mid-block (partial-tail) key.
-                    shape.append(z3.Implies(source, s.tailkey[b]))
+                    shape.append(z3.Implies(source, s.tail_keyed[b]))
                     if self.realizable:  # ... and only there (a block keyed
                         # at both kinds of position is left out)
-                        shape.append(z3.Implies(hit, source == s.tailkey[b]))
-                n["hit"][r, g, b], n["hsrc"][r, g, b] = hit, source
+                        shape.append(z3.Implies(hit, source == s.tail_keyed[b]))
+                n["hit"][r, g, b], n["hit_source"][r, g, b] = hit, source
                 hits.append(hit)
                 sources.append(source)
             shape.append(count(sources) <= 1)
@@ -320,8 +320,8 @@ class Encoding:
         return None  # new_step_starts clears same-step deferral, not modelled
 
     def op_drain(self, tx: Tx) -> None:
-        pool = self.free_blocks(tx, tx.pool(), tx.s.pend)
-        pool.pend = {b: z3.IntVal(0) for b in pool.pend}
+        pool = self.free_blocks(tx, tx.pool(), tx.s.copy_ends)
+        pool.copy_ends = {b: z3.IntVal(0) for b in pool.copy_ends}
         tx.set_pool(pool)
 
     def op_free(self, tx: Tx) -> None:
@@ -359,7 +359,7 @@ class Encoding:
         pool = tx.pool()
         clean = z3.And([pool.free[b] for b in self.bounds.block_ids])
         pool.keyed = {b: z3.And(z3.Not(clean), k) for b, k in pool.keyed.items()}
-        pool.tailkey = {b: z3.And(z3.Not(clean), k) for b, k in pool.tailkey.items()}
+        pool.tail_keyed = {b: z3.And(z3.Not(clean), k) for b, k in pool.tail_keyed.items()}
         tx.set_pool(pool)
 
     def op_events(self, tx: Tx) -> None:
@@ -384,7 +384,7 @@ class Encoding:
         if self.realizable:
             tx.require("realizable: ok", ok)
         first = s.phase[r] == WAITING
-        adopt = z3.And(ok, first, s.hashit[r]) if adopt_hit else z3.BoolVal(False)
+        adopt = z3.And(ok, first, s.has_hit[r]) if adopt_hit else z3.BoolVal(False)
 
         # remove_skipped: runs before the pool check, so even when it fails.
         pool = tx.pool()
@@ -397,7 +397,9 @@ class Encoding:
             within.append(count(keep.values()) <= 1)
             for b in bounds.block_ids:
                 drop = tx.bool(f"drop[{m},{b}]")
-                within.append(z3.Implies(drop, z3.And(s.table[r, m, b], z3.Not(s.cowsrc[r, m, b]))))
+                within.append(
+                    z3.Implies(drop, z3.And(s.table[r, m, b], z3.Not(s.pending_tail[r, m, b])))
+                )
                 within.append(z3.Implies(keep[b], z3.And(drop, s.keyed[b], s.retire_on)))
                 n["table"][r, m, b] = z3.And(s.table[r, m, b], z3.Not(drop))
                 n["own"][r, m, b] = z3.And(s.own[r, m, b], z3.Not(drop))
@@ -407,7 +409,9 @@ class Encoding:
             for b in bounds.block_ids:
                 n["hold"][r, m, b] = z3.If(retained, keep[b], s.hold[r, m, b])
                 # With the hold on, the newest state held is the one to resume from.
-                n["ckpt"][r, m, b] = z3.If(z3.And(retained, s.hold_on), keep[b], s.ckpt[r, m, b])
+                n["checkpoint"][r, m, b] = z3.If(
+                    z3.And(retained, s.hold_on), keep[b], s.checkpoint[r, m, b]
+                )
         tx.require("skipped states are own, not the keyed tail; one retained", z3.And(within))
         pool = self.free_blocks(tx, pool, freed)
 
@@ -419,7 +423,7 @@ class Encoding:
                 "the lookup is fresh",
                 z3.And(
                     [
-                        z3.Implies(z3.And(adopt, s.hit[r, g, b]), s.grp[b] == g)
+                        z3.Implies(z3.And(adopt, s.hit[r, g, b]), s.block_group[b] == g)
                         for g in bounds.group_ids
                         for b in bounds.block_ids
                     ]
@@ -441,21 +445,21 @@ class Encoding:
 
         n["phase"][r] = z3.If(ok, RUNNING, s.phase[r])
         if adopt_hit:  # the driver clears the pending lookup on success
-            n["hashit"][r] = z3.And(s.hashit[r], z3.Not(ok))
+            n["has_hit"][r] = z3.And(s.has_hit[r], z3.Not(ok))
             for g in bounds.group_ids:
                 for b in bounds.block_ids:
                     n["hit"][r, g, b] = z3.And(s.hit[r, g, b], z3.Not(ok))
-                    n["hsrc"][r, g, b] = z3.And(s.hsrc[r, g, b], z3.Not(ok))
+                    n["hit_source"][r, g, b] = z3.And(s.hit_source[r, g, b], z3.Not(ok))
 
     def _allocate_group(self, tx: Tx, pool: Pool, g: int, ok: Any, adopt: Any) -> Pool:
         """One group's `allocate`: new blocks, the copy-on-write, and (Mamba)
         the tail move, following holds, and the hold itself."""
         s, r, n, bounds = tx.s, tx.req, tx.next, self.bounds
         blocks = bounds.block_ids
-        partial = any_of(s.hsrc[r, g, b] for b in blocks)
+        partial = any_of(s.hit_source[r, g, b] for b in blocks)
         cow_new = z3.And(adopt, partial)  # a new request's partial hit
         move = (
-            z3.And(ok, any_of(s.cowsrc[r, g, b] for b in blocks))
+            z3.And(ok, any_of(s.pending_tail[r, g, b] for b in blocks))
             if g != ATTENTION
             else z3.BoolVal(False)
         )
@@ -472,7 +476,7 @@ class Encoding:
 
         # apply_cow: the copy replaces the shared source in the table; both
         # stay referenced by the pending copy until `drain`.
-        source = {b: z3.And(cow_new, s.hsrc[r, g, b]) for b in blocks}
+        source = {b: z3.And(cow_new, s.hit_source[r, g, b]) for b in blocks}
         for b in blocks:
             n["table"][r, g, b] = z3.Or(
                 z3.And(n["table"][r, g, b], z3.Not(source[b])),
@@ -483,26 +487,26 @@ class Encoding:
             n["own"][r, g, b] = z3.Or(n["own"][r, g, b], z3.And(cow_new, copy[b]), new[b])
         pool = self.cow_retain(tx, pool, {b: z3.And(cow_new, copy[b]) for b in blocks})
         for b in blocks:
-            pool.pend[b] = pool.pend[b] + count([source[b], z3.And(cow_new, copy[b])])
+            pool.copy_ends[b] = pool.copy_ends[b] + count([source[b], z3.And(cow_new, copy[b])])
         if g == ATTENTION:
             return pool
 
         m = g
-        tail = {b: s.cowsrc[r, m, b] for b in blocks}
+        tail = {b: s.pending_tail[r, m, b] for b in blocks}
         # move_keys: the keyed tail's keys go to the copy; the request keeps
         # writing the source block.
         tail_keyed = any_of(z3.And(tail[b], pool.keyed[b]) for b in blocks)
-        tail_tailkey = any_of(z3.And(tail[b], pool.tailkey[b]) for b in blocks)
+        tail_tailkey = any_of(z3.And(tail[b], pool.tail_keyed[b]) for b in blocks)
         for b in blocks:
             pool.keyed[b] = z3.If(
                 z3.And(move, copy[b]),
                 tail_keyed,
                 z3.If(z3.And(move, tail[b]), False, pool.keyed[b]),
             )
-            pool.tailkey[b] = z3.If(
+            pool.tail_keyed[b] = z3.If(
                 z3.And(move, copy[b]),
                 tail_tailkey,
-                z3.If(z3.And(move, tail[b]), False, pool.tailkey[b]),
+                z3.If(z3.And(move, tail[b]), False, pool.tail_keyed[b]),
             )
         # follow_moved_keys: others holding the source now hold the copy; the
         # specification's checkpoints follow the keys whatever the switch.
@@ -515,19 +519,25 @@ class Encoding:
             holder = z3.And(
                 move, follow, any_of(z3.And(n["hold"][q, m, b], tail[b]) for b in blocks)
             )
-            resumer = z3.And(move, any_of(z3.And(n["ckpt"][q, m, b], tail[b]) for b in blocks))
+            resumer = z3.And(
+                move, any_of(z3.And(n["checkpoint"][q, m, b], tail[b]) for b in blocks)
+            )
             for b in blocks:
                 n["hold"][q, m, b] = _moved(holder, n["hold"][q, m, b], tail[b], copy[b])
-                n["ckpt"][q, m, b] = _moved(resumer, n["ckpt"][q, m, b], tail[b], copy[b])
+                n["checkpoint"][q, m, b] = _moved(
+                    resumer, n["checkpoint"][q, m, b], tail[b], copy[b]
+                )
                 touched[b] = touched[b] + z3.If(z3.And(holder, copy[b]), 1, 0)
                 released[b] = released[b] + z3.If(z3.And(holder, tail[b]), 1, 0)
         pool = self.touch(tx, pool, touched)
         pool = self.free_blocks(tx, pool, released)
         for b in blocks:
-            pool.pend[b] = pool.pend[b] + count([z3.And(move, tail[b]), z3.And(move, copy[b])])
+            pool.copy_ends[b] = pool.copy_ends[b] + count(
+                [z3.And(move, tail[b]), z3.And(move, copy[b])]
+            )
         pool = self.add_ref(tx, pool, {b: z3.And(move, tail[b]) for b in blocks})
         for b in blocks:
-            n["cowsrc"][r, m, b] = z3.And(s.cowsrc[r, m, b], z3.Not(move))
+            n["pending_tail"][r, m, b] = z3.And(s.pending_tail[r, m, b], z3.Not(move))
 
         # Holds.hold: the hit source a new request copied from, or the copy a
         # running request's tail moved to, if it carries a key.
@@ -549,14 +559,14 @@ class Encoding:
         pool, kept = self.supersede(tx, pool, old, do_hold)
         for b in blocks:
             n["hold"][r, m, b] = z3.If(do_hold, z3.Or(target[b], kept[b]), old[b])
-            n["ckpt"][r, m, b] = z3.If(takes, target[b], n["ckpt"][r, m, b])
+            n["checkpoint"][r, m, b] = z3.If(takes, target[b], n["checkpoint"][r, m, b])
 
         # Ghosts: what admission reserved, and the most pinned at once (the
         # old hold is released only after the moved tail's copy is taken).
         first = z3.And(ok, s.phase[r] == WAITING)
         holding = any_of(s.hold[r, m, b] for b in blocks)
-        n["rsv"][r, m] = z3.If(
-            first, self.admission_extra(tx, z3.And(adopt, partial), holding), s.rsv[r, m]
+        n["reserved"][r, m] = z3.If(
+            first, self.admission_extra(tx, z3.And(adopt, partial), holding), s.reserved[r, m]
         )
         at_swap = count(old.values()) + 1
         n["peak"][r, m] = z3.If(
@@ -579,7 +589,7 @@ class Encoding:
             own = any_of(n["table"][r, g, b] for g in bounds.group_ids)
             rules.append(z3.Implies(keyed[b], z3.And(ok, own)))
             out.keyed[b] = z3.Or(pool.keyed[b], keyed[b])
-            out.tailkey[b] = z3.If(keyed[b], mid_block[b], pool.tailkey[b])
+            out.tail_keyed[b] = z3.If(keyed[b], mid_block[b], pool.tail_keyed[b])
         for m in bounds.mamba_ids:
             tail = tx.bool(f"tail[{m}]")
             at = {b: tx.bool(f"tail[{m},{b}]") for b in bounds.block_ids}
@@ -589,7 +599,7 @@ class Encoding:
                 rules.append(z3.Implies(at[b], z3.And(n["own"][r, m, b], keyed[b], mid_block[b])))
                 # A Mamba block gets a mid-block key only as the prompt's tail.
                 rules.append(z3.Implies(z3.And(keyed[b], mid_block[b], n["table"][r, m, b]), at[b]))
-                n["cowsrc"][r, m, b] = z3.Or(n["cowsrc"][r, m, b], at[b])
+                n["pending_tail"][r, m, b] = z3.Or(n["pending_tail"][r, m, b], at[b])
             n["tailed"][r, m] = z3.Or(s.tailed[r, m], tail)
         tx.require("keys own blocks, the tail once", z3.And(rules))
         return out
@@ -598,16 +608,16 @@ class Encoding:
         """What every end of residency drops (free, preempt, pop)."""
         r, n, bounds = tx.req, tx.next, self.bounds
         false, zero = z3.BoolVal(False), z3.IntVal(0)
-        n["hashit"][r] = false
+        n["has_hit"][r] = false
         for g in bounds.group_ids:
             for b in bounds.block_ids:
-                n["table"][r, g, b] = n["hit"][r, g, b] = n["hsrc"][r, g, b] = false
+                n["table"][r, g, b] = n["hit"][r, g, b] = n["hit_source"][r, g, b] = false
                 n["own"][r, g, b] = false
         for m in bounds.mamba_ids:
             n["tailed"][r, m] = false
-            n["rsv"][r, m] = n["peak"][r, m] = zero
+            n["reserved"][r, m] = n["peak"][r, m] = zero
             for b in bounds.block_ids:
-                n["cowsrc"][r, m, b] = n["hold"][r, m, b] = n["ckpt"][r, m, b] = false
+                n["pending_tail"][r, m, b] = n["hold"][r, m, b] = n["checkpoint"][r, m, b] = false
 
 
 def _moved(moves: Any, held: Any, source: Any, copy: Any) -> Any:
@@ -623,7 +633,7 @@ def _copy(pool: Pool) -> Pool:
     return Pool(*(dict(getattr(pool, name)) for name in POOL_FIELDS))
 
 
-POOL_FIELDS = ("ref", "free", "keyed", "pend", "grp", "tailkey")
+POOL_FIELDS = ("ref", "free", "keyed", "copy_ends", "block_group", "tail_keyed")
 
 
 TRANSITIONS: dict[str, Callable[[Encoding, Tx], None]] = {

@@ -13,7 +13,7 @@ groups; a model's group count is fixed by its architecture): the encoding
 is built per group count.
 
 The fragment: no function goes from a sort back to itself or forms a cycle
-between sorts (`src`/`dst` go from `Copy` to `Block`, nothing goes back), the
+between sorts (`source`/`destination` go from `Copy` to `Block`, nothing goes back), the
 only integers are a request's phase, reservation and peak and a block's group
 (ghost) -- compared with constants, never summed over a sort -- and the
 quantifier alternation is stratified (Block over Req and Copy, "some holder
@@ -26,9 +26,10 @@ no check yet maps every concrete or bounded step onto this encoding:
 
 - Ref counts are sets of holders. The pool's ref on a block is the set of
   its ref *tokens*, one per holder identity: a request's table entry in a
-  group (`tokt<g>(r, b)`, kept while `pop` puts the block aside), a
-  request's hold in a Mamba group (`tokh<m>(r, b)`), a pending copy's source
-  and destination endpoint (`tokcs(c)` on `src(c)`, `tokcd(c)` on `dst(c)`).
+  group (`table_token<g>(r, b)`, kept while `pop` puts the block aside), a
+  request's hold in a Mamba group (`hold_token<m>(r, b)`), a pending copy's
+  source and destination endpoint (`source_token(c)` on `source(c)`,
+  `destination_token(c)` on `destination(c)`).
   ref(b) = the number of tokens on b, by definition. Each pool call of the
   model (`touch`, `add_ref`, `free_blocks`, `get_new_blocks`) adds or removes
   the token of the holder its call site acts for. A call the integer count
@@ -89,37 +90,39 @@ class UField:
 
 
 SORTS = {"block": BLOCK, "req": REQ, "copy": COPY}
-RB = ("req", "block")
+REQ_BLOCK = ("req", "block")
 
 UFIELDS: tuple[UField, ...] = (
     UField("hold_on", (), "bool", "", False, "the hold switch; never changes"),
     UField("retire_on", (), "bool", "", False, "the fork's retention; never changes"),
     UField("free", ("block",), "bool", "", False, "in the free queue"),
     UField("keyed", ("block",), "bool", "", False, "carries a prefix key"),
-    UField("tailkey", ("block",), "bool", "", False, "carries a mid-block key"),
-    UField("grp", ("block",), "int", "", True, "the group that last took it"),
+    UField("tail_keyed", ("block",), "bool", "", False, "carries a mid-block key"),
+    UField("block_group", ("block",), "int", "", True, "the group that last took it"),
     UField("miscount", ("block",), "bool", "", False, "its ref is no longer its holder count"),
     UField("phase", ("req",), "int", "", False, "absent/waiting/running/popped/ended"),
-    UField("hashit", ("req",), "bool", "", False, "a lookup is pending"),
-    UField("table", RB, "bool", "group", False, "in the request's table"),
-    UField("hit", RB, "bool", "group", False, "the pending lookup's blocks"),
-    UField("hsrc", RB, "bool", "group", False, "its partial-hit source"),
-    UField("own", RB, "bool", "group", True, "taken from the pool for the table"),
-    UField("popt", RB, "bool", "group", False, "a table entry `pop` put aside"),
-    UField("tokt", RB, "bool", "group", False, "ref token of a table entry"),
-    UField("cowsrc", RB, "bool", "mamba", False, "keyed tail the next chunk moves"),
-    UField("hold", RB, "bool", "mamba", False, "the request holds the block"),
-    UField("poph", RB, "bool", "mamba", False, "a hold `pop` put aside"),
-    UField("tokh", RB, "bool", "mamba", False, "ref token of a hold"),
-    UField("ckpt", RB, "bool", "mamba", True, "the state to resume from"),
+    UField("has_hit", ("req",), "bool", "", False, "a lookup is pending"),
+    UField("table", REQ_BLOCK, "bool", "group", False, "in the request's table"),
+    UField("hit", REQ_BLOCK, "bool", "group", False, "the pending lookup's blocks"),
+    UField("hit_source", REQ_BLOCK, "bool", "group", False, "its partial-hit source"),
+    UField("own", REQ_BLOCK, "bool", "group", True, "taken from the pool for the table"),
+    UField("popped_table", REQ_BLOCK, "bool", "group", False, "a table entry `pop` put aside"),
+    UField("table_token", REQ_BLOCK, "bool", "group", False, "ref token of a table entry"),
+    UField("pending_tail", REQ_BLOCK, "bool", "mamba", False, "keyed tail the next chunk moves"),
+    UField("hold", REQ_BLOCK, "bool", "mamba", False, "the request holds the block"),
+    UField("popped_hold", REQ_BLOCK, "bool", "mamba", False, "a hold `pop` put aside"),
+    UField("hold_token", REQ_BLOCK, "bool", "mamba", False, "ref token of a hold"),
+    UField("checkpoint", REQ_BLOCK, "bool", "mamba", True, "the state to resume from"),
     UField("tailed", ("req",), "bool", "mamba", True, "the partial tail was keyed"),
-    UField("rsv", ("req",), "int", "mamba", True, "extra blocks admission reserved"),
+    UField("reserved", ("req",), "int", "mamba", True, "extra blocks admission reserved"),
     UField("peak", ("req",), "int", "mamba", True, "most out-of-table pins at once"),
     UField("pending", ("copy",), "bool", "", False, "the copy is pending"),
-    UField("src", ("copy",), "block", "", False, "its source block"),
-    UField("dst", ("copy",), "block", "", False, "its destination block"),
-    UField("tokcs", ("copy",), "bool", "", False, "ref token of its source endpoint"),
-    UField("tokcd", ("copy",), "bool", "", False, "ref token of its destination endpoint"),
+    UField("source", ("copy",), "block", "", False, "its source block"),
+    UField("destination", ("copy",), "block", "", False, "its destination block"),
+    UField("source_token", ("copy",), "bool", "", False, "ref token of its source endpoint"),
+    UField(
+        "destination_token", ("copy",), "bool", "", False, "ref token of its destination endpoint"
+    ),
 )
 UFIELD_BY_NAME = {f.name: f for f in UFIELDS}
 
@@ -177,12 +180,12 @@ class UState:
         """Some ref token is on `b` (ref >= 1)."""
         x, c = z3.FreshConst(REQ, "hx"), z3.FreshConst(COPY, "hc")
         on_req = z3.Or(
-            *[self.f("tokt", g)(x, b) for g in self.group_ids],
-            *[self.f("tokh", m)(x, b) for m in self.mamba_ids],
+            *[self.f("table_token", g)(x, b) for g in self.group_ids],
+            *[self.f("hold_token", m)(x, b) for m in self.mamba_ids],
         )
         on_copy = z3.Or(
-            z3.And(self["tokcs"](c), self["src"](c) == b),
-            z3.And(self["tokcd"](c), self["dst"](c) == b),
+            z3.And(self["source_token"](c), self["source"](c) == b),
+            z3.And(self["destination_token"](c), self["destination"](c) == b),
         )
         return z3.Or(z3.Exists([x], on_req), z3.Exists([c], on_copy))
 
@@ -255,7 +258,8 @@ def holders_edit(key: str, holders: Fn, block: Any) -> Edit:
 
 
 def copy_edit(key: str, which: Fn, end: Fn) -> Edit:
-    """The `key` endpoint tokens (tokcs/tokcd) of the copies `which`;
+    """The `key` endpoint tokens (`source_token`/`destination_token`) of the
+    copies `which`;
     `end(c)` is the endpoint's block."""
 
     def on(b: Any) -> Any:
@@ -408,10 +412,10 @@ class UEncoding:
         free, had = tx.n["free"], tx.view().has
         tx.require("takes free blocks", forall((BLOCK,), lambda b: z3.Implies(take(b), free(b))))
         tx.map_block("miscount", lambda b, old: z3.Or(old, z3.And(take(b), had(b))))
-        for key in ("free", "keyed", "tailkey"):
+        for key in ("free", "keyed", "tail_keyed"):
             tx.map_block(key, lambda b, old: z3.And(old, z3.Not(take(b))))
         if group is not None:
-            tx.map_block("grp", lambda b, old: z3.If(take(b), group, old))
+            tx.map_block("block_group", lambda b, old: z3.If(take(b), group, old))
         self._apply_tokens(tx, owners, True)
 
     # -- hooks the mutations override ------------------------------------------------
@@ -433,11 +437,11 @@ class UEncoding:
 
     def supersede(self, tx: UTx, m: int, old: Fn, do_hold: Any) -> Fn:
         """Release the superseded hold; returns which old blocks stay held."""
-        self.free_blocks(tx, [req_edit(f"tokh{m}", tx.r, lambda b: z3.And(do_hold, old(b)))])
+        self.free_blocks(tx, [req_edit(f"hold_token{m}", tx.r, lambda b: z3.And(do_hold, old(b)))])
         return lambda b: z3.BoolVal(False)
 
     def release_holds(self, tx: UTx, how: Any) -> None:
-        holds = [req_edit(f"tokh{m}", tx.r, tx.row(f"hold{m}")) for m in tx.s.mamba_ids]
+        holds = [req_edit(f"hold_token{m}", tx.r, tx.row(f"hold{m}")) for m in tx.s.mamba_ids]
         self.free_blocks(tx, holds)
 
     # -- the ops ----------------------------------------------------------------------
@@ -449,7 +453,7 @@ class UEncoding:
     def op_lookup(self, tx: UTx) -> None:
         s, r = tx.s, tx.r
         tx.require("guard", live(s, r))
-        tx.set_req("hashit", z3.BoolVal(True))
+        tx.set_req("has_hit", z3.BoolVal(True))
         shape = []
         for g in s.group_ids:
             hit, src = tx.fresh(f"hit{g}", BLOCK), tx.fresh(f"src{g}", BLOCK)
@@ -458,17 +462,17 @@ class UEncoding:
 
             def each(b: Any, g: int = g, hit: Any = hit, src: Any = src) -> Any:
                 parts = [
-                    z3.Implies(hit(b), z3.And(s["keyed"](b), s["grp"](b) == g)),
+                    z3.Implies(hit(b), z3.And(s["keyed"](b), s["block_group"](b) == g)),
                     z3.Implies(src(b), hit(b)),
                 ]
                 if g != ATTENTION:
-                    parts.append(z3.Implies(src(b), s["tailkey"](b)))
+                    parts.append(z3.Implies(src(b), s["tail_keyed"](b)))
                 return z3.And(parts)
 
             shape.append(forall((BLOCK,), each))
             shape += [at_most_one(p) for p in unique]
             tx.set_row(f"hit{g}", hit)
-            tx.set_row(f"hsrc{g}", src)
+            tx.set_row(f"hit_source{g}", src)
         tx.require("cached blocks of the group, one partial source", z3.And(shape))
 
     def op_reserve(self, tx: UTx) -> None:
@@ -478,8 +482,11 @@ class UEncoding:
         return None
 
     def op_drain(self, tx: UTx) -> None:
-        pending, src, dst = tx.s["pending"], tx.s["src"], tx.s["dst"]
-        self.free_blocks(tx, [copy_edit("tokcs", pending, src), copy_edit("tokcd", pending, dst)])
+        pending, src, dst = tx.s["pending"], tx.s["source"], tx.s["destination"]
+        self.free_blocks(
+            tx,
+            [copy_edit("source_token", pending, src), copy_edit("destination_token", pending, dst)],
+        )
         tx.n["pending"] = lambda c: z3.BoolVal(False)
 
     def op_free(self, tx: UTx) -> None:
@@ -487,7 +494,7 @@ class UEncoding:
         tx.require("guard", live(s, r))
         how = tx.fresh("how", out=z3.IntSort())
         tx.require("how", z3.And(how >= 0, how <= 2))
-        tables = [req_edit(f"tokt{g}", r, tx.row(f"table{g}")) for g in s.group_ids]
+        tables = [req_edit(f"table_token{g}", r, tx.row(f"table{g}")) for g in s.group_ids]
         self.free_blocks(tx, tables)
         self.release_holds(tx, how)  # holds go last
         self._forget(tx)
@@ -497,23 +504,23 @@ class UEncoding:
         s, r = tx.s, tx.r
         tx.require("guard", live(s, r))
         for g in s.group_ids:
-            tx.set_row(f"popt{g}", tx.row(f"table{g}"))
+            tx.set_row(f"popped_table{g}", tx.row(f"table{g}"))
         for m in s.mamba_ids:
-            tx.set_row(f"poph{m}", tx.row(f"hold{m}"))
+            tx.set_row(f"popped_hold{m}", tx.row(f"hold{m}"))
         self._forget(tx)
         tx.set_req("phase", z3.IntVal(POPPED))
 
     def op_release(self, tx: UTx) -> None:
         s, r = tx.s, tx.r
         tx.require("guard", _phase_is(s, r, POPPED))
-        edits = [req_edit(f"tokt{g}", r, tx.row(f"popt{g}")) for g in s.group_ids]
-        edits += [req_edit(f"tokh{m}", r, tx.row(f"poph{m}")) for m in s.mamba_ids]
+        edits = [req_edit(f"table_token{g}", r, tx.row(f"popped_table{g}")) for g in s.group_ids]
+        edits += [req_edit(f"hold_token{m}", r, tx.row(f"popped_hold{m}")) for m in s.mamba_ids]
         self.free_blocks(tx, edits)
         false = lambda b: z3.BoolVal(False)  # noqa: E731
         for g in s.group_ids:
-            tx.set_row(f"popt{g}", false)
+            tx.set_row(f"popped_table{g}", false)
         for m in s.mamba_ids:
-            tx.set_row(f"poph{m}", false)
+            tx.set_row(f"popped_hold{m}", false)
         tx.set_req("phase", z3.IntVal(ENDED))
 
     def op_reset(self, tx: UTx) -> None:
@@ -521,7 +528,7 @@ class UEncoding:
         # with any block in use, nothing changes (the call is refused).
         free = tx.s["free"]
         clean = forall((BLOCK,), lambda b: free(b))
-        for key in ("keyed", "tailkey"):
+        for key in ("keyed", "tail_keyed"):
             tx.map_block(key, lambda b, old: z3.And(z3.Not(clean), old))
 
     def op_events(self, tx: UTx) -> None:
@@ -550,20 +557,20 @@ class UEncoding:
         tx.require("guard", live(s, r))
         ok = tx.fresh("ok")
         first = _phase_is(s, r, WAITING)
-        adopt = z3.And(ok, first, s["hashit"](r)) if adopt_hit else z3.BoolVal(False)
+        adopt = z3.And(ok, first, s["has_hit"](r)) if adopt_hit else z3.BoolVal(False)
 
         # remove_skipped: the request's own Mamba states behind the running one.
         dropped: list[Edit] = []
         retained: list[tuple[int, Any, Any]] = []
         for m in s.mamba_ids:
             drop = tx.fresh(f"drop{m}", BLOCK)
-            table, cowsrc = s.f("table", m), s.f("cowsrc", m)
+            table, pending_tail = s.f("table", m), s.f("pending_tail", m)
             tx.require(
                 f"skipped states are own, not the keyed tail (group {m})",
                 forall(
                     (BLOCK,),
-                    lambda b, drop=drop, table=table, cowsrc=cowsrc: z3.Implies(
-                        drop(b), z3.And(table(r, b), z3.Not(cowsrc(r, b)))
+                    lambda b, drop=drop, table=table, pending_tail=pending_tail: z3.Implies(
+                        drop(b), z3.And(table(r, b), z3.Not(pending_tail(r, b)))
                     ),
                 ),
             )
@@ -581,7 +588,7 @@ class UEncoding:
             hold = s.f("hold", m)
             dropped.append(
                 req_edit(
-                    f"tokt{m}",
+                    f"table_token{m}",
                     r,
                     lambda b, drop=drop, kept=kept, retains=retains: z3.And(
                         drop(b), z3.Not(z3.And(retains, b == kept))
@@ -590,7 +597,7 @@ class UEncoding:
             )
             dropped.append(
                 req_edit(
-                    f"tokh{m}",
+                    f"hold_token{m}",
                     r,
                     lambda b, hold=hold, retains=retains: z3.And(retains, hold(r, b)),
                 )
@@ -598,17 +605,19 @@ class UEncoding:
         self.free_blocks(tx, dropped)
         for m, kept, retains in retained:
             # The kept state's table ref is now the hold's.
-            tokt, tokh = tx.n[f"tokt{m}"], tx.n[f"tokh{m}"]
+            table_token, hold_token = tx.n[f"table_token{m}"], tx.n[f"hold_token{m}"]
             moves = lambda x, b, kept=kept, retains=retains: z3.And(  # noqa: E731
                 retains, x == r, b == kept
             )
-            tx.n[f"tokt{m}"] = lambda x, b, tokt=tokt, moves=moves: z3.And(
-                tokt(x, b), z3.Not(moves(x, b))
+            tx.n[f"table_token{m}"] = lambda x, b, table_token=table_token, moves=moves: z3.And(
+                table_token(x, b), z3.Not(moves(x, b))
             )
-            tx.n[f"tokh{m}"] = lambda x, b, tokh=tokh, moves=moves, tokt=tokt: z3.Or(
-                tokh(x, b), z3.And(moves(x, b), tokt(x, b))
+            tx.n[f"hold_token{m}"] = (
+                lambda x, b, hold_token=hold_token, moves=moves, table_token=table_token: z3.Or(
+                    hold_token(x, b), z3.And(moves(x, b), table_token(x, b))
+                )
             )
-            hold_row, ckpt_row = tx.row(f"hold{m}"), tx.row(f"ckpt{m}")
+            hold_row, ckpt_row = tx.row(f"hold{m}"), tx.row(f"checkpoint{m}")
             tx.set_row(
                 f"hold{m}",
                 lambda b, kept=kept, retains=retains, row=hold_row: z3.If(
@@ -617,7 +626,7 @@ class UEncoding:
             )
             # With the hold on, the newest state held is the one to resume from.
             tx.set_row(
-                f"ckpt{m}",
+                f"checkpoint{m}",
                 lambda b, kept=kept, retains=retains, row=ckpt_row: z3.If(
                     z3.And(retains, s["hold_on"]), b == kept, row(b)
                 ),
@@ -625,7 +634,7 @@ class UEncoding:
 
         if adopt_hit:
             # add_hit_blocks: the fresh lookup's blocks join the tables.
-            grp = s["grp"]
+            block_group = s["block_group"]
             tx.require(
                 "the lookup is fresh",
                 z3.And(
@@ -633,7 +642,7 @@ class UEncoding:
                         forall(
                             (BLOCK,),
                             lambda b, g=g: z3.Implies(
-                                z3.And(adopt, s.f("hit", g)(r, b)), grp(b) == g
+                                z3.And(adopt, s.f("hit", g)(r, b)), block_group(b) == g
                             ),
                         )
                         for g in s.group_ids
@@ -641,7 +650,7 @@ class UEncoding:
                 ),
             )
             adopted = [
-                req_edit(f"tokt{g}", r, lambda b, g=g: z3.And(adopt, s.f("hit", g)(r, b)))
+                req_edit(f"table_token{g}", r, lambda b, g=g: z3.And(adopt, s.f("hit", g)(r, b)))
                 for g in s.group_ids
             ]
             self.touch(tx, adopted)
@@ -658,9 +667,9 @@ class UEncoding:
 
         tx.set_req("phase", z3.If(ok, RUNNING, s["phase"](r)))
         if adopt_hit:
-            tx.set_req("hashit", z3.And(s["hashit"](r), z3.Not(ok)))
+            tx.set_req("has_hit", z3.And(s["has_hit"](r), z3.Not(ok)))
             for g in s.group_ids:
-                for key in (f"hit{g}", f"hsrc{g}"):
+                for key in (f"hit{g}", f"hit_source{g}"):
                     row = s.f(key)
                     tx.set_row(key, lambda b, row=row: z3.And(row(r, b), z3.Not(ok)))
 
@@ -672,18 +681,20 @@ class UEncoding:
 
     def _allocate_group(self, tx: UTx, g: int, ok: Any, adopt: Any) -> None:
         s, r = tx.s, tx.r
-        source_block, partial = self._skolem_of(tx, f"srcblock{g}", lambda b: s.f("hsrc", g)(r, b))
+        source_block, partial = self._skolem_of(
+            tx, f"srcblock{g}", lambda b: s.f("hit_source", g)(r, b)
+        )
         cow_new = z3.And(adopt, partial)
         if g != ATTENTION:
             tail_block, has_tail = self._skolem_of(
-                tx, f"tailblock{g}", lambda b: s.f("cowsrc", g)(r, b)
+                tx, f"tailblock{g}", lambda b: s.f("pending_tail", g)(r, b)
             )
             move = z3.And(ok, has_tail)
         else:
             tail_block, move = None, z3.BoolVal(False)
         copies = z3.Or(cow_new, move)
         copy_block = tx.fresh(f"copy{g}", out=BLOCK)
-        cc = tx.fresh(f"cc{g}", out=COPY)  # the pending copy's identity
+        copy_id = tx.fresh(f"copy_id{g}", out=COPY)  # the pending copy's identity
         new = tx.fresh(f"new{g}", BLOCK)
         tx.require(
             f"group {g}: new blocks only on success, a fresh copy",
@@ -694,7 +705,7 @@ class UEncoding:
                         new(b), z3.And(ok, z3.Not(z3.And(copies, b == copy_block)))
                     ),
                 ),
-                z3.Implies(copies, z3.Not(tx.n["pending"](cc))),
+                z3.Implies(copies, z3.Not(tx.n["pending"](copy_id))),
             ),
         )
 
@@ -702,9 +713,11 @@ class UEncoding:
             return z3.And(copies, b == copy_block)
 
         table_owner = [
-            req_edit(f"tokt{g}", r, lambda b: z3.Or(new(b), z3.And(cow_new, b == copy_block)))
+            req_edit(
+                f"table_token{g}", r, lambda b: z3.Or(new(b), z3.And(cow_new, b == copy_block))
+            )
         ]
-        moved_dst = [one_copy("tokcd", cc, move, copy_block)]
+        moved_dst = [one_copy("destination_token", copy_id, move, copy_block)]
         self.get_new(tx, lambda b: z3.Or(is_copy(b), new(b)), g, table_owner + moved_dst)
 
         # apply_cow: the copy replaces the shared source in the table; the
@@ -720,22 +733,24 @@ class UEncoding:
         )
         own = tx.row(f"own{g}")
         tx.set_row(f"own{g}", lambda b: z3.Or(own(b), z3.And(cow_new, b == copy_block), new(b)))
-        tokt = tx.n[f"tokt{g}"]
-        tokcs = tx.n["tokcs"]
-        tx.n[f"tokt{g}"] = lambda x, b: z3.And(
-            tokt(x, b), z3.Not(z3.And(cow_new, x == r, b == source_block))
+        table_token = tx.n[f"table_token{g}"]
+        source_token = tx.n["source_token"]
+        tx.n[f"table_token{g}"] = lambda x, b: z3.And(
+            table_token(x, b), z3.Not(z3.And(cow_new, x == r, b == source_block))
         )
-        tx.n["tokcs"] = lambda c: z3.If(z3.And(cow_new, c == cc), tokt(r, source_block), tokcs(c))
-        self._new_copy(tx, cc, cow_new, source_block, copy_block)
-        self.cow_retain(tx, [one_copy("tokcd", cc, cow_new, copy_block)])
+        tx.n["source_token"] = lambda c: z3.If(
+            z3.And(cow_new, c == copy_id), table_token(r, source_block), source_token(c)
+        )
+        self._new_copy(tx, copy_id, cow_new, source_block, copy_block)
+        self.cow_retain(tx, [one_copy("destination_token", copy_id, cow_new, copy_block)])
         if g == ATTENTION:
             return
 
         m = g
         assert tail_block is not None
         # move_keys: the keyed tail's keys go to the copy.
-        keyed, tailkey = tx.n["keyed"], tx.n["tailkey"]
-        for key, cur in (("keyed", keyed), ("tailkey", tailkey)):
+        keyed, tail_keyed = tx.n["keyed"], tx.n["tail_keyed"]
+        for key, cur in (("keyed", keyed), ("tail_keyed", tail_keyed)):
 
             def moved_key(b: Any, old: Any, cur: Fn = cur) -> Any:
                 return z3.If(
@@ -747,27 +762,27 @@ class UEncoding:
             tx.map_block(key, moved_key)
         # follow_moved_keys: others holding the tail now hold the copy.
         follow = self.follows(tx)
-        hold, ckpt = tx.n[f"hold{m}"], tx.n[f"ckpt{m}"]
+        hold, checkpoint = tx.n[f"hold{m}"], tx.n[f"checkpoint{m}"]
 
         def holder(q: Any) -> Any:
             return z3.And(move, follow, q != r, hold(q, tail_block))
 
         def resumer(q: Any) -> Any:
-            return z3.And(move, q != r, ckpt(q, tail_block))
+            return z3.And(move, q != r, checkpoint(q, tail_block))
 
         tx.n[f"hold{m}"] = lambda q, b: _moved(
             holder(q), hold(q, b), b == tail_block, b == copy_block
         )
-        tx.n[f"ckpt{m}"] = lambda q, b: _moved(
-            resumer(q), ckpt(q, b), b == tail_block, b == copy_block
+        tx.n[f"checkpoint{m}"] = lambda q, b: _moved(
+            resumer(q), checkpoint(q, b), b == tail_block, b == copy_block
         )
-        self.touch(tx, [holders_edit(f"tokh{m}", holder, copy_block)])
-        self.free_blocks(tx, [holders_edit(f"tokh{m}", holder, tail_block)])
+        self.touch(tx, [holders_edit(f"hold_token{m}", holder, copy_block)])
+        self.free_blocks(tx, [holders_edit(f"hold_token{m}", holder, tail_block)])
         # The moved tail's pending copy: the source keeps a ref for it.
-        self._new_copy(tx, cc, move, tail_block, copy_block)
-        self.add_ref(tx, [one_copy("tokcs", cc, move, tail_block)])
-        cowsrc = tx.row(f"cowsrc{m}")
-        tx.set_row(f"cowsrc{m}", lambda b: z3.And(cowsrc(b), z3.Not(move)))
+        self._new_copy(tx, copy_id, move, tail_block, copy_block)
+        self.add_ref(tx, [one_copy("source_token", copy_id, move, tail_block)])
+        pending_tail = tx.row(f"pending_tail{m}")
+        tx.set_row(f"pending_tail{m}", lambda b: z3.And(pending_tail(b), z3.Not(move)))
 
         # Holds.hold: the hit source a new request copied from, or the copy
         # its running tail moved to, if it carries a key.
@@ -782,18 +797,20 @@ class UEncoding:
         )
         takes = z3.And(copies, tx.n["keyed"](target), z3.Not(refuse))
         do_hold = z3.And(self.hold_enabled(tx), takes)
-        self.touch(tx, [req_edit(f"tokh{m}", r, lambda b: z3.And(do_hold, b == target))])
+        self.touch(tx, [req_edit(f"hold_token{m}", r, lambda b: z3.And(do_hold, b == target))])
         kept = self.supersede(tx, m, old_hold, do_hold)
         tx.set_row(f"hold{m}", lambda b: z3.If(do_hold, z3.Or(b == target, kept(b)), old_hold(b)))
-        ckpt_row = tx.row(f"ckpt{m}")
-        tx.set_row(f"ckpt{m}", lambda b: z3.If(takes, b == target, ckpt_row(b)))
+        ckpt_row = tx.row(f"checkpoint{m}")
+        tx.set_row(f"checkpoint{m}", lambda b: z3.If(takes, b == target, ckpt_row(b)))
 
         # Ghosts: what admission reserved, and the most pinned at once.
         first = z3.And(ok, _phase_is(s, r, WAITING))
         tx.set_req(
-            f"rsv{m}",
+            f"reserved{m}",
             z3.If(
-                first, self.admission_extra(tx, z3.And(adopt, partial), holding), s.f("rsv", m)(r)
+                first,
+                self.admission_extra(tx, z3.And(adopt, partial), holding),
+                s.f("reserved", m)(r),
             ),
         )
         # One hold at most before (one_hold): counting it is testing it.
@@ -806,10 +823,16 @@ class UEncoding:
             z3.If(first, held_now, z3.If(z3.And(move, at_swap > peak), at_swap, peak)),
         )
 
-    def _new_copy(self, tx: UTx, cc: Any, when: Any, source: Any, dest: Any) -> None:
-        for key, value in (("pending", z3.BoolVal(True)), ("src", source), ("dst", dest)):
+    def _new_copy(self, tx: UTx, copy_id: Any, when: Any, source: Any, dest: Any) -> None:
+        for key, value in (
+            ("pending", z3.BoolVal(True)),
+            ("source", source),
+            ("destination", dest),
+        ):
             old = tx.n[key]
-            tx.n[key] = lambda c, old=old, value=value: z3.If(z3.And(when, c == cc), value, old(c))
+            tx.n[key] = lambda c, old=old, value=value: z3.If(
+                z3.And(when, c == copy_id), value, old(c)
+            )
 
     def _cache(self, tx: UTx, ok: Any) -> None:
         """`cache`: key some of the request's table blocks; in each Mamba group
@@ -825,7 +848,7 @@ class UEncoding:
             )
         ]
         tx.map_block("keyed", lambda b, old: z3.Or(old, key(b)))
-        tx.map_block("tailkey", lambda b, old: z3.If(key(b), mid(b), old))
+        tx.map_block("tail_keyed", lambda b, old: z3.If(key(b), mid(b), old))
         for m in s.mamba_ids:
             tail = tx.fresh(f"tail{m}")
             at = tx.fresh(f"tailat{m}", out=BLOCK)
@@ -840,10 +863,12 @@ class UEncoding:
                     ),
                 )
             )
-            cowsrc = tx.row(f"cowsrc{m}")
+            pending_tail = tx.row(f"pending_tail{m}")
             tx.set_row(
-                f"cowsrc{m}",
-                lambda b, cowsrc=cowsrc, tail=tail, at=at: z3.Or(cowsrc(b), z3.And(tail, b == at)),
+                f"pending_tail{m}",
+                lambda b, pending_tail=pending_tail, tail=tail, at=at: z3.Or(
+                    pending_tail(b), z3.And(tail, b == at)
+                ),
             )
             tx.set_req(f"tailed{m}", z3.Or(tailed, tail))
         tx.require("keys own blocks, the tail once", z3.And(rules))
@@ -851,15 +876,15 @@ class UEncoding:
     def _forget(self, tx: UTx) -> None:
         s = tx.s
         false = lambda b: z3.BoolVal(False)  # noqa: E731
-        tx.set_req("hashit", z3.BoolVal(False))
+        tx.set_req("has_hit", z3.BoolVal(False))
         for g in s.group_ids:
-            for key in ("table", "hit", "hsrc", "own"):
+            for key in ("table", "hit", "hit_source", "own"):
                 tx.set_row(f"{key}{g}", false)
         for m in s.mamba_ids:
             tx.set_req(f"tailed{m}", z3.BoolVal(False))
-            tx.set_req(f"rsv{m}", z3.IntVal(0))
+            tx.set_req(f"reserved{m}", z3.IntVal(0))
             tx.set_req(f"peak{m}", z3.IntVal(0))
-            for key in ("cowsrc", "hold", "ckpt"):
+            for key in ("pending_tail", "hold", "checkpoint"):
                 tx.set_row(f"{key}{m}", false)
 
 
@@ -895,7 +920,7 @@ class UAbortKeepsHold(UEncoding):
         for m in tx.s.mamba_ids:
             row = tx.row(f"hold{m}")
             kept = lambda b, row=row: z3.And(how != ABORT, row(b))  # noqa: E731
-            holds.append(req_edit(f"tokh{m}", tx.r, kept))
+            holds.append(req_edit(f"hold_token{m}", tx.r, kept))
         self.free_blocks(tx, holds)
 
 

@@ -80,7 +80,8 @@ def no_leak(s: UState) -> Any:
             forall(
                 (REQ, BLOCK),
                 lambda r, b, g=g: _iff(
-                    s.f("tokt", g)(r, b), z3.Or(s.f("table", g)(r, b), s.f("popt", g)(r, b))
+                    s.f("table_token", g)(r, b),
+                    z3.Or(s.f("table", g)(r, b), s.f("popped_table", g)(r, b)),
                 ),
             )
         )
@@ -89,7 +90,8 @@ def no_leak(s: UState) -> Any:
             forall(
                 (REQ, BLOCK),
                 lambda r, b, m=m: _iff(
-                    s.f("tokh", m)(r, b), z3.Or(s.f("hold", m)(r, b), s.f("poph", m)(r, b))
+                    s.f("hold_token", m)(r, b),
+                    z3.Or(s.f("hold", m)(r, b), s.f("popped_hold", m)(r, b)),
                 ),
             )
         )
@@ -97,7 +99,8 @@ def no_leak(s: UState) -> Any:
         forall(
             (COPY,),
             lambda c: z3.And(
-                _iff(s["tokcs"](c), s["pending"](c)), _iff(s["tokcd"](c), s["pending"](c))
+                _iff(s["source_token"](c), s["pending"](c)),
+                _iff(s["destination_token"](c), s["pending"](c)),
             ),
         )
     )
@@ -125,7 +128,7 @@ def held_state_keyed(s: UState) -> Any:
 
 def no_total_miss(s: UState) -> Any:
     def each(r: Any, b: Any, m: int) -> Any:
-        resumes = z3.And(s["hold_on"], s["phase"](r) == RUNNING, s.f("ckpt", m)(r, b))
+        resumes = z3.And(s["hold_on"], s["phase"](r) == RUNNING, s.f("checkpoint", m)(r, b))
         return z3.Implies(resumes, z3.And(s.has(b), s["keyed"](b)))
 
     return z3.And([forall((REQ, BLOCK), lambda r, b, m=m: each(r, b, m)) for m in s.mamba_ids])
@@ -137,7 +140,7 @@ def reservation_covers_tail_swap(s: UState) -> Any:
             forall(
                 (REQ,),
                 lambda r, m=m: z3.Implies(
-                    z3.Not(s["retire_on"]), s.f("peak", m)(r) <= STEP_COPY + s.f("rsv", m)(r)
+                    z3.Not(s["retire_on"]), s.f("peak", m)(r) <= STEP_COPY + s.f("reserved", m)(r)
                 ),
             )
             for m in s.mamba_ids
@@ -166,10 +169,10 @@ def only_residents_own(s: UState) -> Any:
         running, popped = s["phase"](r) == RUNNING, s["phase"](r) == POPPED
         owned = [z3.Or(s.f("table", g)(r, b), s.f("own", g)(r, b)) for g in s.group_ids]
         for m in s.mamba_ids:
-            owned += [s.f("tailed", m)(r), s.f("rsv", m)(r) != 0, s.f("peak", m)(r) != 0]
-            owned += [s.f(k, m)(r, b) for k in ("hold", "cowsrc", "ckpt")]
-        aside = [s.f("popt", g)(r, b) for g in s.group_ids]
-        aside += [s.f("poph", m)(r, b) for m in s.mamba_ids]
+            owned += [s.f("tailed", m)(r), s.f("reserved", m)(r) != 0, s.f("peak", m)(r) != 0]
+            owned += [s.f(k, m)(r, b) for k in ("hold", "pending_tail", "checkpoint")]
+        aside = [s.f("popped_table", g)(r, b) for g in s.group_ids]
+        aside += [s.f("popped_hold", m)(r, b) for m in s.mamba_ids]
         return z3.And(
             z3.Implies(z3.Not(running), z3.Not(z3.Or(owned))),
             z3.Implies(z3.Not(popped), z3.Not(z3.Or(aside))),
@@ -181,11 +184,11 @@ def only_residents_own(s: UState) -> Any:
 def lookup_shape(s: UState) -> Any:
     parts = []
     for g in s.group_ids:
-        parts.append(forall((REQ,), lambda r, g=g: _uniq(lambda b: s.f("hsrc", g)(r, b))))
+        parts.append(forall((REQ,), lambda r, g=g: _uniq(lambda b: s.f("hit_source", g)(r, b))))
         parts.append(
             forall(
                 (REQ, BLOCK),
-                lambda r, b, g=g: z3.Implies(s.f("hsrc", g)(r, b), s.f("hit", g)(r, b)),
+                lambda r, b, g=g: z3.Implies(s.f("hit_source", g)(r, b), s.f("hit", g)(r, b)),
             )
         )
     return z3.And(parts)
@@ -216,10 +219,10 @@ def taken_blocks(s: UState) -> Any:
 
 def block_groups(s: UState) -> Any:
     def each(r: Any, b: Any) -> Any:
-        grp = s["grp"](b)
-        uses = [z3.Implies(s.f("table", g)(r, b), grp == g) for g in s.group_ids]
+        block_group = s["block_group"](b)
+        uses = [z3.Implies(s.f("table", g)(r, b), block_group == g) for g in s.group_ids]
         uses += [
-            z3.Implies(z3.Or(s.f("hold", m)(r, b), s.f("cowsrc", m)(r, b)), grp == m)
+            z3.Implies(z3.Or(s.f("hold", m)(r, b), s.f("pending_tail", m)(r, b)), block_group == m)
             for m in s.mamba_ids
         ]
         return z3.And(uses)
@@ -230,13 +233,15 @@ def block_groups(s: UState) -> Any:
 def pending_tail_shape(s: UState) -> Any:
     parts = []
     for m in s.mamba_ids:
-        cowsrc = s.f("cowsrc", m)
-        parts.append(forall((REQ,), lambda r, cowsrc=cowsrc: _uniq(lambda b: cowsrc(r, b))))
+        pending_tail = s.f("pending_tail", m)
+        parts.append(
+            forall((REQ,), lambda r, pending_tail=pending_tail: _uniq(lambda b: pending_tail(r, b)))
+        )
         parts.append(
             forall(
                 (REQ, BLOCK),
-                lambda r, b, m=m, cowsrc=cowsrc: z3.Implies(
-                    cowsrc(r, b),
+                lambda r, b, m=m, pending_tail=pending_tail: z3.Implies(
+                    pending_tail(r, b),
                     z3.And(s.f("own", m)(r, b), s["keyed"](b), s.f("tailed", m)(r)),
                 ),
             )
@@ -246,24 +251,24 @@ def pending_tail_shape(s: UState) -> Any:
 
 def checkpoint_is_hold(s: UState) -> Any:
     def each(r: Any, b: Any, m: int) -> Any:
-        hold, ckpt = s.f("hold", m)(r, b), s.f("ckpt", m)(r, b)
-        return z3.If(s["hold_on"], hold == ckpt, z3.Implies(hold, s["retire_on"]))
+        hold, checkpoint = s.f("hold", m)(r, b), s.f("checkpoint", m)(r, b)
+        return z3.If(s["hold_on"], hold == checkpoint, z3.Implies(hold, s["retire_on"]))
 
     return z3.And([forall((REQ, BLOCK), lambda r, b, m=m: each(r, b, m)) for m in s.mamba_ids])
 
 
 def hold_reserved(s: UState) -> Any:
     def each(r: Any, m: int) -> Any:
-        rsv, peak = s.f("rsv", m)(r), s.f("peak", m)(r)
+        reserved, peak = s.f("reserved", m)(r), s.f("peak", m)(r)
         held = exists((BLOCK,), lambda b: s.f("hold", m)(r, b))
-        awaiting = exists((BLOCK,), lambda b: s.f("cowsrc", m)(r, b))
+        awaiting = exists((BLOCK,), lambda b: s.f("pending_tail", m)(r, b))
         return z3.And(
-            rsv >= 0,
-            rsv <= 1,
+            reserved >= 0,
+            reserved <= 1,
             peak >= 0,
             z3.Implies(
                 z3.And(z3.Not(s["retire_on"]), z3.Or(z3.Not(s.f("tailed", m)(r)), awaiting), held),
-                rsv >= 1,
+                reserved >= 1,
             ),
         )
 
@@ -284,7 +289,7 @@ def copy_shape(s: UState) -> Any:
     when taken, its source was not)."""
 
     def each(c: Any) -> Any:
-        return z3.Implies(s["pending"](c), s["src"](c) != s["dst"](c))
+        return z3.Implies(s["pending"](c), s["source"](c) != s["destination"](c))
 
     return forall((COPY,), each)
 
@@ -351,25 +356,37 @@ def uinit(s: UState) -> Any:
             lambda b: z3.And(
                 s["free"](b),
                 z3.Not(s["keyed"](b)),
-                z3.Not(s["tailkey"](b)),
+                z3.Not(s["tail_keyed"](b)),
                 z3.Not(s["miscount"](b)),
             ),
         ),
         forall(
             (COPY,),
-            lambda c: z3.And(z3.Not(s["pending"](c)), z3.Not(s["tokcs"](c)), z3.Not(s["tokcd"](c))),
+            lambda c: z3.And(
+                z3.Not(s["pending"](c)),
+                z3.Not(s["source_token"](c)),
+                z3.Not(s["destination_token"](c)),
+            ),
         ),
     ]
 
     def req(r: Any, b: Any) -> Any:
-        parts = [s["phase"](r) == ABSENT, z3.Not(s["hashit"](r))]
+        parts = [s["phase"](r) == ABSENT, z3.Not(s["has_hit"](r))]
         for g in s.group_ids:
             parts += [
-                z3.Not(s.f(k, g)(r, b)) for k in ("table", "hit", "hsrc", "own", "popt", "tokt")
+                z3.Not(s.f(k, g)(r, b))
+                for k in ("table", "hit", "hit_source", "own", "popped_table", "table_token")
             ]
         for m in s.mamba_ids:
-            parts += [z3.Not(s.f(k, m)(r, b)) for k in ("cowsrc", "hold", "poph", "tokh", "ckpt")]
-            parts += [z3.Not(s.f("tailed", m)(r)), s.f("rsv", m)(r) == 0, s.f("peak", m)(r) == 0]
+            parts += [
+                z3.Not(s.f(k, m)(r, b))
+                for k in ("pending_tail", "hold", "popped_hold", "hold_token", "checkpoint")
+            ]
+            parts += [
+                z3.Not(s.f("tailed", m)(r)),
+                s.f("reserved", m)(r) == 0,
+                s.f("peak", m)(r) == 0,
+            ]
         return z3.And(parts)
 
     out.append(forall((REQ, BLOCK), req))

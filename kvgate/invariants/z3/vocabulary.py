@@ -18,7 +18,7 @@ What is kept, and what is abstracted away:
   which decides which cached state is evicted first, is abstracted away: any
   free block may be the one an allocation or eviction takes), and whether
   they carry a prefix key (`keyed`), and whether one of its keys ends inside
-  a block (`tailkey`: a prompt's partial tail; a Mamba hit on it is a
+  a block (`tail_keyed`: a prompt's partial tail; a Mamba hit on it is a
   partial hit). Which key, and at which token position, is abstracted away.
 - Requests keep a phase, their block tables as sets per group (null entries
   and table positions dropped), their pending lookup (the hit blocks, and
@@ -32,18 +32,19 @@ What is kept, and what is abstracted away:
 Ghost fields (no counterpart in the manager; the transitions maintain them
 so invariants can speak about history):
 
-- `grp`: the group that last took the block from the pool. Keys live in
-  that group: a block is keyed, held and hit only as a block of its group.
+- `block_group`: the group that last took the block from the pool. Keys
+  live in that group: a block is keyed, held and hit only as a block of its
+  group.
 - `own`: the request took the block from the pool itself (a new block or
   its copy-on-write copy) and keeps it in its table. A prompt's partial tail
   is keyed on such a block, never on one adopted from a hit.
-- `ckpt`: the state a request must be able to resume from: the partial-hit
-  source it copied from, or its own partial tail after the move to a copy
-  block; it follows moved keys. Kept whatever the hold switch says: it is
+- `checkpoint`: the state a request must be able to resume from: the
+  partial-hit source it copied from, or its own partial tail after the move
+  to a copy block; it follows moved keys. Kept whatever the hold switch says: it is
   the specification the hold implements.
 - `tailed`: the request has keyed its prompt's partial tail in this life
   (at most once: a prefill reaches its tail position once).
-- `rsv`: the extra block its admission reserved in that Mamba group.
+- `reserved`: the extra block its admission reserved in that Mamba group.
 - `peak`: the most blocks it has pinned at once outside its table through
   its hold and its moved tail's copy (see `properties.py`).
 """
@@ -146,23 +147,27 @@ FIELDS: tuple[Field, ...] = (
     Field("ref", "int", ("block",), False, "the block's ref count"),
     Field("free", "bool", ("block",), False, "the block is in the free queue"),
     Field("keyed", "bool", ("block",), False, "the block carries a prefix key"),
-    Field("pend", "int", ("block",), False, "pending-copy endpoints on the block"),
-    Field("tailkey", "bool", ("block",), False, "it carries a mid-block (partial-tail) key"),
+    Field("copy_ends", "int", ("block",), False, "pending-copy endpoints on the block"),
+    Field("tail_keyed", "bool", ("block",), False, "it carries a mid-block (partial-tail) key"),
     Field("phase", "int", ("request",), False, "absent/waiting/running/popped/ended"),
-    Field("hashit", "bool", ("request",), False, "a lookup is pending for the next allocate"),
+    Field("has_hit", "bool", ("request",), False, "a lookup is pending for the next allocate"),
     Field("table", "bool", ("request", "group", "block"), False, "the block is in the table"),
     Field("hit", "bool", ("request", "group", "block"), False, "the pending lookup's blocks"),
-    Field("hsrc", "bool", ("request", "group", "block"), False, "its partial-hit source"),
+    Field("hit_source", "bool", ("request", "group", "block"), False, "its partial-hit source"),
     Field(
-        "cowsrc", "bool", ("request", "mamba", "block"), False, "keyed tail the next chunk moves"
+        "pending_tail",
+        "bool",
+        ("request", "mamba", "block"),
+        False,
+        "keyed tail the next chunk moves",
     ),
     Field("hold", "bool", ("request", "mamba", "block"), False, "the request holds the block"),
     Field("popped", "int", ("request", "block"), False, "times `pop` put the block aside"),
-    Field("grp", "int", ("block",), True, "the group that took it (observed when in use)"),
+    Field("block_group", "int", ("block",), True, "the group that took it (observed when in use)"),
     Field("own", "bool", ("request", "group", "block"), True, "taken from the pool for the table"),
-    Field("ckpt", "bool", ("request", "mamba", "block"), True, "the state to resume from"),
+    Field("checkpoint", "bool", ("request", "mamba", "block"), True, "the state to resume from"),
     Field("tailed", "bool", ("request", "mamba"), True, "the partial tail was keyed"),
-    Field("rsv", "int", ("request", "mamba"), True, "extra blocks admission reserved"),
+    Field("reserved", "int", ("request", "mamba"), True, "extra blocks admission reserved"),
     Field("peak", "int", ("request", "mamba"), True, "most out-of-table pins at once"),
 )
 FIELD_BY_NAME: dict[str, Field] = {f.name: f for f in FIELDS}
@@ -176,21 +181,21 @@ class State:
     ref: dict[int, Any]
     free: dict[int, Any]
     keyed: dict[int, Any]
-    pend: dict[int, Any]
-    tailkey: dict[int, Any]
+    copy_ends: dict[int, Any]
+    tail_keyed: dict[int, Any]
     phase: dict[int, Any]
-    hashit: dict[int, Any]
+    has_hit: dict[int, Any]
     table: dict[tuple[int, int, int], Any]
     hit: dict[tuple[int, int, int], Any]
-    hsrc: dict[tuple[int, int, int], Any]
-    cowsrc: dict[tuple[int, int, int], Any]
+    hit_source: dict[tuple[int, int, int], Any]
+    pending_tail: dict[tuple[int, int, int], Any]
     hold: dict[tuple[int, int, int], Any]
     popped: dict[tuple[int, int], Any]
-    grp: dict[int, Any]
+    block_group: dict[int, Any]
     own: dict[tuple[int, int, int], Any]
-    ckpt: dict[tuple[int, int, int], Any]
+    checkpoint: dict[tuple[int, int, int], Any]
     tailed: dict[tuple[int, int], Any]
-    rsv: dict[tuple[int, int], Any]
+    reserved: dict[tuple[int, int], Any]
     peak: dict[tuple[int, int], Any]
 
     def __init__(

@@ -1,0 +1,111 @@
+"""Building vLLM's manager objects for a trace's config.
+
+What `Config` says becomes vLLM's `KVCacheConfig` (pool, groups, retention)
+and a `KVCacheManager`, plus the attributes `Scheduler._mamba_block_aligned_split`
+reads, so the split can be called without a scheduler. Anything vLLM refuses
+while building becomes `UnsupportedConfig` naming the trace field.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+from kvgate.conformance.config import Config, GroupConfig, UnsupportedConfig
+from kvgate.impl._vllm_api import VllmApi
+from kvgate.impl.vllm_errors import config_field, describe
+
+__all__ = ["build_manager", "kv_cache_config", "split_context"]
+
+
+def group_spec(api: VllmApi, index: int, group: GroupConfig) -> Any:
+    float32 = api.torch.float32
+    if group.kind == "full_attention":
+        return api.FullAttentionSpec(
+            block_size=group.block_size, num_kv_heads=1, head_size=1, dtype=float32
+        )
+    if group.kind == "mamba_align":
+        # The checkpoint fields only when set: a build without them still
+        # runs every trace that leaves them off (and refuses the others).
+        checkpoints: dict[str, Any] = {}
+        if group.prefill_checkpoint_blocks:
+            checkpoints["num_prefill_checkpoint_blocks"] = group.prefill_checkpoint_blocks
+        if group.prefill_checkpoint_alignment is not None:
+            checkpoints["prefill_checkpoint_alignment"] = group.prefill_checkpoint_alignment
+        return api.MambaSpec(
+            block_size=group.block_size,
+            shapes=((1, 1),),
+            dtypes=(float32,),
+            mamba_cache_mode="align",
+            num_speculative_blocks=group.speculative_blocks,
+            **checkpoints,
+        )
+    raise UnsupportedConfig(f"groups[{index}].kind", f"unknown group kind {group.kind!r}")
+
+
+def kv_cache_config(api: VllmApi, config: Config) -> Any:
+    """vLLM's `KVCacheConfig` for `config`: its pool, groups and retention."""
+    groups = [
+        api.KVCacheGroupSpec([f"layer{i}"], group_spec(api, i, g))
+        for i, g in enumerate(config.groups)
+    ]
+    return api.KVCacheConfig(
+        num_blocks=config.num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=groups,
+        prefix_cache_retention_interval=config.retention_interval,
+    )
+
+
+def build_manager(api: VllmApi, config: Config) -> Any:
+    """A `KVCacheManager` for `config`, as the op semantics prescribe.
+
+    Anything vLLM raises while building it becomes `UnsupportedConfig`.
+    """
+    try:
+        return api.KVCacheManager(
+            kv_cache_config(api, config),
+            max_model_len=config.max_model_len,
+            # What the Scheduler passes: one batch in flight of its budget.
+            max_in_flight_tokens=config.max_num_scheduled_tokens,
+            scheduler_block_size=config.scheduler_block_size,
+            hash_block_size=config.hash_unit,
+            enable_caching=True,
+            use_eagle=config.eagle,
+            log_stats=not config.disable_log_stats,
+            enable_kv_cache_events=config.kv_events,
+            **(
+                {"enable_mamba_shared_prefix_checkpoint": True}
+                if config.shared_prefix_checkpoint
+                else {}
+            ),
+        )
+    except UnsupportedConfig:
+        raise
+    except Exception as exc:  # vLLM rejects with ValueError or a bare assert
+        message = describe(exc)
+        raise UnsupportedConfig(config_field(message), f"vLLM rejects it: {message}") from exc
+
+
+def split_context(config: Config, coordinator: Any, manager: Any) -> SimpleNamespace:
+    """`self` for `Scheduler._mamba_block_aligned_split`: the attributes it reads,
+    as a scheduler built for `config` would hold them."""
+    partial = bool(getattr(coordinator, "enable_partial_hash_hits", False))
+    below_block = partial and config.hash_unit < config.scheduler_block_size
+    return SimpleNamespace(
+        block_size=config.scheduler_block_size,
+        cache_config=SimpleNamespace(block_size=config.scheduler_block_size),
+        hash_block_size=config.hash_unit,
+        mamba_partial_cache_hit=below_block,
+        use_eagle_block_drop=config.eagle,
+        num_hash_lookahead_tokens=0,
+        max_num_scheduled_tokens=config.max_num_scheduled_tokens,
+        scheduler_config=SimpleNamespace(
+            long_prefill_token_threshold=config.long_prefill_token_threshold
+        ),
+        mamba_has_prefill_checkpoint_blocks=config.prefill_checkpoints,
+        mamba_prefill_checkpoint_alignment=config.prefill_checkpoint_alignment,
+        mamba_shared_prefix_checkpoint=(
+            below_block and bool(getattr(manager, "mamba_shared_prefix_checkpoint", False))
+        ),
+    )
