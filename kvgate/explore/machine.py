@@ -337,8 +337,11 @@ class ExploreMachine(RuleBasedStateMachine):
         if session.requests[req].phase == "waiting":
             self._run("lookup", req=req)
             reserved = self._run("reserve", req=req)
-            if reserved["blocks"] > session.free_blocks():
-                return False  # the admission gate refuses it for now
+            # The admission gate refuses it for now; with the full-sequence
+            # gate on, the scheduler leaves that to the allocation itself.
+            gate_in_allocation = session.config.reserve_full_sequence
+            if reserved["blocks"] > session.free_blocks() and not gate_in_allocation:
+                return False
         return bool(self._run("allocate", req=req, tokens="auto", lookahead=lookahead)["ok"])
 
     def _prefill(self, req: str, lookahead: int, rounds: int) -> bool:

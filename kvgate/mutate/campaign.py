@@ -42,9 +42,15 @@ from kvgate.mutate.inject import Edit, NotApplicable, apply
 Verdict = Literal["caught", "missed", "not applicable", "hung", "error"]
 
 # The exploration's budget per fault (`--explore`): examples, split between
-# the strata of `EXPLORE_STRATA`, each of `EXPLORE_STEPS` rules. About 3 s of
-# CPU per fault on this machine when nothing is found.
-EXPLORE_EXAMPLES = 100
+# the deployment families of `explore.differential.FAMILIES`, each of
+# `EXPLORE_STEPS` rules: about 10 s of CPU per fault on this machine when
+# nothing is found (it runs only where the corpus misses, or with
+# `--explore-every-fault`).
+EXPLORE_EXAMPLES = 200
+# Rules per example: long enough for a state one rule leaves (a block with
+# two keys, a stale record) to meet what another rule does later (a burst,
+# a re-admission).
+EXPLORE_STEPS = 50
 
 
 @dataclass(frozen=True)
@@ -265,15 +271,15 @@ def explore_stage(examples: int) -> ExploreOutcome:
     try:
         from hypothesis import Phase
 
-        from kvgate.explore.differential import differential_mode
+        from kvgate.explore.differential import FAMILIES, differential_mode
         from kvgate.explore.profiles import profile
         from kvgate.explore.runner import run_once
     except ImportError as missing:
         return ExploreOutcome(False, "", 0, 0.0, f"kvgate.explore not available ({missing})")
     failure = None
-    for position, stratum in enumerate(EXPLORE_STRATA):
+    for position, stratum in enumerate(FAMILIES):
         # The budget split evenly (the first strata take the remainder).
-        share = examples // len(EXPLORE_STRATA) + (position < examples % len(EXPLORE_STRATA))
+        share = examples // len(FAMILIES) + (position < examples % len(FAMILIES))
         if failure is not None or share == 0:
             continue
         settings = profile(
@@ -291,17 +297,6 @@ def explore_stage(examples: int) -> ExploreOutcome:
             return ExploreOutcome(True, one_line(error), examples, time.perf_counter() - started)
     found = "" if failure is None else " ".join(str(failure).splitlines()[0].split())
     return ExploreOutcome(True, found, examples, time.perf_counter() - started)
-
-
-# The exploration's budget is split between eagle's drop on and off: the two
-# families of deployments (with and without an EAGLE/MTP drafter) look up
-# differently (the drop lowers every hit by a hash unit and moves the prompt's
-# tail), and a fault on one side is invisible from the other.
-# Rules per example: long enough for a state one rule leaves (a block with
-# two keys, a stale record) to meet what another rule does later (a burst,
-# a re-admission).
-EXPLORE_STEPS = 50
-EXPLORE_STRATA: tuple[dict[str, bool], ...] = ({"eagle": True}, {"eagle": False})
 
 
 def _child(
