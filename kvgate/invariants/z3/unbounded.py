@@ -45,9 +45,14 @@ no check yet maps every concrete or bounded step onto this encoding:
 - "Exactly one block" (a copy-on-write's copy, a pending tail, a hit's
   partial source) is a Skolem constant of sort Block plus a guard.
 
-Mutations (`UNBOUNDED_ENCODINGS`) override the same hooks, under the same
-names, as the bounded encoding's (`transitions.ENCODINGS`) and the model's
-twins (`kvgate.model.mutations`).
+A request's lifecycle is the action table's (`kvgate.conformance.ops`), as
+in the bounded encoding: each op's guard admits the phases of its
+`valid_in` (`vocabulary.phase_guard`) and leaves its request in the table's
+`next_phase` (`vocabulary.phase_after`).
+
+Mutations break the same hooks, under the same names, as in the bounded
+encoding, read from the same record (`kvgate.model.mutations`, `breaks`;
+`transitions.broken_hooks`).
 """
 
 from __future__ import annotations
@@ -58,15 +63,14 @@ from typing import Any
 
 import z3
 
+from kvgate.invariants.z3.transitions import broken_hooks
 from kvgate.invariants.z3.vocabulary import (
     ABORT,
-    ABSENT,
     ATTENTION,
-    ENDED,
-    POPPED,
     PREEMPT,
-    RUNNING,
     WAITING,
+    phase_after,
+    phase_guard,
 )
 
 BLOCK = z3.DeclareSort("Block")
@@ -339,26 +343,19 @@ class UTx:
         self.n[key] = lambda b, old=old: fn(b, old(b))
 
 
-def _phase_is(s: UState, r: Any, *phases: int) -> Any:
-    return z3.Or([s["phase"](r) == p for p in phases])
-
-
-def live(s: UState, r: Any) -> Any:
-    return _phase_is(s, r, WAITING, RUNNING)
-
-
 class UEncoding:
     """The clean manager, for every size; hooks as in `transitions.Encoding`."""
 
-    # "clean", or a mutation recorded in `kvgate.model.mutations` (its
-    # target invariant and whether upstream has it are read there).
-    name = "clean"
-
-    def __init__(self, groups: int) -> None:
+    def __init__(self, groups: int, mutation: str = "clean") -> None:
         self.groups = groups
+        # "clean", or the name of a mutation in `kvgate.model.mutations`
+        self.name = mutation
+        self.breaks = broken_hooks(mutation)
 
     def build(self, op: str, s: UState, r: Any, tag: str) -> UTx:
         tx = UTx(s, op, r, tag)
+        if r is not None:  # the phases the action table accepts the op in
+            tx.require("guard", phase_guard(s["phase"](r), op))
         getattr(self, f"op_{op}")(tx)
         return tx
 
@@ -387,7 +384,11 @@ class UEncoding:
         tx.map_block("miscount", lambda b, old: z3.Or(old, clash(b)))
 
     def touch(self, tx: UTx, edits: list[Edit]) -> None:
-        """`touch`: a ref each; a block at ref 0 leaves the free queue."""
+        """`touch`: a ref each; a block at ref 0 leaves the free queue.
+        Broken (`touch_keeps_queued`): a ref-0 block stays queued."""
+        if "touch" in self.breaks:
+            self.add_ref(tx, edits)
+            return
         had = tx.view().has
         on, clash = self._apply_tokens(tx, edits, True)
         self._miscount(tx, clash)
@@ -418,18 +419,21 @@ class UEncoding:
             tx.map_block("block_group", lambda b, old: z3.If(take(b), group, old))
         self._apply_tokens(tx, owners, True)
 
-    # -- hooks the mutations override ------------------------------------------------
+    # -- the hooks mutations break (`touch` too), as in `transitions.Encoding` ----------
 
     def cow_retain(self, tx: UTx, edits: list[Edit]) -> None:
-        self.add_ref(tx, edits)
+        if "cow_retain" not in self.breaks:
+            self.add_ref(tx, edits)
 
     def hold_enabled(self, tx: UTx) -> Any:
-        return tx.s["hold_on"]
+        return z3.BoolVal(False) if "hold_enabled" in self.breaks else tx.s["hold_on"]
 
     def follows(self, tx: UTx) -> Any:
-        return z3.BoolVal(True)
+        return z3.BoolVal("follows" not in self.breaks)
 
     def admission_extra(self, tx: UTx, partial_hit: Any, holding: Any) -> Any:
+        if "admission_extra" in self.breaks:
+            return z3.IntVal(0)
         upstream = z3.If(z3.And(tx.s["hold_on"], partial_hit, z3.Not(holding)), 1, 0)
         fork = tx.fresh("fork_extra", out=z3.IntSort())
         tx.require("the fork's extra is 0 or 1", z3.And(fork >= 0, fork <= 1))
@@ -437,22 +441,27 @@ class UEncoding:
 
     def supersede(self, tx: UTx, m: int, old: Fn, do_hold: Any) -> Fn:
         """Release the superseded hold; returns which old blocks stay held."""
+        if "supersede" in self.breaks:
+            return old
         self.free_blocks(tx, [req_edit(f"hold_token{m}", tx.r, lambda b: z3.And(do_hold, old(b)))])
         return lambda b: z3.BoolVal(False)
 
     def release_holds(self, tx: UTx, how: Any) -> None:
-        holds = [req_edit(f"hold_token{m}", tx.r, tx.row(f"hold{m}")) for m in tx.s.mamba_ids]
+        holds = []
+        for m in tx.s.mamba_ids:
+            row = tx.row(f"hold{m}")
+            if "release_holds" in self.breaks:  # free(abort) forgets them
+                row = lambda b, row=row: z3.And(how != ABORT, row(b))  # noqa: E731
+            holds.append(req_edit(f"hold_token{m}", tx.r, row))
         self.free_blocks(tx, holds)
 
     # -- the ops ----------------------------------------------------------------------
 
     def op_arrive(self, tx: UTx) -> None:
-        tx.require("guard", _phase_is(tx.s, tx.r, ABSENT))
-        tx.set_req("phase", z3.IntVal(WAITING))
+        tx.set_req("phase", z3.IntVal(phase_after("arrive")))
 
     def op_lookup(self, tx: UTx) -> None:
-        s, r = tx.s, tx.r
-        tx.require("guard", live(s, r))
+        s = tx.s
         tx.set_req("has_hit", z3.BoolVal(True))
         shape = []
         for g in s.group_ids:
@@ -476,7 +485,7 @@ class UEncoding:
         tx.require("cached blocks of the group, one partial source", z3.And(shape))
 
     def op_reserve(self, tx: UTx) -> None:
-        tx.require("guard", live(tx.s, tx.r))
+        return None  # reads only: the admission count is at the allocate
 
     def op_step(self, tx: UTx) -> None:
         return None
@@ -491,28 +500,26 @@ class UEncoding:
 
     def op_free(self, tx: UTx) -> None:
         s, r = tx.s, tx.r
-        tx.require("guard", live(s, r))
         how = tx.fresh("how", out=z3.IntSort())
         tx.require("how", z3.And(how >= 0, how <= 2))
         tables = [req_edit(f"table_token{g}", r, tx.row(f"table{g}")) for g in s.group_ids]
         self.free_blocks(tx, tables)
         self.release_holds(tx, how)  # holds go last
         self._forget(tx)
-        tx.set_req("phase", z3.If(how == PREEMPT, WAITING, ENDED))
+        after = {h: phase_after("free", h) for h in ("preempt", "finish")}
+        tx.set_req("phase", z3.If(how == PREEMPT, after["preempt"], after["finish"]))
 
     def op_pop(self, tx: UTx) -> None:
-        s, r = tx.s, tx.r
-        tx.require("guard", live(s, r))
+        s = tx.s
         for g in s.group_ids:
             tx.set_row(f"popped_table{g}", tx.row(f"table{g}"))
         for m in s.mamba_ids:
             tx.set_row(f"popped_hold{m}", tx.row(f"hold{m}"))
         self._forget(tx)
-        tx.set_req("phase", z3.IntVal(POPPED))
+        tx.set_req("phase", z3.IntVal(phase_after("pop")))
 
     def op_release(self, tx: UTx) -> None:
         s, r = tx.s, tx.r
-        tx.require("guard", _phase_is(s, r, POPPED))
         edits = [req_edit(f"table_token{g}", r, tx.row(f"popped_table{g}")) for g in s.group_ids]
         edits += [req_edit(f"hold_token{m}", r, tx.row(f"popped_hold{m}")) for m in s.mamba_ids]
         self.free_blocks(tx, edits)
@@ -521,7 +528,7 @@ class UEncoding:
             tx.set_row(f"popped_table{g}", false)
         for m in s.mamba_ids:
             tx.set_row(f"popped_hold{m}", false)
-        tx.set_req("phase", z3.IntVal(ENDED))
+        tx.set_req("phase", z3.IntVal(phase_after("release")))
 
     def op_reset(self, tx: UTx) -> None:
         # reset_prefix_cache: with every block free, every key is forgotten;
@@ -554,9 +561,8 @@ class UEncoding:
 
     def _allocate_slots(self, tx: UTx, adopt_hit: bool) -> None:
         s, r = tx.s, tx.r
-        tx.require("guard", live(s, r))
         ok = tx.fresh("ok")
-        first = _phase_is(s, r, WAITING)
+        first = s["phase"](r) == WAITING
         adopt = z3.And(ok, first, s["has_hit"](r)) if adopt_hit else z3.BoolVal(False)
 
         # remove_skipped: the request's own Mamba states behind the running one.
@@ -665,7 +671,7 @@ class UEncoding:
             self._allocate_group(tx, g, ok, adopt)
         self._cache(tx, ok)
 
-        tx.set_req("phase", z3.If(ok, RUNNING, s["phase"](r)))
+        tx.set_req("phase", z3.If(ok, phase_after(tx.op), s["phase"](r)))
         if adopt_hit:
             tx.set_req("has_hit", z3.And(s["has_hit"](r), z3.Not(ok)))
             for g in s.group_ids:
@@ -804,7 +810,7 @@ class UEncoding:
         tx.set_row(f"checkpoint{m}", lambda b: z3.If(takes, b == target, ckpt_row(b)))
 
         # Ghosts: what admission reserved, and the most pinned at once.
-        first = z3.And(ok, _phase_is(s, r, WAITING))
+        first = z3.And(ok, s["phase"](r) == WAITING)
         tx.set_req(
             f"reserved{m}",
             z3.If(
@@ -890,78 +896,3 @@ class UEncoding:
 
 def _moved(moves: Any, held: Any, is_source: Any, is_copy: Any) -> Any:
     return z3.If(moves, z3.Or(z3.And(held, z3.Not(is_source)), is_copy), held)
-
-
-# -- mutated transitions --------------------------------------------------------------
-
-
-class UHoldOff(UEncoding):
-    name = "hold_off"
-
-    def hold_enabled(self, tx: UTx) -> Any:
-        return z3.BoolVal(False)
-
-    def admission_extra(self, tx: UTx, partial_hit: Any, holding: Any) -> Any:
-        return z3.IntVal(0)
-
-
-class UNoAdmissionExtra(UEncoding):
-    name = "no_admission_extra"
-
-    def admission_extra(self, tx: UTx, partial_hit: Any, holding: Any) -> Any:
-        return z3.IntVal(0)
-
-
-class UAbortKeepsHold(UEncoding):
-    name = "abort_keeps_hold"
-
-    def release_holds(self, tx: UTx, how: Any) -> None:
-        holds = []
-        for m in tx.s.mamba_ids:
-            row = tx.row(f"hold{m}")
-            kept = lambda b, row=row: z3.And(how != ABORT, row(b))  # noqa: E731
-            holds.append(req_edit(f"hold_token{m}", tx.r, kept))
-        self.free_blocks(tx, holds)
-
-
-class UCowCopyUnreferenced(UEncoding):
-    name = "cow_copy_unreferenced"
-
-    def cow_retain(self, tx: UTx, edits: list[Edit]) -> None:
-        return None
-
-
-class UTouchKeepsQueued(UEncoding):
-    name = "touch_keeps_queued"
-
-    def touch(self, tx: UTx, edits: list[Edit]) -> None:
-        self.add_ref(tx, edits)
-
-
-class USupersededHoldKept(UEncoding):
-    name = "superseded_hold_kept"
-
-    def supersede(self, tx: UTx, m: int, old: Fn, do_hold: Any) -> Fn:
-        return old
-
-
-class UNoFollow(UEncoding):
-    name = "no_follow"
-
-    def follows(self, tx: UTx) -> Any:
-        return z3.BoolVal(False)
-
-
-UNBOUNDED_ENCODINGS: dict[str, type[UEncoding]] = {
-    e.name: e
-    for e in (
-        UEncoding,
-        UHoldOff,
-        UNoAdmissionExtra,
-        UAbortKeepsHold,
-        UCowCopyUnreferenced,
-        UTouchKeepsQueued,
-        USupersededHoldKept,
-        UNoFollow,
-    )
-}

@@ -31,21 +31,21 @@ checking from `init` (see `command.py`).
 
 from __future__ import annotations
 
-import multiprocessing
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Literal
 
 import z3
 
+from kvgate.invariants.z3.checker import INIT, proof_table
 from kvgate.invariants.z3.transitions import ENCODED_OPS, acts_on_request
 from kvgate.invariants.z3.unbounded import (
     BLOCK,
     COPY,
     REQ,
-    UNBOUNDED_ENCODINGS,
+    UEncoding,
     UState,
     at_most_one,
     exists,
@@ -53,7 +53,6 @@ from kvgate.invariants.z3.unbounded import (
 )
 from kvgate.invariants.z3.vocabulary import ABSENT, ENDED, POPPED, RUNNING
 
-INIT = "init"
 STEP_COPY = 1
 
 
@@ -442,7 +441,7 @@ def check_uinit(groups: int, prop: UProperty) -> UResult:
 
 def check_uop(groups: int, mutation: str, op: str, props: Sequence[UProperty]) -> list[UResult]:
     """`I(s) and T_op(s, t) => P(t)` for each P, on one solver (push/pop)."""
-    encoding = UNBOUNDED_ENCODINGS[mutation](groups)
+    encoding = UEncoding(groups, mutation)
     s = UState(groups, "s")
     solver = _solver()
     for p in UPROPERTIES:
@@ -474,8 +473,7 @@ def check_uop(groups: int, mutation: str, op: str, props: Sequence[UProperty]) -
     return out
 
 
-def _task(task: tuple[int, str, tuple[str, ...], str]) -> list[UResult]:
-    groups, mutation, names, op = task
+def _task(groups: int, mutation: str, names: tuple[str, ...], op: str) -> list[UResult]:
     props = [UPROPERTY_BY_NAME[n] for n in names]
     if op == INIT:
         return [check_uinit(groups, p) for p in props]
@@ -491,13 +489,4 @@ def prove_unbounded(
 ) -> list[UResult]:
     """The whole table for every pool size: `init` and every op, every property."""
     names = tuple(props) if props is not None else tuple(p.name for p in UPROPERTIES)
-    tasks = [(groups, mutation, names, op) for op in (INIT, *ops)]
-    if jobs <= 1:
-        chunks = [_task(t) for t in tasks]
-    else:
-        spawn = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(max_workers=jobs, mp_context=spawn) as pool:
-            chunks = list(pool.map(_task, tasks))
-    order = {op: i for i, op in enumerate((INIT, *ops))}
-    rows = [r for chunk in chunks for r in chunk]
-    return sorted(rows, key=lambda r: (names.index(r.prop), order[r.op]))
+    return proof_table(partial(_task, groups, mutation, names), names, ops, jobs)
