@@ -39,7 +39,7 @@ from typing import Any, Literal
 
 import z3
 
-from kvgate.invariants.z3.checker import INIT, proof_table
+from kvgate.invariants.z3.checker import INIT, proof_table, track
 from kvgate.invariants.z3.transitions import ENCODED_OPS, acts_on_request
 from kvgate.invariants.z3.unbounded import (
     BLOCK,
@@ -444,12 +444,10 @@ def check_uop(groups: int, mutation: str, op: str, props: Sequence[UProperty]) -
     encoding = UEncoding(groups, mutation)
     s = UState(groups, "s")
     solver = _solver()
-    for p in UPROPERTIES:
-        solver.assert_and_track(p.holds(s), z3.Bool(f"pre {p.name}"))
+    track(solver, ((f"pre {p.name}", p.holds(s)) for p in UPROPERTIES))  # I(s)
     r = z3.Const("r", REQ) if acts_on_request(op) else None
     tx = encoding.build(op, s, r, "x")
-    for name, clause in tx.named():
-        solver.assert_and_track(clause, z3.Bool(name))
+    track(solver, tx.named())  # T_op(s, t)
     t = tx.view()
     out = []
     for prop in props:
