@@ -119,6 +119,7 @@ def knob_values(config: Config) -> tuple[str, ...]:
         f"shared_prefix_checkpoint={config.shared_prefix_checkpoint}",
         f"shared_prefix_checkpoint_in_effect={config.shared_prefix_checkpoint_on}",
         f"long_prefill_token_threshold={config.long_prefill_token_threshold}",
+        f"hash_lookahead_tokens={config.hash_lookahead_tokens}",
     )
 
 
@@ -132,7 +133,9 @@ def tail_lands(config: Config, total: int, landing: Landing) -> bool:
         return True
     if landing == "whole blocks":  # the prompt itself, as templated prompts often are
         return total % mamba_block(config) == 0
-    tail = checkpoint_position(total, config.hash_unit, config.eagle)
+    tail = checkpoint_position(
+        total, config.hash_unit, config.block_drop, config.hash_lookahead_tokens
+    )
     block = mamba_block(config)
     if landing == "boundary":
         return tail > 0 and tail % block == 0
@@ -252,7 +255,12 @@ class ExploreMachine(RuleBasedStateMachine):
             parent = session.parent(req)
             if parent is not None:
                 # How far inside a Mamba block the parent's reusable state sits.
-                tail = checkpoint_position(session.tokens(parent), config.hash_unit, config.eagle)
+                tail = checkpoint_position(
+                    session.tokens(parent),
+                    config.hash_unit,
+                    config.block_drop,
+                    config.hash_lookahead_tokens,
+                )
                 depth = tail % mamba_block(config)
                 self.resume_depth = max(self.resume_depth, depth)
 
