@@ -11,9 +11,11 @@ import pytest
 from test_align_knobs import model_hits
 
 from kvgate.conformance.config import Config, GroupConfig, UnsupportedConfig, validate
+from kvgate.conformance.replay import replay
 from kvgate.conformance.tokens import prefix_keys
 from kvgate.conformance.trace import TraceError, bundled_corpus, load_corpus, parse_trace
 from kvgate.conformance.writer import config_dict
+from kvgate.model import ModelTarget
 from kvgate.model.mamba import checkpoint_position
 
 CORPUS = {t.name: t for t in load_corpus(bundled_corpus())}
@@ -156,3 +158,26 @@ def test_vllm_hashes_cover_the_lookahead_token() -> None:
             legacy.close()
     finally:
         target.close()
+
+
+@needs_vllm
+def test_the_lookahead_fault_is_caught_by_the_sibling_trace() -> None:
+    """With the hasher's off-by-one in effect, the sibling that diverges right
+    at a block boundary no longer replays: its hash there is its sibling's."""
+    from kvgate.impl.vllm_target import VllmTarget
+    from kvgate.mutate.faults import BY_NAME
+    from kvgate.mutate.inject import injected
+
+    trace = CORPUS["mtp-lookahead-sibling-diverges-at-boundary"]
+
+    def run() -> bool:
+        target = VllmTarget(trace.config)
+        try:
+            return replay(trace, target, ModelTarget, "strict").passed
+        finally:
+            target.close()
+
+    assert run()
+    with injected(BY_NAME["lookahead-hash-misses-next-token"]):
+        assert not run()
+    assert run()

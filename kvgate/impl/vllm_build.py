@@ -8,6 +8,7 @@ while building becomes `UnsupportedConfig` naming the trace field.
 
 from __future__ import annotations
 
+import importlib
 import inspect
 from types import SimpleNamespace
 from typing import Any
@@ -36,11 +37,11 @@ def _lookahead_kwargs(config: Config, *callables: Any) -> dict[str, Any]:
 
 def block_hasher(api: VllmApi, config: Config) -> Any:
     """The request block hasher `config`'s scheduler would hand each request."""
-    return api.get_request_block_hasher(
-        config.hash_unit,
-        api.sha256,
-        **_lookahead_kwargs(config, api.get_request_block_hasher),
-    )
+    # Read from its module at each build, not from the names `load` cached, so
+    # an in-process edit of it (the fault campaign's) is what runs.
+    module = importlib.import_module(api.get_request_block_hasher.__module__)
+    make = module.get_request_block_hasher
+    return make(config.hash_unit, api.sha256, **_lookahead_kwargs(config, make))
 
 
 def group_spec(api: VllmApi, index: int, group: GroupConfig) -> Any:
