@@ -1,9 +1,11 @@
 """The configs and trace headers several test files share.
 
-The seed's first scenario (docs/trace-format.md's example): a 96-block pool,
+The seed's first scenario, docs/trace-format.md's example: a 96-block pool,
 hash unit 8, one full-attention group of 8-token blocks and one align-mode
-Mamba group of 32-token blocks with 3 speculative blocks, eagle on. Tests
-that need a variant derive it with `dataclasses.replace`.
+Mamba group of 32-token blocks with 3 speculative blocks, eagle on. (Not
+exploration's starting config, `kvgate.explore.knobs.SEED_CONFIG`, a
+32-block pool.) Tests that need a variant derive it with
+`dataclasses.replace`.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import textwrap
 from kvgate.conformance.config import Config, GroupConfig
 
 # The seed scenario as a `Config`, the hold on.
-SEED_CONFIG = Config(
+EXAMPLE_CONFIG = Config(
     num_blocks=96,
     hash_unit=8,
     groups=(
@@ -27,7 +29,7 @@ SEED_CONFIG = Config(
 )
 
 # The seed scenario as a trace's `config` block, the hold off.
-SEED_TRACE_CONFIG = """\
+EXAMPLE_TRACE_CONFIG = """\
 config:
   num_blocks: 96
   hash_unit: 8
@@ -42,7 +44,7 @@ config:
 
 def trace_text(
     steps: str,
-    config: str = SEED_TRACE_CONFIG,
+    config: str = EXAMPLE_TRACE_CONFIG,
     name: str = "t",
     head: str = "format: kvgate-trace/1\n",
 ) -> str:

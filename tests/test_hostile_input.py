@@ -18,13 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from configs import SEED_TRACE_CONFIG, trace_text
+from configs import EXAMPLE_TRACE_CONFIG, trace_text
 
 from kvgate import cli
 from kvgate.conformance.replay import RETIRE_NOTE
 from kvgate.conformance.trace import bundled_corpus, parse_trace
 
-CONFIG = SEED_TRACE_CONFIG
+CONFIG = EXAMPLE_TRACE_CONFIG
 ARRIVE = "- {op: arrive, req: A, prompt: [{fresh: 100}]}\n"
 
 

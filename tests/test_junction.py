@@ -21,7 +21,7 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
-from configs import SEED_CONFIG
+from configs import EXAMPLE_CONFIG
 
 from kvgate.conformance.config import Config, GroupConfig
 from kvgate.conformance.driver import OpDriver, chunk_offer
@@ -32,7 +32,7 @@ from kvgate.model.split import chunk_tokens
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 
-CONFIG = replace(SEED_CONFIG, eagle=False, hold=False)
+CONFIG = replace(EXAMPLE_CONFIG, eagle=False, hold=False)
 
 
 def vllm_target(config: Config) -> OpDriver[Any]:

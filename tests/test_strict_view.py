@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from dataclasses import replace
 
 import pytest
-from configs import SEED_CONFIG
+from configs import EXAMPLE_CONFIG
 
 from kvgate.conformance.ops import Segment, Step
 from kvgate.conformance.snapshot import (
@@ -20,7 +20,7 @@ from kvgate.conformance.snapshot import (
     null_view,
 )
 
-CONFIG = replace(SEED_CONFIG, num_blocks=64, hold=False)
+CONFIG = replace(EXAMPLE_CONFIG, num_blocks=64, hold=False)
 
 
 def _snapshot(popped: dict[str, tuple[int, ...]], null_ref: int = 0) -> Snapshot:

@@ -9,14 +9,14 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from configs import SEED_TRACE_CONFIG, trace_text
+from configs import EXAMPLE_TRACE_CONFIG, trace_text
 
 from kvgate.cli import main
 from kvgate.conformance.macros import prefill_lookup, prefill_round
 from kvgate.conformance.trace import TraceError, bundled_corpus, load_corpus, parse_trace
 from kvgate.conformance.writer import dump_trace
 
-CONFIG = SEED_TRACE_CONFIG
+CONFIG = EXAMPLE_TRACE_CONFIG
 
 
 ARRIVE = "- {op: arrive, req: A, prompt: [{fresh: 40}]}\n"

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from configs import SEED_CONFIG
+from configs import EXAMPLE_CONFIG
 
 from kvgate.conformance.config import Config, GroupConfig, UnsupportedConfig
 from kvgate.conformance.ops import Segment, Step
@@ -31,7 +31,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 # The trace-format example's config (the seed's first scenario).
-CONFIG = SEED_CONFIG
+CONFIG = EXAMPLE_CONFIG
 UNIT = CONFIG.hash_unit
 # A `check` query for the plain values.
 PLAIN = {"pool_clean": True, "free_blocks": 0, "holds": {}}

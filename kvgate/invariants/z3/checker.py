@@ -159,11 +159,9 @@ def check_op(
     solver = z3.Solver()
     if minimize:
         solver.set("core.minimize", True)
-    for p in PROPERTIES:
-        solver.assert_and_track(p.holds(s), z3.Bool(f"pre {p.name}"))
+    track(solver, ((f"pre {p.name}", p.holds(s)) for p in PROPERTIES))  # I(s)
     tx = encoding.build(op, s, 0 if acts_on_request(op) else None, "x")
-    for name, clause in tx.named():
-        solver.assert_and_track(clause, z3.Bool(name))
+    track(solver, tx.named())  # T_op(s, t)
     # The next state as expressions, not variables: the incremental solver
     # that tracking needs does not eliminate equalities by itself.
     t = tx.successor()
@@ -191,6 +189,16 @@ def check_op(
         solver.pop()
         out.append(row)
     return out
+
+
+def track(solver: Any, named: Iterable[tuple[str, Any]]) -> None:
+    """Assert each formula under a tracking literal of its name, so an unsat
+    core names the lemmas (`pre <name>`) and transition clauses a proof
+    used. Both encodings' induction step; `named` may be lazy: Z3's search
+    follows the order terms are created in, and each formula is then built
+    just before its literal, as it always was."""
+    for name, formula in named:
+        solver.assert_and_track(formula, z3.Bool(name))
 
 
 def representative(instance: Instance) -> bool:
