@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 from kvgate import cli
-from kvgate.explore.session import ExploreFailure
 
 
 @dataclass(frozen=True)
@@ -34,19 +33,6 @@ def total_miss(tmp_path_factory: pytest.TempPathFactory) -> Found:
     saved = sorted(out_dir.glob("*.yaml"))
     assert len(saved) == 1, buffer.getvalue()
     return Found(code, buffer.getvalue(), saved[0])
-
-
-def boundary_tail_finding(failure: ExploreFailure | None) -> bool:
-    """The one hold-on finding exploration reports and the model keeps (see
-    README, "Exploring"): a follow-up of a request whose prompt tail landed
-    on a Mamba block boundary resumes below that state once a burst evicts
-    it (`no_total_miss`, the demanded hit a whole number of blocks).
-    Anything else a hold-on run finds is a failure."""
-    if failure is None or failure.invariant != "no_total_miss":
-        return False
-    demanded = failure.witness.expect.get("hit")
-    blocks = {failure.config.groups[g].block_size for g in failure.config.mamba_group_ids}
-    return isinstance(demanded, int) and demanded > 0 and all(demanded % b == 0 for b in blocks)
 
 
 HOLD_OVERLAY = "kvgate.impl.hold_overlay"

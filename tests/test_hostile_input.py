@@ -18,29 +18,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from configs import EXAMPLE_TRACE_CONFIG, trace_text
 
 from kvgate import cli
 from kvgate.conformance.replay import RETIRE_NOTE
 from kvgate.conformance.trace import bundled_corpus, parse_trace
 
-CONFIG = """\
-config:
-  num_blocks: 96
-  hash_unit: 8
-  eagle: true
-  retention_interval: 0
-  retain_checkpoint: false
-  groups:
-    - {kind: full_attention, block_size: 8}
-    - {kind: mamba_align, block_size: 32, speculative_blocks: 3}
-"""
+CONFIG = EXAMPLE_TRACE_CONFIG
 ARRIVE = "- {op: arrive, req: A, prompt: [{fresh: 100}]}\n"
-
-
-def trace_text(steps: str, config: str = CONFIG, name: str = "t") -> str:
-    return f"format: kvgate-trace/1\nname: {name}\n{config}steps:\n" + textwrap.indent(
-        textwrap.dedent(steps), "  "
-    )
 
 
 @dataclass(frozen=True)

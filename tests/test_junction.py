@@ -21,6 +21,7 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
+from configs import EXAMPLE_CONFIG
 
 from kvgate.conformance.config import Config, GroupConfig
 from kvgate.conformance.driver import OpDriver, chunk_offer
@@ -31,18 +32,7 @@ from kvgate.model.split import chunk_tokens
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 
-CONFIG = Config(
-    num_blocks=96,
-    hash_unit=8,
-    groups=(
-        GroupConfig("full_attention", 8),
-        GroupConfig("mamba_align", 32, speculative_blocks=3),
-    ),
-    eagle=False,
-    retention_interval=0,
-    hold=False,
-    scheduler_block_size=32,
-)
+CONFIG = replace(EXAMPLE_CONFIG, eagle=False, hold=False)
 
 
 def vllm_target(config: Config) -> OpDriver[Any]:

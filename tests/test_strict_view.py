@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Iterator
+from dataclasses import replace
 
 import pytest
+from configs import EXAMPLE_CONFIG
 
-from kvgate.conformance.config import Config, GroupConfig
 from kvgate.conformance.ops import Segment, Step
 from kvgate.conformance.snapshot import (
     EXCLUSIONS,
@@ -19,18 +20,7 @@ from kvgate.conformance.snapshot import (
     null_view,
 )
 
-CONFIG = Config(
-    num_blocks=64,
-    hash_unit=8,
-    groups=(
-        GroupConfig("full_attention", 8),
-        GroupConfig("mamba_align", 32, speculative_blocks=3),
-    ),
-    eagle=True,
-    retention_interval=0,
-    hold=False,
-    scheduler_block_size=32,
-)
+CONFIG = replace(EXAMPLE_CONFIG, num_blocks=64, hold=False)
 
 
 def _snapshot(popped: dict[str, tuple[int, ...]], null_ref: int = 0) -> Snapshot:

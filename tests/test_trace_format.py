@@ -9,28 +9,14 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from configs import EXAMPLE_TRACE_CONFIG, trace_text
 
 from kvgate.cli import main
 from kvgate.conformance.macros import prefill_lookup, prefill_round
 from kvgate.conformance.trace import TraceError, bundled_corpus, load_corpus, parse_trace
 from kvgate.conformance.writer import dump_trace
 
-CONFIG = """\
-config:
-  num_blocks: 96
-  hash_unit: 8
-  eagle: true
-  retention_interval: 0
-  retain_checkpoint: false
-  groups:
-    - {kind: full_attention, block_size: 8}
-    - {kind: mamba_align, block_size: 32, speculative_blocks: 3}
-"""
-
-
-def trace_text(steps: str, config: str = CONFIG, head: str = "format: kvgate-trace/1\n") -> str:
-    """A trace document: `head`, a name, `config`, then the `steps` block."""
-    return f"{head}name: t\n{config}steps:\n{textwrap.indent(textwrap.dedent(steps), '  ')}"
+CONFIG = EXAMPLE_TRACE_CONFIG
 
 
 ARRIVE = "- {op: arrive, req: A, prompt: [{fresh: 40}]}\n"

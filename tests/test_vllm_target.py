@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from configs import EXAMPLE_CONFIG
 
 from kvgate.conformance.config import Config, GroupConfig, UnsupportedConfig
 from kvgate.conformance.ops import Segment, Step
@@ -30,18 +31,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 # The trace-format example's config (the seed's first scenario).
-CONFIG = Config(
-    num_blocks=96,
-    hash_unit=8,
-    groups=(
-        GroupConfig("full_attention", 8),
-        GroupConfig("mamba_align", 32, speculative_blocks=3),
-    ),
-    eagle=True,
-    retention_interval=0,
-    hold=True,
-    scheduler_block_size=32,
-)
+CONFIG = EXAMPLE_CONFIG
 UNIT = CONFIG.hash_unit
 # A `check` query for the plain values.
 PLAIN = {"pool_clean": True, "free_blocks": 0, "holds": {}}

@@ -1,8 +1,8 @@
 """Every mutated transition fails its check, and its counterexample is a trace
 that replays and shows the violation.
 
-For each mutation of `transitions.ENCODINGS` (each with a twin in
-`kvgate.model.mutations`): induction fails somewhere; bounded model
+For each mutation (`kvgate.model.mutations`: the model's patch and the
+encoding's hooks it breaks): induction fails somewhere; bounded model
 checking from `init` finds a run violating the mutation's target invariant;
 that run, written as a version-1 trace, passes on the clean model and fails
 its expectations on the mutated model. The upstream-like ones (vLLM 0.33.0

@@ -21,12 +21,11 @@ import z3
 from kvgate import cli
 from kvgate.conformance.trace import load_trace
 from kvgate.invariants.z3.properties import INVARIANTS
-from kvgate.invariants.z3.transitions import ENCODED_OPS, MUTATIONS, acts_on_request
+from kvgate.invariants.z3.transitions import ENCODED_OPS, MUTATIONS, Encoding, acts_on_request
 from kvgate.invariants.z3.unbounded import (
     BLOCK,
     COPY,
     REQ,
-    UNBOUNDED_ENCODINGS,
     UEncoding,
     UState,
     finite,
@@ -62,8 +61,13 @@ def test_invariants_keep_the_bounded_names() -> None:
     assert len({p.name for p in UPROPERTIES}) == len(UPROPERTIES)
 
 
-def test_mutations_are_the_bounded_ones() -> None:
-    assert set(UNBOUNDED_ENCODINGS) - {"clean"} == set(MUTATIONS) == set(FAILS)
+def test_mutations_break_hooks_both_encodings_have() -> None:
+    assert set(MUTATIONS) == set(FAILS)
+    for name in MUTATIONS:
+        assert model_mutations.MUTATIONS[name].breaks, name
+        for hook in model_mutations.MUTATIONS[name].breaks:
+            assert callable(getattr(Encoding, hook, None)), (name, hook)
+            assert callable(getattr(UEncoding, hook, None)), (name, hook)
 
 
 def test_every_property_is_proved_for_every_size() -> None:

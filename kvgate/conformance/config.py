@@ -63,6 +63,18 @@ class Config:
     # vLLM's `--disable-log-stats`: the manager keeps no prefix-cache stats
     # (`log_stats=False`), so `stats` reports none.
     disable_log_stats: bool = False
+    # vLLM's `num_hash_lookahead_tokens` (trace field `hash_lookahead_tokens`),
+    # eagle only: each block's hash also covers the next L tokens (the drafter's
+    # KV at the block's last position reads them), so a block is keyed only once
+    # they exist, and the trailing-block drop is off. vLLM's default for an
+    # EAGLE-family drafter (L = 1 for EAGLE and single-module MTP); 0 is its
+    # `disable_lookahead_block_hashes` fallback, the drop.
+    hash_lookahead_tokens: int = 0
+
+    @property
+    def block_drop(self) -> bool:
+        """The eagle trailing-block drop: eagle with legacy (no lookahead) hashes."""
+        return self.eagle and self.hash_lookahead_tokens == 0
 
     @property
     def mamba_group_ids(self) -> tuple[int, ...]:
@@ -81,8 +93,9 @@ class Config:
 
     @property
     def shared_prefix_checkpoint_on(self) -> bool:
-        """The knob as vLLM's `KVCacheManager` narrows it: eagle on, sub-block hits."""
-        return self.shared_prefix_checkpoint and self.eagle and self.partial_hits
+        """The knob as vLLM's `KVCacheManager` narrows it: an eagle group that
+        drops (lookahead hashes flag none), sub-block hits."""
+        return self.shared_prefix_checkpoint and self.block_drop and self.partial_hits
 
     @property
     def partial_hits(self) -> bool:
@@ -150,6 +163,17 @@ def validate(config: Config) -> None:
                 f"{config.scheduler_block_size} is not a multiple of group {i}'s "
                 f"block_size {g.block_size}",
             )
+    if config.hash_lookahead_tokens and not config.eagle:
+        raise UnsupportedConfig(
+            "hash_lookahead_tokens", "lookahead block hashes need eagle: true (an EAGLE drafter)"
+        )
+    if config.hash_lookahead_tokens > 1:
+        # Multi-module MTP (L = K > 1) also re-prefills its last K - 1 tokens
+        # and reserves them at chunk ends; neither is modelled.
+        raise UnsupportedConfig(
+            "hash_lookahead_tokens",
+            f"{config.hash_lookahead_tokens} is not 0 or 1 (multi-module MTP is not modelled)",
+        )
     retention = config.retention_interval
     # vLLM's coordinator: null (dense), or >= 0 and a multiple of the
     # scheduler block (0: replay boundaries only; more: periodic too).

@@ -6,7 +6,8 @@ Everything is checked before anything is replayed, and every problem is a
 
 Choices the format leaves to the reader, fixed here:
 
-- `config`: `eagle`, `retain_checkpoint` and `retain_retired` default to false;
+- `config`: `eagle`, `retain_checkpoint` and `retain_retired` default to false,
+  `hash_lookahead_tokens` to 0;
   `retention_interval` must be written (`null` = unset), because null and 0
   are different modes and a silent default would hide which one a trace
   tests; `scheduler_block_size` defaults to the largest `mamba_align` block
@@ -80,6 +81,7 @@ _CONFIG_OPTIONAL = (
     "max_model_len",
     "max_num_scheduled_tokens",
     "eagle",
+    "hash_lookahead_tokens",
     "retain_checkpoint",
     "retain_retired",
     "long_prefill_token_threshold",
@@ -444,6 +446,7 @@ class _Reader:
             hash_unit=count("hash_unit"),
             groups=groups,
             eagle=flag("eagle"),
+            hash_lookahead_tokens=count("hash_lookahead_tokens", 0),
             retention_interval=retention,
             hold=flag("retain_checkpoint"),
             hold_retired=flag("retain_retired"),

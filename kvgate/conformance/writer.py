@@ -23,6 +23,11 @@ def config_dict(config: Config) -> dict[str, Any]:
         "max_model_len": config.max_model_len,
         "max_num_scheduled_tokens": config.max_num_scheduled_tokens,
         "eagle": config.eagle,
+        **(
+            {"hash_lookahead_tokens": config.hash_lookahead_tokens}
+            if config.hash_lookahead_tokens
+            else {}
+        ),
         "retention_interval": config.retention_interval,
         "retain_checkpoint": config.hold,
         # Additive: written only when on, so older traces read back unchanged.

@@ -149,6 +149,12 @@ KNOBS: tuple[Knob, ...] = (
     ),
     # KV-cache events queued for the `events` op.
     Knob("kv_events", (False, True), lambda c, v: replace(c, kv_events=v)),
+    # The scheduler's full-sequence admission gate (`scheduler_reserve_full_isl`).
+    Knob(
+        "reserve_full_sequence",
+        (False, True),
+        lambda c, v: replace(c, reserve_full_sequence=v),
+    ),
 )
 KNOB_NAMES = tuple(k.name for k in KNOBS)
 

@@ -44,10 +44,10 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition,
 from kvgate.conformance.config import Config
 from kvgate.conformance.driver import OpDriver
 from kvgate.explore.knobs import Stratum, configs
-from kvgate.explore.session import ExploreFailure, Session, follow_up, fresh
+from kvgate.explore.session import ExploreFailure, Session, follow_up, fresh, share_prompt
 from kvgate.model.mamba import checkpoint_position
 
-Landing = Literal["mid-block", "boundary", "any"]
+Landing = Literal["mid-block", "boundary", "whole blocks", "any"]
 Burst = Literal["all", "all but", "some", "none"]
 
 # At most this many live requests: enough to fill a small pool.
@@ -97,14 +97,11 @@ class Mode:
     swarm: bool = True
 
     def apply(self, config: Config) -> Config:
-        """A drawn config with this mode's switches. With the hold on, the
-        shared-prefix checkpoint stays off: there the ci profile breaks
-        `no_total_miss` (a junction held, the tail after it not), an open
-        question about the hold's specification, not a bug this run seeks."""
-        shared = config.shared_prefix_checkpoint and not self.hold
-        return replace(
-            config, hold=self.hold, hold_retired=self.retire, shared_prefix_checkpoint=shared
-        )
+        """A drawn config with this mode's switches. In lockstep the KV-cache
+        events are always queued, so every `events` step compares them (as
+        the gate does on a trace with them)."""
+        events = config.kv_events or self.lockstep is not None
+        return replace(config, hold=self.hold, hold_retired=self.retire, kv_events=events)
 
 
 def knob_values(config: Config) -> tuple[str, ...]:
@@ -133,6 +130,8 @@ def tail_lands(config: Config, total: int, landing: Landing) -> bool:
     """Whether a prompt of `total` tokens keys its partial tail as asked."""
     if landing == "any":
         return True
+    if landing == "whole blocks":  # the prompt itself, as templated prompts often are
+        return total % mamba_block(config) == 0
     tail = checkpoint_position(total, config.hash_unit, config.eagle)
     block = mamba_block(config)
     if landing == "boundary":
@@ -150,7 +149,11 @@ def new_tokens(config: Config, base: int, blocks: int, jitter: int, landing: Lan
     return n
 
 
-LANDINGS = st.sampled_from(["mid-block", "boundary", "any"])
+LANDINGS = st.sampled_from(["mid-block", "boundary", "any", "whole blocks"])
+
+
+Interrupt = Literal["siblings", "preempt"]
+InterruptAt = Literal["none", "first chunk", "tail", "done"]
 
 
 @dataclass(frozen=True)
@@ -162,16 +165,36 @@ class Producer:
     landing: Landing
     decodes: int
     spec: int
+    # Where its prefill is interrupted: after its first chunk, at the chunk
+    # that stops at the prompt's partial tail (the split always stops
+    # there), or ("done", siblings only) at its last chunk; "none": never.
+    # There, in the same scheduler step: "siblings", requests sharing its
+    # prompt (plus
+    # `sibling_extra` new tokens, 0 for a resend of the same prompt) arrive
+    # and are admitted in that same scheduler step, as a burst of users
+    # with one system prompt is; or "preempt", the producer is preempted
+    # (memory pressure mid-prefill), a burst takes the free blocks, and it
+    # is admitted again.
+    interrupt_at: InterruptAt = "none"
+    interrupt: Interrupt = "siblings"
+    siblings: int = 1
+    sibling_extra: int = 0
 
 
 PRODUCERS = st.builds(
     Producer,
     blocks=st.integers(0, 3),
     jitter=st.integers(1, 40),
-    landing=st.sampled_from(["mid-block", "any", "boundary"]),
-    # Mostly at least one: the first decode moves the partial tail.
-    decodes=st.sampled_from([1, 2, 0, 3]),
+    landing=st.sampled_from(["mid-block", "any", "boundary", "whole blocks"]),
+    # Mostly at least one: the first decode moves the partial tail. Some
+    # answers run past an attention block (a partial key then gets its
+    # block's full key beside it).
+    decodes=st.sampled_from([1, 2, 0, 3, 12]),
     spec=st.sampled_from([0, 3, 1]),
+    interrupt_at=st.sampled_from(["none", "tail", "done", "first chunk", "none"]),
+    interrupt=st.sampled_from(["siblings", "preempt"]),
+    siblings=st.integers(1, 2),
+    sibling_extra=st.sampled_from([0, 9, 1]),
 )
 # A burst that evicts every free block is the one that reaches the newest
 # freed (the most recently released) states: drawn most often.
@@ -314,8 +337,11 @@ class ExploreMachine(RuleBasedStateMachine):
         if session.requests[req].phase == "waiting":
             self._run("lookup", req=req)
             reserved = self._run("reserve", req=req)
-            if reserved["blocks"] > session.free_blocks():
-                return False  # the admission gate refuses it for now
+            # The admission gate refuses it for now; with the full-sequence
+            # gate on, the scheduler leaves that to the allocation itself.
+            gate_in_allocation = session.config.reserve_full_sequence
+            if reserved["blocks"] > session.free_blocks() and not gate_in_allocation:
+                return False
         return bool(self._run("allocate", req=req, tokens="auto", lookahead=lookahead)["ok"])
 
     def _prefill(self, req: str, lookahead: int, rounds: int) -> bool:
@@ -330,10 +356,32 @@ class ExploreMachine(RuleBasedStateMachine):
                 return False
         return self.session.requests[req].phase == "decoding"
 
+    def _prefill_until(self, req: str, tokens: int) -> bool:
+        """Chunks of `req`, a scheduler step apart (no step after the last),
+        until at least `tokens` are computed; whether it stopped there with
+        its prompt still being computed."""
+        session = self.session
+        for round_no in range(PREFILL_ROUNDS):
+            if round_no:
+                self._tick()
+            if not self._chunk(req, 0):
+                return False
+            phase = session.requests[req].phase
+            computed = session.model.requests[req].request.num_computed_tokens
+            if phase != "running" or computed >= tokens:
+                return phase == "running"
+        return False
+
     def _tick(self) -> None:
-        """The end of a scheduler step: `step`, then the copies run."""
+        """The end of a scheduler step: `step`, then the copies run, then
+        what an engine reads every step: the KV-cache events it publishes
+        (when the config queues them) and the hit stats it logs. In
+        lockstep both are compared, as the gate compares them."""
         self._run("step")
         self._run("drain")
+        if self.session.config.kv_events:
+            self._run("events")
+        self._run("stats")
 
     def _decode(self, req: str, spec: int, steps: int) -> None:
         for step_no in range(steps):
@@ -378,9 +426,10 @@ class ExploreMachine(RuleBasedStateMachine):
             self._tick()
 
     @when(lambda self: bool(self.session.schedulable("decoding")))
-    @rule(which=PICK, spec=st.sampled_from([3, 0, 1, 2]), steps=st.integers(1, 4))
+    @rule(which=PICK, spec=st.sampled_from([3, 0, 1, 2]), steps=st.sampled_from([1, 2, 3, 4, 12]))
     def decode(self, which: int, spec: int, steps: int) -> None:
-        """Up to `steps` decode steps of one request with `spec` drafts each."""
+        """Up to `steps` decode steps of one request with `spec` drafts each
+        (sometimes a longer answer, past an attention block's end)."""
         self._decode(self._pick(self.session.schedulable("decoding"), which), spec, steps)
 
     @precondition(lambda self: self._session is not None)
@@ -402,10 +451,18 @@ class ExploreMachine(RuleBasedStateMachine):
         self._run("free", req=req, how=how)
 
     @when(lambda self: bool(self.session.in_phase("running", "decoding")))
-    @rule(which=PICK)
-    def preempt(self, which: int) -> None:
+    @rule(which=PICK, readmit=st.booleans(), burst=BURSTS)
+    def preempt(self, which: int, readmit: bool, burst: Burst) -> None:
+        """A running or decoding request preempted; with `readmit`, the
+        scheduler admits it again after the step (and a burst): its lookup
+        then covers its output so far too."""
         req = self._pick(self.session.in_phase("running", "decoding"), which)
         self._run("free", req=req, how="preempt")
+        if readmit:
+            self._tick()
+            self._burst(burst, 2)
+            self._prefill(req, 0, PREFILL_ROUNDS)
+            self._tick()
 
     @when(lambda self: bool(self.session.in_phase("waiting", "running", "decoding")))
     @rule(which=PICK)
@@ -442,6 +499,17 @@ class ExploreMachine(RuleBasedStateMachine):
             self._run("drain")
         self._run("reset")
 
+    @when(lambda self: bool(self.session.in_phase("running", "decoding", "popped")))
+    @rule(preempt_running=st.booleans())
+    def reset_in_flight(self, preempt_running: bool) -> None:
+        """A reset asked for while requests hold blocks (a weight update
+        between batches): refused while anything is in use; then, with
+        `preempt_running`, the scheduler's reset that preempts the running
+        requests first."""
+        self._run("reset")
+        if preempt_running:
+            self.reset(True)
+
     @precondition(lambda self: self._session is not None)
     @rule(events=st.booleans())
     def observe(self, events: bool) -> None:
@@ -471,13 +539,65 @@ class ExploreMachine(RuleBasedStateMachine):
         name = self._name()
         n = new_tokens(self.session.config, 0, shape.blocks, shape.jitter, shape.landing)
         self._run("arrive", req=name, prompt=fresh(n))
+        config = self.session.config
+        if shape.interrupt_at in ("tail", "first chunk"):
+            tail = checkpoint_position(n, config.hash_unit, config.eagle)
+            if self._prefill_until(name, tail if shape.interrupt_at == "tail" else 1):
+                self._interrupt(name, shape)
         if not self._prefill(name, 0, PREFILL_ROUNDS):
             return None
+        if shape.interrupt_at == "done":
+            self._siblings(name, shape.siblings, shape.sibling_extra)
         if shape.decodes:
             self._tick()
             self._decode(name, shape.spec, shape.decodes)
         self._tick()
         return name
+
+    def _interrupt(self, producer: str, shape: Producer) -> None:
+        """What happens to a producer in the middle of its prefill (`Producer`)."""
+        if shape.interrupt == "siblings":
+            self._siblings(producer, shape.siblings, shape.sibling_extra)
+            self._tick()
+            return
+        self._tick()
+        self._run("free", req=producer, how="preempt")
+        self._tick()
+        self._burst("all", 0)
+
+    def _siblings(self, producer: str, count: int, extra: int) -> None:
+        """`count` requests sharing `producer`'s prompt (plus `extra`, `extra +
+        1`, ... new tokens) arrive and are admitted in the current scheduler
+        step (a hit on a state this very step keyed is deferred)."""
+        children = []
+        for i in range(min(count, MAX_LIVE - self._live())):
+            child = self._name()
+            prompt = share_prompt(producer, extra + i)
+            self._run("arrive", req=child, prompt=prompt)
+            children.append(child)
+        for child in children:
+            self._chunk(child, 0)
+
+    @when(lambda self: self._room() and bool(self._computed()))
+    @rule(
+        which=PICK,
+        extra=st.sampled_from([0, 0, 1, 9]),
+        burst=st.sampled_from(["none", "some", "all"]),
+        n=st.integers(0, 4),
+    )
+    def resend(self, which: int, extra: int, burst: Burst, n: int) -> None:
+        """A prompt sent again as it was (a client's retry, parallel samples
+        as separate requests), or with a few tokens more, mostly while its
+        states are still cached: prefilled to the end and decoded a step."""
+        # A retry follows its original closely: the newest first.
+        producer = self._pick(self._computed()[::-1], which)
+        self._burst(burst, n)
+        child = self._name()
+        self._run("arrive", req=child, prompt=share_prompt(producer, extra))
+        if self._prefill(child, 0, PREFILL_ROUNDS):
+            self._tick()
+            self._decode(child, 0, 1)
+        self._tick()
 
     def _computed(self) -> list[str]:
         return self.session.in_phase("decoding", "ended")
@@ -487,6 +607,9 @@ class ExploreMachine(RuleBasedStateMachine):
         # A new producer twice as often as an earlier request.
         parent=st.one_of(PRODUCERS, PRODUCERS, PICK),
         jitter=st.integers(1, 24),
+        # Mostly a short turn; sometimes a long one (a pasted document):
+        # its prefill after the resume spans several Mamba blocks.
+        blocks=st.sampled_from([0, 0, 3]),
         before=BURSTS,
         after=BURSTS,
         after_admission=st.booleans(),
@@ -498,6 +621,7 @@ class ExploreMachine(RuleBasedStateMachine):
         self,
         parent: Producer | int,
         jitter: int,
+        blocks: int,
         before: Burst,
         after: Burst,
         after_admission: bool,
@@ -520,13 +644,16 @@ class ExploreMachine(RuleBasedStateMachine):
         if end_parent and self.session.requests[name].phase == "decoding":
             self._run("free", req=name, how="finish")
         self._burst(before, n)
-        child = self._follow_up(name, 0, jitter, "any")
+        child = self._follow_up(name, blocks, jitter, "any")
         self._run("lookup", req=child)
         if not after_admission:
             self._burst(after, n)
         if self._chunk(child, 0) and after_admission:
             self._burst(after, n)
         self._tick()
+        if blocks:
+            self._prefill(child, 0, PREFILL_ROUNDS)
+            self._tick()
 
     def _producers(self) -> list[str]:
         return self.session.in_phase("decoding")

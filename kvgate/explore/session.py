@@ -352,6 +352,13 @@ def follow_up(parent: str, n: int) -> tuple[Segment, ...]:
     return (Segment("all_of", req=parent), Segment("fresh", count=n))
 
 
+def share_prompt(other: str, n: int) -> tuple[Segment, ...]:
+    """`other`'s prompt (not its output), plus `n` new tokens (none: a resend)."""
+    if n == 0:
+        return (Segment("prompt_of", req=other),)
+    return (Segment("prompt_of", req=other), Segment("fresh", count=n))
+
+
 # -- shrinking a recorded run --------------------------------------------------
 
 

@@ -8,6 +8,8 @@ while building becomes `UnsupportedConfig` naming the trace field.
 
 from __future__ import annotations
 
+import importlib
+import inspect
 from types import SimpleNamespace
 from typing import Any
 
@@ -15,7 +17,31 @@ from kvgate.conformance.config import Config, GroupConfig, UnsupportedConfig
 from kvgate.impl._vllm_api import VllmApi
 from kvgate.impl.vllm_errors import config_field, describe
 
-__all__ = ["build_manager", "kv_cache_config", "split_context"]
+__all__ = ["block_hasher", "build_manager", "kv_cache_config", "split_context"]
+
+
+def _lookahead_kwargs(config: Config, *callables: Any) -> dict[str, Any]:
+    """`num_hash_lookahead_tokens` for `config`'s lookahead hashes, passed only
+    when set, after probing that every one of `callables` takes it."""
+    lookahead = config.hash_lookahead_tokens
+    if not lookahead:
+        return {}
+    for fn in callables:
+        if "num_hash_lookahead_tokens" not in inspect.signature(fn).parameters:
+            raise UnsupportedConfig(
+                "hash_lookahead_tokens",
+                f"this vLLM's {getattr(fn, '__name__', fn)} has no lookahead block hashes",
+            )
+    return {"num_hash_lookahead_tokens": lookahead}
+
+
+def block_hasher(api: VllmApi, config: Config) -> Any:
+    """The request block hasher `config`'s scheduler would hand each request."""
+    # Read from its module at each build, not from the names `load` cached, so
+    # an in-process edit of it (the fault campaign's) is what runs.
+    module = importlib.import_module(api.get_request_block_hasher.__module__)
+    make = module.get_request_block_hasher
+    return make(config.hash_unit, api.sha256, **_lookahead_kwargs(config, make))
 
 
 def group_spec(api: VllmApi, index: int, group: GroupConfig) -> Any:
@@ -71,7 +97,9 @@ def build_manager(api: VllmApi, config: Config) -> Any:
             scheduler_block_size=config.scheduler_block_size,
             hash_block_size=config.hash_unit,
             enable_caching=True,
-            use_eagle=config.eagle,
+            # vLLM's scheduler clears the drop when lookahead hashes are on.
+            use_eagle=config.block_drop,
+            **_lookahead_kwargs(config, api.KVCacheManager),
             log_stats=not config.disable_log_stats,
             enable_kv_cache_events=config.kv_events,
             **(
@@ -97,8 +125,8 @@ def split_context(config: Config, coordinator: Any, manager: Any) -> SimpleNames
         cache_config=SimpleNamespace(block_size=config.scheduler_block_size),
         hash_block_size=config.hash_unit,
         mamba_partial_cache_hit=below_block,
-        use_eagle_block_drop=config.eagle,
-        num_hash_lookahead_tokens=0,
+        use_eagle_block_drop=config.block_drop,
+        num_hash_lookahead_tokens=config.hash_lookahead_tokens,
         max_num_scheduled_tokens=config.max_num_scheduled_tokens,
         scheduler_config=SimpleNamespace(
             long_prefill_token_threshold=config.long_prefill_token_threshold

@@ -9,7 +9,7 @@ scheduler's token budget and sequence cap, and the `KVCacheConfig` built
 from the trace config exactly as the manager-level adapter builds it (same
 groups, block sizes, hash unit, pool, retention). What vLLM derives from
 those settings is then checked against the config (block sizes, unit, pool,
-eagle drop, lookahead, no lookahead hashes): a mismatch is an
+eagle drop, lookahead, the lookahead hashes): a mismatch is an
 `UnsupportedConfig` naming the field, as is anything vLLM raises while
 building it.
 
@@ -37,7 +37,7 @@ from kvgate.conformance.scheduling import ScheduledStep
 from kvgate.conformance.snapshot import Snapshot
 from kvgate.conformance.target import Capabilities, StepRefused
 from kvgate.impl import _vllm_api
-from kvgate.impl.vllm_build import kv_cache_config
+from kvgate.impl.vllm_build import block_hasher, kv_cache_config
 from kvgate.impl.vllm_errors import describe
 from kvgate.impl.vllm_probe import hold_source, holds_partial_tails, retains_retired
 from kvgate.impl.vllm_view import ManagerView
@@ -124,8 +124,9 @@ def _vllm_config(config: Config, spec_tokens: int, max_num_seqs: int) -> Any:
         speculative = SpeculativeConfig(
             method="mtp",
             num_speculative_tokens=spec_tokens,
-            # kvgate's model drops the trailing block (eagle) with legacy hashes.
-            disable_lookahead_block_hashes=True,
+            # Legacy hashes (and, with eagle, the trailing-block drop) unless
+            # the trace asks for lookahead hashes, which vLLM then derives.
+            disable_lookahead_block_hashes=not config.hash_lookahead_tokens,
             disable_eagle_block_drop=not config.eagle,
             target_model_config=model,
             target_parallel_config=ParallelConfig(),
@@ -155,7 +156,7 @@ def _check_derived(scheduler: Any, config: Config, spec_tokens: int) -> None:
         ("hash_unit", int(scheduler.hash_block_size), config.hash_unit),
         ("num_blocks", int(manager.block_pool.num_gpu_blocks), config.num_blocks),
         ("groups", sizes, tuple(g.block_size for g in config.groups)),
-        ("eagle", bool(scheduler.use_eagle_block_drop), config.eagle),
+        ("eagle", bool(scheduler.use_eagle_block_drop), config.block_drop),
         (
             "max_num_scheduled_tokens",
             int(scheduler.max_num_scheduled_tokens),
@@ -172,11 +173,16 @@ def _check_derived(scheduler: Any, config: Config, spec_tokens: int) -> None:
             config.long_prefill_token_threshold_adaptive,
         ),
         ("max_model_len", int(scheduler.max_model_len), config.max_model_len),
-        # Drafts: K tokens and K lookahead slots, no lookahead hashes, no
-        # multi-module prefill reservation (a lookahead of 1 never acts).
+        # Drafts: K tokens and K lookahead slots, the trace's lookahead
+        # hashes, no multi-module prefill reservation (a lookahead of 1 never
+        # acts).
         ("eagle", int(scheduler.num_spec_tokens), spec_tokens),
         ("eagle", int(scheduler.num_lookahead_tokens), spec_tokens),
-        ("eagle", int(scheduler.num_hash_lookahead_tokens), 0),
+        (
+            "hash_lookahead_tokens",
+            int(scheduler.num_hash_lookahead_tokens),
+            config.hash_lookahead_tokens,
+        ),
         (
             "eagle",
             min(int(scheduler.num_prefill_lookahead), 1),
@@ -233,8 +239,8 @@ class VllmScheduler:
         _check_derived(scheduler, config, spec_tokens)
         self._scheduler: Any = scheduler
         manager = scheduler.kv_cache_manager
-        self._view = ManagerView(api, manager, config.hash_unit)
-        self._hasher: Any = api.get_request_block_hasher(config.hash_unit, api.sha256)
+        self._view = ManagerView(api, manager, config.hash_unit, config.hash_lookahead_tokens)
+        self._hasher: Any = block_hasher(api, config)
         managers = self._view.managers
         hold = holds_partial_tails(api, managers, config.hold)
         self.capabilities = Capabilities(

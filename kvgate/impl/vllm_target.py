@@ -31,7 +31,7 @@ from kvgate.conformance.target import Capabilities
 from kvgate.conformance.tokens import key_position
 from kvgate.impl import _vllm_api
 from kvgate.impl._vllm_api import VllmApi
-from kvgate.impl.vllm_build import build_manager, split_context
+from kvgate.impl.vllm_build import block_hasher, build_manager, split_context
 from kvgate.impl.vllm_probe import hold_source, holds_partial_tails, retains_retired
 from kvgate.impl.vllm_view import ManagerView
 
@@ -57,10 +57,10 @@ class VllmTarget(OpDriver[Any]):
         self._manager: Any = manager
         self._coordinator: Any = manager.coordinator
         self._pool: Any = manager.block_pool
-        self._view = ManagerView(api, manager, config.hash_unit)
+        self._view = ManagerView(api, manager, config.hash_unit, config.hash_lookahead_tokens)
         self._managers: tuple[Any, ...] = self._view.managers
         self._group_ids: tuple[int, ...] = self._view.group_ids
-        self._hasher: Any = api.get_request_block_hasher(config.hash_unit, api.sha256)
+        self._hasher: Any = block_hasher(api, config)
 
         partial = bool(getattr(self._coordinator, "enable_partial_hash_hits", False))
         self._split_self = split_context(config, self._coordinator, manager)

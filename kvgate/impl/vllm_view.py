@@ -32,7 +32,8 @@ class _Keys:
     """A request's prefix keys, and how far its vLLM hashes are indexed."""
 
     request: Any  # vllm.v1.request.Request
-    # keys[i] names the prefix tokens[: (i + 1) * hash_unit].
+    # keys[i] names the prefix tokens[: (i + 1) * hash_unit] (covering the
+    # hash lookahead tokens after it).
     keys: list[str] = field(default_factory=list)
     # request.block_hashes[:mapped] are entered in the hash index.
     mapped: int = 0
@@ -58,9 +59,12 @@ def block_ids(blocks: Sequence[Any]) -> tuple[int, ...]:
 class ManagerView:
     """Reads one vLLM `KVCacheManager` as a `Snapshot`."""
 
-    def __init__(self, api: VllmApi, manager: Any, hash_unit: int) -> None:
+    def __init__(self, api: VllmApi, manager: Any, hash_unit: int, hash_lookahead: int = 0) -> None:
         self._api = api
         self._hash_unit = hash_unit
+        # The trace's hash_lookahead_tokens: vLLM's hashes and the keys both
+        # cover that many tokens past each block, so they stay index-aligned.
+        self._hash_lookahead = hash_lookahead
         self._manager: Any = manager
         self._pool: Any = manager.block_pool
         self._managers: tuple[Any, ...] = tuple(manager.coordinator.single_type_managers)
@@ -220,7 +224,7 @@ class ManagerView:
                 continue
             keys = entry.keys
             if len(keys) < n:
-                extend_prefix_keys(keys, entry.request.all_token_ids, unit)
+                extend_prefix_keys(keys, entry.request.all_token_ids, unit, self._hash_lookahead)
             if len(keys) < n:
                 raise RuntimeError(f"{rid}: {n} block hashes but {len(keys)} prefix keys")
             for i in range(entry.mapped, n):

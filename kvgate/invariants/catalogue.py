@@ -45,8 +45,9 @@ CATALOGUE: tuple[Invariant, ...] = (
     ),
     Invariant(
         "no_total_miss",
-        "with the hold on, a follow-up resumes at least at the state its parent pinned "
-        "while the attention prefix is still cached",
+        "with the hold on, a follow-up resumes at least at the sub-block state its parent "
+        "pinned (the partial-hit source it copied from, or its own partial tail moved into "
+        "a copy block) while the attention prefix is still cached",
         ("lifecycle", "z3"),
     ),
     Invariant(

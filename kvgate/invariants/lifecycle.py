@@ -12,7 +12,10 @@ on the model.
 `NoTotalMiss` (no total miss)
     A request P "pins" a Mamba state when it takes part in a copy-on-write:
     the hit source it resumed from (a sub-block hit), or its own partial tail
-    moved into a copy block. Let h be the newest position P pinned in every
+    moved into a copy block -- sub-block states only: a whole-block key its
+    own chunk puts on the copy (a prompt tail on a block boundary) is none,
+    the hold does not take it (see README, "Exploring": the decision on
+    block-aligned tails). Let h be the newest position P pinned in every
     Mamba group. A follow-up F (prompt `{all_of: P}` + new text) looks up
     while attention still has F's prompt cached through h plus the unit eagle
     drops (rounded up to whole attention blocks): then F's hit is at least h.
@@ -183,10 +186,17 @@ class NoTotalMiss:
             if group not in self.mamba:
                 continue
             prefix = self.world.prefix_names(request, group)
+            block_size = self.world.config.groups[group].block_size
             for block_id in (src, dst):
                 for name in after.blocks[block_id].hashes:
                     position = prefix.get(name)
-                    if position is not None:
+                    # Sub-block states only: the hit source and the moved
+                    # partial tail. A whole-block key the request's own
+                    # chunk put on its copy (a block-aligned prompt tail)
+                    # is no pin: the hold does not take it (the seed keeps
+                    # the hit source for a block-aligned prompt) and LRU
+                    # may evict it once it leaves the table.
+                    if position is not None and position % block_size:
                         self.pinned.setdefault(request, {}).setdefault(group, {})[position] = name
 
     def check_lookup(self, event: Event, follow_up: str) -> Finding | None:

@@ -63,7 +63,8 @@ class Coordinator:
                     group.prefill_checkpoint_blocks,
                     group.prefill_checkpoint_alignment,
                 )
-                mamba.drop_eagle_checkpoint = config.eagle
+                mamba.drop_eagle_checkpoint = config.block_drop
+                mamba.hash_lookahead = config.hash_lookahead_tokens
                 mamba.shared_prefix_checkpoint = config.shared_prefix_checkpoint_on
                 self.managers.append(mamba)
         self.partial_hits = config.partial_hits
@@ -72,12 +73,15 @@ class Coordinator:
         specs: dict[GroupConfig, _LookupGroup] = {}
         for group_id, group in enumerate(config.groups):
             self.managers[group_id].alignment = self.alignment
-            self.managers[group_id].use_eagle = config.eagle
+            # Lookahead hashes prove the boundary token: no group drops.
+            self.managers[group_id].use_eagle = config.block_drop
             spec = group  # equal specs (every field) share one lookup
             if spec in specs:
                 specs[spec].group_ids.append(group_id)
             else:
-                specs[spec] = _LookupGroup([group_id], group.kind == "full_attention", config.eagle)
+                specs[spec] = _LookupGroup(
+                    [group_id], group.kind == "full_attention", config.block_drop
+                )
                 lookup_groups.append(specs[spec])
         # Attention first: its left-to-right scan bounds the others.
         self.lookup_groups = sorted(lookup_groups, key=lambda g: not g.is_attention)
@@ -221,7 +225,7 @@ class Coordinator:
 
     def cache(self, request: Request, num_computed: int) -> None:
         boundaries = replay_boundaries(
-            request.num_prompt_tokens, self.scheduler_block, self.config.eagle
+            request.num_prompt_tokens, self.scheduler_block, self.config.block_drop
         )
         for manager in self.managers:
             manager.cache(

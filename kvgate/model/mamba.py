@@ -24,12 +24,16 @@ from kvgate.model.pool import Block, BlockPool, HashKey
 from kvgate.model.request import Request
 
 
-def checkpoint_position(num_tokens: int, unit: int, drop_eagle: bool) -> int:
+def checkpoint_position(
+    num_tokens: int, unit: int, drop_eagle: bool, hash_lookahead: int = 0
+) -> int:
     """The last reusable state boundary of a prefill of `num_tokens`.
 
     One token is left for the logits; eagle's dropped unit already leaves it.
+    With lookahead hashes the boundary also needs its L tokens after it (its
+    key covers them), which leave the logits' token too.
     """
-    limit = num_tokens if drop_eagle else num_tokens - 1
+    limit = num_tokens if drop_eagle else num_tokens - max(1, hash_lookahead)
     position = limit // unit * unit
     if drop_eagle:
         position -= unit
@@ -87,6 +91,7 @@ class MambaManager(GroupManager):
         # `enable_mamba_shared_prefix_checkpoint`, as the manager narrows it.
         self.shared_prefix_checkpoint = False
         self.drop_eagle_checkpoint = False
+        self.hash_lookahead = 0  # the config's hash_lookahead_tokens
         self.holds = holds
         self.cached_this_step: set[HashKey] = set()
         self.last_state_index: dict[str, int] = {}
@@ -185,7 +190,9 @@ class MambaManager(GroupManager):
         )
         if partial:
             num_new = max(num_new, 0) + 1
-        position = checkpoint_position(num_tokens_main, self.alignment, self.drop_eagle_checkpoint)
+        position = checkpoint_position(
+            num_tokens_main, self.alignment, self.drop_eagle_checkpoint, self.hash_lookahead
+        )
         if not self.needs_internal_checkpoint(
             request_id, query_start, num_tokens_main, position, prefill_end
         ):
@@ -348,7 +355,10 @@ class MambaManager(GroupManager):
         table = self.tables[request.request_id]
         block = table[column]
         prompt_checkpoint = position == checkpoint_position(
-            request.num_prompt_tokens, self.alignment, self.drop_eagle_checkpoint
+            request.num_prompt_tokens,
+            self.alignment,
+            self.drop_eagle_checkpoint,
+            self.hash_lookahead,
         )
         retained = False
         if position % self.block_size == 0:
@@ -376,7 +386,9 @@ class MambaManager(GroupManager):
         unit = self.pool.hash_unit
         if num_tokens <= 0 or num_tokens % unit:
             return None
-        tail = checkpoint_position(request.num_prompt_tokens, unit, self.drop_eagle_checkpoint)
+        tail = checkpoint_position(
+            request.num_prompt_tokens, unit, self.drop_eagle_checkpoint, self.hash_lookahead
+        )
         junction = request.shared_prefix_boundary
         at_junction = (
             self.shared_prefix_checkpoint

@@ -1,10 +1,11 @@
 """Named, deliberate bugs in the model, applied only inside `mutated(name)`.
 
-A proof that no mutation can break proves nothing, so each mutation here has
-a twin of the same name among the Z3 encoding's mutated transitions
-(`kvgate.invariants.z3.transitions.ENCODINGS`): the proof of the invariant it
-targets must fail, and the counterexample, written as a trace, must fail on
-the mutated model too.
+A proof that no mutation can break proves nothing, so each mutation here
+also names the hooks of the Z3 encodings it breaks (`breaks`: both the
+bounded `kvgate.invariants.z3.transitions.Encoding` and the unbounded
+`unbounded.UEncoding` write each hook's broken form beside its clean one):
+the proof of the invariant it targets must fail, and the counterexample,
+written as a trace, must fail on the mutated model too.
 
 The model's own classes stay clean: a mutation patches one method (a
 wrapper where it can be, so the model's code is not copied) for the duration
@@ -30,12 +31,15 @@ Patch = tuple[type, str, Callable[..., Any]]  # (class, method name, replacement
 
 @dataclass(frozen=True)
 class Mutation:
-    """One deliberate bug, recorded once: its twin encoding in
-    `kvgate.invariants.z3.transitions` is found by `name`."""
+    """One deliberate bug, recorded once: the model's patch and the Z3
+    encodings' hooks it breaks."""
 
     name: str
     doc: str
     patches: Callable[[], list[Patch]]
+    # The Z3 encodings' hooks (methods of both encodings, same names) that
+    # take their broken form under this mutation.
+    breaks: tuple[str, ...]
     # The invariant (kvgate.invariants.catalogue) the bug is meant to break.
     target: str
     # Whether it is upstream vLLM 0.33.0's own behaviour: its counterexample
@@ -137,6 +141,7 @@ MUTATIONS: dict[str, Mutation] = {
             "hold_off",
             "the hold never acts although the switch is on",
             _hold_off,
+            ("hold_enabled", "admission_extra"),
             target="no_total_miss",
             upstream=True,
         ),
@@ -144,6 +149,7 @@ MUTATIONS: dict[str, Mutation] = {
             "no_admission_extra",
             "admission forgets the +1 for a partial-tail hit",
             _no_admission_extra,
+            ("admission_extra",),
             target="reservation_covers_tail_swap",
             upstream=True,
         ),
@@ -151,30 +157,35 @@ MUTATIONS: dict[str, Mutation] = {
             "abort_keeps_hold",
             "free(abort) forgets the request's holds without releasing them",
             _abort_keeps_hold,
+            ("release_holds",),
             target="no_leak",
         ),
         Mutation(
             "cow_copy_unreferenced",
             "apply_cow forgets the pending copy's ref on the private copy",
             _cow_copy_unreferenced,
+            ("cow_retain",),
             target="no_leak",
         ),
         Mutation(
             "touch_keeps_queued",
             "touch adopts a ref-0 block without taking it out of the free queue",
             _touch_keeps_queued,
+            ("touch",),
             target="free_queue_exact",
         ),
         Mutation(
             "superseded_hold_kept",
             "a newer hold does not release the one it supersedes",
             _superseded_hold_kept,
+            ("supersede",),
             target="one_hold",
         ),
         Mutation(
             "no_follow",
             "holds stay on a producer's block when its keys move",
             _no_follow,
+            ("follows",),
             target="held_state_keyed",
         ),
     )

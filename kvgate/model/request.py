@@ -6,15 +6,19 @@ from kvgate.conformance.tokens import extend_prefix_keys
 
 
 class Request:
-    def __init__(self, request_id: str, prompt: list[int], hash_unit: int) -> None:
+    def __init__(
+        self, request_id: str, prompt: list[int], hash_unit: int, hash_lookahead: int = 0
+    ) -> None:
         self.request_id = request_id
         self.prompt = list(prompt)
         self.output: list[int] = []
         self.all_token_ids = list(prompt)
         self.hash_unit = hash_unit
-        # keys[i] names the prefix all_token_ids[: (i + 1) * hash_unit]
+        self.hash_lookahead = hash_lookahead
+        # keys[i] names the prefix all_token_ids[: (i + 1) * hash_unit], once
+        # the `hash_lookahead` tokens after it (which it covers too) exist.
         self.keys: list[str] = []
-        extend_prefix_keys(self.keys, self.all_token_ids, hash_unit)
+        extend_prefix_keys(self.keys, self.all_token_ids, hash_unit, hash_lookahead)
         self.num_computed_tokens = 0
         self.spec_token_ids: list[int] = []
         # The junction of the request's last lookup (0: none), as the
@@ -37,4 +41,4 @@ class Request:
     def append_output(self, tokens: list[int]) -> None:
         self.output.extend(tokens)
         self.all_token_ids.extend(tokens)
-        extend_prefix_keys(self.keys, self.all_token_ids, self.hash_unit)
+        extend_prefix_keys(self.keys, self.all_token_ids, self.hash_unit, self.hash_lookahead)

@@ -26,11 +26,12 @@ def chunk_tokens(config: Config, request: Request, num_new: int, num_new_hit: in
         return num_new
     block = config.scheduler_block_size
     unit = config.hash_unit
-    eagle = config.eagle
+    eagle = config.block_drop
+    lookahead = config.hash_lookahead_tokens
     partial_hits = config.partial_hits and unit < block
-    last_cacheable = checkpoint_position(request.num_tokens, block, eagle)
+    last_cacheable = checkpoint_position(request.num_tokens, block, eagle, lookahead)
     end = start + num_new
-    checkpoint = checkpoint_position(prefill_end, unit if partial_hits else block, eagle)
+    checkpoint = checkpoint_position(prefill_end, unit if partial_hits else block, eagle, lookahead)
     internal_checkpoint = (
         config.prefill_checkpoints
         and end >= prefill_end
@@ -49,7 +50,7 @@ def chunk_tokens(config: Config, request: Request, num_new: int, num_new_hit: in
         if aligned > start or block <= widest:
             end = aligned
     tail = (
-        checkpoint_position(request.num_prompt_tokens, unit, eagle)
+        checkpoint_position(request.num_prompt_tokens, unit, eagle, lookahead)
         if partial_hits and not internal_checkpoint
         else 0
     )

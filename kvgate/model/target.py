@@ -41,7 +41,7 @@ class ModelTarget(OpDriver[Request]):
     # -- requests -------------------------------------------------------------
 
     def new_request(self, name: str, tokens: list[int], skip_prefix_cache: bool = False) -> Request:
-        request = Request(name, tokens, self.config.hash_unit)
+        request = Request(name, tokens, self.config.hash_unit, self.config.hash_lookahead_tokens)
         request.skip_reading_prefix_cache = skip_prefix_cache
         return request
 

@@ -41,6 +41,17 @@ from kvgate.mutate.inject import Edit, NotApplicable, apply
 
 Verdict = Literal["caught", "missed", "not applicable", "hung", "error"]
 
+# The exploration's budget per fault (`--explore`): examples, split between
+# the deployment families of `explore.differential.FAMILIES`, each of
+# `EXPLORE_STEPS` rules: about 10 s of CPU per fault on this machine when
+# nothing is found (it runs only where the corpus misses, or with
+# `--explore-every-fault`).
+EXPLORE_EXAMPLES = 200
+# Rules per example: long enough for a state one rule leaves (a block with
+# two keys, a stale record) to meet what another rule does later (a burst,
+# a re-admission).
+EXPLORE_STEPS = 50
+
 
 @dataclass(frozen=True)
 class Settings:
@@ -50,7 +61,7 @@ class Settings:
     level: Level = "strict"
     # Examples of the differential exploration for a fault the corpus
     # misses; 0 switches the stage off.
-    explore_examples: int = 20
+    explore_examples: int = EXPLORE_EXAMPLES
     # Run the exploration against every fault, not only those the corpus
     # misses, so its kill rate alone (no corpus) stands next to the corpus's.
     explore_every_fault: bool = False
@@ -260,21 +271,30 @@ def explore_stage(examples: int) -> ExploreOutcome:
     try:
         from hypothesis import Phase
 
-        from kvgate.explore.differential import differential_mode
+        from kvgate.explore.differential import FAMILIES, differential_mode
         from kvgate.explore.profiles import profile
         from kvgate.explore.runner import run_once
     except ImportError as missing:
         return ExploreOutcome(False, "", 0, 0.0, f"kvgate.explore not available ({missing})")
-    settings = profile(
-        "dev",
-        max_examples=examples,
-        derandomize=True,
-        phases=(Phase.explicit, Phase.generate),
-    )
-    try:
-        failure = run_once(differential_mode(), settings)
-    except Exception as error:  # a divergence the machine did not wrap
-        return ExploreOutcome(True, one_line(error), examples, time.perf_counter() - started)
+    failure = None
+    for position, stratum in enumerate(FAMILIES):
+        # The budget split evenly (the first strata take the remainder).
+        share = examples // len(FAMILIES) + (position < examples % len(FAMILIES))
+        if failure is not None or share == 0:
+            continue
+        settings = profile(
+            "dev",
+            max_examples=share,
+            stateful_step_count=EXPLORE_STEPS,
+            derandomize=True,
+            phases=(Phase.explicit, Phase.generate),
+        )
+        mode = differential_mode()
+        mode.stratum = stratum
+        try:
+            failure = run_once(mode, settings)
+        except Exception as error:  # a divergence the machine did not wrap
+            return ExploreOutcome(True, one_line(error), examples, time.perf_counter() - started)
     found = "" if failure is None else " ".join(str(failure).splitlines()[0].split())
     return ExploreOutcome(True, found, examples, time.perf_counter() - started)
 

@@ -35,6 +35,7 @@ from kvgate.conformance.replay import LEVELS
 from kvgate.conformance.trace import bundled_corpus
 from kvgate.errors import InputError
 from kvgate.mutate.campaign import (
+    EXPLORE_EXAMPLES,
     Baseline,
     Campaign,
     CampaignError,
@@ -76,7 +77,7 @@ def register(subparsers: Any) -> None:
     cmd.add_argument(
         "--explore",
         type=int,
-        default=20,
+        default=EXPLORE_EXAMPLES,
         metavar="N",
         help="examples of differential exploration for a fault the corpus misses (0: off)",
     )

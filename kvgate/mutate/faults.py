@@ -476,6 +476,20 @@ FAULTS: tuple[Fault, ...] = (
         symptom="the hit includes the block whose KV holds the next prefill token: the "
         "drafting head reads polluted state (wrong drafts, lower acceptance)",
     ),
+    Fault(
+        name="lookahead-hash-misses-next-token",
+        area="block pool",
+        module="vllm.v1.core.kv_cache_utils",
+        qualname="get_request_block_hasher",
+        anchor="extra_keys = (extra_keys, request.all_token_ids[end_token_idx])",
+        replacement="extra_keys = (extra_keys, request.all_token_ids[end_token_idx - 1])",
+        what="a lookahead block hash (L = 1) covers the block's own last token, not the next",
+        why="an off-by-one: end_token_idx is exclusive, and 'the token at the block's end' "
+        "reads as its last",
+        symptom="a sibling that diverges right after a block boundary hits that block: the "
+        "drafting head reads KV built with another request's next token (wrong drafts, "
+        "lower acceptance), the pollution lookahead hashes exist to prevent",
+    ),
     # ------------------------------------------- reset, events, hit stats
     Fault(
         name="reset-while-in-use",

@@ -24,7 +24,7 @@ from kvgate.conformance.config import Config
 from kvgate.conformance.ops import LIVE
 from kvgate.conformance.tokens import key_position
 from kvgate.invariants.z3.properties import PROPERTIES, init
-from kvgate.invariants.z3.transitions import ENCODINGS, acts_on_request
+from kvgate.invariants.z3.transitions import Encoding, acts_on_request
 from kvgate.invariants.z3.vocabulary import (
     ABSENT,
     ENDED,
@@ -228,7 +228,7 @@ def _transition_solver(
     assumptions (the observed values), so the solver is reusable."""
     s, t = State(bounds, "s"), State(bounds, "t")
     solver = z3.Solver()
-    for name, clause in ENCODINGS[mutation](bounds).transition(op, s, t, r, "x"):
+    for name, clause in Encoding(bounds, mutation).transition(op, s, t, r, "x"):
         solver.assert_and_track(clause, z3.Bool(name))
     props = z3.And([p.holds(t) for p in PROPERTIES])
     return solver, s, t, props

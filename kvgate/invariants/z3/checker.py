@@ -26,10 +26,11 @@ from __future__ import annotations
 
 import multiprocessing
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from functools import partial
+from typing import Any, Protocol, TypeVar
 
 import z3
 
@@ -42,7 +43,6 @@ from kvgate.invariants.z3.properties import (
 )
 from kvgate.invariants.z3.transitions import (
     ENCODED_OPS,
-    ENCODINGS,
     Encoding,
     acts_on_request,
 )
@@ -92,26 +92,51 @@ def prove(
 ) -> list[Result]:
     """The whole table: `init` and every op, for every property (or `props`)."""
     names = tuple(props) if props is not None else tuple(p.name for p in PROPERTIES)
-    tasks = [(bounds, mutation, names, op, minimize_cores) for op in (INIT, *ops)]
+    return proof_table(
+        partial(_check_task, bounds, mutation, names, minimize_cores), names, ops, jobs
+    )
+
+
+class Cell(Protocol):
+    """A proof table's cell, bounded or unbounded: a property at `init` or an op."""
+
+    @property
+    def prop(self) -> str: ...
+
+    @property
+    def op(self) -> str: ...
+
+
+CellT = TypeVar("CellT", bound=Cell)
+
+
+def proof_table(
+    check: Callable[[str], list[CellT]], names: Sequence[str], ops: Sequence[str], jobs: int
+) -> list[CellT]:
+    """Both encodings' proof loop: `check(op)` (the cells of one op, or of
+    `init`) for `init` and every op, on `jobs` worker processes, sorted by
+    property (in `names`' order), then op."""
+    columns = (INIT, *ops)
     if jobs <= 1:
-        chunks = [_check_task(t) for t in tasks]
+        chunks = [check(op) for op in columns]
     else:
         # Spawned, not forked: a forked child would inherit Z3's state
         # (and the caller's threads) mid-flight.
         spawn = multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(max_workers=jobs, mp_context=spawn) as pool:
-            chunks = list(pool.map(_check_task, tasks))
-    order = {op: i for i, op in enumerate((INIT, *ops))}
+            chunks = list(pool.map(check, columns))
+    order = {op: i for i, op in enumerate(columns)}
     rows = [r for chunk in chunks for r in chunk]
-    return sorted(rows, key=lambda r: (names.index(r.prop), order[r.op]))
+    return sorted(rows, key=lambda r: (list(names).index(r.prop), order[r.op]))
 
 
-def _check_task(task: tuple[Bounds, str, tuple[str, ...], str, bool]) -> list[Result]:
-    bounds, mutation, names, op, minimize = task
+def _check_task(
+    bounds: Bounds, mutation: str, names: tuple[str, ...], minimize: bool, op: str
+) -> list[Result]:
     props = [PROPERTY_BY_NAME[n] for n in names]
     if op == INIT:
         return [check_init(bounds, p) for p in props]
-    return check_op(ENCODINGS[mutation](bounds), op, props, minimize)
+    return check_op(Encoding(bounds, mutation), op, props, minimize)
 
 
 def check_init(bounds: Bounds, prop: Property) -> Result:
@@ -134,11 +159,9 @@ def check_op(
     solver = z3.Solver()
     if minimize:
         solver.set("core.minimize", True)
-    for p in PROPERTIES:
-        solver.assert_and_track(p.holds(s), z3.Bool(f"pre {p.name}"))
+    track(solver, ((f"pre {p.name}", p.holds(s)) for p in PROPERTIES))  # I(s)
     tx = encoding.build(op, s, 0 if acts_on_request(op) else None, "x")
-    for name, clause in tx.named():
-        solver.assert_and_track(clause, z3.Bool(name))
+    track(solver, tx.named())  # T_op(s, t)
     # The next state as expressions, not variables: the incremental solver
     # that tracking needs does not eliminate equalities by itself.
     t = tx.successor()
@@ -166,6 +189,16 @@ def check_op(
         solver.pop()
         out.append(row)
     return out
+
+
+def track(solver: Any, named: Iterable[tuple[str, Any]]) -> None:
+    """Assert each formula under a tracking literal of its name, so an unsat
+    core names the lemmas (`pre <name>`) and transition clauses a proof
+    used. Both encodings' induction step; `named` may be lazy: Z3's search
+    follows the order terms are created in, and each formula is then built
+    just before its literal, as it always was."""
+    for name, formula in named:
+        solver.assert_and_track(formula, z3.Bool(name))
 
 
 def representative(instance: Instance) -> bool:
@@ -271,7 +304,7 @@ def bmc(
     for a caller whose concretization of an earlier path failed.
     """
     started = time.perf_counter()
-    encoding = ENCODINGS[mutation](bounds, realizable=True)
+    encoding = Encoding(bounds, mutation, realizable=True)
     target = PROPERTY_BY_NAME[prop]
     ops = [op for op in ENCODED_OPS if op not in BMC_SKIPPED and op != "decode1"]
     moves = [(op, r) for op in ops for r in (bounds.request_ids if acts_on_request(op) else [None])]

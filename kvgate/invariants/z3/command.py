@@ -7,7 +7,7 @@ Prints one row per property (invariants, then the lemmas they need) and per
 `init` or op: proved, or the path of a counterexample trace (bounded model
 checking from `init`, written as a version-1 trace under `--out`), and the
 seconds the check took. `--mutation` checks a deliberately broken
-transition relation instead (see `transitions.ENCODINGS`); its target
+transition relation instead (see `kvgate.model.mutations`); its target
 invariant's counterexample is written even when the induction failure is
 in a lemma.
 
@@ -27,6 +27,7 @@ import multiprocessing
 import os
 import sys
 import time
+from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any, TextIO
@@ -89,11 +90,9 @@ def handle(args: argparse.Namespace) -> int:
     if args.jobs < 1 or args.depth < 1:
         raise InputError("--jobs and --depth must be at least 1")
     mutation = args.mutation or "clean"
-    if args.unbounded:
-        return run_unbounded(
-            bounds, mutation, args.jobs, args.out, args.depth, sys.stdout, args.cores
-        )
-    return run(bounds, mutation, args.jobs, args.out, args.depth, sys.stdout, args.cores)
+    return run(
+        bounds, mutation, args.jobs, args.out, args.depth, sys.stdout, args.cores, args.unbounded
+    )
 
 
 def run(
@@ -104,21 +103,41 @@ def run(
     depth: int,
     stream: TextIO,
     cores: bool = False,
+    unbounded: bool = False,
 ) -> int:
+    """The table, bounded or (`unbounded`) for every pool size: prove every
+    cell, search a trace for each failed property the bounded search knows
+    and for a mutation's target, print a row per cell and the count; exit 0
+    only when every cell is proved.
+
+    With `unbounded`, a failed cell's counterexample to induction is a
+    finite model of some size; the trace comes from bounded model checking
+    of the same mutation and property from `init` (at `bounds`, reduced
+    first), as in the bounded mode."""
     started = time.perf_counter()
-    title = f"kvgate prove: {bounds}" + ("" if mutation == "clean" else f", mutation {mutation}")
+    if unbounded:
+        title = "kvgate prove --unbounded: every pool size, every request count, "
+        title += f"{bounds.groups} groups"
+    else:
+        title = f"kvgate prove: {bounds}"
+    title += "" if mutation == "clean" else f", mutation {mutation}"
     print(title, file=stream, flush=True)
-    rows = prove(bounds, mutation, jobs=jobs)
-    found: dict[str, Found] = {}
-    for prop in dict.fromkeys(r.prop for r in rows if not r.proved):
-        found[prop] = _search(bounds, mutation, prop, out, depth)
+    rows: Sequence[Result | UResult] = (
+        prove_unbounded(bounds.groups, mutation, jobs=jobs)
+        if unbounded
+        else prove(bounds, mutation, jobs=jobs)
+    )
     target = MODEL_MUTATIONS[mutation].target if mutation != "clean" else ""
-    if target and target not in found:
-        found[target] = _search(bounds, mutation, target, out, depth)
+    searchable = [r.prop for r in rows if not r.proved and r.prop in PROPERTY_BY_NAME]
+    found: dict[str, Found] = {}
+    for prop in dict.fromkeys([*searchable, *([target] if target else [])]):
+        found[prop] = _search(bounds, mutation, prop, out, depth)
 
     table = [("invariant", "op", "result", "seconds")]
     for row in rows:
-        table.append((_name(row), row.op, _result(row, found), f"{row.seconds:.2f}"))
+        name = row.prop if row.kind == "invariant" else f"{row.prop} (lemma)"
+        cell = _unbounded_result(row, found) if isinstance(row, UResult) else _result(row, found)
+        table.append((name, row.op, cell, f"{row.seconds:.2f}"))
     _print_table(table, stream)
     if cores:
         _print_cores([(r.prop, r.op, r.used) for r in rows if r.proved], stream)
@@ -129,54 +148,9 @@ def run(
         print(f"counterexample to {target}: {example.file or example.note}", file=stream)
     proved = len(rows) - len(failed)
     print(
-        f"{proved} of {len(rows)} proved in {time.perf_counter() - started:.1f}s "
+        f"{proved} of {len(rows)} proved{' for every size' if unbounded else ''} in "
+        f"{time.perf_counter() - started:.1f}s "
         f"({jobs} job{'s' if jobs > 1 else ''})",
-        file=stream,
-    )
-    return 0 if not failed else 1
-
-
-def run_unbounded(
-    bounds: Bounds,
-    mutation: str,
-    jobs: int,
-    out: Path,
-    depth: int,
-    stream: TextIO,
-    cores: bool = False,
-) -> int:
-    """The table for every pool size. A failed cell's counterexample to
-    induction is a finite model of some size; the trace comes from bounded
-    model checking of the same mutation and property from `init` (at
-    `bounds`, reduced first), as in the bounded mode."""
-    started = time.perf_counter()
-    title = (
-        f"kvgate prove --unbounded: every pool size, every request count, {bounds.groups} groups"
-    )
-    title += "" if mutation == "clean" else f", mutation {mutation}"
-    print(title, file=stream, flush=True)
-    rows = prove_unbounded(bounds.groups, mutation, jobs=jobs)
-    found: dict[str, Found] = {}
-    searchable = [r.prop for r in rows if not r.proved and r.prop in PROPERTY_BY_NAME]
-    target = MODEL_MUTATIONS[mutation].target if mutation != "clean" else ""
-    for prop in dict.fromkeys([*searchable, *([target] if target else [])]):
-        found[prop] = _search(bounds, mutation, prop, out, depth)
-
-    table = [("invariant", "op", "result", "seconds")]
-    for row in rows:
-        name = row.prop if row.kind == "invariant" else f"{row.prop} (lemma)"
-        table.append((name, row.op, _unbounded_result(row, found), f"{row.seconds:.2f}"))
-    _print_table(table, stream)
-    if cores:
-        _print_cores([(r.prop, r.op, r.used) for r in rows if r.proved], stream)
-    failed = [r for r in rows if not r.proved]
-    if target and target in found and all(r.proved for r in rows if r.prop == target):
-        example = found[target]
-        print(f"counterexample to {target}: {example.file or example.note}", file=stream)
-    proved = len(rows) - len(failed)
-    print(
-        f"{proved} of {len(rows)} proved for every size in "
-        f"{time.perf_counter() - started:.1f}s ({jobs} job{'s' if jobs > 1 else ''})",
         file=stream,
     )
     return 0 if not failed else 1
@@ -211,10 +185,6 @@ def _search(bounds: Bounds, mutation: str, prop: str, out: Path, depth: int) -> 
             return pool.submit(find, bounds, mutation, prop, out, depth).result()
     except OSError as error:
         raise InputError(f"--out: cannot write {out}: {error.strerror}") from None
-
-
-def _name(row: Result) -> str:
-    return row.prop if row.kind == "invariant" else f"{row.prop} (lemma)"
 
 
 def _result(row: Result, found: dict[str, Found]) -> str:

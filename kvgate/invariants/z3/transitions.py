@@ -73,12 +73,13 @@ to satisfy its transition.
 Transition clauses are named (`op: what`), so an unsat core lists the parts
 of a transition a proof used, and a failed check can name them.
 
-Mutated transitions (`MUTATIONS`) subclass `Encoding` and override the
-micro-steps their bug touches (one each; `hold_off` two, the hold switch and
-its admission extra). Each mutation is recorded once, in
-`kvgate.model.mutations.MUTATIONS` (what it breaks, the invariant it
-targets, whether upstream has it), which also applies the same change to
-the executable model; the subclass here is found by that record's name.
+Mutated transitions (`MUTATIONS`): each mutation is recorded once, in
+`kvgate.model.mutations.MUTATIONS` (the model's patch, the invariant it
+targets, whether upstream has it, and `breaks`: the hooks below it breaks,
+one each, two for `hold_off`, the hold switch and its admission extra). An
+`Encoding` built for a mutation takes each hook it breaks in its broken
+form, written in the hook beside the clean one; the unbounded encoding's
+hooks (`unbounded.UEncoding`) have the same names and read the same record.
 """
 
 from __future__ import annotations
@@ -93,19 +94,18 @@ from kvgate.conformance.ops import ACTIONS, PRIMITIVE_OPS
 from kvgate.invariants.z3.vocabulary import (
     ABORT,
     ATTENTION,
-    ENDED,
     FIELDS,
-    PHASE_NUMBER,
-    POPPED,
     PREEMPT,
-    RUNNING,
     WAITING,
     Bounds,
     Key,
     State,
     any_of,
     count,
+    phase_after,
+    phase_guard,
 )
+from kvgate.model.mutations import MUTATIONS as MODEL_MUTATIONS
 
 Clause = tuple[str, Any]  # (name, Z3 boolean)
 Counts = Mapping[int, Any]  # block id -> Z3 int (or bool) of how many times
@@ -190,13 +190,12 @@ class Encoding:
     """The clean manager. `realizable` adds the constraints bounded model
     checking uses to keep counterexamples concrete (see `checker.bmc`)."""
 
-    # "clean", or the name of a mutation recorded in `kvgate.model.mutations`
-    # (what it breaks, its target invariant, whether upstream has it).
-    name = "clean"
-
-    def __init__(self, bounds: Bounds, realizable: bool = False) -> None:
+    def __init__(self, bounds: Bounds, mutation: str = "clean", realizable: bool = False) -> None:
         self.bounds = bounds
         self.realizable = realizable
+        # "clean", or the name of a mutation in `kvgate.model.mutations`
+        self.name = mutation
+        self.breaks = broken_hooks(mutation)
 
     def transition(self, op: str, s: State, t: State, r: int | None, tag: str) -> list[Clause]:
         """The named clauses of `op` taking `s` to `t`, acting on request `r`."""
@@ -210,8 +209,7 @@ class Encoding:
             raise ValueError(f"{op}: acting request {r!r} does not fit the op")
         tx = Tx(s, op, r, tag)
         if r is not None:  # the phases the action table accepts the op in
-            numbers = sorted({PHASE_NUMBER[p] for p in ACTIONS[op].valid_in})
-            tx.require("guard", z3.Or([s.phase[r] == n for n in numbers]))
+            tx.require("guard", phase_guard(s.phase[r], op))
         TRANSITIONS[op](self, tx)
         return tx
 
@@ -232,7 +230,10 @@ class Encoding:
         return out
 
     def touch(self, tx: Tx, pool: Pool, n: Counts) -> Pool:
-        """`touch`: one more ref each; a block at ref 0 leaves the free queue."""
+        """`touch`: one more ref each; a block at ref 0 leaves the free queue.
+        Broken (`touch_keeps_queued`): a ref-0 block stays queued."""
+        if "touch" in self.breaks:
+            return self.add_ref(tx, pool, n)
         out = _copy(pool)
         for b, k in n.items():
             k = _as_int(k)
@@ -257,23 +258,31 @@ class Encoding:
             out.free[b] = z3.Or(pool.free[b], reaches_zero)
         return out
 
-    # -- the hooks mutations override ------------------------------------------------
+    # -- the hooks mutations break (`touch` too) ---------------------------------------
 
     def cow_retain(self, tx: Tx, pool: Pool, copy: Counts) -> Pool:
-        """`apply_cow`: the private copy takes a ref for the pending copy too."""
+        """`apply_cow`: the private copy takes a ref for the pending copy too.
+        Broken (`cow_copy_unreferenced`): it does not."""
+        if "cow_retain" in self.breaks:
+            return pool
         return self.add_ref(tx, pool, copy)
 
     def hold_enabled(self, tx: Tx) -> Any:
-        """`Holds.enabled`: the switch."""
-        return tx.s.hold_on
+        """`Holds.enabled`: the switch. Broken (`hold_off`): never on, as
+        upstream vLLM 0.33.0."""
+        return z3.BoolVal(False) if "hold_enabled" in self.breaks else tx.s.hold_on
 
     def follows(self, tx: Tx) -> Any:
-        """Whether holds follow a producer's moved keys (`follow_moved_keys`)."""
-        return z3.BoolVal(True)
+        """Whether holds follow a producer's moved keys (`follow_moved_keys`).
+        Broken (`no_follow`): they stay on the producer's block."""
+        return z3.BoolVal("follows" not in self.breaks)
 
     def admission_extra(self, tx: Tx, partial_hit: Any, holding: Any) -> Any:
         """`Holds.admission_extra`: one block for a partial-tail hit, hold on;
-        with the fork's retention, a free 0 or 1."""
+        with the fork's retention, a free 0 or 1. Broken (`hold_off`,
+        `no_admission_extra`): none."""
+        if "admission_extra" in self.breaks:
+            return z3.IntVal(0)
         upstream = z3.If(z3.And(tx.s.hold_on, partial_hit, z3.Not(holding)), 1, 0)
         fork = tx.int("fork_extra")
         tx.require("the fork's extra is 0 or 1", z3.And(fork >= 0, fork <= 1))
@@ -294,19 +303,25 @@ class Encoding:
         self, tx: Tx, pool: Pool, old: Mapping[int, Any], do_hold: Any
     ) -> tuple[Pool, dict[int, Any]]:
         """`Holds.hold` releases the hold it replaces; returns the pool and
-        which old blocks stay held (none)."""
+        which old blocks stay held (none). Broken (`superseded_hold_kept`):
+        all stay held, with their refs."""
+        if "supersede" in self.breaks:
+            return pool, dict(old)
         released = {b: z3.If(z3.And(do_hold, old[b]), 1, 0) for b in old}
         return self.free_blocks(tx, pool, released), {b: z3.BoolVal(False) for b in old}
 
     def release_holds(self, tx: Tx, pool: Pool, n: Counts, how: Any) -> Pool:
-        """Every free path releases the request's holds, last."""
+        """Every free path releases the request's holds, last. Broken
+        (`abort_keeps_hold`): `free(abort)` forgets them without a release."""
+        if "release_holds" in self.breaks:
+            n = {b: z3.If(how == ABORT, 0, _as_int(k)) for b, k in n.items()}
         return self.free_blocks(tx, pool, n)
 
     # -- the ops ----------------------------------------------------------------------
 
     def op_arrive(self, tx: Tx) -> None:
         r = tx.req
-        tx.next["phase"][r] = z3.IntVal(WAITING)
+        tx.next["phase"][r] = z3.IntVal(phase_after("arrive"))
 
     def op_lookup(self, tx: Tx) -> None:
         s, r, n, bounds = tx.s, tx.req, tx.next, self.bounds
@@ -363,7 +378,8 @@ class Encoding:
         pool = self.release_holds(tx, pool, holds, how)  # holds go last
         tx.set_pool(pool)
         self._forget(tx)
-        tx.next["phase"][r] = z3.If(how == PREEMPT, WAITING, ENDED)
+        after = {h: phase_after("free", h) for h in ("preempt", "finish")}
+        tx.next["phase"][r] = z3.If(how == PREEMPT, after["preempt"], after["finish"])
 
     def op_pop(self, tx: Tx) -> None:
         s, r, bounds = tx.s, tx.req, self.bounds
@@ -372,7 +388,7 @@ class Encoding:
                 s.hold[r, m, b] for m in bounds.mamba_ids
             )
         self._forget(tx)
-        tx.next["phase"][r] = z3.IntVal(POPPED)
+        tx.next["phase"][r] = z3.IntVal(phase_after("pop"))
 
     def op_release(self, tx: Tx) -> None:
         s, r, bounds = tx.s, tx.req, self.bounds
@@ -380,7 +396,7 @@ class Encoding:
         tx.set_pool(self.free_blocks(tx, tx.pool(), popped))
         for b in bounds.block_ids:
             tx.next["popped"][r, b] = z3.IntVal(0)
-        tx.next["phase"][r] = z3.IntVal(ENDED)
+        tx.next["phase"][r] = z3.IntVal(phase_after("release"))
 
     def op_reset(self, tx: Tx) -> None:
         # reset_prefix_cache: with every block free, every key is forgotten;
@@ -475,7 +491,7 @@ class Encoding:
         pool = self._cache(tx, pool, ok)
         tx.set_pool(pool)
 
-        n["phase"][r] = z3.If(ok, RUNNING, s.phase[r])
+        n["phase"][r] = z3.If(ok, phase_after(tx.op), s.phase[r])
         if adopt_hit:  # the driver clears the pending lookup on success
             n["has_hit"][r] = z3.And(s.has_hit[r], z3.Not(ok))
             for g in bounds.group_ids:
@@ -697,90 +713,10 @@ def acts_on_request(op: str) -> bool:
     return "req" in ACTIONS[op].required
 
 
-# -- mutated transitions ------------------------------------------------------------
+# Every mutation of the encodings: the model's (one record each).
+MUTATIONS: tuple[str, ...] = tuple(MODEL_MUTATIONS)
 
 
-class HoldOff(Encoding):
-    """The hold never acts although the switch is on: upstream vLLM 0.33.0."""
-
-    name = "hold_off"
-
-    def hold_enabled(self, tx: Tx) -> Any:
-        return z3.BoolVal(False)
-
-    def admission_extra(self, tx: Tx, partial_hit: Any, holding: Any) -> Any:
-        return z3.IntVal(0)
-
-
-class NoAdmissionExtra(Encoding):
-    """Admission forgets the +1 for a partial-tail hit."""
-
-    name = "no_admission_extra"
-
-    def admission_extra(self, tx: Tx, partial_hit: Any, holding: Any) -> Any:
-        return z3.IntVal(0)
-
-
-class AbortKeepsHold(Encoding):
-    """`free(abort)` forgets the request's holds without releasing them."""
-
-    name = "abort_keeps_hold"
-
-    def release_holds(self, tx: Tx, pool: Pool, n: Counts, how: Any) -> Pool:
-        kept = {b: z3.If(how == ABORT, 0, _as_int(k)) for b, k in n.items()}
-        return self.free_blocks(tx, pool, kept)
-
-
-class CowCopyUnreferenced(Encoding):
-    """`apply_cow` forgets the pending copy's ref on the private copy."""
-
-    name = "cow_copy_unreferenced"
-
-    def cow_retain(self, tx: Tx, pool: Pool, copy: Counts) -> Pool:
-        return pool
-
-
-class TouchKeepsQueued(Encoding):
-    """`touch` adopts a ref-0 block without taking it out of the free queue."""
-
-    name = "touch_keeps_queued"
-
-    def touch(self, tx: Tx, pool: Pool, n: Counts) -> Pool:
-        return self.add_ref(tx, pool, n)
-
-
-class SupersededHoldKept(Encoding):
-    """A newer hold does not release the one it supersedes: the request holds both."""
-
-    name = "superseded_hold_kept"
-
-    def supersede(
-        self, tx: Tx, pool: Pool, old: Mapping[int, Any], do_hold: Any
-    ) -> tuple[Pool, dict[int, Any]]:
-        return pool, dict(old)
-
-
-class NoFollow(Encoding):
-    """Holds stay on a producer's block when its keys move to the copy."""
-
-    name = "no_follow"
-
-    def follows(self, tx: Tx) -> Any:
-        return z3.BoolVal(False)
-
-
-# Every encoding by name: the clean one and each mutation.
-ENCODINGS: dict[str, type[Encoding]] = {
-    e.name: e
-    for e in (
-        Encoding,
-        HoldOff,
-        NoAdmissionExtra,
-        AbortKeepsHold,
-        CowCopyUnreferenced,
-        TouchKeepsQueued,
-        SupersededHoldKept,
-        NoFollow,
-    )
-}
-MUTATIONS: tuple[str, ...] = tuple(name for name in ENCODINGS if name != "clean")
+def broken_hooks(mutation: str) -> frozenset[str]:
+    """The hooks `mutation` breaks in both encodings (none for "clean")."""
+    return frozenset(MODEL_MUTATIONS[mutation].breaks) if mutation != "clean" else frozenset()

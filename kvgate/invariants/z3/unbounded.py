@@ -45,9 +45,14 @@ no check yet maps every concrete or bounded step onto this encoding:
 - "Exactly one block" (a copy-on-write's copy, a pending tail, a hit's
   partial source) is a Skolem constant of sort Block plus a guard.
 
-Mutations (`UNBOUNDED_ENCODINGS`) override the same hooks, under the same
-names, as the bounded encoding's (`transitions.ENCODINGS`) and the model's
-twins (`kvgate.model.mutations`).
+A request's lifecycle is the action table's (`kvgate.conformance.ops`), as
+in the bounded encoding: each op's guard admits the phases of its
+`valid_in` (`vocabulary.phase_guard`) and leaves its request in the table's
+`next_phase` (`vocabulary.phase_after`).
+
+Mutations break the same hooks, under the same names, as in the bounded
+encoding, read from the same record (`kvgate.model.mutations`, `breaks`;
+`transitions.broken_hooks`).
 """
 
 from __future__ import annotations
@@ -58,15 +63,14 @@ from typing import Any
 
 import z3
 
+from kvgate.invariants.z3.transitions import broken_hooks
 from kvgate.invariants.z3.vocabulary import (
     ABORT,
-    ABSENT,
     ATTENTION,
-    ENDED,
-    POPPED,
     PREEMPT,
-    RUNNING,
     WAITING,
+    phase_after,
+    phase_guard,
 )
 
 BLOCK = z3.DeclareSort("Block")
@@ -152,15 +156,15 @@ class UState:
         self.groups = groups
         self.prefix = prefix
         if values is not None:
-            self.v = dict(values)
+            self.values = dict(values)
             return
-        self.v = {}
+        self.values = {}
         for f, key in field_keys(groups):
             name = f"{prefix}.{key}"
             if not f.args:
-                self.v[key] = z3.Const(name, _range_sort(f))
+                self.values[key] = z3.Const(name, _range_sort(f))
             else:
-                self.v[key] = z3.Function(name, *[SORTS[a] for a in f.args], _range_sort(f))
+                self.values[key] = z3.Function(name, *[SORTS[a] for a in f.args], _range_sort(f))
 
     @property
     def group_ids(self) -> range:
@@ -171,17 +175,17 @@ class UState:
         return range(1, self.groups)
 
     def __getitem__(self, key: str) -> Any:
-        return self.v[key]
+        return self.values[key]
 
-    def f(self, name: str, g: int | None = None) -> Any:
-        return self.v[name if g is None else f"{name}{g}"]
+    def field(self, name: str, g: int | None = None) -> Any:
+        return self.values[name if g is None else f"{name}{g}"]
 
     def has(self, b: Any) -> Any:
         """Some ref token is on `b` (ref >= 1)."""
         x, c = z3.FreshConst(REQ, "hx"), z3.FreshConst(COPY, "hc")
         on_req = z3.Or(
-            *[self.f("table_token", g)(x, b) for g in self.group_ids],
-            *[self.f("hold_token", m)(x, b) for m in self.mamba_ids],
+            *[self.field("table_token", g)(x, b) for g in self.group_ids],
+            *[self.field("hold_token", m)(x, b) for m in self.mamba_ids],
         )
         on_copy = z3.Or(
             z3.And(self["source_token"](c), self["source"](c) == b),
@@ -287,7 +291,7 @@ Clause = tuple[str, Any]
 
 
 class UTx:
-    """One transition under construction: `n` holds the next values (the
+    """One transition under construction: `next` holds the next values (the
     pre-state's functions until a micro-step rewrites them)."""
 
     def __init__(self, s: UState, op: str, r: Any, tag: str) -> None:
@@ -295,7 +299,7 @@ class UTx:
         self.op = op
         self.r = r
         self.tag = tag
-        self.n: dict[str, Any] = dict(s.v)
+        self.next: dict[str, Any] = dict(s.values)
         self.clauses: list[Clause] = []
 
     @property
@@ -303,7 +307,7 @@ class UTx:
         return self.s.groups
 
     def view(self) -> UState:
-        return UState(self.s.groups, f"{self.tag}.next", self.n)
+        return UState(self.s.groups, f"{self.tag}.next", self.next)
 
     def require(self, what: str, expr: Any) -> None:
         self.clauses.append((f"{self.op}: {what}", expr))
@@ -322,43 +326,36 @@ class UTx:
 
     # Functional updates of one request's row.
     def set_req(self, key: str, value: Any) -> None:
-        old, r = self.n[key], self.r
-        self.n[key] = lambda x, old=old: z3.If(x == r, value, old(x))
+        old, r = self.next[key], self.r
+        self.next[key] = lambda x, old=old: z3.If(x == r, value, old(x))
 
     def set_row(self, key: str, row: Fn, r: Any = None) -> None:
-        old, r = self.n[key], self.r if r is None else r
-        self.n[key] = lambda x, b, old=old: z3.If(x == r, row(b), old(x, b))
+        old, r = self.next[key], self.r if r is None else r
+        self.next[key] = lambda x, b, old=old: z3.If(x == r, row(b), old(x, b))
 
     def row(self, key: str, r: Any = None) -> Fn:
-        cur, r = self.n[key], self.r if r is None else r
+        cur, r = self.next[key], self.r if r is None else r
         return lambda b: cur(r, b)
 
     def map_block(self, key: str, fn: Callable[[Any, Any], Any]) -> None:
         """next[key](b) = fn(b, current value at b)."""
-        old = self.n[key]
-        self.n[key] = lambda b, old=old: fn(b, old(b))
-
-
-def _phase_is(s: UState, r: Any, *phases: int) -> Any:
-    return z3.Or([s["phase"](r) == p for p in phases])
-
-
-def live(s: UState, r: Any) -> Any:
-    return _phase_is(s, r, WAITING, RUNNING)
+        old = self.next[key]
+        self.next[key] = lambda b, old=old: fn(b, old(b))
 
 
 class UEncoding:
     """The clean manager, for every size; hooks as in `transitions.Encoding`."""
 
-    # "clean", or a mutation recorded in `kvgate.model.mutations` (its
-    # target invariant and whether upstream has it are read there).
-    name = "clean"
-
-    def __init__(self, groups: int) -> None:
+    def __init__(self, groups: int, mutation: str = "clean") -> None:
         self.groups = groups
+        # "clean", or the name of a mutation in `kvgate.model.mutations`
+        self.name = mutation
+        self.breaks = broken_hooks(mutation)
 
     def build(self, op: str, s: UState, r: Any, tag: str) -> UTx:
         tx = UTx(s, op, r, tag)
+        if r is not None:  # the phases the action table accepts the op in
+            tx.require("guard", phase_guard(s["phase"](r), op))
         getattr(self, f"op_{op}")(tx)
         return tx
 
@@ -366,13 +363,13 @@ class UEncoding:
 
     def _apply_tokens(self, tx: UTx, edits: list[Edit], adding: bool) -> tuple[Fn, Fn]:
         """Apply the edits to the token fields; returns (on, clash) per block."""
-        before = dict(tx.n)
+        before = dict(tx.next)
         for e in edits:
-            old = tx.n[e.key]
+            old = tx.next[e.key]
             if adding:
-                tx.n[e.key] = lambda *a, old=old, e=e: z3.Or(old(*a), e.cond(*a))
+                tx.next[e.key] = lambda *a, old=old, e=e: z3.Or(old(*a), e.cond(*a))
             else:
-                tx.n[e.key] = lambda *a, old=old, e=e: z3.And(old(*a), z3.Not(e.cond(*a)))
+                tx.next[e.key] = lambda *a, old=old, e=e: z3.And(old(*a), z3.Not(e.cond(*a)))
 
         def on(b: Any) -> Any:
             return z3.Or([e.on(b) for e in edits]) if edits else z3.BoolVal(False)
@@ -387,7 +384,11 @@ class UEncoding:
         tx.map_block("miscount", lambda b, old: z3.Or(old, clash(b)))
 
     def touch(self, tx: UTx, edits: list[Edit]) -> None:
-        """`touch`: a ref each; a block at ref 0 leaves the free queue."""
+        """`touch`: a ref each; a block at ref 0 leaves the free queue.
+        Broken (`touch_keeps_queued`): a ref-0 block stays queued."""
+        if "touch" in self.breaks:
+            self.add_ref(tx, edits)
+            return
         had = tx.view().has
         on, clash = self._apply_tokens(tx, edits, True)
         self._miscount(tx, clash)
@@ -409,7 +410,7 @@ class UEncoding:
     def get_new(self, tx: UTx, take: Fn, group: int | None, owners: list[Edit]) -> None:
         """`get_new_blocks`: take free blocks, drop their keys, one ref each
         (the owners' tokens); a taken block still referenced is miscounted."""
-        free, had = tx.n["free"], tx.view().has
+        free, had = tx.next["free"], tx.view().has
         tx.require("takes free blocks", forall((BLOCK,), lambda b: z3.Implies(take(b), free(b))))
         tx.map_block("miscount", lambda b, old: z3.Or(old, z3.And(take(b), had(b))))
         for key in ("free", "keyed", "tail_keyed"):
@@ -418,18 +419,21 @@ class UEncoding:
             tx.map_block("block_group", lambda b, old: z3.If(take(b), group, old))
         self._apply_tokens(tx, owners, True)
 
-    # -- hooks the mutations override ------------------------------------------------
+    # -- the hooks mutations break (`touch` too), as in `transitions.Encoding` ----------
 
     def cow_retain(self, tx: UTx, edits: list[Edit]) -> None:
-        self.add_ref(tx, edits)
+        if "cow_retain" not in self.breaks:
+            self.add_ref(tx, edits)
 
     def hold_enabled(self, tx: UTx) -> Any:
-        return tx.s["hold_on"]
+        return z3.BoolVal(False) if "hold_enabled" in self.breaks else tx.s["hold_on"]
 
     def follows(self, tx: UTx) -> Any:
-        return z3.BoolVal(True)
+        return z3.BoolVal("follows" not in self.breaks)
 
     def admission_extra(self, tx: UTx, partial_hit: Any, holding: Any) -> Any:
+        if "admission_extra" in self.breaks:
+            return z3.IntVal(0)
         upstream = z3.If(z3.And(tx.s["hold_on"], partial_hit, z3.Not(holding)), 1, 0)
         fork = tx.fresh("fork_extra", out=z3.IntSort())
         tx.require("the fork's extra is 0 or 1", z3.And(fork >= 0, fork <= 1))
@@ -437,22 +441,27 @@ class UEncoding:
 
     def supersede(self, tx: UTx, m: int, old: Fn, do_hold: Any) -> Fn:
         """Release the superseded hold; returns which old blocks stay held."""
+        if "supersede" in self.breaks:
+            return old
         self.free_blocks(tx, [req_edit(f"hold_token{m}", tx.r, lambda b: z3.And(do_hold, old(b)))])
         return lambda b: z3.BoolVal(False)
 
     def release_holds(self, tx: UTx, how: Any) -> None:
-        holds = [req_edit(f"hold_token{m}", tx.r, tx.row(f"hold{m}")) for m in tx.s.mamba_ids]
+        holds = []
+        for m in tx.s.mamba_ids:
+            row = tx.row(f"hold{m}")
+            if "release_holds" in self.breaks:  # free(abort) forgets them
+                row = lambda b, row=row: z3.And(how != ABORT, row(b))  # noqa: E731
+            holds.append(req_edit(f"hold_token{m}", tx.r, row))
         self.free_blocks(tx, holds)
 
     # -- the ops ----------------------------------------------------------------------
 
     def op_arrive(self, tx: UTx) -> None:
-        tx.require("guard", _phase_is(tx.s, tx.r, ABSENT))
-        tx.set_req("phase", z3.IntVal(WAITING))
+        tx.set_req("phase", z3.IntVal(phase_after("arrive")))
 
     def op_lookup(self, tx: UTx) -> None:
-        s, r = tx.s, tx.r
-        tx.require("guard", live(s, r))
+        s = tx.s
         tx.set_req("has_hit", z3.BoolVal(True))
         shape = []
         for g in s.group_ids:
@@ -476,7 +485,7 @@ class UEncoding:
         tx.require("cached blocks of the group, one partial source", z3.And(shape))
 
     def op_reserve(self, tx: UTx) -> None:
-        tx.require("guard", live(tx.s, tx.r))
+        return None  # reads only: the admission count is at the allocate
 
     def op_step(self, tx: UTx) -> None:
         return None
@@ -487,32 +496,30 @@ class UEncoding:
             tx,
             [copy_edit("source_token", pending, src), copy_edit("destination_token", pending, dst)],
         )
-        tx.n["pending"] = lambda c: z3.BoolVal(False)
+        tx.next["pending"] = lambda c: z3.BoolVal(False)
 
     def op_free(self, tx: UTx) -> None:
         s, r = tx.s, tx.r
-        tx.require("guard", live(s, r))
         how = tx.fresh("how", out=z3.IntSort())
         tx.require("how", z3.And(how >= 0, how <= 2))
         tables = [req_edit(f"table_token{g}", r, tx.row(f"table{g}")) for g in s.group_ids]
         self.free_blocks(tx, tables)
         self.release_holds(tx, how)  # holds go last
         self._forget(tx)
-        tx.set_req("phase", z3.If(how == PREEMPT, WAITING, ENDED))
+        after = {h: phase_after("free", h) for h in ("preempt", "finish")}
+        tx.set_req("phase", z3.If(how == PREEMPT, after["preempt"], after["finish"]))
 
     def op_pop(self, tx: UTx) -> None:
-        s, r = tx.s, tx.r
-        tx.require("guard", live(s, r))
+        s = tx.s
         for g in s.group_ids:
             tx.set_row(f"popped_table{g}", tx.row(f"table{g}"))
         for m in s.mamba_ids:
             tx.set_row(f"popped_hold{m}", tx.row(f"hold{m}"))
         self._forget(tx)
-        tx.set_req("phase", z3.IntVal(POPPED))
+        tx.set_req("phase", z3.IntVal(phase_after("pop")))
 
     def op_release(self, tx: UTx) -> None:
         s, r = tx.s, tx.r
-        tx.require("guard", _phase_is(s, r, POPPED))
         edits = [req_edit(f"table_token{g}", r, tx.row(f"popped_table{g}")) for g in s.group_ids]
         edits += [req_edit(f"hold_token{m}", r, tx.row(f"popped_hold{m}")) for m in s.mamba_ids]
         self.free_blocks(tx, edits)
@@ -521,7 +528,7 @@ class UEncoding:
             tx.set_row(f"popped_table{g}", false)
         for m in s.mamba_ids:
             tx.set_row(f"popped_hold{m}", false)
-        tx.set_req("phase", z3.IntVal(ENDED))
+        tx.set_req("phase", z3.IntVal(phase_after("release")))
 
     def op_reset(self, tx: UTx) -> None:
         # reset_prefix_cache: with every block free, every key is forgotten;
@@ -539,7 +546,7 @@ class UEncoding:
 
     def op_evict(self, tx: UTx) -> None:
         taken = tx.fresh("evict", BLOCK)
-        free = tx.n["free"]
+        free = tx.next["free"]
         self.get_new(tx, taken, None, [])
         # ... and freed at once: back in the queue at ref 0.
         tx.map_block("free", lambda b, old: z3.Or(old, z3.And(taken(b), free(b))))
@@ -554,9 +561,8 @@ class UEncoding:
 
     def _allocate_slots(self, tx: UTx, adopt_hit: bool) -> None:
         s, r = tx.s, tx.r
-        tx.require("guard", live(s, r))
         ok = tx.fresh("ok")
-        first = _phase_is(s, r, WAITING)
+        first = s["phase"](r) == WAITING
         adopt = z3.And(ok, first, s["has_hit"](r)) if adopt_hit else z3.BoolVal(False)
 
         # remove_skipped: the request's own Mamba states behind the running one.
@@ -564,7 +570,7 @@ class UEncoding:
         retained: list[tuple[int, Any, Any]] = []
         for m in s.mamba_ids:
             drop = tx.fresh(f"drop{m}", BLOCK)
-            table, pending_tail = s.f("table", m), s.f("pending_tail", m)
+            table, pending_tail = s.field("table", m), s.field("pending_tail", m)
             tx.require(
                 f"skipped states are own, not the keyed tail (group {m})",
                 forall(
@@ -585,7 +591,7 @@ class UEncoding:
                 z3.Implies(retains, z3.And(drop(kept), s["keyed"](kept), s["retire_on"])),
             )
             retained.append((m, kept, retains))
-            hold = s.f("hold", m)
+            hold = s.field("hold", m)
             dropped.append(
                 req_edit(
                     f"table_token{m}",
@@ -605,14 +611,14 @@ class UEncoding:
         self.free_blocks(tx, dropped)
         for m, kept, retains in retained:
             # The kept state's table ref is now the hold's.
-            table_token, hold_token = tx.n[f"table_token{m}"], tx.n[f"hold_token{m}"]
+            table_token, hold_token = tx.next[f"table_token{m}"], tx.next[f"hold_token{m}"]
             moves = lambda x, b, kept=kept, retains=retains: z3.And(  # noqa: E731
                 retains, x == r, b == kept
             )
-            tx.n[f"table_token{m}"] = lambda x, b, table_token=table_token, moves=moves: z3.And(
+            tx.next[f"table_token{m}"] = lambda x, b, table_token=table_token, moves=moves: z3.And(
                 table_token(x, b), z3.Not(moves(x, b))
             )
-            tx.n[f"hold_token{m}"] = (
+            tx.next[f"hold_token{m}"] = (
                 lambda x, b, hold_token=hold_token, moves=moves, table_token=table_token: z3.Or(
                     hold_token(x, b), z3.And(moves(x, b), table_token(x, b))
                 )
@@ -642,7 +648,7 @@ class UEncoding:
                         forall(
                             (BLOCK,),
                             lambda b, g=g: z3.Implies(
-                                z3.And(adopt, s.f("hit", g)(r, b)), block_group(b) == g
+                                z3.And(adopt, s.field("hit", g)(r, b)), block_group(b) == g
                             ),
                         )
                         for g in s.group_ids
@@ -650,7 +656,9 @@ class UEncoding:
                 ),
             )
             adopted = [
-                req_edit(f"table_token{g}", r, lambda b, g=g: z3.And(adopt, s.f("hit", g)(r, b)))
+                req_edit(
+                    f"table_token{g}", r, lambda b, g=g: z3.And(adopt, s.field("hit", g)(r, b))
+                )
                 for g in s.group_ids
             ]
             self.touch(tx, adopted)
@@ -658,19 +666,19 @@ class UEncoding:
                 row = tx.row(f"table{g}")
                 tx.set_row(
                     f"table{g}",
-                    lambda b, row=row, g=g: z3.Or(row(b), z3.And(adopt, s.f("hit", g)(r, b))),
+                    lambda b, row=row, g=g: z3.Or(row(b), z3.And(adopt, s.field("hit", g)(r, b))),
                 )
 
         for g in s.group_ids:
             self._allocate_group(tx, g, ok, adopt)
         self._cache(tx, ok)
 
-        tx.set_req("phase", z3.If(ok, RUNNING, s["phase"](r)))
+        tx.set_req("phase", z3.If(ok, phase_after(tx.op), s["phase"](r)))
         if adopt_hit:
             tx.set_req("has_hit", z3.And(s["has_hit"](r), z3.Not(ok)))
             for g in s.group_ids:
                 for key in (f"hit{g}", f"hit_source{g}"):
-                    row = s.f(key)
+                    row = s.field(key)
                     tx.set_row(key, lambda b, row=row: z3.And(row(r, b), z3.Not(ok)))
 
     def _skolem_of(self, tx: UTx, name: str, rel: Fn) -> tuple[Any, Any]:
@@ -682,12 +690,12 @@ class UEncoding:
     def _allocate_group(self, tx: UTx, g: int, ok: Any, adopt: Any) -> None:
         s, r = tx.s, tx.r
         source_block, partial = self._skolem_of(
-            tx, f"srcblock{g}", lambda b: s.f("hit_source", g)(r, b)
+            tx, f"srcblock{g}", lambda b: s.field("hit_source", g)(r, b)
         )
         cow_new = z3.And(adopt, partial)
         if g != ATTENTION:
             tail_block, has_tail = self._skolem_of(
-                tx, f"tailblock{g}", lambda b: s.f("pending_tail", g)(r, b)
+                tx, f"tailblock{g}", lambda b: s.field("pending_tail", g)(r, b)
             )
             move = z3.And(ok, has_tail)
         else:
@@ -705,7 +713,7 @@ class UEncoding:
                         new(b), z3.And(ok, z3.Not(z3.And(copies, b == copy_block)))
                     ),
                 ),
-                z3.Implies(copies, z3.Not(tx.n["pending"](copy_id))),
+                z3.Implies(copies, z3.Not(tx.next["pending"](copy_id))),
             ),
         )
 
@@ -733,12 +741,12 @@ class UEncoding:
         )
         own = tx.row(f"own{g}")
         tx.set_row(f"own{g}", lambda b: z3.Or(own(b), z3.And(cow_new, b == copy_block), new(b)))
-        table_token = tx.n[f"table_token{g}"]
-        source_token = tx.n["source_token"]
-        tx.n[f"table_token{g}"] = lambda x, b: z3.And(
+        table_token = tx.next[f"table_token{g}"]
+        source_token = tx.next["source_token"]
+        tx.next[f"table_token{g}"] = lambda x, b: z3.And(
             table_token(x, b), z3.Not(z3.And(cow_new, x == r, b == source_block))
         )
-        tx.n["source_token"] = lambda c: z3.If(
+        tx.next["source_token"] = lambda c: z3.If(
             z3.And(cow_new, c == copy_id), table_token(r, source_block), source_token(c)
         )
         self._new_copy(tx, copy_id, cow_new, source_block, copy_block)
@@ -749,7 +757,7 @@ class UEncoding:
         m = g
         assert tail_block is not None
         # move_keys: the keyed tail's keys go to the copy.
-        keyed, tail_keyed = tx.n["keyed"], tx.n["tail_keyed"]
+        keyed, tail_keyed = tx.next["keyed"], tx.next["tail_keyed"]
         for key, cur in (("keyed", keyed), ("tail_keyed", tail_keyed)):
 
             def moved_key(b: Any, old: Any, cur: Fn = cur) -> Any:
@@ -762,7 +770,7 @@ class UEncoding:
             tx.map_block(key, moved_key)
         # follow_moved_keys: others holding the tail now hold the copy.
         follow = self.follows(tx)
-        hold, checkpoint = tx.n[f"hold{m}"], tx.n[f"checkpoint{m}"]
+        hold, checkpoint = tx.next[f"hold{m}"], tx.next[f"checkpoint{m}"]
 
         def holder(q: Any) -> Any:
             return z3.And(move, follow, q != r, hold(q, tail_block))
@@ -770,10 +778,10 @@ class UEncoding:
         def resumer(q: Any) -> Any:
             return z3.And(move, q != r, checkpoint(q, tail_block))
 
-        tx.n[f"hold{m}"] = lambda q, b: _moved(
+        tx.next[f"hold{m}"] = lambda q, b: _moved(
             holder(q), hold(q, b), b == tail_block, b == copy_block
         )
-        tx.n[f"checkpoint{m}"] = lambda q, b: _moved(
+        tx.next[f"checkpoint{m}"] = lambda q, b: _moved(
             resumer(q), checkpoint(q, b), b == tail_block, b == copy_block
         )
         self.touch(tx, [holders_edit(f"hold_token{m}", holder, copy_block)])
@@ -795,7 +803,7 @@ class UEncoding:
             f"group {m}: only a retained hold refuses",
             z3.Implies(refuse, z3.And(s["retire_on"], holding)),
         )
-        takes = z3.And(copies, tx.n["keyed"](target), z3.Not(refuse))
+        takes = z3.And(copies, tx.next["keyed"](target), z3.Not(refuse))
         do_hold = z3.And(self.hold_enabled(tx), takes)
         self.touch(tx, [req_edit(f"hold_token{m}", r, lambda b: z3.And(do_hold, b == target))])
         kept = self.supersede(tx, m, old_hold, do_hold)
@@ -804,20 +812,20 @@ class UEncoding:
         tx.set_row(f"checkpoint{m}", lambda b: z3.If(takes, b == target, ckpt_row(b)))
 
         # Ghosts: what admission reserved, and the most pinned at once.
-        first = z3.And(ok, _phase_is(s, r, WAITING))
+        first = z3.And(ok, s["phase"](r) == WAITING)
         tx.set_req(
             f"reserved{m}",
             z3.If(
                 first,
                 self.admission_extra(tx, z3.And(adopt, partial), holding),
-                s.f("reserved", m)(r),
+                s.field("reserved", m)(r),
             ),
         )
         # One hold at most before (one_hold): counting it is testing it.
         at_swap = z3.If(holding, 1, 0) + 1
         still = z3.And(kept(held_block), held_block != target, holding)
         held_now = z3.If(do_hold, 1 + z3.If(still, 1, 0), z3.If(holding, 1, 0))
-        peak = s.f("peak", m)(r)
+        peak = s.field("peak", m)(r)
         tx.set_req(
             f"peak{m}",
             z3.If(first, held_now, z3.If(z3.And(move, at_swap > peak), at_swap, peak)),
@@ -829,8 +837,8 @@ class UEncoding:
             ("source", source),
             ("destination", dest),
         ):
-            old = tx.n[key]
-            tx.n[key] = lambda c, old=old, value=value: z3.If(
+            old = tx.next[key]
+            tx.next[key] = lambda c, old=old, value=value: z3.If(
                 z3.And(when, c == copy_id), value, old(c)
             )
 
@@ -852,7 +860,7 @@ class UEncoding:
         for m in s.mamba_ids:
             tail = tx.fresh(f"tail{m}")
             at = tx.fresh(f"tailat{m}", out=BLOCK)
-            tailed = s.f("tailed", m)(r)
+            tailed = s.field("tailed", m)(r)
             rules.append(z3.Implies(tail, z3.And(ok, z3.Not(tailed))))
             rules.append(z3.Implies(tail, z3.And(owns[m](at), key(at), mid(at))))
             rules.append(
@@ -890,78 +898,3 @@ class UEncoding:
 
 def _moved(moves: Any, held: Any, is_source: Any, is_copy: Any) -> Any:
     return z3.If(moves, z3.Or(z3.And(held, z3.Not(is_source)), is_copy), held)
-
-
-# -- mutated transitions --------------------------------------------------------------
-
-
-class UHoldOff(UEncoding):
-    name = "hold_off"
-
-    def hold_enabled(self, tx: UTx) -> Any:
-        return z3.BoolVal(False)
-
-    def admission_extra(self, tx: UTx, partial_hit: Any, holding: Any) -> Any:
-        return z3.IntVal(0)
-
-
-class UNoAdmissionExtra(UEncoding):
-    name = "no_admission_extra"
-
-    def admission_extra(self, tx: UTx, partial_hit: Any, holding: Any) -> Any:
-        return z3.IntVal(0)
-
-
-class UAbortKeepsHold(UEncoding):
-    name = "abort_keeps_hold"
-
-    def release_holds(self, tx: UTx, how: Any) -> None:
-        holds = []
-        for m in tx.s.mamba_ids:
-            row = tx.row(f"hold{m}")
-            kept = lambda b, row=row: z3.And(how != ABORT, row(b))  # noqa: E731
-            holds.append(req_edit(f"hold_token{m}", tx.r, kept))
-        self.free_blocks(tx, holds)
-
-
-class UCowCopyUnreferenced(UEncoding):
-    name = "cow_copy_unreferenced"
-
-    def cow_retain(self, tx: UTx, edits: list[Edit]) -> None:
-        return None
-
-
-class UTouchKeepsQueued(UEncoding):
-    name = "touch_keeps_queued"
-
-    def touch(self, tx: UTx, edits: list[Edit]) -> None:
-        self.add_ref(tx, edits)
-
-
-class USupersededHoldKept(UEncoding):
-    name = "superseded_hold_kept"
-
-    def supersede(self, tx: UTx, m: int, old: Fn, do_hold: Any) -> Fn:
-        return old
-
-
-class UNoFollow(UEncoding):
-    name = "no_follow"
-
-    def follows(self, tx: UTx) -> Any:
-        return z3.BoolVal(False)
-
-
-UNBOUNDED_ENCODINGS: dict[str, type[UEncoding]] = {
-    e.name: e
-    for e in (
-        UEncoding,
-        UHoldOff,
-        UNoAdmissionExtra,
-        UAbortKeepsHold,
-        UCowCopyUnreferenced,
-        UTouchKeepsQueued,
-        USupersededHoldKept,
-        UNoFollow,
-    )
-}

@@ -31,30 +31,28 @@ checking from `init` (see `command.py`).
 
 from __future__ import annotations
 
-import multiprocessing
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Literal
 
 import z3
 
+from kvgate.invariants.z3.checker import INIT, proof_table, track
+from kvgate.invariants.z3.properties import STEP_COPY
 from kvgate.invariants.z3.transitions import ENCODED_OPS, acts_on_request
 from kvgate.invariants.z3.unbounded import (
     BLOCK,
     COPY,
     REQ,
-    UNBOUNDED_ENCODINGS,
+    UEncoding,
     UState,
     at_most_one,
     exists,
     forall,
 )
 from kvgate.invariants.z3.vocabulary import ABSENT, ENDED, POPPED, RUNNING
-
-INIT = "init"
-STEP_COPY = 1
 
 
 @dataclass(frozen=True)
@@ -63,10 +61,6 @@ class UProperty:
     kind: Literal["invariant", "lemma"]
     text: str
     holds: Callable[[UState], Any]
-
-
-def _uniq(rel: Callable[[Any], Any]) -> Any:
-    return at_most_one(rel)
 
 
 def _iff(a: Any, b: Any) -> Any:
@@ -80,8 +74,8 @@ def no_leak(s: UState) -> Any:
             forall(
                 (REQ, BLOCK),
                 lambda r, b, g=g: _iff(
-                    s.f("table_token", g)(r, b),
-                    z3.Or(s.f("table", g)(r, b), s.f("popped_table", g)(r, b)),
+                    s.field("table_token", g)(r, b),
+                    z3.Or(s.field("table", g)(r, b), s.field("popped_table", g)(r, b)),
                 ),
             )
         )
@@ -90,8 +84,8 @@ def no_leak(s: UState) -> Any:
             forall(
                 (REQ, BLOCK),
                 lambda r, b, m=m: _iff(
-                    s.f("hold_token", m)(r, b),
-                    z3.Or(s.f("hold", m)(r, b), s.f("popped_hold", m)(r, b)),
+                    s.field("hold_token", m)(r, b),
+                    z3.Or(s.field("hold", m)(r, b), s.field("popped_hold", m)(r, b)),
                 ),
             )
         )
@@ -113,14 +107,19 @@ def free_queue_exact(s: UState) -> Any:
 
 def one_hold(s: UState) -> Any:
     return z3.And(
-        [forall((REQ,), lambda r, m=m: _uniq(lambda b: s.f("hold", m)(r, b))) for m in s.mamba_ids]
+        [
+            forall((REQ,), lambda r, m=m: at_most_one(lambda b: s.field("hold", m)(r, b)))
+            for m in s.mamba_ids
+        ]
     )
 
 
 def held_state_keyed(s: UState) -> Any:
     return z3.And(
         [
-            forall((REQ, BLOCK), lambda r, b, m=m: z3.Implies(s.f("hold", m)(r, b), s["keyed"](b)))
+            forall(
+                (REQ, BLOCK), lambda r, b, m=m: z3.Implies(s.field("hold", m)(r, b), s["keyed"](b))
+            )
             for m in s.mamba_ids
         ]
     )
@@ -128,7 +127,7 @@ def held_state_keyed(s: UState) -> Any:
 
 def no_total_miss(s: UState) -> Any:
     def each(r: Any, b: Any, m: int) -> Any:
-        resumes = z3.And(s["hold_on"], s["phase"](r) == RUNNING, s.f("checkpoint", m)(r, b))
+        resumes = z3.And(s["hold_on"], s["phase"](r) == RUNNING, s.field("checkpoint", m)(r, b))
         return z3.Implies(resumes, z3.And(s.has(b), s["keyed"](b)))
 
     return z3.And([forall((REQ, BLOCK), lambda r, b, m=m: each(r, b, m)) for m in s.mamba_ids])
@@ -140,7 +139,8 @@ def reservation_covers_tail_swap(s: UState) -> Any:
             forall(
                 (REQ,),
                 lambda r, m=m: z3.Implies(
-                    z3.Not(s["retire_on"]), s.f("peak", m)(r) <= STEP_COPY + s.f("reserved", m)(r)
+                    z3.Not(s["retire_on"]),
+                    s.field("peak", m)(r) <= STEP_COPY + s.field("reserved", m)(r),
                 ),
             )
             for m in s.mamba_ids
@@ -167,12 +167,16 @@ def phases(s: UState) -> Any:
 def only_residents_own(s: UState) -> Any:
     def each(r: Any, b: Any) -> Any:
         running, popped = s["phase"](r) == RUNNING, s["phase"](r) == POPPED
-        owned = [z3.Or(s.f("table", g)(r, b), s.f("own", g)(r, b)) for g in s.group_ids]
+        owned = [z3.Or(s.field("table", g)(r, b), s.field("own", g)(r, b)) for g in s.group_ids]
         for m in s.mamba_ids:
-            owned += [s.f("tailed", m)(r), s.f("reserved", m)(r) != 0, s.f("peak", m)(r) != 0]
-            owned += [s.f(k, m)(r, b) for k in ("hold", "pending_tail", "checkpoint")]
-        aside = [s.f("popped_table", g)(r, b) for g in s.group_ids]
-        aside += [s.f("popped_hold", m)(r, b) for m in s.mamba_ids]
+            owned += [
+                s.field("tailed", m)(r),
+                s.field("reserved", m)(r) != 0,
+                s.field("peak", m)(r) != 0,
+            ]
+            owned += [s.field(k, m)(r, b) for k in ("hold", "pending_tail", "checkpoint")]
+        aside = [s.field("popped_table", g)(r, b) for g in s.group_ids]
+        aside += [s.field("popped_hold", m)(r, b) for m in s.mamba_ids]
         return z3.And(
             z3.Implies(z3.Not(running), z3.Not(z3.Or(owned))),
             z3.Implies(z3.Not(popped), z3.Not(z3.Or(aside))),
@@ -184,11 +188,15 @@ def only_residents_own(s: UState) -> Any:
 def lookup_shape(s: UState) -> Any:
     parts = []
     for g in s.group_ids:
-        parts.append(forall((REQ,), lambda r, g=g: _uniq(lambda b: s.f("hit_source", g)(r, b))))
+        parts.append(
+            forall((REQ,), lambda r, g=g: at_most_one(lambda b: s.field("hit_source", g)(r, b)))
+        )
         parts.append(
             forall(
                 (REQ, BLOCK),
-                lambda r, b, g=g: z3.Implies(s.f("hit_source", g)(r, b), s.f("hit", g)(r, b)),
+                lambda r, b, g=g: z3.Implies(
+                    s.field("hit_source", g)(r, b), s.field("hit", g)(r, b)
+                ),
             )
         )
     return z3.And(parts)
@@ -197,15 +205,15 @@ def lookup_shape(s: UState) -> Any:
 def taken_blocks(s: UState) -> Any:
     parts = []
     for g in s.group_ids:
-        own = s.f("own", g)
+        own = s.field("own", g)
         parts.append(
             forall(
                 (REQ, BLOCK),
-                lambda r, b, g=g, own=own: z3.Implies(own(r, b), s.f("table", g)(r, b)),
+                lambda r, b, g=g, own=own: z3.Implies(own(r, b), s.field("table", g)(r, b)),
             )
         )
         for h in s.group_ids:
-            other = s.f("own", h)
+            other = s.field("own", h)
 
             def one(
                 r1: Any, r2: Any, b: Any, own: Any = own, other: Any = other, g: int = g, h: int = h
@@ -220,9 +228,11 @@ def taken_blocks(s: UState) -> Any:
 def block_groups(s: UState) -> Any:
     def each(r: Any, b: Any) -> Any:
         block_group = s["block_group"](b)
-        uses = [z3.Implies(s.f("table", g)(r, b), block_group == g) for g in s.group_ids]
+        uses = [z3.Implies(s.field("table", g)(r, b), block_group == g) for g in s.group_ids]
         uses += [
-            z3.Implies(z3.Or(s.f("hold", m)(r, b), s.f("pending_tail", m)(r, b)), block_group == m)
+            z3.Implies(
+                z3.Or(s.field("hold", m)(r, b), s.field("pending_tail", m)(r, b)), block_group == m
+            )
             for m in s.mamba_ids
         ]
         return z3.And(uses)
@@ -233,16 +243,19 @@ def block_groups(s: UState) -> Any:
 def pending_tail_shape(s: UState) -> Any:
     parts = []
     for m in s.mamba_ids:
-        pending_tail = s.f("pending_tail", m)
+        pending_tail = s.field("pending_tail", m)
         parts.append(
-            forall((REQ,), lambda r, pending_tail=pending_tail: _uniq(lambda b: pending_tail(r, b)))
+            forall(
+                (REQ,),
+                lambda r, pending_tail=pending_tail: at_most_one(lambda b: pending_tail(r, b)),
+            )
         )
         parts.append(
             forall(
                 (REQ, BLOCK),
                 lambda r, b, m=m, pending_tail=pending_tail: z3.Implies(
                     pending_tail(r, b),
-                    z3.And(s.f("own", m)(r, b), s["keyed"](b), s.f("tailed", m)(r)),
+                    z3.And(s.field("own", m)(r, b), s["keyed"](b), s.field("tailed", m)(r)),
                 ),
             )
         )
@@ -251,7 +264,7 @@ def pending_tail_shape(s: UState) -> Any:
 
 def checkpoint_is_hold(s: UState) -> Any:
     def each(r: Any, b: Any, m: int) -> Any:
-        hold, checkpoint = s.f("hold", m)(r, b), s.f("checkpoint", m)(r, b)
+        hold, checkpoint = s.field("hold", m)(r, b), s.field("checkpoint", m)(r, b)
         return z3.If(s["hold_on"], hold == checkpoint, z3.Implies(hold, s["retire_on"]))
 
     return z3.And([forall((REQ, BLOCK), lambda r, b, m=m: each(r, b, m)) for m in s.mamba_ids])
@@ -259,15 +272,17 @@ def checkpoint_is_hold(s: UState) -> Any:
 
 def hold_reserved(s: UState) -> Any:
     def each(r: Any, m: int) -> Any:
-        reserved, peak = s.f("reserved", m)(r), s.f("peak", m)(r)
-        held = exists((BLOCK,), lambda b: s.f("hold", m)(r, b))
-        awaiting = exists((BLOCK,), lambda b: s.f("pending_tail", m)(r, b))
+        reserved, peak = s.field("reserved", m)(r), s.field("peak", m)(r)
+        held = exists((BLOCK,), lambda b: s.field("hold", m)(r, b))
+        awaiting = exists((BLOCK,), lambda b: s.field("pending_tail", m)(r, b))
         return z3.And(
             reserved >= 0,
             reserved <= 1,
             peak >= 0,
             z3.Implies(
-                z3.And(z3.Not(s["retire_on"]), z3.Or(z3.Not(s.f("tailed", m)(r)), awaiting), held),
+                z3.And(
+                    z3.Not(s["retire_on"]), z3.Or(z3.Not(s.field("tailed", m)(r)), awaiting), held
+                ),
                 reserved >= 1,
             ),
         )
@@ -278,7 +293,10 @@ def hold_reserved(s: UState) -> Any:
 def held_outside_table(s: UState) -> Any:
     def each(r: Any, b: Any) -> Any:
         return z3.And(
-            [z3.Implies(s.f("hold", m)(r, b), z3.Not(s.f("table", m)(r, b))) for m in s.mamba_ids]
+            [
+                z3.Implies(s.field("hold", m)(r, b), z3.Not(s.field("table", m)(r, b)))
+                for m in s.mamba_ids
+            ]
         )
 
     return forall((REQ, BLOCK), each)
@@ -374,18 +392,18 @@ def uinit(s: UState) -> Any:
         parts = [s["phase"](r) == ABSENT, z3.Not(s["has_hit"](r))]
         for g in s.group_ids:
             parts += [
-                z3.Not(s.f(k, g)(r, b))
+                z3.Not(s.field(k, g)(r, b))
                 for k in ("table", "hit", "hit_source", "own", "popped_table", "table_token")
             ]
         for m in s.mamba_ids:
             parts += [
-                z3.Not(s.f(k, m)(r, b))
+                z3.Not(s.field(k, m)(r, b))
                 for k in ("pending_tail", "hold", "popped_hold", "hold_token", "checkpoint")
             ]
             parts += [
-                z3.Not(s.f("tailed", m)(r)),
-                s.f("reserved", m)(r) == 0,
-                s.f("peak", m)(r) == 0,
+                z3.Not(s.field("tailed", m)(r)),
+                s.field("reserved", m)(r) == 0,
+                s.field("peak", m)(r) == 0,
             ]
         return z3.And(parts)
 
@@ -442,15 +460,13 @@ def check_uinit(groups: int, prop: UProperty) -> UResult:
 
 def check_uop(groups: int, mutation: str, op: str, props: Sequence[UProperty]) -> list[UResult]:
     """`I(s) and T_op(s, t) => P(t)` for each P, on one solver (push/pop)."""
-    encoding = UNBOUNDED_ENCODINGS[mutation](groups)
+    encoding = UEncoding(groups, mutation)
     s = UState(groups, "s")
     solver = _solver()
-    for p in UPROPERTIES:
-        solver.assert_and_track(p.holds(s), z3.Bool(f"pre {p.name}"))
+    track(solver, ((f"pre {p.name}", p.holds(s)) for p in UPROPERTIES))  # I(s)
     r = z3.Const("r", REQ) if acts_on_request(op) else None
     tx = encoding.build(op, s, r, "x")
-    for name, clause in tx.named():
-        solver.assert_and_track(clause, z3.Bool(name))
+    track(solver, tx.named())  # T_op(s, t)
     t = tx.view()
     out = []
     for prop in props:
@@ -474,8 +490,7 @@ def check_uop(groups: int, mutation: str, op: str, props: Sequence[UProperty]) -
     return out
 
 
-def _task(task: tuple[int, str, tuple[str, ...], str]) -> list[UResult]:
-    groups, mutation, names, op = task
+def _task(groups: int, mutation: str, names: tuple[str, ...], op: str) -> list[UResult]:
     props = [UPROPERTY_BY_NAME[n] for n in names]
     if op == INIT:
         return [check_uinit(groups, p) for p in props]
@@ -491,13 +506,4 @@ def prove_unbounded(
 ) -> list[UResult]:
     """The whole table for every pool size: `init` and every op, every property."""
     names = tuple(props) if props is not None else tuple(p.name for p in UPROPERTIES)
-    tasks = [(groups, mutation, names, op) for op in (INIT, *ops)]
-    if jobs <= 1:
-        chunks = [_task(t) for t in tasks]
-    else:
-        spawn = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(max_workers=jobs, mp_context=spawn) as pool:
-            chunks = list(pool.map(_task, tasks))
-    order = {op: i for i, op in enumerate((INIT, *ops))}
-    rows = [r for chunk in chunks for r in chunk]
-    return sorted(rows, key=lambda r: (names.index(r.prop), order[r.op]))
+    return proof_table(partial(_task, groups, mutation, names), names, ops, jobs)

@@ -66,7 +66,7 @@ from typing import Any, Literal
 
 import z3
 
-from kvgate.conformance.ops import FREE_HOW, PHASES, Phase
+from kvgate.conformance.ops import ACTIONS, FREE_HOW, PHASES, Phase, next_phase
 
 # Request phases: the action table's, with `decoding` folded into `running`
 # (the encoding does not track whether a prompt is computed).
@@ -75,6 +75,29 @@ ABSENT, WAITING, RUNNING, POPPED, ENDED = range(len(PHASE_NAMES))
 PHASE_NUMBER: dict[Phase, int] = {
     p: PHASE_NAMES.index("running" if p == "decoding" else p) for p in PHASES
 }
+
+
+def valid_phases(op: str) -> tuple[int, ...]:
+    """The phases (numbers) the action table accepts `op` in: its `valid_in`."""
+    return tuple(sorted({PHASE_NUMBER[p] for p in ACTIONS[op].valid_in}))
+
+
+def phase_guard(phase: Any, op: str) -> Any:
+    """`phase` (a request's Z3 phase) is one `op` is valid in: both
+    encodings' guards, so neither restates the action table's lifecycle."""
+    return z3.Or([phase == n for n in valid_phases(op)])
+
+
+def phase_after(op: str, how: str | None = None) -> int:
+    """The phase `op` leaves its request in when it succeeds: the action
+    table's `next_phase` (with `how` for `free`), which for every op is the
+    same from each phase the op is valid in once `decoding` is folded."""
+    after = {PHASE_NUMBER[next_phase(op, p, how)] for p in ACTIONS[op].valid_in}
+    if len(after) != 1:
+        raise ValueError(f"{op}: the phase after it depends on the phase before")
+    return after.pop()
+
+
 # `free`'s `how`, numbered in the action table's order.
 HOW: dict[str, int] = {how: i for i, how in enumerate(FREE_HOW)}
 FINISH, ABORT, PREEMPT = HOW["finish"], HOW["abort"], HOW["preempt"]

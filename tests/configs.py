@@ -1,0 +1,52 @@
+"""The configs and trace headers several test files share.
+
+The seed's first scenario, docs/trace-format.md's example: a 96-block pool,
+hash unit 8, one full-attention group of 8-token blocks and one align-mode
+Mamba group of 32-token blocks with 3 speculative blocks, eagle on. (Not
+exploration's starting config, `kvgate.explore.knobs.SEED_CONFIG`, a
+32-block pool.) Tests that need a variant derive it with
+`dataclasses.replace`.
+"""
+
+from __future__ import annotations
+
+import textwrap
+
+from kvgate.conformance.config import Config, GroupConfig
+
+# The seed scenario as a `Config`, the hold on.
+EXAMPLE_CONFIG = Config(
+    num_blocks=96,
+    hash_unit=8,
+    groups=(
+        GroupConfig("full_attention", 8),
+        GroupConfig("mamba_align", 32, speculative_blocks=3),
+    ),
+    eagle=True,
+    retention_interval=0,
+    hold=True,
+    scheduler_block_size=32,
+)
+
+# The seed scenario as a trace's `config` block, the hold off.
+EXAMPLE_TRACE_CONFIG = """\
+config:
+  num_blocks: 96
+  hash_unit: 8
+  eagle: true
+  retention_interval: 0
+  retain_checkpoint: false
+  groups:
+    - {kind: full_attention, block_size: 8}
+    - {kind: mamba_align, block_size: 32, speculative_blocks: 3}
+"""
+
+
+def trace_text(
+    steps: str,
+    config: str = EXAMPLE_TRACE_CONFIG,
+    name: str = "t",
+    head: str = "format: kvgate-trace/1\n",
+) -> str:
+    """A trace document: `head`, `name`, `config`, then the `steps` block."""
+    return f"{head}name: {name}\n{config}steps:\n" + textwrap.indent(textwrap.dedent(steps), "  ")

@@ -1,0 +1,183 @@
+"""Lookahead block hashes (`hash_lookahead_tokens`), vLLM's default for an
+EAGLE-family drafter: format and refusals, the keys, the model's hits against
+the trailing-block drop, and the installed vLLM on the same traces."""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import replace
+
+import pytest
+from test_align_knobs import model_hits
+
+from kvgate.conformance.config import Config, GroupConfig, UnsupportedConfig, validate
+from kvgate.conformance.replay import replay
+from kvgate.conformance.tokens import prefix_keys
+from kvgate.conformance.trace import TraceError, bundled_corpus, load_corpus, parse_trace
+from kvgate.conformance.writer import config_dict
+from kvgate.model import ModelTarget
+from kvgate.model.mamba import checkpoint_position
+
+CORPUS = {t.name: t for t in load_corpus(bundled_corpus())}
+LOOKAHEAD_TRACES = sorted(name for name in CORPUS if name.startswith("mtp-lookahead-"))
+needs_vllm = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"
+)
+
+HEADER = """\
+format: kvgate-trace/1
+name: lookahead
+config:
+  num_blocks: 64
+  hash_unit: 8
+  retention_interval: 0
+{extra}  groups:
+    - {{kind: full_attention, block_size: 8}}
+    - {{kind: mamba_align, block_size: 32}}
+steps:
+  - {{op: arrive, req: A, prompt: [{{fresh: 70}}]}}
+"""
+
+
+def trace_text(extra: str) -> str:
+    return HEADER.format(extra=extra)
+
+
+def test_the_field_reads_and_writes_back_only_when_set() -> None:
+    config = parse_trace(trace_text("  eagle: true\n  hash_lookahead_tokens: 1\n")).config
+    assert config.hash_lookahead_tokens == 1 and config.eagle and not config.block_drop
+    assert config_dict(config)["hash_lookahead_tokens"] == 1
+    plain = parse_trace(trace_text("  eagle: true\n")).config
+    assert plain.hash_lookahead_tokens == 0 and plain.block_drop
+    assert "hash_lookahead_tokens" not in config_dict(plain)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        "  hash_lookahead_tokens: 1\n",  # no eagle drafter
+        "  eagle: false\n  hash_lookahead_tokens: 1\n",
+        "  eagle: true\n  hash_lookahead_tokens: 2\n",  # multi-module MTP
+        "  eagle: true\n  hash_lookahead_tokens: -1\n",
+        "  eagle: true\n  hash_lookahead_tokens: yes\n",
+    ],
+)
+def test_bad_values_are_one_line_errors_naming_the_field(extra: str) -> None:
+    with pytest.raises(TraceError) as error:
+        parse_trace(trace_text(extra), "lookahead.yaml")
+    message = str(error.value)
+    assert "hash_lookahead_tokens" in message and "\n" not in message
+    assert "lookahead.yaml" in message
+
+
+def test_a_key_covers_the_next_token_and_waits_for_it() -> None:
+    tokens = list(range(100, 132))  # four units of 8
+    other = tokens[:8] + [7] + tokens[9:]  # differs at the first token after unit 0
+    assert prefix_keys(tokens, 8)[0] == prefix_keys(other, 8)[0]
+    assert prefix_keys(tokens, 8, 1)[0] != prefix_keys(other, 8, 1)[0]
+    # The last unit has no token after it yet: it has no key.
+    assert len(prefix_keys(tokens, 8)) == 4 and len(prefix_keys(tokens, 8, 1)) == 3
+    assert len(prefix_keys(tokens + [1], 8, 1)) == 4
+    # The key still names the block's end.
+    assert prefix_keys(tokens, 8, 1)[0].startswith("8:")
+
+
+def test_the_checkpoint_leaves_the_lookahead_and_drops_nothing() -> None:
+    assert checkpoint_position(700, 64, drop_eagle=True) == 576
+    assert checkpoint_position(700, 64, drop_eagle=False, hash_lookahead=1) == 640
+    # A prompt ending on a unit: its last unit's key needs a token it lacks.
+    assert checkpoint_position(640, 64, drop_eagle=False, hash_lookahead=1) == 576
+
+
+def test_the_corpus_has_lookahead_traces_in_both_hold_arms() -> None:
+    assert {
+        "mtp-lookahead-next-turn-after-burst.hold-on",
+        "mtp-lookahead-next-turn-after-burst.hold-off",
+        "mtp-lookahead-sibling-diverges-at-boundary",
+    } <= set(LOOKAHEAD_TRACES)
+    assert all(CORPUS[name].config.hash_lookahead_tokens == 1 for name in LOOKAHEAD_TRACES)
+
+
+def test_lookahead_hashes_change_where_siblings_and_resends_resume() -> None:
+    """B diverges right after the shared 640 tokens, C resends A's prompt: with
+    lookahead hashes B's key at 640 sees its own next token (512: no state at
+    576), C resumes at A's state (640); the drop gives 576 to both."""
+    text = CORPUS["mtp-lookahead-sibling-diverges-at-boundary"].path.read_text()
+    assert model_hits(text) == [0, 512, 640]
+    drop = text.replace("hash_lookahead_tokens: 1", "hash_lookahead_tokens: 0")
+    assert model_hits(drop) == [0, 576, 576]
+
+
+def test_lookahead_follow_up_turn_resumes_a_unit_later_than_the_drop() -> None:
+    text = CORPUS["mtp-lookahead-next-turn-after-burst.hold-on"].path.read_text()
+    assert model_hits(text) == [0, 640, 1152]
+    drop = text.replace("  hash_lookahead_tokens: 1\n", "")
+    assert model_hits(drop) == [0, 576, 1088]
+
+
+BASE = Config(
+    num_blocks=64,
+    hash_unit=64,
+    groups=(GroupConfig("full_attention", 64), GroupConfig("mamba_align", 256, 3, 1, 64)),
+    eagle=True,
+    retention_interval=0,
+    hold=False,
+    scheduler_block_size=256,
+    hash_lookahead_tokens=1,
+)
+
+
+def test_the_model_refuses_lookahead_without_eagle() -> None:
+    validate(BASE)
+    with pytest.raises(UnsupportedConfig) as error:
+        validate(replace(BASE, eagle=False))
+    assert error.value.field == "hash_lookahead_tokens"
+
+
+# On the installed vLLM the corpus traces run in test_corpus_gate (hold-off,
+# strict, model in lockstep) and test_hold_overlay (hold-on, with the overlay).
+
+
+@needs_vllm
+def test_vllm_hashes_cover_the_lookahead_token() -> None:
+    """vLLM built for the config hashes as the keys say: a request's block
+    hashes stop one unit early and map onto the lookahead keys."""
+    from kvgate.impl.vllm_target import VllmTarget
+
+    target = VllmTarget(BASE)
+    try:
+        tokens = list(range(1000, 1128))  # two units
+        request = target.new_request("R", tokens)
+        assert len(request.block_hashes) == 1
+        legacy = VllmTarget(replace(BASE, hash_lookahead_tokens=0))
+        try:
+            other = legacy.new_request("R", tokens)
+            assert len(other.block_hashes) == 2
+            assert request.block_hashes[0] != other.block_hashes[0]
+        finally:
+            legacy.close()
+    finally:
+        target.close()
+
+
+@needs_vllm
+def test_the_lookahead_fault_is_caught_by_the_sibling_trace() -> None:
+    """With the hasher's off-by-one in effect, the sibling that diverges right
+    at a block boundary no longer replays: its hash there is its sibling's."""
+    from kvgate.impl.vllm_target import VllmTarget
+    from kvgate.mutate.faults import BY_NAME
+    from kvgate.mutate.inject import injected
+
+    trace = CORPUS["mtp-lookahead-sibling-diverges-at-boundary"]
+
+    def run() -> bool:
+        target = VllmTarget(trace.config)
+        try:
+            return replay(trace, target, ModelTarget, "strict").passed
+        finally:
+            target.close()
+
+    assert run()
+    with injected(BY_NAME["lookahead-hash-misses-next-token"]):
+        assert not run()
+    assert run()
