@@ -115,13 +115,6 @@ KNOBS: tuple[Knob, ...] = (
     Knob("attention_block", (8, 16), _attention_block),
     Knob("speculative_blocks", (3, 0, 1), _speculative, stratum=True),
     Knob("eagle", (True, False), lambda c, v: replace(c, eagle=v), stratum=True),
-    # vLLM's default for an EAGLE/MTP drafter: lookahead block hashes (L = 1)
-    # instead of the trailing-block drop; only with eagle (else 0).
-    Knob(
-        "hash_lookahead_tokens",
-        (0, 1),
-        lambda c, v: replace(c, hash_lookahead_tokens=v if c.eagle else 0),
-    ),
     Knob("retention_interval", (0, None, 2, 4, 1), _retention),
     # Prefill checkpoint blocks as deployments set them: none (GDN on
     # Triton), one on the 64-token grid (GDN on FlashInfer), one at
@@ -161,6 +154,13 @@ KNOBS: tuple[Knob, ...] = (
         "reserve_full_sequence",
         (False, True),
         lambda c, v: replace(c, reserve_full_sequence=v),
+    ),
+    # vLLM's default for an EAGLE/MTP drafter: lookahead block hashes (L = 1)
+    # instead of the trailing-block drop; only with eagle (else 0).
+    Knob(
+        "hash_lookahead_tokens",
+        (0, 1),
+        lambda c, v: replace(c, hash_lookahead_tokens=v if c.eagle else 0),
     ),
 )
 KNOB_NAMES = tuple(k.name for k in KNOBS)
