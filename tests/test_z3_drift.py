@@ -11,6 +11,15 @@ The runs keep the encoding's one assumption about traces: a waiting
 request's `lookup` is followed by its `allocate` (the scheduler's
 `get_computed_blocks` then `allocate_slots`), so no hit goes stale in
 between.
+
+Two generators: `configs` with random op mixes (the hold, the fork's
+retention, eagle, sparse, dense and periodic retention), and
+`knob_configs` with request lives (a producer, then siblings diverging
+inside its prompt) under the align-mode knobs the encoding's
+`more_partial_states` switch covers: prefill checkpoint blocks, the
+shared-prefix checkpoint, periodic retention, the prefill threshold, and
+the `reset`, `events` and `stats` ops. Fixed runs witness each knob's path
+(a test that could pass without reaching it would prove nothing).
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ from kvgate.conformance.ops import LIVE, Segment, Step
 from kvgate.conformance.target import StepRefused
 from kvgate.conformance.writer import dump_trace
 from kvgate.invariants.z3.abstraction import Drift, acting, bounds_of, observe
+from kvgate.invariants.z3.vocabulary import RUNNING, Values
 from kvgate.model.target import ModelTarget
 
 MAX_REQUESTS = 3
@@ -61,6 +71,8 @@ class Run:
     names: dict[str, int] = field(default_factory=dict)
     steps: list[Step] = field(default_factory=list)
     seen: set[str] = field(default_factory=set)  # what the run exercised
+    tails: dict[tuple[int, int], int] = field(default_factory=dict)  # keyed this life
+    in_hypothesis: bool = True  # report what the run exercised as Hypothesis events
 
     def __post_init__(self) -> None:
         self.model = ModelTarget(self.config)
@@ -98,11 +110,45 @@ class Run:
             ),
             ("a copy is pending", any(after["copy_ends"].values())),
             ("blocks are popped", any(after["popped"].values())),
+            (
+                # A sub-block state on a table block that no chunk moves: a
+                # prefill checkpoint exported into its spare column.
+                "a prefill checkpoint is keyed",
+                any(
+                    after["tail_keyed"][b] and after["table"][r, m, b] and not pending
+                    for (r, m, b), pending in after["pending_tail"].items()
+                ),
+            ),
+            (
+                "the tail hold takes a retired checkpoint",
+                not self.config.hold_retired
+                and any(v and before["table"][k] for k, v in after["hold"].items()),
+            ),
+            ("two partial tails in one life", self._second_tail(before, after)),
+            (
+                "reset forgets the keys",
+                step.op == "reset"
+                and any(before["keyed"].values())
+                and not any(after["keyed"].values()),
+            ),
         ):
             if happened and what not in self.seen:
                 self.seen.add(what)
-                event(what)
+                if self.in_hypothesis:
+                    event(what)
         return seen
+
+    def _second_tail(self, before: Values, after: Values) -> bool:
+        """Whether a request keyed a second pending tail in one life (the
+        shared-prefix junction's, then its prompt's)."""
+        second = False
+        for (r, m, b), pending in after["pending_tail"].items():
+            if after["phase"][r] != RUNNING:
+                self.tails.pop((r, m), None)
+            elif pending and not before["pending_tail"][r, m, b]:
+                self.tails[r, m] = self.tails.get((r, m), 0) + 1
+                second = second or self.tails[r, m] >= 2
+        return second
 
     def report(self, what: str) -> str:
         trace = dump_trace("drift", self.config, self.steps)
@@ -182,3 +228,170 @@ def test_every_model_step_is_a_transition(config: Config, data: st.DataObject) -
             run.apply(Step("evict", 0, blocks=blocks))
         else:
             run.apply(Step(kind, 0))
+
+
+# -- the align-mode knobs ---------------------------------------------------------
+
+
+# (prefill_checkpoint_blocks, prefill_checkpoint_alignment) as deployments
+# set them (none: GDN on Triton; one at alignment 1: Mamba2 layers; one on
+# a grid: GDN on FlashInfer, here two units), and two blocks.
+CHECKPOINT_BLOCKS = [(0, None), (1, 1), (1, 2 * UNIT), (1, UNIT), (2, UNIT)]
+
+
+@st.composite
+def knob_configs(draw: st.DrawFn) -> Config:
+    blocks, alignment = draw(st.sampled_from(CHECKPOINT_BLOCKS))
+    mamba = [32] + draw(st.sampled_from([[], [], [32], [16]]))
+    spec = draw(st.integers(0, 1))
+    return Config(
+        num_blocks=10,
+        hash_unit=UNIT,
+        groups=(
+            GroupConfig("full_attention", draw(st.sampled_from([16, 32]))),
+            *[
+                GroupConfig(
+                    "mamba_align",
+                    size,
+                    speculative_blocks=spec,
+                    prefill_checkpoint_blocks=blocks,
+                    prefill_checkpoint_alignment=alignment,
+                )
+                for size in mamba
+            ],
+        ),
+        eagle=draw(st.sampled_from([True, True, False])),  # the junction needs eagle
+        retention_interval=draw(st.sampled_from([None, 0, 64])),
+        hold=draw(st.sampled_from([True, True, False])),
+        hold_retired=draw(st.booleans()),
+        scheduler_block_size=32,
+        max_num_scheduled_tokens=draw(st.sampled_from([16, 32, 8192])),
+        shared_prefix_checkpoint=draw(st.sampled_from([True, True, False])),
+        long_prefill_token_threshold=draw(st.sampled_from([0, 0, 16, 40])),
+        kv_events=draw(st.booleans()),
+    )
+
+
+def produce(run: Run, name: str, prompt: tuple[Segment, ...], decodes: int) -> None:
+    """A request's life up to `decodes` decodes: arrive, admit, prefill chunk
+    by chunk (each step's copies drained), decode; it stops where the pool
+    is short."""
+    spec = run.config.groups[1].speculative_blocks
+    run.apply(Step("arrive", 0, req=name, prompt=prompt))
+    for _ in range(6 + decodes):
+        pending = run.model.requests[name]
+        if pending.phase not in LIVE:
+            return
+        request = pending.request
+        if pending.phase == "waiting":
+            run.apply(Step("lookup", 0, req=name))
+            seen = run.apply(Step("allocate", 0, req=name, tokens="auto", lookahead=spec))
+        elif request.num_computed_tokens < request.num_tokens:
+            seen = run.apply(Step("allocate", 0, req=name, tokens="auto", lookahead=spec))
+        elif decodes > 0:
+            decodes -= 1
+            seen = run.apply(Step("decode1", 0, req=name, spec=spec))
+        else:
+            return
+        run.apply(Step("drain", 0))
+        run.apply(Step("step", 0))
+        if seen is not None and seen.get("ok") is False:
+            return
+
+
+@settings(
+    max_examples=15,
+    deadline=None,
+    phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink],
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(config=knob_configs(), data=st.data())
+def test_every_knob_step_is_a_transition(config: Config, data: st.DataObject) -> None:
+    run = Run(config)
+    for i in range(MAX_REQUESTS):
+        name, fresh = f"R{i}", Segment("fresh", count=data.draw(st.integers(1, 40)))
+        prompt: tuple[Segment, ...] = (Segment("fresh", count=data.draw(st.integers(33, 64))),)
+        if i > 0:
+            base = run.model.requests[f"R{i - 1}"].request
+            kind = data.draw(st.sampled_from(["sibling", "sibling", "all_of", "fresh"]))
+            if kind == "sibling":  # diverges inside the base's prompt: a junction
+                cut = data.draw(st.integers(1, base.num_prompt_tokens))
+                prompt = (Segment("tokens", token_ids=tuple(base.prompt[:cut])), fresh)
+            elif kind == "all_of":
+                prompt = (Segment("all_of", req=f"R{i - 1}"), fresh)
+            else:
+                prompt = (fresh,)
+        produce(run, name, prompt, data.draw(st.integers(0, 2)))
+        for _ in range(data.draw(st.integers(0, 3))):
+            kind = data.draw(
+                st.sampled_from(["free", "pop", "release", "evict", "reset", "events", "stats"])
+            )
+            if kind in ("free", "pop") and live(run):
+                victim = data.draw(st.sampled_from(live(run)))
+                how = data.draw(st.sampled_from(["finish", "abort", "preempt"]))
+                run.apply(Step(kind, 0, req=victim, how=how if kind == "free" else None))
+            elif kind == "release" and run.model.popped:
+                run.apply(Step(kind, 0, req=data.draw(st.sampled_from(list(run.model.popped)))))
+            elif kind == "evict":
+                free = run.model.num_free_blocks()
+                run.apply(Step(kind, 0, blocks=data.draw(st.integers(0, free))))
+            elif kind in ("reset", "events", "stats"):
+                run.apply(Step(kind, 0))
+
+
+def witness(config: Config) -> Run:
+    return Run(config, in_hypothesis=False)
+
+
+def test_a_retired_prefill_checkpoint_is_a_transition() -> None:
+    """Mamba2-style checkpoint blocks (one, alignment 1): the prompt's
+    checkpoint is exported mid-block into the spare column, and when that
+    column leaves the table the tail hold takes it."""
+    run = witness(
+        Config(
+            num_blocks=10,
+            hash_unit=UNIT,
+            groups=(
+                GroupConfig("full_attention", 32),
+                GroupConfig(
+                    "mamba_align", 32, prefill_checkpoint_blocks=1, prefill_checkpoint_alignment=1
+                ),
+            ),
+            eagle=False,
+            retention_interval=None,
+            hold=True,
+            scheduler_block_size=32,
+        )
+    )
+    produce(run, "R0", (Segment("fresh", count=50),), decodes=1)
+    assert {"a prefill checkpoint is keyed", "the tail hold takes a retired checkpoint"} <= run.seen
+
+
+def test_a_junction_and_a_tail_in_one_life_are_transitions() -> None:
+    """The shared-prefix checkpoint: a sibling diverging at 40 keys its
+    junction mid-block and moves it, then its own prompt's tail; then the
+    pool, idle, is reset, and the events and stats ops change nothing."""
+    run = witness(
+        Config(
+            num_blocks=10,
+            hash_unit=UNIT,
+            groups=(GroupConfig("full_attention", 16), GroupConfig("mamba_align", 32)),
+            eagle=True,
+            retention_interval=0,
+            hold=True,
+            scheduler_block_size=32,
+            shared_prefix_checkpoint=True,
+            kv_events=True,
+        )
+    )
+    produce(run, "R0", (Segment("fresh", count=64),), decodes=0)
+    run.apply(Step("free", 0, req="R0", how="finish"))
+    shared = tuple(run.model.requests["R0"].request.prompt[:40])
+    produce(run, "R1", (Segment("tokens", token_ids=shared), Segment("fresh", count=20)), 0)
+    assert "two partial tails in one life" in run.seen
+    for op in ("events", "stats"):
+        run.apply(Step(op, 0))
+    run.apply(Step("free", 0, req="R1", how="finish"))
+    run.apply(Step("drain", 0))
+    run.apply(Step("reset", 0))
+    assert "reset forgets the keys" in run.seen

@@ -107,6 +107,29 @@ def test_each_transition_is_satisfiable_from_an_invariant_state(op: str) -> None
     assert solver.check() == z3.sat, op
 
 
+def test_the_hold_alone_takes_a_retired_checkpoint() -> None:
+    """The align-mode knobs' path is a transition, not a contradiction: in
+    a group keeping more partial states (prefill checkpoint blocks), with
+    the hold on and the fork's retention off, a running request's
+    `remove_skipped` drops a mid-block keyed state that becomes its hold
+    (finite instance: 4 blocks, 2 requests, 3 copies)."""
+    s = UState(2, "s")
+    r = z3.Const("r", REQ)
+    tx = UEncoding(2).build("decode1", s, r, "x")
+    solver = z3.Solver()
+    solver.set("timeout", 30_000)
+    for sort, size, name in ((BLOCK, 4, "b"), (REQ, 2, "q"), (COPY, 3, "c")):
+        solver.add(finite(sort, size, name)[1])
+    solver.add(*[p.holds(s) for p in UPROPERTIES], *[c for _, c in tx.named()])
+    t, kept = tx.view(), z3.Const("x.retired1", BLOCK)
+    solver.add(s["hold_on"], z3.Not(s["retire_on"]), s["more_partial_states1"])
+    solver.add(s["table1"](r, kept), s["tail_keyed"](kept), t["hold1"](r, kept))
+    assert solver.check() == z3.sat
+    # ... and only through the switch: without it the hold alone retires nothing.
+    solver.add(z3.Not(s["more_partial_states1"]))
+    assert solver.check() == z3.unsat
+
+
 @pytest.mark.parametrize("mutation", sorted(FAILS))
 def test_every_mutation_fails_for_every_size_too(mutation: str) -> None:
     prop, op = FAILS[mutation]

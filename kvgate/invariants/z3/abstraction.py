@@ -59,6 +59,13 @@ def observe(target: ModelTarget, names: Mapping[str, int], bounds: Bounds) -> Va
     out: Values = {f.name: {} for f in FIELDS if not f.ghost}
     out["hold_on"][()] = target.config.hold
     out["retire_on"][()] = target.config.hold_retired
+    for m in bounds.mamba_ids:
+        mamba = managers[m]
+        out["more_partial_states"][m] = (
+            isinstance(mamba, MambaManager)
+            and (mamba.has_prefill_checkpoints or mamba.shared_prefix_checkpoint)
+            and pool.hash_unit < mamba.block_size
+        )
     copy_ends = {b: 0 for b in bounds.block_ids}
     # `block_group` is a ghost only for a block nothing uses: a used or keyed
     # block's group is observed (its keys', its table's, its pending copy's,

@@ -310,7 +310,9 @@ def bmc(
     moves = [(op, r) for op in ops for r in (bounds.request_ids if acts_on_request(op) else [None])]
     states = [State(bounds, "s0")]
     solver = z3.Solver()
-    # The traces it writes run without the fork's retention.
+    # The traces it writes run without the fork's retention (and without the
+    # knobs `more_partial_states` stands for: the realizable encoding leaves
+    # that switch out).
     solver.add(init(states[0]), states[0].hold_on == hold_on, z3.Not(states[0].retire_on))
     selectors: list[dict[tuple[str, int | None], Any]] = []
     for k in range(1, depth + 1):

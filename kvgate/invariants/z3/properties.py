@@ -60,11 +60,15 @@ Lemmas (the strengthening; each is what some invariant's induction needs)
                             a pending tail whose keys move away)
     hold_reserved           until the tail moves, a request holds no more
                             than its admission reserved (reservation rests on
-                            it: at the swap, the old hold is a reserved one)
+                            it: at the swap, the old hold is a reserved one);
+                            in a group keeping more partial states, with the
+                            hold on, a running request reserved one
 
-Every property is proved with the hold switch (`hold_on`) and the fork's
-retention (`retire_on`) free, so for all four settings at once; those about
-the hold say "with the hold on" themselves. `reservation_covers_tail_swap`
+Every property is proved with the hold switch (`hold_on`), the fork's
+retention (`retire_on`) and each Mamba group's `more_partial_states`
+(prefill checkpoint blocks, the shared-prefix checkpoint) free, so for
+every setting at once; those about the hold say "with the hold on"
+themselves. `reservation_covers_tail_swap`
 and `hold_reserved` are claimed without the fork's retention only: a state
 it retains is a pin the admission rule this invariant checks does not count
 (the exploration's finding, see README).
@@ -344,6 +348,17 @@ def hold_reserved(s: State, bounds: Bounds) -> list[Instance]:
                 z3.Implies(
                     z3.And(z3.Not(s.retire_on), z3.Or(z3.Not(s.tailed[r, m]), awaiting)),
                     held <= s.reserved[r, m],
+                ),
+                # A group keeping more sub-block states reserves its extra
+                # block at admission, whatever the hit.
+                z3.Implies(
+                    z3.And(
+                        z3.Not(s.retire_on),
+                        s.hold_on,
+                        s.more_partial_states[m],
+                        s.phase[r] == RUNNING,
+                    ),
+                    s.reserved[r, m] == 1,
                 ),
             )
             out.append(_inst("hold_reserved", reserved, r=r, g=m))

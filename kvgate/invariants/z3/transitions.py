@@ -24,7 +24,8 @@ the model guarantees whatever the positions:
   partial tail at most once per life (a prefill passes that position once),
   on a block it took from the pool itself (its running block: a new block or
   its copy-on-write copy, never one adopted from a hit), and that tail is the
-  only mid-block key a Mamba block ever gets;
+  only mid-block key a Mamba block ever gets -- unless the group keeps more
+  partial states (below);
 - a Mamba hit ends where its state's key ends, so a partial Mamba hit is on
   a mid-block key;
 - a running request's hold is always superseded by its moved tail (the tail
@@ -47,6 +48,23 @@ the model guarantees whatever the positions:
 - holds follow a producer's moved keys whatever the switches (the model
   follows them unconditionally; without retention no one holds with the
   hold off).
+
+- with prefill checkpoint blocks or the shared-prefix checkpoint, and a
+  hash unit finer than the group's block (`more_partial_states[m]`, the
+  model's `more_partial_states`; one switch covers both, their union is
+  encoded): a chunk may key a mid-block state on any block of its Mamba
+  table it took itself (an exported checkpoint on its spare column, which
+  no chunk moves), and may key a pending tail more than once per life (the
+  junction's, moved like a tail, then the prompt's); `remove_skipped` may
+  keep a dropped mid-block keyed state as the hold with the hold alone
+  (`Holds.retire` takes sub-block positions: the checkpoint leaving the
+  table), superseding the hold; admission reserves the extra block
+  whatever the hit. A checkpoint the step does not keep (neither the
+  prompt's, nor retained, nor the junction) has its keys dropped within
+  the same `cache` call, on a column no key was on before the step: that
+  step keys nothing, which is already a choice. Periodic retention only
+  changes which own blocks a chunk keys, and the prefill threshold only
+  how many tokens it runs: both are free choices already.
 
 Each of these is checked, not trusted: the drift test
 (`tests/test_z3_drift.py`) runs the model and requires every concrete step
@@ -270,6 +288,17 @@ class Encoding:
         tx.require("the fork's extra is 0 or 1", z3.And(fork >= 0, fork <= 1))
         return z3.If(tx.s.retire_on, fork, upstream)
 
+    def or_more(self, tx: Tx, m: int, rule: Any, *widened: Any) -> Any:
+        """`rule`, or with the group's `more_partial_states` switch on, `widened`.
+
+        Bounded model checking (`realizable`) leaves the switch out: the
+        traces it writes run without prefill checkpoint blocks or the
+        shared-prefix checkpoint, and the search, sensitive to the formula's
+        shape, keeps the paths it found before the switch was encoded."""
+        if self.realizable:
+            return rule
+        return z3.Or(rule, z3.And(tx.s.more_partial_states[m], *widened))
+
     def supersede(
         self, tx: Tx, pool: Pool, old: Mapping[int, Any], do_hold: Any
     ) -> tuple[Pool, dict[int, Any]]:
@@ -416,7 +445,10 @@ class Encoding:
                 within.append(
                     z3.Implies(drop, z3.And(s.table[r, m, b], z3.Not(s.pending_tail[r, m, b])))
                 )
-                within.append(z3.Implies(keep[b], z3.And(drop, s.keyed[b], s.retire_on)))
+                # The fork keeps any keyed state; the hold alone a sub-block
+                # one (a prefill checkpoint's, exported into a spare column).
+                by = self.or_more(tx, m, s.retire_on, self.hold_enabled(tx), s.tail_keyed[b])
+                within.append(z3.Implies(keep[b], z3.And(drop, s.keyed[b], by)))
                 n["table"][r, m, b] = z3.And(s.table[r, m, b], z3.Not(drop))
                 n["own"][r, m, b] = z3.And(s.own[r, m, b], z3.Not(drop))
                 superseded = z3.And(retained, s.hold[r, m, b])
@@ -582,7 +614,9 @@ class Encoding:
         first = z3.And(ok, s.phase[r] == WAITING)
         holding = any_of(s.hold[r, m, b] for b in blocks)
         n["reserved"][r, m] = z3.If(
-            first, self.admission_extra(tx, z3.And(adopt, partial), holding), s.reserved[r, m]
+            first,
+            self.admission_extra(tx, self.or_more(tx, m, z3.And(adopt, partial)), holding),
+            s.reserved[r, m],
         )
         at_swap = count(old.values()) + 1
         n["peak"][r, m] = z3.If(
@@ -609,12 +643,15 @@ class Encoding:
         for m in bounds.mamba_ids:
             tail = tx.bool(f"tail[{m}]")
             at = {b: tx.bool(f"tail[{m},{b}]") for b in bounds.block_ids}
-            rules.append(z3.Implies(tail, z3.And(ok, z3.Not(s.tailed[r, m]))))
+            once = self.or_more(tx, m, z3.Not(s.tailed[r, m]))
+            rules.append(z3.Implies(tail, z3.And(ok, once)))
             rules.append(count(at.values()) == z3.If(tail, 1, 0))
             for b in bounds.block_ids:
                 rules.append(z3.Implies(at[b], z3.And(n["own"][r, m, b], keyed[b], mid_block[b])))
-                # A Mamba block gets a mid-block key only as the prompt's tail.
-                rules.append(z3.Implies(z3.And(keyed[b], mid_block[b], n["table"][r, m, b]), at[b]))
+                # A Mamba block gets a mid-block key only as the prompt's
+                # tail, or as a checkpoint on a block the request took.
+                mid_key = z3.And(keyed[b], mid_block[b], n["table"][r, m, b])
+                rules.append(z3.Implies(mid_key, self.or_more(tx, m, at[b], n["own"][r, m, b])))
                 n["pending_tail"][r, m, b] = z3.Or(n["pending_tail"][r, m, b], at[b])
             n["tailed"][r, m] = z3.Or(s.tailed[r, m], tail)
         tx.require("keys own blocks, the tail once", z3.And(rules))

@@ -44,6 +44,13 @@ no check yet maps every concrete or bounded step onto this encoding:
   pending (the sort is unbounded: a state has finitely many pending copies).
 - "Exactly one block" (a copy-on-write's copy, a pending tail, a hit's
   partial source) is a Skolem constant of sort Block plus a guard.
+- The configuration switches are constants, free in every proof: the
+  hold, the fork's retention, and per Mamba group `more_partial_states`
+  (prefill checkpoint blocks or the shared-prefix checkpoint), which widens
+  the same clauses as in the bounded encoding (see `transitions.py`):
+  checkpoints keyed mid-block on blocks the request took, more than one
+  pending tail per life, the hold alone taking a retired sub-block state,
+  admission's extra whatever the hit.
 
 A request's lifecycle is the action table's (`kvgate.conformance.ops`), as
 in the bounded encoding: each op's guard admits the phases of its
@@ -126,6 +133,14 @@ UFIELDS: tuple[UField, ...] = (
     UField("source_token", ("copy",), "bool", "", False, "ref token of its source endpoint"),
     UField(
         "destination_token", ("copy",), "bool", "", False, "ref token of its destination endpoint"
+    ),
+    UField(
+        "more_partial_states",
+        (),
+        "bool",
+        "mamba",
+        False,
+        "the group keys sub-block states besides the prompt's tail; never changes",
     ),
 )
 UFIELD_BY_NAME = {f.name: f for f in UFIELDS}
@@ -588,7 +603,23 @@ class UEncoding:
             kept, retains = tx.fresh(f"retired{m}", out=BLOCK), tx.fresh(f"retains{m}")
             tx.require(
                 f"a retained state is a keyed dropped one (group {m})",
-                z3.Implies(retains, z3.And(drop(kept), s["keyed"](kept), s["retire_on"])),
+                z3.Implies(
+                    retains,
+                    z3.And(
+                        drop(kept),
+                        s["keyed"](kept),
+                        # The fork keeps any keyed state; the hold alone a
+                        # sub-block one (an exported prefill checkpoint).
+                        z3.Or(
+                            s["retire_on"],
+                            z3.And(
+                                self.hold_enabled(tx),
+                                s.field("more_partial_states", m),
+                                s["tail_keyed"](kept),
+                            ),
+                        ),
+                    ),
+                ),
             )
             retained.append((m, kept, retains))
             hold = s.field("hold", m)
@@ -817,7 +848,9 @@ class UEncoding:
             f"reserved{m}",
             z3.If(
                 first,
-                self.admission_extra(tx, z3.And(adopt, partial), holding),
+                self.admission_extra(
+                    tx, z3.Or(z3.And(adopt, partial), s.field("more_partial_states", m)), holding
+                ),
                 s.field("reserved", m)(r),
             ),
         )
@@ -861,13 +894,16 @@ class UEncoding:
             tail = tx.fresh(f"tail{m}")
             at = tx.fresh(f"tailat{m}", out=BLOCK)
             tailed = s.field("tailed", m)(r)
-            rules.append(z3.Implies(tail, z3.And(ok, z3.Not(tailed))))
+            more = s.field("more_partial_states", m)
+            rules.append(z3.Implies(tail, z3.And(ok, z3.Or(z3.Not(tailed), more))))
             rules.append(z3.Implies(tail, z3.And(owns[m](at), key(at), mid(at))))
             rules.append(
                 forall(
                     (BLOCK,),
-                    lambda b, m=m, tail=tail, at=at: z3.Implies(
-                        z3.And(key(b), mid(b), tables[m](b)), z3.And(tail, b == at)
+                    lambda b, m=m, tail=tail, at=at, more=more: z3.Implies(
+                        z3.And(key(b), mid(b), tables[m](b)),
+                        # the prompt's tail, or a checkpoint on a block it took
+                        z3.Or(z3.And(tail, b == at), z3.And(more, owns[m](b))),
                     ),
                 )
             )

@@ -285,6 +285,17 @@ def hold_reserved(s: UState) -> Any:
                 ),
                 reserved >= 1,
             ),
+            # A group keeping more sub-block states reserves its extra block
+            # at admission, whatever the hit.
+            z3.Implies(
+                z3.And(
+                    z3.Not(s["retire_on"]),
+                    s["hold_on"],
+                    s.field("more_partial_states", m),
+                    s["phase"](r) == RUNNING,
+                ),
+                reserved == 1,
+            ),
         )
 
     return z3.And([forall((REQ,), lambda r, m=m: each(r, m)) for m in s.mamba_ids])

@@ -18,8 +18,15 @@ What is kept, and what is abstracted away:
   which decides which cached state is evicted first, is abstracted away: any
   free block may be the one an allocation or eviction takes), and whether
   they carry a prefix key (`keyed`), and whether one of its keys ends inside
-  a block (`tail_keyed`: a prompt's partial tail; a Mamba hit on it is a
-  partial hit). Which key, and at which token position, is abstracted away.
+  a block (`tail_keyed`: a prompt's partial tail, or with
+  `more_partial_states` an exported prefill checkpoint or a shared-prefix
+  junction; a Mamba hit on it is a partial hit). Which key, and at which
+  token position, is abstracted away.
+- Configuration switches, fixed for a run and free in every proof: the hold
+  (`hold_on`), the fork's retention (`retire_on`), and per Mamba group
+  whether it keys sub-block states besides the prompt's tail
+  (`more_partial_states`: prefill checkpoint blocks or the shared-prefix
+  checkpoint, with a hash unit finer than its block).
 - Requests keep a phase, their block tables as sets per group (null entries
   and table positions dropped), their pending lookup (the hit blocks, and
   which one is a partial-hit source), their pending tail move in each Mamba
@@ -43,7 +50,8 @@ so invariants can speak about history):
   to a copy block; it follows moved keys. Kept whatever the hold switch says: it is
   the specification the hold implements.
 - `tailed`: the request has keyed its prompt's partial tail in this life
-  (at most once: a prefill reaches its tail position once).
+  (at most once: a prefill reaches its tail position once; a group that
+  keeps more partial states may key a junction's before it).
 - `reserved`: the extra block its admission reserved in that Mamba group.
 - `peak`: the most blocks it has pinned at once outside its table through
   its hold and its moved tail's copy (see `properties.py`).
@@ -192,6 +200,13 @@ FIELDS: tuple[Field, ...] = (
     Field("tailed", "bool", ("request", "mamba"), True, "the partial tail was keyed"),
     Field("reserved", "int", ("request", "mamba"), True, "extra blocks admission reserved"),
     Field("peak", "int", ("request", "mamba"), True, "most out-of-table pins at once"),
+    Field(
+        "more_partial_states",
+        "bool",
+        ("mamba",),
+        False,
+        "the group keys sub-block states besides the prompt's tail; never changes",
+    ),
 )
 FIELD_BY_NAME: dict[str, Field] = {f.name: f for f in FIELDS}
 
@@ -220,6 +235,7 @@ class State:
     tailed: dict[tuple[int, int], Any]
     reserved: dict[tuple[int, int], Any]
     peak: dict[tuple[int, int], Any]
+    more_partial_states: dict[int, Any]
 
     def __init__(
         self, bounds: Bounds, prefix: str, values: Mapping[str, Mapping[Key, Any]] | None = None
