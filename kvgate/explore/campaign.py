@@ -23,6 +23,7 @@ import hashlib
 import importlib.util
 import json
 import math
+import multiprocessing
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
@@ -149,6 +150,8 @@ class ShardResult:
     failure: FailureRecord | None = None
     skipped: str = ""  # why the cell cannot run (a config its target refuses)
     error: str = ""  # the shard itself broke
+    # CPU seconds the shard took in its worker (a worker's start-up excluded).
+    cpu_seconds: float = 0.0
 
 
 def mode_for(cell: Cell) -> Mode:
@@ -207,6 +210,7 @@ def run_shard(shard: Shard, profile_name: str, out: str) -> ShardResult:
 
     cell = shard.cell
     started = time.perf_counter()
+    started_cpu = time.process_time()
 
     def result(**fields: Any) -> ShardResult:
         return ShardResult(
@@ -215,6 +219,7 @@ def run_shard(shard: Shard, profile_name: str, out: str) -> ShardResult:
             target=cell.target,
             arm=cell.arm,
             seconds=time.perf_counter() - started,
+            cpu_seconds=time.process_time() - started_cpu,
             **{"examples": 0, "steps": 0, **fields},
         )
 
@@ -295,12 +300,7 @@ def in_processes(jobs: int) -> Engine:
             for shard in shards:
                 yield run_shard(shard, profile_name, out)
             return
-        import multiprocessing
-
-        # Spawned workers: each imports what its shards need (vLLM only for
-        # vLLM cells); nothing half-initialised is inherited from the parent.
-        context = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
+        with ProcessPoolExecutor(max_workers=jobs, mp_context=_worker_context()) as pool:
             pending: set[Future[ShardResult]] = {
                 pool.submit(run_shard, shard, profile_name, out) for shard in shards
             }
@@ -310,6 +310,24 @@ def in_processes(jobs: int) -> Engine:
                     yield future.result()
 
     return run
+
+
+# What every worker needs before its first shard, imported once by the
+# fork server: each worker forks from it warm instead of importing
+# Hypothesis, the model and the explorer itself (vLLM is left to the vLLM
+# cells' workers).
+WORKER_PRELOAD = ("kvgate.explore.runner", "kvgate.explore.profiles", "kvgate.explore.campaign")
+
+
+def _worker_context() -> multiprocessing.context.BaseContext:
+    """Workers forked from a fork server that preloaded `WORKER_PRELOAD`:
+    nothing of the parent's state is inherited (as with spawn), and no
+    worker pays the imports. Spawn where the platform has no fork server."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(list(WORKER_PRELOAD))
+    return context
 
 
 def on_ray(address: str) -> Engine:

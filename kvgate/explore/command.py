@@ -181,7 +181,8 @@ def write_summary(out: TextIO, outcome: Outcome) -> None:
     stats = outcome.stats
     print(
         f"{stats.examples} examples, {stats.steps} steps, {outcome.rounds} round(s), "
-        f"{outcome.seconds:.1f}s",
+        f"{outcome.seconds:.1f}s (besides: {stats.discarded} dropped part-way by Hypothesis, "
+        f"{stats.shrinking} while shrinking)",
         file=out,
     )
     ops = stats.ops

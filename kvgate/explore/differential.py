@@ -12,7 +12,6 @@ from typing import Any
 
 from kvgate.conformance.config import Config
 from kvgate.conformance.driver import OpDriver
-from kvgate.explore.knobs import HASH_UNIT
 from kvgate.explore.machine import Mode
 from kvgate.explore.session import ALL_INVARIANTS, HOLD_ONLY_INVARIANTS
 
@@ -53,11 +52,11 @@ def overlay_differential_mode(retire: bool = False) -> Mode:
 # splits its budget over them (the fault campaign's): eagle's drop on and
 # off (with and without an EAGLE/MTP drafter: the drop lowers every hit by a
 # hash unit and moves the prompt's tail) x no prefill checkpoint block (GDN
-# on Triton) or one on a fine grid (GDN on FlashInfer, Mamba2: a checkpoint
-# column and its exports). A fault on one side is often invisible from the
+# on Triton) or one at alignment 1 (Mamba2: a checkpoint column, and an
+# export at every chunk end inside a block). A fault on one side is often invisible from the
 # other; within each, every other knob is drawn.
 FAMILIES: tuple[dict[str, Any], ...] = tuple(
     {"eagle": eagle, "prefill_checkpoint": checkpoint}
     for eagle in (True, False)
-    for checkpoint in ((0, None), (1, 2 * HASH_UNIT))
+    for checkpoint in ((0, None), (1, 1))
 )

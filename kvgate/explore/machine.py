@@ -39,6 +39,8 @@ from typing import Any, ClassVar, Literal
 
 from hypothesis import strategies as st
 from hypothesis import target
+from hypothesis.control import current_build_context
+from hypothesis.internal.conjecture.data import Status
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
 from kvgate.conformance.config import Config
@@ -68,7 +70,14 @@ class Stats:
     ops: Counter[str] = field(default_factory=Counter)
     # Configs drawn, per value of each align-mode knob ("knob=value").
     knobs: Counter[str] = field(default_factory=Counter)
+    # Examples as Hypothesis counts them against `max_examples`: those it
+    # ran to the end before the first failure. Not counted: `discarded`,
+    # examples Hypothesis dropped part-way (its choice buffer overran, as a
+    # long stateful example's draws do), which it runs but does not count;
+    # `shrinking`, the runs after the first failure while it shrinks.
     examples: int = 0
+    discarded: int = 0
+    shrinking: int = 0
     steps: int = 0
     started: float = field(default_factory=time.perf_counter)
     # Seconds from `started` to the first failing step Hypothesis ran
@@ -216,6 +225,7 @@ class ExploreMachine(RuleBasedStateMachine):
         self._session: Session | None = None
         self._names = count()
         # What `hypothesis.target` maximizes, at the end of the example.
+        self.first_failing = False  # this example raised the run's first failure
         self.resume_depth = 0
         self.pinned = 0
         self.pressure = 0.0
@@ -232,6 +242,7 @@ class ExploreMachine(RuleBasedStateMachine):
             observed = self.session.run(op, **fields)
         except ExploreFailure:
             if stats.first_failure is None:
+                self.first_failing = True
                 stats.first_failure = time.perf_counter() - stats.started
                 stats.first_failure_cpu = time.process_time() - stats.started_cpu
             raise
@@ -284,7 +295,12 @@ class ExploreMachine(RuleBasedStateMachine):
             target(float(self.pinned), label="held and in-flight blocks")
             target(self.pressure, label="free-queue pressure")
         stats = self.mode.stats
-        stats.examples += 1
+        if stats.first_failure is not None and not self.first_failing:
+            stats.shrinking += 1
+        elif current_build_context().data.status in (Status.OVERRUN, Status.INVALID):
+            stats.discarded += 1
+        else:
+            stats.examples += 1
         if stats.on_example is not None:
             stats.on_example(stats)
 
