@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import replace
+from pathlib import Path
+from typing import Any
 
 import pytest
 from test_align_knobs import model_hits
@@ -197,3 +199,42 @@ def test_attention_cached_stops_where_the_keys_do() -> None:
     )
     trace = parse_trace(text)
     assert replay(trace, ModelTarget(trace.config), None, "strict").passed
+
+
+@needs_vllm
+@pytest.mark.parametrize("lookahead", [1, 0])
+def test_the_real_scheduler_keeps_lockstep_with_lookahead_hashes(
+    tmp_path: Path, lookahead: int
+) -> None:
+    """vLLM's own `Scheduler`, built with (or without) lookahead hashes as the
+    config says (its derived num_hash_lookahead_tokens cross-checked), runs a
+    small multi-turn workload in strict lockstep with the model."""
+    from kvgate import targets
+    from kvgate.workload.deployment import Deployment
+    from kvgate.workload.lockstep import run_on_scheduler
+    from kvgate.workload.plan import Workload, make_plan
+
+    scale = 32
+    deployment = Deployment(build="upstream").scaled(scale)
+    workload = Workload(sessions=2, turns=2)
+    config = replace(
+        deployment.config(64 // scale, False, workload.sessions),
+        hash_lookahead_tokens=lookahead,
+    )
+    assert config.eagle
+    factory: Any = targets.target_factory("vllm-scheduler")
+    real = factory(config, spec_tokens=deployment.spec_tokens, max_num_seqs=deployment.max_num_seqs)
+    assert int(real.scheduler.num_hash_lookahead_tokens) == lookahead
+    result = run_on_scheduler(
+        config,
+        make_plan(workload, scale),
+        real=real,
+        name="lookahead",
+        out=tmp_path,
+        about="test",
+        system_prompt=workload.system_prompt // scale,
+        spec=deployment.spec_tokens,
+        max_num_seqs=deployment.max_num_seqs,
+        level="strict",
+    )
+    assert result.replay.passed, result.replay.divergence

@@ -370,6 +370,11 @@ class OpDriver(ABC, Generic[R]):
             # (as vLLM's Scheduler appends it after the step): the next decode
             # finds it already appended.
             self.append_output(request, self.fresh.take(step.sample))
+            if self.config.hash_lookahead_tokens:
+                # Lookahead hashes come with an EAGLE drafter, so the Scheduler
+                # runs with drafts and `update_from_output` re-caches once the
+                # output is in: the prompt's last block gets its key now.
+                self.cache_blocks(request, self.num_computed(request))
         result: dict[str, Any] = {"ok": ok, "tokens": num_new, "prompt_done": done}
         if ok and done:
             # The chunk that completes the prefill emits the first output;
@@ -391,9 +396,10 @@ class OpDriver(ABC, Generic[R]):
         if ok:
             self.set_num_computed(request, self.num_computed(request) + 1)
             self.append_output(request, self.fresh.take(1))
-            if step.spec:
-                # With drafts, `update_from_output` re-caches the request up
-                # to its computed tokens once the step's output is in.
+            if step.spec or self.config.hash_lookahead_tokens:
+                # With drafts (lookahead hashes imply a drafter), `update_from_output`
+                # re-caches the request up to its computed tokens once the
+                # step's output is in.
                 self.cache_blocks(request, self.num_computed(request))
         return {"ok": ok}
 
