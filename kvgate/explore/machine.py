@@ -141,7 +141,9 @@ def tail_lands(config: Config, total: int, landing: Landing) -> bool:
         return True
     if landing == "whole blocks":  # the prompt itself, as templated prompts often are
         return total % mamba_block(config) == 0
-    tail = checkpoint_position(total, config.hash_unit, config.eagle)
+    tail = checkpoint_position(
+        total, config.hash_unit, config.block_drop, config.hash_lookahead_tokens
+    )
     block = mamba_block(config)
     if landing == "boundary":
         return tail > 0 and tail % block == 0
@@ -263,7 +265,12 @@ class ExploreMachine(RuleBasedStateMachine):
             parent = session.parent(req)
             if parent is not None:
                 # How far inside a Mamba block the parent's reusable state sits.
-                tail = checkpoint_position(session.tokens(parent), config.hash_unit, config.eagle)
+                tail = checkpoint_position(
+                    session.tokens(parent),
+                    config.hash_unit,
+                    config.block_drop,
+                    config.hash_lookahead_tokens,
+                )
                 depth = tail % mamba_block(config)
                 self.resume_depth = max(self.resume_depth, depth)
 
@@ -557,7 +564,9 @@ class ExploreMachine(RuleBasedStateMachine):
         self._run("arrive", req=name, prompt=fresh(n))
         config = self.session.config
         if shape.interrupt_at in ("tail", "first chunk"):
-            tail = checkpoint_position(n, config.hash_unit, config.eagle)
+            tail = checkpoint_position(
+                n, config.hash_unit, config.block_drop, config.hash_lookahead_tokens
+            )
             if self._prefill_until(name, tail if shape.interrupt_at == "tail" else 1):
                 self._interrupt(name, shape)
         if not self._prefill(name, 0, PREFILL_ROUNDS):
