@@ -149,14 +149,22 @@ for now in "$outdir"/*.txt; do
       "$python" - "$now" $added <<'EOF'
 import sys
 path, added = sys.argv[1], set(sys.argv[2:])
-keep, skipping = [], False
+# A trace's verdict line, and its failure block ("<name>: first divergence
+# ..." up to the blank line after it).
+keep, verdict, block = [], False, False
 for line in open(path).read().splitlines():
     words = line.split(" ")
     if words[0] in ("PASS", "FAIL", "ERROR") and len(words) > 1:
-        skipping = words[1] in added
-    elif not line.startswith(" ") and line:
-        skipping = False
-    if not skipping:
+        verdict, block = words[1] in added, False
+    elif not line:
+        if block:
+            block = False
+            continue
+        verdict = False
+    elif not line.startswith(" "):
+        verdict = False
+        block = any(line.startswith(name + ":") for name in added)
+    if not (verdict or block):
         keep.append(line)
 open(path, "w").write("\n".join(keep) + "\n")
 EOF

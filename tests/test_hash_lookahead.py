@@ -181,3 +181,19 @@ def test_the_lookahead_fault_is_caught_by_the_sibling_trace() -> None:
     with injected(BY_NAME["lookahead-hash-misses-next-token"]):
         assert not run()
     assert run()
+
+
+def test_attention_cached_stops_where_the_keys_do() -> None:
+    """B resends A's 32-token prompt: its last unit has no key yet (it needs
+    token 32), so the model's attention_cached reports the 24 tokens it can
+    name (it indexed past the keys before)."""
+    text = trace_text("  eagle: true\n  hash_lookahead_tokens: 1\n").replace(
+        "{fresh: 70}", "{fresh: 32}"
+    ) + (
+        "  - {op: prefill, req: A}\n"
+        "  - {op: decode, req: A, steps: 2}\n"
+        "  - {op: arrive, req: B, prompt: [{prompt_of: A}]}\n"
+        "  - {op: check, attention_cached: {B: 24}}\n"
+    )
+    trace = parse_trace(text)
+    assert replay(trace, ModelTarget(trace.config), None, "strict").passed

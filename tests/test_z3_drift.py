@@ -18,8 +18,9 @@ retention, eagle, sparse, dense and periodic retention), and
 inside its prompt) under the align-mode knobs the encoding's
 `more_partial_states` switch covers: prefill checkpoint blocks, the
 shared-prefix checkpoint, periodic retention, the prefill threshold, and
-the `reset`, `events` and `stats` ops. Fixed runs witness each knob's path
-(a test that could pass without reaching it would prove nothing).
+(besides) lookahead block hashes and the `reset`, `events` and `stats` ops.
+Fixed runs witness each knob's path (a test that could pass without
+reaching it would prove nothing).
 """
 
 from __future__ import annotations
@@ -244,6 +245,9 @@ def knob_configs(draw: st.DrawFn) -> Config:
     blocks, alignment = draw(st.sampled_from(CHECKPOINT_BLOCKS))
     mamba = [32] + draw(st.sampled_from([[], [], [32], [16]]))
     spec = draw(st.integers(0, 1))
+    eagle = draw(st.sampled_from([True, True, False]))  # the junction needs eagle
+    # Lookahead block hashes (an EAGLE/MTP drafter's): keys cover the next token.
+    lookahead = draw(st.sampled_from([0, 0, 1])) if eagle else 0
     return Config(
         num_blocks=10,
         hash_unit=UNIT,
@@ -260,7 +264,7 @@ def knob_configs(draw: st.DrawFn) -> Config:
                 for size in mamba
             ],
         ),
-        eagle=draw(st.sampled_from([True, True, False])),  # the junction needs eagle
+        eagle=eagle,
         retention_interval=draw(st.sampled_from([None, 0, 64])),
         hold=draw(st.sampled_from([True, True, False])),
         hold_retired=draw(st.booleans()),
@@ -269,6 +273,7 @@ def knob_configs(draw: st.DrawFn) -> Config:
         shared_prefix_checkpoint=draw(st.sampled_from([True, True, False])),
         long_prefill_token_threshold=draw(st.sampled_from([0, 0, 16, 40])),
         kv_events=draw(st.booleans()),
+        hash_lookahead_tokens=lookahead,
     )
 
 
@@ -300,7 +305,7 @@ def produce(run: Run, name: str, prompt: tuple[Segment, ...], decodes: int) -> N
 
 
 @settings(
-    max_examples=15,
+    max_examples=20,
     deadline=None,
     phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink],
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],

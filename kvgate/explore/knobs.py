@@ -162,6 +162,13 @@ KNOBS: tuple[Knob, ...] = (
         (False, True),
         lambda c, v: replace(c, reserve_full_sequence=v),
     ),
+    # vLLM's default for an EAGLE/MTP drafter: lookahead block hashes (L = 1)
+    # instead of the trailing-block drop; only with eagle (else 0).
+    Knob(
+        "hash_lookahead_tokens",
+        (0, 1),
+        lambda c, v: replace(c, hash_lookahead_tokens=v if c.eagle else 0),
+    ),
 )
 KNOB_NAMES = tuple(k.name for k in KNOBS)
 

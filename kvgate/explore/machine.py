@@ -128,6 +128,7 @@ def knob_values(config: Config) -> tuple[str, ...]:
         f"shared_prefix_checkpoint={config.shared_prefix_checkpoint}",
         f"shared_prefix_checkpoint_in_effect={config.shared_prefix_checkpoint_on}",
         f"long_prefill_token_threshold={config.long_prefill_token_threshold}",
+        f"hash_lookahead_tokens={config.hash_lookahead_tokens}",
     )
 
 

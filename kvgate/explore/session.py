@@ -173,7 +173,10 @@ class Session:
         if cached is None or cached[0] != len(tokens):
             unit = self.config.hash_unit
             names = {
-                f"g{group}/{key}": (i + 1) * unit for i, key in enumerate(prefix_keys(tokens, unit))
+                f"g{group}/{key}": (i + 1) * unit
+                for i, key in enumerate(
+                    prefix_keys(tokens, unit, self.config.hash_lookahead_tokens)
+                )
             }
             cached = (len(tokens), names)
             self._prefix[(request, group)] = cached

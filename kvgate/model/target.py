@@ -176,8 +176,11 @@ class ModelTarget(OpDriver[Request]):
     def attention_cached(self, request: Request) -> int:
         attention = self.manager.coordinator.managers[self.attention_group]
         size = attention.block_size
+        # Only blocks with a key (with lookahead hashes, the prompt's last
+        # block may have none yet).
+        usable = min(request.num_prompt_tokens, len(request.keys) * self.config.hash_unit)
         cached = 0
-        while (cached + size) <= request.num_prompt_tokens and self.pool.cached_block(
+        while (cached + size) <= usable and self.pool.cached_block(
             request.keys[(cached + size) // self.config.hash_unit - 1], [attention.group_id]
         ):
             cached += size
