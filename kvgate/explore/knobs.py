@@ -149,13 +149,6 @@ KNOBS: tuple[Knob, ...] = (
     ),
     # KV-cache events queued for the `events` op.
     Knob("kv_events", (False, True), lambda c, v: replace(c, kv_events=v)),
-    # Lookahead block hashes (vLLM's default for an EAGLE drafter; L = 1):
-    # with eagle only, so eagle off keeps 0.
-    Knob(
-        "hash_lookahead_tokens",
-        (0, 1),
-        lambda c, v: replace(c, hash_lookahead_tokens=v if c.eagle else 0),
-    ),
     # The scheduler's full-sequence admission gate (`scheduler_reserve_full_isl`).
     Knob(
         "reserve_full_sequence",
