@@ -565,7 +565,9 @@ class ExploreMachine(RuleBasedStateMachine):
         self._run("arrive", req=name, prompt=fresh(n))
         config = self.session.config
         if shape.interrupt_at in ("tail", "first chunk"):
-            tail = checkpoint_position(n, config.hash_unit, config.eagle)
+            tail = checkpoint_position(
+                n, config.hash_unit, config.block_drop, config.hash_lookahead_tokens
+            )
             if self._prefill_until(name, tail if shape.interrupt_at == "tail" else 1):
                 self._interrupt(name, shape)
         if not self._prefill(name, 0, PREFILL_ROUNDS):

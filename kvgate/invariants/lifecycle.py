@@ -211,7 +211,7 @@ class NoTotalMiss:
             return None
         config = self.world.config
         attention = next(g for g in config.groups if g.kind == "full_attention")
-        margin = config.hash_unit if config.eagle else 0
+        margin = config.hash_unit if config.block_drop else 0
         needed = -(-(h + margin) // attention.block_size) * attention.block_size
         cached = self.world.attention_cached(follow_up)
         hit = event.observed.get("hit")

@@ -43,10 +43,10 @@ Verdict = Literal["caught", "missed", "not applicable", "hung", "error"]
 
 # The exploration's budget per fault (`--explore`): examples, split between
 # the deployment families of `explore.differential.FAMILIES`, each of
-# `EXPLORE_STEPS` rules: about 10 s of CPU per fault on this machine when
+# `EXPLORE_STEPS` rules: about 15 s of CPU per fault on this machine when
 # nothing is found (it runs only where the corpus misses, or with
 # `--explore-every-fault`).
-EXPLORE_EXAMPLES = 200
+EXPLORE_EXAMPLES = 300
 # Rules per example: long enough for a state one rule leaves (a block with
 # two keys, a stale record) to meet what another rule does later (a burst,
 # a re-admission).
