@@ -10,7 +10,10 @@ exploration's starting config, `kvgate.explore.knobs.SEED_CONFIG`, a
 
 from __future__ import annotations
 
+import importlib.util
 import textwrap
+
+import pytest
 
 from kvgate.conformance.config import Config, GroupConfig
 
@@ -50,3 +53,30 @@ def trace_text(
 ) -> str:
     """A trace document: `head`, `name`, `config`, then the `steps` block."""
     return f"{head}name: {name}\n{config}steps:\n" + textwrap.indent(textwrap.dedent(steps), "  ")
+
+
+needs_vllm = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"
+)
+
+# A small two-group trace (64 blocks, hash unit 8, attention blocks of 8,
+# Mamba blocks of 32) with one arrival, for tests of one config knob:
+# `extra` adds config keys, `mamba` keys of the Mamba group.
+SMALL_TRACE = """\
+format: kvgate-trace/1
+name: {name}
+config:
+  num_blocks: 64
+  hash_unit: 8
+  retention_interval: {retention}
+{extra}  groups:
+    - {{kind: full_attention, block_size: 8}}
+    - {{kind: mamba_align, block_size: 32{mamba}}}
+steps:
+  - {{op: arrive, req: A, prompt: [{{fresh: 70}}]}}
+"""
+
+
+def small_trace(name: str, retention: str = "0", mamba: str = "", extra: str = "") -> str:
+    """`SMALL_TRACE` with its blanks filled."""
+    return SMALL_TRACE.format(name=name, retention=retention, mamba=mamba, extra=extra)

@@ -4,12 +4,12 @@ families, and the knobs' effects on the model and on the installed vLLM."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
 from dataclasses import replace
 from typing import Any
 
 import pytest
+from configs import needs_vllm, small_trace
 
 from kvgate.conformance.config import Config, GroupConfig, UnsupportedConfig, validate
 from kvgate.conformance.replay import replay
@@ -19,27 +19,10 @@ from kvgate.model import ModelTarget
 from kvgate.model.request import Request
 
 CORPUS = {t.name: t for t in load_corpus(bundled_corpus())}
-needs_vllm = pytest.mark.skipif(
-    importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"
-)
-
-HEADER = """\
-format: kvgate-trace/1
-name: knobs
-config:
-  num_blocks: 64
-  hash_unit: 8
-  retention_interval: {retention}
-  groups:
-    - {{kind: full_attention, block_size: 8}}
-    - {{kind: mamba_align, block_size: 32{mamba}}}
-{extra}steps:
-  - {{op: arrive, req: A, prompt: [{{fresh: 70}}]}}
-"""
 
 
 def trace_text(retention: str = "0", mamba: str = "", extra: str = "") -> str:
-    return HEADER.format(retention=retention, mamba=mamba, extra=extra)
+    return small_trace("knobs", retention, mamba, extra)
 
 
 def test_the_knobs_read_and_write_back() -> None:

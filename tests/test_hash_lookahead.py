@@ -4,12 +4,12 @@ the trailing-block drop, and the installed vLLM on the same traces."""
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
+from configs import needs_vllm, small_trace
 from test_align_knobs import model_hits
 
 from kvgate.conformance.config import Config, GroupConfig, UnsupportedConfig, validate
@@ -22,27 +22,10 @@ from kvgate.model.mamba import checkpoint_position
 
 CORPUS = {t.name: t for t in load_corpus(bundled_corpus())}
 LOOKAHEAD_TRACES = sorted(name for name in CORPUS if name.startswith("mtp-lookahead-"))
-needs_vllm = pytest.mark.skipif(
-    importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"
-)
-
-HEADER = """\
-format: kvgate-trace/1
-name: lookahead
-config:
-  num_blocks: 64
-  hash_unit: 8
-  retention_interval: 0
-{extra}  groups:
-    - {{kind: full_attention, block_size: 8}}
-    - {{kind: mamba_align, block_size: 32}}
-steps:
-  - {{op: arrive, req: A, prompt: [{{fresh: 70}}]}}
-"""
 
 
 def trace_text(extra: str) -> str:
-    return HEADER.format(extra=extra)
+    return small_trace("lookahead", extra=extra)
 
 
 def test_the_field_reads_and_writes_back_only_when_set() -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 from kvgate.conformance.config import Config
 from kvgate.conformance.events import KvEvent, normalized
@@ -468,3 +468,62 @@ class OpDriver(ABC, Generic[R]):
             raise StepRefused("blocks", f"{n} blocks asked, {free} free")
         self.evict(n)
         return {}
+
+
+class ManagerDriver(OpDriver[R]):
+    """An `OpDriver` over an object with vLLM's `KVCacheManager` interface
+    (vLLM's own or the model's, which keeps its names): the hooks that are one
+    call of the manager or of its block pool, written once. Ids and counts
+    are made plain ints, as vLLM may hand back numpy or torch scalars."""
+
+    manager: Any  # the manager under test; the subclass sets it
+
+    def allocate_slots(
+        self,
+        request: R,
+        num_new: int,
+        hit: int,
+        hit_blocks: Any,
+        lookahead: int,
+        full_sequence: bool = False,
+    ) -> bool:
+        got = self.manager.allocate_slots(
+            request,
+            num_new,
+            num_new_computed_tokens=hit,
+            new_computed_blocks=hit_blocks,
+            num_lookahead_tokens=lookahead,
+            full_sequence_must_fit=full_sequence,
+        )
+        # vLLM answers with the new blocks or None, the model with a bool.
+        return got is not None and got is not False
+
+    def cache_blocks(self, request: R, num_computed: int) -> None:
+        self.manager.cache_blocks(request, num_computed)
+
+    def estimate_cached_tokens(self, request: R) -> int:
+        return int(self.manager.estimate_cached_tokens(request))
+
+    def computed_block_ids(self, request: R, num_computed: int) -> list[list[int]]:
+        request_id = cast(Any, request).request_id
+        ids = self.manager.get_block_ids_for_computed_tokens(request_id, num_computed)
+        return [[int(i) for i in group] for group in ids]
+
+    def take_new_block_ids(self) -> list[int]:
+        return [int(i) for i in self.manager.take_new_block_ids()]
+
+    def free(self, request: R) -> None:
+        self.manager.free(request)
+
+    def pop_blocks_for_free(self, request: R) -> list[Any]:
+        return list(self.manager.pop_blocks_for_free(request))
+
+    def free_blocks(self, blocks: list[Any]) -> None:
+        self.manager.block_pool.free_blocks(blocks)
+
+    def new_step_starts(self) -> None:
+        self.manager.new_step_starts()
+
+    def evict(self, n: int) -> None:
+        pool = self.manager.block_pool
+        pool.free_blocks(pool.get_new_blocks(n))

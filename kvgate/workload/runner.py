@@ -32,6 +32,8 @@ from kvgate.workload.progress import Progress
 
 @dataclass(frozen=True)
 class Arm:
+    """One arm of the workload: a hash unit and a hold setting."""
+
     unit: int  # the hash unit (= attention block), scaled
     hold: bool
 
@@ -42,6 +44,8 @@ class Arm:
 
 @dataclass(frozen=True)
 class ArmResult:
+    """An arm's trace and, when it was replayed, its counts and replay."""
+
     arm: Arm
     trace: Trace
     # None when the arm was not replayed (see `skipped`).

@@ -165,6 +165,8 @@ class Bounds:
 
 @dataclass(frozen=True)
 class Field:
+    """One state variable: a Z3 function (or constant) of its axes."""
+
     name: str
     sort: Sort
     axes: tuple[Axis, ...]
