@@ -26,6 +26,7 @@ import io
 import os
 import tempfile
 from collections.abc import Sequence
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -88,11 +89,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         scheduler(first).close()
         for arm, path in zip(arms, paths, strict=True):
             trace = load_trace(path)
-            target = manager(trace.config)
-            try:
+            with closing(manager(trace.config)) as target:
                 result = replay(trace, target, ModelTarget, level)
-            finally:
-                target.close()
             manager_s = result.seconds
             if not result.passed:
                 raise SystemExit(f"{arm.label}: manager level: {result.divergence}")

@@ -4,6 +4,7 @@ that what it saves replays as a failing trace."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import closing
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -57,11 +58,8 @@ def model_replay(trace: Trace, hold: bool | None = None) -> tuple[bool, list[str
     """Replay on the model alone (the trace's own expectations judge it)."""
     if hold is not None:
         trace = replace(trace, config=replace(trace.config, hold=hold))
-    target = ModelTarget(trace.config)
-    try:
+    with closing(ModelTarget(trace.config)) as target:
         result = replay(trace, target, None, "api")
-    finally:
-        target.close()
     failures = result.failures
     return result.passed, [f"{d.step.op}:{d.what}:{d.expected}:{d.actual}" for d in failures]
 

@@ -4,6 +4,7 @@ the trailing-block drop, and the installed vLLM on the same traces."""
 
 from __future__ import annotations
 
+from contextlib import closing
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -156,11 +157,8 @@ def test_the_lookahead_fault_is_caught_by_the_sibling_trace() -> None:
     trace = CORPUS["mtp-lookahead-sibling-diverges-at-boundary"]
 
     def run() -> bool:
-        target = VllmTarget(trace.config)
-        try:
+        with closing(VllmTarget(trace.config)) as target:
             return replay(trace, target, ModelTarget, "strict").passed
-        finally:
-            target.close()
 
     assert run()
     with injected(BY_NAME["lookahead-hash-misses-next-token"]):

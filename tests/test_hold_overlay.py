@@ -13,6 +13,7 @@ import importlib.util
 import logging
 import shutil
 from collections.abc import Iterator
+from contextlib import closing
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -199,11 +200,8 @@ def test_the_overlay_is_exercised_on_two_mamba_groups(overlay: Any) -> None:
             flipped = replace(trace, config=replace(trace.config, hold=True))
             from kvgate.impl.vllm_target import VllmTarget
 
-            target = WatchedTarget(VllmTarget(flipped.config, plugin=PLUGIN), after)
-            try:
+            with closing(WatchedTarget(VllmTarget(flipped.config, plugin=PLUGIN), after)) as target:
                 replay(flipped, target, ModelTarget, "strict")
-            finally:
-                target.close()
     assert groups_held >= {1, 2}
 
 

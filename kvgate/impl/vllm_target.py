@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvgate.conformance.config import Config
-from kvgate.conformance.driver import ManagerDriver
+from kvgate.conformance.driver import OpDriver
 from kvgate.conformance.events import KvEvent
 from kvgate.conformance.ops import STATS_KEYS
 from kvgate.conformance.snapshot import Snapshot
@@ -38,7 +38,7 @@ from kvgate.impl.vllm_view import ManagerView
 __all__ = ["VllmTarget"]
 
 
-class VllmTarget(ManagerDriver[Any]):
+class VllmTarget(OpDriver[Any]):
     """The installed vLLM's `KVCacheManager`, driven per the trace format.
 
     The op flow (pending lookups, refusals, token bookkeeping) is the shared

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvgate.conformance.config import Config
-from kvgate.conformance.driver import ManagerDriver
+from kvgate.conformance.driver import OpDriver
 from kvgate.conformance.events import KvEvent
 from kvgate.conformance.snapshot import BlockView, Snapshot, kept_aside
 from kvgate.conformance.target import Capabilities
@@ -19,7 +19,7 @@ def hash_name(key: HashKey) -> str:
     return f"g{key[0]}/{key[1]}"
 
 
-class ModelTarget(ManagerDriver[Request]):
+class ModelTarget(OpDriver[Request]):
     manager: KVCacheManager
 
     def __init__(self, config: Config) -> None:
