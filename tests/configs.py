@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import textwrap
+from typing import Any
 
 import pytest
 
@@ -80,3 +81,28 @@ steps:
 def small_trace(name: str, retention: str = "0", mamba: str = "", extra: str = "") -> str:
     """`SMALL_TRACE` with its blanks filled."""
     return SMALL_TRACE.format(name=name, retention=retention, mamba=mamba, extra=extra)
+
+
+def hybrid_config(
+    *groups: GroupConfig,
+    num_blocks: int = 32,
+    eagle: bool = False,
+    retention_interval: int | None = 0,
+    hold: bool = False,
+    **fields: Any,
+) -> Config:
+    """A config over `groups`, the attention group first. Unless `fields`
+    say otherwise, the hash unit is the attention block and the scheduler
+    block the largest Mamba block (what vLLM derives for such a model)."""
+    fields.setdefault("hash_unit", groups[0].block_size)
+    fields.setdefault(
+        "scheduler_block_size", max(g.block_size for g in groups if g.kind == "mamba_align")
+    )
+    return Config(
+        num_blocks=num_blocks,
+        groups=groups,
+        eagle=eagle,
+        retention_interval=retention_interval,
+        hold=hold,
+        **fields,
+    )

@@ -9,9 +9,9 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
-from configs import needs_vllm, small_trace
+from configs import hybrid_config, needs_vllm, small_trace
 
-from kvgate.conformance.config import Config, GroupConfig, UnsupportedConfig, validate
+from kvgate.conformance.config import GroupConfig, UnsupportedConfig, validate
 from kvgate.conformance.replay import replay
 from kvgate.conformance.trace import Trace, TraceError, bundled_corpus, load_corpus, parse_trace
 from kvgate.conformance.writer import config_dict
@@ -176,14 +176,11 @@ def test_internal_checkpoints_run_a_prompt_in_one_chunk() -> None:
 def test_vllm_accepts_the_retention_intervals_the_model_accepts() -> None:
     from kvgate.impl.vllm_target import VllmTarget
 
-    base = Config(
-        num_blocks=32,
-        hash_unit=8,
-        groups=(GroupConfig("full_attention", 8), GroupConfig("mamba_align", 32, 0, 1, 64)),
+    base = hybrid_config(
+        GroupConfig("full_attention", 8),
+        GroupConfig("mamba_align", 32, 0, 1, 64),
         eagle=True,
         retention_interval=96,
-        hold=False,
-        scheduler_block_size=32,
         shared_prefix_checkpoint=True,
     )
     validate(base)

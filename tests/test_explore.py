@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from configs import hybrid_config
 from conftest import Found
 from hypothesis import Phase
 
@@ -39,14 +40,8 @@ from kvgate.model.hold import Holds
 from kvgate.model.pool import BlockPool
 
 # The seed's config: the hold under test is off here; modes set it.
-SEED = Config(
-    num_blocks=32,
-    hash_unit=8,
-    groups=(GroupConfig("full_attention", 8), GroupConfig("mamba_align", 32, 3)),
-    eagle=True,
-    retention_interval=0,
-    hold=False,
-    scheduler_block_size=32,
+SEED = hybrid_config(
+    GroupConfig("full_attention", 8), GroupConfig("mamba_align", 32, 3), eagle=True
 )
 # Searches that must find a planted failure: a fixed seed keeps them
 # deterministic, the budget is far above what they need, and Hypothesis's own

@@ -10,10 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from configs import needs_vllm, small_trace
+from configs import hybrid_config, needs_vllm, small_trace
 from test_align_knobs import model_hits
 
-from kvgate.conformance.config import Config, GroupConfig, UnsupportedConfig, validate
+from kvgate.conformance.config import GroupConfig, UnsupportedConfig, validate
 from kvgate.conformance.replay import replay
 from kvgate.conformance.tokens import prefix_keys
 from kvgate.conformance.trace import TraceError, bundled_corpus, load_corpus, parse_trace
@@ -101,14 +101,11 @@ def test_lookahead_follow_up_turn_resumes_a_unit_later_than_the_drop() -> None:
     assert model_hits(drop) == [0, 576, 1088]
 
 
-BASE = Config(
+BASE = hybrid_config(
+    GroupConfig("full_attention", 64),
+    GroupConfig("mamba_align", 256, 3, 1, 64),
     num_blocks=64,
-    hash_unit=64,
-    groups=(GroupConfig("full_attention", 64), GroupConfig("mamba_align", 256, 3, 1, 64)),
     eagle=True,
-    retention_interval=0,
-    hold=False,
-    scheduler_block_size=256,
     hash_lookahead_tokens=1,
 )
 

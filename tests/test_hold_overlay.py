@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from configs import hybrid_config
 
 from kvgate import cli
 from kvgate.conformance.ops import Step
@@ -258,18 +259,12 @@ def test_one_startup_line_when_the_hold_is_active(overlay: Any) -> None:
     from kvgate.impl.vllm_target import VllmTarget
 
     def config(unit: int, hold: bool) -> Config:
-        return Config(
-            num_blocks=32,
-            hash_unit=unit,
-            groups=(
-                GroupConfig("full_attention", unit),
-                GroupConfig("mamba_align", LOG_BLOCK),
-                GroupConfig("mamba_align", LOG_BLOCK),
-            ),
-            eagle=False,
+        return hybrid_config(
+            GroupConfig("full_attention", unit),
+            GroupConfig("mamba_align", LOG_BLOCK),
+            GroupConfig("mamba_align", LOG_BLOCK),
             retention_interval=None,
             hold=hold,
-            scheduler_block_size=LOG_BLOCK,
         )
 
     logger = logging.getLogger(overlay.LOGGER_NAME)
