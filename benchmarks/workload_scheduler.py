@@ -99,13 +99,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 arm_result = run_on_scheduler(
                     trace.config,
                     sessions,
+                    deployment.serving(workload.system_prompt),
                     real=real,
                     name=trace_name(workload, deployment, arm) + ".scheduler",
                     out=out,
                     about=about(workload, deployment, arm),
-                    system_prompt=workload.system_prompt // args.scale,
-                    spec=deployment.spec_tokens,
-                    max_num_seqs=deployment.max_num_seqs,
                     level=level,
                 )
             finally:

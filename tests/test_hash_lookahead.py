@@ -206,13 +206,11 @@ def test_the_real_scheduler_keeps_lockstep_with_lookahead_hashes(
     result = run_on_scheduler(
         config,
         make_plan(workload, scale),
+        deployment.serving(workload.system_prompt),
         real=real,
         name="lookahead",
         out=tmp_path,
         about="test",
-        system_prompt=workload.system_prompt // scale,
-        spec=deployment.spec_tokens,
-        max_num_seqs=deployment.max_num_seqs,
         level="strict",
     )
     assert result.replay.passed, result.replay.divergence

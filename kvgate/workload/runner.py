@@ -88,9 +88,7 @@ def write_traces(
         steps = generate(
             config,
             sessions,
-            system_prompt=workload.system_prompt // deployment.scale,
-            spec=deployment.spec_tokens,
-            max_num_seqs=deployment.max_num_seqs,
+            deployment.serving(workload.system_prompt),
             progress=lambda done, _total: progress.set(done),
         )
         name = trace_name(workload, deployment, arm)
