@@ -56,7 +56,11 @@ def test_each_target_runs_its_own_hold_arms() -> None:
 def test_the_vllm_targets_are_probed_and_run_a_shard(tmp_path: Path) -> None:
     targets, why_not = campaign.available_targets()
     assert targets == campaign.TARGET_NAMES and why_not == {}
-    for target, arm in (("vllm", "off"), ("vllm+overlay", "on+retired")):
+    runs: tuple[tuple[campaign.TargetName, str], ...] = (
+        ("vllm", "off"),
+        ("vllm+overlay", "on+retired"),
+    )
+    for target, arm in runs:
         shard = Shard(Cell(SEED_STRATUM, arm, target), seed=0, examples=2)
         result = campaign.run_shard(shard, "dev", str(tmp_path))
         assert (result.error, result.skipped) == ("", "") and result.examples == 2
