@@ -22,6 +22,7 @@ import tempfile
 import time
 import tracemalloc
 from collections.abc import Callable, Sequence
+from contextlib import closing
 from pathlib import Path
 
 from kvgate.conformance.config import Config
@@ -41,11 +42,8 @@ def replay_all(traces: Sequence[Trace], build: Callable[[Config], Target]) -> in
     """Replay every trace on a fresh target; returns the steps run."""
     steps = 0
     for trace in traces:
-        target = build(trace.config)
-        try:
+        with closing(build(trace.config)) as target:
             result = replay(trace, target, None, "api")
-        finally:
-            target.close()
         if not result.passed:
             raise SystemExit(f"{trace.name}: {result.divergence}")
         steps += result.steps_run

@@ -26,6 +26,7 @@ import io
 import os
 import tempfile
 from collections.abc import Sequence
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -88,11 +89,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         scheduler(first).close()
         for arm, path in zip(arms, paths, strict=True):
             trace = load_trace(path)
-            target = manager(trace.config)
-            try:
+            with closing(manager(trace.config)) as target:
                 result = replay(trace, target, ModelTarget, level)
-            finally:
-                target.close()
             manager_s = result.seconds
             if not result.passed:
                 raise SystemExit(f"{arm.label}: manager level: {result.divergence}")
@@ -101,13 +99,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 arm_result = run_on_scheduler(
                     trace.config,
                     sessions,
+                    deployment.serving(workload.system_prompt),
                     real=real,
                     name=trace_name(workload, deployment, arm) + ".scheduler",
                     out=out,
                     about=about(workload, deployment, arm),
-                    system_prompt=workload.system_prompt // args.scale,
-                    spec=deployment.spec_tokens,
-                    max_num_seqs=deployment.max_num_seqs,
                     level=level,
                 )
             finally:

@@ -10,7 +10,11 @@ exploration's starting config, `kvgate.explore.knobs.SEED_CONFIG`, a
 
 from __future__ import annotations
 
+import importlib.util
 import textwrap
+from typing import Any
+
+import pytest
 
 from kvgate.conformance.config import Config, GroupConfig
 
@@ -50,3 +54,55 @@ def trace_text(
 ) -> str:
     """A trace document: `head`, `name`, `config`, then the `steps` block."""
     return f"{head}name: {name}\n{config}steps:\n" + textwrap.indent(textwrap.dedent(steps), "  ")
+
+
+needs_vllm = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"
+)
+
+# A small two-group trace (64 blocks, hash unit 8, attention blocks of 8,
+# Mamba blocks of 32) with one arrival, for tests of one config knob:
+# `extra` adds config keys, `mamba` keys of the Mamba group.
+SMALL_TRACE = """\
+format: kvgate-trace/1
+name: {name}
+config:
+  num_blocks: 64
+  hash_unit: 8
+  retention_interval: {retention}
+{extra}  groups:
+    - {{kind: full_attention, block_size: 8}}
+    - {{kind: mamba_align, block_size: 32{mamba}}}
+steps:
+  - {{op: arrive, req: A, prompt: [{{fresh: 70}}]}}
+"""
+
+
+def small_trace(name: str, retention: str = "0", mamba: str = "", extra: str = "") -> str:
+    """`SMALL_TRACE` with its blanks filled."""
+    return SMALL_TRACE.format(name=name, retention=retention, mamba=mamba, extra=extra)
+
+
+def hybrid_config(
+    *groups: GroupConfig,
+    num_blocks: int = 32,
+    eagle: bool = False,
+    retention_interval: int | None = 0,
+    hold: bool = False,
+    **fields: Any,
+) -> Config:
+    """A config over `groups`, the attention group first. Unless `fields`
+    say otherwise, the hash unit is the attention block and the scheduler
+    block the largest Mamba block (what vLLM derives for such a model)."""
+    fields.setdefault("hash_unit", groups[0].block_size)
+    fields.setdefault(
+        "scheduler_block_size", max(g.block_size for g in groups if g.kind == "mamba_align")
+    )
+    return Config(
+        num_blocks=num_blocks,
+        groups=groups,
+        eagle=eagle,
+        retention_interval=retention_interval,
+        hold=hold,
+        **fields,
+    )

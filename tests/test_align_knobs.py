@@ -4,14 +4,14 @@ families, and the knobs' effects on the model and on the installed vLLM."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
 from dataclasses import replace
 from typing import Any
 
 import pytest
+from configs import hybrid_config, needs_vllm, small_trace
 
-from kvgate.conformance.config import Config, GroupConfig, UnsupportedConfig, validate
+from kvgate.conformance.config import GroupConfig, UnsupportedConfig, validate
 from kvgate.conformance.replay import replay
 from kvgate.conformance.trace import Trace, TraceError, bundled_corpus, load_corpus, parse_trace
 from kvgate.conformance.writer import config_dict
@@ -19,27 +19,10 @@ from kvgate.model import ModelTarget
 from kvgate.model.request import Request
 
 CORPUS = {t.name: t for t in load_corpus(bundled_corpus())}
-needs_vllm = pytest.mark.skipif(
-    importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"
-)
-
-HEADER = """\
-format: kvgate-trace/1
-name: knobs
-config:
-  num_blocks: 64
-  hash_unit: 8
-  retention_interval: {retention}
-  groups:
-    - {{kind: full_attention, block_size: 8}}
-    - {{kind: mamba_align, block_size: 32{mamba}}}
-{extra}steps:
-  - {{op: arrive, req: A, prompt: [{{fresh: 70}}]}}
-"""
 
 
 def trace_text(retention: str = "0", mamba: str = "", extra: str = "") -> str:
-    return HEADER.format(retention=retention, mamba=mamba, extra=extra)
+    return small_trace("knobs", retention, mamba, extra)
 
 
 def test_the_knobs_read_and_write_back() -> None:
@@ -193,14 +176,11 @@ def test_internal_checkpoints_run_a_prompt_in_one_chunk() -> None:
 def test_vllm_accepts_the_retention_intervals_the_model_accepts() -> None:
     from kvgate.impl.vllm_target import VllmTarget
 
-    base = Config(
-        num_blocks=32,
-        hash_unit=8,
-        groups=(GroupConfig("full_attention", 8), GroupConfig("mamba_align", 32, 0, 1, 64)),
+    base = hybrid_config(
+        GroupConfig("full_attention", 8),
+        GroupConfig("mamba_align", 32, 0, 1, 64),
         eagle=True,
         retention_interval=96,
-        hold=False,
-        scheduler_block_size=32,
         shared_prefix_checkpoint=True,
     )
     validate(base)

@@ -11,6 +11,8 @@ state fails there.
 
 from __future__ import annotations
 
+from contextlib import closing
+
 import pytest
 
 from kvgate.conformance.ops import Step
@@ -57,11 +59,18 @@ def test_every_trace_conforms_on_the_model(trace: Trace) -> None:
 def replay_on_vllm(trace: Trace) -> ReplayResult:
     from kvgate.impl.vllm_target import VllmTarget
 
-    target = VllmTarget(trace.config)
-    try:
+    with closing(VllmTarget(trace.config)) as target:
         return replay(trace, target, ModelTarget, "strict")
-    finally:
-        target.close()
+
+
+def replay_on_upstream(trace: Trace, feature: str) -> ReplayResult:
+    """The trace on the installed vLLM, which must lack `feature` (a
+    `Capabilities` flag: the hold, retired-state retention); else skipped."""
+    pytest.importorskip("vllm")
+    result = replay_on_vllm(trace)
+    if getattr(result.capabilities, feature):
+        pytest.skip(f"the installed vLLM build has the {feature} feature")
+    return result
 
 
 @pytest.mark.parametrize("trace", HOLD_OFF, ids=ids(HOLD_OFF))
@@ -74,10 +83,7 @@ def test_hold_off_traces_conform_on_vllm_at_strict_level(trace: Trace) -> None:
 
 @pytest.mark.parametrize("trace", HOLD_ACTS, ids=ids(HOLD_ACTS))
 def test_hold_on_traces_fail_on_upstream_vllm_which_lacks_the_hold(trace: Trace) -> None:
-    pytest.importorskip("vllm")
-    result = replay_on_vllm(trace)
-    if result.capabilities.hold:
-        pytest.skip("the installed vLLM build has the hold")
+    result = replay_on_upstream(trace, "hold")
     assert not result.passed
     assert HOLD_NOTE in result.notes
     # Every failure is the trace's own expectation: the target behaves exactly
@@ -104,10 +110,7 @@ def test_some_hold_on_traces_are_outside_the_holds_scope() -> None:
 
 @pytest.mark.parametrize("trace", RETIRED, ids=ids(RETIRED))
 def test_retired_state_traces_say_upstream_keeps_none(trace: Trace) -> None:
-    pytest.importorskip("vllm")
-    result = replay_on_vllm(trace)
-    if result.capabilities.retire:
-        pytest.skip("the installed vLLM build retains retired states")
+    result = replay_on_upstream(trace, "retire")
     assert RETIRE_NOTE in result.notes
     failures = result.failures
     assert all(d.level == "expect" for d in failures)
@@ -157,9 +160,6 @@ def test_snapshot_invariants_hold_after_every_step_on_vllm(trace: Trace) -> None
     from kvgate.impl.vllm_target import VllmTarget
 
     checking = InvariantChecking()
-    target = WatchedTarget(VllmTarget(trace.config), checking)
-    try:
+    with closing(WatchedTarget(VllmTarget(trace.config), checking)) as target:
         assert replay(trace, target, None, "api").passed
-    finally:
-        target.close()
     assert checking.steps_checked > 10

@@ -4,11 +4,13 @@ that what it saves replays as a failing trace."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import closing
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
+from configs import hybrid_config
 from conftest import Found
 from hypothesis import Phase
 
@@ -38,14 +40,8 @@ from kvgate.model.hold import Holds
 from kvgate.model.pool import BlockPool
 
 # The seed's config: the hold under test is off here; modes set it.
-SEED = Config(
-    num_blocks=32,
-    hash_unit=8,
-    groups=(GroupConfig("full_attention", 8), GroupConfig("mamba_align", 32, 3)),
-    eagle=True,
-    retention_interval=0,
-    hold=False,
-    scheduler_block_size=32,
+SEED = hybrid_config(
+    GroupConfig("full_attention", 8), GroupConfig("mamba_align", 32, 3), eagle=True
 )
 # Searches that must find a planted failure: a fixed seed keeps them
 # deterministic, the budget is far above what they need, and Hypothesis's own
@@ -57,11 +53,8 @@ def model_replay(trace: Trace, hold: bool | None = None) -> tuple[bool, list[str
     """Replay on the model alone (the trace's own expectations judge it)."""
     if hold is not None:
         trace = replace(trace, config=replace(trace.config, hold=hold))
-    target = ModelTarget(trace.config)
-    try:
+    with closing(ModelTarget(trace.config)) as target:
         result = replay(trace, target, None, "api")
-    finally:
-        target.close()
     failures = result.failures
     return result.passed, [f"{d.step.op}:{d.what}:{d.expected}:{d.actual}" for d in failures]
 

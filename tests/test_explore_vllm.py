@@ -6,6 +6,7 @@ Skipped only when vLLM is not installed.
 from __future__ import annotations
 
 import importlib.util
+from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -53,11 +54,8 @@ def test_the_saved_total_miss_replays_on_vllm_with_the_same_miss(total_miss: Fou
     and agrees with the model at every step of the replay (strict)."""
     trace = load_trace(total_miss.saved)
     lookup = next(s for s in trace.steps if "hit" in s.expect)
-    target = vllm_target(trace.config)
-    try:
+    with closing(vllm_target(trace.config)) as target:
         result = replay(trace, target, ModelTarget, "strict")
-    finally:
-        target.close()
     failures = result.failures
     # Only the trace's own demand fails: the lookup's hit, 0 on vLLM too.
     assert [(d.level, d.step.op, d.what, d.actual) for d in failures] == [
@@ -87,9 +85,6 @@ def test_a_model_bug_is_a_divergence_saved_as_a_trace(
     assert outcome.failure is not None and outcome.failure.kind == "divergence"
     assert outcome.saved is not None
     trace = load_trace(outcome.saved)
-    target = vllm_target(trace.config)
-    try:
+    with closing(vllm_target(trace.config)) as target:
         result = replay(trace, target, ModelTarget, "strict")
-    finally:
-        target.close()
     assert result.divergence is not None

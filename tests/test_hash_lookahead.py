@@ -4,15 +4,16 @@ the trailing-block drop, and the installed vLLM on the same traces."""
 
 from __future__ import annotations
 
-import importlib.util
+from contextlib import closing
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
+from configs import hybrid_config, needs_vllm, small_trace
 from test_align_knobs import model_hits
 
-from kvgate.conformance.config import Config, GroupConfig, UnsupportedConfig, validate
+from kvgate.conformance.config import GroupConfig, UnsupportedConfig, validate
 from kvgate.conformance.replay import replay
 from kvgate.conformance.tokens import prefix_keys
 from kvgate.conformance.trace import TraceError, bundled_corpus, load_corpus, parse_trace
@@ -22,27 +23,10 @@ from kvgate.model.mamba import checkpoint_position
 
 CORPUS = {t.name: t for t in load_corpus(bundled_corpus())}
 LOOKAHEAD_TRACES = sorted(name for name in CORPUS if name.startswith("mtp-lookahead-"))
-needs_vllm = pytest.mark.skipif(
-    importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"
-)
-
-HEADER = """\
-format: kvgate-trace/1
-name: lookahead
-config:
-  num_blocks: 64
-  hash_unit: 8
-  retention_interval: 0
-{extra}  groups:
-    - {{kind: full_attention, block_size: 8}}
-    - {{kind: mamba_align, block_size: 32}}
-steps:
-  - {{op: arrive, req: A, prompt: [{{fresh: 70}}]}}
-"""
 
 
 def trace_text(extra: str) -> str:
-    return HEADER.format(extra=extra)
+    return small_trace("lookahead", extra=extra)
 
 
 def test_the_field_reads_and_writes_back_only_when_set() -> None:
@@ -117,14 +101,11 @@ def test_lookahead_follow_up_turn_resumes_a_unit_later_than_the_drop() -> None:
     assert model_hits(drop) == [0, 576, 1088]
 
 
-BASE = Config(
+BASE = hybrid_config(
+    GroupConfig("full_attention", 64),
+    GroupConfig("mamba_align", 256, 3, 1, 64),
     num_blocks=64,
-    hash_unit=64,
-    groups=(GroupConfig("full_attention", 64), GroupConfig("mamba_align", 256, 3, 1, 64)),
     eagle=True,
-    retention_interval=0,
-    hold=False,
-    scheduler_block_size=256,
     hash_lookahead_tokens=1,
 )
 
@@ -173,11 +154,8 @@ def test_the_lookahead_fault_is_caught_by_the_sibling_trace() -> None:
     trace = CORPUS["mtp-lookahead-sibling-diverges-at-boundary"]
 
     def run() -> bool:
-        target = VllmTarget(trace.config)
-        try:
+        with closing(VllmTarget(trace.config)) as target:
             return replay(trace, target, ModelTarget, "strict").passed
-        finally:
-            target.close()
 
     assert run()
     with injected(BY_NAME["lookahead-hash-misses-next-token"]):
@@ -228,13 +206,11 @@ def test_the_real_scheduler_keeps_lockstep_with_lookahead_hashes(
     result = run_on_scheduler(
         config,
         make_plan(workload, scale),
+        deployment.serving(workload.system_prompt),
         real=real,
         name="lookahead",
         out=tmp_path,
         about="test",
-        system_prompt=workload.system_prompt // scale,
-        spec=deployment.spec_tokens,
-        max_num_seqs=deployment.max_num_seqs,
         level="strict",
     )
     assert result.replay.passed, result.replay.divergence

@@ -13,11 +13,13 @@ import importlib.util
 import logging
 import shutil
 from collections.abc import Iterator
+from contextlib import closing
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
+from configs import hybrid_config
 
 from kvgate import cli
 from kvgate.conformance.ops import Step
@@ -203,11 +205,8 @@ def test_the_overlay_is_exercised_on_two_mamba_groups(overlay: Any) -> None:
             flipped = replace(trace, config=replace(trace.config, hold=True))
             from kvgate.impl.vllm_target import VllmTarget
 
-            target = WatchedTarget(VllmTarget(flipped.config, plugin=PLUGIN), after)
-            try:
+            with closing(WatchedTarget(VllmTarget(flipped.config, plugin=PLUGIN), after)) as target:
                 replay(flipped, target, ModelTarget, "strict")
-            finally:
-                target.close()
     assert groups_held >= {1, 2}
 
 
@@ -264,18 +263,12 @@ def test_one_startup_line_when_the_hold_is_active(overlay: Any) -> None:
     from kvgate.impl.vllm_target import VllmTarget
 
     def config(unit: int, hold: bool) -> Config:
-        return Config(
-            num_blocks=32,
-            hash_unit=unit,
-            groups=(
-                GroupConfig("full_attention", unit),
-                GroupConfig("mamba_align", LOG_BLOCK),
-                GroupConfig("mamba_align", LOG_BLOCK),
-            ),
-            eagle=False,
+        return hybrid_config(
+            GroupConfig("full_attention", unit),
+            GroupConfig("mamba_align", LOG_BLOCK),
+            GroupConfig("mamba_align", LOG_BLOCK),
             retention_interval=None,
             hold=hold,
-            scheduler_block_size=LOG_BLOCK,
         )
 
     logger = logging.getLogger(overlay.LOGGER_NAME)

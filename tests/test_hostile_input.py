@@ -212,24 +212,15 @@ def test_1000_aliases_of_a_million_token_segment_are_refused(
 # -- 3. internal errors reported as divergences -----------------------------------
 
 
-def test_scheduler_block_size_0_is_a_config_error(
-    kvgate: Callable[..., Run], tmp_path: Path
+@pytest.mark.parametrize("target", ["model", "vllm"])
+def test_scheduler_block_size_0_is_a_config_error_naming_that_field(
+    kvgate: Callable[..., Run], tmp_path: Path, target: str
 ) -> None:
+    if target == "vllm":
+        pytest.importorskip("vllm")
     config = CONFIG.replace("hash_unit: 8", "hash_unit: 8\n  scheduler_block_size: 0")
     path = write(tmp_path, trace_text(ARRIVE + "- {op: prefill, req: A}\n", config))
-    run = kvgate("replay", path, "--target", "model")
-    assert (
-        run.one_error_line()
-        == f"kvgate: error: {path}: config.scheduler_block_size: must be >= 1\n"
-    )
-
-
-def test_scheduler_block_size_0_on_vllm_names_that_field(
-    kvgate: Callable[..., Run], tmp_path: Path
-) -> None:
-    config = CONFIG.replace("hash_unit: 8", "hash_unit: 8\n  scheduler_block_size: 0")
-    path = write(tmp_path, trace_text(ARRIVE + "- {op: prefill, req: A}\n", config))
-    run = kvgate("replay", path, "--target", "vllm")
+    run = kvgate("replay", path, "--target", target)
     assert (
         run.one_error_line()
         == f"kvgate: error: {path}: config.scheduler_block_size: must be >= 1\n"

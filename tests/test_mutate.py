@@ -7,7 +7,6 @@ that catch them, so the default test run stays short.
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
 import json
 import shutil
@@ -17,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from configs import needs_vllm
 
 from kvgate import cli
 from kvgate.conformance.trace import bundled_corpus
@@ -34,10 +34,6 @@ from kvgate.mutate.faults import BY_NAME, FAULTS, Fault, Port, select
 from kvgate.mutate.inject import NotApplicable, apply, at_site, find_edit, injected, locate
 from kvgate.mutate.own_suite import SuiteRun, judge_suite
 from kvgate.mutate.pytest_plugin import FAULT_ENV, NOT_APPLICABLE_EXIT, REPORT_ENV
-
-needs_vllm = pytest.mark.skipif(
-    importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"
-)
 
 # A fast subset: one fault per area, each with the trace that catches it.
 FAST = {

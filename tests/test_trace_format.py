@@ -208,42 +208,18 @@ def test_one_bad_trace_stops_all_before_any_replay(
 
 # -- what the reader accepts --------------------------------------------------
 
-FORMAT_EXAMPLE = """\
-format: kvgate-trace/1
-name: partial-tail-next-turn-after-burst
-about: >
-  A1 resumes at A0's partial tail.
-config:
-  num_blocks: 96
-  hash_unit: 8
-  scheduler_block_size: 32
-  max_model_len: 8192
-  max_num_scheduled_tokens: 8192
-  eagle: true
-  retention_interval: 0
-  retain_checkpoint: true
-  groups:
-    - {kind: full_attention, block_size: 8}
-    - {kind: mamba_align, block_size: 32, speculative_blocks: 3}
-steps:
-  - {op: arrive, req: A0, prompt: [{fresh: 150}]}
-  - {op: prefill, req: A0, lookahead: 3, expect: {hit: 0}}
-  - {op: decode, req: A0, steps: 4, spec: 3}
-  - {op: free, req: A0, how: finish}
-  - {op: drain}
-  - {op: arrive, req: A1, prompt: [{all_of: A0}, {fresh: 26}]}
-  - {op: prefill, req: A1, lookahead: 3, expect: {hit: 136}}
-  - {op: decode, req: A1, steps: 4, spec: 3}
-  - {op: evict, blocks: all}
-  - {op: free, req: A1, how: finish}
-  - {op: drain}
-  - {op: arrive, req: A2, prompt: [{all_of: A1}, {fresh: 22}]}
-  - {op: lookup, req: A2, expect: {hit: 168}}
-"""
+FORMAT_DOC = Path(__file__).resolve().parents[1] / "docs" / "trace-format.md"
+
+
+def format_example() -> str:
+    """The document's example trace: the first YAML block of docs/trace-format.md."""
+    text = FORMAT_DOC.read_text()
+    start = text.index("```yaml\n") + len("```yaml\n")
+    return text[start : text.index("```", start)]
 
 
 def test_the_format_documents_example_parses() -> None:
-    trace = parse_trace(FORMAT_EXAMPLE, "example.yaml")
+    trace = parse_trace(format_example(), str(FORMAT_DOC))
     assert trace.name == "partial-tail-next-turn-after-burst"
     assert trace.about.startswith("A1 resumes")
     assert trace.config.hold and trace.config.eagle

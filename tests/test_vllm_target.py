@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from configs import EXAMPLE_CONFIG
+from configs import EXAMPLE_CONFIG, hybrid_config
 
 from kvgate.conformance.config import Config, GroupConfig, UnsupportedConfig
 from kvgate.conformance.ops import Segment, Step
@@ -148,14 +148,8 @@ def test_capabilities(target: VllmTarget, vllm_loaded: None) -> None:
     assert caps.partial_hits is True
     assert caps.hold_source == ("" if not caps.hold else caps.hold_source)
     assert os.environ["VLLM_E2_MAMBA_RETAIN_CHECKPOINT"] == "1"
-    coarse = Config(
-        num_blocks=32,
-        hash_unit=32,
-        groups=(GroupConfig("full_attention", 32), GroupConfig("mamba_align", 32)),
-        eagle=False,
-        retention_interval=None,
-        hold=False,
-        scheduler_block_size=32,
+    coarse = hybrid_config(
+        GroupConfig("full_attention", 32), GroupConfig("mamba_align", 32), retention_interval=None
     )
     other = VllmTarget(coarse)
     assert other.capabilities.partial_hits is False
@@ -340,14 +334,11 @@ def test_prompt_segments(target: VllmTarget, drive: Driver) -> None:
 
 def test_vllm_rejecting_a_config_is_unsupported(vllm_loaded: None) -> None:
     def config(hash_unit: int, retention_interval: int) -> Config:
-        return Config(
-            num_blocks=32,
+        return hybrid_config(
+            GroupConfig("full_attention", 8),
+            GroupConfig("mamba_align", 32),
             hash_unit=hash_unit,
-            groups=(GroupConfig("full_attention", 8), GroupConfig("mamba_align", 32)),
-            eagle=False,
             retention_interval=retention_interval,
-            hold=False,
-            scheduler_block_size=32,
         )
 
     with pytest.raises(UnsupportedConfig) as retention:

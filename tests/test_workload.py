@@ -43,13 +43,7 @@ def _quiet() -> Progress:
 
 def _generate(workload: Workload, unit: int, hold: bool) -> str:
     config = FORK.config(unit, hold, workload.sessions)
-    steps = generate(
-        config,
-        make_plan(workload, SCALE),
-        system_prompt=workload.system_prompt // SCALE,
-        spec=FORK.spec_tokens,
-        max_num_seqs=FORK.max_num_seqs,
-    )
+    steps = generate(config, make_plan(workload, SCALE), FORK.serving(workload.system_prompt))
     return dump_trace("t", config, steps)
 
 

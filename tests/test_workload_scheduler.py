@@ -120,13 +120,11 @@ def _one_arm(
     return run_on_scheduler(
         config,
         make_plan(workload, SCALE),
+        deployment.serving(WORKLOAD.system_prompt),
         real=factory(config, spec_tokens=deployment.spec_tokens, max_num_seqs=16),
         name="one-arm",
         out=tmp_path,
         about="test",
-        system_prompt=WORKLOAD.system_prompt // SCALE,
-        spec=deployment.spec_tokens,
-        max_num_seqs=deployment.max_num_seqs,
         level="api",
     )
 

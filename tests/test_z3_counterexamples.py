@@ -19,6 +19,7 @@ import importlib.util
 import multiprocessing
 import os
 from concurrent.futures import ProcessPoolExecutor
+from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -119,11 +120,8 @@ def test_upstream_counterexample_fails_the_same_way_on_vllm(
     trace = trace_of(found, mutation)
     with mutated(mutation):
         on_model = misses(replay(trace, ModelTarget(trace.config), None, "api"))
-    target = VllmTarget(trace.config)
-    try:
+    with closing(VllmTarget(trace.config)) as target:
         on_vllm = replay(trace, target, ModelTarget, "strict")
-    finally:
-        target.close()
     assert not target.capabilities.hold  # the installed 0.33.0, no overlay
     # vLLM stays in lockstep with the (hold-off) model at strict level and
     # misses exactly the mutated model's expectations, and maybe more: the

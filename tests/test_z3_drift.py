@@ -172,12 +172,15 @@ def running(run: Run) -> list[str]:
     return [n for n, p in run.model.requests.items() if p.phase in ("running", "decoding")]
 
 
-@settings(
-    max_examples=25,
+# Long stateful examples: no deadline, and no health check on their size.
+DRIFT = settings(
     deadline=None,
     phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink],
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
+
+
+@settings(DRIFT, max_examples=25)
 @given(config=configs(), data=st.data())
 def test_every_model_step_is_a_transition(config: Config, data: st.DataObject) -> None:
     run = Run(config)
@@ -307,12 +310,7 @@ def produce(run: Run, name: str, prompt: tuple[Segment, ...], decodes: int) -> N
             return
 
 
-@settings(
-    max_examples=20,
-    deadline=None,
-    phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink],
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
+@settings(DRIFT, max_examples=20)
 @given(config=knob_configs(), data=st.data())
 def test_every_knob_step_is_a_transition(config: Config, data: st.DataObject) -> None:
     run = Run(config)

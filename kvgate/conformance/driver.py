@@ -3,8 +3,10 @@
 `OpDriver` turns each primitive op into the manager calls the trace format's
 table names, and keeps what the scheduler keeps between them: token ids, each
 request's pending lookup, the blocks put aside by `pop`. A target supplies
-the manager behind it by implementing the abstract hooks; the model and the
-real vLLM manager therefore see exactly the same call sequence.
+the manager behind it (`manager`, with vLLM's `KVCacheManager` interface,
+which the model keeps) and implements the abstract hooks where the two
+differ; the model and the real vLLM manager therefore see exactly the same
+call sequence.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 from kvgate.conformance.config import Config
 from kvgate.conformance.events import KvEvent, normalized
@@ -51,6 +53,7 @@ def chunk_offer(config: Config, remaining: int, budget: int, num_live: int) -> i
 
 class OpDriver(ABC, Generic[R]):
     capabilities: Capabilities
+    manager: Any  # the manager under test, with vLLM's `KVCacheManager` interface
 
     def __init__(self, config: Config) -> None:
         self.config = config
@@ -107,35 +110,6 @@ class OpDriver(ABC, Generic[R]):
     def split(self, request: R, num_new: int, hit: int) -> int: ...
 
     @abstractmethod
-    def allocate_slots(
-        self,
-        request: R,
-        num_new: int,
-        hit: int,
-        hit_blocks: Any,
-        lookahead: int,
-        full_sequence: bool = False,
-    ) -> bool:
-        """`allocate_slots`; `full_sequence`: the scheduler's admission gate
-        (`full_sequence_must_fit`), refusing unless the whole sequence fits."""
-
-    @abstractmethod
-    def cache_blocks(self, request: R, num_computed: int) -> None:
-        """`KVCacheManager.cache_blocks`: key the request's states up to
-        `num_computed` tokens (the scheduler's re-cache after a step)."""
-
-    @abstractmethod
-    def estimate_cached_tokens(self, request: R) -> int:
-        """The prefix-cache tokens the request's blocks cover (the scheduler
-        reports it in a finished prefill's stats)."""
-
-    @abstractmethod
-    def computed_block_ids(self, request: R, num_computed: int) -> list[list[int]]:
-        """`get_block_ids_for_computed_tokens`: per group, the block ids that
-        cover the request's computed tokens (the block table the scheduler
-        hands a KV connector when the request ends)."""
-
-    @abstractmethod
     def finalize_partial_tail_offloads(self, request: R) -> list[list[int]]:
         """`finalize_partial_tail_offloads`: the partial tails the request
         produced that a KV producer's connector may still offload when it
@@ -148,32 +122,11 @@ class OpDriver(ABC, Generic[R]):
         the order the requests first appear (groups in order)."""
 
     @abstractmethod
-    def take_new_block_ids(self) -> list[int]:
-        """`take_new_block_ids`, drained: the attention blocks allocated since
-        the last call, which the worker zeroes (a Mamba model needs it)."""
-
-    @abstractmethod
-    def free(self, request: R) -> None: ...
-
-    @abstractmethod
-    def pop_blocks_for_free(self, request: R) -> list[Any]: ...
-
-    @abstractmethod
-    def free_blocks(self, blocks: list[Any]) -> None: ...
-
-    @abstractmethod
     def take_copies(self) -> tuple[list[list[int]], list[Any]]:
         """This step's copies as [src, dst] ids, and their retained endpoints."""
 
     @abstractmethod
-    def new_step_starts(self) -> None: ...
-
-    @abstractmethod
     def num_free_blocks(self) -> int: ...
-
-    @abstractmethod
-    def evict(self, n: int) -> None:
-        """Take `n` free blocks (evicting cached states) and free them again."""
 
     @abstractmethod
     def record_prefix_cache_stats(self, request: R, hit: int) -> None:
@@ -468,3 +421,70 @@ class OpDriver(ABC, Generic[R]):
             raise StepRefused("blocks", f"{n} blocks asked, {free} free")
         self.evict(n)
         return {}
+
+    # -- the hooks that are one call of the manager or its pool ---------------
+    # Both targets' managers have vLLM's `KVCacheManager` interface (the
+    # model keeps its names), so these are written once. Ids and counts are
+    # made plain ints: vLLM may hand back numpy or torch scalars.
+
+    def allocate_slots(
+        self,
+        request: R,
+        num_new: int,
+        hit: int,
+        hit_blocks: Any,
+        lookahead: int,
+        full_sequence: bool = False,
+    ) -> bool:
+        """`allocate_slots`; `full_sequence`: the scheduler's admission gate
+        (`full_sequence_must_fit`), refusing unless the whole sequence fits."""
+        got = self.manager.allocate_slots(
+            request,
+            num_new,
+            num_new_computed_tokens=hit,
+            new_computed_blocks=hit_blocks,
+            num_lookahead_tokens=lookahead,
+            full_sequence_must_fit=full_sequence,
+        )
+        # vLLM answers with the new blocks or None, the model with a bool.
+        return got is not None and got is not False
+
+    def cache_blocks(self, request: R, num_computed: int) -> None:
+        """`KVCacheManager.cache_blocks`: key the request's states up to
+        `num_computed` tokens (the scheduler's re-cache after a step)."""
+        self.manager.cache_blocks(request, num_computed)
+
+    def estimate_cached_tokens(self, request: R) -> int:
+        """The prefix-cache tokens the request's blocks cover (the scheduler
+        reports it in a finished prefill's stats)."""
+        return int(self.manager.estimate_cached_tokens(request))
+
+    def computed_block_ids(self, request: R, num_computed: int) -> list[list[int]]:
+        """`get_block_ids_for_computed_tokens`: per group, the block ids that
+        cover the request's computed tokens (the block table the scheduler
+        hands a KV connector when the request ends)."""
+        request_id = cast(Any, request).request_id
+        ids = self.manager.get_block_ids_for_computed_tokens(request_id, num_computed)
+        return [[int(i) for i in group] for group in ids]
+
+    def take_new_block_ids(self) -> list[int]:
+        """`take_new_block_ids`, drained: the attention blocks allocated since
+        the last call, which the worker zeroes (a Mamba model needs it)."""
+        return [int(i) for i in self.manager.take_new_block_ids()]
+
+    def free(self, request: R) -> None:
+        self.manager.free(request)
+
+    def pop_blocks_for_free(self, request: R) -> list[Any]:
+        return list(self.manager.pop_blocks_for_free(request))
+
+    def free_blocks(self, blocks: list[Any]) -> None:
+        self.manager.block_pool.free_blocks(blocks)
+
+    def new_step_starts(self) -> None:
+        self.manager.new_step_starts()
+
+    def evict(self, n: int) -> None:
+        """Take `n` free blocks (evicting cached states) and free them again."""
+        pool = self.manager.block_pool
+        pool.free_blocks(pool.get_new_blocks(n))

@@ -66,6 +66,8 @@ def available_targets() -> tuple[TargetName, ...]:
 
 @dataclass(frozen=True)
 class Cell:
+    """One cell of the matrix: a config stratum, a hold arm and a target."""
+
     stratum: tuple[tuple[str, Any], ...]
     arm: str
     target: TargetName
@@ -77,6 +79,8 @@ class Cell:
 
 @dataclass(frozen=True)
 class Shard:
+    """A cell's share of examples under one seed: the unit of work a job runs."""
+
     cell: Cell
     seed: int
     examples: int

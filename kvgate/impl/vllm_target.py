@@ -54,31 +54,26 @@ class VllmTarget(OpDriver[Any]):
         self._api: VllmApi = api
 
         manager = build_manager(api, config)
-        self._manager: Any = manager
+        self.manager = manager
         self._coordinator: Any = manager.coordinator
         self._pool: Any = manager.block_pool
         self._view = ManagerView(api, manager, config.hash_unit, config.hash_lookahead_tokens)
-        self._managers: tuple[Any, ...] = self._view.managers
+        self.managers: tuple[Any, ...] = self._view.managers
         self._group_ids: tuple[int, ...] = self._view.group_ids
         self._hasher: Any = block_hasher(api, config)
 
         partial = bool(getattr(self._coordinator, "enable_partial_hash_hits", False))
         self._split_self = split_context(config, self._coordinator, manager)
-        hold = holds_partial_tails(api, self._managers, config.hold)
+        hold = holds_partial_tails(api, self.managers, config.hold)
         self.capabilities = Capabilities(
             implementation=f"vllm {api.version}",
             partial_hits=partial,
             hold=hold,
-            hold_source=hold_source(self._managers, plugin, plugin_module) if hold else "",
-            retire=retains_retired(api, self._managers),
+            hold_source=hold_source(self.managers, plugin, plugin_module) if hold else "",
+            retire=retains_retired(api, self.managers),
         )
 
     # ---------------------------------------------------------------- extras
-
-    @property
-    def manager(self) -> Any:
-        """The vLLM `KVCacheManager` under test."""
-        return self._manager
 
     def token_ids(self, req: str) -> list[int]:
         """Request `req`'s prompt and output so far."""
@@ -95,8 +90,8 @@ class VllmTarget(OpDriver[Any]):
 
     def close(self) -> None:
         super().close()
-        self._manager = self._coordinator = self._pool = None
-        self._managers = ()
+        self.manager = self._coordinator = self._pool = None
+        self.managers = ()
         self._view.close()
 
     # -------------------------------------------------------------- requests
@@ -135,7 +130,7 @@ class VllmTarget(OpDriver[Any]):
     def has_blocks(self, request: Any) -> bool:
         # `.get`: the tables are defaultdicts; a lookup must not create one.
         rid = request.request_id
-        return any(m.req_to_blocks.get(rid) for m in self._managers)
+        return any(m.req_to_blocks.get(rid) for m in self.managers)
 
     def append_output(self, request: Any, tokens: list[int]) -> None:
         request.append_output_token_ids(tokens)
@@ -156,12 +151,12 @@ class VllmTarget(OpDriver[Any]):
         request.shared_prefix_boundary = position
 
     def lookup(self, request: Any) -> tuple[Any, int, int]:
-        blocks, hit, junction = self._manager.get_computed_blocks(request)
+        blocks, hit, junction = self.manager.get_computed_blocks(request)
         return blocks, int(hit), int(junction)
 
     def blocks_needed(self, request: Any, hit_blocks: Any, hit: int, admission: bool) -> int:
         if hit_blocks is None:
-            hit_blocks = self._manager.empty_kv_cache_blocks
+            hit_blocks = self.manager.empty_kv_cache_blocks
         n = min(request.num_tokens, self.config.max_model_len)
         computed = request.num_computed_tokens + hit
         return int(
@@ -182,90 +177,43 @@ class VllmTarget(OpDriver[Any]):
         split = self._api.Scheduler._mamba_block_aligned_split
         return int(split(self._split_self, request, num_new, hit))
 
-    def allocate_slots(
-        self,
-        request: Any,
-        num_new: int,
-        hit: int,
-        hit_blocks: Any,
-        lookahead: int,
-        full_sequence: bool = False,
-    ) -> bool:
-        got = self._manager.allocate_slots(
-            request,
-            num_new,
-            num_new_computed_tokens=hit,
-            new_computed_blocks=hit_blocks,
-            num_lookahead_tokens=lookahead,
-            full_sequence_must_fit=full_sequence,
-        )
-        return got is not None
-
-    def cache_blocks(self, request: Any, num_computed: int) -> None:
-        self._manager.cache_blocks(request, num_computed)
-
-    def estimate_cached_tokens(self, request: Any) -> int:
-        return int(self._manager.estimate_cached_tokens(request))
-
-    def computed_block_ids(self, request: Any, num_computed: int) -> list[list[int]]:
-        ids = self._manager.get_block_ids_for_computed_tokens(request.request_id, num_computed)
-        return [[int(i) for i in group] for group in ids]
-
     def take_boundary_offloads(self) -> list[list[Any]]:
-        offloads = self._manager.take_boundary_state_offloads()
+        offloads = self.manager.take_boundary_state_offloads()
         return [
             [str(rid), int(group), int(block), int(tokens)]
             for rid, entries in offloads.items()
             for group, block, tokens in entries
         ]
 
-    def take_new_block_ids(self) -> list[int]:
-        return [int(i) for i in self._manager.take_new_block_ids()]
-
     def finalize_partial_tail_offloads(self, request: Any) -> list[list[int]]:
-        tails = self._manager.finalize_partial_tail_offloads(request)
+        tails = self.manager.finalize_partial_tail_offloads(request)
         return [[int(group), int(block), int(tokens)] for group, block, tokens in tails]
 
-    def free(self, request: Any) -> None:
-        self._manager.free(request)
-
-    def pop_blocks_for_free(self, request: Any) -> list[Any]:
-        return list(self._manager.pop_blocks_for_free(request))
-
-    def free_blocks(self, blocks: list[Any]) -> None:
-        self._pool.free_blocks(blocks)
-
     def take_copies(self) -> tuple[list[list[int]], list[Any]]:
-        copies, retained = self._manager.take_kv_cache_block_copies()
+        copies, retained = self.manager.take_kv_cache_block_copies()
         return [[int(c.src_block_id), int(c.dst_block_id)] for c in copies], list(retained)
-
-    def new_step_starts(self) -> None:
-        self._manager.new_step_starts()
 
     def num_free_blocks(self) -> int:
         return int(self._pool.get_num_free_blocks())
 
-    def evict(self, n: int) -> None:
-        self._pool.free_blocks(self._pool.get_new_blocks(n))
-
     # ----------------------------------------------------------- observation
 
     def record_prefix_cache_stats(self, request: Any, hit: int) -> None:
-        self._manager.record_prefix_cache_stats(request, hit)
+        self.manager.record_prefix_cache_stats(request, hit)
 
     def make_prefix_cache_stats(self) -> dict[str, Any]:
-        stats = self._manager.make_prefix_cache_stats()
+        stats = self.manager.make_prefix_cache_stats()
         if stats is None:  # log_stats off: the manager keeps none
-            return {"usage": self._manager.usage}
-        return {**{key: getattr(stats, key) for key in STATS_KEYS}, "usage": self._manager.usage}
+            return {"usage": self.manager.usage}
+        return {**{key: getattr(stats, key) for key in STATS_KEYS}, "usage": self.manager.usage}
 
     def reset_prefix_cache(self) -> bool:
-        return bool(self._manager.reset_prefix_cache())
+        return bool(self.manager.reset_prefix_cache())
 
     def take_events(self) -> list[KvEvent]:
         api, view = self._api, self._view
         events: list[KvEvent] = []
-        for event in self._manager.take_events():
+        for event in self.manager.take_events():
             if isinstance(event, api.AllBlocksCleared):
                 events.append(KvEvent("cleared"))
             elif isinstance(event, api.BlockRemoved):
@@ -304,7 +252,7 @@ class VllmTarget(OpDriver[Any]):
             return False
         return not any(
             not b.is_null
-            for m in self._managers
+            for m in self.managers
             for blocks in m.req_to_blocks.values()
             for b in blocks
         )

@@ -9,7 +9,6 @@ from kvgate.conformance.driver import OpDriver
 from kvgate.conformance.events import KvEvent
 from kvgate.conformance.snapshot import BlockView, Snapshot, kept_aside
 from kvgate.conformance.target import Capabilities
-from kvgate.model.coordinator import HitBlocks
 from kvgate.model.manager import KVCacheManager
 from kvgate.model.pool import HashKey
 from kvgate.model.request import Request
@@ -21,6 +20,8 @@ def hash_name(key: HashKey) -> str:
 
 
 class ModelTarget(OpDriver[Request]):
+    manager: KVCacheManager
+
     def __init__(self, config: Config) -> None:
         super().__init__(config)
         self.manager = KVCacheManager(config)
@@ -86,58 +87,19 @@ class ModelTarget(OpDriver[Request]):
     def split(self, request: Request, num_new: int, hit: int) -> int:
         return chunk_tokens(self.config, request, num_new, hit)
 
-    def allocate_slots(
-        self,
-        request: Request,
-        num_new: int,
-        hit: int,
-        hit_blocks: Any,
-        lookahead: int,
-        full_sequence: bool = False,
-    ) -> bool:
-        blocks: HitBlocks | None = hit_blocks
-        return self.manager.allocate_slots(request, num_new, hit, blocks, lookahead, full_sequence)
-
-    def cache_blocks(self, request: Request, num_computed: int) -> None:
-        self.manager.cache_blocks(request, num_computed)
-
-    def estimate_cached_tokens(self, request: Request) -> int:
-        return self.manager.estimate_cached_tokens(request)
-
-    def computed_block_ids(self, request: Request, num_computed: int) -> list[list[int]]:
-        return self.manager.get_block_ids_for_computed_tokens(request.request_id, num_computed)
-
     def take_boundary_offloads(self) -> list[list[Any]]:
         offloads = self.manager.take_boundary_state_offloads()
         return [[rid, *entry] for rid, entries in offloads.items() for entry in entries]
 
-    def take_new_block_ids(self) -> list[int]:
-        return self.manager.take_new_block_ids()
-
     def finalize_partial_tail_offloads(self, request: Request) -> list[list[int]]:
         return self.manager.finalize_partial_tail_offloads(request)
-
-    def free(self, request: Request) -> None:
-        self.manager.free(request)
-
-    def pop_blocks_for_free(self, request: Request) -> list[Any]:
-        return list(self.manager.pop_blocks_for_free(request))
-
-    def free_blocks(self, blocks: list[Any]) -> None:
-        self.pool.free_blocks(blocks)
 
     def take_copies(self) -> tuple[list[list[int]], list[Any]]:
         copies, retained = self.manager.take_kv_cache_block_copies()
         return [[s, d] for _, s, d in copies], list(retained)
 
-    def new_step_starts(self) -> None:
-        self.manager.new_step_starts()
-
     def num_free_blocks(self) -> int:
         return self.pool.num_free()
-
-    def evict(self, n: int) -> None:
-        self.pool.free_blocks(self.pool.get_new_blocks(n))
 
     def record_prefix_cache_stats(self, request: Request, hit: int) -> None:
         self.manager.record_prefix_cache_stats(request, hit)

@@ -25,6 +25,7 @@ import os
 import time
 import traceback
 from collections.abc import Callable, Sequence
+from contextlib import closing
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -245,11 +246,8 @@ def _replay_with_invariants(trace: Trace, level: Level) -> TraceOutcome:
         inner = target_factory("vllm")(trace.config)
     except Exception as error:
         return TraceOutcome(trace.name, False, f"target not built: {one_line(error)}", "", "", 0.0)
-    target = WatchedTarget(inner, after_step)
-    try:
+    with closing(WatchedTarget(inner, after_step)) as target:
         result = replay(trace, target, target_factory(LOCKSTEP_MODEL), level)
-    finally:
-        target.close()
     invariant, violation = violated[0] if violated else ("", "")
     failure = "" if result.divergence is None else divergence_summary(result.divergence)
     return TraceOutcome(

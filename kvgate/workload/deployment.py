@@ -41,6 +41,17 @@ BUILDS: tuple[Build, ...] = ("fork", "upstream")
 
 
 @dataclass(frozen=True)
+class Serving:
+    """What the scheduler model needs of a deployment besides its config:
+    the system prompt every session shares (in scaled tokens), the drafts per
+    decode step (MTP K) and the most requests running at once."""
+
+    system_prompt: int
+    spec: int
+    max_num_seqs: int
+
+
+@dataclass(frozen=True)
 class Deployment:
     # -- hardware ------------------------------------------------------------
     gpus: int = 4  # tensor parallel over 4 GPUs
@@ -163,6 +174,11 @@ class Deployment:
         for n in (self.mamba_block_size, self.max_num_scheduled_tokens, self.max_model_len):
             scaled.tokens(n)  # raises when a quantity does not divide
         return scaled
+
+    def serving(self, system_prompt: int) -> Serving:
+        """How this deployment serves sessions sharing a `system_prompt` of
+        that many full-size tokens."""
+        return Serving(system_prompt // self.scale, self.spec_tokens, self.max_num_seqs)
 
     def describe(self, units: tuple[int, ...], concurrency: int) -> list[str]:
         """The assumptions and what they come to, one line each (`units` scaled)."""

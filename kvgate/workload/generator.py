@@ -50,6 +50,7 @@ from kvgate.conformance.scheduling import ScheduledStep
 from kvgate.model import ModelTarget
 from kvgate.model.request import Request
 from kvgate.model.split import chunk_tokens
+from kvgate.workload.deployment import Serving
 from kvgate.workload.plan import Session
 
 SYSTEM = "system"  # the request holding the shared system prompt (never scheduled)
@@ -268,20 +269,18 @@ class SessionRun:
         self,
         config: Config,
         sessions: Sequence[Session],
+        serving: Serving,
         *,
-        system_prompt: int,
-        spec: int,
-        max_num_seqs: int,
         observer: StepObserver | None = None,
         progress: Callable[[int, int], None] | None = None,
     ) -> None:
         self.config = config
         self.sessions = sessions
-        self.system_prompt = system_prompt
+        self.system_prompt = serving.system_prompt
         self.observer = observer
         self.progress = progress
         self.writer = _Writer(ModelTarget(config))
-        self.scheduler = _Scheduler(config, spec, max_num_seqs, self.writer)
+        self.scheduler = _Scheduler(config, serving.spec, serving.max_num_seqs, self.writer)
 
     @property
     def oracle(self) -> ModelTarget:
@@ -349,24 +348,15 @@ class SessionRun:
 def generate(
     config: Config,
     sessions: Sequence[Session],
+    serving: Serving,
     *,
-    system_prompt: int,
-    spec: int,
-    max_num_seqs: int,
     progress: Callable[[int, int], None] | None = None,
 ) -> list[Step]:
     """The fixed step list of `sessions` on `config`, as the model runs it.
 
     `progress(turns finished, turns)` is called as turns finish.
     """
-    return SessionRun(
-        config,
-        sessions,
-        system_prompt=system_prompt,
-        spec=spec,
-        max_num_seqs=max_num_seqs,
-        progress=progress,
-    ).run()
+    return SessionRun(config, sessions, serving, progress=progress).run()
 
 
 def _arrive(writer: _Writer, session: Session, turn: int, system: bool) -> _Live:

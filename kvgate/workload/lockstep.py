@@ -35,7 +35,7 @@ from kvgate.conformance.target import StepRefused
 from kvgate.conformance.trace import TraceError, load_trace
 from kvgate.conformance.writer import save_trace
 from kvgate.errors import InputError
-from kvgate.workload.deployment import Deployment
+from kvgate.workload.deployment import Deployment, Serving
 from kvgate.workload.generator import SessionRun, StepDecisions
 from kvgate.workload.measure import ArmCounts, Seen, count_seen
 from kvgate.workload.plan import Session, Workload, make_plan
@@ -151,14 +151,12 @@ class SchedulerArm:
 def run_on_scheduler(
     config: Config,
     sessions: Sequence[Session],
+    serving: Serving,
     *,
     real: SchedulerTarget,
     name: str,
     out: Path,
     about: str,
-    system_prompt: int,
-    spec: int,
-    max_num_seqs: int,
     level: Level,
     progress: Callable[[int, int], None] | None = None,
 ) -> SchedulerArm:
@@ -167,14 +165,7 @@ def run_on_scheduler(
     Raises `TraceError` when the real scheduler refuses a request (bad input).
     """
     started = time.perf_counter()
-    run = SessionRun(
-        config,
-        sessions,
-        system_prompt=system_prompt,
-        spec=spec,
-        max_num_seqs=max_num_seqs,
-        progress=progress,
-    )
+    run = SessionRun(config, sessions, serving, progress=progress)
     lockstep = _Lockstep(real, run, level)
     run.observer = lockstep
     diverged: _Diverged | None = None
@@ -261,13 +252,11 @@ def scheduler_arm(
         result = run_on_scheduler(
             config,
             sessions,
+            deployment.serving(workload.system_prompt),
             real=real,
             name=trace_name(workload, deployment, arm),
             out=out,
             about=about(workload, deployment, arm),
-            system_prompt=workload.system_prompt // deployment.scale,
-            spec=deployment.spec_tokens,
-            max_num_seqs=deployment.max_num_seqs,
             level=level,
             progress=lambda done, _total: progress.set(done),
         )

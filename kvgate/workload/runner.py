@@ -32,6 +32,8 @@ from kvgate.workload.progress import Progress
 
 @dataclass(frozen=True)
 class Arm:
+    """One arm of the workload: a hash unit and a hold setting."""
+
     unit: int  # the hash unit (= attention block), scaled
     hold: bool
 
@@ -42,6 +44,8 @@ class Arm:
 
 @dataclass(frozen=True)
 class ArmResult:
+    """An arm's trace and, when it was replayed, its counts and replay."""
+
     arm: Arm
     trace: Trace
     # None when the arm was not replayed (see `skipped`).
@@ -84,9 +88,7 @@ def write_traces(
         steps = generate(
             config,
             sessions,
-            system_prompt=workload.system_prompt // deployment.scale,
-            spec=deployment.spec_tokens,
-            max_num_seqs=deployment.max_num_seqs,
+            deployment.serving(workload.system_prompt),
             progress=lambda done, _total: progress.set(done),
         )
         name = trace_name(workload, deployment, arm)

@@ -76,6 +76,7 @@ from kvgate.invariants.z3.vocabulary import (
     ATTENTION,
     PREEMPT,
     WAITING,
+    GroupIds,
     phase_after,
     phase_guard,
 )
@@ -163,7 +164,7 @@ def field_keys(groups: int) -> list[tuple[UField, str]]:
     return out
 
 
-class UState:
+class UState(GroupIds):
     """A state's fields by key (`table1`, `free`, ...): Z3 functions (a
     fresh state), or a transition's next values as Python callables."""
 
@@ -180,14 +181,6 @@ class UState:
                 self.values[key] = z3.Const(name, _range_sort(f))
             else:
                 self.values[key] = z3.Function(name, *[SORTS[a] for a in f.args], _range_sort(f))
-
-    @property
-    def group_ids(self) -> range:
-        return range(self.groups)
-
-    @property
-    def mamba_ids(self) -> range:
-        return range(1, self.groups)
 
     def __getitem__(self, key: str) -> Any:
         return self.values[key]

@@ -67,28 +67,25 @@ def _iff(a: Any, b: Any) -> Any:
     return a == b
 
 
+def _tokens_are_holders(s: UState, ids: range, token: str, held: str, popped: str) -> list[Any]:
+    """Per group in `ids`: a request's ref token is on a block exactly when
+    the block is in its `held` table or in what `pop` put aside of it."""
+    return [
+        forall(
+            (REQ, BLOCK),
+            lambda r, b, g=g: _iff(
+                s.field(token, g)(r, b),
+                z3.Or(s.field(held, g)(r, b), s.field(popped, g)(r, b)),
+            ),
+        )
+        for g in ids
+    ]
+
+
 def no_leak(s: UState) -> Any:
     parts = [forall((BLOCK,), lambda b: z3.Not(s["miscount"](b)))]
-    for g in s.group_ids:
-        parts.append(
-            forall(
-                (REQ, BLOCK),
-                lambda r, b, g=g: _iff(
-                    s.field("table_token", g)(r, b),
-                    z3.Or(s.field("table", g)(r, b), s.field("popped_table", g)(r, b)),
-                ),
-            )
-        )
-    for m in s.mamba_ids:
-        parts.append(
-            forall(
-                (REQ, BLOCK),
-                lambda r, b, m=m: _iff(
-                    s.field("hold_token", m)(r, b),
-                    z3.Or(s.field("hold", m)(r, b), s.field("popped_hold", m)(r, b)),
-                ),
-            )
-        )
+    parts += _tokens_are_holders(s, s.group_ids, "table_token", "table", "popped_table")
+    parts += _tokens_are_holders(s, s.mamba_ids, "hold_token", "hold", "popped_hold")
     parts.append(
         forall(
             (COPY,),

@@ -114,8 +114,23 @@ class BadBounds(ValueError):
     """Bounds outside what the encoding covers (one line, names the field)."""
 
 
+class GroupIds:
+    """The group ids of an encoding with `groups` groups: the attention
+    group first, the Mamba groups after it."""
+
+    groups: int
+
+    @property
+    def group_ids(self) -> range:
+        return range(self.groups)
+
+    @property
+    def mamba_ids(self) -> range:
+        return range(ATTENTION + 1, self.groups)
+
+
 @dataclass(frozen=True)
-class Bounds:
+class Bounds(GroupIds):
     blocks: int = 8
     requests: int = 3
     groups: int = 3
@@ -135,14 +150,6 @@ class Bounds:
     @property
     def request_ids(self) -> range:
         return range(self.requests)
-
-    @property
-    def group_ids(self) -> range:
-        return range(self.groups)
-
-    @property
-    def mamba_ids(self) -> range:
-        return range(1, self.groups)
 
     def axis(self, axis: Axis) -> range:
         return {
@@ -165,6 +172,8 @@ class Bounds:
 
 @dataclass(frozen=True)
 class Field:
+    """One state variable: a Z3 function (or constant) of its axes."""
+
     name: str
     sort: Sort
     axes: tuple[Axis, ...]
