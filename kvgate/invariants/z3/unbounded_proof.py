@@ -40,7 +40,7 @@ from typing import Any, Literal
 import z3
 
 from kvgate.invariants.catalogue import LEMMA_NAMES, Z3_INVARIANT_NAMES
-from kvgate.invariants.z3.checker import INIT, proof_table, track
+from kvgate.invariants.z3.checker import INIT, each_violation, proof_table, track
 from kvgate.invariants.z3.properties import STEP_COPY
 from kvgate.invariants.z3.transitions import ENCODED_OPS, acts_on_request
 from kvgate.invariants.z3.unbounded import (
@@ -460,14 +460,10 @@ def check_uop(groups: int, mutation: str, op: str, props: Sequence[UProperty]) -
     track(solver, tx.named())  # T_op(s, t)
     t = tx.view()
     out = []
-    for prop in props:
-        started = time.perf_counter()
-        solver.push()
-        solver.add(z3.Not(prop.holds(t)))
-        verdict = solver.check()
-        seconds = time.perf_counter() - started
+    for prop, verdict, seconds, core in each_violation(
+        solver, props, lambda prop: z3.Not(prop.holds(t))
+    ):
         if verdict == z3.unsat:
-            core = tuple(sorted(str(c) for c in solver.unsat_core()))
             out.append(UResult(prop.name, prop.kind, op, True, seconds, core))
         elif verdict == z3.sat:
             out.append(
@@ -477,7 +473,6 @@ def check_uop(groups: int, mutation: str, op: str, props: Sequence[UProperty]) -
             out.append(
                 UResult(prop.name, prop.kind, op, False, seconds, unknown=solver.reason_unknown())
             )
-        solver.pop()
     return out
 
 
