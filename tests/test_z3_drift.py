@@ -61,6 +61,9 @@ def configs(draw: st.DrawFn) -> Config:
         hold_retired=draw(st.booleans()),  # the production fork's retention
         scheduler_block_size=32,
         max_num_scheduled_tokens=draw(st.sampled_from([16, 32, 8192])),
+        # Prefix caching off (the no-prefix-cache coordinator): no lookup
+        # hits and no chunk keys anything, a sub-case of the encoding.
+        prefix_caching=draw(st.sampled_from([True, True, True, False])),
     )
 
 

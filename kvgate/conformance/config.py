@@ -70,11 +70,21 @@ class Config:
     # EAGLE-family drafter (L = 1 for EAGLE and single-module MTP); 0 is its
     # `disable_lookahead_block_hashes` fallback, the drop.
     hash_lookahead_tokens: int = 0
+    # vLLM's `enable_prefix_caching` (trace field `prefix_caching`): off, no
+    # request is hashed, no lookup hits and no block is cached (vLLM's
+    # no-prefix-cache coordinator); the hold has nothing to hold.
+    prefix_caching: bool = True
 
     @property
     def block_drop(self) -> bool:
         """The eagle trailing-block drop: eagle with legacy (no lookahead) hashes."""
         return self.eagle and self.hash_lookahead_tokens == 0
+
+    @property
+    def has_attention(self) -> bool:
+        """A hybrid; without it, a pure Mamba model (one group, vLLM's
+        unitary coordinator)."""
+        return any(g.kind == "full_attention" for g in self.groups)
 
     @property
     def mamba_group_ids(self) -> tuple[int, ...]:
@@ -99,8 +109,11 @@ class Config:
 
     @property
     def partial_hits(self) -> bool:
-        """Sub-block (hash-unit) hits: some Mamba block is wider than the unit."""
-        return any(self.groups[i].block_size > self.hash_unit for i in self.mamba_group_ids)
+        """Sub-block (hash-unit) hits: some Mamba block is wider than the unit
+        (prefix caching on: the no-prefix-cache coordinator has none)."""
+        return self.prefix_caching and any(
+            self.groups[i].block_size > self.hash_unit for i in self.mamba_group_ids
+        )
 
 
 class UnsupportedConfig(ValueError):
@@ -125,10 +138,27 @@ def validate(config: Config) -> None:
     if config.scheduler_block_size < 1:
         raise UnsupportedConfig("scheduler_block_size", "must be >= 1")
     kinds = [g.kind for g in groups]
-    if kinds.count("full_attention") != 1:
-        raise UnsupportedConfig("groups", "exactly one full_attention group is supported")
     if kinds.count("mamba_align") < 1:
         raise UnsupportedConfig("groups", "at least one mamba_align group is required")
+    if kinds.count("full_attention") > 1:
+        raise UnsupportedConfig("groups", "at most one full_attention group is supported")
+    if not config.has_attention:
+        # A pure Mamba model: vLLM serves one group through its unitary
+        # coordinator; several Mamba groups and no attention group is a
+        # hybrid coordinator without the attention group it requires.
+        if len(groups) != 1:
+            raise UnsupportedConfig(
+                "groups",
+                "without a full_attention group exactly one mamba_align group is supported "
+                "(vLLM's hybrid coordinator needs an attention group)",
+            )
+        if config.prefix_caching and config.hash_unit != groups[0].block_size:
+            # The unitary coordinator asserts the hash unit is its block.
+            raise UnsupportedConfig(
+                "hash_unit",
+                f"hash_unit {config.hash_unit} is not the single group's block_size "
+                f"{groups[0].block_size} (a single group hashes at its own block)",
+            )
     for i, g in enumerate(groups):
         where = f"groups[{i}]"
         if g.block_size < 1 or g.block_size % config.hash_unit:

@@ -7,7 +7,7 @@ Everything is checked before anything is replayed, and every problem is a
 Choices the format leaves to the reader, fixed here:
 
 - `config`: `eagle`, `retain_checkpoint` and `retain_retired` default to false,
-  `hash_lookahead_tokens` to 0;
+  `hash_lookahead_tokens` to 0, `prefix_caching` to true;
   `retention_interval` must be written (`null` = unset), because null and 0
   are different modes and a silent default would hide which one a trace
   tests; `scheduler_block_size` defaults to the largest `mamba_align` block
@@ -91,6 +91,7 @@ _CONFIG_OPTIONAL = (
     "kv_events_full",
     "reserve_full_sequence",
     "disable_log_stats",
+    "prefix_caching",
 )
 _GROUP_KEYS = (
     "kind",
@@ -424,8 +425,8 @@ class _Reader:
                 )
             return value
 
-        def flag(key: str) -> bool:
-            value = raw.get(key, False)
+        def flag(key: str, default: bool = False) -> bool:
+            value = raw.get(key, default)
             if not isinstance(value, bool):
                 raise self.error(None, f"config.{key}", f"must be true or false, got {_got(value)}")
             return value
@@ -455,6 +456,7 @@ class _Reader:
             kv_events_full=flag("kv_events_full"),
             reserve_full_sequence=flag("reserve_full_sequence"),
             disable_log_stats=flag("disable_log_stats"),
+            prefix_caching=flag("prefix_caching", True),
             scheduler_block_size=count("scheduler_block_size", default_scheduler),
             max_model_len=count("max_model_len", 8192),
             max_num_scheduled_tokens=count("max_num_scheduled_tokens", 8192),

@@ -47,6 +47,7 @@ def config_dict(config: Config) -> dict[str, Any]:
         **({"kv_events_full": True} if config.kv_events_full else {}),
         **({"reserve_full_sequence": True} if config.reserve_full_sequence else {}),
         **({"disable_log_stats": True} if config.disable_log_stats else {}),
+        **({"prefix_caching": False} if not config.prefix_caching else {}),
         "groups": [group_dict(g) for g in config.groups],
     }
 

@@ -67,6 +67,21 @@ def _speculative(config: Config, blocks: int) -> Config:
     return replace(config, groups=groups)
 
 
+def _pure_mamba(config: Config, on: bool) -> Config:
+    """A pure Mamba model (Mamba-Codestral, Falcon-Mamba): its one Mamba
+    group alone, hashed at its own block, as vLLM's unitary coordinator
+    requires."""
+    if not on:
+        return config
+    mamba = config.groups[config.mamba_group_ids[0]]
+    return replace(
+        config,
+        groups=(mamba,),
+        hash_unit=mamba.block_size,
+        scheduler_block_size=mamba.block_size,
+    )
+
+
 @dataclass(frozen=True)
 class Knob:
     """One config feature: its values (the seed's first) and how to set it."""
@@ -162,6 +177,11 @@ KNOBS: tuple[Knob, ...] = (
         (0, 1),
         lambda c, v: replace(c, hash_lookahead_tokens=v if c.eagle else 0),
     ),
+    # A single group, no attention (the unitary coordinator); after the
+    # Mamba block size it reads.
+    Knob("pure_mamba", (False, True), _pure_mamba),
+    # vLLM's `enable_prefix_caching` off: the no-prefix-cache coordinator.
+    Knob("prefix_caching", (True, False), lambda c, v: replace(c, prefix_caching=v)),
 )
 KNOB_NAMES = tuple(k.name for k in KNOBS)
 

@@ -129,6 +129,8 @@ def knob_values(config: Config) -> tuple[str, ...]:
         f"shared_prefix_checkpoint_in_effect={config.shared_prefix_checkpoint_on}",
         f"long_prefill_token_threshold={config.long_prefill_token_threshold}",
         f"hash_lookahead_tokens={config.hash_lookahead_tokens}",
+        f"pure_mamba={not config.has_attention}",
+        f"prefix_caching={config.prefix_caching}",
     )
 
 

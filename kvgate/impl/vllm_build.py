@@ -36,7 +36,10 @@ def _lookahead_kwargs(config: Config, *callables: Any) -> dict[str, Any]:
 
 
 def block_hasher(api: VllmApi, config: Config) -> Any:
-    """The request block hasher `config`'s scheduler would hand each request."""
+    """The request block hasher `config`'s scheduler would hand each request
+    (none without prefix caching: vLLM's engine then hashes nothing)."""
+    if not config.prefix_caching:
+        return None
     # Read from its module at each build, not from the names `load` cached, so
     # an in-process edit of it (the fault campaign's) is what runs.
     module = importlib.import_module(api.get_request_block_hasher.__module__)
@@ -96,7 +99,7 @@ def build_manager(api: VllmApi, config: Config) -> Any:
             max_in_flight_tokens=config.max_num_scheduled_tokens,
             scheduler_block_size=config.scheduler_block_size,
             hash_block_size=config.hash_unit,
-            enable_caching=True,
+            enable_caching=config.prefix_caching,
             # vLLM's scheduler clears the drop when lookahead hashes are on.
             use_eagle=config.block_drop,
             **_lookahead_kwargs(config, api.KVCacheManager),

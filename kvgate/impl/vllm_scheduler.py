@@ -216,6 +216,16 @@ class VllmScheduler:
         self.spec_tokens = spec_tokens
         api, plugin_module = _vllm_api.load_with_hold(config.hold, config.hold_retired, plugin)
         self._api = api
+        # Its model is a Qwen3-Next-class hybrid with prefix caching: a pure
+        # Mamba model or caching off would be another model and engine setup.
+        if not config.has_attention:
+            raise UnsupportedConfig(
+                "groups", "the vllm-scheduler target runs a hybrid model: a full_attention group"
+            )
+        if not config.prefix_caching:
+            raise UnsupportedConfig(
+                "prefix_caching", "the vllm-scheduler target runs with prefix caching on"
+            )
         if spec_tokens == 0 and config.eagle:
             raise UnsupportedConfig("eagle", "the eagle drop needs draft tokens (spec > 0)")
         try:

@@ -210,7 +210,10 @@ class NoTotalMiss:
         if self.excused.get(parent) == h:
             return None
         config = self.world.config
-        attention = next(g for g in config.groups if g.kind == "full_attention")
+        attention = next((g for g in config.groups if g.kind == "full_attention"), None)
+        if attention is None:
+            # A pure Mamba model keys no sub-block state, so nothing is pinned.
+            return None
         margin = config.hash_unit if config.block_drop else 0
         needed = -(-(h + margin) // attention.block_size) * attention.block_size
         cached = self.world.attention_cached(follow_up)

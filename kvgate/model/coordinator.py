@@ -47,7 +47,9 @@ class Coordinator:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.pool = BlockPool(config.num_blocks, config.hash_unit, events=config.kv_events)
-        self.holds = Holds(self.pool, config.hold, config.hold_retired)
+        # Without prefix caching no state is keyed, so nothing can be held.
+        caching = config.prefix_caching
+        self.holds = Holds(self.pool, config.hold and caching, config.hold_retired and caching)
         self.scheduler_block = config.scheduler_block_size
         self.managers: list[GroupManagerT] = []
         for group_id, group in enumerate(config.groups):
@@ -224,6 +226,8 @@ class Coordinator:
         return cacheable
 
     def cache(self, request: Request, num_computed: int) -> None:
+        if not self.config.prefix_caching:
+            return  # vLLM's manager skips caching altogether
         boundaries = replay_boundaries(
             request.num_prompt_tokens, self.scheduler_block, self.config.block_drop
         )

@@ -49,11 +49,15 @@ class KVCacheManager:
         self.prefix_cache_stats = PrefixCacheStats()
 
     def record_prefix_cache_stats(self, request: Request, num_hits: int) -> None:
-        if self.config.disable_log_stats or request.skip_reading_prefix_cache:
+        if self.config.disable_log_stats or not self.lookup_enabled(request):
             return
         self.prefix_cache_stats.record(
             request.num_tokens, num_hits, preempted=request.num_preemptions > 0
         )
+
+    def lookup_enabled(self, request: Request) -> bool:
+        """The request reads the prefix cache: caching on, and not skipped."""
+        return self.config.prefix_caching and not request.skip_reading_prefix_cache
 
     def make_prefix_cache_stats(self) -> dict[str, int | bool]:
         """The stats since the last call, as the `stats` op reports them; reset.
@@ -86,7 +90,7 @@ class KVCacheManager:
         its logits. The caller stores the junction on the request. A request
         that skips reading the cache finds nothing.
         """
-        if request.skip_reading_prefix_cache:
+        if not self.lookup_enabled(request):
             return None, 0, 0
         blocks, hit, junction = self.coordinator.find_hit(request.keys, request.num_tokens - 1)
         if hit > 0 and self.config.kv_events_full:

@@ -27,8 +27,9 @@ class ModelTarget(OpDriver[Request]):
         self.manager = KVCacheManager(config)
         self.pool = self.manager.block_pool
         self._views = [BlockView(0)] * self.pool.num_blocks
-        self.attention_group = next(
-            i for i, g in enumerate(config.groups) if g.kind == "full_attention"
+        # None for a pure Mamba model (no attention group caches anything).
+        self.attention_group: int | None = next(
+            (i for i, g in enumerate(config.groups) if g.kind == "full_attention"), None
         )
         hold = config.hold
         self.capabilities = Capabilities(
@@ -136,6 +137,8 @@ class ModelTarget(OpDriver[Request]):
         return found[0].ref if found else None
 
     def attention_cached(self, request: Request) -> int:
+        if self.attention_group is None:
+            return 0
         attention = self.manager.coordinator.managers[self.attention_group]
         size = attention.block_size
         # Only blocks with a key (with lookahead hashes, the prompt's last

@@ -673,6 +673,33 @@ FAULTS: tuple[Fault, ...] = (
         symptom="prefill stats report attention's cached prefix although Mamba has no "
         "state there: the cache looks to save work it does not",
     ),
+    # ------------------------------------ a single group; prefix caching off
+    Fault(
+        name="unitary-lookup-ignores-cap",
+        area="coordinator",
+        module=_COORD,
+        qualname="UnitaryKVCacheCoordinator.find_longest_cache_hit",
+        anchor="max_length=max_cache_hit_length,",
+        replacement="max_length=len(block_hashes) * self.block_size,",
+        what="the single-group lookup (a pure Mamba model) matches every hashed block, "
+        "ignoring the caller's cap of the prompt minus its last token",
+        why="the single-group path is a thin wrapper; deriving the bound from the "
+        "hashes it is handed looks equivalent",
+        symptom="a resend of a block-aligned prompt hits all of it: no token is left "
+        "to compute for the logits (the scheduler schedules 0 tokens or fails)",
+    ),
+    Fault(
+        name="no-caching-lookup-enabled",
+        area="hit stats",
+        module=_MANAGER,
+        qualname="KVCacheManager.prefix_cache_lookup_enabled",
+        anchor="return self.enable_caching and not request.skip_reading_prefix_cache",
+        replacement="return not request.skip_reading_prefix_cache",
+        what="with prefix caching off, every request still counts as a prefix-cache lookup",
+        why="the per-request skip flag reads as the whole condition; the global switch is dropped",
+        symptom="a deployment with --no-enable-prefix-caching reports a 0 % hit rate "
+        "over every prompt token instead of no lookups",
+    ),
 )
 
 BY_NAME: dict[str, Fault] = {f.name: f for f in FAULTS}

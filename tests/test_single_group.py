@@ -1,0 +1,161 @@
+"""A pure Mamba model (one `mamba_align` group: vLLM's unitary coordinator)
+and prefix caching off (vLLM's no-prefix-cache coordinator): the format's
+refusals, the model against the installed vLLM's real coordinators, and a
+short differential exploration of each."""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from hypothesis import Phase
+
+from kvgate.conformance.config import Config, GroupConfig, UnsupportedConfig
+from kvgate.conformance.replay import replay
+from kvgate.conformance.trace import TraceError, bundled_corpus, load_corpus, parse_trace
+from kvgate.conformance.writer import dump_trace
+from kvgate.explore.differential import differential_mode
+from kvgate.explore.profiles import profile
+from kvgate.explore.runner import explore
+from kvgate.model import ModelTarget
+
+CORPUS = {t.name: t for t in load_corpus(bundled_corpus())}
+needs_vllm = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"
+)
+
+TEXT = """\
+format: kvgate-trace/1
+name: single
+config:
+  num_blocks: 16
+  hash_unit: {unit}
+  retention_interval: 0
+{extra}  groups:
+{groups}steps:
+  - {{op: arrive, req: A, prompt: [{{fresh: 70}}]}}
+  - {{op: prefill, req: A}}
+"""
+MAMBA = "    - {kind: mamba_align, block_size: 32}\n"
+ATTENTION = "    - {kind: full_attention, block_size: 8}\n"
+
+
+def text(unit: int = 32, groups: str = MAMBA, extra: str = "") -> str:
+    return TEXT.format(unit=unit, groups=groups, extra=extra)
+
+
+def test_a_single_mamba_group_and_caching_off_read_and_write_back() -> None:
+    trace = parse_trace(text(extra="  prefix_caching: false\n"), "single.yaml")
+    assert not trace.config.has_attention and not trace.config.prefix_caching
+    again = parse_trace(dump_trace("single", trace.config, list(trace.steps)), "again.yaml")
+    assert again.config == trace.config
+    # Caching on is the default, and is not written.
+    on = parse_trace(text(), "on.yaml").config
+    assert on.prefix_caching and "prefix_caching" not in dump_trace("x", on, [])
+
+
+@pytest.mark.parametrize(
+    ("trace_text", "field"),
+    [
+        # The unitary coordinator asserts its hash unit is its block.
+        (text(unit=16), "hash_unit"),
+        # Two Mamba groups and no attention: vLLM's hybrid coordinator
+        # requires an attention group.
+        (text(groups=MAMBA + MAMBA), "groups"),
+        (text(groups=ATTENTION), "groups"),
+        (text(groups=ATTENTION + ATTENTION + MAMBA, unit=8), "groups"),
+        (text(extra="  prefix_caching: 0\n"), "config.prefix_caching"),
+    ],
+)
+def test_configs_vllm_would_refuse_are_one_line_errors(trace_text: str, field: str) -> None:
+    with pytest.raises(TraceError) as error:
+        parse_trace(trace_text, "single.yaml")
+    message = str(error.value)
+    assert field in message and "\n" not in message and "single.yaml" in message
+
+
+def test_caching_off_lifts_the_hash_unit_check() -> None:
+    # vLLM then sizes a pure Mamba block freely (to max_model_len); no hash.
+    trace = parse_trace(text(unit=16, extra="  prefix_caching: false\n"), "off.yaml")
+    assert not trace.config.partial_hits
+
+
+def test_the_model_neither_hits_nor_keys_nor_holds_with_caching_off() -> None:
+    trace = CORPUS["prefix-caching-off"]
+    config = replace(trace.config, hold=True, hold_retired=True)
+    target = ModelTarget(config)
+    assert [s.op for s in trace.steps[-2:]] == ["reset", "check"]
+    # Up to the final reset (which would forget keys anyway).
+    result = replay(replace(trace, config=config, steps=trace.steps[:-2]), target, None, "strict")
+    assert result.passed, result.divergence
+    snapshot = target.snapshot()
+    # Every request ended; with caching its states would stay keyed here.
+    assert all(not view.hashes for view in snapshot.blocks) and snapshot.holds == {}
+
+
+@needs_vllm
+@pytest.mark.parametrize(
+    ("name", "coordinator"),
+    [
+        ("pure-mamba-next-turn-siblings.hold-off", "UnitaryKVCacheCoordinator"),
+        ("pure-mamba-dense-resend.hold-off", "UnitaryKVCacheCoordinator"),
+        ("prefix-caching-off", "KVCacheCoordinatorNoPrefixCache"),
+        ("prefix-caching-off-pure-mamba", "KVCacheCoordinatorNoPrefixCache"),
+    ],
+)
+def test_the_model_conforms_with_vllms_own_coordinator_for_it(name: str, coordinator: str) -> None:
+    from kvgate.impl.vllm_target import VllmTarget
+
+    trace = CORPUS[name]
+    target = VllmTarget(trace.config)
+    try:
+        assert type(target.manager.coordinator).__name__ == coordinator
+        result = replay(trace, target, ModelTarget, "strict")
+    finally:
+        target.close()
+    assert result.passed, result.divergence
+
+
+@needs_vllm
+@pytest.mark.parametrize(
+    ("config", "field"),
+    [
+        (
+            Config(16, 32, (GroupConfig("mamba_align", 32),), False, 0, False, 32),
+            "groups",
+        ),
+        (
+            Config(
+                64,
+                8,
+                (GroupConfig("full_attention", 8), GroupConfig("mamba_align", 32)),
+                False,
+                0,
+                False,
+                32,
+                prefix_caching=False,
+            ),
+            "prefix_caching",
+        ),
+    ],
+)
+def test_the_scheduler_target_refuses_them_by_name(config: Config, field: str) -> None:
+    from kvgate.impl.vllm_scheduler import VllmScheduler
+
+    with pytest.raises(UnsupportedConfig) as error:
+        VllmScheduler(config, spec_tokens=0, max_num_seqs=4)
+    assert error.value.field == field and "\n" not in error.value.message
+
+
+@needs_vllm
+@pytest.mark.parametrize("stratum", [{"pure_mamba": True}, {"prefix_caching": False}])
+def test_differential_exploration_of_each(stratum: dict[str, bool], tmp_path: Path) -> None:
+    mode = replace(differential_mode(), stratum=stratum)
+    settings = profile("ci", max_examples=40, phases=(Phase.explicit, Phase.generate, Phase.target))
+    outcome = explore(mode, settings, out=tmp_path, shrink=False)
+    assert outcome.failure is None, outcome.failure.summary()
+    knob, value = next(iter(stratum.items()))
+    assert outcome.stats.knobs[f"{knob}={value}"] > 0
+    assert outcome.stats.knobs[f"{knob}={not value}"] == 0
