@@ -29,6 +29,7 @@ from typing import Any
 from hypothesis import Phase
 
 from kvgate.explore.differential import FAMILIES, differential_mode
+from kvgate.explore.knobs import stratum_name
 from kvgate.explore.profiles import profile
 from kvgate.explore.runner import run_once
 from kvgate.mutate.campaign import EXPLORE_EXAMPLES, EXPLORE_STEPS, warm_up
@@ -43,16 +44,19 @@ DEFAULT_FAULTS = (
 
 
 def family_name(family: dict[str, Any]) -> str:
-    checkpoint = family["prefill_checkpoint"]
-    return f"eagle={'on' if family['eagle'] else 'off'} checkpoint={checkpoint[0]}@{checkpoint[1]}"
+    return stratum_name(family).replace("prefix_caching", "caching").replace("pure_mamba", "pure")
 
 
-def reach(fault_name: str, seeds: int, cap: int, conn: Connection) -> None:
+def reach(
+    fault_name: str, seeds: int, cap: int, families: list[int] | None, conn: Connection
+) -> None:
     """In a child: the fault in effect, every family x seed; sends rows."""
     [fault] = select([fault_name])
     apply(fault)
     rows = []
-    for family in FAMILIES:
+    for index, family in enumerate(FAMILIES):
+        if families is not None and index not in families:
+            continue
         for seed in range(seeds):
             mode = differential_mode()
             mode.stratum = family
@@ -79,6 +83,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--faults", nargs="+", default=list(DEFAULT_FAULTS))
     parser.add_argument("--seeds", type=int, default=6)
     parser.add_argument("--cap", type=int, default=150, help="examples per run at most")
+    parser.add_argument(
+        "--families", nargs="+", type=int, metavar="K", help="only these (index in FAMILIES)"
+    )
     args = parser.parse_args(argv)
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     warm_up()
@@ -89,7 +96,9 @@ def main(argv: list[str]) -> int:
           f"{'p/example':>9} {'miss@' + str(share):>9} {'cpu s':>6}")  # fmt: skip
     for name in args.faults:
         receive, send = context.Pipe(duplex=False)
-        child = context.Process(target=reach, args=(name, args.seeds, args.cap, send))
+        child = context.Process(
+            target=reach, args=(name, args.seeds, args.cap, args.families, send)
+        )
         child.start()
         send.close()
         rows = receive.recv()

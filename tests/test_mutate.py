@@ -26,6 +26,7 @@ from kvgate.mutate.campaign import (
     GateRun,
     Settings,
     TraceOutcome,
+    explore_stage,
     gate_run,
     judge,
     run_campaign,
@@ -360,3 +361,18 @@ def test_the_pytest_plugin_runs_a_session_with_the_fault_in(
     assert failed[0]["test"].endswith("test_freed_unhashed_blocks_are_reused_first")
     # The session reverted its fault when it ended.
     assert BlockPool.free_blocks is original
+
+
+@needs_vllm
+def test_the_exploration_stage_runs_every_family_against_vllm() -> None:
+    # One example per deployment family, seeded: every family's config is
+    # one vLLM builds, and the unmutated build passes.
+    from kvgate.explore.differential import FAMILIES
+
+    outcome = explore_stage(len(FAMILIES), seed=0)
+    assert outcome.ran and outcome.failure == "", outcome.failure
+
+
+def test_a_bad_exploration_seed_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["mutate", "--explore-seed", "-1"]) == 2
+    assert capsys.readouterr().err.startswith("kvgate: error: --explore-seed")

@@ -48,15 +48,29 @@ def overlay_differential_mode(retire: bool = False) -> Mode:
     return Mode(hold=True, invariants=ALL_INVARIANTS, lockstep=vllm_with_overlay, retire=retire)
 
 
-# Four deployment families, for a short differential exploration that
-# splits its budget over them (the fault campaign's): eagle's drop on and
-# off (with and without an EAGLE/MTP drafter: the drop lowers every hit by a
-# hash unit and moves the prompt's tail) x no prefill checkpoint block (GDN
-# on Triton) or one at alignment 1 (Mamba2: a checkpoint column, and an
-# export at every chunk end inside a block). A fault on one side is often invisible from the
-# other; within each, every other knob is drawn.
-FAMILIES: tuple[dict[str, Any], ...] = tuple(
-    {"eagle": eagle, "prefill_checkpoint": checkpoint}
-    for eagle in (True, False)
-    for checkpoint in ((0, None), (1, 1))
+# Deployment families, for a short differential exploration that splits
+# its budget over them (the fault campaign's). A hybrid model with prefix
+# caching, by how its blocks are keyed for a drafter -- EAGLE/MTP with
+# lookahead hashes (vLLM's default for them: every key covers the next
+# token), with the trailing-block drop instead, or no drafter -- x no
+# prefill checkpoint block (GDN on Triton) or one at alignment 1 (Mamba2: a
+# checkpoint column, and an export at every chunk end inside a block); then
+# a pure Mamba model (the unitary coordinator) and prefix caching off. A
+# fault on one side is often invisible from the others, and a knob left to
+# swarm drawing is on in about a quarter of the examples: a family makes it
+# every one of its share. Within each, every other knob is drawn.
+HYBRID_CACHED: dict[str, Any] = {"pure_mamba": False, "prefix_caching": True}
+DRAFTERS: tuple[dict[str, Any], ...] = (
+    {"eagle": True, "hash_lookahead_tokens": 1},
+    {"eagle": True, "hash_lookahead_tokens": 0},
+    {"eagle": False},
+)
+FAMILIES: tuple[dict[str, Any], ...] = (
+    *(
+        {**HYBRID_CACHED, **drafter, "prefill_checkpoint": checkpoint}
+        for drafter in DRAFTERS
+        for checkpoint in ((0, None), (1, 1))
+    ),
+    {"pure_mamba": True},
+    {"prefix_caching": False},
 )
