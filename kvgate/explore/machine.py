@@ -612,13 +612,23 @@ class ExploreMachine(RuleBasedStateMachine):
         extra=st.sampled_from([0, 0, 1, 9]),
         burst=st.sampled_from(["none", "some", "all"]),
         n=st.integers(0, 4),
+        aligned=st.booleans(),
     )
-    def resend(self, which: int, extra: int, burst: Burst, n: int) -> None:
+    def resend(self, which: int, extra: int, burst: Burst, n: int, aligned: bool) -> None:
         """A prompt sent again as it was (a client's retry, parallel samples
         as separate requests), or with a few tokens more, mostly while its
-        states are still cached: prefilled to the end and decoded a step."""
+        states are still cached: prefilled to the end and decoded a step.
+        With `aligned`, a prompt a whole number of hash units long is
+        preferred: every block of it is keyed, so only the lookup's cap
+        (the prompt less its last token) keeps one to compute."""
         # A retry follows its original closely: the newest first.
-        producer = self._pick(self._computed()[::-1], which)
+        computed = self._computed()[::-1]
+        if aligned:
+            unit = self.session.config.hash_unit
+            model = self.session.model
+            whole = [r for r in computed if model.requests[r].request.num_prompt_tokens % unit == 0]
+            computed = whole or computed
+        producer = self._pick(computed, which)
         self._burst(burst, n)
         child = self._name()
         self._run("arrive", req=child, prompt=share_prompt(producer, extra))
