@@ -55,8 +55,8 @@ def overlay_differential_mode(retire: bool = False) -> Mode:
 # token), with the trailing-block drop instead, or no drafter -- x no
 # prefill checkpoint block (GDN on Triton) or one at alignment 1 (Mamba2: a
 # checkpoint column, and an export at every chunk end inside a block); then
-# a pure Mamba model (the unitary coordinator), with and without the
-# checkpoint block, and prefix caching off. A
+# a pure Mamba model (the unitary coordinator), with retention as drawn
+# and dense, and prefix caching off. A
 # fault on one side is often invisible from the others, and a knob left to
 # swarm drawing is on in about a quarter of the examples: a family makes it
 # every one of its share. Within each, every other knob is drawn.
@@ -74,9 +74,10 @@ FAMILIES: tuple[dict[str, Any], ...] = (
     ),
     # Pure Mamba models (Mamba-Codestral, Falcon-Mamba) are served without
     # an EAGLE/MTP drafter: with one, the drop hides the end of every hit.
-    *(
-        {"pure_mamba": True, "eagle": False, "prefill_checkpoint": checkpoint}
-        for checkpoint in ((0, None), (1, 1))
-    ),
+    # Retention as drawn (vLLM's default, sparse, keeps no block-aligned
+    # prompt end), and dense: every state kept, so a lookup can reach a
+    # prompt's end.
+    {"pure_mamba": True, "eagle": False},
+    {"pure_mamba": True, "eagle": False, "retention_interval": None},
     {"prefix_caching": False},
 )

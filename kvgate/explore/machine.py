@@ -618,16 +618,23 @@ class ExploreMachine(RuleBasedStateMachine):
         """A prompt sent again as it was (a client's retry, parallel samples
         as separate requests), or with a few tokens more, mostly while its
         states are still cached: prefilled to the end and decoded a step.
-        With `aligned`, a prompt a whole number of hash units long is
-        preferred: every block of it is keyed, so only the lookup's cap
-        (the prompt less its last token) keeps one to compute."""
+        With `aligned`, the prompt is a whole number of hash units long
+        (an earlier one, or a new templated one produced first): every
+        block of it is keyed, so only the lookup's cap (the prompt less its
+        last token) keeps one to compute."""
         # A retry follows its original closely: the newest first.
         computed = self._computed()[::-1]
         if aligned:
             unit = self.session.config.hash_unit
             model = self.session.model
-            whole = [r for r in computed if model.requests[r].request.num_prompt_tokens % unit == 0]
-            computed = whole or computed
+            computed = [
+                r for r in computed if model.requests[r].request.num_prompt_tokens % unit == 0
+            ]
+            if not computed and self._live() <= MAX_LIVE - 2:
+                made = self._produce(Producer(1, 1, "whole blocks", decodes=1, spec=0))
+                computed = [] if made is None else [made]
+            if not computed:
+                return
         producer = self._pick(computed, which)
         self._burst(burst, n)
         child = self._name()
