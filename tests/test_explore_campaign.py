@@ -52,8 +52,11 @@ def test_each_target_runs_its_own_hold_arms() -> None:
     assert campaign.available_targets(("model",)) == (("model",), {})
 
 
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
-def test_the_vllm_targets_are_probed_and_run_a_shard(tmp_path: Path) -> None:
+def test_the_vllm_targets_are_probed_and_run_a_shard(
+    tmp_path: Path, hold_overlay_plugin: str
+) -> None:
+    # (The fixture skips without vLLM, and uninstalls the overlay the
+    # vllm+overlay shard loads, so later tests run on vLLM's own code.)
     targets, why_not = campaign.available_targets()
     assert targets == campaign.TARGET_NAMES and why_not == {}
     runs: tuple[tuple[campaign.TargetName, str], ...] = (
@@ -169,8 +172,10 @@ def test_the_command_prints_one_summary(tmp_path: Path, capsys: pytest.CaptureFi
 
 @pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="Ray is not installed")
 def test_the_same_campaign_runs_on_a_local_ray_cluster(tmp_path: Path) -> None:
-    plan = small_plan(examples=30, shards=1)
+    # The same plan as on two processes (two seeds per cell): as there, a
+    # seed that misses the total miss in its 15 examples is made up for.
+    plan = small_plan()
     result = campaign.run_campaign(plan, tmp_path, campaign.on_ray("local:2"))
-    assert [r.error for r in result.results] == ["", ""]
+    assert [r.error for r in result.results] == ["", "", "", ""]
     assert list(result.distinct()) == [("lookup", "expect", "hit")]
     assert sum(r.examples for r in result.results) > 0

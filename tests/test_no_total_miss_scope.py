@@ -93,14 +93,18 @@ def _decoded(req: str, steps: int, spec: int = 0) -> list[tuple[str, dict[str, o
                                              ("drain", {}))]  # fmt: skip
 
 
-def _preempted_then_follow_up(hold: bool, evict_while_running: bool = False) -> int:
+def _preempted_then_follow_up(
+    hold: bool, evict_while_running: bool = False, prompt: int = 65, lookahead: int = 0
+) -> int:
     """R0 (tail at 56) decodes, is preempted and re-admitted at the
     whole-block state 64 (no partial hit: it holds nothing in its new
     life); a burst evicts its old tail; its follow-up looks up."""
-    config = replace(SEED_CONFIG, hold=hold, retention_interval=None)
+    config = replace(
+        SEED_CONFIG, hold=hold, retention_interval=None, hash_lookahead_tokens=lookahead
+    )
     session = Session(config, ALL_INVARIANTS)
     try:
-        session.run("arrive", req="R0", prompt=fresh(65))
+        session.run("arrive", req="R0", prompt=fresh(prompt))
         _prefill(session, "R0")
         _run(session, _decoded("R0", 7))
         if evict_while_running:  # the seed's bug: the tail lost while R0 runs
@@ -117,9 +121,14 @@ def _preempted_then_follow_up(hold: bool, evict_while_running: bool = False) -> 
         session.close()
 
 
-def test_a_pin_still_cached_at_preemption_is_released_with_the_hold() -> None:
+# Eagle's drop, and lookahead hashes (the earlier finding with
+# `hash_lookahead_tokens` 1: a preempted request re-admitted, then a burst).
+@pytest.mark.parametrize(("prompt", "lookahead"), [(65, 0), (64, 1)])
+def test_a_pin_still_cached_at_preemption_is_released_with_the_hold(
+    prompt: int, lookahead: int
+) -> None:
     # Before: R0's first-life tail (56) counted as pinned after re-admission.
-    assert _preempted_then_follow_up(hold=True) == 0
+    assert _preempted_then_follow_up(hold=True, prompt=prompt, lookahead=lookahead) == 0
 
 
 def test_a_pin_lost_while_running_still_fires_after_preemption() -> None:

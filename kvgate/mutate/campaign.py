@@ -50,9 +50,11 @@ Verdict = Literal["caught", "missed", "not applicable", "hung", "error"]
 # as many examples in its configuration as the four families of 75 gave it
 # when swarm drawing chose it (a quarter of eagle's examples for lookahead
 # hashes, and pure Mamba or caching off took 4 in 10 of the rest). The
-# rarest catch measured, `unitary-lookup-ignores-cap`, takes about one
-# pure-Mamba example in 28 (benchmarks/explore_fault_reach.py): 50 examples
-# miss it one time in six, the two pure-Mamba families' 100 one in 40.
+# rarest catch measured, `unitary-lookup-ignores-cap`, shows only where a
+# block-aligned prompt's end state is retained: about one example in 22 of
+# the dense pure-Mamba family, one in 77 of the other
+# (benchmarks/explore_fault_reach.py), so the two miss it together about
+# one run in 20; one family of 50 missed it one run in two.
 EXPLORE_EXAMPLES = 450
 # Rules per example: long enough for a state one rule leaves (a block with
 # two keys, a stale record) to meet what another rule does later (a burst,
