@@ -29,8 +29,7 @@ from kvgate.conformance.config import Config
 from kvgate.conformance.replay import replay
 from kvgate.conformance.target import Target
 from kvgate.conformance.trace import Trace, load_trace
-from kvgate.workload.deployment import Deployment
-from kvgate.workload.plan import Workload
+from kvgate.workload.command import add_workload_arguments, workload_of
 from kvgate.workload.progress import Progress
 from kvgate.workload.runner import Arm, write_traces
 
@@ -68,13 +67,8 @@ def peak_bytes(traces: Sequence[Trace], build: Callable[[Config], Target]) -> in
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--scale", type=int, default=1)
-    parser.add_argument("--units", default="64,256,512,1024,4096")
-    parser.add_argument("--sessions", type=int, default=Workload().sessions)
-    parser.add_argument("--turns", type=int, default=Workload().turns)
-    parser.add_argument("--seed", type=int, default=Workload().seed)
+    add_workload_arguments(parser, scale=1, units="64,256,512,1024,4096")
     parser.add_argument("--out", type=Path, help="where the traces go (default: a temp dir)")
-    parser.add_argument("--build", default="fork", choices=("fork", "upstream"))
     args = parser.parse_args(argv)
 
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
@@ -82,8 +76,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from kvgate.model import ModelTarget
 
     plugin = OVERLAY
-    workload = Workload(sessions=args.sessions, turns=args.turns, seed=args.seed)
-    deployment = Deployment(build=args.build).scaled(args.scale)
+    workload, deployment = workload_of(args)
     units = sorted({int(u) // args.scale for u in args.units.split(",")})
     arms = [Arm(u, h) for u in units for h in (False, True)]
 

@@ -32,9 +32,9 @@ from typing import Any
 
 from kvgate.conformance.replay import Level, replay
 from kvgate.conformance.trace import load_trace
-from kvgate.workload.deployment import Deployment
+from kvgate.workload.command import add_workload_arguments, workload_of
 from kvgate.workload.lockstep import run_on_scheduler
-from kvgate.workload.plan import Workload, make_plan
+from kvgate.workload.plan import make_plan
 from kvgate.workload.progress import Progress
 from kvgate.workload.runner import Arm, about, trace_name, write_traces
 
@@ -43,12 +43,7 @@ OVERLAY = "kvgate.impl.hold_overlay"
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--scale", type=int, default=16)
-    parser.add_argument("--units", default="64,4096")
-    parser.add_argument("--sessions", type=int, default=Workload().sessions)
-    parser.add_argument("--turns", type=int, default=Workload().turns)
-    parser.add_argument("--seed", type=int, default=Workload().seed)
-    parser.add_argument("--build", default="fork", choices=("fork", "upstream"))
+    add_workload_arguments(parser, scale=16, units="64,4096")
     parser.add_argument("--level", default="api", choices=("api", "strict"))
     args = parser.parse_args(argv)
     level: Level = args.level
@@ -58,8 +53,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from kvgate.impl.vllm_target import VllmTarget
     from kvgate.model import ModelTarget
 
-    workload = Workload(sessions=args.sessions, turns=args.turns, seed=args.seed)
-    deployment = Deployment(build=args.build).scaled(args.scale)
+    workload, deployment = workload_of(args)
     units = sorted({int(u) // args.scale for u in args.units.split(",")})
     arms = [Arm(u, h) for u in units for h in (False, True)]
     sessions = make_plan(workload, args.scale)

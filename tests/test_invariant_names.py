@@ -23,3 +23,19 @@ def test_each_layer_checks_exactly_what_the_catalogue_says() -> None:
 def test_exploration_knows_every_name_and_no_other() -> None:
     assert set(ALL_INVARIANTS) == NAMES
     assert len(ALL_INVARIANTS) == len(NAMES)
+
+
+def test_every_z3_check_is_a_catalogue_property_in_its_encodings_table() -> None:
+    """A check registered in either encoding is an invariant or a lemma of the
+    catalogue and appears in that encoding's table (none dropped silently)."""
+    from kvgate.invariants.catalogue import LEMMA_NAMES, Z3_INVARIANT_NAMES
+    from kvgate.invariants.z3 import properties, unbounded_proof
+
+    for checks, table in (
+        (properties._CHECKS, properties.PROPERTIES),
+        (unbounded_proof._CHECKS, unbounded_proof.UPROPERTIES),
+    ):
+        assert set(checks) <= set(Z3_INVARIANT_NAMES) | set(LEMMA_NAMES)
+        assert [p.name for p in table] == [
+            n for n in (*Z3_INVARIANT_NAMES, *LEMMA_NAMES) if n in checks
+        ]

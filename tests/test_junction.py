@@ -123,12 +123,18 @@ def total_miss(ops: Ops) -> None:
     ops.finish("T1")
 
 
+def after_total_miss(target: OpDriver[Any]) -> Ops:
+    """`total_miss` on `target`, then T2 arrives to follow T1 up."""
+    ops = Ops(target)
+    total_miss(ops)
+    ops.arrive("T2", all_of("T1"), fresh(21))
+    return ops
+
+
 def test_a_total_miss_reports_the_attention_hit_as_junction(
     make: Callable[[Config], OpDriver[Any]],
 ) -> None:
-    ops = Ops(make(CONFIG))
-    total_miss(ops)
-    ops.arrive("T2", all_of("T1"), fresh(21))
+    ops = after_total_miss(make(CONFIG))
     attention = ops.target.check_values({"attention_cached": ["T2"]})["attention_cached"]["T2"]
     found = ops("lookup", req="T2")
     assert found["hit"] == 0
@@ -142,9 +148,7 @@ def test_a_total_miss_reports_the_attention_hit_as_junction(
 def test_the_chunk_stops_at_the_junction_and_a_sibling_resumes_there(
     make: Callable[[Config], OpDriver[Any]],
 ) -> None:
-    ops = Ops(make(CONFIG))
-    total_miss(ops)
-    ops.arrive("T2", all_of("T1"), fresh(21))
+    ops = after_total_miss(make(CONFIG))
     hit, junction, chunks = ops.prefill("T2")
     assert (hit, junction, chunks) == (0, 184, [160, 32, 8, 6])
     ops.finish("T2")
@@ -182,9 +186,7 @@ def test_sparse_retention_keeps_the_junction_state(
 def test_preempt_keeps_the_junction_until_the_next_lookup(
     make: Callable[[Config], OpDriver[Any]],
 ) -> None:
-    ops = Ops(make(CONFIG))
-    total_miss(ops)
-    ops.arrive("T2", all_of("T1"), fresh(21))
+    ops = after_total_miss(make(CONFIG))
     ops("lookup", req="T2")
     assert ops("allocate", req="T2", tokens="auto")["tokens"] == 160
     ops("free", req="T2", how="preempt")

@@ -28,6 +28,7 @@ from kvgate.conformance.compare import NOT_REPORTED, same
 from kvgate.conformance.config import Config
 from kvgate.conformance.replay import (
     HOLD_NOTE,
+    Divergence,
     Level,
     ModelBug,
     ReplayResult,
@@ -93,6 +94,19 @@ def run(
     trace = make_trace(steps, **trace_options)  # type: ignore[arg-type]
     instance = target(trace.config)
     return replay(trace, instance, model, level), instance
+
+
+def diverges(
+    steps: str,
+    target: type[FakeTarget] = FakeTarget,
+    model: TargetFactory | None = FakeTarget,
+    level: Level = "strict",
+    **trace_options: int | bool,
+) -> Divergence:
+    """The first divergence of `run`, which must diverge."""
+    result, _ = run(steps, target, model, level, **trace_options)
+    assert result.divergence is not None
+    return result.divergence
 
 
 def test_a_conforming_trace_passes() -> None:
@@ -177,17 +191,13 @@ def test_the_model_catches_what_the_trace_does_not_say_at_level_api() -> None:
 
 def test_strict_compares_snapshots_that_api_does_not() -> None:
     assert run(LIFE, ReversedQueueFake, level="api")[0].passed
-    result, _ = run(LIFE, ReversedQueueFake, level="strict")
-    d = result.divergence
-    assert d is not None
+    d = diverges(LIFE, ReversedQueueFake, level="strict")
     assert (d.level, d.what) == ("strict", "free queue")
     assert d.step.where() == "step 0 (arrive)"
 
 
 def test_an_exception_in_the_target_is_a_divergence_not_a_crash() -> None:
-    result, _ = run(LIFE, RaisingFake)
-    d = result.divergence
-    assert d is not None
+    d = diverges(LIFE, RaisingFake)
     assert (d.level, d.what, d.actual) == ("api", "exception", "RuntimeError: boom in decode")
     assert d.note == "raised by the target"
     assert d.step.where() == "step 2 (decode: decode1 #1)"
@@ -212,32 +222,24 @@ SHORT_POOL = """\
 @pytest.mark.parametrize("model", [FakeTarget, None])
 def test_a_prefill_that_cannot_allocate_stalls(model: TargetFactory | None) -> None:
     # Two usable blocks: the third chunk finds none, on both sides.
-    result, _ = run(SHORT_POOL, FakeTarget, model, num_blocks=3)
-    d = result.divergence
-    assert d is not None
+    d = diverges(SHORT_POOL, FakeTarget, model, num_blocks=3)
     assert (d.level, d.what) == ("expect", "prefill stalled")
     assert d.step.where() == "step 1 (prefill: allocate #8)"
 
 
 def test_an_allocate_that_computes_nothing_stalls_the_prefill() -> None:
-    result, _ = run(SHORT_POOL, IdleFake, None)
-    d = result.divergence
-    assert d is not None
+    d = diverges(SHORT_POOL, IdleFake, None)
     assert (d.what, d.actual) == ("prefill stalled", "ok True, tokens 0")
     assert d.step.where() == "step 1 (prefill: allocate #2)"
 
 
 def test_allocate_must_report_prompt_done() -> None:
-    result, _ = run(SHORT_POOL, SilentFake, None)
-    d = result.divergence
-    assert d is not None
+    d = diverges(SHORT_POOL, SilentFake, None)
     assert (d.level, d.what, d.actual) == ("api", "prompt_done", NOT_REPORTED)
 
 
 def test_a_failed_allocate_the_model_ran_is_an_api_divergence() -> None:
-    result, _ = run(SHORT_POOL, StingyFake)
-    d = result.divergence
-    assert d is not None
+    d = diverges(SHORT_POOL, StingyFake)
     assert (d.level, d.what, d.expected, d.actual) == ("api", "ok", True, False)
 
 
@@ -256,17 +258,13 @@ def test_a_refused_step_is_the_traces_fault(model: TargetFactory | None) -> None
 
 
 def test_a_target_refusing_what_the_model_ran_diverges() -> None:
-    result, _ = run(BURST.replace("95}", "5}"), RefusingFake)
-    d = result.divergence
-    assert d is not None
+    d = diverges(BURST.replace("95}", "5}"), RefusingFake)
     assert (d.level, d.what) == ("api", "refused")
     assert d.actual == "blocks: this target refuses every burst"
 
 
 def test_a_check_compares_the_targets_values_with_the_trace() -> None:
-    result, _ = run(LIFE.replace("free_blocks: 95", "free_blocks: 90"))
-    d = result.divergence
-    assert d is not None
+    d = diverges(LIFE.replace("free_blocks: 95", "free_blocks: 90"))
     assert (d.level, d.what, d.expected, d.actual) == ("expect", "check free_blocks", 90, 95)
     assert d.step.where() == "step 5 (check)"
 

@@ -47,7 +47,8 @@ CATALOGUE: tuple[Invariant, ...] = (
         "no_total_miss",
         "with the hold on, a follow-up resumes at least at the sub-block state its parent "
         "pinned (the partial-hit source it copied from, or its own partial tail moved into "
-        "a copy block) while the attention prefix is still cached",
+        "a copy block) while the attention prefix is still cached; a pin ends where the "
+        "hold lets go by design (preemption, a newer held state superseding it)",
         ("lifecycle", "z3"),
     ),
     Invariant(
@@ -70,6 +71,32 @@ CATALOGUE: tuple[Invariant, ...] = (
 )
 
 NAMES: frozenset[str] = frozenset(i.name for i in CATALOGUE)
+
+
+@dataclass(frozen=True)
+class Lemma:
+    name: str
+    meaning: str
+
+
+# The strengthening the Z3 proofs need besides the invariants (an invariant is
+# inductive only together with these); both encodings prove each of them.
+LEMMAS: tuple[Lemma, ...] = (
+    Lemma("counts_nonnegative", "copy endpoints and popped counts are never negative"),
+    Lemma("phases", "a request's phase is one of the action table's five"),
+    Lemma("only_residents_own", "only a running request owns blocks; only a popped one sets aside"),
+    Lemma("lookup_shape", "a pending lookup has one partial source per group, among its hits"),
+    Lemma("taken_blocks", "a block taken by a request is in that request's table, one taker"),
+    Lemma("block_groups", "a block is used only by the group that last took it"),
+    Lemma("pending_tail_shape", "an awaited tail move is one keyed block of the request's own"),
+    Lemma("checkpoint_is_hold", "with the hold on the held block is the checkpoint; off, none"),
+    Lemma("hold_reserved", "before the tail moves, a request's holds stay within its reserve"),
+    Lemma("held_outside_table", "a request's held block is not in its own table"),
+    Lemma("copy_shape", "a pending copy's source and destination differ"),
+)
+LEMMA_NAMES: tuple[str, ...] = tuple(lemma.name for lemma in LEMMAS)
+# The invariants the Z3 encodings prove, in the catalogue's order (their tables').
+Z3_INVARIANT_NAMES: tuple[str, ...] = tuple(i.name for i in CATALOGUE if "z3" in i.checked_by)
 
 
 def by_name(name: str) -> Invariant:

@@ -151,32 +151,21 @@ class KVCacheManager:
         num_tokens_main = total_computed + num_new_tokens
         num_need_slot = min(num_tokens_main + num_lookahead_tokens, max_len)
         hit_blocks = new_computed_blocks or self._no_hit()
-        if full_sequence_must_fit:
-            # The admission gate: the whole sequence's count, admission cap on.
-            num_full = min(request.num_tokens, max_len)
-            needed_full = coordinator.blocks_needed(
-                rid,
-                num_full,
-                hit_blocks,
-                num_local,
-                num_full,
-                admission=True,
-                prefill_end=self._prefill_end(request),
+        prefill_end = self._prefill_end(request)
+
+        def fits(num_tokens: int, num_tokens_main: int, admission: bool) -> bool:
+            needed = coordinator.blocks_needed(
+                rid, num_tokens, hit_blocks, num_local, num_tokens_main, admission, prefill_end
             )
-            if needed_full > self.block_pool.num_free():
-                return False
+            return needed <= self.block_pool.num_free()
+
+        # The admission gate: the whole sequence's count, admission cap on.
+        num_full = min(request.num_tokens, max_len)
+        if full_sequence_must_fit and not fits(num_full, num_full, admission=True):
+            return False
         # States behind the computed prefix are freed even if this fails.
         coordinator.remove_skipped(rid, total_computed)
-        needed = coordinator.blocks_needed(
-            rid,
-            num_need_slot,
-            hit_blocks,
-            num_local,
-            num_tokens_main,
-            admission=False,
-            prefill_end=self._prefill_end(request),
-        )
-        if needed > self.block_pool.num_free():
+        if not fits(num_need_slot, num_tokens_main, admission=False):
             return False
         if new_computed_blocks is not None:
             coordinator.add_hit_blocks(rid, new_computed_blocks, num_local)

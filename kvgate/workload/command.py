@@ -49,8 +49,37 @@ FLAG_RANGES: dict[str, tuple[int, int]] = {
 MAX_UNIT = 2**20
 
 
-def register(subparsers: Any) -> None:
+def add_workload_arguments(parser: argparse.ArgumentParser, scale: int, units: str) -> None:
+    """The workload's own flags (sessions, turns, seed, scale, units, build),
+    shared by `kvgate workload` and the workload benchmarks."""
     defaults = Workload()
+    parser.add_argument("--units", default=units, help=f"default {units}")
+    parser.add_argument(
+        "--build",
+        default="fork",
+        choices=BUILDS,
+        help="fork (default): the production build, which retains retired states; "
+        "upstream: vLLM 0.33.0 as released",
+    )
+    parser.add_argument("--sessions", type=int, default=defaults.sessions)
+    parser.add_argument("--turns", type=int, default=defaults.turns)
+    parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument(
+        "--scale",
+        type=int,
+        default=scale,
+        help="divide every token count (prompts, outputs, units, Mamba block, budget, pool) "
+        "and step duration by K, for a quick run",
+    )
+
+
+def workload_of(args: argparse.Namespace) -> tuple[Workload, Deployment]:
+    """The workload and the (scaled) deployment the shared flags describe."""
+    workload = Workload(sessions=args.sessions, turns=args.turns, seed=args.seed)
+    return workload, Deployment(build=args.build).scaled(args.scale)
+
+
+def register(subparsers: Any) -> None:
     cmd = subparsers.add_parser(
         "workload",
         help="multi-turn agent load: misses by prefix-match unit, hold on/off",
@@ -64,25 +93,8 @@ def register(subparsers: Any) -> None:
         help="model; vllm: vLLM's KVCacheManager replaying the traces; vllm-scheduler: "
         "vLLM's real Scheduler run beside kvgate's scheduler model",
     )
-    cmd.add_argument("--units", default=DEFAULT_UNITS, help=f"default {DEFAULT_UNITS}")
+    add_workload_arguments(cmd, scale=1, units=DEFAULT_UNITS)
     cmd.add_argument("--hold", default="on,off", help="arms to run: on, off or on,off")
-    cmd.add_argument(
-        "--build",
-        default="fork",
-        choices=BUILDS,
-        help="fork (default): the production build, which retains retired states; "
-        "upstream: vLLM 0.33.0 as released",
-    )
-    cmd.add_argument("--sessions", type=int, default=defaults.sessions)
-    cmd.add_argument("--turns", type=int, default=defaults.turns)
-    cmd.add_argument("--seed", type=int, default=defaults.seed)
-    cmd.add_argument(
-        "--scale",
-        type=int,
-        default=1,
-        help="divide every token count (prompts, outputs, units, Mamba block, budget, pool) "
-        "and step duration by K, for a quick run",
-    )
     cmd.add_argument("--out", type=Path, default=DEFAULT_OUT, metavar="DIR")
     cmd.add_argument(
         "--level", default="api", choices=LEVELS, help="lockstep comparison level (default api)"
@@ -137,8 +149,7 @@ def run(args: argparse.Namespace) -> int:
             raise InputError(f"--{flag}: {value} is outside {low}..{high}")
     _check_out(args.out)
     try:
-        workload = Workload(sessions=args.sessions, turns=args.turns, seed=args.seed)
-        deployment = Deployment(build=args.build).scaled(args.scale)
+        workload, deployment = workload_of(args)
         units = _units(args.units, args.scale)
         arms = [Arm(u, h) for u in units for h in _holds(args.hold)]
         for arm in arms:

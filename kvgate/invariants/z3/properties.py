@@ -82,6 +82,7 @@ from typing import Any, Literal, NamedTuple
 
 import z3
 
+from kvgate.invariants.catalogue import LEMMA_NAMES, Z3_INVARIANT_NAMES
 from kvgate.invariants.z3.vocabulary import (
     ABSENT,
     ENDED,
@@ -128,7 +129,6 @@ STEP_COPY = 1
 class Property:
     name: str
     kind: Literal["invariant", "lemma"]
-    text: str
     instances: Callable[[State, Bounds], list[Instance]]
 
     def holds(self, s: State) -> Any:
@@ -150,14 +150,27 @@ def _refs(s: State, bounds: Bounds, b: int) -> Any:
     )
 
 
+_CHECKS: dict[str, Callable[[State, Bounds], Any]] = {}
+
+
+def _check(check: Callable[[State, Bounds], Any]) -> Callable[[State, Bounds], Any]:
+    """Register a property's check under its function's name, which is its
+    name in the catalogue (`kvgate.invariants.catalogue`)."""
+    _CHECKS[check.__name__] = check
+    return check
+
+
+@_check
 def no_leak(s: State, bounds: Bounds) -> list[Instance]:
     return [_inst("no_leak", s.ref[b] == _refs(s, bounds, b), b=b) for b in bounds.block_ids]
 
 
+@_check
 def free_queue_exact(s: State, bounds: Bounds) -> list[Instance]:
     return [_inst("free_queue_exact", s.free[b] == (s.ref[b] == 0), b=b) for b in bounds.block_ids]
 
 
+@_check
 def one_hold(s: State, bounds: Bounds) -> list[Instance]:
     return [
         _inst("one_hold", count(s.hold[r, m, b] for b in bounds.block_ids) <= 1, r=r, g=m)
@@ -166,12 +179,14 @@ def one_hold(s: State, bounds: Bounds) -> list[Instance]:
     ]
 
 
+@_check
 def held_state_keyed(s: State, bounds: Bounds) -> list[Instance]:
     return _per_mamba_slot(
         "held_state_keyed", bounds, lambda r, m, b: z3.Implies(s.hold[r, m, b], s.keyed[b])
     )
 
 
+@_check
 def no_total_miss(s: State, bounds: Bounds) -> list[Instance]:
     return _per_mamba_slot(
         "no_total_miss",
@@ -183,6 +198,7 @@ def no_total_miss(s: State, bounds: Bounds) -> list[Instance]:
     )
 
 
+@_check
 def reservation_covers_tail_swap(s: State, bounds: Bounds) -> list[Instance]:
     # Written for the hold alone: with the fork's retention a retained state
     # is a pin admission does not count (see README, Exploring).
@@ -198,6 +214,7 @@ def reservation_covers_tail_swap(s: State, bounds: Bounds) -> list[Instance]:
     ]
 
 
+@_check
 def clean_when_idle(s: State, bounds: Bounds) -> list[Instance]:
     idle = z3.And(
         *[z3.And(s.phase[r] != RUNNING, s.phase[r] != POPPED) for r in bounds.request_ids],
@@ -210,6 +227,7 @@ def clean_when_idle(s: State, bounds: Bounds) -> list[Instance]:
 # -- lemmas ------------------------------------------------------------------------
 
 
+@_check
 def counts_nonnegative(s: State, bounds: Bounds) -> list[Instance]:
     return [
         _inst(
@@ -221,6 +239,7 @@ def counts_nonnegative(s: State, bounds: Bounds) -> list[Instance]:
     ]
 
 
+@_check
 def phases(s: State, bounds: Bounds) -> list[Instance]:
     return [
         _inst("phases", z3.And(s.phase[r] >= ABSENT, s.phase[r] <= ENDED), r=r)
@@ -228,6 +247,7 @@ def phases(s: State, bounds: Bounds) -> list[Instance]:
     ]
 
 
+@_check
 def only_residents_own(s: State, bounds: Bounds) -> list[Instance]:
     """A request that is not running owns no table entry, hold, pending tail,
     checkpoint or reservation; only a popped one has blocks put aside."""
@@ -252,6 +272,7 @@ def only_residents_own(s: State, bounds: Bounds) -> list[Instance]:
     return out
 
 
+@_check
 def lookup_shape(s: State, bounds: Bounds) -> list[Instance]:
     """A pending lookup has at most one partial source per group, among its hits."""
     out = []
@@ -263,6 +284,7 @@ def lookup_shape(s: State, bounds: Bounds) -> list[Instance]:
     return out
 
 
+@_check
 def taken_blocks(s: State, bounds: Bounds) -> list[Instance]:
     """A block one request took from the pool sits in that request's table,
     and no other request (or group) took it: taking needs ref 0."""
@@ -275,6 +297,7 @@ def taken_blocks(s: State, bounds: Bounds) -> list[Instance]:
     return out
 
 
+@_check
 def block_groups(s: State, bounds: Bounds) -> list[Instance]:
     """A block is used by one group: the one that took it."""
     out = []
@@ -293,6 +316,7 @@ def block_groups(s: State, bounds: Bounds) -> list[Instance]:
     return out
 
 
+@_check
 def pending_tail_shape(s: State, bounds: Bounds) -> list[Instance]:
     """A tail awaiting its move is one keyed block the request took itself,
     keyed this life."""
@@ -309,6 +333,7 @@ def pending_tail_shape(s: State, bounds: Bounds) -> list[Instance]:
     return out
 
 
+@_check
 def checkpoint_is_hold(s: State, bounds: Bounds) -> list[Instance]:
     """With the hold on a request holds exactly its checkpoint; off, nothing
     but a state the fork's retention kept."""
@@ -323,6 +348,7 @@ def checkpoint_is_hold(s: State, bounds: Bounds) -> list[Instance]:
     )
 
 
+@_check
 def held_outside_table(s: State, bounds: Bounds) -> list[Instance]:
     """A request's hold is never in its own table: it holds a source its
     copy replaced, a moved tail's copy, or a state its table dropped."""
@@ -333,6 +359,7 @@ def held_outside_table(s: State, bounds: Bounds) -> list[Instance]:
     )
 
 
+@_check
 def hold_reserved(s: State, bounds: Bounds) -> list[Instance]:
     """Until its tail moves, a request's hold is the one admission reserved:
     before the tail is keyed, and while the keyed tail awaits its move."""
@@ -365,56 +392,11 @@ def hold_reserved(s: State, bounds: Bounds) -> list[Instance]:
     return out
 
 
-INVARIANTS: tuple[Property, ...] = (
-    Property(
-        "no_leak", "invariant", "ref = table entries + holds + copy endpoints + popped", no_leak
-    ),
-    Property("free_queue_exact", "invariant", "in the free queue iff ref 0", free_queue_exact),
-    Property("one_hold", "invariant", "at most one hold per request and Mamba group", one_hold),
-    Property("held_state_keyed", "invariant", "a held block carries a key", held_state_keyed),
-    Property(
-        "no_total_miss",
-        "invariant",
-        "hold on: a resident request's checkpoint stays keyed, ref >= 1",
-        no_total_miss,
-    ),
-    Property(
-        "reservation_covers_tail_swap",
-        "invariant",
-        "pins at the tail swap <= the step's copy + admission's extra",
-        reservation_covers_tail_swap,
-    ),
-    Property(
-        "clean_when_idle", "invariant", "idle pool: every block free at ref 0", clean_when_idle
-    ),
+INVARIANTS: tuple[Property, ...] = tuple(
+    Property(name, "invariant", _CHECKS[name]) for name in Z3_INVARIANT_NAMES
 )
-
-LEMMAS: tuple[Property, ...] = (
-    Property(
-        "counts_nonnegative", "lemma", "copy endpoints and popped counts >= 0", counts_nonnegative
-    ),
-    Property("phases", "lemma", "a phase is one of the five", phases),
-    Property(
-        "only_residents_own",
-        "lemma",
-        "only a running request owns; only popped aside",
-        only_residents_own,
-    ),
-    Property("lookup_shape", "lemma", "one partial source per group, among the hits", lookup_shape),
-    Property(
-        "taken_blocks", "lemma", "a taken block: in its taker's table, one taker", taken_blocks
-    ),
-    Property("block_groups", "lemma", "a block is used by the group that took it", block_groups),
-    Property(
-        "pending_tail_shape", "lemma", "an awaited tail: one own keyed block", pending_tail_shape
-    ),
-    Property(
-        "checkpoint_is_hold", "lemma", "hold on: hold = checkpoint; off: none", checkpoint_is_hold
-    ),
-    Property("hold_reserved", "lemma", "before the tail moves, holds <= reserved", hold_reserved),
-    Property(
-        "held_outside_table", "lemma", "a request's hold is not in its table", held_outside_table
-    ),
+LEMMAS: tuple[Property, ...] = tuple(
+    Property(name, "lemma", _CHECKS[name]) for name in LEMMA_NAMES if name in _CHECKS
 )
 
 PROPERTIES: tuple[Property, ...] = INVARIANTS + LEMMAS

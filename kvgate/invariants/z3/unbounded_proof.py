@@ -39,7 +39,8 @@ from typing import Any, Literal
 
 import z3
 
-from kvgate.invariants.z3.checker import INIT, proof_table, track
+from kvgate.invariants.catalogue import LEMMA_NAMES, Z3_INVARIANT_NAMES
+from kvgate.invariants.z3.checker import INIT, each_violation, proof_table, track
 from kvgate.invariants.z3.properties import STEP_COPY
 from kvgate.invariants.z3.transitions import ENCODED_OPS, acts_on_request
 from kvgate.invariants.z3.unbounded import (
@@ -59,7 +60,6 @@ from kvgate.invariants.z3.vocabulary import ABSENT, ENDED, POPPED, RUNNING
 class UProperty:
     name: str
     kind: Literal["invariant", "lemma"]
-    text: str
     holds: Callable[[UState], Any]
 
 
@@ -82,6 +82,17 @@ def _tokens_are_holders(s: UState, ids: range, token: str, held: str, popped: st
     ]
 
 
+_CHECKS: dict[str, Callable[[UState], Any]] = {}
+
+
+def _check(check: Callable[[UState], Any]) -> Callable[[UState], Any]:
+    """Register a property's check under its function's name, which is its
+    name in the catalogue (`kvgate.invariants.catalogue`)."""
+    _CHECKS[check.__name__] = check
+    return check
+
+
+@_check
 def no_leak(s: UState) -> Any:
     parts = [forall((BLOCK,), lambda b: z3.Not(s["miscount"](b)))]
     parts += _tokens_are_holders(s, s.group_ids, "table_token", "table", "popped_table")
@@ -98,10 +109,12 @@ def no_leak(s: UState) -> Any:
     return z3.And(parts)
 
 
+@_check
 def free_queue_exact(s: UState) -> Any:
     return forall((BLOCK,), lambda b: _iff(s["free"](b), z3.Not(s.has(b))))
 
 
+@_check
 def one_hold(s: UState) -> Any:
     return z3.And(
         [
@@ -111,6 +124,7 @@ def one_hold(s: UState) -> Any:
     )
 
 
+@_check
 def held_state_keyed(s: UState) -> Any:
     return z3.And(
         [
@@ -122,6 +136,7 @@ def held_state_keyed(s: UState) -> Any:
     )
 
 
+@_check
 def no_total_miss(s: UState) -> Any:
     def each(r: Any, b: Any, m: int) -> Any:
         resumes = z3.And(s["hold_on"], s["phase"](r) == RUNNING, s.field("checkpoint", m)(r, b))
@@ -130,6 +145,7 @@ def no_total_miss(s: UState) -> Any:
     return z3.And([forall((REQ, BLOCK), lambda r, b, m=m: each(r, b, m)) for m in s.mamba_ids])
 
 
+@_check
 def reservation_covers_tail_swap(s: UState) -> Any:
     return z3.And(
         [
@@ -145,6 +161,7 @@ def reservation_covers_tail_swap(s: UState) -> Any:
     )
 
 
+@_check
 def clean_when_idle(s: UState) -> Any:
     idle = z3.And(
         forall((REQ,), lambda r: z3.And(s["phase"](r) != RUNNING, s["phase"](r) != POPPED)),
@@ -157,10 +174,12 @@ def clean_when_idle(s: UState) -> Any:
 # -- lemmas ------------------------------------------------------------------------
 
 
+@_check
 def phases(s: UState) -> Any:
     return forall((REQ,), lambda r: z3.And(s["phase"](r) >= ABSENT, s["phase"](r) <= ENDED))
 
 
+@_check
 def only_residents_own(s: UState) -> Any:
     def each(r: Any, b: Any) -> Any:
         running, popped = s["phase"](r) == RUNNING, s["phase"](r) == POPPED
@@ -182,6 +201,7 @@ def only_residents_own(s: UState) -> Any:
     return forall((REQ, BLOCK), each)
 
 
+@_check
 def lookup_shape(s: UState) -> Any:
     parts = []
     for g in s.group_ids:
@@ -199,6 +219,7 @@ def lookup_shape(s: UState) -> Any:
     return z3.And(parts)
 
 
+@_check
 def taken_blocks(s: UState) -> Any:
     parts = []
     for g in s.group_ids:
@@ -222,6 +243,7 @@ def taken_blocks(s: UState) -> Any:
     return z3.And(parts)
 
 
+@_check
 def block_groups(s: UState) -> Any:
     def each(r: Any, b: Any) -> Any:
         block_group = s["block_group"](b)
@@ -237,6 +259,7 @@ def block_groups(s: UState) -> Any:
     return forall((REQ, BLOCK), each)
 
 
+@_check
 def pending_tail_shape(s: UState) -> Any:
     parts = []
     for m in s.mamba_ids:
@@ -259,6 +282,7 @@ def pending_tail_shape(s: UState) -> Any:
     return z3.And(parts)
 
 
+@_check
 def checkpoint_is_hold(s: UState) -> Any:
     def each(r: Any, b: Any, m: int) -> Any:
         hold, checkpoint = s.field("hold", m)(r, b), s.field("checkpoint", m)(r, b)
@@ -267,6 +291,7 @@ def checkpoint_is_hold(s: UState) -> Any:
     return z3.And([forall((REQ, BLOCK), lambda r, b, m=m: each(r, b, m)) for m in s.mamba_ids])
 
 
+@_check
 def hold_reserved(s: UState) -> Any:
     def each(r: Any, m: int) -> Any:
         reserved, peak = s.field("reserved", m)(r), s.field("peak", m)(r)
@@ -298,6 +323,7 @@ def hold_reserved(s: UState) -> Any:
     return z3.And([forall((REQ,), lambda r, m=m: each(r, m)) for m in s.mamba_ids])
 
 
+@_check
 def held_outside_table(s: UState) -> Any:
     def each(r: Any, b: Any) -> Any:
         return z3.And(
@@ -310,6 +336,7 @@ def held_outside_table(s: UState) -> Any:
     return forall((REQ, BLOCK), each)
 
 
+@_check
 def copy_shape(s: UState) -> Any:
     """A pending copy's endpoints are two blocks (its destination was free
     when taken, its source was not)."""
@@ -320,55 +347,11 @@ def copy_shape(s: UState) -> Any:
     return forall((COPY,), each)
 
 
-UINVARIANTS: tuple[UProperty, ...] = (
-    UProperty("no_leak", "invariant", "ref tokens = holders, exactly; none miscounted", no_leak),
-    UProperty(
-        "free_queue_exact", "invariant", "in the free queue iff no ref token", free_queue_exact
-    ),
-    UProperty("one_hold", "invariant", "at most one hold per request and Mamba group", one_hold),
-    UProperty("held_state_keyed", "invariant", "a held block carries a key", held_state_keyed),
-    UProperty(
-        "no_total_miss",
-        "invariant",
-        "hold on: a running request's checkpoint keyed, ref >= 1",
-        no_total_miss,
-    ),
-    UProperty(
-        "reservation_covers_tail_swap",
-        "invariant",
-        "pins at the tail swap <= the step's copy + admission's extra",
-        reservation_covers_tail_swap,
-    ),
-    UProperty(
-        "clean_when_idle", "invariant", "idle pool: every block free, no token", clean_when_idle
-    ),
+UINVARIANTS: tuple[UProperty, ...] = tuple(
+    UProperty(name, "invariant", _CHECKS[name]) for name in Z3_INVARIANT_NAMES
 )
-ULEMMAS: tuple[UProperty, ...] = (
-    UProperty("phases", "lemma", "a phase is one of the five", phases),
-    UProperty(
-        "only_residents_own",
-        "lemma",
-        "only a running request owns; only popped aside",
-        only_residents_own,
-    ),
-    UProperty(
-        "lookup_shape", "lemma", "one partial source per group, among the hits", lookup_shape
-    ),
-    UProperty(
-        "taken_blocks", "lemma", "a taken block: in its taker's table, one taker", taken_blocks
-    ),
-    UProperty("block_groups", "lemma", "a block is used by the group that took it", block_groups),
-    UProperty(
-        "pending_tail_shape", "lemma", "an awaited tail: one own keyed block", pending_tail_shape
-    ),
-    UProperty(
-        "checkpoint_is_hold", "lemma", "hold on: hold = checkpoint; off: none", checkpoint_is_hold
-    ),
-    UProperty("hold_reserved", "lemma", "before the tail moves, holds <= reserved", hold_reserved),
-    UProperty(
-        "held_outside_table", "lemma", "a request's hold is not in its table", held_outside_table
-    ),
-    UProperty("copy_shape", "lemma", "a pending copy's endpoints differ", copy_shape),
+ULEMMAS: tuple[UProperty, ...] = tuple(
+    UProperty(name, "lemma", _CHECKS[name]) for name in LEMMA_NAMES if name in _CHECKS
 )
 UPROPERTIES: tuple[UProperty, ...] = UINVARIANTS + ULEMMAS
 UPROPERTY_BY_NAME = {p.name: p for p in UPROPERTIES}
@@ -477,14 +460,10 @@ def check_uop(groups: int, mutation: str, op: str, props: Sequence[UProperty]) -
     track(solver, tx.named())  # T_op(s, t)
     t = tx.view()
     out = []
-    for prop in props:
-        started = time.perf_counter()
-        solver.push()
-        solver.add(z3.Not(prop.holds(t)))
-        verdict = solver.check()
-        seconds = time.perf_counter() - started
+    for prop, verdict, seconds, core in each_violation(
+        solver, props, lambda prop: z3.Not(prop.holds(t))
+    ):
         if verdict == z3.unsat:
-            core = tuple(sorted(str(c) for c in solver.unsat_core()))
             out.append(UResult(prop.name, prop.kind, op, True, seconds, core))
         elif verdict == z3.sat:
             out.append(
@@ -494,7 +473,6 @@ def check_uop(groups: int, mutation: str, op: str, props: Sequence[UProperty]) -
             out.append(
                 UResult(prop.name, prop.kind, op, False, seconds, unknown=solver.reason_unknown())
             )
-        solver.pop()
     return out
 
 
