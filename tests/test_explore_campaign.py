@@ -39,6 +39,33 @@ def test_the_matrix_is_every_stratum_by_arm_by_target() -> None:
         Session(build(row)).close()
 
 
+def test_each_target_runs_its_own_hold_arms() -> None:
+    cells = campaign.matrix(campaign.TARGET_NAMES)
+    pairs = {(c.target, c.arm) for c in cells}
+    assert pairs == {("model", "off"), ("model", "on"), ("model", "on+retired"),
+                     ("vllm", "off"), ("vllm+overlay", "on"),
+                     ("vllm+overlay", "on+retired")}  # fmt: skip
+    assert len(cells) == 6 * len(list(strata()))
+    with pytest.raises(ValueError, match="does not run hold on"):
+        campaign.mode_for(Cell(SEED_STRATUM, "on", "vllm"))
+    # The model alone is never probed for (no vLLM import).
+    assert campaign.available_targets(("model",)) == (("model",), {})
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+def test_the_vllm_targets_are_probed_and_run_a_shard(tmp_path: Path) -> None:
+    targets, why_not = campaign.available_targets()
+    assert targets == campaign.TARGET_NAMES and why_not == {}
+    runs: tuple[tuple[campaign.TargetName, str], ...] = (
+        ("vllm", "off"),
+        ("vllm+overlay", "on+retired"),
+    )
+    for target, arm in runs:
+        shard = Shard(Cell(SEED_STRATUM, arm, target), seed=0, examples=2)
+        result = campaign.run_shard(shard, "dev", str(tmp_path))
+        assert (result.error, result.skipped) == ("", "") and result.examples == 2
+
+
 def test_a_stratum_fixes_its_knobs_in_every_drawn_config() -> None:
     from hypothesis import given, settings
 
@@ -133,8 +160,8 @@ def test_the_command_prints_one_summary(tmp_path: Path, capsys: pytest.CaptureFi
     out = capsys.readouterr().out
     assert code == 0, out
     rows = len(list(strata()))
-    assert f"{rows} cells (configs x hold arms x targets: {rows} x 1 x 1)" in out
-    assert f"model   on                {rows:>2}    0" in out
+    assert f"{rows} cells (configs x (target, hold arm): {rows} x 1: model on)" in out
+    assert f"model        on                {rows:>2}    0" in out
     assert "0 distinct failure(s)" in out
     header = json.loads((tmp_path / campaign.LOG).read_text().splitlines()[0])
     assert header["cells"] == rows

@@ -75,3 +75,81 @@ def test_without_the_hold_the_same_run_is_a_total_miss() -> None:
         _block_aligned_resume(hold=False)
     assert failure.value.invariant == "no_total_miss"
     assert failure.value.witness.expect == {"hit": 48}
+
+
+# The hold lets go of a pinned state in two ways the seed's patch specifies,
+# and the tracker follows both (found by the matrix campaign, model and
+# vLLM with the overlay agreeing): preemption releases the hold (every free
+# path does), and a newer state the hold takes supersedes the older one.
+
+
+def _run(session: Session, steps: list[tuple[str, dict[str, object]]]) -> None:
+    for op, fields in steps:
+        session.run(op, **fields)
+
+
+def _decoded(req: str, steps: int, spec: int = 0) -> list[tuple[str, dict[str, object]]]:
+    return [s for _ in range(steps) for s in (("decode1", {"req": req, "spec": spec}),
+                                             ("drain", {}))]  # fmt: skip
+
+
+def _preempted_then_follow_up(hold: bool, evict_while_running: bool = False) -> int:
+    """R0 (tail at 56) decodes, is preempted and re-admitted at the
+    whole-block state 64 (no partial hit: it holds nothing in its new
+    life); a burst evicts its old tail; its follow-up looks up."""
+    config = replace(SEED_CONFIG, hold=hold, retention_interval=None)
+    session = Session(config, ALL_INVARIANTS)
+    try:
+        session.run("arrive", req="R0", prompt=fresh(65))
+        _prefill(session, "R0")
+        _run(session, _decoded("R0", 7))
+        if evict_while_running:  # the seed's bug: the tail lost while R0 runs
+            session.run("evict", blocks="all")
+        session.run("free", req="R0", how="preempt")
+        _prefill(session, "R0")
+        _run(session, _decoded("R0", 1, spec=3))
+        session.run("arrive", req="R2", prompt=follow_up("R0", 1))
+        session.run("evict", blocks="all")
+        hit = session.run("lookup", req="R2")["hit"]
+        assert isinstance(hit, int)
+        return hit
+    finally:
+        session.close()
+
+
+def test_a_pin_still_cached_at_preemption_is_released_with_the_hold() -> None:
+    # Before: R0's first-life tail (56) counted as pinned after re-admission.
+    assert _preempted_then_follow_up(hold=True) == 0
+
+
+def test_a_pin_lost_while_running_still_fires_after_preemption() -> None:
+    with pytest.raises(ExploreFailure) as failure:
+        _preempted_then_follow_up(hold=False, evict_while_running=True)
+    assert failure.value.invariant == "no_total_miss"
+
+
+def _superseded_by_a_retired_state() -> int:
+    """Eagle, a block-aligned prompt (32): the moved tail (24) is held, then
+    the fork's retention retires the whole-block state 32 and the hold takes
+    it instead; a burst evicts 24. The follow-up (35 tokens) can reach 32
+    only once attention caches 40 (eagle's drop): it resumes at 0."""
+    config = replace(SEED_CONFIG, hold=True, hold_retired=True, retention_interval=None)
+    session = Session(config, ALL_INVARIANTS)
+    try:
+        session.run("arrive", req="R0", prompt=fresh(32))
+        _prefill(session, "R0")
+        _run(session, [("decode1", {"req": "R0"}), ("drain", {})])
+        session.run("decode1", req="R0", spec=3)
+        assert {pos for pos, _ in session.last.holds["R0"].values()} == {32}
+        session.run("arrive", req="R1", prompt=follow_up("R0", 1))
+        session.run("evict", blocks="all")
+        hit = session.run("lookup", req="R1")["hit"]
+        assert isinstance(hit, int)
+        return hit
+    finally:
+        session.close()
+
+
+def test_a_pin_superseded_by_the_hold_is_released_with_it() -> None:
+    # Before: the tail at 24 still counted as pinned once the hold held 32.
+    assert _superseded_by_a_retired_state() == 0

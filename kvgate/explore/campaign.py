@@ -2,13 +2,15 @@
 
 A campaign is every cell of the matrix -- each config stratum (one value
 per stratum knob of `knobs.KNOBS`) x each hold arm x each available target
--- explored for a budget of examples. A cell splits into shards, each with
-its own seed (shard k of a campaign seeded s runs seed s + k); a shard is
-the unit of work, run in a worker process (`--jobs N`, a process pool) or
-as a Ray task (`--ray ADDRESS`). Every failure a shard finds is shrunk,
-saved as a version-1 trace, replayed on the cell's target, and keyed by the
-replay's first divergence (op, level, what): the summary counts distinct
-failures by that key.
+that runs the arm (the model: every arm; upstream vLLM: hold off; vLLM with
+kvgate's hold overlay: the hold arms) -- explored for a budget of
+examples. A cell splits into shards, each with its own seed (shard k of a
+campaign seeded s runs seed s + k); a shard is the unit of work, run in a
+worker process (`--jobs N`, a process pool) or as a Ray task (`--ray
+ADDRESS`). Every failure a shard finds is shrunk, saved as a version-1
+trace, replayed on the cell's target, and keyed by the replay's first
+divergence (op, level, what): the summary counts distinct failures by that
+key.
 
 Resumable: the campaign log (`campaign.jsonl` in the output directory)
 holds the plan and one line per finished shard, written as each finishes.
@@ -38,7 +40,8 @@ from kvgate.explore.knobs import build, strata, stratum_name
 from kvgate.explore.machine import Mode
 from kvgate.explore.session import ExploreFailure
 
-TargetName = Literal["model", "vllm"]
+TargetName = Literal["model", "vllm", "vllm+overlay"]
+TARGET_NAMES: tuple[TargetName, ...] = ("model", "vllm", "vllm+overlay")
 LOG = "campaign.jsonl"
 
 
@@ -59,9 +62,44 @@ def arm(name: str) -> Arm:
     return next(a for a in ARMS if a.name == name)
 
 
-def available_targets() -> tuple[TargetName, ...]:
-    """The model always; vLLM (with the hold overlay for the hold arms) when installed."""
-    return ("model", "vllm") if importlib.util.find_spec("vllm") is not None else ("model",)
+# The hold arms each target runs: upstream vLLM has no hold (its hold-off
+# arm); the overlay gives it one (the hold arms); the model runs all three.
+TARGET_ARMS: dict[TargetName, tuple[str, ...]] = {
+    "model": ARM_NAMES,
+    "vllm": ("off",),
+    "vllm+overlay": ("on", "on+retired"),
+}
+
+
+def available_targets(
+    wanted: Sequence[TargetName] = TARGET_NAMES,
+) -> tuple[tuple[TargetName, ...], dict[TargetName, str]]:
+    """Which of `wanted` run here, probed, and why each other one does not:
+    vLLM when it imports and builds a hybrid manager
+    (`impl.vllm_probe.probe`); its overlay when, besides, the overlay finds
+    every internal it wraps (`hold_overlay.missing_internals`). Imports
+    vLLM only when a vLLM target is wanted."""
+    why_not: dict[TargetName, str] = {}
+    if any(t != "model" for t in wanted):
+        if importlib.util.find_spec("vllm") is None:
+            why_not["vllm"] = "vLLM is not installed"
+        else:
+            from kvgate.impl.vllm_probe import probe
+
+            found = probe()
+            if found.get("vllm") is None or "error" in found:
+                why_not["vllm"] = f"vLLM does not build a manager here: {found.get('error')}"
+        if "vllm" in why_not:
+            why_not["vllm+overlay"] = why_not["vllm"]
+        elif "vllm+overlay" in wanted:
+            from kvgate.impl.hold_overlay import missing_internals
+
+            missing = missing_internals()
+            if missing:
+                why_not["vllm+overlay"] = f"the overlay lacks {', '.join(missing)}"
+    return tuple(t for t in wanted if t not in why_not), {
+        t: why for t, why in why_not.items() if t in wanted
+    }
 
 
 @dataclass(frozen=True)
@@ -116,13 +154,15 @@ def matrix(
     arms: Sequence[str] | None = None,
     all_strata: bool = True,
 ) -> tuple[Cell, ...]:
-    """The cells: every stratum (or the seed's config alone) x arms x targets."""
+    """The cells: every stratum (or the seed's config alone) x arms x
+    targets, each target with the arms it runs (`TARGET_ARMS`)."""
     rows: Iterable[dict[str, Any]] = strata() if all_strata else [{}]
     return tuple(
         Cell(tuple(stratum.items()), arm_name, target)
         for stratum in rows
-        for target in (targets or available_targets())
+        for target in (targets or available_targets()[0])
         for arm_name in (arms or ARM_NAMES)
+        if arm_name in TARGET_ARMS[target]
     )
 
 
@@ -163,6 +203,8 @@ def mode_for(cell: Cell) -> Mode:
     from kvgate.explore.runner import model_mode
 
     hold = arm(cell.arm)
+    if cell.arm not in TARGET_ARMS[cell.target]:
+        raise ValueError(f"{cell.name}: target {cell.target} does not run hold {cell.arm}")
     if cell.target == "model":
         mode = model_mode(hold=hold.hold, retire=hold.retire)
     else:
@@ -406,7 +448,7 @@ def summary_lines(result: CampaignResult) -> list[str]:
     for shard in result.results:
         rows.setdefault((shard.target, shard.arm), []).append(shard)
     lines = [
-        f"{'target':<7} {'hold':<11} {'configs':>8} {'n/a':>4} {'examples':>9} "
+        f"{'target':<12} {'hold':<11} {'configs':>8} {'n/a':>4} {'examples':>9} "
         f"{'failing':>8} {'distinct':>9} {'errors':>7}"
     ]
     total_examples = 0
@@ -419,7 +461,7 @@ def summary_lines(result: CampaignResult) -> list[str]:
         distinct = {s.failure.key for s in shards if s.failure is not None}
         errors = sum(1 for s in shards if s.error)
         lines.append(
-            f"{target:<7} {arm_name:<11} {len(cells) - len(skipped):>8} {len(skipped):>4} "
+            f"{target:<12} {arm_name:<11} {len(cells) - len(skipped):>8} {len(skipped):>4} "
             f"{examples:>9} {len(failing):>8} {len(distinct):>9} {errors:>7}"
         )
     distinct_failures = result.distinct()

@@ -1,6 +1,6 @@
 """`kvgate explore`: the state machine outside pytest.
 
-    kvgate explore [--target model|vllm] [--hold on|off] [--retired on|off]
+    kvgate explore [--target model|vllm|vllm+overlay] [--hold on|off] [--retired on|off]
                    [--profile dev|ci|nightly]
                    [--budget N | --budget 90s | --budget 5m] [--seed N] --out DIR
     kvgate explore --jobs N | --ray ADDRESS | --matrix  [--target T] [--hold H]
@@ -8,8 +8,10 @@
 
 `--target model` explores the model alone, checking every invariant;
 `--target vllm` drives the model and vLLM 0.33.0 in lockstep at strict level
-(hold off: upstream has none). `--retired on` (model only) adds the
-production fork's retention of retired states (`retain_retired`). A budget
+(hold off: upstream has none); `--target vllm+overlay` does the same with
+kvgate's hold overlay on vLLM, hold on. `--retired on` (the model, the
+overlay) adds the production fork's retention of retired states
+(`retain_retired`). A budget
 of N runs N examples; a duration runs rounds of the profile's examples, one
 seed after another, until it is spent. The first failure is shrunk and
 saved in DIR as a version-1 trace that `kvgate replay` shows failing. Exit 0:
@@ -18,7 +20,8 @@ nothing found; 1: a failure was saved; 2: bad input.
 With `--jobs N`, `--ray ADDRESS` or `--matrix` it runs a campaign
 (`kvgate.explore.campaign`): the config matrix (every stratum of the config
 knobs; with `--jobs`/`--ray` alone, the same) x the hold arms x the targets
-available, narrowed by `--target`, `--hold` and `--retired` when given;
+available (probed: the model runs every arm, vLLM hold off, vLLM with the
+overlay the hold arms), narrowed by `--target`, `--hold` and `--retired` when given;
 `--budget N` examples per cell, in `--shards K` shards each (default: enough
 for every worker), on N processes or a Ray cluster (`local:2` starts a local
 one). Every failure is saved under DIR/traces; one summary at the end. Run
@@ -54,7 +57,9 @@ def register(subparsers: Any) -> None:
         "explore", help="explore the model with Hypothesis (alone, or against vLLM)"
     )
     cmd.add_argument(
-        "--target", choices=("model", "vllm"), help="default: model (a campaign: every available)"
+        "--target",
+        choices=("model", "vllm", "vllm+overlay"),
+        help="default: model (a campaign: every available)",
     )
     cmd.add_argument("--hold", choices=("on", "off"), help="default: on (a campaign: both)")
     cmd.add_argument(
@@ -112,12 +117,21 @@ def handle(args: argparse.Namespace) -> int:
         raise InputError(f"--seed: {args.seed} is outside 0..2**63-1")
     if args.target == "vllm":
         if args.hold == "on":
-            raise InputError("--hold on: vLLM 0.33.0 has no hold; --target vllm runs hold off")
+            raise InputError(
+                "--hold on: vLLM 0.33.0 has no hold; --target vllm runs hold off "
+                "(--target vllm+overlay runs it with the hold)"
+            )
         if args.retired == "on":
             raise InputError("--retired on: vLLM 0.33.0 retains no retired state; model only")
         from kvgate.explore.differential import differential_mode
 
         mode: Mode = differential_mode()
+    elif args.target == "vllm+overlay":
+        if args.hold == "off":
+            raise InputError("--hold off: the overlay is the hold; --target vllm runs hold off")
+        from kvgate.explore.differential import overlay_differential_mode
+
+        mode = overlay_differential_mode(retire=args.retired == "on")
     else:
         mode = model_mode(hold=args.hold == "on", retire=args.retired == "on")
     overrides: dict[str, Any] = {}
@@ -231,10 +245,10 @@ def handle_campaign(args: argparse.Namespace) -> int:
     examples, seconds = parse_budget(args.budget)
     if seconds is not None:
         raise InputError(f"--budget {args.budget}: a campaign's budget is examples per cell")
-    available = campaign.available_targets()
-    if args.target is not None and args.target not in available:
-        raise InputError(f"--target {args.target}: not installed here")
-    targets = (args.target,) if args.target is not None else available
+    wanted = (args.target,) if args.target is not None else campaign.TARGET_NAMES
+    targets, why_not = campaign.available_targets(wanted)
+    if args.target is not None and args.target in why_not:
+        raise InputError(f"--target {args.target}: cannot run here ({why_not[args.target]})")
     arms = [
         a.name
         for a in campaign.ARMS
@@ -244,6 +258,13 @@ def handle_campaign(args: argparse.Namespace) -> int:
     if not arms:
         raise InputError("--retired on: needs the hold on")
     cells = campaign.matrix(targets, arms)
+    if not cells:
+        raise InputError(
+            f"--hold {args.hold}: target {args.target} runs hold "
+            f"{', '.join(campaign.TARGET_ARMS[targets[0]])} only"
+        )
+    for target, why in why_not.items():
+        print(f"target {target} left out: {why}", flush=True)
     workers = args.jobs or 1
     if args.ray is not None:
         workers = int(args.ray.partition(":")[2] or 2) if args.ray.startswith("local") else 2
@@ -252,9 +273,11 @@ def handle_campaign(args: argparse.Namespace) -> int:
     plan = campaign.Plan(cells, args.profile, examples or settings.max_examples, shards, args.seed)
     engine = campaign.on_ray(args.ray) if args.ray is not None else campaign.in_processes(workers)
     where = f"Ray cluster {args.ray}" if args.ray is not None else f"{workers} process(es)"
+    configs = len({c.stratum for c in cells})
+    pairs = list(dict.fromkeys((c.target, c.arm) for c in cells))
     print(
-        f"explore campaign: {len(cells)} cells (configs x hold arms x targets: "
-        f"{len(cells) // (len(targets) * len(arms))} x {len(arms)} x {len(targets)}), "
+        f"explore campaign: {len(cells)} cells (configs x (target, hold arm): {configs} x "
+        f"{len(pairs)}: {', '.join(f'{t} {a}' for t, a in pairs)}), "
         f"{plan.examples} examples per cell in {shards} shard(s), profile {args.profile}, "
         f"on {where}",
         flush=True,

@@ -70,8 +70,9 @@ def _speculative(config: Config, blocks: int) -> Config:
 def _pure_mamba(config: Config, on: bool) -> Config:
     """A pure Mamba model (Mamba-Codestral, Falcon-Mamba): its one Mamba
     group alone, hashed at its own block, as vLLM's unitary coordinator
-    requires."""
-    if not on:
+    requires. Only over one Mamba group: a pure Mamba model's layers share
+    one group (a stratum of two keeps the hybrid)."""
+    if not on or len(config.mamba_group_ids) > 1:
         return config
     mamba = config.groups[config.mamba_group_ids[0]]
     return replace(
@@ -94,6 +95,10 @@ class Knob:
     # Drawn from this instead of `values` when the knob is on (a range);
     # `values[0]` is still the value when it is off.
     strategy: st.SearchStrategy[Any] | None = None
+    # Drawn only where these earlier knobs have these values (fixed by a
+    # stratum or drawn); elsewhere it keeps its first value, so it never
+    # undoes what a stratum fixes.
+    only_with: tuple[tuple[str, Any], ...] = ()
 
     def draw_from(self) -> st.SearchStrategy[Any]:
         return self.strategy if self.strategy is not None else st.sampled_from(self.values)
@@ -179,7 +184,7 @@ KNOBS: tuple[Knob, ...] = (
     ),
     # A single group, no attention (the unitary coordinator); after the
     # Mamba block size it reads.
-    Knob("pure_mamba", (False, True), _pure_mamba),
+    Knob("pure_mamba", (False, True), _pure_mamba, only_with=(("mamba_groups", 1),)),
     # vLLM's `enable_prefix_caching` off: the no-prefix-cache coordinator.
     Knob("prefix_caching", (True, False), lambda c, v: replace(c, prefix_caching=v)),
 )
@@ -221,6 +226,10 @@ def build(values: Mapping[str, Any]) -> Config:
     return config
 
 
+def _first(name: str) -> Any:
+    return next(k.values[0] for k in KNOBS if k.name == name)
+
+
 @st.composite
 def configs(draw: st.DrawFn, stratum: Stratum | None = None, swarm: bool = True) -> Config:
     """A config: `stratum`'s knobs fixed; of the rest, with `swarm` a random
@@ -231,6 +240,8 @@ def configs(draw: st.DrawFn, stratum: Stratum | None = None, swarm: bool = True)
     for knob in KNOBS:
         if knob.name in fixed:
             values[knob.name] = fixed[knob.name]
+        elif any(values.get(name, _first(name)) != value for name, value in knob.only_with):
+            continue
         # `not b`: the switch shrinks to on, so shrinking changes the value, not the subset.
         elif not swarm or draw(st.booleans().map(lambda b: not b)):
             values[knob.name] = draw(knob.draw_from())

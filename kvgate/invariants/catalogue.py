@@ -47,7 +47,8 @@ CATALOGUE: tuple[Invariant, ...] = (
         "no_total_miss",
         "with the hold on, a follow-up resumes at least at the sub-block state its parent "
         "pinned (the partial-hit source it copied from, or its own partial tail moved into "
-        "a copy block) while the attention prefix is still cached",
+        "a copy block) while the attention prefix is still cached; a pin ends where the "
+        "hold lets go by design (preemption, a newer held state superseding it)",
         ("lifecycle", "z3"),
     ),
     Invariant(

@@ -157,16 +157,19 @@ class NoTotalMiss:
     def observe(self, event: Event) -> list[Finding]:
         step, req = event.step, event.step.req
         out: list[Finding] = []
+        before, after = hash_names(event.before), hash_names(event.after)
         if step.op in ALLOCATING_OPS and req is not None and event.observed.get("ok"):
             self.resident.add(req)
             self.record_copies(req, own_copies(event.before, event.after), event.after)
         elif step.op in RELEASING_OPS and req is not None:
+            if step.how == "preempt":
+                self.release_on_preemption(req, after)
             self.resident.discard(req)
         elif step.op == "lookup" and req is not None:
             found = self.check_lookup(event, req)
             if found is not None:
                 out.append(found)
-        before, after = hash_names(event.before), hash_names(event.after)
+        self.follow_supersession(event.after)
         for request in self.pinned:
             newest = self.newest(request)
             if newest is None or request in self.resident:
@@ -178,6 +181,33 @@ class NoTotalMiss:
             if all(n in before for n in names) and any(n not in after for n in names):
                 self.excused[request] = h
         return out
+
+    def release_on_preemption(self, request: str, after: frozenset[str]) -> None:
+        """Preemption releases the request's hold (the seed's patch: every
+        free path does); once re-admitted it holds only what its new life
+        pins. So a pin still cached now is no promise any more: dropped.
+        One already lost while the request was resident stays (the
+        follow-up's miss is the hold's fault)."""
+        newest = self.newest(request)
+        if newest is not None and any(n not in after for n in newest[1].values()):
+            return
+        self.pinned.pop(request, None)
+        self.excused.pop(request, None)
+
+    def follow_supersession(self, after: Snapshot) -> None:
+        """The hold keeps one state per group, the newest position: a newer
+        one it takes (a moved tail, or with the fork's retention a retired
+        whole-block state) releases the older (the seed's patch: "the newest
+        position supersedes and releases the older one"). Pins below the
+        position a request's hold now holds are dropped with it."""
+        for request, groups in after.holds.items():
+            pins = self.pinned.get(request)
+            if pins is None:
+                continue
+            for group, (position, _) in groups.items():
+                kept = pins.get(group)
+                if kept is not None:
+                    pins[group] = {p: n for p, n in kept.items() if p >= position}
 
     def record_copies(
         self, request: str, copies: set[tuple[int, int, int]], after: Snapshot

@@ -66,6 +66,10 @@ class Settings:
     # Run the exploration against every fault, not only those the corpus
     # misses, so its kill rate alone (no corpus) stands next to the corpus's.
     explore_every_fault: bool = False
+    # None: the exploration is derandomized (the same examples every run);
+    # a seed: random examples from it (family k seeded `seed + k`), the same
+    # for the baseline and every fault, another set for another seed.
+    explore_seed: int | None = None
     timeout: float = 300.0  # seconds one child may take before it counts as hung
 
 
@@ -214,7 +218,7 @@ def gate_run(
     if explore_wanted:
         if progress is not None:
             progress.send(("trace", "(exploration)"))
-        exploration = explore_stage(settings.explore_examples)
+        exploration = explore_stage(settings.explore_examples, settings.explore_seed)
     return GateRun(None if fault is None else fault.name, edit, "", tuple(outcomes), exploration)
 
 
@@ -260,10 +264,11 @@ def _replay_with_invariants(trace: Trace, level: Level) -> TraceOutcome:
     )
 
 
-def explore_stage(examples: int) -> ExploreOutcome:
+def explore_stage(examples: int, seed: int | None = None) -> ExploreOutcome:
     """A short differential exploration (model against the vLLM in this
-    process), derandomized so the baseline and every fault see the same
-    examples until they differ. Not shrunk: the campaign only needs to know.
+    process), derandomized (or seeded with `seed`) so the baseline and every
+    fault see the same examples until they differ. Not shrunk: the campaign
+    only needs to know.
     """
     started = time.perf_counter()
     try:
@@ -284,13 +289,13 @@ def explore_stage(examples: int) -> ExploreOutcome:
             "dev",
             max_examples=share,
             stateful_step_count=EXPLORE_STEPS,
-            derandomize=True,
+            derandomize=seed is None,
             phases=(Phase.explicit, Phase.generate),
         )
         mode = differential_mode()
         mode.stratum = stratum
         try:
-            failure = run_once(mode, settings)
+            failure = run_once(mode, settings, None if seed is None else seed + position)
         except Exception as error:  # a divergence the machine did not wrap
             return ExploreOutcome(True, one_line(error), examples, time.perf_counter() - started)
     found = "" if failure is None else " ".join(str(failure).splitlines()[0].split())

@@ -2,6 +2,7 @@
 
     kvgate mutate [--target vllm] [--faults NAME...] [--suite gate|vllm-own|both]
                   [--corpus DIR] [--level api|strict] [--explore N] [--explore-every-fault]
+                  [--explore-seed N]
                   [--jobs N]
                   [--timeout SECONDS] [--tests-dir DIR] [--junit-xml PATH] [--list]
 
@@ -88,6 +89,13 @@ def register(subparsers: Any) -> None:
         "(no corpus) next to the corpus's",
     )
     cmd.add_argument(
+        "--explore-seed",
+        type=int,
+        metavar="N",
+        help="random exploration examples from seed N (default: derandomized, the same "
+        "examples every run)",
+    )
+    cmd.add_argument(
         "--jobs", type=int, default=min(2, os.cpu_count() or 1), help="faults run at once"
     )
     cmd.add_argument(
@@ -120,6 +128,8 @@ def handle(args: argparse.Namespace) -> int:
         raise InputError(f"--jobs: must be between 1 and {MAX_JOBS}")
     if not 0 <= args.explore <= MAX_EXPLORE:
         raise InputError(f"--explore: must be between 0 and {MAX_EXPLORE:,}")
+    if args.explore_seed is not None and not 0 <= args.explore_seed < 2**32:
+        raise InputError(f"--explore-seed: {args.explore_seed} is outside 0..2**32-1")
     if args.timeout is not None and not 0 < args.timeout <= MAX_TIMEOUT:
         # `not 0 < t` also refuses nan.
         raise InputError(f"--timeout: must be more than 0 and at most {MAX_TIMEOUT:g} seconds")
@@ -134,6 +144,7 @@ def handle(args: argparse.Namespace) -> int:
             level=args.level,
             explore_examples=args.explore,
             explore_every_fault=args.explore_every_fault,
+            explore_seed=args.explore_seed,
             timeout=args.timeout or 300.0,
         )
         campaign = gate_campaign(out, faults, settings, args.jobs)
@@ -168,7 +179,12 @@ def gate_campaign(out: TextIO, faults: Sequence[Fault], settings: Settings, jobs
         f"kvgate mutate: {len(faults)} faults, gate = corpus {settings.corpus} "
         f"({settings.level}) + snapshot invariants"
         + (
-            f" + exploration ({settings.explore_examples} examples)"
+            f" + exploration ({settings.explore_examples} examples, "
+            + (
+                "derandomized)"
+                if settings.explore_seed is None
+                else f"seed {settings.explore_seed})"
+            )
             if settings.explore_examples
             else ""
         )
