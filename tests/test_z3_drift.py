@@ -401,3 +401,28 @@ def test_a_junction_and_a_tail_in_one_life_are_transitions() -> None:
     run.apply(Step("drain", 0))
     run.apply(Step("reset", 0))
     assert "reset forgets the keys" in run.seen
+
+
+def test_prefix_caching_off_runs_are_transitions() -> None:
+    """Prefix caching off (the no-prefix-cache coordinator), the hold and the
+    fork's retention switched on: a producer, then a sibling of its prompt
+    that finds nothing, each step admitted, and nothing ever keyed or held."""
+    run = witness(
+        Config(
+            num_blocks=10,
+            hash_unit=UNIT,
+            groups=(GroupConfig("full_attention", 16), GroupConfig("mamba_align", 32)),
+            eagle=True,
+            retention_interval=None,
+            hold=True,
+            hold_retired=True,
+            scheduler_block_size=32,
+            prefix_caching=False,
+        )
+    )
+    produce(run, "R0", (Segment("fresh", count=50),), decodes=1)
+    run.apply(Step("free", 0, req="R0", how="finish"))
+    produce(run, "R1", (Segment("prompt_of", req="R0"), Segment("fresh", count=9)), decodes=1)
+    assert run.model.requests["R1"].request.num_computed_tokens > 0
+    state = observe(run.model, run.names, run.bounds)
+    assert not any(state["keyed"].values()) and not any(state["hold"].values())
