@@ -174,16 +174,32 @@ def test_fresh_10_to_the_9_is_refused(kvgate: Callable[..., Run], tmp_path: Path
     assert "step 0: prompt[0].fresh: prompt tokens in the trace: 1,000,000,000 exceeds" in err
 
 
-def test_spec_10_to_the_30_is_refused(kvgate: Callable[..., Run], tmp_path: Path) -> None:
-    def decode_with(spec: int) -> str:
-        steps = ARRIVE + f"- {{op: prefill, req: A}}\n- {{op: decode1, req: A, spec: {spec}}}\n"
-        return write(tmp_path, trace_text(steps))
+@pytest.mark.parametrize(
+    ("steps", "digits", "limit"),
+    [
+        (
+            "- {{op: prefill, req: A}}\n- {{op: decode1, req: A, spec: {n}}}\n",
+            "yaml: line 15, column 33: integer of 31 digits (at most 20)",
+            "step 2: spec: 1,000,000,000,000,000 exceeds the limit spec = 256",
+        ),
+        (
+            "- {{op: lookup, req: A}}\n- {{op: allocate, req: A, tokens: {n}}}\n",
+            "integer of 31 digits (at most 20)",
+            "step 2: tokens: 1,000,000,000,000,000 tokens in one allocation, "
+            "more than config.max_model_len 8,192",
+        ),
+    ],
+    ids=["spec", "allocate-tokens"],
+)
+def test_a_count_of_10_to_the_30_is_refused(
+    kvgate: Callable[..., Run], tmp_path: Path, steps: str, digits: str, limit: str
+) -> None:
+    def with_count(n: int) -> str:
+        return write(tmp_path, trace_text(ARRIVE + steps.format(n=n)))
 
-    err = kvgate("replay", decode_with(10**30), "--target", "model").one_error_line()
-    assert "yaml: line 15, column 33: integer of 31 digits (at most 20)" in err
-    # Within the digits YAML reads, the spec's own limit.
-    err = kvgate("replay", decode_with(10**15), "--target", "model").one_error_line()
-    assert "step 2: spec: 1,000,000,000,000,000 exceeds the limit spec = 256" in err
+    assert digits in kvgate("replay", with_count(10**30), "--target", "model").one_error_line()
+    # Within the digits YAML reads, the op's own limit.
+    assert limit in kvgate("replay", with_count(10**15), "--target", "model").one_error_line()
 
 
 def test_a_doubling_chain_of_all_of_is_refused(kvgate: Callable[..., Run], tmp_path: Path) -> None:
@@ -423,22 +439,6 @@ def test_allocating_500_tokens_of_a_100_token_prompt_is_refused(
     run = kvgate("replay", write(tmp_path, trace_text(steps)), "--target", "model")
     assert run.code == 2 and "step 2: tokens: 500 asked, 100 left to compute" in run.err
     assert "PASS" not in run.out
-
-
-def test_allocating_10_to_the_30_tokens_is_refused(
-    kvgate: Callable[..., Run], tmp_path: Path
-) -> None:
-    def allocate(tokens: int) -> str:
-        steps = ARRIVE + f"- {{op: lookup, req: A}}\n- {{op: allocate, req: A, tokens: {tokens}}}\n"
-        return write(tmp_path, trace_text(steps))
-
-    err = kvgate("replay", allocate(10**30), "--target", "model").one_error_line()
-    assert "integer of 31 digits (at most 20)" in err
-    err = kvgate("replay", allocate(10**15), "--target", "model").one_error_line()
-    assert (
-        "step 2: tokens: 1,000,000,000,000,000 tokens in one allocation, "
-        "more than config.max_model_len 8,192" in err
-    )
 
 
 def test_a_lookahead_of_10_to_the_12_is_refused(kvgate: Callable[..., Run], tmp_path: Path) -> None:

@@ -150,8 +150,10 @@ def test_the_scheduler_target_refuses_them_by_name(config: Config, field: str) -
 
 
 @needs_vllm
-@pytest.mark.parametrize("stratum", [{"pure_mamba": True}, {"prefix_caching": False}])
-def test_differential_exploration_of_each(stratum: dict[str, bool], tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "stratum", [{"pure_mamba": True, "mamba_groups": 1}, {"prefix_caching": False}]
+)
+def test_differential_exploration_of_each(stratum: dict[str, object], tmp_path: Path) -> None:
     mode = replace(differential_mode(), stratum=stratum)
     settings = profile("ci", max_examples=40, phases=(Phase.explicit, Phase.generate, Phase.target))
     outcome = explore(mode, settings, out=tmp_path, shrink=False)

@@ -26,8 +26,9 @@ reaching it would prove nothing).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
+from configs import hybrid_config
 from hypothesis import HealthCheck, Phase, event, given, settings
 from hypothesis import strategies as st
 
@@ -345,6 +346,19 @@ def test_every_knob_step_is_a_transition(config: Config, data: st.DataObject) ->
                 run.apply(Step(kind, 0))
 
 
+def witness_config(**fields: Any) -> Config:
+    """The fixed witnesses' hybrid: 10 blocks, attention blocks of 16 at a
+    unit of 8, Mamba blocks of 32, eagle on; `fields` set the rest."""
+    return hybrid_config(
+        GroupConfig("full_attention", 16),
+        GroupConfig("mamba_align", 32),
+        num_blocks=10,
+        hash_unit=UNIT,
+        eagle=True,
+        **fields,
+    )
+
+
 def witness(config: Config) -> Run:
     return Run(config, in_hypothesis=False)
 
@@ -378,14 +392,9 @@ def test_a_junction_and_a_tail_in_one_life_are_transitions() -> None:
     junction mid-block and moves it, then its own prompt's tail; then the
     pool, idle, is reset, and the events and stats ops change nothing."""
     run = witness(
-        Config(
-            num_blocks=10,
-            hash_unit=UNIT,
-            groups=(GroupConfig("full_attention", 16), GroupConfig("mamba_align", 32)),
-            eagle=True,
+        witness_config(
             retention_interval=0,
             hold=True,
-            scheduler_block_size=32,
             shared_prefix_checkpoint=True,
             kv_events=True,
         )
@@ -401,3 +410,23 @@ def test_a_junction_and_a_tail_in_one_life_are_transitions() -> None:
     run.apply(Step("drain", 0))
     run.apply(Step("reset", 0))
     assert "reset forgets the keys" in run.seen
+
+
+def test_prefix_caching_off_runs_are_transitions() -> None:
+    """Prefix caching off (the no-prefix-cache coordinator), the hold and the
+    fork's retention switched on: a producer, then a sibling of its prompt
+    that finds nothing, each step admitted, and nothing ever keyed or held."""
+    run = witness(
+        witness_config(
+            retention_interval=None,
+            hold=True,
+            hold_retired=True,
+            prefix_caching=False,
+        )
+    )
+    produce(run, "R0", (Segment("fresh", count=50),), decodes=1)
+    run.apply(Step("free", 0, req="R0", how="finish"))
+    produce(run, "R1", (Segment("prompt_of", req="R0"), Segment("fresh", count=9)), decodes=1)
+    assert run.model.requests["R1"].request.num_computed_tokens > 0
+    state = observe(run.model, run.names, run.bounds)
+    assert not any(state["keyed"].values()) and not any(state["hold"].values())

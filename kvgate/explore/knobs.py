@@ -70,8 +70,9 @@ def _speculative(config: Config, blocks: int) -> Config:
 def _pure_mamba(config: Config, on: bool) -> Config:
     """A pure Mamba model (Mamba-Codestral, Falcon-Mamba): its one Mamba
     group alone, hashed at its own block, as vLLM's unitary coordinator
-    requires."""
-    if not on:
+    requires. Only over one Mamba group: a pure Mamba model's layers share
+    one group (a stratum of two keeps the hybrid)."""
+    if not on or len(config.mamba_group_ids) > 1:
         return config
     mamba = config.groups[config.mamba_group_ids[0]]
     return replace(

@@ -216,15 +216,19 @@ class VllmScheduler:
         self.spec_tokens = spec_tokens
         api, plugin_module = _vllm_api.load_with_hold(config.hold, config.hold_retired, plugin)
         self._api = api
-        # Its model is a Qwen3-Next-class hybrid with prefix caching: a pure
-        # Mamba model or caching off would be another model and engine setup.
+        # Its model is a Qwen3-Next-class hybrid: a pure Mamba model would be
+        # another model.
         if not config.has_attention:
             raise UnsupportedConfig(
                 "groups", "the vllm-scheduler target runs a hybrid model: a full_attention group"
             )
         if not config.prefix_caching:
+            # vLLM's engine config (MambaModelConfig) switches a Mamba model to
+            # mamba_cache_mode 'none' without prefix caching: not align mode.
             raise UnsupportedConfig(
-                "prefix_caching", "the vllm-scheduler target runs with prefix caching on"
+                "prefix_caching",
+                "without prefix caching vLLM's engine runs Mamba in cache mode 'none', "
+                "which is not modelled",
             )
         if spec_tokens == 0 and config.eagle:
             raise UnsupportedConfig("eagle", "the eagle drop needs draft tokens (spec > 0)")

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import multiprocessing
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
@@ -108,7 +108,6 @@ class Cell(Protocol):
 
 
 CellT = TypeVar("CellT", bound=Cell)
-P = TypeVar("P")  # a property of either encoding
 
 
 def proof_table(
@@ -167,36 +166,29 @@ def check_op(
     # that tracking needs does not eliminate equalities by itself.
     t = tx.successor()
     out = []
-    for prop, verdict, seconds, core in each_violation(
-        solver, props, lambda prop: prop.violated(t, representative)
-    ):
-        if verdict == z3.sat:
-            model = solver.model()
-            violated = _violated(prop, t, model)
-            row = Result(prop.name, prop.kind, op, False, seconds, (), violated, s.evaluate(model))
-        else:
-            row = Result(prop.name, prop.kind, op, True, seconds, core)
-        out.append(row)
-    return out
-
-
-
-def each_violation(
-    solver: Any, props: Iterable[P], violation: Callable[[P], Any]
-) -> Iterator[tuple[P, Any, float, tuple[str, ...]]]:
-    """For each property, whether its `violation` is satisfiable beside what
-    the solver holds (pre-state and transition): yields the property, Z3's
-    verdict, the seconds it took and, when unsat, the core's names. Yielded
-    inside the property's push, so the caller may read `solver.model()`."""
     for prop in props:
         started = time.perf_counter()
         solver.push()
-        solver.add(violation(prop))
-        verdict = solver.check()
-        seconds = time.perf_counter() - started
-        core = tuple(sorted(str(c) for c in solver.unsat_core())) if verdict == z3.unsat else ()
-        yield prop, verdict, seconds, core
+        solver.add(prop.violated(t, representative))
+        sat = solver.check() == z3.sat
+        if sat:
+            model = solver.model()
+            row = Result(
+                prop.name,
+                prop.kind,
+                op,
+                False,
+                time.perf_counter() - started,
+                (),
+                _violated(prop, t, model),
+                s.evaluate(model),
+            )
+        else:
+            core = tuple(sorted(str(c) for c in solver.unsat_core()))
+            row = Result(prop.name, prop.kind, op, True, time.perf_counter() - started, core)
         solver.pop()
+        out.append(row)
+    return out
 
 
 def track(solver: Any, named: Iterable[tuple[str, Any]]) -> None:

@@ -32,7 +32,7 @@ checking from `init` (see `command.py`).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Literal
@@ -40,7 +40,7 @@ from typing import Any, Literal
 import z3
 
 from kvgate.invariants.catalogue import LEMMA_NAMES, Z3_INVARIANT_NAMES
-from kvgate.invariants.z3.checker import INIT, each_violation, proof_table, track
+from kvgate.invariants.z3.checker import INIT, proof_table, track
 from kvgate.invariants.z3.properties import STEP_COPY
 from kvgate.invariants.z3.transitions import ENCODED_OPS, acts_on_request
 from kvgate.invariants.z3.unbounded import (
@@ -449,6 +449,24 @@ def check_uinit(groups: int, prop: UProperty) -> UResult:
     )
 
 
+def _each_violation(
+    solver: Any, props: Iterable[UProperty], violation: Callable[[UProperty], Any]
+) -> Iterator[tuple[UProperty, Any, float, tuple[str, ...]]]:
+    """For each property, whether its `violation` is satisfiable beside what
+    the solver holds (pre-state and transition): yields the property, Z3's
+    verdict, the seconds it took and, when unsat, the core's names. Yielded
+    inside the property's push, so the caller may read `solver.model()`."""
+    for prop in props:
+        started = time.perf_counter()
+        solver.push()
+        solver.add(violation(prop))
+        verdict = solver.check()
+        seconds = time.perf_counter() - started
+        core = tuple(sorted(str(c) for c in solver.unsat_core())) if verdict == z3.unsat else ()
+        yield prop, verdict, seconds, core
+        solver.pop()
+
+
 def check_uop(groups: int, mutation: str, op: str, props: Sequence[UProperty]) -> list[UResult]:
     """`I(s) and T_op(s, t) => P(t)` for each P, on one solver (push/pop)."""
     encoding = UEncoding(groups, mutation)
@@ -460,7 +478,7 @@ def check_uop(groups: int, mutation: str, op: str, props: Sequence[UProperty]) -
     track(solver, tx.named())  # T_op(s, t)
     t = tx.view()
     out = []
-    for prop, verdict, seconds, core in each_violation(
+    for prop, verdict, seconds, core in _each_violation(
         solver, props, lambda prop: z3.Not(prop.holds(t))
     ):
         if verdict == z3.unsat:

@@ -62,7 +62,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from itertools import product
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import z3
 
@@ -170,8 +170,7 @@ class Bounds(GroupIds):
         return f"{self.blocks} blocks, {self.requests} requests, {self.groups} groups"
 
 
-@dataclass(frozen=True)
-class Field:
+class Field(NamedTuple):
     """One state variable: a Z3 function (or constant) of its axes."""
 
     name: str
