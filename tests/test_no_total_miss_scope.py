@@ -11,12 +11,20 @@ fork's retention the retired whole-block state is held and it resumes at 64.
 
 from __future__ import annotations
 
+from contextlib import closing
 from dataclasses import replace
 
 import pytest
 
 from kvgate.explore.knobs import SEED_CONFIG
 from kvgate.explore.session import ALL_INVARIANTS, ExploreFailure, Session, follow_up, fresh
+
+
+def _hit(session: Session, req: str) -> int:
+    """The hit of a lookup of `req`."""
+    hit = session.run("lookup", req=req)["hit"]
+    assert isinstance(hit, int)
+    return hit
 
 
 def _prefill(session: Session, req: str) -> None:
@@ -38,8 +46,7 @@ def _decode(session: Session, req: str, steps: int) -> None:
 def _block_aligned_resume(hold: bool, retired: bool = False) -> int:
     """The follow-up's hit (raises ExploreFailure on a violation)."""
     config = replace(SEED_CONFIG, hold=hold, hold_retired=retired)
-    session = Session(config, ALL_INVARIANTS)
-    try:
+    with closing(Session(config, ALL_INVARIANTS)) as session:
         session.run("arrive", req="A", prompt=fresh(60))  # tail at 48: mid-block
         _prefill(session, "A")
         _decode(session, "A", 1)
@@ -55,11 +62,7 @@ def _block_aligned_resume(hold: bool, retired: bool = False) -> int:
         _decode(session, "P", 2)
         session.run("evict", blocks="all")
         session.run("arrive", req="F", prompt=follow_up("P", 9))
-        hit = session.run("lookup", req="F")["hit"]
-        assert isinstance(hit, int)
-        return hit
-    finally:
-        session.close()
+        return _hit(session, "F")
 
 
 def test_a_block_aligned_tail_is_no_pin_the_held_source_is() -> None:
@@ -102,8 +105,7 @@ def _preempted_then_follow_up(
     config = replace(
         SEED_CONFIG, hold=hold, retention_interval=None, hash_lookahead_tokens=lookahead
     )
-    session = Session(config, ALL_INVARIANTS)
-    try:
+    with closing(Session(config, ALL_INVARIANTS)) as session:
         session.run("arrive", req="R0", prompt=fresh(prompt))
         _prefill(session, "R0")
         _run(session, _decoded("R0", 7))
@@ -114,11 +116,7 @@ def _preempted_then_follow_up(
         _run(session, _decoded("R0", 1, spec=3))
         session.run("arrive", req="R2", prompt=follow_up("R0", 1))
         session.run("evict", blocks="all")
-        hit = session.run("lookup", req="R2")["hit"]
-        assert isinstance(hit, int)
-        return hit
-    finally:
-        session.close()
+        return _hit(session, "R2")
 
 
 # Eagle's drop, and lookahead hashes (the earlier finding with
@@ -143,8 +141,7 @@ def _superseded_by_a_retired_state() -> int:
     it instead; a burst evicts 24. The follow-up (35 tokens) can reach 32
     only once attention caches 40 (eagle's drop): it resumes at 0."""
     config = replace(SEED_CONFIG, hold=True, hold_retired=True, retention_interval=None)
-    session = Session(config, ALL_INVARIANTS)
-    try:
+    with closing(Session(config, ALL_INVARIANTS)) as session:
         session.run("arrive", req="R0", prompt=fresh(32))
         _prefill(session, "R0")
         _run(session, [("decode1", {"req": "R0"}), ("drain", {})])
@@ -152,11 +149,7 @@ def _superseded_by_a_retired_state() -> int:
         assert {pos for pos, _ in session.last.holds["R0"].values()} == {32}
         session.run("arrive", req="R1", prompt=follow_up("R0", 1))
         session.run("evict", blocks="all")
-        hit = session.run("lookup", req="R1")["hit"]
-        assert isinstance(hit, int)
-        return hit
-    finally:
-        session.close()
+        return _hit(session, "R1")
 
 
 def test_a_pin_superseded_by_the_hold_is_released_with_it() -> None:
