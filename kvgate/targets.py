@@ -2,7 +2,9 @@
 
 A target is imported only when chosen, so `--target model` never imports
 vLLM. The commands (`gate`, `replay`, `workload`, `mutate`) all look targets
-up here; nothing below the command line imports `kvgate.cli`.
+up here; nothing below the command line imports `kvgate.cli`. Exploration
+builds its lockstep vLLM target itself (`explore/differential.py`): it drives
+the `OpDriver` interface, not only a `Target`'s.
 """
 
 from __future__ import annotations

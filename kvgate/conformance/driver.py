@@ -18,7 +18,7 @@ from typing import Any, Generic, TypeVar, cast
 
 from kvgate.conformance.config import Config
 from kvgate.conformance.events import KvEvent, normalized
-from kvgate.conformance.ops import ACTIONS, LIVE, Phase, Segment, Step, next_phase
+from kvgate.conformance.ops import ACTIONS, LIVE, Phase, Segment, Step, next_phase, out_of_phase
 from kvgate.conformance.snapshot import Snapshot
 from kvgate.conformance.target import Capabilities, StepRefused
 from kvgate.conformance.tokens import FreshTokens
@@ -218,7 +218,8 @@ class OpDriver(ABC, Generic[R]):
         assert step.req is not None
         pending = self.requests.get(step.req)
         if pending is None or pending.phase not in ACTIONS[step.op].valid_in:
-            raise StepRefused("req", f"no live request {step.req!r}")
+            phase = "absent" if pending is None else pending.phase
+            raise StepRefused("req", out_of_phase(step.op, step.req, phase))
         return pending
 
     def _resolve(self, segments: tuple[Segment, ...]) -> list[int]:

@@ -1,9 +1,10 @@
 """The action table: every trace op, its fields and the values a target reports.
 
 This table is the single source for what an op is. The trace parser validates
-against it, the replayer dispatches on it, the model implements one method per
-primitive op, and the Z3 encoding has one transition per primitive op; tests
-check that each of those covers exactly the names listed here.
+against it, the op driver (`driver.py`, which both the model and the vLLM
+targets run) has one handler per primitive op, and each Z3 encoding has one
+transition per primitive op; tests check that each of those covers exactly
+the names listed here.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 # A request's life, the same in every layer (the trace validator, the driver,
-# exploration's guards, the Z3 phases, the generators). `absent` until it
+# exploration's guards, the Z3 phases, the drift test's generator; the
+# workload's traces are read back through the validator). `absent` until it
 # arrives; `waiting` until an allocation gives it blocks, and again after a
 # preemption; `running` while its prompt is computed, `decoding` once it is;
 # `popped` between a deferred free and its `release`; `ended` after finish,

@@ -122,7 +122,10 @@ def handle(args: argparse.Namespace) -> int:
                 "(--target vllm+overlay runs it with the hold)"
             )
         if args.retired == "on":
-            raise InputError("--retired on: vLLM 0.33.0 retains no retired state; model only")
+            raise InputError(
+                "--retired on: vLLM 0.33.0 retains no retired state; "
+                "--target vllm+overlay (or model) runs it"
+            )
         from kvgate.explore.differential import differential_mode
 
         mode: Mode = differential_mode()
