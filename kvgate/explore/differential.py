@@ -77,7 +77,7 @@ FAMILIES: tuple[dict[str, Any], ...] = (
     # Retention as drawn (vLLM's default, sparse, keeps no block-aligned
     # prompt end), and dense: every state kept, so a lookup can reach a
     # prompt's end.
-    # One Mamba group: pure Mamba collapses only that (`knobs._pure_mamba`).
+    # One Mamba group: a pure Mamba model has no other (`knobs._pure_mamba`).
     {"mamba_groups": 1, "pure_mamba": True, "eagle": False},
     {"mamba_groups": 1, "pure_mamba": True, "eagle": False, "retention_interval": None},
     {"prefix_caching": False},

@@ -70,10 +70,13 @@ def _speculative(config: Config, blocks: int) -> Config:
 def _pure_mamba(config: Config, on: bool) -> Config:
     """A pure Mamba model (Mamba-Codestral, Falcon-Mamba): its one Mamba
     group alone, hashed at its own block, as vLLM's unitary coordinator
-    requires. Only over one Mamba group: a pure Mamba model's layers share
-    one group (a stratum of two keeps the hybrid)."""
-    if not on or len(config.mamba_group_ids) > 1:
+    requires. Drawn only over one Mamba group (the knob's `only_with`: a
+    pure Mamba model's layers share one group); a stratum or family that
+    fixes it over more is a mistake, refused here."""
+    if not on:
         return config
+    if len(config.mamba_group_ids) > 1:
+        raise ValueError("pure_mamba needs mamba_groups=1 (a pure Mamba model has one group)")
     mamba = config.groups[config.mamba_group_ids[0]]
     return replace(
         config,
