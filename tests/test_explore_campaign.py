@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
+from configs import needs_vllm
 
 from kvgate import cli
 from kvgate.explore import campaign
@@ -52,7 +53,7 @@ def test_each_target_runs_its_own_hold_arms() -> None:
     assert campaign.available_targets(("model",)) == (("model",), {})
 
 
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+@needs_vllm
 def test_the_vllm_targets_are_probed_and_run_a_shard(
     tmp_path: Path, hold_overlay_plugin: str
 ) -> None:

@@ -5,11 +5,11 @@ Skipped only when vLLM is not installed.
 
 from __future__ import annotations
 
-import importlib.util
 from contextlib import closing
 from pathlib import Path
 
 import pytest
+from configs import needs_vllm
 from conftest import Found
 from hypothesis import Phase
 
@@ -26,9 +26,7 @@ from kvgate.explore.runner import explore
 from kvgate.model import ModelTarget
 from kvgate.model.pool import BlockPool
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"
-)
+pytestmark = needs_vllm
 
 
 def test_differential_ci_profile_no_divergence_and_every_op(tmp_path: Path) -> None:

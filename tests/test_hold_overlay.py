@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from configs import hybrid_config
+from configs import hybrid_config, needs_vllm
 
 from kvgate import cli
 from kvgate.conformance.ops import Step
@@ -29,9 +29,7 @@ from kvgate.conformance.target import Target, WatchedTarget
 from kvgate.conformance.trace import Trace, TraceError, bundled_corpus, load_corpus
 from kvgate.model import ModelTarget
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"
-)
+pytestmark = needs_vllm
 
 PLUGIN = "kvgate.impl.hold_overlay"
 CORPUS = load_corpus(bundled_corpus())

@@ -4,15 +4,12 @@ and the fault campaign's ports."""
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
+from configs import needs_vllm
 
 from kvgate.impl import hold_overlay
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"
-)
+pytestmark = needs_vllm
 
 
 def test_the_overlay_supports_the_installed_release() -> None:

@@ -5,11 +5,12 @@ short differential exploration of each."""
 
 from __future__ import annotations
 
-import importlib.util
+from contextlib import closing
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from configs import needs_vllm
 from hypothesis import Phase
 
 from kvgate.conformance.config import Config, GroupConfig, UnsupportedConfig
@@ -22,9 +23,6 @@ from kvgate.explore.runner import explore
 from kvgate.model import ModelTarget
 
 CORPUS = {t.name: t for t in load_corpus(bundled_corpus())}
-needs_vllm = pytest.mark.skipif(
-    importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"
-)
 
 TEXT = """\
 format: kvgate-trace/1
@@ -109,12 +107,9 @@ def test_the_model_conforms_with_vllms_own_coordinator_for_it(name: str, coordin
     from kvgate.impl.vllm_target import VllmTarget
 
     trace = CORPUS[name]
-    target = VllmTarget(trace.config)
-    try:
+    with closing(VllmTarget(trace.config)) as target:
         assert type(target.manager.coordinator).__name__ == coordinator
         result = replay(trace, target, ModelTarget, "strict")
-    finally:
-        target.close()
     assert result.passed, result.divergence
 
 

@@ -3,12 +3,11 @@ on its own and through the vLLM adapter's snapshot of the installed vLLM."""
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Iterator
 from dataclasses import replace
 
 import pytest
-from configs import EXAMPLE_CONFIG
+from configs import EXAMPLE_CONFIG, needs_vllm
 
 from kvgate.conformance.ops import Segment, Step
 from kvgate.conformance.snapshot import (
@@ -60,11 +59,6 @@ def test_differences_still_see_real_blocks() -> None:
     assert [d[0] for d in a.differences(_snapshot({"A": (1,)}, null_ref=-1))] == ["block 0 ref"]
 
 
-vllm_only = pytest.mark.skipif(
-    importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"
-)
-
-
 @pytest.fixture
 def popped_target() -> Iterator[object]:
     from kvgate.impl.vllm_target import VllmTarget
@@ -85,7 +79,7 @@ def popped_target() -> Iterator[object]:
     target.close()
 
 
-@vllm_only
+@needs_vllm
 def test_the_adapter_builds_the_view(popped_target: object) -> None:
     from kvgate.impl.vllm_target import VllmTarget
 

@@ -5,7 +5,6 @@ Skipped only when vLLM is not installed; vLLM is imported once for the module.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -16,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from configs import EXAMPLE_CONFIG, hybrid_config
+from configs import EXAMPLE_CONFIG, hybrid_config, needs_vllm
 
 from kvgate.conformance.config import Config, GroupConfig, UnsupportedConfig
 from kvgate.conformance.ops import Segment, Step
@@ -26,9 +25,7 @@ from kvgate.conformance.tokens import prefix_keys
 from kvgate.impl.vllm_probe import probe
 from kvgate.impl.vllm_target import VllmTarget
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"
-)
+pytestmark = needs_vllm
 
 # The trace-format example's config (the seed's first scenario).
 CONFIG = EXAMPLE_CONFIG

@@ -12,13 +12,13 @@ line, exit 2.
 from __future__ import annotations
 
 import functools
-import importlib.util
 import io
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from configs import needs_vllm
 
 from kvgate import cli, targets
 from kvgate.conformance.config import Config, UnsupportedConfig
@@ -33,9 +33,7 @@ from kvgate.workload.plan import Workload, make_plan
 from kvgate.workload.progress import Progress
 from kvgate.workload.runner import Arm, ArmResult
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("vllm") is None, reason="needs the installed vLLM"
-)
+pytestmark = needs_vllm
 
 SCALE = 32
 WORKLOAD = Workload(sessions=4, turns=3)

@@ -15,7 +15,6 @@ The searches run once for the module, two at a time.
 
 from __future__ import annotations
 
-import importlib.util
 import multiprocessing
 import os
 from concurrent.futures import ProcessPoolExecutor
@@ -23,6 +22,7 @@ from contextlib import closing
 from pathlib import Path
 
 import pytest
+from configs import needs_vllm
 
 from kvgate.conformance.replay import ReplayResult, replay
 from kvgate.conformance.trace import Trace, load_trace
@@ -110,7 +110,7 @@ def test_clean_model_runs_the_counterexample_inside_the_proofs(
         assert verdict.ok, (step.where(), verdict)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+@needs_vllm
 @pytest.mark.parametrize("mutation", UPSTREAM)
 def test_upstream_counterexample_fails_the_same_way_on_vllm(
     found: dict[str, tuple[bool, Found]], mutation: str
