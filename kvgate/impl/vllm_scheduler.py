@@ -37,7 +37,7 @@ from kvgate.conformance.scheduling import ScheduledStep
 from kvgate.conformance.snapshot import Snapshot
 from kvgate.conformance.target import Capabilities, StepRefused
 from kvgate.impl import _vllm_api
-from kvgate.impl.vllm_build import block_hasher, kv_cache_config
+from kvgate.impl.vllm_build import block_hasher, kv_cache_config, scheduler_config
 from kvgate.impl.vllm_errors import describe
 from kvgate.impl.vllm_probe import hold_source, holds_partial_tails, retains_retired
 from kvgate.impl.vllm_view import ManagerView
@@ -88,7 +88,6 @@ def _vllm_config(config: Config, spec_tokens: int, max_num_seqs: int) -> Any:
         CacheConfig,
         ModelConfig,
         ParallelConfig,
-        SchedulerConfig,
         SpeculativeConfig,
         VllmConfig,
     )
@@ -99,20 +98,7 @@ def _vllm_config(config: Config, spec_tokens: int, max_num_seqs: int) -> Any:
         max_model_len=config.max_model_len,
         dtype="float32",
     )
-    scheduler = SchedulerConfig(
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=config.max_num_scheduled_tokens,
-        max_model_len=config.max_model_len,
-        enable_chunked_prefill=True,
-        long_prefill_token_threshold=config.long_prefill_token_threshold,
-        is_encoder_decoder=False,
-        # Only when set: a release without the setting still runs the rest.
-        **(
-            {"long_prefill_token_threshold_adaptive": True}
-            if config.long_prefill_token_threshold_adaptive
-            else {}
-        ),
-    )
+    scheduler = scheduler_config(config, max_num_seqs)
     cache = CacheConfig(
         block_size=config.scheduler_block_size,
         enable_prefix_caching=True,
