@@ -261,9 +261,15 @@ class Step:
 
     def where(self) -> str:
         """`step 6 (prefill: allocate #2)`: a place a person can find."""
+        if self.index < 0:
+            return "config"
         if self.origin is None:
             return f"step {self.index} ({self.op})"
         return f"step {self.index} ({self.origin}: {self.op} #{self.part})"
+
+
+# Where a refusal trace's verdict is reached: its config, before any step.
+CONFIG_STEP = Step("config", index=-1)
 
 
 @dataclass(frozen=True)

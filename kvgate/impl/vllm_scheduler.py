@@ -28,21 +28,23 @@ import atexit
 import functools
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from kvgate.conformance.config import Config, UnsupportedConfig
 from kvgate.conformance.scheduling import ScheduledStep
 from kvgate.conformance.snapshot import Snapshot
 from kvgate.conformance.target import Capabilities, StepRefused
 from kvgate.impl import _vllm_api
-from kvgate.impl.vllm_build import block_hasher, kv_cache_config
+from kvgate.impl.vllm_build import block_hasher, kv_cache_config, scheduler_config
+from kvgate.impl.vllm_connector import ConnectorScript
 from kvgate.impl.vllm_errors import describe
 from kvgate.impl.vllm_probe import hold_source, holds_partial_tails, retains_retired
 from kvgate.impl.vllm_view import ManagerView
 
-__all__ = ["VllmScheduler", "model_dir"]
+__all__ = ["ConnectorSettings", "VllmScheduler", "model_dir"]
 
 # The draft token ids handed back after each step: never verified (every
 # draft is rejected), so never part of a token sequence.
@@ -83,12 +85,37 @@ def model_dir() -> Path:
     return folder
 
 
-def _vllm_config(config: Config, spec_tokens: int, max_num_seqs: int) -> Any:
+@dataclass(frozen=True)
+class ConnectorSettings:
+    """A KV connector for the Scheduler: kvgate's scripted one
+    (`vllm_connector`), in this role, with this load-failure policy."""
+
+    role: Literal["kv_both", "kv_consumer", "kv_producer"] = "kv_both"
+    # vLLM's kv_load_failure_policy: "recompute" reloads or recomputes what a
+    # failed load lost; "fail" ends the request with an error.
+    load_failure_policy: Literal["recompute", "fail"] = "recompute"
+
+
+def _kv_transfer_config(settings: ConnectorSettings) -> Any:
+    from vllm.config import KVTransferConfig
+
+    from kvgate.impl import vllm_connector
+
+    return KVTransferConfig(
+        kv_connector=vllm_connector.CLASS_NAME,
+        kv_connector_module_path=vllm_connector.MODULE,
+        kv_role=settings.role,
+        kv_load_failure_policy=settings.load_failure_policy,
+    )
+
+
+def _vllm_config(
+    config: Config, spec_tokens: int, max_num_seqs: int, connector: ConnectorSettings | None
+) -> Any:
     from vllm.config import (
         CacheConfig,
         ModelConfig,
         ParallelConfig,
-        SchedulerConfig,
         SpeculativeConfig,
         VllmConfig,
     )
@@ -99,20 +126,7 @@ def _vllm_config(config: Config, spec_tokens: int, max_num_seqs: int) -> Any:
         max_model_len=config.max_model_len,
         dtype="float32",
     )
-    scheduler = SchedulerConfig(
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=config.max_num_scheduled_tokens,
-        max_model_len=config.max_model_len,
-        enable_chunked_prefill=True,
-        long_prefill_token_threshold=config.long_prefill_token_threshold,
-        is_encoder_decoder=False,
-        # Only when set: a release without the setting still runs the rest.
-        **(
-            {"long_prefill_token_threshold_adaptive": True}
-            if config.long_prefill_token_threshold_adaptive
-            else {}
-        ),
-    )
+    scheduler = scheduler_config(config, max_num_seqs)
     cache = CacheConfig(
         block_size=config.scheduler_block_size,
         enable_prefix_caching=True,
@@ -136,6 +150,7 @@ def _vllm_config(config: Config, spec_tokens: int, max_num_seqs: int) -> Any:
         cache_config=cache,
         scheduler_config=scheduler,
         speculative_config=speculative,
+        kv_transfer_config=None if connector is None else _kv_transfer_config(connector),
     )
     vllm_config.cache_config.num_gpu_blocks = config.num_blocks
     return vllm_config
@@ -199,6 +214,33 @@ def _check_derived(scheduler: Any, config: Config, spec_tokens: int) -> None:
             raise UnsupportedConfig(name, f"vLLM's Scheduler runs it as {got!r}, not {want!r}")
 
 
+def _check_connector_support() -> None:
+    from kvgate.impl.vllm_connector import missing_support
+
+    missing = missing_support()
+    if missing:
+        raise UnsupportedConfig(
+            "kv_connector",
+            "this vLLM's Scheduler cannot take kvgate's scripted KV connector: it lacks "
+            + ", ".join(missing),
+        )
+
+
+def _scripted_connector(scheduler: Any) -> ConnectorScript:
+    """The script of the connector the Scheduler built (it must be ours)."""
+    from kvgate.impl.vllm_connector import connector_class
+
+    connector: Any = getattr(scheduler, "connector", None)
+    if not isinstance(connector, connector_class()):
+        raise UnsupportedConfig(
+            "kv_connector",
+            "this vLLM's Scheduler did not build the configured KV connector "
+            f"(its connector: {type(connector).__name__})",
+        )
+    script: ConnectorScript = connector.script
+    return script
+
+
 class VllmScheduler:
     """The installed vLLM's `Scheduler`, driven one engine step at a time."""
 
@@ -211,6 +253,7 @@ class VllmScheduler:
         spec_tokens: int,
         max_num_seqs: int,
         plugin: str | None = None,
+        connector: ConnectorSettings | None = None,
     ) -> None:
         self.config = config
         self.spec_tokens = spec_tokens
@@ -232,11 +275,13 @@ class VllmScheduler:
             )
         if spec_tokens == 0 and config.eagle:
             raise UnsupportedConfig("eagle", "the eagle drop needs draft tokens (spec > 0)")
+        if connector is not None:
+            _check_connector_support()
         try:
             from vllm.v1.core.sched.scheduler import Scheduler
             from vllm.v1.structured_output import StructuredOutputManager
 
-            vllm_config = _vllm_config(config, spec_tokens, max_num_seqs)
+            vllm_config = _vllm_config(config, spec_tokens, max_num_seqs, connector)
             scheduler = Scheduler(
                 vllm_config=vllm_config,
                 kv_cache_config=kv_cache_config(api, config),
@@ -251,6 +296,9 @@ class VllmScheduler:
                 "groups", f"vLLM's Scheduler rejects it: {describe(exc)}"
             ) from exc
         _check_derived(scheduler, config, spec_tokens)
+        self._script: ConnectorScript | None = (
+            None if connector is None else _scripted_connector(scheduler)
+        )
         self._scheduler: Any = scheduler
         manager = scheduler.kv_cache_manager
         self._view = ManagerView(api, manager, config.hash_unit, config.hash_lookahead_tokens)
@@ -289,6 +337,14 @@ class VllmScheduler:
     def scheduler(self) -> Any:
         """The vLLM `Scheduler` under test."""
         return self._scheduler
+
+    @property
+    def connector_script(self) -> ConnectorScript:
+        """The scripted KV connector's answers and record (a Scheduler built
+        with `connector` only)."""
+        if self._script is None:
+            raise RuntimeError("this Scheduler was built without a KV connector")
+        return self._script
 
     def add_request(
         self, name: str, tokens: list[int], max_tokens: int, follows: str | None
@@ -331,17 +387,35 @@ class VllmScheduler:
         ]
         return step
 
-    def update(self, sampled: Mapping[str, list[int]]) -> list[str]:
-        from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
+    def update(
+        self,
+        sampled: Mapping[str, list[int]],
+        *,
+        loaded: Collection[str] = (),
+        failed: Collection[str] = (),
+    ) -> list[str]:
+        """As `SchedulerTarget.update`; with a connector, also the
+        asynchronous loads the worker finished this step (`loaded`) and those
+        that failed (`failed`), as its `KVConnectorOutput` reports them (a
+        failed receive is also a finished one)."""
+        from vllm.v1.outputs import DraftTokenIds, KVConnectorOutput, ModelRunnerOutput
 
         output, self._output = self._output, None
         if output is None:
             raise RuntimeError("update() without a schedule() before it")
+        if (loaded or failed) and self._script is None:
+            raise RuntimeError("KV loads reported to a Scheduler without a connector")
         ids = [str(r) for r in output.num_scheduled_tokens]
+        kv_output = None
+        if loaded or failed:
+            kv_output = KVConnectorOutput(
+                finished_recving={*loaded, *failed}, failed_recving=set(failed)
+            )
         runner_output = ModelRunnerOutput(
             req_ids=ids,
             req_id_to_index={r: i for i, r in enumerate(ids)},
             sampled_token_ids=[list(sampled.get(r, ())) for r in ids],
+            kv_connector_output=kv_output,
         )
         self._scheduler.update_from_output(output, runner_output)
         finished = [r for r in ids if self._requests[r].is_finished()]

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvgate.conformance.config import Config
+from kvgate.conformance.config import Config, check_modelled
 from kvgate.conformance.driver import OpDriver
 from kvgate.conformance.events import KvEvent
 from kvgate.conformance.ops import STATS_KEYS
@@ -50,6 +50,9 @@ class VllmTarget(OpDriver[Any]):
     def __init__(self, config: Config, plugin: str | None = None) -> None:
         super().__init__(config)
         self.plugin = plugin
+        # kvgate's own refusals (what it does not model) stay kvgate's; what
+        # vLLM refuses is left to vLLM's objects (`build_manager`).
+        check_modelled(config)
         api, plugin_module = _vllm_api.load_with_hold(config.hold, config.hold_retired, plugin)
         self._api: VllmApi = api
 

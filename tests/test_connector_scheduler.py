@@ -1,0 +1,247 @@
+"""vLLM's real `Scheduler` with kvgate's scripted KV connector.
+
+The connector (`kvgate.impl.vllm_connector`) answers only what a test
+scripts; vLLM's factory builds it from `kv_transfer_config`, the Scheduler
+drives it, and the fake model runner reports the worker's finished loads.
+These tests pin the Scheduler's connector branch that kvgate's driver
+replays: what it presents to the connector, when a remote hit supersedes a
+local sub-block tail, and an asynchronous load's allocation and completion.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Iterator
+
+import pytest
+from configs import EXAMPLE_CONFIG, needs_vllm
+
+from kvgate.conformance.config import UnsupportedConfig
+from kvgate.conformance.scheduling import ScheduledStep
+
+pytestmark = needs_vllm
+
+# The seed's config, hold off: attention blocks of 8, Mamba blocks of 32.
+CONFIG = dataclasses.replace(EXAMPLE_CONFIG, hold=False)
+SPEC = 3
+# A follow-up of a 100-token prompt that ran 2 output tokens hits this much
+# locally: A's prompt tail state, kept at the hash unit (sparse retention,
+# the eagle drop taking the last unit), 24 tokens into a Mamba block.
+LOCAL_TAIL_HIT = 88
+_tokens = itertools.count(1)
+
+
+def _fresh(n: int) -> list[int]:
+    return [next(_tokens) for _ in range(n)]
+
+
+@pytest.fixture
+def scheduler() -> Iterator[object]:
+    from kvgate.impl.vllm_scheduler import ConnectorSettings, VllmScheduler
+
+    target = VllmScheduler(CONFIG, spec_tokens=SPEC, max_num_seqs=4, connector=ConnectorSettings())
+    yield target
+    target.close()
+
+
+def _step(
+    target: object, *, loaded: tuple[str, ...] = (), failed: tuple[str, ...] = ()
+) -> ScheduledStep:
+    """One engine step: each request whose prompt the step completes (or
+    that decodes) samples one token."""
+    from kvgate.impl.vllm_scheduler import VllmScheduler
+
+    assert isinstance(target, VllmScheduler)
+    step = target.schedule()
+    requests = target.scheduler.requests
+    sampled = {
+        name: [next(_tokens)]
+        for name, _ in step.scheduled
+        if requests[name].num_computed_tokens >= requests[name].num_tokens
+    }
+    target.update(sampled, loaded=loaded, failed=failed)
+    return step
+
+
+def test_a_sync_remote_hit_is_admitted_with_the_external_tokens(scheduler: object) -> None:
+    from kvgate.impl.vllm_connector import Allocated, ExternalHit, Query
+    from kvgate.impl.vllm_scheduler import VllmScheduler
+
+    assert isinstance(scheduler, VllmScheduler)
+    script = scheduler.connector_script
+    script.hits["A"] = ExternalHit(64)
+    scheduler.add_request("A", _fresh(100), 4, None)
+    step = _step(scheduler)
+    queries, allocations, _ = script.take()
+    # Nothing cached locally: the Scheduler presents 0, the store has 64.
+    assert queries == [Query("A", 0, 64, False)]
+    [allocated] = allocations
+    assert allocated.request == "A" and allocated.external == 64
+    assert isinstance(allocated, Allocated)
+    # The chunk starts after the external tokens (the split stops at the
+    # prompt's last cacheable block end, 88).
+    assert step.scheduled == [("A", 24)]
+    assert scheduler.scheduler.requests["A"].num_computed_tokens == 88
+
+
+def test_an_async_load_runs_nothing_until_the_worker_reports_it(scheduler: object) -> None:
+    from kvgate.impl.vllm_connector import ExternalHit, Query
+    from kvgate.impl.vllm_scheduler import VllmScheduler
+
+    assert isinstance(scheduler, VllmScheduler)
+    script = scheduler.connector_script
+    script.hits["B"] = ExternalHit(96, load_async=True)
+    scheduler.add_request("B", _fresh(100), 4, None)
+    first = _step(scheduler)
+    queries, allocations, _ = script.take()
+    assert queries == [Query("B", 0, 96, True)]
+    # Blocks for the load, nothing scheduled: the request waits for its KV.
+    assert [a.external for a in allocations] == [96]
+    assert first.scheduled == [] and first.lookups == [("B", 0)]
+    request = scheduler.scheduler.requests["B"]
+    assert request.num_computed_tokens == 96
+    assert request.status == scheduler._api.RequestStatus.WAITING_FOR_REMOTE_KVS
+    # Not reported yet: still waiting, no lookup again.
+    second = _step(scheduler)
+    assert second.scheduled == [] and second.lookups == []
+    # Reported in this step's output: the next step admits it without a
+    # lookup, from the loaded tokens.
+    _step(scheduler, loaded=("B",))
+    third = _step(scheduler)
+    assert third.lookups == []
+    assert third.scheduled == [("B", 4)]
+    _, allocations, _ = script.take()
+    # The completing admission allocates with no external tokens.
+    assert [a.external for a in allocations] == [0]
+
+
+def test_a_longer_remote_hit_supersedes_a_local_sub_block_tail(scheduler: object) -> None:
+    from kvgate.impl.vllm_connector import ExternalHit
+    from kvgate.impl.vllm_scheduler import VllmScheduler
+
+    assert isinstance(scheduler, VllmScheduler)
+    script = scheduler.connector_script
+    prompt = _fresh(100)
+    scheduler.add_request("A", prompt, 2, None)
+    while "A" in scheduler.scheduler.requests:
+        _step(scheduler)
+    script.take()
+    follow_up = prompt + list(scheduler._requests["A"].output_token_ids) + _fresh(30)
+    script.hits["F"] = ExternalHit(len(follow_up) - 1)
+    scheduler.add_request("F", follow_up, 2, "A")
+    step = _step(scheduler)
+    [(name, local)] = step.lookups
+    queries, allocations, _ = script.take()
+    # A local hit ending inside a Mamba block (the prompt's partial tail).
+    tail = local % CONFIG.scheduler_block_size
+    assert name == "F" and tail
+    [query] = queries
+    assert local == LOCAL_TAIL_HIT
+    assert query.presented == local - tail
+    assert query.answered == len(follow_up) - 1 - (local - tail) > tail
+    # The local tail is dropped (no copy-on-write), the load covers it.
+    assert step.copies == []
+    [allocated] = allocations
+    assert allocated.external == query.answered
+    # One token left: the Scheduler pads the admission to a whole
+    # speculative step (1 + K rows), as it pads any new request with one
+    # token left to compute.
+    assert step.scheduled == [("F", 1 + SPEC)]
+
+
+def test_a_remote_hit_no_longer_than_the_local_tail_keeps_the_tail(scheduler: object) -> None:
+    from kvgate.impl.vllm_connector import ExternalHit
+    from kvgate.impl.vllm_scheduler import VllmScheduler
+
+    assert isinstance(scheduler, VllmScheduler)
+    script = scheduler.connector_script
+    prompt = _fresh(100)
+    scheduler.add_request("A", prompt, 2, None)
+    while "A" in scheduler.scheduler.requests:
+        _step(scheduler)
+    script.take()
+    follow_up = prompt + list(scheduler._requests["A"].output_token_ids) + _fresh(30)
+    # Exactly the local hit: the remote store does not exceed it.
+    script.hits["F"] = ExternalHit(LOCAL_TAIL_HIT, load_async=True)
+    scheduler.add_request("F", follow_up, 2, "A")
+    step = _step(scheduler)
+    [(_, local)] = step.lookups
+    queries, allocations, _ = script.take()
+    assert local == LOCAL_TAIL_HIT
+    [query] = queries
+    assert query.answered == local % CONFIG.scheduler_block_size
+    assert query.load_async  # the connector said async; the Scheduler loads nothing
+    [allocated] = allocations
+    assert allocated.external == 0
+    assert step.copies  # the tail's copy-on-write still runs
+
+
+def test_a_failed_async_load_is_recomputed_from_the_start(scheduler: object) -> None:
+    from kvgate.impl.vllm_connector import ExternalHit
+    from kvgate.impl.vllm_scheduler import VllmScheduler
+
+    assert isinstance(scheduler, VllmScheduler)
+    script = scheduler.connector_script
+    script.hits["B"] = ExternalHit(64, load_async=True)
+    scheduler.add_request("B", _fresh(100), 4, None)
+    _step(scheduler, failed=("B",))
+    # Load-failure policy recompute: the blocks are freed and the request
+    # looks up (and asks the connector) again.
+    script.hits["B"] = ExternalHit(0)
+    step = _step(scheduler)
+    assert step.lookups == [("B", 0)]
+    assert step.scheduled and step.scheduled[0][0] == "B"
+
+
+def test_a_block_level_load_failure_is_refused_on_a_hybrid_model(scheduler: object) -> None:
+    """vLLM's own rule: block ids are per group, so `invalid_block_ids` from a
+    connector on a model with several KV-cache groups is an error; failures
+    must come per request (`failed_recving`)."""
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+    from kvgate.impl.vllm_connector import ExternalHit
+    from kvgate.impl.vllm_scheduler import VllmScheduler
+
+    assert isinstance(scheduler, VllmScheduler)
+    scheduler.connector_script.hits["A"] = ExternalHit(64)
+    scheduler.add_request("A", _fresh(100), 4, None)
+    output = scheduler.scheduler.schedule()
+    runner = ModelRunnerOutput(
+        req_ids=["A"],
+        req_id_to_index={"A": 0},
+        sampled_token_ids=[[]],
+        kv_connector_output=KVConnectorOutput(invalid_block_ids={1}),
+    )
+    with pytest.raises(RuntimeError, match="multiple KV cache groups"):
+        scheduler.scheduler.update_from_output(output, runner)
+
+
+def test_a_vllm_without_connector_support_is_refused_by_name(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kvgate.impl import vllm_connector
+    from kvgate.impl.vllm_scheduler import ConnectorSettings, VllmScheduler
+
+    monkeypatch.setattr(
+        vllm_connector,
+        "_REQUIRED",
+        (*vllm_connector._REQUIRED, ("vllm.v1.outputs", "NoSuchConnectorOutput")),
+    )
+    with pytest.raises(UnsupportedConfig) as refused:
+        VllmScheduler(CONFIG, spec_tokens=SPEC, max_num_seqs=4, connector=ConnectorSettings())
+    assert refused.value.field == "kv_connector"
+    assert "vllm.v1.outputs.NoSuchConnectorOutput" in refused.value.message
+    assert "\n" not in refused.value.message
+
+
+def test_without_a_connector_the_scheduler_has_none() -> None:
+    from kvgate.impl.vllm_scheduler import VllmScheduler
+
+    target = VllmScheduler(CONFIG, spec_tokens=SPEC, max_num_seqs=4)
+    try:
+        assert target.scheduler.connector is None
+        with pytest.raises(RuntimeError):
+            target.connector_script  # noqa: B018
+    finally:
+        target.close()
