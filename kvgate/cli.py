@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import NoReturn, cast
 
 from kvgate.conformance.limits import DEFAULT_LIMITS, Limits
+from kvgate.conformance.refusal import judge_refusal
 from kvgate.conformance.replay import (
     LEVELS,
     Level,
@@ -215,6 +216,8 @@ def _run_one(
     """One trace's verdict, or the error that kept it from getting one;
     `excluded` gets the strict-view exclusions that hid the target's raw state."""
     started = time.perf_counter()
+    if trace.expect_refused is not None:
+        return judge_refusal(trace, factory, level)
     try:
         target = build_target(factory, trace)
         try:

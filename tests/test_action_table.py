@@ -32,8 +32,13 @@ def test_the_vllm_target_implements_every_hook() -> None:
 
 def test_written_traces_read_back_identically() -> None:
     for trace in load_corpus(bundled_corpus()):
-        again = parse_trace(dump_trace(trace.name, trace.config, trace.steps, trace.about))
-        assert (again.config, again.primitives) == (trace.config, trace.primitives), trace.name
+        text = dump_trace(trace.name, trace.config, trace.steps, trace.about, trace.expect_refused)
+        again = parse_trace(text)
+        assert (again.config, again.primitives, again.expect_refused) == (
+            trace.config,
+            trace.primitives,
+            trace.expect_refused,
+        ), trace.name
 
 
 def _admitted(guard: Any, phase: Any) -> set[str]:

@@ -22,7 +22,8 @@ from kvgate.conformance.trace import Trace, bundled_corpus, load_corpus
 from kvgate.invariants.predicates import check_snapshot
 from kvgate.model import ModelTarget
 
-CORPUS = load_corpus(bundled_corpus())
+# Refusal traces (`expect_refused`) replay nothing: tests/test_refusals.py judges them.
+CORPUS = [t for t in load_corpus(bundled_corpus()) if t.expect_refused is None]
 HOLD_ON = [t for t in CORPUS if t.config.hold]
 # The hold keeps sub-block states: without partial hits (a single group
 # hashed at its block) it has nothing to take, and

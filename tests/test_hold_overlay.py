@@ -32,7 +32,8 @@ from kvgate.model import ModelTarget
 pytestmark = needs_vllm
 
 PLUGIN = "kvgate.impl.hold_overlay"
-CORPUS = load_corpus(bundled_corpus())
+# Refusal traces (`expect_refused`) replay nothing: tests/test_refusals.py judges them.
+CORPUS = [t for t in load_corpus(bundled_corpus()) if t.expect_refused is None]
 # Traces that need what upstream lacks: the hold, or the fork's retention of
 # retired states (the overlay offers both); and those upstream runs as it is.
 HOLD_ON = [t for t in CORPUS if t.config.hold or t.config.hold_retired]

@@ -51,7 +51,7 @@ MALFORMED: list[tuple[str, str, str]] = [
     (
         "unsupported config",
         trace_text(ARRIVE, CONFIG.replace("block_size: 8}", "block_size: 12}")),
-        "config.groups[0].block_size",
+        "config.scheduler_block_size",
     ),
     (
         "unknown group kind",

@@ -74,6 +74,14 @@ class Config:
     # request is hashed, no lookup hits and no block is cached (vLLM's
     # no-prefix-cache coordinator); the hold has nothing to hold.
     prefix_caching: bool = True
+    # The Scheduler has a KV connector (trace field `kv_connector`): each
+    # lookup runs its connector branch of admission (external tokens,
+    # truncation of a local sub-block tail, async loads).
+    kv_connector: bool = False
+    # The connector's `supports_divergent_local_hybrid_hits` (NIXL, MoRIIO;
+    # trace field `kv_connector_divergent_hits`): the local lookup is
+    # `get_computed_blocks_for_connector`, per-group hits.
+    kv_connector_divergent_hits: bool = False
 
     @property
     def block_drop(self) -> bool:
@@ -119,7 +127,11 @@ class Config:
 class UnsupportedConfig(ValueError):
     """A config outside what a target (or the model) can run.
 
-    `field` names the config key, so the error reads as one line.
+    `field` names the config key, so the error reads as one line. Two kinds
+    (subclasses) say whose refusal it is: `NotModelled` (kvgate's own: a
+    config kvgate does not model, which vLLM may well serve) and
+    `RefusedByVllm` (vLLM's: a config vLLM itself refuses; the model states
+    the rule, the vLLM target leaves it to vLLM).
     """
 
     def __init__(self, field: str, message: str) -> None:
@@ -128,54 +140,70 @@ class UnsupportedConfig(ValueError):
         self.message = message
 
 
+class NotModelled(UnsupportedConfig):
+    """Refused by kvgate, by name: outside what the model covers (vLLM may
+    run it). Every target refuses it the same way, before building anything."""
+
+
+class RefusedByVllm(UnsupportedConfig):
+    """A config vLLM refuses. Raised by the model side (`vllm_rules`, kvgate's
+    statement of vLLM's rule) and by the vLLM target (vLLM's own refusal,
+    mapped to the field); a refusal trace (`expect_refused`) checks that the
+    two agree."""
+
+
 def validate(config: Config) -> None:
-    """Refuse what version 1's config space does not cover (see the format)."""
+    """The model side: refuse what kvgate does not model, then what vLLM
+    refuses (the format's config space is what is left)."""
+    check_modelled(config)
+    vllm_rules(config)
+
+
+def check_modelled(config: Config) -> None:
+    """Refuse, by name, what kvgate does not model (`NotModelled`)."""
     groups = config.groups
     if config.num_blocks < 2:
-        raise UnsupportedConfig("num_blocks", "needs at least 2 blocks (one is the null block)")
+        raise NotModelled("num_blocks", "needs at least 2 blocks (one is the null block)")
     if config.hash_unit < 1:
-        raise UnsupportedConfig("hash_unit", "must be >= 1")
+        raise NotModelled("hash_unit", "must be >= 1")
     if config.scheduler_block_size < 1:
-        raise UnsupportedConfig("scheduler_block_size", "must be >= 1")
+        raise NotModelled("scheduler_block_size", "must be >= 1")
     kinds = [g.kind for g in groups]
     if kinds.count("mamba_align") < 1:
-        raise UnsupportedConfig("groups", "at least one mamba_align group is required")
+        raise NotModelled("groups", "at least one mamba_align group is required")
     if kinds.count("full_attention") > 1:
-        raise UnsupportedConfig("groups", "at most one full_attention group is supported")
-    if not config.has_attention:
-        # A pure Mamba model: vLLM serves one group through its unitary
-        # coordinator; several Mamba groups and no attention group is a
-        # hybrid coordinator without the attention group it requires.
-        if len(groups) != 1:
-            raise UnsupportedConfig(
-                "groups",
-                "without a full_attention group exactly one mamba_align group is supported "
-                "(vLLM's hybrid coordinator needs an attention group)",
-            )
-        if config.prefix_caching and config.hash_unit != groups[0].block_size:
-            # The unitary coordinator asserts the hash unit is its block.
-            raise UnsupportedConfig(
-                "hash_unit",
-                f"hash_unit {config.hash_unit} is not the single group's block_size "
-                f"{groups[0].block_size} (a single group hashes at its own block)",
-            )
+        raise NotModelled("groups", "at most one full_attention group is supported")
+    if not config.has_attention and len(groups) != 1:
+        # vLLM's hybrid coordinator serves several Mamba groups without an
+        # attention group (built and checked: it accepts them); a pure
+        # Mamba model's layers share one group, and kvgate models only that.
+        raise NotModelled(
+            "groups",
+            "without a full_attention group only one mamba_align group is modelled "
+            "(a pure Mamba model's layers share one group)",
+        )
     for i, g in enumerate(groups):
         where = f"groups[{i}]"
-        if g.block_size < 1 or g.block_size % config.hash_unit:
-            raise UnsupportedConfig(
+        if g.block_size < 1:
+            raise NotModelled(f"{where}.block_size", "must be >= 1")
+        if not config.prefix_caching and g.block_size % config.hash_unit:
+            # vLLM's no-prefix-cache coordinator accepts it (it hashes
+            # nothing); the model sizes its requests' keys by the unit.
+            raise NotModelled(
                 f"{where}.block_size",
-                f"block_size {g.block_size} is not a multiple of hash_unit {config.hash_unit}",
+                f"block_size {g.block_size} is not a multiple of hash_unit {config.hash_unit} "
+                "(vLLM accepts it without prefix caching; kvgate does not model it)",
             )
         if g.speculative_blocks < 0:
-            raise UnsupportedConfig(f"{where}.speculative_blocks", "must be >= 0")
+            raise NotModelled(f"{where}.speculative_blocks", "must be >= 0")
         if g.kind == "full_attention" and g.speculative_blocks:
-            raise UnsupportedConfig(
+            raise NotModelled(
                 f"{where}.speculative_blocks", "only mamba_align groups take speculative blocks"
             )
         if g.prefill_checkpoint_blocks < 0:
-            raise UnsupportedConfig(f"{where}.prefill_checkpoint_blocks", "must be >= 0")
+            raise NotModelled(f"{where}.prefill_checkpoint_blocks", "must be >= 0")
         if g.prefill_checkpoint_alignment is not None and g.prefill_checkpoint_alignment < 1:
-            raise UnsupportedConfig(f"{where}.prefill_checkpoint_alignment", "must be >= 1")
+            raise NotModelled(f"{where}.prefill_checkpoint_alignment", "must be >= 1")
         if g.kind == "full_attention" and (
             g.prefill_checkpoint_blocks or g.prefill_checkpoint_alignment is not None
         ):
@@ -184,41 +212,78 @@ def validate(config: Config) -> None:
                 if g.prefill_checkpoint_blocks
                 else "prefill_checkpoint_alignment"
             )
-            raise UnsupportedConfig(
+            raise NotModelled(
                 f"{where}.{field}", "only mamba_align groups take prefill checkpoints"
             )
-        if config.scheduler_block_size % g.block_size:
-            raise UnsupportedConfig(
-                "scheduler_block_size",
-                f"{config.scheduler_block_size} is not a multiple of group {i}'s "
-                f"block_size {g.block_size}",
-            )
     if config.hash_lookahead_tokens and not config.eagle:
-        raise UnsupportedConfig(
+        raise NotModelled(
             "hash_lookahead_tokens", "lookahead block hashes need eagle: true (an EAGLE drafter)"
         )
     if config.hash_lookahead_tokens > 1:
         # Multi-module MTP (L = K > 1) also re-prefills its last K - 1 tokens
         # and reserves them at chunk ends; neither is modelled.
-        raise UnsupportedConfig(
+        raise NotModelled(
             "hash_lookahead_tokens",
             f"{config.hash_lookahead_tokens} is not 0 or 1 (multi-module MTP is not modelled)",
         )
-    retention = config.retention_interval
-    # vLLM's coordinator: null (dense), or >= 0 and a multiple of the
-    # scheduler block (0: replay boundaries only; more: periodic too).
-    if retention is not None and (retention < 0 or retention % config.scheduler_block_size):
-        raise UnsupportedConfig(
-            "retention_interval",
-            f"{retention} is not null or a multiple of scheduler_block_size "
-            f"{config.scheduler_block_size}",
+    if config.kv_connector_divergent_hits and not config.kv_connector:
+        raise NotModelled(
+            "kv_connector_divergent_hits", "needs kv_connector: true (it is the connector's)"
         )
-    if config.max_model_len < 1 or config.max_num_scheduled_tokens < 1:
-        raise UnsupportedConfig("max_model_len", "must be >= 1")
+    if config.max_model_len < 1:
+        raise NotModelled("max_model_len", "must be >= 1")
+    if config.max_num_scheduled_tokens < 1:
+        raise NotModelled("max_num_scheduled_tokens", "must be >= 1")
+
+
+def vllm_rules(config: Config) -> None:
+    """Refuse what vLLM 0.33.0 refuses (`RefusedByVllm`), naming the field
+    vLLM's refusal concerns, in the order vLLM checks: the scheduler's config,
+    then the coordinator's block sizes, then its retention interval. Each
+    rule was found by building vLLM with the config; `tests/test_refusals.py`
+    and the refusal traces check they still agree."""
     if config.long_prefill_token_threshold > config.max_model_len:
-        # vLLM's SchedulerConfig refuses it the same way.
-        raise UnsupportedConfig(
+        # SchedulerConfig's own check.
+        raise RefusedByVllm(
             "long_prefill_token_threshold",
             f"{config.long_prefill_token_threshold} is greater than max_model_len "
             f"{config.max_model_len}",
+        )
+    scheduler = config.scheduler_block_size
+    # Every coordinator: the scheduler block is a multiple of the hash unit
+    # and of every group's block.
+    if scheduler % config.hash_unit:
+        raise RefusedByVllm(
+            "scheduler_block_size",
+            f"{scheduler} is not a multiple of hash_unit {config.hash_unit}",
+        )
+    for i, g in enumerate(config.groups):
+        if scheduler % g.block_size:
+            raise RefusedByVllm(
+                "scheduler_block_size",
+                f"{scheduler} is not a multiple of group {i}'s block_size {g.block_size}",
+            )
+    if config.prefix_caching:
+        if not config.has_attention and config.hash_unit != config.groups[0].block_size:
+            # The unitary coordinator (one group) hashes at its block.
+            raise RefusedByVllm(
+                "hash_unit",
+                f"hash_unit {config.hash_unit} is not the single group's block_size "
+                f"{config.groups[0].block_size} (a single group hashes at its own block)",
+            )
+        for i, g in enumerate(config.groups):
+            if g.block_size % config.hash_unit:
+                # The hybrid coordinator: every cacheable group's block.
+                raise RefusedByVllm(
+                    "hash_unit",
+                    f"group {i}'s block_size {g.block_size} is not a multiple of "
+                    f"hash_unit {config.hash_unit}",
+                )
+    retention = config.retention_interval
+    # The coordinator: null (dense), or >= 0 and a multiple of the scheduler
+    # block (0: replay boundaries only; more: periodic too).
+    if retention is not None and (retention < 0 or retention % scheduler):
+        raise RefusedByVllm(
+            "retention_interval",
+            f"{retention} is not null, or >= 0 and a multiple of scheduler_block_size {scheduler}",
         )

@@ -110,7 +110,9 @@ def trace_line(result: Outcome) -> str:
     if isinstance(result, TraceRunError):
         return f"ERROR {result.trace.name} ({error_kind(result)}: {result.message})"
     verdict = "PASS" if result.passed else "FAIL"
-    return f"{verdict} {result.trace.name} ({result.steps_run} steps, {result.seconds:.2f}s)"
+    refused = result.trace.expect_refused
+    done = f"{result.steps_run} steps" if refused is None else f"refusal by {refused}"
+    return f"{verdict} {result.trace.name} ({done}, {result.seconds:.2f}s)"
 
 
 def error_kind(error: TraceRunError) -> str:
@@ -231,7 +233,8 @@ def write_junit(
     )
     if replayed:
         # As the terminal header: a run with the hold on, if any, names its source.
-        shown = next((r for r in replayed if r.capabilities.hold), replayed[0])
+        built = [r for r in replayed if r.trace.expect_refused is None] or replayed
+        shown = next((r for r in built if r.capabilities.hold), built[0])
         properties = ET.SubElement(suite_element, "properties")
         _element(
             properties,

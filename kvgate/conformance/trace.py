@@ -42,6 +42,7 @@ from kvgate.conformance.config import (
     GroupConfig,
     GroupKind,
     UnsupportedConfig,
+    check_modelled,
     validate,
 )
 from kvgate.conformance.limits import (
@@ -58,6 +59,7 @@ from kvgate.conformance.macros import expand
 from kvgate.conformance.ops import (
     ACTIONS,
     CHECK_KEYS,
+    CONNECTOR_FIELDS,
     EXPECT_TYPES,
     FIELD_TYPES,
     FREE_HOW,
@@ -73,7 +75,7 @@ from kvgate.errors import printable
 FORMAT = "kvgate-trace/1"
 
 _REQUIRED_KEYS = ("format", "name", "config", "steps")
-_OPTIONAL_KEYS = ("about",)
+_OPTIONAL_KEYS = ("about", "expect_refused")
 
 _CONFIG_REQUIRED = ("num_blocks", "hash_unit", "retention_interval", "groups")
 _CONFIG_OPTIONAL = (
@@ -92,6 +94,8 @@ _CONFIG_OPTIONAL = (
     "reserve_full_sequence",
     "disable_log_stats",
     "prefix_caching",
+    "kv_connector",
+    "kv_connector_divergent_hits",
 )
 _GROUP_KEYS = (
     "kind",
@@ -155,6 +159,10 @@ class Trace:
     steps: tuple[Step, ...]
     primitives: tuple[Step, ...]
     path: Path
+    # A refusal trace (`expect_refused`): the config key every target must
+    # refuse the config by (vLLM's own refusal; the model states the rule).
+    # Such a trace has no steps.
+    expect_refused: str | None = None
 
 
 def load_trace(path: str | Path, limits: Limits = DEFAULT_LIMITS) -> Trace:
@@ -349,7 +357,10 @@ class _Reader:
                 f"{_got(doc['format'])} is not supported (this reader reads {FORMAT})",
             )
         self.unknown_keys(None, "", doc, _REQUIRED_KEYS + _OPTIONAL_KEYS, "top-level key")
-        self.missing_keys(None, "", doc, _REQUIRED_KEYS)
+        refused = self.expect_refused(doc)
+        self.missing_keys(
+            None, "", doc, tuple(k for k in _REQUIRED_KEYS if refused is None or k != "steps")
+        )
         name = doc["name"]
         if not isinstance(name, str) or not name.strip():
             raise self.error(None, "name", f"must be a non-empty string, got {_got(name)}")
@@ -369,7 +380,9 @@ class _Reader:
         about = doc.get("about", "")
         if not isinstance(about, str):
             raise self.error(None, "about", f"must be a string, got {_got(about)}")
-        self.config = self.read_config(doc["config"])
+        self.config = self.read_config(doc["config"], refused)
+        if refused is not None:
+            return Trace(name, about, self.config, (), (), self.path, refused)
         self._budget = TraceBudget(self.limits, self.config.max_model_len)
         raw_steps = doc["steps"]
         if not isinstance(raw_steps, list) or not raw_steps:
@@ -385,6 +398,23 @@ class _Reader:
             primitives=tuple(p for s in steps for p in expand(s)),
             path=self.path,
         )
+
+    def expect_refused(self, doc: Mapping[Any, Any]) -> str | None:
+        """The config key a refusal trace names; such a trace has no steps
+        (nothing of it is replayed: it passes only by being refused)."""
+        if "expect_refused" not in doc:
+            return None
+        field = doc["expect_refused"]
+        keys = _CONFIG_REQUIRED + _CONFIG_OPTIONAL
+        if not isinstance(field, str) or field not in keys:
+            raise self.error(
+                None, "expect_refused", f"{_got(field)} is not a config key ({', '.join(keys)})"
+            )
+        if "steps" in doc:
+            raise self.error(
+                None, "steps", "a refusal trace (expect_refused) has no steps: nothing is replayed"
+            )
+        return field
 
     def unknown_keys(
         self,
@@ -411,7 +441,7 @@ class _Reader:
 
     # -- config -----------------------------------------------------------
 
-    def read_config(self, raw: object) -> Config:
+    def read_config(self, raw: object, refused: str | None = None) -> Config:
         if not isinstance(raw, dict):
             raise self.error(None, "config", f"must be a mapping, got {_got(raw)}")
         self.unknown_keys(None, "config.", raw, _CONFIG_REQUIRED + _CONFIG_OPTIONAL, "config key")
@@ -432,11 +462,12 @@ class _Reader:
             return value
 
         retention = raw["retention_interval"]
-        if retention is not None and not _is_count(retention):
+        # Any integer reads: a negative one is vLLM's to refuse (`validate`).
+        if retention is not None and type(retention) is not int:
             raise self.error(
                 None,
                 "config.retention_interval",
-                f"must be null or an integer >= 0, got {_got(retention)}",
+                f"must be null or an integer, got {_got(retention)}",
             )
         groups = self.read_groups(raw["groups"])
         mamba_sizes = [g.block_size for g in groups if g.kind == "mamba_align"]
@@ -457,6 +488,8 @@ class _Reader:
             reserve_full_sequence=flag("reserve_full_sequence"),
             disable_log_stats=flag("disable_log_stats"),
             prefix_caching=flag("prefix_caching", True),
+            kv_connector=flag("kv_connector"),
+            kv_connector_divergent_hits=flag("kv_connector_divergent_hits"),
             scheduler_block_size=count("scheduler_block_size", default_scheduler),
             max_model_len=count("max_model_len", 8192),
             max_num_scheduled_tokens=count("max_num_scheduled_tokens", 8192),
@@ -464,7 +497,9 @@ class _Reader:
             long_prefill_token_threshold_adaptive=flag("long_prefill_token_threshold_adaptive"),
         )
         try:
-            validate(config)
+            # A refusal trace's config must be one kvgate models: whether it
+            # is refused, and by which field, is the replay's verdict.
+            (validate if refused is None else check_modelled)(config)
         except UnsupportedConfig as error:
             raise TraceError.unsupported(self.path, error) from None
         if config.num_blocks > self.limits.num_blocks:
@@ -539,6 +574,10 @@ class _Reader:
             for key, value in raw.items()
             if key not in ("op", "expect")
         }
+        assert self.config is not None
+        for key in CONNECTOR_FIELDS:
+            if key in values and not self.config.kv_connector:
+                raise self.error(index, key, "needs config.kv_connector: true")
         expect = self.expect(index, action, raw.get("expect", {}))
         self.track_request(index, action, values)
         self.count(index, op, values)

@@ -48,6 +48,8 @@ def config_dict(config: Config) -> dict[str, Any]:
         **({"reserve_full_sequence": True} if config.reserve_full_sequence else {}),
         **({"disable_log_stats": True} if config.disable_log_stats else {}),
         **({"prefix_caching": False} if not config.prefix_caching else {}),
+        **({"kv_connector": True} if config.kv_connector else {}),
+        **({"kv_connector_divergent_hits": True} if config.kv_connector_divergent_hits else {}),
         "groups": [group_dict(g) for g in config.groups],
     }
 
@@ -90,21 +92,36 @@ def step_dict(step: Step) -> dict[str, Any]:
     return out
 
 
-def dump_trace(name: str, config: Config, steps: Iterable[Step], about: str | None = None) -> str:
+def dump_trace(
+    name: str,
+    config: Config,
+    steps: Iterable[Step],
+    about: str | None = None,
+    expect_refused: str | None = None,
+) -> str:
+    """A trace's text; with `expect_refused`, a refusal trace (no steps)."""
     doc: dict[str, Any] = {"format": FORMAT, "name": name}
     if about:
         doc["about"] = " ".join(about.split())
     doc["config"] = config_dict(config)
-    doc["steps"] = [step_dict(s) for s in steps]
+    if expect_refused is not None:
+        doc["expect_refused"] = expect_refused
+    else:
+        doc["steps"] = [step_dict(s) for s in steps]
     return _Dumper.dump(doc)
 
 
 def save_trace(
-    directory: Path, name: str, config: Config, steps: Iterable[Step], about: str | None = None
+    directory: Path,
+    name: str,
+    config: Config,
+    steps: Iterable[Step],
+    about: str | None = None,
+    expect_refused: str | None = None,
 ) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{name}.yaml"
-    path.write_text(dump_trace(name, config, steps, about))
+    path.write_text(dump_trace(name, config, steps, about, expect_refused))
     return path
 
 
@@ -128,6 +145,8 @@ class _Dumper:
     def dump(cls, doc: dict[str, Any]) -> str:
         head = {k: v for k, v in doc.items() if k != "steps"}
         text = cls._dump(head, default_flow_style=None, width=100)
+        if "steps" not in doc:  # a refusal trace
+            return text
         lines = [text.rstrip("\n"), "steps:"]
         for step in doc["steps"]:
             flow = cls._dump(step, default_flow_style=True, width=10_000)

@@ -1,9 +1,12 @@
 """Building vLLM's manager objects for a trace's config.
 
-What `Config` says becomes vLLM's `KVCacheConfig` (pool, groups, retention)
-and a `KVCacheManager`, plus the attributes `Scheduler._mamba_block_aligned_split`
+What `Config` says becomes vLLM's `SchedulerConfig` (built for its own
+validation: the manager reads none of it), `KVCacheConfig` (pool, groups,
+retention) and a `KVCacheManager`, plus the attributes `Scheduler._mamba_block_aligned_split`
 reads, so the split can be called without a scheduler. Anything vLLM refuses
-while building becomes `UnsupportedConfig` naming the trace field.
+while building becomes `RefusedByVllm` naming the trace field: the configs
+vLLM refuses are left to vLLM here (`config.vllm_rules` is only the model's
+statement of them), so the gate exercises vLLM's own validation.
 """
 
 from __future__ import annotations
@@ -13,11 +16,17 @@ import inspect
 from types import SimpleNamespace
 from typing import Any
 
-from kvgate.conformance.config import Config, GroupConfig, UnsupportedConfig
+from kvgate.conformance.config import Config, GroupConfig, RefusedByVllm, UnsupportedConfig
 from kvgate.impl._vllm_api import VllmApi
 from kvgate.impl.vllm_errors import config_field, describe
 
-__all__ = ["block_hasher", "build_manager", "kv_cache_config", "split_context"]
+__all__ = [
+    "block_hasher",
+    "build_manager",
+    "kv_cache_config",
+    "scheduler_config",
+    "split_context",
+]
 
 
 def _lookahead_kwargs(config: Config, *callables: Any) -> dict[str, Any]:
@@ -86,12 +95,38 @@ def kv_cache_config(api: VllmApi, config: Config) -> Any:
     )
 
 
-def build_manager(api: VllmApi, config: Config) -> Any:
-    """A `KVCacheManager` for `config`, as the op semantics prescribe.
+def scheduler_config(config: Config, max_num_seqs: int | None = None) -> Any:
+    """vLLM's `SchedulerConfig` for `config` (chunked prefill on, as align mode
+    runs). `max_num_seqs` only sizes the engine; by default the fewest
+    sequences that fill the token budget (fewer draw vLLM's warning)."""
+    from vllm.config import SchedulerConfig
 
-    Anything vLLM raises while building it becomes `UnsupportedConfig`.
+    if max_num_seqs is None:
+        max_num_seqs = -(-config.max_num_scheduled_tokens // max(1, config.max_model_len))
+    return SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=config.max_num_scheduled_tokens,
+        max_model_len=config.max_model_len,
+        enable_chunked_prefill=True,
+        long_prefill_token_threshold=config.long_prefill_token_threshold,
+        is_encoder_decoder=False,
+        # Only when set: a release without the setting still runs the rest.
+        **(
+            {"long_prefill_token_threshold_adaptive": True}
+            if config.long_prefill_token_threshold_adaptive
+            else {}
+        ),
+    )
+
+
+def build_manager(api: VllmApi, config: Config) -> Any:
+    """A `KVCacheManager` for `config`, as the op semantics prescribe, after
+    the `SchedulerConfig` the engine would build first.
+
+    Anything vLLM raises while building them becomes `RefusedByVllm`.
     """
     try:
+        scheduler_config(config)
         return api.KVCacheManager(
             kv_cache_config(api, config),
             max_model_len=config.max_model_len,
@@ -115,7 +150,7 @@ def build_manager(api: VllmApi, config: Config) -> Any:
         raise
     except Exception as exc:  # vLLM rejects with ValueError or a bare assert
         message = describe(exc)
-        raise UnsupportedConfig(config_field(message), f"vLLM rejects it: {message}") from exc
+        raise RefusedByVllm(config_field(message), f"vLLM rejects it: {message}") from exc
 
 
 def split_context(config: Config, coordinator: Any, manager: Any) -> SimpleNamespace:

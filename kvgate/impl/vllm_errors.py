@@ -29,6 +29,7 @@ def describe(exc: BaseException) -> str:
 
 _FIELD_PATTERNS: tuple[tuple[str, str], ...] = (
     (r"retention", "retention_interval"),
+    (r"long_prefill_token_threshold", "long_prefill_token_threshold"),
     (r"shared_prefix", "shared_prefix_checkpoint"),
     (r"scheduler_block_size", "scheduler_block_size"),
     (r"hash_block_size|hash", "hash_unit"),

@@ -38,7 +38,7 @@ from kvgate.conformance.scheduling import ScheduledStep
 from kvgate.conformance.snapshot import Snapshot
 from kvgate.conformance.target import Capabilities, StepRefused
 from kvgate.impl import _vllm_api
-from kvgate.impl.vllm_build import block_hasher, kv_cache_config
+from kvgate.impl.vllm_build import block_hasher, kv_cache_config, scheduler_config
 from kvgate.impl.vllm_connector import ConnectorScript, ExternalHit
 from kvgate.impl.vllm_errors import describe
 from kvgate.impl.vllm_probe import hold_source, holds_partial_tails, retains_retired
@@ -120,7 +120,6 @@ def _vllm_config(
         CacheConfig,
         ModelConfig,
         ParallelConfig,
-        SchedulerConfig,
         SpeculativeConfig,
         VllmConfig,
     )
@@ -131,20 +130,7 @@ def _vllm_config(
         max_model_len=config.max_model_len,
         dtype="float32",
     )
-    scheduler = SchedulerConfig(
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=config.max_num_scheduled_tokens,
-        max_model_len=config.max_model_len,
-        enable_chunked_prefill=True,
-        long_prefill_token_threshold=config.long_prefill_token_threshold,
-        is_encoder_decoder=False,
-        # Only when set: a release without the setting still runs the rest.
-        **(
-            {"long_prefill_token_threshold_adaptive": True}
-            if config.long_prefill_token_threshold_adaptive
-            else {}
-        ),
-    )
+    scheduler = scheduler_config(config, max_num_seqs)
     cache = CacheConfig(
         block_size=config.scheduler_block_size,
         enable_prefix_caching=True,

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Literal
 
 from kvgate.conformance.ops import Step
+from kvgate.conformance.refusal import judge_refusal
 from kvgate.conformance.replay import Level, one_line, replay
 from kvgate.conformance.report import divergence_summary
 from kvgate.conformance.target import Target, WatchedTarget
@@ -254,6 +255,13 @@ def _replay_with_invariants(trace: Trace, level: Level) -> TraceOutcome:
             violated.append((found[0].invariant, f"after {step.where()}: {found[0].message}"))
 
     started = time.perf_counter()
+    if trace.expect_refused is not None:
+        # A refusal trace: vLLM must still refuse its config, as the model does.
+        verdict = judge_refusal(trace, target_factory("vllm"), level)
+        failure = "" if verdict.divergence is None else divergence_summary(verdict.divergence)
+        return TraceOutcome(
+            trace.name, verdict.passed, failure, "", "", time.perf_counter() - started
+        )
     try:
         inner = target_factory("vllm")(trace.config)
     except Exception as error:

@@ -1,0 +1,252 @@
+"""Refusal conformance: kvgate refuses exactly the align-mode configs vLLM refuses.
+
+Two kinds of refusal (kvgate/conformance/config.py): `NotModelled`, kvgate's
+own (vLLM may serve the config), and `RefusedByVllm`, vLLM's (the model
+states the rule, the vLLM target leaves it to vLLM). The refusal traces of
+the corpus (`expect_refused`) and a grid of configs around every boundary
+of vLLM's rules check that the model's rule and vLLM's agree: a config one
+side refuses and the other accepts, or refuses by another field, fails here.
+"""
+
+from __future__ import annotations
+
+import itertools
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+from configs import EXAMPLE_TRACE_CONFIG, hybrid_config, needs_vllm
+
+from kvgate.conformance.config import (
+    Config,
+    GroupConfig,
+    NotModelled,
+    RefusedByVllm,
+    UnsupportedConfig,
+    check_modelled,
+    validate,
+)
+from kvgate.conformance.refusal import ACCEPTED, judge_refusal, model_refusal
+from kvgate.conformance.trace import Trace, TraceError, bundled_corpus, load_corpus, parse_trace
+from kvgate.model import ModelTarget
+
+REFUSALS = [t for t in load_corpus(bundled_corpus()) if t.expect_refused is not None]
+ATTENTION = GroupConfig("full_attention", 8)
+MAMBA = GroupConfig("mamba_align", 32, speculative_blocks=3)
+
+
+def ids(traces: list[Trace]) -> list[str]:
+    return [t.name for t in traces]
+
+
+def refusal_text(config: str, field: str, steps: str = "") -> str:
+    return f"format: kvgate-trace/1\nname: r\n{config}expect_refused: {field}\n{steps}"
+
+
+def test_the_corpus_has_a_refusal_trace_for_each_of_vllms_rules() -> None:
+    fields = {t.expect_refused for t in REFUSALS}
+    assert fields == {
+        "retention_interval",
+        "long_prefill_token_threshold",
+        "scheduler_block_size",
+        "hash_unit",
+    }
+
+
+@pytest.mark.parametrize("trace", REFUSALS, ids=ids(REFUSALS))
+def test_the_model_refuses_each_refusal_trace_by_its_field(trace: Trace) -> None:
+    check_modelled(trace.config)  # a config kvgate models: the refusal is vLLM's
+    with pytest.raises(RefusedByVllm) as error:
+        validate(trace.config)
+    assert error.value.field == trace.expect_refused
+    with pytest.raises(RefusedByVllm):
+        ModelTarget(trace.config)
+    assert judge_refusal(trace, ModelTarget).passed
+
+
+@needs_vllm
+@pytest.mark.parametrize("trace", REFUSALS, ids=ids(REFUSALS))
+def test_vllm_refuses_each_refusal_trace_by_its_field(trace: Trace) -> None:
+    from kvgate.impl.vllm_target import VllmTarget
+
+    result = judge_refusal(trace, VllmTarget)
+    assert result.passed, result.failures
+
+
+def _grid() -> Iterator[Config]:
+    """Configs on both sides of every boundary of vLLM's rules."""
+    base = hybrid_config(ATTENTION, MAMBA, eagle=True)
+    for scheduler, retention in itertools.product(
+        (32, 64), (None, 0, -32, -1, 8, 16, 32, 48, 64, 96, 128)
+    ):
+        yield replace(base, scheduler_block_size=scheduler, retention_interval=retention)
+    for max_model_len, threshold in itertools.product((1024,), (0, 1, 1023, 1024, 1025, 4096)):
+        yield replace(base, max_model_len=max_model_len, long_prefill_token_threshold=threshold)
+    for attention, mamba, unit, scheduler in itertools.product(
+        (8, 12, 16), (32, 36, 48), (4, 8, 16, 64), (32, 48, 64, 96, 144)
+    ):
+        groups = (GroupConfig("full_attention", attention), replace(MAMBA, block_size=mamba))
+        yield replace(base, groups=groups, hash_unit=unit, scheduler_block_size=scheduler)
+    for unit, scheduler, caching in itertools.product((8, 32, 64), (32, 64), (True, False)):
+        yield hybrid_config(
+            GroupConfig("mamba_align", 32),
+            hash_unit=unit,
+            scheduler_block_size=scheduler,
+            prefix_caching=caching,
+        )
+
+
+GRID = list(_grid())
+
+
+def _verdict(build: Any, config: Config) -> str | None:
+    try:
+        target = build(config)
+    except UnsupportedConfig as error:
+        return error.field
+    target.close()
+    return None
+
+
+@needs_vllm
+def test_the_models_rules_are_vllms_on_a_grid_around_every_boundary() -> None:
+    from kvgate.impl.vllm_target import VllmTarget
+
+    compared = refused = 0
+    drifted: list[str] = []
+    for config in GRID:
+        try:
+            check_modelled(config)
+        except NotModelled:
+            continue  # kvgate's own refusal: vLLM is not asked
+        compared += 1
+        model, _ = model_refusal(config)
+        vllm = _verdict(VllmTarget, config)
+        refused += vllm is not None
+        if model != vllm:
+            drifted.append(f"{config}: model {model}, vLLM {vllm}")
+    assert not drifted, "\n".join(drifted)
+    # Both sides of the boundaries were reached.
+    assert compared >= 100 and 30 <= refused <= compared - 30, (compared, refused)
+
+
+@needs_vllm
+def test_what_kvgate_refuses_by_name_vllm_serves() -> None:
+    """`NotModelled` is kvgate's claim about itself, not vLLM: two Mamba
+    groups without attention, and (without prefix caching) a block that is
+    not a multiple of the hash unit, are configs vLLM builds."""
+    from kvgate.impl import _vllm_api
+    from kvgate.impl.vllm_build import build_manager
+    from kvgate.impl.vllm_target import VllmTarget
+
+    two_mamba = hybrid_config(MAMBA, MAMBA, hash_unit=32)
+    caching_off = hybrid_config(
+        GroupConfig("full_attention", 12), MAMBA, scheduler_block_size=96, hash_unit=8
+    )
+    caching_off = replace(caching_off, prefix_caching=False)
+    api = _vllm_api.load()
+    for config, field in ((two_mamba, "groups"), (caching_off, "groups[0].block_size")):
+        with pytest.raises(NotModelled) as error:
+            VllmTarget(config)
+        assert error.value.field == field
+        build_manager(api, config)  # vLLM itself builds it
+
+
+def test_a_refusal_trace_the_target_accepts_fails_and_says_so() -> None:
+    accepted = parse_trace(
+        refusal_text(
+            EXAMPLE_TRACE_CONFIG.replace("retention_interval: 0", "retention_interval: 32"),
+            "retention_interval",
+        )
+    )
+    result = judge_refusal(accepted, ModelTarget)
+    assert not result.passed and result.steps_run == 0
+    first = result.failures[0]
+    assert first.level == "expect" and first.step.where() == "config"
+    assert first.expected == "refused by retention_interval" and first.actual == ACCEPTED
+
+
+def test_a_refusal_by_another_field_fails_and_a_drifted_model_is_named() -> None:
+    trace = parse_trace(
+        refusal_text(
+            EXAMPLE_TRACE_CONFIG.replace("retention_interval: 0", "retention_interval: 48"),
+            "retention_interval",
+        )
+    )
+
+    def refuses_by_hash_unit(config: Config) -> Any:
+        raise RefusedByVllm("hash_unit", "a target that names another field")
+
+    def accepts(config: Config) -> Any:
+        return ModelTarget(replace(config, retention_interval=0))
+
+    wrong = judge_refusal(trace, refuses_by_hash_unit)
+    assert [d.level for d in wrong.failures] == ["expect", "api"]
+    assert str(wrong.failures[0].actual).startswith("refused by hash_unit")
+    # A target that accepts while the model refuses: kvgate's rule and the
+    # target's differ, shown against the model's verdict too.
+    drift = judge_refusal(trace, accepts)
+    assert [d.level for d in drift.failures] == ["expect", "api"]
+    assert str(drift.failures[1].expected).startswith("refused by retention_interval")
+
+
+def test_the_gate_fails_an_accepted_refusal_trace(tmp_path: Path) -> None:
+    path = tmp_path / "accepted.yaml"
+    path.write_text(
+        refusal_text(
+            EXAMPLE_TRACE_CONFIG.replace("retention_interval: 0", "retention_interval: 64"),
+            "retention_interval",
+        )
+    )
+    run = subprocess.run(
+        [sys.executable, "-m", "kvgate", "replay", "--target", "model", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 1, run.stderr
+    assert "FAIL r (refusal by retention_interval" in run.stdout
+    assert "accepted (nothing replayed)" in run.stdout
+
+
+@pytest.mark.parametrize(
+    ("text", "field"),
+    [
+        (refusal_text(EXAMPLE_TRACE_CONFIG, "colour"), "expect_refused"),
+        (refusal_text(EXAMPLE_TRACE_CONFIG, "[retention_interval]"), "expect_refused"),
+        (
+            refusal_text(EXAMPLE_TRACE_CONFIG, "retention_interval", "steps: []\n"),
+            "steps",
+        ),
+        # A refusal trace's config must be one kvgate models.
+        (
+            refusal_text(
+                EXAMPLE_TRACE_CONFIG.replace(
+                    "eagle: true", "eagle: false\n  hash_lookahead_tokens: 1"
+                ),
+                "hash_lookahead_tokens",
+            ),
+            "config.hash_lookahead_tokens",
+        ),
+        # Without `expect_refused`, a config vLLM refuses is refused on reading.
+        (
+            "format: kvgate-trace/1\nname: r\n"
+            + EXAMPLE_TRACE_CONFIG.replace("retention_interval: 0", "retention_interval: -32")
+            + "steps:\n  - {op: arrive, req: A, prompt: [{fresh: 4}]}\n",
+            "config.retention_interval",
+        ),
+    ],
+)
+def test_malformed_refusal_traces_are_named(text: str, field: str) -> None:
+    with pytest.raises(TraceError) as error:
+        parse_trace(text)
+    assert error.value.field == field and "\n" not in str(error.value)
+
+
+def test_refusal_traces_are_read_without_steps() -> None:
+    for trace in REFUSALS:
+        assert trace.steps == () and trace.primitives == ()
