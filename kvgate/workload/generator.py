@@ -119,6 +119,9 @@ class _Live:
     # in the Scheduler's queue of such requests, scanned before the others.
     loading: bool = False
     load_started: int = 0
+    # Its computed tokens as the Scheduler holds them during this step's scan
+    # (it advances them only after the scan).
+    sched_computed: int = 0
     reported: bool = False
     holds_blocks: bool = False
 
@@ -181,6 +184,8 @@ class _Scheduler:
         # `long_prefill_token_threshold` applies: its own queues. The oracle's
         # live requests also hold the system prompt's holder, never scheduled.
         self.num_eligible = len(self.waiting) + len(self.holding) + len(self.running)
+        for live in (*self.running, *self.holding):
+            live.sched_computed = live.request.num_computed_tokens
         index = 0
         # Whether a running request ran a prefill chunk this step (vLLM's
         # `prefill_scheduled`, which the waiting scan's padding reads).
@@ -256,9 +261,14 @@ class _Scheduler:
                 need = self.writer.run("reserve", req=live.name)["blocks"]
                 if need > self.writer.oracle.num_free_blocks():
                     break
+                reserved = self._reserved_blocks(skipped) if load_async else 0
+                live.sched_computed = live.request.num_computed_tokens + hit + external
                 if load_async:
-                    # The load's blocks, nothing to compute: it waits for its KV.
-                    if not self.writer.run("allocate", req=live.name, tokens="auto")["ok"]:
+                    # The load's blocks, nothing to compute: it waits for its KV,
+                    # keeping the in-flight prefills' blocks free.
+                    fields = {"reserved": reserved} if reserved else {}
+                    result = self.writer.run("allocate", req=live.name, tokens="auto", **fields)
+                    if not result["ok"]:
                         break
                     decisions.taken.append((live.name, hit, external, True))
                     live.loading, live.reported, live.holds_blocks = True, False, True
@@ -309,19 +319,47 @@ class _Scheduler:
         return int(result["hit"]), external, remote.load_async and external > 0
 
     def _admit_loaded(self, live: _Live, budget: int) -> int | None:
-        """Admit a request that holds blocks without a lookup: when the scan
+        """Admit a request that holds blocks, without a lookup. When the scan
         first reaches it after the worker reported its load, the Scheduler
-        completes the load (`loaded`: its blocks keyed; a load of every token
-        leaves the last to compute), whatever follows; then a chunk from what
-        is computed. The tokens run, or None when nothing runs (the scan
-        stops; the request stays waiting with its blocks)."""
-        if live.loading:
-            self.writer.run("loaded", req=live.name)
-            live.loading = False
-        chunk = self._admission_chunk(live, 0, budget)
-        if chunk is None or not self._allocate(live, chunk)():
+        completes the load (its blocks keyed; a load of every token leaves the
+        last to compute) whatever follows: the `allocate` completes it, or,
+        when nothing runs this step, an `allocate complete_only` does only
+        that. The tokens run, or None when nothing runs (the scan stops; the
+        request stays waiting with its blocks)."""
+        request = live.request
+        completing = live.loading
+        # Where the chunk starts once the load is complete.
+        back = -1 if completing and request.num_computed_tokens >= request.num_tokens else 0
+        live.loading = False
+        live.sched_computed = request.num_computed_tokens + back
+        chunk = self._admission_chunk(live, back, budget)
+        if chunk is None:
+            if completing:
+                self.writer.run("allocate", req=live.name, tokens="auto", complete_only=True)
+            return None
+        if not self._allocate(live, chunk, back)():
             return None
         return chunk[1]
+
+    def _reserved_blocks(self, skipped: list[_Live]) -> int:
+        """The free blocks vLLM's Scheduler keeps when it admits an async KV
+        load: what each in-flight prefill (a running request still in its
+        prompt, or a waiting one holding blocks) needs to finish, from the
+        computed tokens the Scheduler holds for it, plus a speculative step's
+        attention blocks."""
+        slots = 2 * self.spec + 1 if self.spec else 0  # 1 + K drafts + K lookahead
+        manager = self.writer.oracle.manager
+        # Waiting requests holding blocks, the ones this scan passed over too.
+        holding = [*skipped, *self.holding]
+        inflight = [live for live in self.running if not live.decoding] + holding
+        reserved = sum(
+            manager.blocks_to_finish(live.request, live.sched_computed, slots) for live in inflight
+        )
+        return reserved + sum(
+            -(-slots // group.block_size)
+            for group in self.config.groups
+            if group.kind != "mamba_align"
+        )
 
     def _admission_chunk(self, live: _Live, hit: int, budget: int) -> _Chunk | None:
         """The chunk of a request admitted from the waiting queue, `hit`
@@ -356,10 +394,14 @@ class _Scheduler:
         reported = []
         for live in self.holding:
             remote = live.remote
-            if live.loading and not live.reported and remote is not None:
-                if self.engine_step - live.load_started >= remote.delay:
-                    live.reported = True
-                    reported.append(live.name)
+            if (
+                live.loading
+                and not live.reported
+                and remote is not None
+                and self.engine_step - live.load_started >= remote.delay
+            ):
+                live.reported = True
+                reported.append(live.name)
         return reported
 
     def _chunk(self, request: Request, hit: int, budget: int) -> _Chunk | None:
