@@ -120,6 +120,11 @@ class ConnectorScript:
         self.queries.append(Query(request, presented, new, load_async))
         return new, load_async
 
+    def take_queries(self) -> list[Query]:
+        """The `get_num_new_matched_tokens` calls since the last take."""
+        queries, self.queries = self.queries, []
+        return queries
+
     def take(self) -> tuple[list[Query], list[Allocated], list[Finished]]:
         """The calls recorded since the last `take`."""
         taken = (self.queries, self.allocations, self.finished)

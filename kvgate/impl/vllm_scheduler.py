@@ -413,7 +413,7 @@ class VllmScheduler:
             [int(c.src_block_id), int(c.dst_block_id)] for c in (output.kv_cache_block_copies or ())
         ]
         if self._script is not None:
-            queries, _, _ = self._script.take()
+            queries = self._script.take_queries()
             step.connector_queries = [
                 (q.request, q.presented, q.answered, q.load_async) for q in queries
             ]
