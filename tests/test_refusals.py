@@ -250,3 +250,42 @@ def test_malformed_refusal_traces_are_named(text: str, field: str) -> None:
 def test_refusal_traces_are_read_without_steps() -> None:
     for trace in REFUSALS:
         assert trace.steps == () and trace.primitives == ()
+
+
+def test_exploration_breaks_a_share_of_configs_and_fails_a_refusal_divergence() -> None:
+    """A lockstep target that accepts every retention interval (as vLLM
+    would with its check dropped): a drawn config with a broken interval is
+    a refusal divergence, shown as the config and saved as a refusal trace."""
+    from kvgate.explore.machine import Mode
+    from kvgate.explore.profiles import profile
+    from kvgate.explore.runner import run_once
+    from kvgate.explore.session import ALL_INVARIANTS, RefusalDivergence
+
+    def lax(config: Config) -> Any:
+        if config.retention_interval is not None and config.retention_interval < 0:
+            config = replace(config, retention_interval=0)
+        elif config.retention_interval:
+            block = config.scheduler_block_size
+            config = replace(
+                config, retention_interval=-(-config.retention_interval // block) * block
+            )
+        return ModelTarget(config)
+
+    mode = Mode(
+        hold=False,
+        invariants=ALL_INVARIANTS,
+        lockstep=lax,
+        refusals=True,
+        stratum={"prefix_caching": False},
+    )
+    settings = profile("dev", max_examples=300, stateful_step_count=2, derandomize=True)
+    failure = run_once(mode, settings)
+    assert isinstance(failure, RefusalDivergence), failure
+    assert failure.field == "retention_interval" and failure.steps == ()
+    assert "model refused by retention_interval" in failure.message
+    assert "target accepted (nothing replayed)" in failure.message
+    drawn = mode.stats.knobs
+    assert drawn["refused_by_vllm=retention_interval"] >= 1 and drawn["refused_by_vllm=none"] >= 10
+    trace = parse_trace(failure.yaml())
+    assert trace.expect_refused == "retention_interval"
+    assert judge_refusal(trace, lax).failures[0].actual == ACCEPTED
