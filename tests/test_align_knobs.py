@@ -163,8 +163,8 @@ def test_internal_checkpoints_run_a_prompt_in_one_chunk() -> None:
         class Splits(ModelTarget):
             record = sizes
 
-            def split(self, request: Request, num_new: int, hit: int) -> int:
-                n = super().split(request, num_new, hit)
+            def split(self, request: Request, num_new: int, hit: int, external: int = 0) -> int:
+                n = super().split(request, num_new, hit, external)
                 self.record.append(n)
                 return n
 

@@ -74,6 +74,14 @@ class Config:
     # request is hashed, no lookup hits and no block is cached (vLLM's
     # no-prefix-cache coordinator); the hold has nothing to hold.
     prefix_caching: bool = True
+    # The Scheduler has a KV connector (trace field `kv_connector`): each
+    # lookup runs its connector branch of admission (external tokens,
+    # truncation of a local sub-block tail, async loads).
+    kv_connector: bool = False
+    # The connector's `supports_divergent_local_hybrid_hits` (NIXL, MoRIIO;
+    # trace field `kv_connector_divergent_hits`): the local lookup is
+    # `get_computed_blocks_for_connector`, per-group hits.
+    kv_connector_divergent_hits: bool = False
 
     @property
     def block_drop(self) -> bool:
@@ -217,6 +225,10 @@ def check_modelled(config: Config) -> None:
         raise NotModelled(
             "hash_lookahead_tokens",
             f"{config.hash_lookahead_tokens} is not 0 or 1 (multi-module MTP is not modelled)",
+        )
+    if config.kv_connector_divergent_hits and not config.kv_connector:
+        raise NotModelled(
+            "kv_connector_divergent_hits", "needs kv_connector: true (it is the connector's)"
         )
     if config.max_model_len < 1:
         raise NotModelled("max_model_len", "must be >= 1")

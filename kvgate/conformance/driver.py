@@ -34,6 +34,16 @@ class Pending(Generic[R]):
     hit_blocks: Any = None  # the pending lookup's blocks (target-specific)
     hit: int = 0
     has_hit: bool = False
+    # With a KV connector: the pending lookup's external tokens and whether
+    # the connector loads them asynchronously; `loading` while such a load
+    # is in flight (the Scheduler's WAITING_FOR_REMOTE_KVS); `after_load`
+    # until the request's first allocation after its load completed (a
+    # re-admission from the waiting queue).
+    external: int = 0
+    load_async: bool = False
+    loading: bool = False
+    after_load: bool = False
+    skips_cache: bool = False
     # Where it is in its life (`ops.Phase`), moved on by `ops.next_phase`.
     phase: Phase = "absent"
 
@@ -104,10 +114,18 @@ class OpDriver(ABC, Generic[R]):
         """`get_computed_blocks`: the hit's blocks, its length, the junction."""
 
     @abstractmethod
-    def blocks_needed(self, request: R, hit_blocks: Any, hit: int, admission: bool) -> int: ...
+    def lookup_for_connector(self, request: R) -> tuple[Any, int, int, bool]:
+        """`get_computed_blocks_for_connector`: the local hit a connector with
+        divergent hybrid hits reads, its length, the junction, and whether a
+        group lagged below it (`hit_diverged`)."""
 
     @abstractmethod
-    def split(self, request: R, num_new: int, hit: int) -> int: ...
+    def blocks_needed(
+        self, request: R, hit_blocks: Any, hit: int, admission: bool, external: int = 0
+    ) -> int: ...
+
+    @abstractmethod
+    def split(self, request: R, num_new: int, hit: int, external: int = 0) -> int: ...
 
     @abstractmethod
     def finalize_partial_tail_offloads(self, request: R) -> list[list[int]]:
@@ -254,40 +272,145 @@ class OpDriver(ABC, Generic[R]):
                 f"{len(tokens):,} tokens, more than config.max_model_len "
                 f"{self.config.max_model_len:,}",
             )
-        self.requests[step.req] = Pending(
-            self.new_request(step.req, tokens, step.skip_prefix_cache)
-        )
+        pending = Pending(self.new_request(step.req, tokens, step.skip_prefix_cache))
+        pending.skips_cache = step.skip_prefix_cache
+        self.requests[step.req] = pending
         return {}
+
+    def _refuse_while_loading(self, pending: Pending[R], step: Step, field: str = "req") -> None:
+        if pending.loading:
+            raise StepRefused(
+                field,
+                f"`{step.op}` of {step.req!r} while its KV load is in flight "
+                "(only allocate, which completes it, or free finish/abort)",
+            )
 
     def _op_lookup(self, step: Step) -> dict[str, Any]:
         pending = self._pending(step)
-        pending.hit_blocks, pending.hit, junction = self.lookup(pending.request)
-        pending.has_hit = True
+        self._refuse_while_loading(pending, step)
+        request = pending.request
+        external, load_async, diverged = 0, False, False
+        if self.config.kv_connector and self.config.kv_connector_divergent_hits:
+            blocks, hit, junction, diverged = self.lookup_for_connector(request)
+        else:
+            blocks, hit, junction = self.lookup(request)
+        local_hit = hit
+        if self.config.kv_connector:
+            blocks, hit, junction, external, load_async = self._connector_branch(
+                step, pending, blocks, hit, junction, diverged
+            )
+        pending.hit_blocks, pending.hit, pending.has_hit = blocks, hit, True
+        pending.external, pending.load_async = external, load_async
         # The Scheduler stores it at every lookup, admitted or not; the split
         # and the Mamba groups' retention mask read it until the next lookup.
-        self.set_junction(pending.request, junction)
-        return {"hit": pending.hit, "junction": junction}
+        self.set_junction(request, junction)
+        return {"hit": hit, "junction": junction, "local_hit": local_hit, "external": external}
 
-    def _hit_for_allocation(self, pending: Pending[R]) -> tuple[Any, int]:
-        """The pending lookup applies to the request's first allocation only."""
+    def _connector_branch(
+        self,
+        step: Step,
+        pending: Pending[R],
+        blocks: Any,
+        hit: int,
+        junction: int,
+        diverged: bool,
+    ) -> tuple[Any, int, int, int, bool]:
+        """What the Scheduler does with a KV connector after the local
+        lookup: it shows the connector the hit floored to whole scheduler
+        blocks; a remote hit strictly past the local hit's sub-block tail
+        replaces that tail (the hit is cut back to whole blocks, so no copy is
+        made); otherwise the tail stays and nothing is loaded. A per-group
+        hit deeper than some group, with nothing external, is looked up
+        again as every group agrees. Returns the blocks, hit, junction,
+        external tokens and whether the load is asynchronous."""
+        total = len(self.all_tokens(pending.request))
+        limit = total if step.remote_async else total - 1
+        if step.remote_hit > limit:
+            how = "an async load" if step.remote_async else "a sync load (the last token computes)"
+            raise StepRefused(
+                "remote_hit", f"{step.remote_hit:,} tokens, more than {limit:,} for {how}"
+            )
+        tail = hit % self.config.scheduler_block_size
+        aligned = hit - tail
+        # The connector's answer to get_num_new_matched_tokens(request, aligned).
+        offered, load_async = max(0, step.remote_hit - aligned), step.remote_async
+        if pending.skips_cache:
+            offered, load_async = 0, False
+        external = 0
+        if tail and offered > tail:
+            blocks = self.truncate_computed_blocks(blocks, aligned)
+            hit, external = aligned, offered
+        elif not tail:
+            external = offered
+        if diverged and external == 0:
+            blocks, hit, junction = self.lookup(pending.request)
+        return blocks, hit, junction, external, load_async and external > 0
+
+    def _hit_for_allocation(self, pending: Pending[R]) -> tuple[Any, int, int]:
+        """The pending lookup (hit blocks, hit, external tokens) applies to
+        the request's first allocation only."""
         if pending.has_hit and not self.has_blocks(pending.request):
-            return pending.hit_blocks, pending.hit
-        return None, 0
+            return pending.hit_blocks, pending.hit, pending.external
+        return None, 0, 0
 
     def _op_reserve(self, step: Step) -> dict[str, Any]:
         pending = self._pending(step)
-        blocks, hit = self._hit_for_allocation(pending)
+        blocks, hit, external = self._hit_for_allocation(pending)
         return {
-            "blocks": self.blocks_needed(pending.request, blocks, hit, admission=True),
-            "step_blocks": self.blocks_needed(pending.request, blocks, hit, admission=False),
+            "blocks": self.blocks_needed(pending.request, blocks, hit, True, external),
+            "step_blocks": self.blocks_needed(pending.request, blocks, hit, False, external),
         }
+
+    def _complete_load(self, pending: Pending[R]) -> None:
+        """The load finished (`_update_waiting_for_remote_kv`, which the
+        Scheduler runs right before re-admitting the request): key what it
+        loaded; a load of every token leaves the last one to compute."""
+        request = pending.request
+        computed = self.num_computed(request)
+        self.cache_blocks(request, computed)
+        if computed == len(self.all_tokens(request)):
+            self.set_num_computed(request, computed - 1)
+        pending.loading, pending.after_load = False, True
+
+    def _allocate_async_load(self, step: Step, pending: Pending[R], blocks: Any) -> dict[str, Any]:
+        """The admission of a request whose connector loads asynchronously:
+        blocks for the local hit and the external tokens, nothing to compute
+        and no lookahead yet, nothing keyed until the load completes, and the
+        loaded blocks not zeroed (the connector's loaded groups: every group)."""
+        if step.tokens != "auto":
+            raise StepRefused(
+                "tokens", "the allocation of an async KV load computes nothing: use auto"
+            )
+        request = pending.request
+        hit, external = pending.hit, pending.external
+        ok = self.allocate_slots(
+            request,
+            0,
+            hit,
+            blocks,
+            0,
+            full_sequence=self.config.reserve_full_sequence,
+            external=external,
+            delay_cache=True,
+            skip_zeroing=tuple(range(len(self.config.groups))),
+        )
+        if ok:
+            self.record_prefix_cache_stats(request, hit)
+            self.set_num_computed(request, self.num_computed(request) + hit + external)
+            pending.has_hit, pending.hit_blocks, pending.hit = False, None, 0
+            pending.external, pending.load_async, pending.loading = 0, False, True
+        return {"ok": ok, "tokens": 0, "prompt_done": False, "loading": ok}
 
     def _op_allocate(self, step: Step) -> dict[str, Any]:
         pending = self._pending(step)
         request = pending.request
-        blocks, hit = self._hit_for_allocation(pending)
+        if pending.loading:
+            self._complete_load(pending)
+        blocks, hit, external = self._hit_for_allocation(pending)
         admitting = pending.has_hit and not self.has_blocks(request)
-        start = self.num_computed(request) + hit
+        if admitting and pending.load_async:
+            return self._allocate_async_load(step, pending, blocks)
+        start = self.num_computed(request) + hit + external
         total = len(self.all_tokens(request))
         if step.tokens == "auto":
             offered = chunk_offer(
@@ -295,7 +418,7 @@ class OpDriver(ABC, Generic[R]):
             )
             if offered <= 0:
                 raise StepRefused("tokens", "auto: nothing is left to compute")
-            num_new = self.split(request, offered, hit)
+            num_new = self.split(request, offered, hit, external)
         else:
             assert isinstance(step.tokens, int)
             num_new = step.tokens
@@ -310,13 +433,17 @@ class OpDriver(ABC, Generic[R]):
             hit,
             blocks,
             step.lookahead,
-            full_sequence=admitting and self.config.reserve_full_sequence,
+            # Every admission from the waiting queue: after a lookup, or
+            # after the request's KV load completed.
+            full_sequence=(admitting or pending.after_load) and self.config.reserve_full_sequence,
+            external=external,
         )
         if ok:
             if admitting:
                 self.record_prefix_cache_stats(request, hit)
             self.set_num_computed(request, start + num_new)
             pending.has_hit, pending.hit_blocks, pending.hit = False, None, 0
+            pending.external, pending.load_async, pending.after_load = 0, False, False
             self.mark(request, "running")
         done = self.num_computed(request) >= len(self.all_tokens(request))
         if ok and done and step.sample:
@@ -337,7 +464,9 @@ class OpDriver(ABC, Generic[R]):
         return result
 
     def _op_decode1(self, step: Step) -> dict[str, Any]:
-        request = self._pending(step).request
+        pending = self._pending(step)
+        self._refuse_while_loading(pending, step)
+        request = pending.request
         if self.num_computed(request) >= len(self.all_tokens(request)):
             # The token the last chunk sampled.
             self.append_output(request, self.fresh.take(1))
@@ -371,6 +500,9 @@ class OpDriver(ABC, Generic[R]):
 
     def _op_free(self, step: Step) -> dict[str, Any]:
         pending = self._pending(step)
+        if step.how == "preempt":
+            # Only a running request is preempted; a loading one waits.
+            self._refuse_while_loading(pending, step, "how")
         result: dict[str, Any] = {}
         if step.how != "preempt":
             # A request that ends hands a KV producer's connector its partial
@@ -385,6 +517,7 @@ class OpDriver(ABC, Generic[R]):
             self.set_num_computed(pending.request, 0)
             self.set_drafts(pending.request, [])
             pending.has_hit, pending.hit_blocks, pending.hit = False, None, 0
+            pending.external, pending.load_async, pending.after_load = 0, False, False
             self.mark(pending.request, "preempted")
         return result
 
@@ -436,9 +569,21 @@ class OpDriver(ABC, Generic[R]):
         hit_blocks: Any,
         lookahead: int,
         full_sequence: bool = False,
+        external: int = 0,
+        delay_cache: bool = False,
+        skip_zeroing: tuple[int, ...] = (),
     ) -> bool:
         """`allocate_slots`; `full_sequence`: the scheduler's admission gate
-        (`full_sequence_must_fit`), refusing unless the whole sequence fits."""
+        (`full_sequence_must_fit`), refusing unless the whole sequence fits.
+        A KV connector's `external` tokens, an async load's `delay_cache`
+        and `skip_zeroing` groups are passed only when set."""
+        connector: dict[str, Any] = {}
+        if external:
+            connector["num_external_computed_tokens"] = external
+        if delay_cache:
+            connector["delay_cache_blocks"] = True
+        if skip_zeroing:
+            connector["skip_zeroing_group_ids"] = skip_zeroing
         got = self.manager.allocate_slots(
             request,
             num_new,
@@ -446,9 +591,14 @@ class OpDriver(ABC, Generic[R]):
             new_computed_blocks=hit_blocks,
             num_lookahead_tokens=lookahead,
             full_sequence_must_fit=full_sequence,
+            **connector,
         )
         # vLLM answers with the new blocks or None, the model with a bool.
         return got is not None and got is not False
+
+    def truncate_computed_blocks(self, blocks: Any, num_tokens: int) -> Any:
+        """`truncate_computed_blocks`: a lookup's blocks cut at `num_tokens`."""
+        return self.manager.truncate_computed_blocks(blocks, num_tokens)
 
     def cache_blocks(self, request: R, num_computed: int) -> None:
         """`KVCacheManager.cache_blocks`: key the request's states up to

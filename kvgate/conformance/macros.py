@@ -51,7 +51,16 @@ def prefill_steps(prefill: Step) -> Generator[Step, bool | None, None]:
 
 def prefill_lookup(prefill: Step) -> Step:
     """The `lookup` a prefill starts with; the macro's `expect.hit` applies to it."""
-    return Step("lookup", prefill.index, 1, "prefill", req=prefill.req, expect=dict(prefill.expect))
+    return Step(
+        "lookup",
+        prefill.index,
+        1,
+        "prefill",
+        req=prefill.req,
+        remote_hit=prefill.remote_hit,
+        remote_async=prefill.remote_async,
+        expect=dict(prefill.expect),
+    )
 
 
 def prefill_round(prefill: Step, round_no: int) -> tuple[Step, Step, Step]:

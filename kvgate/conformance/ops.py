@@ -75,6 +75,10 @@ FIELD_TYPES: dict[str, FieldType] = {
     "how": "how",
     "blocks": "int_or_all",
     "skip_prefix_cache": "bool",
+    # lookup / prefill with a KV connector (config `kv_connector`): the prefix
+    # the connector has the KV of, and whether it loads it asynchronously.
+    "remote_hit": "int",
+    "remote_async": "bool",
 }
 
 # The prefix-cache hit stats a `stats` op reports (vLLM's PrefixCacheStats):
@@ -91,11 +95,24 @@ STATS_KEYS: tuple[str, ...] = (
     "reset",
 )
 
+# A lookup's fields for a KV connector, and what a lookup reports: `hit` and
+# `junction` (as the scheduler takes them), and with a connector (additive)
+# `local_hit`, the local lookup's own hit before the connector branch, and
+# `external`, the connector's tokens the scheduler takes.
+CONNECTOR_FIELDS: tuple[str, ...] = ("remote_hit", "remote_async")
+LOOKUP_KEYS: tuple[str, ...] = ("hit", "junction", "local_hit", "external")
+
 ACTIONS: dict[str, Action] = {
     a.name: a
     for a in (
         Action("arrive", ("req", "prompt"), ("skip_prefix_cache",), valid_in=frozenset({"absent"})),
-        Action("lookup", ("req",), expect_keys=("hit", "junction"), valid_in=LIVE),
+        Action(
+            "lookup",
+            ("req",),
+            CONNECTOR_FIELDS,
+            expect_keys=LOOKUP_KEYS,
+            valid_in=LIVE,
+        ),
         Action("reserve", ("req",), expect_keys=("blocks", "step_blocks"), valid_in=LIVE),
         Action(
             "allocate",
@@ -128,8 +145,8 @@ ACTIONS: dict[str, Action] = {
         Action(
             "prefill",
             ("req",),
-            ("lookahead",),
-            expect_keys=("hit", "junction"),
+            ("lookahead", *CONNECTOR_FIELDS),
+            expect_keys=LOOKUP_KEYS,
             macro=True,
             valid_in=LIVE,
         ),
@@ -188,6 +205,8 @@ ExpectType = Literal["int", "bool", "copies", "events"]
 EXPECT_TYPES: dict[str, ExpectType] = {
     "hit": "int",
     "junction": "int",
+    "local_hit": "int",
+    "external": "int",
     "blocks": "int",
     "step_blocks": "int",
     "ok": "bool",
@@ -232,6 +251,10 @@ class Step:
     blocks: int | Literal["all"] | None = None
     # arrive: the request never reads the prefix cache (prompt logprobs, pooling)
     skip_prefix_cache: bool = False
+    # lookup (and prefill): the KV connector has the request's first
+    # `remote_hit` tokens, loaded asynchronously with `remote_async`
+    remote_hit: int = 0
+    remote_async: bool = False
     expect: dict[str, Any] = field(default_factory=dict)
     check: dict[str, Any] = field(default_factory=dict)
     steps: int = 0  # the `decode` macro's repeat count; the parser expands it

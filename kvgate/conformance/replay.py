@@ -332,9 +332,10 @@ class _Lockstep:
                     done,
                     "the model and the target disagree on whether the prompt is computed",
                 )
-            if not done and (
-                observed.get("tokens") == 0 or round_no >= self.trace.config.max_model_len
-            ):
+            # An async KV load's allocation computes nothing (`loading`); the
+            # next round completes the load.
+            idle = observed.get("tokens") == 0 and observed.get("loading") is not True
+            if not done and (idle or round_no >= self.trace.config.max_model_len):
                 raise self.stalled(allocate, observed)
             self.primitive(steps.send(done))  # step
             self.primitive(next(steps))  # drain

@@ -59,6 +59,7 @@ from kvgate.conformance.macros import expand
 from kvgate.conformance.ops import (
     ACTIONS,
     CHECK_KEYS,
+    CONNECTOR_FIELDS,
     EXPECT_TYPES,
     FIELD_TYPES,
     FREE_HOW,
@@ -93,6 +94,8 @@ _CONFIG_OPTIONAL = (
     "reserve_full_sequence",
     "disable_log_stats",
     "prefix_caching",
+    "kv_connector",
+    "kv_connector_divergent_hits",
 )
 _GROUP_KEYS = (
     "kind",
@@ -485,6 +488,8 @@ class _Reader:
             reserve_full_sequence=flag("reserve_full_sequence"),
             disable_log_stats=flag("disable_log_stats"),
             prefix_caching=flag("prefix_caching", True),
+            kv_connector=flag("kv_connector"),
+            kv_connector_divergent_hits=flag("kv_connector_divergent_hits"),
             scheduler_block_size=count("scheduler_block_size", default_scheduler),
             max_model_len=count("max_model_len", 8192),
             max_num_scheduled_tokens=count("max_num_scheduled_tokens", 8192),
@@ -569,6 +574,10 @@ class _Reader:
             for key, value in raw.items()
             if key not in ("op", "expect")
         }
+        assert self.config is not None
+        for key in CONNECTOR_FIELDS:
+            if key in values and not self.config.kv_connector:
+                raise self.error(index, key, "needs config.kv_connector: true")
         expect = self.expect(index, action, raw.get("expect", {}))
         self.track_request(index, action, values)
         self.count(index, op, values)

@@ -48,6 +48,8 @@ def config_dict(config: Config) -> dict[str, Any]:
         **({"reserve_full_sequence": True} if config.reserve_full_sequence else {}),
         **({"disable_log_stats": True} if config.disable_log_stats else {}),
         **({"prefix_caching": False} if not config.prefix_caching else {}),
+        **({"kv_connector": True} if config.kv_connector else {}),
+        **({"kv_connector_divergent_hits": True} if config.kv_connector_divergent_hits else {}),
         "groups": [group_dict(g) for g in config.groups],
     }
 

@@ -157,7 +157,13 @@ class VllmTarget(OpDriver[Any]):
         blocks, hit, junction = self.manager.get_computed_blocks(request)
         return blocks, int(hit), int(junction)
 
-    def blocks_needed(self, request: Any, hit_blocks: Any, hit: int, admission: bool) -> int:
+    def lookup_for_connector(self, request: Any) -> tuple[Any, int, int, bool]:
+        blocks, hit, junction, diverged = self.manager.get_computed_blocks_for_connector(request)
+        return blocks, int(hit), int(junction), bool(diverged)
+
+    def blocks_needed(
+        self, request: Any, hit_blocks: Any, hit: int, admission: bool, external: int = 0
+    ) -> int:
         if hit_blocks is None:
             hit_blocks = self.manager.empty_kv_cache_blocks
         n = min(request.num_tokens, self.config.max_model_len)
@@ -168,7 +174,7 @@ class VllmTarget(OpDriver[Any]):
                 num_tokens=n,
                 new_computed_blocks=hit_blocks.blocks,
                 num_encoder_tokens=0,
-                total_computed_tokens=computed,
+                total_computed_tokens=computed + external,
                 num_local_computed_tokens=computed,
                 num_tokens_main_model=n,
                 apply_admission_cap=admission,
@@ -176,9 +182,9 @@ class VllmTarget(OpDriver[Any]):
             )
         )
 
-    def split(self, request: Any, num_new: int, hit: int) -> int:
+    def split(self, request: Any, num_new: int, hit: int, external: int = 0) -> int:
         split = self._api.Scheduler._mamba_block_aligned_split
-        return int(split(self._split_self, request, num_new, hit))
+        return int(split(self._split_self, request, num_new, hit, external))
 
     def take_boundary_offloads(self) -> list[list[Any]]:
         offloads = self.manager.take_boundary_state_offloads()

@@ -156,6 +156,45 @@ class Coordinator:
         junction = longest if longest > hit_length else 0
         return tuple(b if b is not None else [] for b in blocks_by_group), hit_length, junction
 
+    def find_hit_per_group(
+        self, keys: Sequence[str], max_length: int
+    ) -> tuple[HitBlocks, tuple[int, ...]]:
+        """Each lookup group's own longest hit, none shortening another's
+        candidate (what a KV connector's per-group local lookup reads)."""
+        unit = self.config.hash_unit
+        blocks_by_group: list[list[Block]] = [[] for _ in self.managers]
+        length_by_group = [0] * len(self.managers)
+        for group in self.lookup_groups:
+            manager = self.managers[group.group_ids[0]]
+            if isinstance(manager, FullAttentionManager):
+                limit = max_length
+                if group.use_eagle:
+                    size = manager.block_size
+                    margin = unit if self.partial_hits and size > unit else size
+                    limit = min(max_length + margin, len(keys) * unit)
+                found, length = manager.find_hit(keys, limit, group.use_eagle)
+                per_group = [found]
+            else:
+                per_group, length = manager.find_hit(keys, max_length, group.group_ids)
+            for group_id, found_blocks in zip(group.group_ids, per_group, strict=True):
+                blocks_by_group[group_id] = found_blocks
+                length_by_group[group_id] = length
+        return tuple(blocks_by_group), tuple(length_by_group)
+
+    def truncate_hit(self, hit_blocks: HitBlocks, num_tokens: int) -> HitBlocks:
+        """A hit's blocks cut at `num_tokens` (a multiple of every group's
+        block); a Mamba group's hit may already end below it. No ref changes."""
+        truncated: list[list[Block]] = []
+        for manager, blocks in zip(self.managers, hit_blocks, strict=True):
+            assert num_tokens % manager.block_size == 0
+            count = num_tokens // manager.block_size
+            if isinstance(manager, MambaManager):
+                count = min(count, len(blocks))
+            else:
+                assert count <= len(blocks)
+            truncated.append(list(blocks[:count]))
+        return tuple(truncated)
+
     # -- allocation ---------------------------------------------------------
 
     def blocks_needed(
@@ -167,10 +206,15 @@ class Coordinator:
         num_tokens_main: int,
         admission: bool,
         prefill_end: int = 0,
+        total_computed: int | None = None,
     ) -> int:
         """Blocks the groups need; `prefill_end` is where the request's
         prefill ends, which only sparse retention (0) reads: a prefill
-        checkpoint is then taken only on the chunk reaching it."""
+        checkpoint is then taken only on the chunk reaching it.
+        `total_computed`: the computed prefix with a connector's tokens
+        (default: the local one), where a Mamba step's query starts."""
+        if total_computed is None:
+            total_computed = num_local_computed
         total = 0
         if self.config.retention_interval != 0:
             prefill_end = 0
@@ -181,7 +225,7 @@ class Coordinator:
                     num_tokens_main,
                     hit,
                     num_local_computed,
-                    query_start=num_local_computed,
+                    query_start=total_computed,
                     prefill_end=prefill_end,
                     record=not admission,
                 )
@@ -201,11 +245,26 @@ class Coordinator:
                 total += manager.blocks_needed(request_id, num_tokens, hit, num_local_computed)
         return total
 
-    def add_hit_blocks(self, request_id: str, hit_blocks: HitBlocks, num_local: int) -> None:
+    def add_hit_blocks(
+        self,
+        request_id: str,
+        hit_blocks: HitBlocks,
+        num_local: int,
+        num_external: int = 0,
+        skip_zeroing: Sequence[int] = (),
+    ) -> None:
+        """Adopt the hit in every group, then (a KV connector's tokens) give
+        every group its blocks for the external tokens, zeroed unless the
+        group is in `skip_zeroing` (an async load writes them)."""
         if any(request_id in m.num_cached for m in self.managers):
             return  # a running request takes no new hit
         for manager, hit in zip(self.managers, hit_blocks, strict=True):
-            manager.add_hit_blocks(request_id, hit, num_local)
+            manager.add_hit_blocks(request_id, hit, num_local, num_external)
+        if num_external > 0:
+            for manager in self.managers:
+                manager.allocate_external(
+                    request_id, num_local, num_external, manager.group_id not in skip_zeroing
+                )
 
     def allocate(self, request_id: str, num_tokens: int, num_tokens_main: int) -> None:
         for manager in self.managers:

@@ -40,11 +40,18 @@ class GroupManager:
     def skipped_tokens(self, num_computed: int) -> int:
         return 0
 
-    def add_hit_blocks(self, request_id: str, hit_blocks: Sequence[Block], num_local: int) -> None:
-        """Adopt a request's prefix hit: reference the blocks, pad skipped ones."""
+    def add_hit_blocks(
+        self,
+        request_id: str,
+        hit_blocks: Sequence[Block],
+        num_local: int,
+        num_external: int = 0,
+    ) -> None:
+        """Adopt a request's prefix hit: reference the blocks, pad skipped ones
+        (skipped as of the whole computed prefix, a connector's tokens too)."""
         table = self.table(request_id)
         assert not table
-        num_skipped = self.skipped_tokens(num_local) // self.block_size
+        num_skipped = self.skipped_tokens(num_local + num_external) // self.block_size
         kept = list(hit_blocks[num_skipped:]) if num_skipped > 0 else list(hit_blocks)
         self.pool.touch(kept)
         table.extend([self.pool.null_block] * num_skipped)
@@ -54,6 +61,30 @@ class GroupManager:
             index = num_local // self.block_size
             self.partial_hits[request_id] = (index, kept[-1])
             self.num_cached[request_id] = index
+
+    def allocate_external(
+        self, request_id: str, num_local: int, num_external: int, record_for_zeroing: bool
+    ) -> list[Block]:
+        """Blocks for a KV connector's tokens after the local hit (taken after
+        every group adopted its hit, so no group evicts another's hit). Only
+        the tokens this group still needs get blocks: a Mamba group, only
+        the last one's state."""
+        total = num_local + num_external
+        skipped = self.skipped_tokens(total)
+        if skipped > 0:
+            num_external = min(total - skipped, num_external)
+        if num_external <= 0:
+            return []
+        table = self.table(request_id)
+        blocks = self.pool.get_new_blocks(max(0, cdiv(total, self.block_size) - len(table)))
+        table.extend(blocks)
+        if record_for_zeroing:
+            self.record_new_blocks(blocks)
+        return blocks
+
+    def record_new_blocks(self, blocks: Sequence[Block]) -> None:
+        """Blocks the worker must zero before use: none for this group."""
+        return None
 
     def apply_cow(self, request_id: str, index: int, source: Block, copy: Block) -> None:
         """Swap a shared partial block for the request's private copy.
@@ -137,6 +168,9 @@ class FullAttentionManager(GroupManager):
         ids, self.new_block_ids = self.new_block_ids, []
         return ids
 
+    def record_new_blocks(self, blocks: Sequence[Block]) -> None:
+        self.new_block_ids.extend(b.block_id for b in blocks)
+
     def find_hit(
         self, keys: Sequence[str], max_length: int, drop_eagle: bool
     ) -> tuple[list[Block], int]:
@@ -198,7 +232,7 @@ class FullAttentionManager(GroupManager):
             blocks = self.pool.get_new_blocks(missing)
             table.extend(blocks)
             new.extend(blocks)
-        self.new_block_ids.extend(b.block_id for b in new)
+        self.record_new_blocks(new)
         return new
 
     def remove_skipped(self, request_id: str, num_processed: int) -> None:

@@ -97,6 +97,35 @@ class KVCacheManager:
             self._report_hit(request, blocks)
         return (blocks if any(blocks) else None), hit, junction
 
+    def get_computed_blocks_for_connector(
+        self, request: Request
+    ) -> tuple[HitBlocks | None, int, int, bool]:
+        """The local lookup a KV connector that takes divergent hybrid hits
+        reads: attention's own hit as the local prefix (the connector brings
+        the rest, Mamba's state included), and whether a group lagged below
+        it. No junction. Only a hybrid with caching looks up per group; a
+        lagging group that hit past attention, or any other model, gets the
+        agreed hit."""
+        if not (self.config.has_attention and self.config.prefix_caching):
+            return (*self.get_computed_blocks(request), False)
+        if not self.lookup_enabled(request):
+            return None, 0, 0, False
+        blocks, hits = self.coordinator.find_hit_per_group(request.keys, request.num_tokens - 1)
+        attention = next(i for i, g in enumerate(self.config.groups) if g.kind == "full_attention")
+        if any(hit > hits[attention] for hit in hits):
+            return (*self.get_computed_blocks(request), False)
+        num_local = hits[attention]
+        return (blocks if any(blocks) else None), num_local, 0, min(hits) < num_local
+
+    def truncate_computed_blocks(
+        self, blocks: HitBlocks | None, num_computed_tokens: int
+    ) -> HitBlocks | None:
+        """A lookup's blocks cut at an aligned length; nothing else changes."""
+        if blocks is None:
+            return None
+        truncated = self.coordinator.truncate_hit(blocks, num_computed_tokens)
+        return truncated if any(truncated) else None
+
     def _report_hit(self, request: Request, blocks: HitBlocks) -> None:
         """With `kv_cache_report_mode: full`, a hit is reported as one
         BlockStored per group that hit: the prefix its blocks cover, from 0."""
@@ -113,10 +142,16 @@ class KVCacheManager:
             events.append(KvEvent("stored", group_id, keys, None, 0, n * size, size))
 
     def get_num_blocks_to_allocate(
-        self, request: Request, hit_blocks: HitBlocks | None, hit: int, admission: bool
+        self,
+        request: Request,
+        hit_blocks: HitBlocks | None,
+        hit: int,
+        admission: bool,
+        external: int = 0,
     ) -> int:
-        """Blocks the whole sequence needs after the hit (the admission count
-        with `admission`, else the per-step estimate)."""
+        """Blocks the whole sequence needs after the hit and a connector's
+        `external` tokens (the admission count with `admission`, else the
+        per-step estimate)."""
         num_tokens = min(request.num_tokens, self.config.max_model_len)
         computed = request.num_computed_tokens + hit
         return self.coordinator.blocks_needed(
@@ -127,6 +162,7 @@ class KVCacheManager:
             num_tokens,
             admission,
             prefill_end=self._prefill_end(request),
+            total_computed=computed + external,
         )
 
     def allocate_slots(
@@ -137,39 +173,57 @@ class KVCacheManager:
         new_computed_blocks: HitBlocks | None = None,
         num_lookahead_tokens: int = 0,
         full_sequence_must_fit: bool = False,
+        num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+        skip_zeroing_group_ids: tuple[int, ...] = (),
     ) -> bool:
         """Give the request slots for `num_new_tokens` more tokens (plus
         lookahead for drafts); False, changing nothing, if the pool is short
-        (with `full_sequence_must_fit`, short of the whole sequence's blocks)."""
-        if num_new_tokens == 0 and num_new_computed_tokens == 0:
+        (with `full_sequence_must_fit`, short of the whole sequence's blocks).
+
+        A KV connector's `num_external_computed_tokens` follow the local hit:
+        each group gets blocks for them. `delay_cache_blocks` (an async load)
+        keys nothing now; the groups in `skip_zeroing_group_ids` do not have
+        their new external blocks zeroed (the load writes them)."""
+        external = num_external_computed_tokens
+        if num_new_tokens == 0 and num_new_computed_tokens == 0 and external == 0:
             raise ValueError("num_new_tokens must be > 0 when no computed tokens are adopted")
         max_len = self.config.max_model_len
         coordinator = self.coordinator
         rid = request.request_id
         num_local = request.num_computed_tokens + num_new_computed_tokens
-        total_computed = min(num_local, max_len)
+        total_computed = min(num_local + external, max_len)
         num_tokens_main = total_computed + num_new_tokens
         num_need_slot = min(num_tokens_main + num_lookahead_tokens, max_len)
         hit_blocks = new_computed_blocks or self._no_hit()
         prefill_end = self._prefill_end(request)
 
-        def fits(num_tokens: int, num_tokens_main: int, admission: bool) -> bool:
+        def fits(num_tokens: int, num_tokens_main: int, admission: bool, computed: int) -> bool:
             needed = coordinator.blocks_needed(
-                rid, num_tokens, hit_blocks, num_local, num_tokens_main, admission, prefill_end
+                rid,
+                num_tokens,
+                hit_blocks,
+                num_local,
+                num_tokens_main,
+                admission,
+                prefill_end,
+                total_computed=computed,
             )
             return needed <= self.block_pool.num_free()
 
         # The admission gate: the whole sequence's count, admission cap on.
         num_full = min(request.num_tokens, max_len)
-        if full_sequence_must_fit and not fits(num_full, num_full, admission=True):
+        if full_sequence_must_fit and not fits(num_full, num_full, True, total_computed):
             return False
         # States behind the computed prefix are freed even if this fails.
         coordinator.remove_skipped(rid, total_computed)
-        if not fits(num_need_slot, num_tokens_main, admission=False):
+        if not fits(num_need_slot, num_tokens_main, False, num_local + external):
             return False
-        if new_computed_blocks is not None:
-            coordinator.add_hit_blocks(rid, new_computed_blocks, num_local)
+        if new_computed_blocks is not None or external > 0:
+            coordinator.add_hit_blocks(rid, hit_blocks, num_local, external, skip_zeroing_group_ids)
         coordinator.allocate(rid, num_need_slot, num_tokens_main)
+        if delay_cache_blocks:
+            return True  # keyed once the load completes (`cache_blocks`)
         # Draft tokens are never keyed: cache only up to the request's tokens.
         coordinator.cache(request, min(total_computed + num_new_tokens, request.num_tokens))
         return True

@@ -81,11 +81,19 @@ class ModelTarget(OpDriver[Request]):
     def lookup(self, request: Request) -> tuple[Any, int, int]:
         return self.manager.get_computed_blocks(request)
 
-    def blocks_needed(self, request: Request, hit_blocks: Any, hit: int, admission: bool) -> int:
-        return self.manager.get_num_blocks_to_allocate(request, hit_blocks, hit, admission)
+    def lookup_for_connector(self, request: Request) -> tuple[Any, int, int, bool]:
+        return self.manager.get_computed_blocks_for_connector(request)
 
-    def split(self, request: Request, num_new: int, hit: int) -> int:
-        return chunk_tokens(self.config, request, num_new, hit)
+    def blocks_needed(
+        self, request: Request, hit_blocks: Any, hit: int, admission: bool, external: int = 0
+    ) -> int:
+        return self.manager.get_num_blocks_to_allocate(
+            request, hit_blocks, hit, admission, external
+        )
+
+    def split(self, request: Request, num_new: int, hit: int, external: int = 0) -> int:
+        # The split starts after every computed token, the connector's too.
+        return chunk_tokens(self.config, request, num_new, hit + external)
 
     def take_boundary_offloads(self) -> list[list[Any]]:
         offloads = self.manager.take_boundary_state_offloads()
