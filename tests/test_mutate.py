@@ -43,6 +43,9 @@ FAST = {
     "admission-off-by-one": "admission-exact-fit",
     "pop-keeps-partial-hit": "preempt-after-partial-tail",
     "mamba-pop-keeps-allocated": "preempt-after-partial-tail",
+    # vLLM accepting a config it should refuse: a refusal trace fails.
+    "retention-interval-any-multiple": "refuse-retention-not-a-multiple",
+    "retention-interval-negative": "refuse-retention-negative",
 }
 
 
