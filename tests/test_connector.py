@@ -245,6 +245,27 @@ def test_a_diverged_per_group_hit_is_reconciled_without_external_tokens() -> Non
     assert (s2["local_hit"], s2["hit"], s2["junction"], s2["external"]) == (192, 0, 192, 0)
 
 
+def test_a_failed_load_frees_the_request_and_admits_it_afresh() -> None:
+    trace = connector_trace(
+        "- {op: lookup, req: A1, remote_hit: 160, remote_async: true}\n"
+        "- {op: allocate, req: A1, tokens: auto}\n"
+        "- {op: step}\n- {op: drain}\n"
+        "- {op: lookup, req: A1, load_failed: true}\n"
+        "- {op: allocate, req: A1, tokens: auto}\n"
+    )
+    target = ModelTarget(trace.config)
+    seen = observe(target, trace.steps)
+    relookup, admitted = seen[-2][1], seen[-1][1]
+    # A0's tail is still cached; nothing external this time.
+    assert (relookup["hit"], relookup["external"]) == (136, 0)
+    assert admitted["ok"] and admitted["tokens"] > 0
+    assert target.requests["A1"].request.num_computed_tokens == 136 + admitted["tokens"]
+    # Only a request whose load is in flight can have it fail.
+    with pytest.raises(StepRefused) as refused:
+        observe(target, connector_trace("- {op: lookup, req: A1, load_failed: true}\n").steps[-1:])
+    assert refused.value.field == "load_failed"
+
+
 def test_every_family_has_connector_traces_in_both_arms() -> None:
     names = {t.name for t in CONNECTOR_TRACES}
     for family in ("gdn-triton-", "gdn-flashinfer-", "mamba2-"):
@@ -252,6 +273,7 @@ def test_every_family_has_connector_traces_in_both_arms() -> None:
         assert arms == {"hold-on", "hold-off"}, family
     assert any(t.config.kv_connector_divergent_hits for t in CONNECTOR_TRACES)
     assert any(s.remote_async for t in CONNECTOR_TRACES for s in t.steps)
+    assert any(s.load_failed for t in CONNECTOR_TRACES for s in t.steps)
 
 
 # ------------------------------------------------------------- on vLLM

@@ -464,6 +464,7 @@ class ExploreMachine(RuleBasedStateMachine):
         burst=BURSTS,
         n=st.integers(0, 4),
         rounds=st.integers(1, 8),
+        fail=st.sampled_from([False, False, True]),
     )
     def connector_admit(
         self,
@@ -474,13 +475,15 @@ class ExploreMachine(RuleBasedStateMachine):
         burst: Burst,
         n: int,
         rounds: int,
+        fail: bool,
     ) -> None:
         """A waiting request admitted with a KV connector holding its first
         tokens (all but `short` of them, at most what the connector may
         report), loaded sync or async. An async load stays in flight for a
         scheduler step: another waiting request may look up (`peek`: it must
         not see the unloaded blocks) and a burst may take the free blocks;
-        then the load completes at the request's next allocation, and its
+        then the load completes at the request's next allocation (or, with
+        `fail`, it failed: the request is looked up afresh first), and its
         prefill goes on for up to `rounds` chunks."""
         session = self.session
         req = self._pick(session.schedulable("waiting"), which)
@@ -497,6 +500,8 @@ class ExploreMachine(RuleBasedStateMachine):
             if peek and others:
                 self._run("lookup", req=others[0])
             self._burst(burst, n)
+            if fail:
+                self._run("lookup", req=req, load_failed=True)
             if not self._run("allocate", req=req, tokens="auto")["ok"]:
                 return
         elif not observed["ok"]:
