@@ -3,22 +3,36 @@
 The connector (`kvgate.impl.vllm_connector`) answers only what a test
 scripts; vLLM's factory builds it from `kv_transfer_config`, the Scheduler
 drives it, and the fake model runner reports the worker's finished loads.
-These tests pin the Scheduler's connector branch that kvgate's driver
-replays: what it presents to the connector, when a remote hit supersedes a
-local sub-block tail, and an asynchronous load's allocation and completion.
+The first tests pin the Scheduler's connector branch directly: what it
+presents to the connector, when a remote hit supersedes a local sub-block
+tail, an asynchronous load's allocation and completion. The lockstep tests
+run the workload with drawn external hits (`--kv-connector`) on the real
+Scheduler beside kvgate's driver and model at strict level, and show that a
+driver drifting from the Scheduler's connector branch diverges.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import io
 import itertools
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 from configs import EXAMPLE_CONFIG, needs_vllm
 
+from kvgate import targets
 from kvgate.conformance.config import UnsupportedConfig
+from kvgate.conformance.replay import replay
 from kvgate.conformance.scheduling import ScheduledStep
+from kvgate.conformance.trace import Trace
+from kvgate.workload.deployment import Deployment
+from kvgate.workload.lockstep import scheduler_arm
+from kvgate.workload.plan import Workload
+from kvgate.workload.progress import Progress
+from kvgate.workload.runner import Arm, ArmResult
 
 pytestmark = needs_vllm
 
@@ -65,7 +79,7 @@ def _step(
 
 
 def test_a_sync_remote_hit_is_admitted_with_the_external_tokens(scheduler: object) -> None:
-    from kvgate.impl.vllm_connector import Allocated, ExternalHit, Query
+    from kvgate.impl.vllm_connector import Allocated, ExternalHit
     from kvgate.impl.vllm_scheduler import VllmScheduler
 
     assert isinstance(scheduler, VllmScheduler)
@@ -73,9 +87,9 @@ def test_a_sync_remote_hit_is_admitted_with_the_external_tokens(scheduler: objec
     script.hits["A"] = ExternalHit(64)
     scheduler.add_request("A", _fresh(100), 4, None)
     step = _step(scheduler)
-    queries, allocations, _ = script.take()
+    _, allocations, _ = script.take()
     # Nothing cached locally: the Scheduler presents 0, the store has 64.
-    assert queries == [Query("A", 0, 64, False)]
+    assert step.connector_queries == [("A", 0, 64, False)]
     [allocated] = allocations
     assert allocated.request == "A" and allocated.external == 64
     assert isinstance(allocated, Allocated)
@@ -86,7 +100,7 @@ def test_a_sync_remote_hit_is_admitted_with_the_external_tokens(scheduler: objec
 
 
 def test_an_async_load_runs_nothing_until_the_worker_reports_it(scheduler: object) -> None:
-    from kvgate.impl.vllm_connector import ExternalHit, Query
+    from kvgate.impl.vllm_connector import ExternalHit
     from kvgate.impl.vllm_scheduler import VllmScheduler
 
     assert isinstance(scheduler, VllmScheduler)
@@ -94,8 +108,8 @@ def test_an_async_load_runs_nothing_until_the_worker_reports_it(scheduler: objec
     script.hits["B"] = ExternalHit(96, load_async=True)
     scheduler.add_request("B", _fresh(100), 4, None)
     first = _step(scheduler)
-    queries, allocations, _ = script.take()
-    assert queries == [Query("B", 0, 96, True)]
+    _, allocations, _ = script.take()
+    assert first.connector_queries == [("B", 0, 96, True)]
     # Blocks for the load, nothing scheduled: the request waits for its KV.
     assert [a.external for a in allocations] == [96]
     assert first.scheduled == [] and first.lookups == [("B", 0)]
@@ -132,18 +146,18 @@ def test_a_longer_remote_hit_supersedes_a_local_sub_block_tail(scheduler: object
     scheduler.add_request("F", follow_up, 2, "A")
     step = _step(scheduler)
     [(name, local)] = step.lookups
-    queries, allocations, _ = script.take()
+    _, allocations, _ = script.take()
     # A local hit ending inside a Mamba block (the prompt's partial tail).
     tail = local % CONFIG.scheduler_block_size
     assert name == "F" and tail
-    [query] = queries
+    [(_, presented, answered, _)] = step.connector_queries
     assert local == LOCAL_TAIL_HIT
-    assert query.presented == local - tail
-    assert query.answered == len(follow_up) - 1 - (local - tail) > tail
+    assert presented == local - tail
+    assert answered == len(follow_up) - 1 - (local - tail) > tail
     # The local tail is dropped (no copy-on-write), the load covers it.
     assert step.copies == []
     [allocated] = allocations
-    assert allocated.external == query.answered
+    assert allocated.external == answered
     # One token left: the Scheduler pads the admission to a whole
     # speculative step (1 + K rows), as it pads any new request with one
     # token left to compute.
@@ -167,11 +181,11 @@ def test_a_remote_hit_no_longer_than_the_local_tail_keeps_the_tail(scheduler: ob
     scheduler.add_request("F", follow_up, 2, "A")
     step = _step(scheduler)
     [(_, local)] = step.lookups
-    queries, allocations, _ = script.take()
+    _, allocations, _ = script.take()
     assert local == LOCAL_TAIL_HIT
-    [query] = queries
-    assert query.answered == local % CONFIG.scheduler_block_size
-    assert query.load_async  # the connector said async; the Scheduler loads nothing
+    [(_, _, answered, load_async)] = step.connector_queries
+    assert answered == local % CONFIG.scheduler_block_size
+    assert load_async  # the connector said async; the Scheduler loads nothing
     [allocated] = allocations
     assert allocated.external == 0
     assert step.copies  # the tail's copy-on-write still runs
@@ -245,3 +259,107 @@ def test_without_a_connector_the_scheduler_has_none() -> None:
             target.connector_script  # noqa: B018
     finally:
         target.close()
+
+
+# -- the workload with a connector, in lockstep ---------------------------------
+
+SCALE = 32
+WORKLOAD = Workload(sessions=8, turns=4, seed=0)
+# Seed 0, upstream, unit 256/32: every connector path of the generator
+# (sync and async loads, a remote hit superseding a local tail, padded
+# admissions, a load completed with nothing to run). Seed 2 at the Mamba
+# block (4096/32): a pool tight enough that an async load's reserved blocks
+# refuse one.
+EVERY_PATH = (WORKLOAD, 256 // SCALE)
+RESERVED_BINDS = (dataclasses.replace(WORKLOAD, seed=2), 4096 // SCALE)
+
+
+def _connector_arm(tmp_path: Path, case: tuple[Workload, int]) -> ArmResult:
+    workload, unit = case
+    deployment = Deployment(build="upstream", kv_connector=True).scaled(SCALE)
+    factory: Any = targets.target_factory("vllm-scheduler")
+    return scheduler_arm(
+        workload,
+        deployment,
+        Arm(unit, False),
+        factory,
+        tmp_path,
+        "strict",
+        Progress(stream=io.StringIO()),
+    )
+
+
+def _paths(trace: Trace) -> dict[str, int]:
+    """How often the trace takes each connector path."""
+    counts = dict.fromkeys(("sync", "async", "superseded", "pad", "complete_only", "reserved"), 0)
+    for step in trace.primitives:
+        if step.op == "lookup":
+            external = step.expect.get("external", 0)
+            if external:
+                counts["async" if step.remote_async else "sync"] += 1
+            if step.expect.get("hit", 0) < step.expect.get("local_hit", 0):
+                counts["superseded"] += 1
+        elif step.op == "allocate":
+            counts["pad"] += bool(step.pad)
+            counts["complete_only"] += step.complete_only
+            counts["reserved"] += bool(step.reserved)
+    return counts
+
+
+def test_the_connector_workload_keeps_lockstep_with_the_real_scheduler(tmp_path: Path) -> None:
+    result = _connector_arm(tmp_path, EVERY_PATH)
+    assert result.replay is not None
+    assert result.replay.passed, result.replay.divergence
+    paths = _paths(result.trace)
+    assert all(paths.values()), paths
+    # The trace it wrote replays on vLLM's KVCacheManager too, strict.
+    from kvgate.impl.vllm_target import VllmTarget
+
+    target = VllmTarget(result.trace.config)
+    try:
+        model = targets.target_factory("model")
+        replayed = replay(result.trace, target, model, "strict")
+    finally:
+        target.close()
+    assert replayed.passed, replayed.divergence
+
+
+@pytest.mark.parametrize(
+    ("drift", "case", "seen"),
+    [
+        # The driver forgets an async load's reserved blocks: vLLM refuses
+        # the load's allocation the model makes.
+        ("reserved", RESERVED_BINDS, "waiting-queue allocations"),
+        # The driver keeps a local sub-block tail a longer remote hit
+        # supersedes: the manager's state differs.
+        ("truncate", EVERY_PATH, "free queue"),
+        # The scheduler model forgets the Scheduler's speculative padding.
+        ("pad", EVERY_PATH, "scheduled (request, tokens)"),
+    ],
+)
+def test_a_driver_that_drifts_from_the_schedulers_connector_branch_diverges(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    drift: str,
+    case: tuple[Workload, int],
+    seen: str,
+) -> None:
+    from kvgate.conformance.driver import OpDriver
+    from kvgate.workload import generator
+
+    if drift == "reserved":
+        monkeypatch.setattr(generator._Scheduler, "_reserved_blocks", lambda self, skipped: 0)
+    elif drift == "truncate":
+        monkeypatch.setattr(OpDriver, "truncate_computed_blocks", lambda self, blocks, n: blocks)
+    else:
+        chunk = generator._Scheduler._chunk
+        monkeypatch.setattr(
+            generator._Scheduler,
+            "_admission_chunk",
+            lambda self, live, hit, budget: chunk(self, live.request, hit, budget),
+        )
+    result = _connector_arm(tmp_path, case)
+    assert result.replay is not None
+    divergence = result.replay.divergence
+    assert divergence is not None
+    assert seen in divergence.what

@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import subprocess
 import sys
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -26,11 +27,9 @@ from kvgate.conformance.config import (
     GroupConfig,
     NotModelled,
     RefusedByVllm,
-    UnsupportedConfig,
-    check_modelled,
     validate,
 )
-from kvgate.conformance.refusal import ACCEPTED, judge_refusal, model_refusal
+from kvgate.conformance.refusal import ACCEPTED, judge_refusal, model_refusal, refusal_of
 from kvgate.conformance.trace import Trace, TraceError, bundled_corpus, load_corpus, parse_trace
 from kvgate.model import ModelTarget
 
@@ -59,7 +58,6 @@ def test_the_corpus_has_a_refusal_trace_for_each_of_vllms_rules() -> None:
 
 @pytest.mark.parametrize("trace", REFUSALS, ids=ids(REFUSALS))
 def test_the_model_refuses_each_refusal_trace_by_its_field(trace: Trace) -> None:
-    check_modelled(trace.config)  # a config kvgate models: the refusal is vLLM's
     with pytest.raises(RefusedByVllm) as error:
         validate(trace.config)
     assert error.value.field == trace.expect_refused
@@ -98,40 +96,43 @@ def _grid() -> Iterator[Config]:
             scheduler_block_size=scheduler,
             prefix_caching=caching,
         )
+    # Two rules broken at once: which one each side names first.
+    for retention, unit, threshold in itertools.product((0, 48), (8, 16), (0, 9000)):
+        yield replace(
+            base,
+            groups=(GroupConfig("full_attention", 12), MAMBA),
+            hash_unit=unit,
+            scheduler_block_size=96,
+            retention_interval=retention,
+            long_prefill_token_threshold=threshold,
+        )
+    # Models kvgate does not model: vLLM's refusal still comes first.
+    for shape, retention in itertools.product(
+        ((ATTENTION,), (ATTENTION, ATTENTION, MAMBA), (MAMBA, MAMBA)), (None, 0, 8, 32, 48)
+    ):
+        yield replace(base, groups=shape, scheduler_block_size=32, retention_interval=retention)
 
 
 GRID = list(_grid())
-
-
-def _verdict(build: Any, config: Config) -> str | None:
-    try:
-        target = build(config)
-    except UnsupportedConfig as error:
-        return error.field
-    target.close()
-    return None
 
 
 @needs_vllm
 def test_the_models_rules_are_vllms_on_a_grid_around_every_boundary() -> None:
     from kvgate.impl.vllm_target import VllmTarget
 
-    compared = refused = 0
+    verdicts: Counter[str] = Counter()
     drifted: list[str] = []
     for config in GRID:
-        try:
-            check_modelled(config)
-        except NotModelled:
-            continue  # kvgate's own refusal: vLLM is not asked
-        compared += 1
         model, _ = model_refusal(config)
-        vllm = _verdict(VllmTarget, config)
-        refused += vllm is not None
+        vllm, account, _ = refusal_of(VllmTarget, config)
+        verdicts[str(vllm).split(":")[0]] += 1
         if model != vllm:
-            drifted.append(f"{config}: model {model}, vLLM {vllm}")
+            drifted.append(f"{config}: model {model}, vLLM {account}")
     assert not drifted, "\n".join(drifted)
-    # Both sides of the boundaries were reached.
-    assert compared >= 100 and 30 <= refused <= compared - 30, (compared, refused)
+    # Both sides of the boundaries were reached: accepted, refused by each
+    # of vLLM's fields, and refused by kvgate after vLLM built it.
+    assert verdicts["None"] >= 30 and verdicts["not modelled"] >= 5, verdicts
+    assert all(verdicts[t.expect_refused or ""] >= 3 for t in REFUSALS), verdicts
 
 
 @needs_vllm
@@ -148,8 +149,15 @@ def test_what_kvgate_refuses_by_name_vllm_serves() -> None:
         GroupConfig("full_attention", 12), MAMBA, scheduler_block_size=96, hash_unit=8
     )
     caching_off = replace(caching_off, prefix_caching=False)
+    attention_only = replace(two_mamba, groups=(ATTENTION,), hash_unit=8, scheduler_block_size=8)
+    multi_mtp = hybrid_config(ATTENTION, MAMBA, eagle=True, hash_lookahead_tokens=2)
     api = _vllm_api.load()
-    for config, field in ((two_mamba, "groups"), (caching_off, "groups[0].block_size")):
+    for config, field in (
+        (two_mamba, "groups"),
+        (caching_off, "groups[0].block_size"),
+        (attention_only, "groups"),
+        (multi_mtp, "hash_lookahead_tokens"),
+    ):
         with pytest.raises(NotModelled) as error:
             VllmTarget(config)
         assert error.value.field == field
@@ -222,16 +230,6 @@ def test_the_gate_fails_an_accepted_refusal_trace(tmp_path: Path) -> None:
             refusal_text(EXAMPLE_TRACE_CONFIG, "retention_interval", "steps: []\n"),
             "steps",
         ),
-        # A refusal trace's config must be one kvgate models.
-        (
-            refusal_text(
-                EXAMPLE_TRACE_CONFIG.replace(
-                    "eagle: true", "eagle: false\n  hash_lookahead_tokens: 1"
-                ),
-                "hash_lookahead_tokens",
-            ),
-            "config.hash_lookahead_tokens",
-        ),
         # Without `expect_refused`, a config vLLM refuses is refused on reading.
         (
             "format: kvgate-trace/1\nname: r\n"
@@ -247,6 +245,57 @@ def test_malformed_refusal_traces_are_named(text: str, field: str) -> None:
     assert error.value.field == field and "\n" not in str(error.value)
 
 
+def test_kvgates_own_refusal_does_not_pass_a_refusal_trace() -> None:
+    """A refusal trace states what vLLM refuses: kvgate refusing a config by
+    name (not modelled) on both sides is no pass."""
+    config = EXAMPLE_TRACE_CONFIG.replace("eagle: true", "eagle: false\n  hash_lookahead_tokens: 1")
+    trace = parse_trace(refusal_text(config, "hash_lookahead_tokens"))
+    result = judge_refusal(trace, ModelTarget)
+    assert not result.passed
+    assert str(result.failures[0].actual).startswith(
+        "refused by kvgate, not modelled (hash_lookahead_tokens)"
+    )
+
+
 def test_refusal_traces_are_read_without_steps() -> None:
     for trace in REFUSALS:
         assert trace.steps == () and trace.primitives == ()
+
+
+def test_exploration_breaks_a_share_of_configs_and_fails_a_refusal_divergence() -> None:
+    """A lockstep target that accepts every retention interval (as vLLM
+    would with its check dropped): a drawn config with a broken interval is
+    a refusal divergence, shown as the config and saved as a refusal trace."""
+    from kvgate.explore.machine import Mode
+    from kvgate.explore.profiles import profile
+    from kvgate.explore.runner import run_once
+    from kvgate.explore.session import ALL_INVARIANTS, RefusalDivergence
+
+    def lax(config: Config) -> Any:
+        if config.retention_interval is not None and config.retention_interval < 0:
+            config = replace(config, retention_interval=0)
+        elif config.retention_interval:
+            block = config.scheduler_block_size
+            config = replace(
+                config, retention_interval=-(-config.retention_interval // block) * block
+            )
+        return ModelTarget(config)
+
+    mode = Mode(
+        hold=False,
+        invariants=ALL_INVARIANTS,
+        lockstep=lax,
+        refusals=True,
+        stratum={"prefix_caching": False},
+    )
+    settings = profile("dev", max_examples=300, stateful_step_count=2, derandomize=True)
+    failure = run_once(mode, settings)
+    assert isinstance(failure, RefusalDivergence), failure
+    assert failure.field == "retention_interval" and failure.steps == ()
+    assert "model refused by retention_interval" in failure.message
+    assert "target accepted (nothing replayed)" in failure.message
+    drawn = mode.stats.knobs
+    assert drawn["refused_by_vllm=retention_interval"] >= 1 and drawn["refused_by_vllm=none"] >= 10
+    trace = parse_trace(failure.yaml())
+    assert trace.expect_refused == "retention_interval"
+    assert judge_refusal(trace, lax).failures[0].actual == ACCEPTED

@@ -60,14 +60,18 @@ def test_a_single_mamba_group_and_caching_off_read_and_write_back() -> None:
         # The unitary coordinator asserts its hash unit is its block.
         (text(unit=16), "hash_unit"),
         # Two Mamba groups and no attention: vLLM's hybrid coordinator
-        # requires an attention group.
+        # builds them; kvgate does not model them (tests/test_refusals.py).
         (text(groups=MAMBA + MAMBA), "groups"),
-        (text(groups=ATTENTION), "groups"),
+        # An attention block (8) finer than the hash unit (32): vLLM refuses
+        # the scheduler block first, before kvgate's own refusal of a model
+        # without a Mamba group.
+        (text(groups=ATTENTION), "scheduler_block_size"),
+        (text(groups=ATTENTION, unit=8), "groups"),
         (text(groups=ATTENTION + ATTENTION + MAMBA, unit=8), "groups"),
         (text(extra="  prefix_caching: 0\n"), "config.prefix_caching"),
     ],
 )
-def test_configs_vllm_would_refuse_are_one_line_errors(trace_text: str, field: str) -> None:
+def test_refused_configs_are_one_line_errors(trace_text: str, field: str) -> None:
     with pytest.raises(TraceError) as error:
         parse_trace(trace_text, "single.yaml")
     message = str(error.value)

@@ -153,10 +153,11 @@ class RefusedByVllm(UnsupportedConfig):
 
 
 def validate(config: Config) -> None:
-    """The model side: refuse what kvgate does not model, then what vLLM
-    refuses (the format's config space is what is left)."""
-    check_modelled(config)
+    """The model side: refuse what vLLM refuses, as vLLM does (a user meets
+    that refusal first, whatever kvgate models), then what kvgate does not
+    model; the format's config space is what is left."""
     vllm_rules(config)
+    check_modelled(config)
 
 
 def check_modelled(config: Config) -> None:
@@ -239,9 +240,14 @@ def check_modelled(config: Config) -> None:
 def vllm_rules(config: Config) -> None:
     """Refuse what vLLM 0.33.0 refuses (`RefusedByVllm`), naming the field
     vLLM's refusal concerns, in the order vLLM checks: the scheduler's config,
-    then the coordinator's block sizes, then its retention interval. Each
-    rule was found by building vLLM with the config; `tests/test_refusals.py`
-    and the refusal traces check they still agree."""
+    then the coordinator's scheduler block, its retention interval, and the
+    hybrid or unitary coordinator's hash unit. Each rule was found by
+    building vLLM with the config; `tests/test_refusals.py` and the refusal
+    traces check they still agree. A degenerate config (a size below 1, no
+    group) is left to `check_modelled`."""
+    sizes = (config.hash_unit, config.scheduler_block_size, *(g.block_size for g in config.groups))
+    if not config.groups or min(sizes) < 1:
+        return
     if config.long_prefill_token_threshold > config.max_model_len:
         # SchedulerConfig's own check.
         raise RefusedByVllm(
@@ -263,27 +269,34 @@ def vllm_rules(config: Config) -> None:
                 "scheduler_block_size",
                 f"{scheduler} is not a multiple of group {i}'s block_size {g.block_size}",
             )
-    if config.prefix_caching:
-        if not config.has_attention and config.hash_unit != config.groups[0].block_size:
-            # The unitary coordinator (one group) hashes at its block.
-            raise RefusedByVllm(
-                "hash_unit",
-                f"hash_unit {config.hash_unit} is not the single group's block_size "
-                f"{config.groups[0].block_size} (a single group hashes at its own block)",
-            )
-        for i, g in enumerate(config.groups):
-            if g.block_size % config.hash_unit:
-                # The hybrid coordinator: every cacheable group's block.
-                raise RefusedByVllm(
-                    "hash_unit",
-                    f"group {i}'s block_size {g.block_size} is not a multiple of "
-                    f"hash_unit {config.hash_unit}",
-                )
     retention = config.retention_interval
-    # The coordinator: null (dense), or >= 0 and a multiple of the scheduler
-    # block (0: replay boundaries only; more: periodic too).
+    if retention and not config.mamba_group_ids:
+        # Retention acts on sliding-window and Mamba groups only.
+        raise RefusedByVllm(
+            "retention_interval",
+            f"{retention} is set, but no group is a mamba_align group (only 0 or null is)",
+        )
+    # null (dense), or >= 0 and a multiple of the scheduler block (0: replay
+    # boundaries only; more: periodic too).
     if retention is not None and (retention < 0 or retention % scheduler):
         raise RefusedByVllm(
             "retention_interval",
             f"{retention} is not null, or >= 0 and a multiple of scheduler_block_size {scheduler}",
         )
+    if not config.prefix_caching:
+        return  # the no-prefix-cache coordinator hashes nothing
+    if len(config.groups) == 1 and config.hash_unit != config.groups[0].block_size:
+        # The unitary coordinator (one group) hashes at its block.
+        raise RefusedByVllm(
+            "hash_unit",
+            f"hash_unit {config.hash_unit} is not the single group's block_size "
+            f"{config.groups[0].block_size} (a single group hashes at its own block)",
+        )
+    for i, g in enumerate(config.groups):
+        if g.block_size % config.hash_unit:
+            # The hybrid coordinator: every cacheable group's block.
+            raise RefusedByVllm(
+                "hash_unit",
+                f"group {i}'s block_size {g.block_size} is not a multiple of "
+                f"hash_unit {config.hash_unit}",
+            )

@@ -408,6 +408,7 @@ class OpDriver(ABC, Generic[R]):
             external=external,
             delay_cache=True,
             skip_zeroing=tuple(range(len(self.config.groups))),
+            reserved=step.reserved,
         )
         if ok:
             self.record_prefix_cache_stats(request, hit)
@@ -419,8 +420,14 @@ class OpDriver(ABC, Generic[R]):
     def _op_allocate(self, step: Step) -> dict[str, Any]:
         pending = self._pending(step)
         request = pending.request
+        if step.complete_only and not pending.loading:
+            raise StepRefused("complete_only", f"{step.req!r} has no KV load in flight")
         if pending.loading:
             self._complete_load(pending)
+            if step.complete_only:
+                # vLLM's scan reached the reported load and completed it, then
+                # had nothing to run for the request this step.
+                return {"ok": False, "tokens": 0, "prompt_done": False}
         blocks, hit, external = self._hit_for_allocation(pending)
         admitting = pending.has_hit and not self.has_blocks(request)
         if admitting and pending.load_async:
@@ -442,9 +449,12 @@ class OpDriver(ABC, Generic[R]):
                 raise StepRefused(
                     "tokens", f"{num_new:,} asked, {max(total - start, 0):,} left to compute"
                 )
+        if step.pad and num_new != 1:
+            raise StepRefused("pad", f"pads a one-token chunk only, not {num_new:,} tokens")
         ok = self.allocate_slots(
             request,
-            num_new,
+            # The padded rows are slots too; only the chunk's token computes.
+            num_new + step.pad,
             hit,
             blocks,
             step.lookahead,
@@ -452,6 +462,7 @@ class OpDriver(ABC, Generic[R]):
             # after the request's KV load completed.
             full_sequence=(admitting or pending.after_load) and self.config.reserve_full_sequence,
             external=external,
+            reserved=step.reserved,
         )
         if ok:
             if admitting:
@@ -587,6 +598,7 @@ class OpDriver(ABC, Generic[R]):
         external: int = 0,
         delay_cache: bool = False,
         skip_zeroing: tuple[int, ...] = (),
+        reserved: int = 0,
     ) -> bool:
         """`allocate_slots`; `full_sequence`: the scheduler's admission gate
         (`full_sequence_must_fit`), refusing unless the whole sequence fits.
@@ -599,6 +611,8 @@ class OpDriver(ABC, Generic[R]):
             connector["delay_cache_blocks"] = True
         if skip_zeroing:
             connector["skip_zeroing_group_ids"] = skip_zeroing
+        if reserved:
+            connector["reserved_blocks"] = reserved
         got = self.manager.allocate_slots(
             request,
             num_new,

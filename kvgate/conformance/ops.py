@@ -82,6 +82,13 @@ FIELD_TYPES: dict[str, FieldType] = {
     # lookup: the request's async load failed (the scheduler frees its
     # blocks and looks it up again)
     "load_failed": "bool",
+    # allocate (additive), what vLLM's Scheduler decides around the call: the
+    # speculative rows it padded a one-token admission chunk with; the free
+    # blocks an async load's allocation must leave (`reserved_blocks`); and
+    # a scan that completed a reported load with nothing to run this step.
+    "pad": "int",
+    "reserved": "int",
+    "complete_only": "bool",
 }
 
 # The prefix-cache hit stats a `stats` op reports (vLLM's PrefixCacheStats):
@@ -120,7 +127,7 @@ ACTIONS: dict[str, Action] = {
         Action(
             "allocate",
             ("req", "tokens"),
-            ("lookahead", "sample"),
+            ("lookahead", "sample", "pad", "reserved", "complete_only"),
             expect_keys=("ok", "tokens"),
             valid_in=LIVE,
             issued_in=frozenset({"waiting", "running"}),
@@ -260,6 +267,12 @@ class Step:
     remote_async: bool = False
     # lookup: the request's async KV load failed as a whole (`failed_recving`)
     load_failed: bool = False
+    # allocate: `pad` speculative rows on a one-token chunk; `reserved` free
+    # blocks an async load's allocation leaves; `complete_only`: only complete
+    # the request's reported KV load
+    pad: int = 0
+    reserved: int = 0
+    complete_only: bool = False
     expect: dict[str, Any] = field(default_factory=dict)
     check: dict[str, Any] = field(default_factory=dict)
     steps: int = 0  # the `decode` macro's repeat count; the parser expands it

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 
-from kvgate.conformance.config import Config, UnsupportedConfig, validate
+from kvgate.conformance.config import Config, NotModelled, UnsupportedConfig, validate
 from kvgate.conformance.ops import CONFIG_STEP
 from kvgate.conformance.replay import (
     Divergence,
@@ -36,13 +36,23 @@ NOT_BUILT = Capabilities(
 ACCEPTED = "accepted (nothing replayed)"
 
 
+def refused(error: UnsupportedConfig) -> tuple[str, str]:
+    """A refusal's field and one-line account. kvgate's own (`NotModelled`)
+    is not a field a refusal trace can name: it says nothing of vLLM."""
+    if isinstance(error, NotModelled):
+        return f"not modelled: {error.field}", (
+            f"refused by kvgate, not modelled ({error.field}): {error.message}"
+        )
+    return error.field, f"refused by {error.field}: {error.message}"
+
+
 def refusal_of(build: TargetFactory, config: Config) -> tuple[str | None, str, Capabilities]:
     """How `build` takes `config`: the field it refuses it by (None: accepted),
     a one-line account, and the built target's capabilities."""
     try:
         target = build(config)
     except UnsupportedConfig as error:
-        return error.field, f"refused by {error.field}: {error.message}", NOT_BUILT
+        return (*refused(error), NOT_BUILT)
     try:
         return None, ACCEPTED, target.capabilities
     finally:
@@ -54,7 +64,7 @@ def model_refusal(config: Config) -> tuple[str | None, str]:
     try:
         validate(config)
     except UnsupportedConfig as error:
-        return error.field, f"refused by {error.field}: {error.message}"
+        return refused(error)
     return None, ACCEPTED
 
 

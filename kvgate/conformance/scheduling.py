@@ -10,7 +10,7 @@ compared step for step; `snapshot()` is the owned manager's strict view.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -35,6 +35,13 @@ class ScheduledStep:
     checked: dict[str, int] = field(default_factory=dict)
     # Copies handed to the model runner, [src, dst] block ids.
     copies: list[list[int]] = field(default_factory=list)
+    # With a KV connector only (both sides leave them empty without one):
+    # each question the Scheduler put to the connector, (request, the local
+    # hit it presented, the external tokens answered, asynchronously), and
+    # each successful allocation from the waiting queue, (request, local hit
+    # taken, external tokens, an asynchronous load's).
+    connector_queries: list[tuple[str, int, int, bool]] = field(default_factory=list)
+    taken: list[tuple[str, int, int, bool]] = field(default_factory=list)
 
 
 class SchedulerTarget(Protocol):
@@ -51,10 +58,18 @@ class SchedulerTarget(Protocol):
 
     def schedule(self) -> ScheduledStep: ...
 
-    def update(self, sampled: Mapping[str, list[int]]) -> list[str]:
+    def update(
+        self, sampled: Mapping[str, list[int]], *, loaded: Collection[str] = ()
+    ) -> list[str]:
         """The model runner's output for the last `schedule()`: the tokens
-        each scheduled request sampled (drafts all rejected). Returns the
-        requests that finished, in order."""
+        each scheduled request sampled (drafts all rejected), and the
+        asynchronous KV loads its connector finished. Returns the requests
+        that finished, in order."""
+        ...
+
+    def script_external(self, name: str, tokens: int, load_async: bool) -> None:
+        """With a KV connector: the external store holds the first `tokens`
+        tokens of request `name`, loaded asynchronously when `load_async`."""
         ...
 
     def snapshot(self) -> Snapshot: ...

@@ -42,7 +42,6 @@ from kvgate.conformance.config import (
     GroupConfig,
     GroupKind,
     UnsupportedConfig,
-    check_modelled,
     validate,
 )
 from kvgate.conformance.limits import (
@@ -497,9 +496,10 @@ class _Reader:
             long_prefill_token_threshold_adaptive=flag("long_prefill_token_threshold_adaptive"),
         )
         try:
-            # A refusal trace's config must be one kvgate models: whether it
-            # is refused, and by which field, is the replay's verdict.
-            (validate if refused is None else check_modelled)(config)
+            # A refusal trace's config is the verdict's to refuse, by which
+            # field (`refusal.py`), not the reader's.
+            if refused is None:
+                validate(config)
         except UnsupportedConfig as error:
             raise TraceError.unsupported(self.path, error) from None
         if config.num_blocks > self.limits.num_blocks:

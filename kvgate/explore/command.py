@@ -128,13 +128,13 @@ def handle(args: argparse.Namespace) -> int:
             )
         from kvgate.explore.differential import differential_mode
 
-        mode: Mode = differential_mode()
+        mode: Mode = differential_mode(refusals=True)
     elif args.target == "vllm+overlay":
         if args.hold == "off":
             raise InputError("--hold off: the overlay is the hold; --target vllm runs hold off")
         from kvgate.explore.differential import overlay_differential_mode
 
-        mode = overlay_differential_mode(retire=args.retired == "on")
+        mode = overlay_differential_mode(retire=args.retired == "on", refusals=True)
     else:
         mode = model_mode(hold=args.hold == "on", retire=args.retired == "on")
     overrides: dict[str, Any] = {}

@@ -31,21 +31,30 @@ def vllm_with_overlay(config: Config) -> OpDriver[Any]:
     return vllm_target(config, plugin=HOLD_OVERLAY)
 
 
-def differential_mode() -> Mode:
+def differential_mode(refusals: bool = False) -> Mode:
     """Model vs vLLM 0.33.0, hold off (upstream has none), strict level.
 
     The invariants that upstream is known to break by design are left out;
     every other one is checked on the model, and any divergence fails.
+    `refusals`: a share of the configs break one of vLLM's config rules,
+    which both sides must refuse alike (`kvgate explore --target vllm`).
     """
     invariants = tuple(i for i in ALL_INVARIANTS if i not in HOLD_ONLY_INVARIANTS)
-    return Mode(hold=False, invariants=invariants, lockstep=vllm_target)
+    return Mode(hold=False, invariants=invariants, lockstep=vllm_target, refusals=refusals)
 
 
-def overlay_differential_mode(retire: bool = False) -> Mode:
+def overlay_differential_mode(retire: bool = False, refusals: bool = False) -> Mode:
     """Model vs vLLM 0.33.0 with the hold overlay, hold on, strict level:
     every invariant, the hold's included, and any divergence fails.
-    `retire`: the overlay's retention of retired states on too (the fork)."""
-    return Mode(hold=True, invariants=ALL_INVARIANTS, lockstep=vllm_with_overlay, retire=retire)
+    `retire`: the overlay's retention of retired states on too (the fork);
+    `refusals` as for `differential_mode`."""
+    return Mode(
+        hold=True,
+        invariants=ALL_INVARIANTS,
+        lockstep=vllm_with_overlay,
+        retire=retire,
+        refusals=refusals,
+    )
 
 
 # Deployment families, for a short differential exploration that splits

@@ -203,6 +203,44 @@ KNOBS: tuple[Knob, ...] = (
 )
 KNOB_NAMES = tuple(k.name for k in KNOBS)
 
+# vLLM's own config rules (`config.vllm_rules`), broken on purpose one knob
+# at a time in a small share of a differential run's examples: the model and
+# vLLM must then refuse the config alike. One draw of 16 bits decides: its
+# low bits (spread more evenly than a small range's draws, which favour its
+# low end) say whether (1 in `REFUSAL_ODDS`), the next ones which knob and
+# value; it shrinks to 0, an unbroken config.
+REFUSAL_ODDS = 16
+BREAKABLE = (
+    "retention_interval",
+    "long_prefill_token_threshold",
+    "scheduler_block_size",
+    "hash_unit",
+)
+
+
+def broken(config: Config, knob: str, variant: int) -> Config:
+    """`config` with `knob` set to a value vLLM refuses (`variant` picks one
+    of a few: negative, below the unit, between two multiples, ...)."""
+    scheduler = config.scheduler_block_size
+    mamba = max(config.groups[i].block_size for i in config.mamba_group_ids)
+    if knob == "hash_unit" and config.prefix_caching:
+        if config.has_attention:
+            # Coarser than the attention block, which stays a multiple of
+            # it no longer (the hybrid coordinator's rule).
+            attention = next(g.block_size for g in config.groups if g.kind == "full_attention")
+            return replace(config, hash_unit=2 * attention)
+        return replace(config, hash_unit=mamba // 2)  # the unitary coordinator's
+    if knob == "scheduler_block_size":
+        return replace(config, scheduler_block_size=(mamba // 2, mamba + mamba // 2)[variant % 2])
+    if knob == "long_prefill_token_threshold":
+        length = config.max_model_len
+        return replace(config, long_prefill_token_threshold=(length + 1, 2 * length)[variant % 2])
+    # The retention interval (also the hash unit's stand-in without prefix
+    # caching, where no hash-unit rule of vLLM's applies).
+    values = (-scheduler, scheduler // 2, scheduler + scheduler // 2)
+    return replace(config, retention_interval=values[variant % 3])
+
+
 # A campaign stratum: a value for some knobs, fixed for all its examples.
 Stratum = Mapping[str, Any]
 
@@ -244,10 +282,13 @@ def _first(name: str) -> Any:
 
 
 @st.composite
-def configs(draw: st.DrawFn, stratum: Stratum | None = None, swarm: bool = True) -> Config:
+def configs(
+    draw: st.DrawFn, stratum: Stratum | None = None, swarm: bool = True, refusals: bool = False
+) -> Config:
     """A config: `stratum`'s knobs fixed; of the rest, with `swarm` a random
     subset is drawn (each shrinks to the seed's value) and the others keep
-    the seed's value; without it every one is drawn."""
+    the seed's value; without it every one is drawn. With `refusals`, about
+    one config in `REFUSAL_ODDS` has one of `BREAKABLE` broken."""
     fixed = dict(stratum or {})
     values: dict[str, Any] = {}
     for knob in KNOBS:
@@ -258,4 +299,10 @@ def configs(draw: st.DrawFn, stratum: Stratum | None = None, swarm: bool = True)
         # `not b`: the switch shrinks to on, so shrinking changes the value, not the subset.
         elif not swarm or draw(st.booleans().map(lambda b: not b)):
             values[knob.name] = draw(knob.draw_from())
-    return build(values)
+    config = build(values)
+    if refusals:
+        bits = draw(st.integers(0, 2**16 - 1))
+        if bits % REFUSAL_ODDS == REFUSAL_ODDS - 1:
+            bits //= REFUSAL_ODDS
+            config = broken(config, BREAKABLE[bits % len(BREAKABLE)], bits // len(BREAKABLE))
+    return config

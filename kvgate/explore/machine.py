@@ -43,10 +43,18 @@ from hypothesis.control import current_build_context
 from hypothesis.internal.conjecture.data import Status
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
-from kvgate.conformance.config import Config
+from kvgate.conformance.config import Config, UnsupportedConfig
 from kvgate.conformance.driver import OpDriver
+from kvgate.conformance.refusal import model_refusal, refusal_of
 from kvgate.explore.knobs import Stratum, configs
-from kvgate.explore.session import ExploreFailure, Session, follow_up, fresh, share_prompt
+from kvgate.explore.session import (
+    ExploreFailure,
+    RefusalDivergence,
+    Session,
+    follow_up,
+    fresh,
+    share_prompt,
+)
 from kvgate.model.mamba import checkpoint_position
 
 Landing = Literal["mid-block", "boundary", "whole blocks", "any"]
@@ -104,6 +112,9 @@ class Mode:
     # of the knobs (Hypothesis already enables a random subset of the rules
     # per example: its stateful rule strategy draws feature flags).
     swarm: bool = True
+    # A share of the configs drawn break one of vLLM's config rules
+    # (`knobs.BREAKABLE`); the model and the lockstep target must refuse alike.
+    refusals: bool = False
 
     def apply(self, config: Config) -> Config:
         """A drawn config with this mode's switches. In lockstep the KV-cache
@@ -113,15 +124,23 @@ class Mode:
         return replace(config, hold=self.hold, hold_retired=self.retire, kv_events=events)
 
 
-def knob_values(config: Config) -> tuple[str, ...]:
-    """The config's align-mode knobs as `knob=value` (per-knob counts)."""
+def knob_values(config: Config, refused: str | None = None) -> tuple[str, ...]:
+    """The config's align-mode knobs as `knob=value` (per-knob counts), and
+    the field the model refuses it by (`refused_by_vllm`, `none` if valid)."""
     mamba = config.groups[config.mamba_group_ids[0]]
     blocks = config.scheduler_block_size
     retention = config.retention_interval
     period = (
-        "null" if retention is None else "0" if retention == 0 else f"{retention // blocks}x block"
+        "null"
+        if retention is None
+        else "0"
+        if retention == 0
+        else f"{retention // blocks}x block"
+        if retention > 0 and retention % blocks == 0
+        else f"{retention} tokens"
     )
     return (
+        f"refused_by_vllm={refused or 'none'}",
         f"prefill_checkpoint_blocks={mamba.prefill_checkpoint_blocks}",
         f"prefill_checkpoint_alignment={mamba.prefill_checkpoint_alignment}",
         f"retention_interval={period}",
@@ -230,6 +249,9 @@ class ExploreMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self._session: Session | None = None
+        # The field a drawn config was refused by, on both sides alike: the
+        # example runs nothing more.
+        self._refused: str | None = None
         self._names = count()
         # What `hypothesis.target` maximizes, at the end of the example.
         self.first_failing = False  # this example raised the run's first failure
@@ -248,10 +270,7 @@ class ExploreMachine(RuleBasedStateMachine):
         try:
             observed = self.session.run(op, **fields)
         except ExploreFailure:
-            if stats.first_failure is None:
-                self.first_failing = True
-                stats.first_failure = time.perf_counter() - stats.started
-                stats.first_failure_cpu = time.process_time() - stats.started_cpu
+            self._failing()
             raise
         self._measure(op, fields.get("req"))
         return observed
@@ -296,9 +315,38 @@ class ExploreMachine(RuleBasedStateMachine):
     @initialize(data=st.data())
     def start(self, data: st.DataObject) -> None:
         mode = self.mode
-        config = mode.apply(data.draw(configs(mode.stratum, mode.swarm), label="config"))
-        mode.stats.knobs.update(knob_values(config))
-        self._session = Session(config, mode.invariants, mode.lockstep, mode.stats.ops)
+        drawn = configs(mode.stratum, mode.swarm, mode.refusals)
+        config = mode.apply(data.draw(drawn, label="config"))
+        refused, account = model_refusal(config)
+        mode.stats.knobs.update(knob_values(config, refused))
+        if refused is not None:
+            if mode.lockstep is not None:
+                other, other_account, _ = refusal_of(mode.lockstep, config)
+                if other != refused:
+                    self._failing()
+                    raise RefusalDivergence(config, account, other_account, refused)
+            self._refused = refused
+            return
+        try:
+            self._session = Session(config, mode.invariants, mode.lockstep, mode.stats.ops)
+        except UnsupportedConfig as error:  # the lockstep target refuses it alone
+            self._failing()
+            target = f"refused by {error.field}: {error.message}"
+            raise RefusalDivergence(config, account, target, error.field) from None
+
+    def _failing(self) -> None:
+        """This example raises a failure: the first, if none was before."""
+        stats = self.mode.stats
+        if stats.first_failure is None:
+            self.first_failing = True
+            stats.first_failure = time.perf_counter() - stats.started
+            stats.first_failure_cpu = time.process_time() - stats.started_cpu
+
+    @precondition(lambda self: self._refused is not None)
+    @rule()
+    def config_refused(self) -> None:
+        """Nothing runs on a config both sides refused (a rule must be
+        available, or Hypothesis calls the machine stuck)."""
 
     def teardown(self) -> None:
         if self._session is not None:

@@ -131,6 +131,27 @@ class ExploreFailure(AssertionError):
         return save_trace(directory, self.name, self.config, self.trace_steps(), self.about())
 
 
+class RefusalDivergence(ExploreFailure):
+    """The model and the lockstep target disagree on a drawn config: one
+    refuses it and the other accepts it, or they name different fields.
+    Saved as a refusal trace (`expect_refused`: the field one side refused
+    by, the model's first), which the gate fails on the disagreeing side."""
+
+    def __init__(self, config: Config, model: str, target: str, field: str) -> None:
+        message = f"config: model {model}; target {target}"
+        super().__init__("divergence", "config_refusal", message, config, (), Witness())
+        self.field = field
+
+    def yaml_body(self) -> str:
+        return dump_trace("explore", self.config, (), expect_refused=self.field)
+
+    def yaml(self) -> str:
+        return dump_trace(self.name, self.config, (), self.about(), self.field)
+
+    def save(self, directory: Path) -> Path:
+        return save_trace(directory, self.name, self.config, (), self.about(), self.field)
+
+
 class Session:
     """Steps applied to the model (and a lockstep target), checked, recorded."""
 

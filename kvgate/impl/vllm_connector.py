@@ -120,6 +120,11 @@ class ConnectorScript:
         self.queries.append(Query(request, presented, new, load_async))
         return new, load_async
 
+    def take_queries(self) -> list[Query]:
+        """The `get_num_new_matched_tokens` calls since the last take."""
+        queries, self.queries = self.queries, []
+        return queries
+
     def take(self) -> tuple[list[Query], list[Allocated], list[Finished]]:
         """The calls recorded since the last `take`."""
         taken = (self.queries, self.allocations, self.finished)
@@ -155,13 +160,24 @@ def _block_ids(blocks: Any) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(int(b) for b in group) for group in blocks)
 
 
+# `kv_connector_extra_config` key: the connector restores a lagging Mamba
+# state (vLLM's `supports_divergent_local_hybrid_hits`, as NIXL's does).
+DIVERGENT_HITS = "divergent_hits"
+
+
 class _Scripted:
     """The connector's behaviour; `connector_class` puts vLLM's bases under it."""
 
     script: ConnectorScript
+    _divergent_hits: bool
 
-    def _start_script(self) -> None:
+    def _start_script(self, extra_config: dict[str, Any]) -> None:
         self.script = ConnectorScript()
+        self._divergent_hits = bool(extra_config.get(DIVERGENT_HITS, False))
+
+    @property
+    def supports_divergent_local_hybrid_hits(self) -> bool:
+        return self._divergent_hits
 
     # -- scheduler side ---------------------------------------------------
 
@@ -225,7 +241,7 @@ def connector_class() -> type[Any]:
 
     def __init__(self: Any, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
         KVConnectorBase_V1.__init__(self, vllm_config, role, kv_cache_config)
-        self._start_script()
+        self._start_script(dict(vllm_config.kv_transfer_config.kv_connector_extra_config))
 
     return type(
         CLASS_NAME,

@@ -39,7 +39,7 @@ from kvgate.conformance.snapshot import Snapshot
 from kvgate.conformance.target import Capabilities, StepRefused
 from kvgate.impl import _vllm_api
 from kvgate.impl.vllm_build import block_hasher, kv_cache_config, scheduler_config
-from kvgate.impl.vllm_connector import ConnectorScript
+from kvgate.impl.vllm_connector import ConnectorScript, ExternalHit
 from kvgate.impl.vllm_errors import describe
 from kvgate.impl.vllm_probe import hold_source, holds_partial_tails, retains_retired
 from kvgate.impl.vllm_view import ManagerView
@@ -94,6 +94,9 @@ class ConnectorSettings:
     # vLLM's kv_load_failure_policy: "recompute" reloads or recomputes what a
     # failed load lost; "fail" ends the request with an error.
     load_failure_policy: Literal["recompute", "fail"] = "recompute"
+    # vLLM's `supports_divergent_local_hybrid_hits` (trace config
+    # `kv_connector_divergent_hits`).
+    divergent_hits: bool = False
 
 
 def _kv_transfer_config(settings: ConnectorSettings) -> Any:
@@ -106,6 +109,7 @@ def _kv_transfer_config(settings: ConnectorSettings) -> Any:
         kv_connector_module_path=vllm_connector.MODULE,
         kv_role=settings.role,
         kv_load_failure_policy=settings.load_failure_policy,
+        kv_connector_extra_config={vllm_connector.DIVERGENT_HITS: settings.divergent_hits},
     )
 
 
@@ -275,6 +279,8 @@ class VllmScheduler:
             )
         if spec_tokens == 0 and config.eagle:
             raise UnsupportedConfig("eagle", "the eagle drop needs draft tokens (spec > 0)")
+        if connector is None and config.kv_connector:
+            connector = ConnectorSettings(divergent_hits=config.kv_connector_divergent_hits)
         if connector is not None:
             _check_connector_support()
         try:
@@ -332,6 +338,24 @@ class VllmScheduler:
             return result
 
         manager.get_computed_blocks = observed_lookup
+        if self._script is not None:
+            allocate = manager.allocate_slots
+
+            def observed_allocation(request: Any, *args: Any, **kwargs: Any) -> Any:
+                result = allocate(request, *args, **kwargs)
+                # Only the waiting queue's calls pass the lookup's blocks.
+                if result is not None and "new_computed_blocks" in kwargs:
+                    self._step.taken.append(
+                        (
+                            str(request.request_id),
+                            int(kwargs.get("num_new_computed_tokens", 0)),
+                            int(kwargs.get("num_external_computed_tokens", 0)),
+                            bool(kwargs.get("delay_cache_blocks", False)),
+                        )
+                    )
+                return result
+
+            manager.allocate_slots = observed_allocation
 
     @property
     def scheduler(self) -> Any:
@@ -380,12 +404,23 @@ class VllmScheduler:
         step.scheduled = [(str(r), int(n)) for r, n in output.num_scheduled_tokens.items()]
         step.preempted = sorted(str(r) for r in output.preempted_req_ids)
         hits = dict(step.lookups)
+        # With a connector the hit an admission takes can be less than its
+        # lookup's (a local sub-block tail superseded): the allocation's.
+        hits.update((r, local) for r, local, _, _ in step.taken)
         step.admitted = [(r, hits.get(r, 0)) for r, _ in step.scheduled if r not in running]
         self._admitted.update(r for r, _ in step.admitted)
         step.copies = [
             [int(c.src_block_id), int(c.dst_block_id)] for c in (output.kv_cache_block_copies or ())
         ]
+        if self._script is not None:
+            queries = self._script.take_queries()
+            step.connector_queries = [
+                (q.request, q.presented, q.answered, q.load_async) for q in queries
+            ]
         return step
+
+    def script_external(self, name: str, tokens: int, load_async: bool) -> None:
+        self.connector_script.hits[name] = ExternalHit(tokens, load_async)
 
     def update(
         self,

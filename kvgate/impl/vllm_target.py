@@ -50,13 +50,13 @@ class VllmTarget(OpDriver[Any]):
     def __init__(self, config: Config, plugin: str | None = None) -> None:
         super().__init__(config)
         self.plugin = plugin
-        # kvgate's own refusals (what it does not model) stay kvgate's; what
-        # vLLM refuses is left to vLLM's objects (`build_manager`).
-        check_modelled(config)
         api, plugin_module = _vllm_api.load_with_hold(config.hold, config.hold_retired, plugin)
         self._api: VllmApi = api
 
+        # What vLLM refuses is left to vLLM's own objects; of what it builds,
+        # kvgate refuses by name what it does not model (as `validate` does).
         manager = build_manager(api, config)
+        check_modelled(config)
         self.manager = manager
         self._coordinator: Any = manager.coordinator
         self._pool: Any = manager.block_pool

@@ -165,6 +165,24 @@ class KVCacheManager:
             total_computed=computed + external,
         )
 
+    def blocks_to_finish(self, request: Request, num_computed: int, slots: int) -> int:
+        """Blocks `request` still needs to hold its whole sequence (its
+        tokens, capped at max_model_len, plus `slots` speculative slots) from
+        `num_computed` tokens, admission cap on: what vLLM's Scheduler keeps
+        free for each in-flight prefill when it admits an async KV load
+        (`_request_remaining_blocks`)."""
+        num_tokens = min(request.num_tokens, self.config.max_model_len)
+        return self.coordinator.blocks_needed(
+            request.request_id,
+            num_tokens + slots,
+            self._no_hit(),
+            num_computed,
+            num_tokens,
+            True,
+            prefill_end=self._prefill_end(request),
+            total_computed=num_computed,
+        )
+
     def allocate_slots(
         self,
         request: Request,
@@ -176,6 +194,7 @@ class KVCacheManager:
         num_external_computed_tokens: int = 0,
         delay_cache_blocks: bool = False,
         skip_zeroing_group_ids: tuple[int, ...] = (),
+        reserved_blocks: int = 0,
     ) -> bool:
         """Give the request slots for `num_new_tokens` more tokens (plus
         lookahead for drafts); False, changing nothing, if the pool is short
@@ -184,7 +203,10 @@ class KVCacheManager:
         A KV connector's `num_external_computed_tokens` follow the local hit:
         each group gets blocks for them. `delay_cache_blocks` (an async load)
         keys nothing now; the groups in `skip_zeroing_group_ids` do not have
-        their new external blocks zeroed (the load writes them)."""
+        their new external blocks zeroed (the load writes them).
+        `reserved_blocks` free blocks must stay free after this step's
+        allocation (the admission gate does not count them), as vLLM keeps
+        in-flight prefills' blocks from an async load."""
         external = num_external_computed_tokens
         if num_new_tokens == 0 and num_new_computed_tokens == 0 and external == 0:
             raise ValueError("num_new_tokens must be > 0 when no computed tokens are adopted")
@@ -198,7 +220,9 @@ class KVCacheManager:
         hit_blocks = new_computed_blocks or self._no_hit()
         prefill_end = self._prefill_end(request)
 
-        def fits(num_tokens: int, num_tokens_main: int, admission: bool, computed: int) -> bool:
+        def fits(
+            num_tokens: int, num_tokens_main: int, admission: bool, computed: int, reserved: int = 0
+        ) -> bool:
             needed = coordinator.blocks_needed(
                 rid,
                 num_tokens,
@@ -209,7 +233,7 @@ class KVCacheManager:
                 prefill_end,
                 total_computed=computed,
             )
-            return needed <= self.block_pool.num_free()
+            return needed <= self.block_pool.num_free() - reserved
 
         # The admission gate: the whole sequence's count, admission cap on.
         num_full = min(request.num_tokens, max_len)
@@ -217,7 +241,7 @@ class KVCacheManager:
             return False
         # States behind the computed prefix are freed even if this fails.
         coordinator.remove_skipped(rid, total_computed)
-        if not fits(num_need_slot, num_tokens_main, False, num_local + external):
+        if not fits(num_need_slot, num_tokens_main, False, num_local + external, reserved_blocks):
             return False
         if new_computed_blocks is not None or external > 0:
             coordinator.add_hit_blocks(rid, hit_blocks, num_local, external, skip_zeroing_group_ids)

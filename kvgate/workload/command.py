@@ -61,6 +61,14 @@ def add_workload_arguments(parser: argparse.ArgumentParser, scale: int, units: s
         help="fork (default): the production build, which retains retired states; "
         "upstream: vLLM 0.33.0 as released",
     )
+    parser.add_argument(
+        "--kv-connector",
+        action="store_true",
+        help="serve with a KV connector (an offloading store) beside the prefix cache: each "
+        "request's external hit drawn (none, sync or async, some superseding a local "
+        "sub-block tail), every lookup running the Scheduler's connector branch; off by "
+        "default (the workload as measured)",
+    )
     parser.add_argument("--sessions", type=int, default=defaults.sessions)
     parser.add_argument("--turns", type=int, default=defaults.turns)
     parser.add_argument("--seed", type=int, default=defaults.seed)
@@ -76,7 +84,8 @@ def add_workload_arguments(parser: argparse.ArgumentParser, scale: int, units: s
 def workload_of(args: argparse.Namespace) -> tuple[Workload, Deployment]:
     """The workload and the (scaled) deployment the shared flags describe."""
     workload = Workload(sessions=args.sessions, turns=args.turns, seed=args.seed)
-    return workload, Deployment(build=args.build).scaled(args.scale)
+    deployment = Deployment(build=args.build, kv_connector=args.kv_connector)
+    return workload, deployment.scaled(args.scale)
 
 
 def register(subparsers: Any) -> None:
@@ -190,6 +199,7 @@ def run(args: argparse.Namespace) -> int:
     scale = f"-div{args.scale}" if args.scale > 1 else ""
     stem = args.out / (
         f"workload-{workload.sessions}x{workload.turns}-seed{workload.seed}{scale}-{args.build}"
+        + ("-kv-connector" if args.kv_connector else "")
     )
     # The header names the hold implementation when a hold-on arm ran.
     replays = sorted(

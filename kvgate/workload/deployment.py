@@ -49,6 +49,9 @@ class Serving:
     system_prompt: int
     spec: int
     max_num_seqs: int
+    # With a KV connector: the seed of the external hits drawn per request
+    # (None: no connector, nothing drawn).
+    connector_seed: int | None = None
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,10 @@ class Deployment:
     max_num_seqs: int = 16
     max_model_len: int = 131072
     build: Build = "fork"
+    # A KV connector (an offloading store) beside the prefix cache: each
+    # request's external hit drawn (sync or async), every lookup running the
+    # Scheduler's connector branch. Off: the workload as measured.
+    kv_connector: bool = False
     # Every token quantity below is divided by this (see `scaled`).
     scale: int = 1
 
@@ -162,6 +169,10 @@ class Deployment:
             scheduler_block_size=block,
             max_model_len=self.tokens(self.max_model_len),
             max_num_scheduled_tokens=self.tokens(self.max_num_scheduled_tokens),
+            kv_connector=self.kv_connector,
+            # vLLM's default admission gate: with a connector the re-admission
+            # after an async load has no lookup for the generator's own gate.
+            reserve_full_sequence=self.kv_connector,
         )
         validate(config)
         return config
@@ -175,10 +186,16 @@ class Deployment:
             scaled.tokens(n)  # raises when a quantity does not divide
         return scaled
 
-    def serving(self, system_prompt: int) -> Serving:
+    def serving(self, system_prompt: int, seed: int = 0) -> Serving:
         """How this deployment serves sessions sharing a `system_prompt` of
-        that many full-size tokens."""
-        return Serving(system_prompt // self.scale, self.spec_tokens, self.max_num_seqs)
+        that many full-size tokens (`seed`: the workload's, for the external
+        hits a KV connector's store is drawn to hold)."""
+        return Serving(
+            system_prompt // self.scale,
+            self.spec_tokens,
+            self.max_num_seqs,
+            seed if self.kv_connector else None,
+        )
 
     def describe(self, units: tuple[int, ...], concurrency: int) -> list[str]:
         """The assumptions and what they come to, one line each (`units` scaled)."""
@@ -208,7 +225,12 @@ class Deployment:
                 if self.build == "fork"
                 else "vLLM 0.33.0: no retired state retained; hold on = the partial-tail hold alone"
             )
-            + ")",
+            + ")"
+            + (
+                "; KV connector: each request's external hit drawn (none, sync or async)"
+                if self.kv_connector
+                else ""
+            ),
             "pool: "
             + ", ".join(f"{self.num_blocks(u, concurrency):,} blocks at unit {u}" for u in units)
             + f"; idle sessions' footprints add <= {idle:.0%} attention capacity "

@@ -38,6 +38,7 @@ previous turn records whether its whole attention prefix is still cached.
 from __future__ import annotations
 
 import heapq
+import random
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -62,6 +63,42 @@ class WorkloadStuck(RuntimeError):
     """The plan cannot run on this pool (a request never fits)."""
 
 
+# A prefill chunk as the generator writes it: (the `allocate`'s `tokens`, the
+# tokens the step runs, the speculative padding rows among them).
+_Chunk = tuple[int | Literal["auto"], int, int]
+
+
+@dataclass(frozen=True)
+class RemoteHit:
+    """What a KV connector's external store holds of a request: its first
+    `tokens` tokens, loaded asynchronously when `load_async`; such a load is
+    reported finished by the worker `delay` engine steps after the step that
+    started it (0: in that step's own output)."""
+
+    tokens: int
+    load_async: bool
+    delay: int
+
+
+def draw_remote(rng: random.Random, num_tokens: int, previous: int) -> RemoteHit | None:
+    """A request's external hit, drawn: none, the turn before's whole
+    sequence (`previous` tokens: what an offloading store keeps of the
+    session), the whole prompt (less the token a sync load leaves to
+    compute), or a prefix of any length; sync or async."""
+    if rng.random() < 0.35:
+        return None
+    load_async = rng.random() < 0.5
+    whole = num_tokens if load_async else num_tokens - 1
+    kind = rng.choice(("previous", "whole", "part"))
+    if kind == "previous" and previous:
+        tokens = min(previous, whole)
+    elif kind == "part":
+        tokens = rng.randint(1, max(1, whole))
+    else:
+        tokens = whole
+    return RemoteHit(max(0, tokens), load_async, rng.choice((0, 0, 1, 2)))
+
+
 @dataclass
 class _Live:
     """A turn as the scheduler tracks it."""
@@ -74,6 +111,19 @@ class _Live:
     # Its last run sampled (a completed prefill or a decode): it decodes next,
     # with drafts, as vLLM's Scheduler runs a request that has them.
     decoding: bool = False
+    # With a KV connector: what the external store holds of it (None: nothing).
+    remote: RemoteHit | None = None
+    # Its asynchronous load is in flight (the Scheduler's WAITING_FOR_REMOTE_KVS),
+    # since engine step `load_started`; `reported` once the worker said it
+    # finished. It holds blocks while it waits (`holds_blocks`), which puts it
+    # in the Scheduler's queue of such requests, scanned before the others.
+    loading: bool = False
+    load_started: int = 0
+    # Its computed tokens as the Scheduler holds them during this step's scan
+    # (it advances them only after the scan).
+    sched_computed: int = 0
+    reported: bool = False
+    holds_blocks: bool = False
 
     @property
     def target_output(self) -> int:
@@ -115,6 +165,13 @@ class _Scheduler:
     waiting: deque[_Live] = field(default_factory=deque)
     running: list[_Live] = field(default_factory=list)
     num_eligible: int = 0  # waiting + running when this step began
+    _running_scheduled: bool = False
+    _prefill_scheduled: bool = False
+    # With a KV connector: waiting requests that hold blocks (an async load in
+    # flight, or done but not yet admitted), which vLLM's Scheduler keeps in a
+    # queue of their own (`kv_holding_waiting`) and scans first.
+    holding: deque[_Live] = field(default_factory=deque)
+    engine_step: int = 0
 
     def schedule(self, decisions: StepDecisions) -> tuple[bool, list[_Live]]:
         """One scheduler step's allocations, recorded in `decisions`;
@@ -126,12 +183,18 @@ class _Scheduler:
         # What vLLM's Scheduler counts, once per step, to decide whether
         # `long_prefill_token_threshold` applies: its own queues. The oracle's
         # live requests also hold the system prompt's holder, never scheduled.
-        self.num_eligible = len(self.waiting) + len(self.running)
+        self.num_eligible = len(self.waiting) + len(self.holding) + len(self.running)
+        for live in (*self.running, *self.holding):
+            live.sched_computed = live.request.num_computed_tokens
         index = 0
+        # Whether a running request ran a prefill chunk this step (vLLM's
+        # `prefill_scheduled`, which the waiting scan's padding reads).
+        prefill_scheduled = False
         while index < len(self.running) and budget > 0:
             live = self.running[index]
             request = live.request
             outputs = len(request.output)
+            prefilling = not live.decoding
             if live.decoding:
                 # vLLM schedules what the budget leaves of 1 + K: fewer drafts.
                 drafts = min(self.spec, budget - 1)
@@ -163,42 +226,187 @@ class _Scheduler:
             scheduled = True
             index += 1
             decisions.scheduled.append((live.name, cost))
+            prefill_scheduled |= prefilling
             live.decoding = len(request.output) > outputs  # it sampled
             if len(request.output) >= live.target_output:
                 finished.append(live)
         if preempted:
             return scheduled, finished  # vLLM admits nothing in a step that preempted
-        while budget > 0 and self.waiting and len(self.running) < self.max_num_seqs:
-            live = self.waiting[0]
+        # Requests the scan passed over that hold blocks: back at the head of
+        # their queue after the scan, in scan order.
+        skipped: list[_Live] = []
+        # Whether the running loop scheduled anything (the padding reads it).
+        self._running_scheduled = bool(decisions.scheduled)
+        self._prefill_scheduled = prefill_scheduled
+        while budget > 0 and len(self.running) < self.max_num_seqs:
+            queue = self.holding if self.holding else self.waiting
+            if not queue:
+                break
+            live = queue[0]
+            if live.loading and not live.reported:
+                skipped.append(queue.popleft())  # its KV is not here yet
+                continue
             outputs = len(live.request.output)
-            if not live.admitted and live.follows is not None:
-                cached = self.writer.check({"attention_cached": {live.follows: 0}})
-                decisions.checked[live.name] = int(cached["attention_cached"][live.follows])
-            hit = self.writer.run("lookup", req=live.name)["hit"]
-            decisions.lookups.append((live.name, hit))
-            need = self.writer.run("reserve", req=live.name)["blocks"]
-            if need > self.writer.oracle.num_free_blocks():
-                break
-            chunk = self._chunk(live.request, hit, budget)
-            if chunk is None or not self._allocate(live, chunk, hit)():
-                break
-            self.waiting.popleft()
+            if live.holds_blocks:
+                admitted = self._admit_loaded(live, budget)
+                if admitted is None:
+                    break
+                hit, cost = 0, admitted
+                decisions.taken.append((live.name, 0, 0, False))
+            else:
+                if not live.admitted and live.follows is not None:
+                    cached = self.writer.check({"attention_cached": {live.follows: 0}})
+                    decisions.checked[live.name] = int(cached["attention_cached"][live.follows])
+                hit, external, load_async = self._lookup(live, decisions)
+                need = self.writer.run("reserve", req=live.name)["blocks"]
+                if need > self.writer.oracle.num_free_blocks():
+                    break
+                reserved = self._reserved_blocks(skipped) if load_async else 0
+                live.sched_computed = live.request.num_computed_tokens + hit + external
+                if load_async:
+                    # The load's blocks, nothing to compute: it waits for its KV,
+                    # keeping the in-flight prefills' blocks free.
+                    fields = {"reserved": reserved} if reserved else {}
+                    result = self.writer.run("allocate", req=live.name, tokens="auto", **fields)
+                    if not result["ok"]:
+                        break
+                    decisions.taken.append((live.name, hit, external, True))
+                    live.loading, live.reported, live.holds_blocks = True, False, True
+                    live.load_started = self.engine_step
+                    skipped.append(queue.popleft())
+                    continue
+                chunk = self._admission_chunk(live, hit + external, budget)
+                if chunk is None or not self._allocate(live, chunk, hit + external)():
+                    break
+                if self.config.kv_connector:
+                    decisions.taken.append((live.name, hit, external, False))
+                cost = chunk[1]
+            queue.popleft()
             self.running.append(live)
             live.admitted = True
-            budget -= chunk[1]
+            live.holds_blocks = False
+            budget -= cost
             scheduled = True
-            decisions.scheduled.append((live.name, chunk[1]))
+            decisions.scheduled.append((live.name, cost))
             decisions.admitted.append((live.name, hit))
             live.decoding = len(live.request.output) > outputs  # it sampled
             if len(live.request.output) >= live.target_output:
                 finished.append(live)
+        self.holding.extendleft(reversed(skipped))
         return scheduled, finished
 
-    def _chunk(
-        self, request: Request, hit: int, budget: int
-    ) -> tuple[int | Literal["auto"], int] | None:
-        """The next prefill chunk within `budget`: (as written, tokens), or None
-        when the split leaves nothing to run this step."""
+    def _lookup(self, live: _Live, decisions: StepDecisions) -> tuple[int, int, bool]:
+        """The admission's lookup: (local hit taken, external tokens, loaded
+        asynchronously). With a KV connector the lookup carries what the
+        external store holds, and the question the Scheduler then puts to
+        the connector is recorded."""
+        if not self.config.kv_connector:
+            hit = int(self.writer.run("lookup", req=live.name)["hit"])
+            decisions.lookups.append((live.name, hit))
+            return hit, 0, False
+        remote = live.remote or RemoteHit(0, False, 0)
+        result = self.writer.run(
+            "lookup", req=live.name, remote_hit=remote.tokens, remote_async=remote.load_async
+        )
+        local = int(result["local_hit"])
+        decisions.lookups.append((live.name, local))
+        presented = local - local % self.config.scheduler_block_size
+        answered = max(0, remote.tokens - presented)
+        decisions.connector_queries.append(
+            (live.name, presented, answered, remote.load_async and answered > 0)
+        )
+        external = int(result["external"])
+        return int(result["hit"]), external, remote.load_async and external > 0
+
+    def _admit_loaded(self, live: _Live, budget: int) -> int | None:
+        """Admit a request that holds blocks, without a lookup. When the scan
+        first reaches it after the worker reported its load, the Scheduler
+        completes the load (its blocks keyed; a load of every token leaves the
+        last to compute) whatever follows: the `allocate` completes it, or,
+        when nothing runs this step, an `allocate complete_only` does only
+        that. The tokens run, or None when nothing runs (the scan stops; the
+        request stays waiting with its blocks)."""
+        request = live.request
+        completing = live.loading
+        # Where the chunk starts once the load is complete.
+        back = -1 if completing and request.num_computed_tokens >= request.num_tokens else 0
+        live.loading = False
+        live.sched_computed = request.num_computed_tokens + back
+        chunk = self._admission_chunk(live, back, budget)
+        if chunk is None:
+            if completing:
+                self.writer.run("allocate", req=live.name, tokens="auto", complete_only=True)
+            return None
+        if not self._allocate(live, chunk, back)():
+            return None
+        return chunk[1]
+
+    def _reserved_blocks(self, skipped: list[_Live]) -> int:
+        """The free blocks vLLM's Scheduler keeps when it admits an async KV
+        load: what each in-flight prefill (a running request still in its
+        prompt, or a waiting one holding blocks) needs to finish, from the
+        computed tokens the Scheduler holds for it, plus a speculative step's
+        attention blocks."""
+        slots = 2 * self.spec + 1 if self.spec else 0  # 1 + K drafts + K lookahead
+        manager = self.writer.oracle.manager
+        # Waiting requests holding blocks, the ones this scan passed over too.
+        holding = [*skipped, *self.holding]
+        inflight = [live for live in self.running if not live.decoding] + holding
+        reserved = sum(
+            manager.blocks_to_finish(live.request, live.sched_computed, slots) for live in inflight
+        )
+        return reserved + sum(
+            -(-slots // group.block_size)
+            for group in self.config.groups
+            if group.kind != "mamba_align"
+        )
+
+    def _admission_chunk(self, live: _Live, hit: int, budget: int) -> _Chunk | None:
+        """The chunk of a request admitted from the waiting queue, `hit`
+        tokens past its computed ones. With drafts, vLLM's Scheduler pads a
+        chunk of one token to a whole speculative step (1 + K rows, the K
+        placeholder drafts rejected) unless a running request ran a prefill
+        chunk this step, or it is a first admission with nothing computed
+        and no running request scheduled, or the rows would pass
+        max_model_len; it admits nothing more when the budget cannot take
+        the padded step, and drops the padding when the align-mode split
+        cuts it. None: nothing to run (the scan stops)."""
+        request = live.request
+        computed = request.num_computed_tokens + hit
+        padded = 1 + self.spec
+        if (
+            self.spec
+            and request.num_tokens - computed == 1
+            and not self._prefill_scheduled
+            and (self._running_scheduled or computed > 0)
+            and computed + padded + 1 <= self.config.max_model_len
+        ):
+            if padded > budget:
+                return None
+            offered = chunk_offer(self.config, padded, budget, self.num_eligible)
+            if chunk_tokens(self.config, request, offered, hit) == padded:
+                return "auto", padded, self.spec
+        return self._chunk(request, hit, budget)
+
+    def reported_loads(self) -> list[str]:
+        """The async loads the worker reports finished in this engine step's
+        output: each `delay` steps after the step that started it."""
+        reported = []
+        for live in self.holding:
+            remote = live.remote
+            if (
+                live.loading
+                and not live.reported
+                and remote is not None
+                and self.engine_step - live.load_started >= remote.delay
+            ):
+                live.reported = True
+                reported.append(live.name)
+        return reported
+
+    def _chunk(self, request: Request, hit: int, budget: int) -> _Chunk | None:
+        """The next prefill chunk within `budget`: (as written, tokens run,
+        padding rows), or None when the split leaves nothing to run this step."""
         remaining = request.num_tokens - request.num_computed_tokens - hit
         offered = chunk_offer(self.config, remaining, budget, self.num_eligible)
         tokens = chunk_tokens(self.config, request, offered, hit)
@@ -210,19 +418,24 @@ class _Scheduler:
         full = chunk_offer(self.config, remaining, most, self.num_eligible)
         replayed = chunk_offer(self.config, remaining, most, self.writer.oracle.num_live())
         auto = offered == full and chunk_tokens(self.config, request, replayed, hit) == tokens
-        return ("auto" if auto else tokens), tokens
+        return ("auto" if auto else tokens), tokens, 0
 
-    def _allocate(
-        self, live: _Live, chunk: tuple[int | Literal["auto"], int], hit: int = 0
-    ) -> Callable[[], bool]:
-        written, tokens = chunk
+    def _allocate(self, live: _Live, chunk: _Chunk, hit: int = 0) -> Callable[[], bool]:
+        written, tokens, pad = chunk
         request = live.request
         # The chunk that computes every token samples the step's output token.
-        sample = int(request.num_computed_tokens + hit + tokens >= request.num_tokens)
+        sample = int(request.num_computed_tokens + hit + tokens - pad >= request.num_tokens)
+        # Written only when padded: a trace without padding reads as before.
+        padding = {"pad": pad} if pad else {}
 
         def run() -> bool:
             result = self.writer.run(
-                "allocate", req=live.name, tokens=written, lookahead=self.spec, sample=sample
+                "allocate",
+                req=live.name,
+                tokens=written,
+                lookahead=self.spec,
+                sample=sample,
+                **padding,
             )
             return bool(result["ok"])
 
@@ -249,14 +462,24 @@ class StepDecisions(ScheduledStep):
     # Output tokens each scheduled request gained this step (the model's ids).
     sampled: dict[str, list[int]] = field(default_factory=dict)
     finished: list[str] = field(default_factory=list)
+    # Async KV loads the worker reports finished in this step's output.
+    loaded: list[str] = field(default_factory=list)
 
 
 class StepObserver(Protocol):
     """Sees each turn arrive and each engine step's decisions, in order."""
 
-    def arrived(self, name: str, tokens: list[int], max_tokens: int, follows: str | None) -> None:
+    def arrived(
+        self,
+        name: str,
+        tokens: list[int],
+        max_tokens: int,
+        follows: str | None,
+        remote: RemoteHit | None = None,
+    ) -> None:
         """A turn arrived: its prompt's token ids, its output length, the turn
-        it follows."""
+        it follows, and (with a KV connector) what the external store holds
+        of it."""
 
     def stepped(self, decisions: StepDecisions, last: Step) -> None:
         """An engine step ended (finishes freed); `last` is its last trace step."""
@@ -281,6 +504,13 @@ class SessionRun:
         self.progress = progress
         self.writer = _Writer(ModelTarget(config))
         self.scheduler = _Scheduler(config, serving.spec, serving.max_num_seqs, self.writer)
+        # External hits are drawn from a stream of their own, so a run
+        # without a connector draws exactly as before.
+        self.remote_draws = (
+            None
+            if serving.connector_seed is None
+            else random.Random(f"kvgate-connector-{serving.connector_seed}")
+        )
 
     @property
     def oracle(self) -> ModelTarget:
@@ -298,23 +528,37 @@ class SessionRun:
         by_index = {s.index: s for s in sessions}
         now = done = idle = 0
         while done < total:
-            if not scheduler.running and not scheduler.waiting:
+            if not scheduler.running and not scheduler.waiting and not scheduler.holding:
                 now = max(now, arrivals[0][0])  # an idle engine waits for the next arrival
             while arrivals and arrivals[0][0] <= now:
                 _, index, turn = heapq.heappop(arrivals)
                 live = _arrive(writer, by_index[index], turn, self.system_prompt > 0)
                 scheduler.waiting.append(live)
+                if self.remote_draws is not None:
+                    previous = (
+                        len(writer.oracle.requests[live.follows].request.all_token_ids)
+                        if live.follows is not None
+                        else 0
+                    )
+                    live.remote = draw_remote(
+                        self.remote_draws, len(live.request.all_token_ids), previous
+                    )
                 if self.observer is not None:
                     self.observer.arrived(
                         live.name,
                         list(live.request.all_token_ids),
                         live.target_output,
                         live.follows,
+                        live.remote,
                     )
             decisions = StepDecisions()
             outputs = {live.name: len(live.request.output) for live in scheduler.running}
-            outputs.update((live.name, len(live.request.output)) for live in scheduler.waiting)
+            outputs.update(
+                (live.name, len(live.request.output))
+                for live in (*scheduler.waiting, *scheduler.holding)
+            )
             scheduled, finished = scheduler.schedule(decisions)
+            decisions.loaded = scheduler.reported_loads()
             writer.run("step")
             decisions.copies = writer.run("drain")["copies"]
             for name, _ in decisions.scheduled:
@@ -332,7 +576,10 @@ class SessionRun:
                     heapq.heappush(arrivals, (now + delay, live.session.index, live.turn + 1))
             if self.observer is not None:
                 self.observer.stepped(decisions, writer.steps[-1])
-            idle = 0 if scheduled else idle + 1
+            scheduler.engine_step += 1
+            # A load in flight is progress even when nothing is scheduled.
+            loading = any(live.loading for live in scheduler.holding)
+            idle = 0 if scheduled or loading else idle + 1
             if idle > MAX_IDLE_STEPS:
                 stuck = scheduler.waiting[0].name if scheduler.waiting else "?"
                 raise WorkloadStuck(

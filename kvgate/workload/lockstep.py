@@ -36,7 +36,7 @@ from kvgate.conformance.trace import TraceError, load_trace
 from kvgate.conformance.writer import save_trace
 from kvgate.errors import InputError
 from kvgate.workload.deployment import Deployment, Serving
-from kvgate.workload.generator import SessionRun, StepDecisions
+from kvgate.workload.generator import RemoteHit, SessionRun, StepDecisions
 from kvgate.workload.measure import ArmCounts, Seen, count_seen
 from kvgate.workload.plan import Session, Workload, make_plan
 from kvgate.workload.progress import Progress
@@ -81,10 +81,19 @@ class _Lockstep:
     seen: dict[str, Seen] = field(default_factory=dict)
     _checked: dict[str, int] = field(default_factory=dict)
 
-    def arrived(self, name: str, tokens: list[int], max_tokens: int, follows: str | None) -> None:
+    def arrived(
+        self,
+        name: str,
+        tokens: list[int],
+        max_tokens: int,
+        follows: str | None,
+        remote: RemoteHit | None = None,
+    ) -> None:
         self.seen[name] = Seen(prompt_tokens=len(tokens), follows=follows)
         step = self.run.writer.steps[-1]
         try:
+            if remote is not None:
+                self.real.script_external(name, remote.tokens, remote.load_async)
             self.real.add_request(name, tokens, max_tokens, follows)
         except StepRefused as refusal:
             raise _Refused(step.index, refusal, "vLLM's Scheduler") from None
@@ -101,7 +110,7 @@ class _Lockstep:
             ) from error
         self._compare(decisions, real, last)
         try:
-            finished = self.real.update(decisions.sampled)
+            finished = self.real.update(decisions.sampled, loaded=decisions.loaded)
         except Exception as error:
             raise _Diverged(
                 last, "api", "update_from_output() raised", "no exception", one_line(error)
@@ -123,6 +132,16 @@ class _Lockstep:
             ("scheduled (request, tokens)", model.scheduled, real.scheduled),
             ("admitted (request, hit)", model.admitted, real.admitted),
             ("copies", model.copies, real.copies),
+            (
+                "KV connector queries (request, presented, answered, async)",
+                model.connector_queries,
+                real.connector_queries,
+            ),
+            (
+                "waiting-queue allocations (request, local hit, external, async load)",
+                model.taken,
+                real.taken,
+            ),
         )
         for what, expected, actual in pairs:
             if expected != actual:
@@ -252,7 +271,7 @@ def scheduler_arm(
         result = run_on_scheduler(
             config,
             sessions,
-            deployment.serving(workload.system_prompt),
+            deployment.serving(workload.system_prompt, workload.seed),
             real=real,
             name=trace_name(workload, deployment, arm),
             out=out,

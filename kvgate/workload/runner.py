@@ -59,7 +59,9 @@ def trace_name(workload: Workload, deployment: Deployment, arm: Arm) -> str:
     hold = "on" if arm.hold else "off"
     return (
         f"workload-{workload.sessions}x{workload.turns}-seed{workload.seed}{scale}"
-        f"-u{arm.unit}.{deployment.build}.hold-{hold}"
+        f"-u{arm.unit}.{deployment.build}"
+        + (".kv-connector" if deployment.kv_connector else "")
+        + f".hold-{hold}"
     )
 
 
@@ -88,7 +90,7 @@ def write_traces(
         steps = generate(
             config,
             sessions,
-            deployment.serving(workload.system_prompt),
+            deployment.serving(workload.system_prompt, workload.seed),
             progress=lambda done, _total: progress.set(done),
         )
         name = trace_name(workload, deployment, arm)
