@@ -363,3 +363,42 @@ def test_a_driver_that_drifts_from_the_schedulers_connector_branch_diverges(
     divergence = result.replay.divergence
     assert divergence is not None
     assert seen in divergence.what
+
+
+@pytest.mark.parametrize("driver_frees_first", [True, False])
+def test_an_ended_request_frees_its_skipped_states_before_the_connector_sees_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, driver_frees_first: bool
+) -> None:
+    """With a connector vLLM's Scheduler calls `remove_skipped_blocks` when a
+    request ends, before freeing it: a last step that crossed a Mamba block
+    frees its state two steps back first, which moves it in the free queue.
+    A 100-token prompt with 30 output tokens ends at 129 computed tokens,
+    one past the fourth 32-token block."""
+    from kvgate.conformance.driver import OpDriver
+    from kvgate.impl.vllm_scheduler import VllmScheduler
+    from kvgate.workload.deployment import Serving
+    from kvgate.workload.lockstep import run_on_scheduler
+    from kvgate.workload.plan import Session, Turn
+
+    if not driver_frees_first:
+        monkeypatch.setattr(OpDriver, "remove_skipped_blocks", lambda self, request, n: None)
+    config = dataclasses.replace(CONFIG, kv_connector=True)
+    real = VllmScheduler(config, spec_tokens=SPEC, max_num_seqs=4)
+    try:
+        result = run_on_scheduler(
+            config,
+            [Session(0, (Turn(fresh=100, output=30, delay=0),))],
+            Serving(system_prompt=0, spec=SPEC, max_num_seqs=4),
+            real=real,
+            name="finish-frees-skipped",
+            out=tmp_path,
+            about="",
+            level="strict",
+        )
+    finally:
+        real.close()
+    divergence = result.replay.divergence
+    if driver_frees_first:
+        assert divergence is None, divergence
+    else:
+        assert divergence is not None and divergence.what.endswith("free queue")

@@ -534,6 +534,11 @@ class OpDriver(ABC, Generic[R]):
             # A request that ends hands a KV producer's connector its partial
             # tails, then its computed blocks (`_connector_finished`).
             result["partial_tail_offloads"] = self.finalize_partial_tail_offloads(pending.request)
+            if self.config.kv_connector:
+                # With a connector the Scheduler frees what the request no
+                # longer needs before handing the connector its blocks
+                # (`_connector_finished`); without one it frees them all at once.
+                self.remove_skipped_blocks(pending.request, self.num_computed(pending.request))
             result["computed_block_ids"] = self.computed_block_ids(
                 pending.request, self.num_computed(pending.request)
             )
@@ -654,6 +659,12 @@ class OpDriver(ABC, Generic[R]):
 
     def free(self, request: R) -> None:
         self.manager.free(request)
+
+    def remove_skipped_blocks(self, request: R, num_computed: int) -> None:
+        """`remove_skipped_blocks`: free the blocks the request no longer
+        needs below `num_computed` processed tokens."""
+        ended = cast(Any, request)
+        self.manager.remove_skipped_blocks(ended.request_id, num_computed, ended.num_prompt_tokens)
 
     def pop_blocks_for_free(self, request: R) -> list[Any]:
         return list(self.manager.pop_blocks_for_free(request))

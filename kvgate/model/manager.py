@@ -252,6 +252,17 @@ class KVCacheManager:
         coordinator.cache(request, min(total_computed + num_new_tokens, request.num_tokens))
         return True
 
+    def remove_skipped_blocks(
+        self,
+        request_id: str,
+        processed_computed_tokens: int,
+        num_prompt_tokens: int | None = None,
+    ) -> None:
+        """Free the states the request no longer needs below that many
+        processed tokens (`num_prompt_tokens` only matters to a window kind
+        the model does not have)."""
+        self.coordinator.remove_skipped(request_id, processed_computed_tokens)
+
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         self.coordinator.cache(request, num_computed_tokens)
 
