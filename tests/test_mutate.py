@@ -43,6 +43,7 @@ FAST = {
     "admission-off-by-one": "admission-exact-fit",
     "pop-keeps-partial-hit": "preempt-after-partial-tail",
     "mamba-pop-keeps-allocated": "preempt-after-partial-tail",
+    "connector-async-load-cached-early": "gdn-triton-connector-async-load.hold-off",
     # vLLM accepting a config it should refuse: a refusal trace fails.
     "retention-interval-any-multiple": "refuse-retention-not-a-multiple",
     "retention-interval-negative": "refuse-retention-negative",

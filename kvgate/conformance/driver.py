@@ -287,8 +287,10 @@ class OpDriver(ABC, Generic[R]):
 
     def _op_lookup(self, step: Step) -> dict[str, Any]:
         pending = self._pending(step)
-        self._refuse_while_loading(pending, step)
         request = pending.request
+        if step.load_failed:
+            self._fail_load(pending)
+        self._refuse_while_loading(pending, step)
         external, load_async, diverged = 0, False, False
         if self.config.kv_connector and self.config.kv_connector_divergent_hits:
             blocks, hit, junction, diverged = self.lookup_for_connector(request)
@@ -360,6 +362,19 @@ class OpDriver(ABC, Generic[R]):
             "blocks": self.blocks_needed(pending.request, blocks, hit, True, external),
             "step_blocks": self.blocks_needed(pending.request, blocks, hit, False, external),
         }
+
+    def _fail_load(self, pending: Pending[R]) -> None:
+        """The connector reported the request's load failed as a whole
+        (`failed_recving`, the recompute policy: vLLM's for a model with
+        several KV-cache groups): nothing it loaded counts, so when the
+        Scheduler next reaches the request it frees its blocks
+        (`_update_waiting_for_remote_kv`) and admits it afresh, a lookup
+        first, in the same pass."""
+        if not pending.loading:
+            raise StepRefused("load_failed", "the request has no KV load in flight")
+        self.set_num_computed(pending.request, 0)
+        self.free(pending.request)
+        pending.loading = False
 
     def _complete_load(self, pending: Pending[R]) -> None:
         """The load finished (`_update_waiting_for_remote_kv`, which the

@@ -59,6 +59,7 @@ def prefill_lookup(prefill: Step) -> Step:
         req=prefill.req,
         remote_hit=prefill.remote_hit,
         remote_async=prefill.remote_async,
+        load_failed=prefill.load_failed,
         expect=dict(prefill.expect),
     )
 

@@ -79,6 +79,9 @@ FIELD_TYPES: dict[str, FieldType] = {
     # the connector has the KV of, and whether it loads it asynchronously.
     "remote_hit": "int",
     "remote_async": "bool",
+    # lookup: the request's async load failed (the scheduler frees its
+    # blocks and looks it up again)
+    "load_failed": "bool",
     # allocate (additive), what vLLM's Scheduler decides around the call: the
     # speculative rows it padded a one-token admission chunk with; the free
     # blocks an async load's allocation must leave (`reserved_blocks`); and
@@ -108,7 +111,7 @@ STATS_KEYS: tuple[str, ...] = (
 # `junction` (as the scheduler takes them), and with a connector (additive)
 # `local_hit`, the local lookup's own hit before the connector branch, and
 # `external`, the connector's tokens the scheduler takes.
-CONNECTOR_FIELDS: tuple[str, ...] = ("remote_hit", "remote_async")
+CONNECTOR_FIELDS: tuple[str, ...] = ("remote_hit", "remote_async", "load_failed")
 LOOKUP_KEYS: tuple[str, ...] = ("hit", "junction", "local_hit", "external")
 
 ACTIONS: dict[str, Action] = {
@@ -264,6 +267,8 @@ class Step:
     # `remote_hit` tokens, loaded asynchronously with `remote_async`
     remote_hit: int = 0
     remote_async: bool = False
+    # lookup: the request's async KV load failed as a whole (`failed_recving`)
+    load_failed: bool = False
     # allocate: `pad` speculative rows on a one-token chunk; `reserved` free
     # blocks an async load's allocation leaves; `complete_only`: only complete
     # the request's reported KV load

@@ -208,6 +208,9 @@ def write_summary(out: TextIO, outcome: Outcome) -> None:
         line = f"  {op:<9}{ops[op]:>9}"
         if op == "free":
             line += "  (" + ", ".join(f"{how} {ops[f'free:{how}']}" for how in FREE_HOW) + ")"
+        if op in ("lookup", "allocate") and ops[f"{op}:connector"]:
+            # A KV connector's share: external tokens taken, async loads.
+            line += f"  (connector: {ops[f'{op}:connector']})"
         print(line, file=out)
     missing = [op for op in PRIMITIVE_OPS if not ops[op]]
     missing += [f"free:{how}" for how in FREE_HOW if not ops[f"free:{how}"]]

@@ -87,7 +87,15 @@ FAMILIES: tuple[dict[str, Any], ...] = (
     # prompt end), and dense: every state kept, so a lookup can reach a
     # prompt's end.
     # One Mamba group: a pure Mamba model has no other (`knobs._pure_mamba`).
-    {"mamba_groups": 1, "pure_mamba": True, "eagle": False},
-    {"mamba_groups": 1, "pure_mamba": True, "eagle": False, "retention_interval": None},
+    # No KV connector there: these families' share stays on the unitary
+    # coordinator's own paths (the hybrid families draw the connector).
+    {"mamba_groups": 1, "pure_mamba": True, "eagle": False, "kv_connector": "off"},
+    {
+        "mamba_groups": 1,
+        "pure_mamba": True,
+        "eagle": False,
+        "retention_interval": None,
+        "kv_connector": "off",
+    },
     {"prefix_caching": False},
 )

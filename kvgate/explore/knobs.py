@@ -132,6 +132,12 @@ def _long_prefill(config: Config, value: int | None) -> Config:
     return replace(config, long_prefill_token_threshold=value)
 
 
+def _kv_connector(config: Config, value: str) -> Config:
+    return replace(
+        config, kv_connector=value != "off", kv_connector_divergent_hits=value == "divergent_hits"
+    )
+
+
 KNOBS: tuple[Knob, ...] = (
     Knob("mamba_groups", (1, 2), _mamba_groups, stratum=True),
     Knob("mamba_block", (32, 64), _mamba_block),
@@ -190,6 +196,10 @@ KNOBS: tuple[Knob, ...] = (
     Knob("pure_mamba", (False, True), _pure_mamba, only_with=(("mamba_groups", 1),)),
     # vLLM's `enable_prefix_caching` off: the no-prefix-cache coordinator.
     Knob("prefix_caching", (True, False), lambda c, v: replace(c, prefix_caching=v)),
+    # A KV connector: none, one reading the agreed local hit (LMCache-like),
+    # or one taking per-group hits (NIXL-like); the machine's connector rule
+    # then scripts what it holds.
+    Knob("kv_connector", ("off", "on", "divergent_hits"), _kv_connector),
 )
 KNOB_NAMES = tuple(k.name for k in KNOBS)
 

@@ -150,6 +150,8 @@ def knob_values(config: Config, refused: str | None = None) -> tuple[str, ...]:
         f"hash_lookahead_tokens={config.hash_lookahead_tokens}",
         f"pure_mamba={not config.has_attention}",
         f"prefix_caching={config.prefix_caching}",
+        "kv_connector="
+        + ("divergent_hits" if config.kv_connector_divergent_hits else str(config.kv_connector)),
     )
 
 
@@ -498,6 +500,62 @@ class ExploreMachine(RuleBasedStateMachine):
         self._prefill(req, lookahead, rounds)
         if end_step:
             self._tick()
+
+    @when(
+        lambda self: self.session.config.kv_connector and bool(self.session.schedulable("waiting"))
+    )
+    @rule(
+        which=PICK,
+        short=st.sampled_from([0, 1, 8, 32, 40, 9999]),
+        load_async=st.booleans(),
+        peek=st.booleans(),
+        burst=BURSTS,
+        n=st.integers(0, 4),
+        rounds=st.integers(1, 8),
+        fail=st.sampled_from([False, False, True]),
+    )
+    def connector_admit(
+        self,
+        which: int,
+        short: int,
+        load_async: bool,
+        peek: bool,
+        burst: Burst,
+        n: int,
+        rounds: int,
+        fail: bool,
+    ) -> None:
+        """A waiting request admitted with a KV connector holding its first
+        tokens (all but `short` of them, at most what the connector may
+        report), loaded sync or async. An async load stays in flight for a
+        scheduler step: another waiting request may look up (`peek`: it must
+        not see the unloaded blocks) and a burst may take the free blocks;
+        then the load completes at the request's next allocation (or, with
+        `fail`, it failed: the request is looked up afresh first), and its
+        prefill goes on for up to `rounds` chunks."""
+        session = self.session
+        req = self._pick(session.schedulable("waiting"), which)
+        total = session.tokens(req)
+        remote = max(0, min(total - short, total if load_async else total - 1))
+        self._run("lookup", req=req, remote_hit=remote, remote_async=load_async)
+        reserved = self._run("reserve", req=req)
+        if reserved["blocks"] > session.free_blocks() and not session.config.reserve_full_sequence:
+            return
+        observed = self._run("allocate", req=req, tokens="auto")
+        if observed.get("loading") is True:
+            self._tick()
+            others = [r for r in session.schedulable("waiting") if r != req]
+            if peek and others:
+                self._run("lookup", req=others[0])
+            self._burst(burst, n)
+            if fail:
+                self._run("lookup", req=req, load_failed=True)
+            if not self._run("allocate", req=req, tokens="auto")["ok"]:
+                return
+        elif not observed["ok"]:
+            return
+        self._tick()
+        self._prefill(req, 0, rounds)
 
     @when(lambda self: bool(self.session.schedulable("decoding")))
     @rule(which=PICK, spec=st.sampled_from([3, 0, 1, 2]), steps=st.sampled_from([1, 2, 3, 4, 12]))

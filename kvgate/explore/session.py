@@ -234,6 +234,9 @@ class Session:
         self.counts[op] += 1
         if op == "free":
             self.counts[f"free:{step.how}"] += 1
+        if observed.get("external") or observed.get("loading"):
+            # A lookup that takes a connector's tokens, an async load's allocation.
+            self.counts[f"{op}:connector"] += 1
         after = self.model.snapshot()
         self.last = after
         if self.other is not None:

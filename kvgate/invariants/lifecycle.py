@@ -248,6 +248,10 @@ class NoTotalMiss:
         needed = -(-(h + margin) // attention.block_size) * attention.block_size
         cached = self.world.attention_cached(follow_up)
         hit = event.observed.get("hit")
+        if isinstance(hit, int):
+            # With a KV connector the request resumes past its local hit by
+            # the tokens the connector loads (which may replace a local tail).
+            hit += int(event.observed.get("external") or 0)
         if cached < needed or not isinstance(hit, int) or hit >= h:
             return None
         where = "resident" if parent in self.resident else "ended or waiting"

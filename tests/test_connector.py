@@ -1,0 +1,293 @@
+"""KV connectors at the manager level: the format's fields and their
+refusals, the Scheduler's connector branch as the driver runs it on the
+model (truncation of a local sub-block tail, reconciliation of a diverged
+per-group hit, async loads and their completion), the corpus traces, and a
+differential exploration against vLLM with the connector drawn."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+from configs import EXAMPLE_TRACE_CONFIG, needs_vllm, trace_text
+from hypothesis import Phase
+
+from kvgate.conformance.macros import expand, prefill_steps
+from kvgate.conformance.ops import Step
+from kvgate.conformance.replay import replay
+from kvgate.conformance.target import StepRefused
+from kvgate.conformance.trace import Trace, TraceError, bundled_corpus, load_corpus, parse_trace
+from kvgate.conformance.writer import dump_trace
+from kvgate.explore.differential import differential_mode
+from kvgate.explore.profiles import profile
+from kvgate.explore.runner import explore
+from kvgate.model import ModelTarget
+
+CONNECTOR_CONFIG = """\
+config:
+  num_blocks: 96
+  hash_unit: 8
+  eagle: true
+  retention_interval: 0
+  retain_checkpoint: false
+  kv_connector: true
+  groups:
+    - {kind: full_attention, block_size: 8}
+    - {kind: mamba_align, block_size: 32, speculative_blocks: 3}
+"""
+
+CONNECTOR_TRACES = [t for t in load_corpus(bundled_corpus()) if "-connector-" in t.name]
+
+# A0 computed, then A1 resumes at A0's partial tail (136, inside a block).
+PRODUCER = """\
+- {op: arrive, req: A0, prompt: [{fresh: 150}]}
+- {op: prefill, req: A0, lookahead: 3}
+- {op: decode, req: A0, steps: 2, spec: 3}
+- {op: free, req: A0, how: finish}
+- {op: drain}
+- {op: arrive, req: A1, prompt: [{all_of: A0}, {fresh: 26}]}
+"""
+
+
+# ------------------------------------------------------------------ format
+
+
+@pytest.mark.parametrize(
+    ("steps", "config", "field"),
+    [
+        # The lookup's connector fields need a connector.
+        ("- {op: lookup, req: A1, remote_hit: 160}\n", None, "remote_hit"),
+        ("- {op: prefill, req: A1, remote_async: true}\n", None, "remote_async"),
+        ("- {op: lookup, req: A1, remote_hit: -1}\n", CONNECTOR_CONFIG, "remote_hit"),
+        ("- {op: lookup, req: A1, remote_async: 1}\n", CONNECTOR_CONFIG, "remote_async"),
+        ("- {op: allocate, req: A1, tokens: 1, remote_hit: 8}\n", CONNECTOR_CONFIG, "remote_hit"),
+        (
+            "- {op: lookup, req: A1}\n",
+            CONNECTOR_CONFIG.replace("kv_connector: true", "kv_connector_divergent_hits: true"),
+            "kv_connector_divergent_hits",
+        ),
+        (
+            "- {op: lookup, req: A1}\n",
+            CONNECTOR_CONFIG.replace("kv_connector: true", "kv_connector: yes please"),
+            "config.kv_connector",
+        ),
+    ],
+)
+def test_malformed_connector_fields_are_one_line_errors(
+    steps: str, config: str | None, field: str
+) -> None:
+    with pytest.raises(TraceError) as error:
+        parse_trace(trace_text(PRODUCER + steps, config or EXAMPLE_TRACE_CONFIG), "bad.yaml")
+    message = str(error.value)
+    assert field in message and "bad.yaml" in message and "\n" not in message
+
+
+def test_the_fields_read_back_as_written() -> None:
+    text = trace_text(
+        PRODUCER + "- {op: lookup, req: A1, remote_hit: 160, remote_async: true}\n",
+        CONNECTOR_CONFIG.replace(
+            "kv_connector: true", "kv_connector: true\n  kv_connector_divergent_hits: true"
+        ),
+    )
+    trace = parse_trace(text, "c.yaml")
+    assert trace.config.kv_connector and trace.config.kv_connector_divergent_hits
+    again = parse_trace(dump_trace("c", trace.config, trace.steps), "again.yaml")
+    assert again.steps == trace.steps and again.config == trace.config
+    lookup = again.steps[-1]
+    assert (lookup.remote_hit, lookup.remote_async) == (160, True)
+
+
+# ------------------------------------------------------------- the branch
+
+
+def observe(target: ModelTarget, steps: tuple[Step, ...]) -> list[tuple[Step, dict[str, Any]]]:
+    """Each primitive the steps stand for on `target`, with what it reported
+    (a `prefill` run as the replayer runs it)."""
+    seen: list[tuple[Step, dict[str, Any]]] = []
+    for step in steps:
+        if step.op == "check":
+            continue
+        if step.op == "decode":
+            seen += [(p, target.apply(p)) for p in expand(step)]
+            continue
+        if step.op != "prefill":
+            seen.append((step, target.apply(step)))
+            continue
+        primitives = prefill_steps(step)
+        primitive = next(primitives)
+        while True:
+            observed = target.apply(primitive)
+            seen.append((primitive, observed))
+            try:
+                if primitive.op == "allocate":
+                    primitive = primitives.send(observed["prompt_done"])
+                else:
+                    primitive = next(primitives)
+            except StopIteration:
+                break
+    return seen
+
+
+def connector_trace(steps: str) -> Trace:
+    return parse_trace(trace_text(PRODUCER + steps, CONNECTOR_CONFIG), "c.yaml")
+
+
+def lookup(steps: str) -> dict[str, Any]:
+    """What the last lookup of the steps (after the producer) reported."""
+    trace = connector_trace(steps)
+    seen = observe(ModelTarget(trace.config), trace.steps)
+    return next(observed for step, observed in reversed(seen) if step.op == "lookup")
+
+
+@pytest.mark.parametrize(
+    ("remote", "hit", "external"),
+    [
+        (0, 136, 0),  # nothing remote: the local tail stays
+        (136, 136, 0),  # remote reaches the tail, not past it: no load
+        (137, 128, 9),  # one token past it: the remote hit wins
+        (160, 128, 32),  # strictly past the tail: cut back to the block, load the rest
+        (177, 128, 49),
+    ],
+)
+def test_a_remote_hit_replaces_a_local_tail_only_when_strictly_longer(
+    remote: int, hit: int, external: int
+) -> None:
+    observed = lookup(f"- {{op: lookup, req: A1, remote_hit: {remote}}}\n")
+    assert (observed["local_hit"], observed["hit"], observed["external"]) == (136, hit, external)
+
+
+def test_an_async_load_allocates_without_computing_then_completes_at_the_next_allocate() -> None:
+    trace = connector_trace(
+        "- {op: lookup, req: A1, remote_hit: 178, remote_async: true}\n"
+        "- {op: allocate, req: A1, tokens: auto}\n"
+        "- {op: step}\n- {op: drain}\n"
+        "- {op: allocate, req: A1, tokens: auto}\n"
+    )
+    target = ModelTarget(trace.config)
+    seen = [observed for _, observed in observe(target, trace.steps)]
+    request = target.requests["A1"].request
+    load, drain, done = seen[-4], seen[-2], seen[-1]
+    assert load == {
+        "ok": True, "tokens": 0, "prompt_done": False, "loading": True,
+        "free_blocks": load["free_blocks"],
+    }  # fmt: skip
+    # Nothing zeroed: the connector writes the loaded blocks.
+    assert drain["zeroed"] == []
+    # The whole prompt was loaded: its last token is computed again.
+    assert done["ok"] and done["tokens"] == 1 and done["prompt_done"]
+    assert request.num_computed_tokens == request.num_tokens
+
+
+@pytest.mark.parametrize(
+    ("op", "field"),
+    [
+        ("- {op: lookup, req: A1}", "req"),
+        ("- {op: free, req: A1, how: preempt}", "how"),
+        ("- {op: decode1, req: A1}", "req"),
+    ],
+)
+def test_a_request_whose_load_is_in_flight_refuses_what_the_scheduler_never_does(
+    op: str, field: str
+) -> None:
+    trace = connector_trace(
+        "- {op: lookup, req: A1, remote_hit: 160, remote_async: true}\n"
+        "- {op: allocate, req: A1, tokens: auto}\n" + op + "\n"
+    )
+    target = ModelTarget(trace.config)
+    observe(target, trace.steps[:-1])
+    with pytest.raises(StepRefused) as refused:
+        observe(target, trace.steps[-1:])
+    assert refused.value.field == field and "in flight" in str(refused.value)
+
+
+@pytest.mark.parametrize("load_async", [False, True])
+def test_a_remote_hit_past_what_a_connector_may_report_is_refused(load_async: bool) -> None:
+    """A sync load leaves the last token to compute; an async one may load
+    every token (the completion then computes the last again)."""
+    flag = str(load_async).lower()
+    producer = connector_trace("")
+    target = ModelTarget(producer.config)
+    observe(target, producer.steps)
+    total = len(target.requests["A1"].request.all_token_ids)
+    most = total if load_async else total - 1
+    for remote, refused in ((most, False), (most + 1, True)):
+        trace = connector_trace(
+            f"- {{op: lookup, req: A1, remote_hit: {remote}, remote_async: {flag}}}\n"
+        )
+        if not refused:
+            observe(ModelTarget(trace.config), trace.steps)
+            continue
+        with pytest.raises(StepRefused) as error:
+            observe(ModelTarget(trace.config), trace.steps)
+        assert error.value.field == "remote_hit"
+
+
+def test_a_diverged_per_group_hit_is_reconciled_without_external_tokens() -> None:
+    name = "gdn-triton-connector-diverged-hit.hold-off"
+    trace = next(t for t in CONNECTOR_TRACES if t.name == name)
+    lookups: list[dict[str, Any]] = []
+
+    class Recording(ModelTarget):
+        def apply(self, step: Step) -> dict[str, Any]:
+            observed = super().apply(step)
+            if step.op == "lookup":
+                lookups.append(observed)
+            return observed
+
+    assert replay(trace, Recording(trace.config), None, "strict").passed
+    # S3: attention's 192 kept, the rest loaded; S2: nothing external, the
+    # per-group hit (192) reconciled to the agreed one (0, junction 192).
+    s3, s2 = lookups[1], lookups[2]
+    assert (s3["local_hit"], s3["hit"], s3["external"]) == (192, 192, 38)
+    assert (s2["local_hit"], s2["hit"], s2["junction"], s2["external"]) == (192, 0, 192, 0)
+
+
+def test_a_failed_load_frees_the_request_and_admits_it_afresh() -> None:
+    trace = connector_trace(
+        "- {op: lookup, req: A1, remote_hit: 160, remote_async: true}\n"
+        "- {op: allocate, req: A1, tokens: auto}\n"
+        "- {op: step}\n- {op: drain}\n"
+        "- {op: lookup, req: A1, load_failed: true}\n"
+        "- {op: allocate, req: A1, tokens: auto}\n"
+    )
+    target = ModelTarget(trace.config)
+    seen = observe(target, trace.steps)
+    relookup, admitted = seen[-2][1], seen[-1][1]
+    # A0's tail is still cached; nothing external this time.
+    assert (relookup["hit"], relookup["external"]) == (136, 0)
+    assert admitted["ok"] and admitted["tokens"] > 0
+    assert target.requests["A1"].request.num_computed_tokens == 136 + admitted["tokens"]
+    # Only a request whose load is in flight can have it fail.
+    with pytest.raises(StepRefused) as refused:
+        observe(target, connector_trace("- {op: lookup, req: A1, load_failed: true}\n").steps[-1:])
+    assert refused.value.field == "load_failed"
+
+
+def test_every_family_has_connector_traces_in_both_arms() -> None:
+    names = {t.name for t in CONNECTOR_TRACES}
+    for family in ("gdn-triton-", "gdn-flashinfer-", "mamba2-"):
+        arms = {n.rsplit(".", 1)[-1] for n in names if n.startswith(family)}
+        assert arms == {"hold-on", "hold-off"}, family
+    assert any(t.config.kv_connector_divergent_hits for t in CONNECTOR_TRACES)
+    assert any(s.remote_async for t in CONNECTOR_TRACES for s in t.steps)
+    assert any(s.load_failed for t in CONNECTOR_TRACES for s in t.steps)
+
+
+# ------------------------------------------------------------- on vLLM
+
+
+# Every connector trace on vLLM 0.33.0 at strict level: hold-off ones in
+# tests/test_corpus_gate.py, hold-on ones with the overlay in
+# tests/test_hold_overlay.py (both take every corpus trace).
+
+
+@needs_vllm
+def test_differential_exploration_with_a_connector(tmp_path: Path) -> None:
+    mode = replace(differential_mode(), stratum={"kv_connector": "divergent_hits"})
+    settings = profile("ci", max_examples=30, phases=(Phase.explicit, Phase.generate, Phase.target))
+    outcome = explore(mode, settings, out=tmp_path, shrink=False)
+    assert outcome.failure is None, outcome.failure.summary()
+    assert outcome.stats.knobs["kv_connector=divergent_hits"] > 0
+    assert outcome.stats.ops["lookup:connector"] > 0
