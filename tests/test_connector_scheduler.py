@@ -307,11 +307,11 @@ def _paths(trace: Trace) -> dict[str, int]:
                 counts["async" if step.remote_async else "sync"] += 1
             if step.expect.get("hit", 0) < step.expect.get("local_hit", 0):
                 counts["superseded"] += 1
+            counts["load_failed"] += step.load_failed
         elif step.op == "allocate":
             counts["pad"] += bool(step.pad)
-            counts["complete_only"] += step.complete_only and not step.load_failed
+            counts["complete_only"] += step.complete_only
             counts["reserved"] += bool(step.reserved)
-            counts["load_failed"] += step.load_failed
     return counts
 
 

@@ -387,16 +387,6 @@ class OpDriver(ABC, Generic[R]):
             self.set_num_computed(request, computed - 1)
         pending.loading, pending.after_load = False, True
 
-    def _fail_load(self, pending: Pending[R]) -> None:
-        """The load failed (the worker's `failed_recving`; vLLM's load-failure
-        policy `recompute`): nothing it loaded is valid, so the blocks are
-        freed and the request waits with nothing computed, to look up again
-        (its output and junction kept, no preemption counted)."""
-        request = pending.request
-        self.free(request)
-        self.set_num_computed(request, 0)
-        pending.loading, pending.after_load = False, False
-
     def _allocate_async_load(self, step: Step, pending: Pending[R], blocks: Any) -> dict[str, Any]:
         """The admission of a request whose connector loads asynchronously:
         blocks for the local hit and the external tokens, nothing to compute
@@ -432,11 +422,6 @@ class OpDriver(ABC, Generic[R]):
         request = pending.request
         if step.complete_only and not pending.loading:
             raise StepRefused("complete_only", f"{step.req!r} has no KV load in flight")
-        if step.load_failed:
-            if not step.complete_only:
-                raise StepRefused("load_failed", "a failed load completes alone: complete_only")
-            self._fail_load(pending)
-            return {"ok": False, "tokens": 0, "prompt_done": False}
         if pending.loading:
             self._complete_load(pending)
             if step.complete_only:

@@ -89,8 +89,6 @@ FIELD_TYPES: dict[str, FieldType] = {
     "pad": "int",
     "reserved": "int",
     "complete_only": "bool",
-    # ... and that the load it completes failed (the worker's failed_recving).
-    "load_failed": "bool",
 }
 
 # The prefix-cache hit stats a `stats` op reports (vLLM's PrefixCacheStats):
@@ -129,7 +127,7 @@ ACTIONS: dict[str, Action] = {
         Action(
             "allocate",
             ("req", "tokens"),
-            ("lookahead", "sample", "pad", "reserved", "complete_only", "load_failed"),
+            ("lookahead", "sample", "pad", "reserved", "complete_only"),
             expect_keys=("ok", "tokens"),
             valid_in=LIVE,
             issued_in=frozenset({"waiting", "running"}),
@@ -275,7 +273,6 @@ class Step:
     pad: int = 0
     reserved: int = 0
     complete_only: bool = False
-    load_failed: bool = False  # allocate complete_only: the load failed
     expect: dict[str, Any] = field(default_factory=dict)
     check: dict[str, Any] = field(default_factory=dict)
     steps: int = 0  # the `decode` macro's repeat count; the parser expands it

@@ -255,13 +255,11 @@ class _Scheduler:
                 skipped.append(queue.popleft())  # its KV is not here yet
                 continue
             outputs = len(live.request.output)
-            if live.failed_reported:
-                # The scan reaches a failed load: its blocks are freed and it
-                # is looked up again right away (and asks the connector again,
-                # whose retry loads).
-                self.writer.run(
-                    "allocate", req=live.name, tokens="auto", complete_only=True, load_failed=True
-                )
+            # The scan reaching a failed load frees its blocks and looks it up
+            # again right away (`lookup load_failed`), asking the connector
+            # again: its retry loads.
+            load_failed = live.failed_reported
+            if load_failed:
                 live.loading = live.holds_blocks = live.failed_reported = False
                 if live.remote is not None:
                     live.remote = replace(live.remote, fails=False)
@@ -275,7 +273,7 @@ class _Scheduler:
                 if not live.admitted and live.follows is not None:
                     cached = self.writer.check({"attention_cached": {live.follows: 0}})
                     decisions.checked[live.name] = int(cached["attention_cached"][live.follows])
-                hit, external, load_async = self._lookup(live, decisions)
+                hit, external, load_async = self._lookup(live, decisions, load_failed)
                 need = self.writer.run("reserve", req=live.name)["blocks"]
                 if need > self.writer.oracle.num_free_blocks():
                     break
@@ -313,18 +311,26 @@ class _Scheduler:
         self.holding.extendleft(reversed(skipped))
         return scheduled, finished
 
-    def _lookup(self, live: _Live, decisions: StepDecisions) -> tuple[int, int, bool]:
+    def _lookup(
+        self, live: _Live, decisions: StepDecisions, load_failed: bool = False
+    ) -> tuple[int, int, bool]:
         """The admission's lookup: (local hit taken, external tokens, loaded
         asynchronously). With a KV connector the lookup carries what the
-        external store holds, and the question the Scheduler then puts to
-        the connector is recorded."""
+        external store holds (and whether the request's load just failed),
+        and the question the Scheduler then puts to the connector is
+        recorded."""
         if not self.config.kv_connector:
             hit = int(self.writer.run("lookup", req=live.name)["hit"])
             decisions.lookups.append((live.name, hit))
             return hit, 0, False
         remote = live.remote or RemoteHit(0, False, 0)
+        failed = {"load_failed": True} if load_failed else {}
         result = self.writer.run(
-            "lookup", req=live.name, remote_hit=remote.tokens, remote_async=remote.load_async
+            "lookup",
+            req=live.name,
+            remote_hit=remote.tokens,
+            remote_async=remote.load_async,
+            **failed,
         )
         local = int(result["local_hit"])
         decisions.lookups.append((live.name, local))
