@@ -325,7 +325,13 @@ class VllmScheduler:
         self._admitted: set[str] = set()
         self._output: Any = None
         self._step = ScheduledStep()
-        lookup = manager.get_computed_blocks
+        # The admission's own local lookup: with a connector that restores
+        # lagging Mamba states, the per-group one (which may fall back to, and
+        # be followed by a reconciling, `get_computed_blocks`: not lookups of
+        # their own).
+        divergent = connector is not None and connector.divergent_hits
+        name_of_lookup = "get_computed_blocks_for_connector" if divergent else "get_computed_blocks"
+        lookup = getattr(manager, name_of_lookup)
 
         def observed_lookup(request: Any, *args: Any, **kwargs: Any) -> Any:
             name = request.request_id
@@ -337,7 +343,7 @@ class VllmScheduler:
             self._step.lookups.append((name, int(result[1])))
             return result
 
-        manager.get_computed_blocks = observed_lookup
+        setattr(manager, name_of_lookup, observed_lookup)
         if self._script is not None:
             allocate = manager.allocate_slots
 
