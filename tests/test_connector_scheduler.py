@@ -266,17 +266,23 @@ def test_without_a_connector_the_scheduler_has_none() -> None:
 SCALE = 32
 WORKLOAD = Workload(sessions=8, turns=4, seed=0)
 # Seed 0, upstream, unit 256/32: every connector path of the generator
-# (sync and async loads, a remote hit superseding a local tail, padded
-# admissions, a load completed with nothing to run). Seed 2 at the Mamba
-# block (4096/32): a pool tight enough that an async load's reserved blocks
-# refuse one.
-EVERY_PATH = (WORKLOAD, 256 // SCALE)
-RESERVED_BINDS = (dataclasses.replace(WORKLOAD, seed=2), 4096 // SCALE)
+# (sync and async loads, one failing, a remote hit superseding a local
+# tail, padded admissions, a load completed with nothing to run). The same
+# seed at the Mamba block (4096/32) on GPUs of 18 GiB instead of 24: a pool
+# tight enough that the blocks an async load keeps free for the in-flight
+# prefills decide admissions.
+EVERY_PATH = (WORKLOAD, 256 // SCALE, 24.0)
+TIGHT_POOL = (WORKLOAD, 4096 // SCALE, 18.0)
 
 
-def _connector_arm(tmp_path: Path, case: tuple[Workload, int]) -> ArmResult:
-    workload, unit = case
-    deployment = Deployment(build="upstream", kv_connector=True).scaled(SCALE)
+Case = tuple[Workload, int, float]
+
+
+def _connector_arm(tmp_path: Path, case: Case) -> ArmResult:
+    workload, unit, gpu_memory_gib = case
+    deployment = Deployment(
+        build="upstream", kv_connector=True, gpu_memory_gib=gpu_memory_gib
+    ).scaled(SCALE)
     factory: Any = targets.target_factory("vllm-scheduler")
     return scheduler_arm(
         workload,
@@ -291,7 +297,9 @@ def _connector_arm(tmp_path: Path, case: tuple[Workload, int]) -> ArmResult:
 
 def _paths(trace: Trace) -> dict[str, int]:
     """How often the trace takes each connector path."""
-    counts = dict.fromkeys(("sync", "async", "superseded", "pad", "complete_only", "reserved"), 0)
+    counts = dict.fromkeys(
+        ("sync", "async", "superseded", "pad", "complete_only", "reserved", "load_failed"), 0
+    )
     for step in trace.primitives:
         if step.op == "lookup":
             external = step.expect.get("external", 0)
@@ -299,6 +307,7 @@ def _paths(trace: Trace) -> dict[str, int]:
                 counts["async" if step.remote_async else "sync"] += 1
             if step.expect.get("hit", 0) < step.expect.get("local_hit", 0):
                 counts["superseded"] += 1
+            counts["load_failed"] += step.load_failed
         elif step.op == "allocate":
             counts["pad"] += bool(step.pad)
             counts["complete_only"] += step.complete_only
@@ -306,12 +315,15 @@ def _paths(trace: Trace) -> dict[str, int]:
     return counts
 
 
-def test_the_connector_workload_keeps_lockstep_with_the_real_scheduler(tmp_path: Path) -> None:
-    result = _connector_arm(tmp_path, EVERY_PATH)
+@pytest.mark.parametrize("case", [EVERY_PATH, TIGHT_POOL], ids=["every-path", "tight-pool"])
+def test_the_connector_workload_keeps_lockstep_with_the_real_scheduler(
+    tmp_path: Path, case: Case
+) -> None:
+    result = _connector_arm(tmp_path, case)
     assert result.replay is not None
     assert result.replay.passed, result.replay.divergence
     paths = _paths(result.trace)
-    assert all(paths.values()), paths
+    assert all(paths.values()) if case is EVERY_PATH else paths["reserved"], paths
     # The trace it wrote replays on vLLM's KVCacheManager too, strict.
     from kvgate.impl.vllm_target import VllmTarget
 
@@ -329,19 +341,21 @@ def test_the_connector_workload_keeps_lockstep_with_the_real_scheduler(tmp_path:
     [
         # The driver forgets an async load's reserved blocks: vLLM refuses
         # the load's allocation the model makes.
-        ("reserved", RESERVED_BINDS, "waiting-queue allocations"),
+        ("reserved", TIGHT_POOL, "lookups (request, hit)"),
         # The driver keeps a local sub-block tail a longer remote hit
         # supersedes: the manager's state differs.
-        ("truncate", EVERY_PATH, "free queue"),
+        ("truncate", EVERY_PATH, ""),
         # The scheduler model forgets the Scheduler's speculative padding.
         ("pad", EVERY_PATH, "scheduled (request, tokens)"),
+        # The driver keeps a failed load's blocks.
+        ("load_failed", EVERY_PATH, ""),
     ],
 )
 def test_a_driver_that_drifts_from_the_schedulers_connector_branch_diverges(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     drift: str,
-    case: tuple[Workload, int],
+    case: Case,
     seen: str,
 ) -> None:
     from kvgate.conformance.driver import OpDriver
@@ -351,6 +365,13 @@ def test_a_driver_that_drifts_from_the_schedulers_connector_branch_diverges(
         monkeypatch.setattr(generator._Scheduler, "_reserved_blocks", lambda self, skipped: 0)
     elif drift == "truncate":
         monkeypatch.setattr(OpDriver, "truncate_computed_blocks", lambda self, blocks, n: blocks)
+    elif drift == "load_failed":
+
+        def keep_blocks(self: Any, pending: Any) -> None:
+            self.set_num_computed(pending.request, 0)
+            pending.loading = pending.after_load = False
+
+        monkeypatch.setattr(OpDriver, "_fail_load", keep_blocks)
     else:
         chunk = generator._Scheduler._chunk
         monkeypatch.setattr(
@@ -402,3 +423,42 @@ def test_an_ended_request_frees_its_skipped_states_before_the_connector_sees_it(
         assert divergence is None, divergence
     else:
         assert divergence is not None and divergence.what.endswith("free queue")
+
+
+@pytest.mark.parametrize("num_blocks", [24, 40])
+def test_a_failed_async_load_keeps_reserving_for_itself(num_blocks: int) -> None:
+    """vLLM 0.33.0 behaviour, documented: a failed async load (policy
+    recompute, nothing valid) frees the request's blocks but leaves it among
+    the Scheduler's in-flight prefills, so when its retry is again an async
+    load, the blocks reserved for in-flight prefills include its own whole
+    sequence. On a pool under about twice its need it is then never admitted:
+    alone in the engine, nothing runs, step after step. With room for both,
+    the retry loads."""
+    from kvgate.impl.vllm_scheduler import ConnectorSettings, VllmScheduler
+
+    config = dataclasses.replace(CONFIG, num_blocks=num_blocks)
+    target = VllmScheduler(config, spec_tokens=SPEC, max_num_seqs=4, connector=ConnectorSettings())
+    try:
+        target.script_external("A", 64, True)
+        target.add_request("A", _fresh(100), 4, None)
+        first = target.schedule()
+        assert first.taken == [("A", 0, 64, True)]  # the first load fits
+        target.update({}, failed=["A"])
+        retried = target.schedule()
+        target.update({})
+        scheduler = target.scheduler
+        request = scheduler.requests["A"]
+        if num_blocks == 24:
+            for _ in range(3):
+                stalled = target.schedule()
+                target.update({})
+                assert stalled.scheduled == [] and stalled.taken == []
+            assert retried.taken == []
+            assert request.num_computed_tokens == 0
+            assert not any(b for g in target.snapshot().tables.get("A", ()) for b in g)
+            own = scheduler._request_remaining_blocks(request)
+            assert scheduler._inflight_prefill_reserved_blocks() == own
+        else:
+            assert retried.taken == [("A", 0, 64, True)]
+    finally:
+        target.close()

@@ -59,12 +59,16 @@ class SchedulerTarget(Protocol):
     def schedule(self) -> ScheduledStep: ...
 
     def update(
-        self, sampled: Mapping[str, list[int]], *, loaded: Collection[str] = ()
+        self,
+        sampled: Mapping[str, list[int]],
+        *,
+        loaded: Collection[str] = (),
+        failed: Collection[str] = (),
     ) -> list[str]:
         """The model runner's output for the last `schedule()`: the tokens
         each scheduled request sampled (drafts all rejected), and the
-        asynchronous KV loads its connector finished. Returns the requests
-        that finished, in order."""
+        asynchronous KV loads its connector finished (`loaded`) or lost
+        (`failed`). Returns the requests that finished, in order."""
         ...
 
     def script_external(self, name: str, tokens: int, load_async: bool) -> None:

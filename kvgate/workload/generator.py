@@ -78,13 +78,17 @@ class RemoteHit:
     tokens: int
     load_async: bool
     delay: int
+    # The async load fails (the worker reports `failed_recving`): the
+    # Scheduler frees its blocks and looks the request up again.
+    fails: bool = False
 
 
 def draw_remote(rng: random.Random, num_tokens: int, previous: int) -> RemoteHit | None:
     """A request's external hit, drawn: none, the turn before's whole
     sequence (`previous` tokens: what an offloading store keeps of the
     session), the whole prompt (less the token a sync load leaves to
-    compute), or a prefix of any length; sync or async."""
+    compute), or a prefix of any length; sync or async, an async load
+    failing one time in five (its retry then loads)."""
     if rng.random() < 0.35:
         return None
     load_async = rng.random() < 0.5
@@ -96,7 +100,8 @@ def draw_remote(rng: random.Random, num_tokens: int, previous: int) -> RemoteHit
         tokens = rng.randint(1, max(1, whole))
     else:
         tokens = whole
-    return RemoteHit(max(0, tokens), load_async, rng.choice((0, 0, 1, 2)))
+    delay = rng.choice((0, 0, 1, 2))
+    return RemoteHit(max(0, tokens), load_async, delay, load_async and rng.random() < 0.2)
 
 
 @dataclass
@@ -123,6 +128,7 @@ class _Live:
     # (it advances them only after the scan).
     sched_computed: int = 0
     reported: bool = False
+    failed_reported: bool = False  # the worker reported its load failed
     holds_blocks: bool = False
 
     @property
@@ -185,7 +191,9 @@ class _Scheduler:
         # live requests also hold the system prompt's holder, never scheduled.
         self.num_eligible = len(self.waiting) + len(self.holding) + len(self.running)
         for live in (*self.running, *self.holding):
-            live.sched_computed = live.request.num_computed_tokens
+            # A load reported failed has nothing computed for the Scheduler.
+            failed = live.failed_reported
+            live.sched_computed = 0 if failed else live.request.num_computed_tokens
         index = 0
         # Whether a running request ran a prefill chunk this step (vLLM's
         # `prefill_scheduled`, which the waiting scan's padding reads).
@@ -247,6 +255,14 @@ class _Scheduler:
                 skipped.append(queue.popleft())  # its KV is not here yet
                 continue
             outputs = len(live.request.output)
+            # The scan reaching a failed load frees its blocks and looks it up
+            # again right away (`lookup load_failed`), asking the connector
+            # again: its retry loads.
+            load_failed = live.failed_reported
+            if load_failed:
+                live.loading = live.holds_blocks = live.failed_reported = False
+                if live.remote is not None:
+                    live.remote = replace(live.remote, fails=False)
             if live.holds_blocks:
                 admitted = self._admit_loaded(live, budget)
                 if admitted is None:
@@ -257,7 +273,7 @@ class _Scheduler:
                 if not live.admitted and live.follows is not None:
                     cached = self.writer.check({"attention_cached": {live.follows: 0}})
                     decisions.checked[live.name] = int(cached["attention_cached"][live.follows])
-                hit, external, load_async = self._lookup(live, decisions)
+                hit, external, load_async = self._lookup(live, decisions, load_failed)
                 need = self.writer.run("reserve", req=live.name)["blocks"]
                 if need > self.writer.oracle.num_free_blocks():
                     break
@@ -295,18 +311,26 @@ class _Scheduler:
         self.holding.extendleft(reversed(skipped))
         return scheduled, finished
 
-    def _lookup(self, live: _Live, decisions: StepDecisions) -> tuple[int, int, bool]:
+    def _lookup(
+        self, live: _Live, decisions: StepDecisions, load_failed: bool = False
+    ) -> tuple[int, int, bool]:
         """The admission's lookup: (local hit taken, external tokens, loaded
         asynchronously). With a KV connector the lookup carries what the
-        external store holds, and the question the Scheduler then puts to
-        the connector is recorded."""
+        external store holds (and whether the request's load just failed),
+        and the question the Scheduler then puts to the connector is
+        recorded."""
         if not self.config.kv_connector:
             hit = int(self.writer.run("lookup", req=live.name)["hit"])
             decisions.lookups.append((live.name, hit))
             return hit, 0, False
         remote = live.remote or RemoteHit(0, False, 0)
+        failed = {"load_failed": True} if load_failed else {}
         result = self.writer.run(
-            "lookup", req=live.name, remote_hit=remote.tokens, remote_async=remote.load_async
+            "lookup",
+            req=live.name,
+            remote_hit=remote.tokens,
+            remote_async=remote.load_async,
+            **failed,
         )
         local = int(result["local_hit"])
         decisions.lookups.append((live.name, local))
@@ -388,10 +412,12 @@ class _Scheduler:
                 return "auto", padded, self.spec
         return self._chunk(request, hit, budget)
 
-    def reported_loads(self) -> list[str]:
-        """The async loads the worker reports finished in this engine step's
-        output: each `delay` steps after the step that started it."""
-        reported = []
+    def reported_loads(self) -> tuple[list[str], list[str]]:
+        """The async loads the worker reports in this engine step's output,
+        each `delay` steps after the step that started it: (finished,
+        failed)."""
+        loaded: list[str] = []
+        failed: list[str] = []
         for live in self.holding:
             remote = live.remote
             if (
@@ -401,8 +427,9 @@ class _Scheduler:
                 and self.engine_step - live.load_started >= remote.delay
             ):
                 live.reported = True
-                reported.append(live.name)
-        return reported
+                live.failed_reported = remote.fails
+                (failed if remote.fails else loaded).append(live.name)
+        return loaded, failed
 
     def _chunk(self, request: Request, hit: int, budget: int) -> _Chunk | None:
         """The next prefill chunk within `budget`: (as written, tokens run,
@@ -462,8 +489,9 @@ class StepDecisions(ScheduledStep):
     # Output tokens each scheduled request gained this step (the model's ids).
     sampled: dict[str, list[int]] = field(default_factory=dict)
     finished: list[str] = field(default_factory=list)
-    # Async KV loads the worker reports finished in this step's output.
+    # Async KV loads the worker reports finished (or failed) in this step's output.
     loaded: list[str] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
 
 
 class StepObserver(Protocol):
@@ -558,7 +586,7 @@ class SessionRun:
                 for live in (*scheduler.waiting, *scheduler.holding)
             )
             scheduled, finished = scheduler.schedule(decisions)
-            decisions.loaded = scheduler.reported_loads()
+            decisions.loaded, decisions.failed = scheduler.reported_loads()
             writer.run("step")
             decisions.copies = writer.run("drain")["copies"]
             for name, _ in decisions.scheduled:

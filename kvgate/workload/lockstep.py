@@ -110,7 +110,9 @@ class _Lockstep:
             ) from error
         self._compare(decisions, real, last)
         try:
-            finished = self.real.update(decisions.sampled, loaded=decisions.loaded)
+            finished = self.real.update(
+                decisions.sampled, loaded=decisions.loaded, failed=decisions.failed
+            )
         except Exception as error:
             raise _Diverged(
                 last, "api", "update_from_output() raised", "no exception", one_line(error)
