@@ -129,6 +129,7 @@ def test_without_the_overlay_vllm_runs_as_upstream(trace: Trace) -> None:
     needs_retention = {
         "retired-state-held.fork.hold-off",
         "pure-mamba-next-turn-siblings.fork.hold-on",
+        "mamba2-connector-async-load.fork.hold-off",
     }
     if (not trace.config.hold or inert) and trace.name not in needs_retention:
         # The fork's seed scenarios without the hold expect what upstream does,

@@ -295,7 +295,7 @@ def test_exploration_breaks_a_share_of_configs_and_fails_a_refusal_divergence() 
     assert "model refused by retention_interval" in failure.message
     assert "target accepted (nothing replayed)" in failure.message
     drawn = mode.stats.knobs
-    assert drawn["refused_by_vllm=retention_interval"] >= 1 and drawn["refused_by_vllm=none"] >= 10
+    assert drawn["refused=retention_interval"] >= 1 and drawn["refused=none"] >= 10
     trace = parse_trace(failure.yaml())
     assert trace.expect_refused == "retention_interval"
     assert judge_refusal(trace, lax).failures[0].actual == ACCEPTED

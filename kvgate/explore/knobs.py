@@ -15,6 +15,7 @@ matrix (`kvgate explore --jobs`): give it few values.
 from __future__ import annotations
 
 import itertools
+import zlib
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -205,24 +206,32 @@ KNOB_NAMES = tuple(k.name for k in KNOBS)
 
 # vLLM's own config rules (`config.vllm_rules`), broken on purpose one knob
 # at a time in a small share of a differential run's examples: the model and
-# vLLM must then refuse the config alike. One draw of 16 bits decides: its
-# low bits (spread more evenly than a small range's draws, which favour its
-# low end) say whether (1 in `REFUSAL_ODDS`), the next ones which knob and
-# value; it shrinks to 0, an unbroken config.
+# vLLM must then refuse the config alike. One draw of 16 bits says whether
+# (its low bits, 1 in `REFUSAL_ODDS`: spread more evenly than a small
+# range's draws, which favour its low end; it shrinks to 0, unbroken); the
+# knob and value come from a checksum of the drawn config, which varies
+# from example to example where Hypothesis repeats its draws.
 REFUSAL_ODDS = 16
 BREAKABLE = (
     "retention_interval",
     "long_prefill_token_threshold",
     "scheduler_block_size",
     "hash_unit",
+    "groups",
 )
 
 
 def broken(config: Config, knob: str, variant: int) -> Config:
     """`config` with `knob` set to a value vLLM refuses (`variant` picks one
-    of a few: negative, below the unit, between two multiples, ...)."""
+    of a few: negative, below the unit, between two multiples, ...). For
+    `groups`: the model without its Mamba groups, which vLLM refuses with
+    a retention interval set, and otherwise builds and kvgate does not
+    model (its refusal must then be kvgate's on both sides)."""
     scheduler = config.scheduler_block_size
     mamba = max(config.groups[i].block_size for i in config.mamba_group_ids)
+    if knob == "groups" and config.has_attention:
+        kept = tuple(g for g in config.groups if g.kind == "full_attention")
+        return replace(config, groups=kept)
     if knob == "hash_unit" and config.prefix_caching:
         if config.has_attention:
             # Coarser than the attention block, which stays a multiple of
@@ -300,9 +309,7 @@ def configs(
         elif not swarm or draw(st.booleans().map(lambda b: not b)):
             values[knob.name] = draw(knob.draw_from())
     config = build(values)
-    if refusals:
-        bits = draw(st.integers(0, 2**16 - 1))
-        if bits % REFUSAL_ODDS == REFUSAL_ODDS - 1:
-            bits //= REFUSAL_ODDS
-            config = broken(config, BREAKABLE[bits % len(BREAKABLE)], bits // len(BREAKABLE))
+    if refusals and draw(st.integers(0, 2**16 - 1)) % REFUSAL_ODDS == REFUSAL_ODDS - 1:
+        which = zlib.crc32(repr(config).encode())
+        config = broken(config, BREAKABLE[which % len(BREAKABLE)], which // len(BREAKABLE))
     return config

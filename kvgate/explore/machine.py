@@ -43,7 +43,7 @@ from hypothesis.control import current_build_context
 from hypothesis.internal.conjecture.data import Status
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
-from kvgate.conformance.config import Config, UnsupportedConfig
+from kvgate.conformance.config import Config, GroupConfig, UnsupportedConfig
 from kvgate.conformance.driver import OpDriver
 from kvgate.conformance.refusal import model_refusal, refusal_of
 from kvgate.explore.knobs import Stratum, configs
@@ -126,8 +126,10 @@ class Mode:
 
 def knob_values(config: Config, refused: str | None = None) -> tuple[str, ...]:
     """The config's align-mode knobs as `knob=value` (per-knob counts), and
-    the field the model refuses it by (`refused_by_vllm`, `none` if valid)."""
-    mamba = config.groups[config.mamba_group_ids[0]]
+    how the model refuses it (`refused`: vLLM's field, `not modelled:
+    FIELD` for kvgate's own refusal, `none` if valid)."""
+    # A broken `groups` has none (`knobs.broken`): counted as no checkpoint.
+    mamba = next((config.groups[i] for i in config.mamba_group_ids), GroupConfig("mamba_align", 1))
     blocks = config.scheduler_block_size
     retention = config.retention_interval
     period = (
@@ -140,7 +142,7 @@ def knob_values(config: Config, refused: str | None = None) -> tuple[str, ...]:
         else f"{retention} tokens"
     )
     return (
-        f"refused_by_vllm={refused or 'none'}",
+        f"refused={refused or 'none'}",
         f"prefill_checkpoint_blocks={mamba.prefill_checkpoint_blocks}",
         f"prefill_checkpoint_alignment={mamba.prefill_checkpoint_alignment}",
         f"retention_interval={period}",
