@@ -492,3 +492,14 @@ def test_per_group_lookups_without_a_connector_are_one_line(
     assert err.splitlines() == [
         "kvgate: error: --kv-connector-divergent-hits: needs --kv-connector"
     ]
+
+
+def test_lookahead_hashes_with_a_connector_are_refused_by_name() -> None:
+    """vLLM runs legacy block hashes under any KV connector
+    (`VllmConfig.num_hash_lookahead_tokens` is 0 then)."""
+    from kvgate.impl.vllm_scheduler import VllmScheduler
+
+    config = dataclasses.replace(CONFIG, kv_connector=True, hash_lookahead_tokens=1)
+    with pytest.raises(UnsupportedConfig) as refused:
+        VllmScheduler(config, spec_tokens=SPEC, max_num_seqs=4)
+    assert refused.value.field == "hash_lookahead_tokens"

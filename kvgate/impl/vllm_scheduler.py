@@ -281,6 +281,12 @@ class VllmScheduler:
             raise UnsupportedConfig("eagle", "the eagle drop needs draft tokens (spec > 0)")
         if connector is None and config.kv_connector:
             connector = ConnectorSettings(divergent_hits=config.kv_connector_divergent_hits)
+        if connector is not None and config.hash_lookahead_tokens:
+            # VllmConfig.num_hash_lookahead_tokens is 0 under any KV connector.
+            raise UnsupportedConfig(
+                "hash_lookahead_tokens",
+                "vLLM keeps legacy block hashes (and the eagle drop) with a KV connector",
+            )
         if connector is not None:
             _check_connector_support()
         try:
