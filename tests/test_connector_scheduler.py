@@ -503,3 +503,18 @@ def test_lookahead_hashes_with_a_connector_are_refused_by_name() -> None:
     with pytest.raises(UnsupportedConfig) as refused:
         VllmScheduler(config, spec_tokens=SPEC, max_num_seqs=4)
     assert refused.value.field == "hash_lookahead_tokens"
+
+
+def test_the_workload_names_the_stall_after_a_failed_load() -> None:
+    """On GPUs of 16 GiB (a pool of 56 blocks at the Mamba block) seed 0
+    stalls as vLLM does (the lockstep agrees up to there): a failed load's
+    retry reserves its own blocks. The error says so instead of blaming the
+    pool."""
+    from kvgate.workload.generator import WorkloadStuck, generate
+    from kvgate.workload.plan import make_plan
+
+    deployment = Deployment(build="upstream", kv_connector=True, gpu_memory_gib=16.0).scaled(SCALE)
+    config = deployment.config(4096 // SCALE, False, WORKLOAD.sessions)
+    serving = deployment.serving(WORKLOAD.system_prompt, WORKLOAD.seed)
+    with pytest.raises(WorkloadStuck, match="its async load failed"):
+        generate(config, make_plan(WORKLOAD, SCALE), serving)
