@@ -93,7 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 arm_result = run_on_scheduler(
                     trace.config,
                     sessions,
-                    deployment.serving(workload.system_prompt),
+                    deployment.serving(workload.system_prompt, workload.seed),
                     real=real,
                     name=trace_name(workload, deployment, arm) + ".scheduler",
                     out=out,

@@ -281,6 +281,12 @@ class VllmScheduler:
             raise UnsupportedConfig("eagle", "the eagle drop needs draft tokens (spec > 0)")
         if connector is None and config.kv_connector:
             connector = ConnectorSettings(divergent_hits=config.kv_connector_divergent_hits)
+        if connector is not None and config.hash_lookahead_tokens:
+            # VllmConfig.num_hash_lookahead_tokens is 0 under any KV connector.
+            raise UnsupportedConfig(
+                "hash_lookahead_tokens",
+                "vLLM keeps legacy block hashes (and the eagle drop) with a KV connector",
+            )
         if connector is not None:
             _check_connector_support()
         try:
@@ -325,7 +331,13 @@ class VllmScheduler:
         self._admitted: set[str] = set()
         self._output: Any = None
         self._step = ScheduledStep()
-        lookup = manager.get_computed_blocks
+        # The admission's own local lookup: with a connector that restores
+        # lagging Mamba states, the per-group one (which may fall back to, and
+        # be followed by a reconciling, `get_computed_blocks`: not lookups of
+        # their own).
+        divergent = connector is not None and connector.divergent_hits
+        name_of_lookup = "get_computed_blocks_for_connector" if divergent else "get_computed_blocks"
+        lookup = getattr(manager, name_of_lookup)
 
         def observed_lookup(request: Any, *args: Any, **kwargs: Any) -> Any:
             name = request.request_id
@@ -337,7 +349,7 @@ class VllmScheduler:
             self._step.lookups.append((name, int(result[1])))
             return result
 
-        manager.get_computed_blocks = observed_lookup
+        setattr(manager, name_of_lookup, observed_lookup)
         if self._script is not None:
             allocate = manager.allocate_slots
 

@@ -69,6 +69,12 @@ def add_workload_arguments(parser: argparse.ArgumentParser, scale: int, units: s
         "sub-block tail), every lookup running the Scheduler's connector branch; off by "
         "default (the workload as measured)",
     )
+    parser.add_argument(
+        "--kv-connector-divergent-hits",
+        action="store_true",
+        help="with --kv-connector: the connector restores lagging Mamba states "
+        "(supports_divergent_local_hybrid_hits, as NIXL's), so the local lookup is per group",
+    )
     parser.add_argument("--sessions", type=int, default=defaults.sessions)
     parser.add_argument("--turns", type=int, default=defaults.turns)
     parser.add_argument("--seed", type=int, default=defaults.seed)
@@ -84,7 +90,13 @@ def add_workload_arguments(parser: argparse.ArgumentParser, scale: int, units: s
 def workload_of(args: argparse.Namespace) -> tuple[Workload, Deployment]:
     """The workload and the (scaled) deployment the shared flags describe."""
     workload = Workload(sessions=args.sessions, turns=args.turns, seed=args.seed)
-    deployment = Deployment(build=args.build, kv_connector=args.kv_connector)
+    if args.kv_connector_divergent_hits and not args.kv_connector:
+        raise InputError("--kv-connector-divergent-hits: needs --kv-connector")
+    deployment = Deployment(
+        build=args.build,
+        kv_connector=args.kv_connector,
+        kv_connector_divergent_hits=args.kv_connector_divergent_hits,
+    )
     return workload, deployment.scaled(args.scale)
 
 
@@ -200,6 +212,7 @@ def run(args: argparse.Namespace) -> int:
     stem = args.out / (
         f"workload-{workload.sessions}x{workload.turns}-seed{workload.seed}{scale}-{args.build}"
         + ("-kv-connector" if args.kv_connector else "")
+        + ("-divergent" if args.kv_connector_divergent_hits else "")
     )
     # The header names the hold implementation when a hold-on arm ran.
     replays = sorted(

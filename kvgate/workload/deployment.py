@@ -89,6 +89,10 @@ class Deployment:
     # request's external hit drawn (sync or async), every lookup running the
     # Scheduler's connector branch. Off: the workload as measured.
     kv_connector: bool = False
+    # ... one that restores lagging Mamba states (vLLM's
+    # `supports_divergent_local_hybrid_hits`, as NIXL's): the Scheduler's local
+    # lookup is then per group.
+    kv_connector_divergent_hits: bool = False
     # Every token quantity below is divided by this (see `scaled`).
     scale: int = 1
 
@@ -170,6 +174,7 @@ class Deployment:
             max_model_len=self.tokens(self.max_model_len),
             max_num_scheduled_tokens=self.tokens(self.max_num_scheduled_tokens),
             kv_connector=self.kv_connector,
+            kv_connector_divergent_hits=self.kv_connector_divergent_hits,
             # vLLM's default admission gate: with a connector the re-admission
             # after an async load has no lookup for the generator's own gate.
             reserve_full_sequence=self.kv_connector,
@@ -228,6 +233,7 @@ class Deployment:
             + ")"
             + (
                 "; KV connector: each request's external hit drawn (none, sync or async)"
+                + (", per-group local lookups" if self.kv_connector_divergent_hits else "")
                 if self.kv_connector
                 else ""
             ),

@@ -129,6 +129,7 @@ class _Live:
     sched_computed: int = 0
     reported: bool = False
     failed_reported: bool = False  # the worker reported its load failed
+    retried_load: bool = False  # a load of it failed; it was looked up again
     holds_blocks: bool = False
 
     @property
@@ -261,6 +262,7 @@ class _Scheduler:
             load_failed = live.failed_reported
             if load_failed:
                 live.loading = live.holds_blocks = live.failed_reported = False
+                live.retried_load = True
                 if live.remote is not None:
                     live.remote = replace(live.remote, fails=False)
             if live.holds_blocks:
@@ -609,10 +611,19 @@ class SessionRun:
             loading = any(live.loading for live in scheduler.holding)
             idle = 0 if scheduled or loading else idle + 1
             if idle > MAX_IDLE_STEPS:
-                stuck = scheduler.waiting[0].name if scheduler.waiting else "?"
+                head = (*scheduler.holding, *scheduler.waiting)
+                stuck = head[0].name if head else "?"
+                why = "the pool is too small for the plan"
+                if head and head[0].retried_load:
+                    # vLLM 0.33.0 keeps a failed load among its in-flight
+                    # prefills, so the retry reserves its own blocks.
+                    why = (
+                        "its async load failed and vLLM's Scheduler reserves blocks for it "
+                        "against its own retry (vLLM 0.33.0; see README)"
+                    )
                 raise WorkloadStuck(
                     f"{stuck} cannot be admitted on a pool of {self.config.num_blocks} blocks "
-                    "with nothing running: the pool is too small for the plan"
+                    f"with nothing running: {why}"
                 )
             now += 1
         # Every turn is finished: the pool must hold no reference at all.

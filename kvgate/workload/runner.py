@@ -61,6 +61,7 @@ def trace_name(workload: Workload, deployment: Deployment, arm: Arm) -> str:
         f"workload-{workload.sessions}x{workload.turns}-seed{workload.seed}{scale}"
         f"-u{arm.unit}.{deployment.build}"
         + (".kv-connector" if deployment.kv_connector else "")
+        + ("-divergent" if deployment.kv_connector_divergent_hits else "")
         + f".hold-{hold}"
     )
 
