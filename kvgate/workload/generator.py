@@ -13,9 +13,20 @@ at a time, as `Scheduler.schedule()` does it:
    front of the waiting queue), down to the failing request itself;
 2. if nothing was preempted, waiting requests in order: `lookup`, `reserve`
    (the full-sequence admission gate: admitted only if the pool has the
-   blocks), the first chunk; the first that does not fit ends admission;
+   blocks), the first chunk; the first that does not fit ends admission.
+   A first chunk of one token is padded to a speculative step (`allocate
+   pad`) where the Scheduler pads it;
 3. `step` and `drain`, then `free finish` of requests that generated their
    output; a follow-up arrives after its tool latency.
+
+With a KV connector (`Serving.connector_seed`), each request's external hit
+is drawn (`draw_remote`) and every lookup carries it; an async load's
+allocation (with the blocks the Scheduler keeps for in-flight prefills,
+`allocate reserved`) puts the request in a queue of waiting requests that
+hold blocks, scanned first; the worker reports the load done (or failed)
+some steps later, and the scan then completes it (`allocate`, or `allocate
+complete_only` when nothing runs) or, failed, looks it up again (`lookup
+load_failed`).
 
 A chunk that computes every token of its request samples the step's output
 token (`allocate sample 1`), as vLLM's `Scheduler` appends it after the step;

@@ -10,7 +10,11 @@ two are compared:
 
 - api level: which requests ran with how many tokens (in order), who was
   preempted, every lookup's hit, each admission's hit, the attention check
-  before a follow-up's lookup, the copies, which requests finished;
+  before a follow-up's lookup, the copies, which requests finished; with a
+  KV connector also each question put to the connector and each allocation
+  from the waiting queue (local hit, external tokens, async), the real
+  connector scripted with each request's drawn hit and the loads reported
+  to the real Scheduler when the model's worker reports them;
 - strict level: also the owned manager's whole snapshot after the step.
 
 The first difference (or an exception inside vLLM) ends the arm as a
