@@ -51,6 +51,23 @@ PRODUCER = """\
 """
 
 
+def test_lookahead_hashes_with_a_connector_are_not_modelled() -> None:
+    """vLLM keeps legacy block hashes under any KV connector, so the pair is a
+    history production never runs: refused by name (the real-Scheduler
+    target's refusal checks vLLM's own derived value), and exploration keeps
+    the connector off where it drew lookahead hashes."""
+    from kvgate.conformance.config import NotModelled, validate
+    from kvgate.explore import knobs
+
+    config = parse_trace(trace_text("- {op: step}\n", CONNECTOR_CONFIG)).config
+    with pytest.raises(NotModelled) as refused:
+        validate(replace(config, hash_lookahead_tokens=1))
+    assert refused.value.field == "hash_lookahead_tokens"
+    drawn = {"eagle": True, "kv_connector": "on"}
+    assert not knobs.build({**drawn, "hash_lookahead_tokens": 1}).kv_connector
+    assert knobs.build({**drawn, "hash_lookahead_tokens": 0}).kv_connector
+
+
 # ------------------------------------------------------------------ format
 
 

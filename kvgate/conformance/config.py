@@ -227,6 +227,14 @@ def check_modelled(config: Config) -> None:
             "hash_lookahead_tokens",
             f"{config.hash_lookahead_tokens} is not 0 or 1 (multi-module MTP is not modelled)",
         )
+    if config.kv_connector and config.hash_lookahead_tokens:
+        # VllmConfig.num_hash_lookahead_tokens is 0 whenever a KV connector is
+        # configured: production never runs the two together.
+        raise NotModelled(
+            "hash_lookahead_tokens",
+            "vLLM keeps legacy block hashes (lookahead 0) under a KV connector, "
+            "so kv_connector: true runs only with hash_lookahead_tokens 0",
+        )
     if config.kv_connector_divergent_hits and not config.kv_connector:
         raise NotModelled(
             "kv_connector_divergent_hits", "needs kv_connector: true (it is the connector's)"

@@ -134,8 +134,11 @@ def _long_prefill(config: Config, value: int | None) -> Config:
 
 
 def _kv_connector(config: Config, value: str) -> Config:
+    """vLLM keeps legacy block hashes under a connector (VllmConfig does), so
+    lookahead hashes drawn before it keep the connector off."""
+    on = value != "off" and not config.hash_lookahead_tokens
     return replace(
-        config, kv_connector=value != "off", kv_connector_divergent_hits=value == "divergent_hits"
+        config, kv_connector=on, kv_connector_divergent_hits=on and value == "divergent_hits"
     )
 
 
