@@ -78,6 +78,21 @@ def _step(
     return step
 
 
+def _follow_up_of_a_finished_turn(target: object) -> list[int]:
+    """Runs a 100-token turn A to its end (its partial tail cached at
+    `LOCAL_TAIL_HIT`), clears the connector's record, and returns a follow-up
+    prompt: A's prompt and output, then 30 fresh tokens."""
+    from kvgate.impl.vllm_scheduler import VllmScheduler
+
+    assert isinstance(target, VllmScheduler)
+    prompt = _fresh(100)
+    target.add_request("A", prompt, 2, None)
+    while "A" in target.scheduler.requests:
+        _step(target)
+    target.connector_script.take()
+    return prompt + list(target._requests["A"].output_token_ids) + _fresh(30)
+
+
 def test_a_sync_remote_hit_is_admitted_with_the_external_tokens(scheduler: object) -> None:
     from kvgate.impl.vllm_connector import Allocated, ExternalHit
     from kvgate.impl.vllm_scheduler import VllmScheduler
@@ -136,12 +151,7 @@ def test_a_longer_remote_hit_supersedes_a_local_sub_block_tail(scheduler: object
 
     assert isinstance(scheduler, VllmScheduler)
     script = scheduler.connector_script
-    prompt = _fresh(100)
-    scheduler.add_request("A", prompt, 2, None)
-    while "A" in scheduler.scheduler.requests:
-        _step(scheduler)
-    script.take()
-    follow_up = prompt + list(scheduler._requests["A"].output_token_ids) + _fresh(30)
+    follow_up = _follow_up_of_a_finished_turn(scheduler)
     script.hits["F"] = ExternalHit(len(follow_up) - 1)
     scheduler.add_request("F", follow_up, 2, "A")
     step = _step(scheduler)
@@ -170,12 +180,7 @@ def test_a_remote_hit_no_longer_than_the_local_tail_keeps_the_tail(scheduler: ob
 
     assert isinstance(scheduler, VllmScheduler)
     script = scheduler.connector_script
-    prompt = _fresh(100)
-    scheduler.add_request("A", prompt, 2, None)
-    while "A" in scheduler.scheduler.requests:
-        _step(scheduler)
-    script.take()
-    follow_up = prompt + list(scheduler._requests["A"].output_token_ids) + _fresh(30)
+    follow_up = _follow_up_of_a_finished_turn(scheduler)
     # Exactly the local hit: the remote store does not exceed it.
     script.hits["F"] = ExternalHit(LOCAL_TAIL_HIT, load_async=True)
     scheduler.add_request("F", follow_up, 2, "A")
