@@ -16,7 +16,7 @@ from hypothesis import Phase
 
 from kvgate import cli
 from kvgate.conformance.config import Config, GroupConfig
-from kvgate.conformance.ops import FREE_HOW, PRIMITIVE_OPS
+from kvgate.conformance.ops import FREE_HOW, PRIMITIVE_OPS, Segment, Step
 from kvgate.conformance.replay import replay
 from kvgate.conformance.snapshot import BlockView, Snapshot
 from kvgate.conformance.trace import Trace, load_trace
@@ -26,11 +26,13 @@ from kvgate.explore.profiles import profile
 from kvgate.explore.runner import Outcome, explore, model_mode
 from kvgate.explore.session import (
     ALL_INVARIANTS,
+    REPLAYED_FIELDS,
     ExploreFailure,
     Session,
     Unrealistic,
     follow_up,
     fresh,
+    replayed_fields,
     shrink,
 )
 from kvgate.invariants.predicates import hash_map_consistent, one_hold
@@ -330,3 +332,32 @@ def test_explore_runs_the_fork_retention_on_the_model(
     cli.main(["explore", "--retired", "on", "--budget", "3", "--out", str(tmp_path)])
     assert "retired on" in capsys.readouterr().out
     assert seen and all(seen)
+
+
+def test_the_shrinker_replays_every_field_of_a_step() -> None:
+    """A step replayed while shrinking keeps every op field (a connector's
+    answers, `sample`, `skip_prefix_cache`), so a shrunk trace is a
+    sub-history of the failing one, not a different history."""
+    step = Step(
+        "allocate",
+        3,
+        req="A",
+        prompt=(Segment("fresh", count=8),),
+        tokens=16,
+        lookahead=1,
+        spec=2,
+        sample=1,
+        how="finish",
+        blocks=2,
+        skip_prefix_cache=True,
+        remote_hit=40,
+        remote_async=True,
+        load_failed=True,
+        pad=2,
+        reserved=3,
+        complete_only=True,
+    )
+    defaults = Step("allocate", 3)
+    # Every replayed field is set away from its default above.
+    assert all(getattr(step, name) != getattr(defaults, name) for name in REPLAYED_FIELDS)
+    assert Step("allocate", 3, **replayed_fields(step)) == step

@@ -20,6 +20,7 @@ import hashlib
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from dataclasses import fields as dataclass_fields
 from pathlib import Path
 from typing import Any, Literal
 
@@ -389,6 +390,20 @@ def share_prompt(other: str, n: int) -> tuple[Segment, ...]:
 # -- shrinking a recorded run --------------------------------------------------
 
 
+# What a recorded step carries into a replay: every op field (connector
+# answers, `sample`, `skip_prefix_cache` included), not its place in a trace
+# or what a trace file expects of it.
+_PLACE_AND_EXPECTATIONS = frozenset(("op", "index", "part", "origin", "expect", "check", "steps"))
+REPLAYED_FIELDS = tuple(
+    f.name for f in dataclass_fields(Step) if f.name not in _PLACE_AND_EXPECTATIONS
+)
+
+
+def replayed_fields(step: Step) -> dict[str, Any]:
+    """`step`'s op fields, as `Session.run` takes them to record it again."""
+    return {name: getattr(step, name) for name in REPLAYED_FIELDS}
+
+
 def reproduce(
     failure: ExploreFailure,
     steps: Sequence[Step],
@@ -401,12 +416,7 @@ def reproduce(
             if step.op == "check":
                 run.run("check", check=step.check)
                 continue
-            fields = {
-                f: getattr(step, f)
-                for f in ("req", "prompt", "tokens", "lookahead", "spec", "how", "blocks")
-                if getattr(step, f) not in (None, (), 0) or f in ("lookahead", "spec")
-            }
-            run.run(step.op, **fields)
+            run.run(step.op, **replayed_fields(step))
     except ExploreFailure as again:
         if again.kind == failure.kind and again.invariant == failure.invariant:
             return again
