@@ -156,6 +156,30 @@ def test_a_leaking_free_path_is_found_and_replays_failing(
     assert not passed and any(f.startswith("check:check free_blocks") for f in failures)
 
 
+def test_a_step_the_model_raises_in_is_a_crash_with_a_trace(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An exception inside a realistic step (here every free raises) is a
+    finding, saved and shrunk like any other, not a Hypothesis traceback."""
+    real_free = GroupManager.free
+
+    def free_that_raises_on_abort(self: GroupManager, request_id: str) -> None:
+        raise RuntimeError(f"free of {request_id} failed")
+
+    monkeypatch.setattr(GroupManager, "free", free_that_raises_on_abort)
+    outcome = search(model_mode(hold=False), tmp_path, seed=0)
+    failure = outcome.failure
+    assert failure is not None and (failure.kind, failure.invariant) == ("crash", "raised")
+    assert "RuntimeError: free of" in failure.message
+    assert failure.steps[-1].op == "free"
+    assert outcome.saved is not None
+    trace = load_trace(outcome.saved)
+    passed, failures = model_replay(trace)
+    assert not passed and any("RuntimeError" in f for f in failures)
+    monkeypatch.setattr(GroupManager, "free", real_free)
+    assert model_replay(trace) == (True, [])
+
+
 # -- the session -------------------------------------------------------------------------
 
 

@@ -46,7 +46,10 @@ from kvgate.invariants.predicates import (
 )
 from kvgate.model import ModelTarget
 
-FailureKind = Literal["invariant", "divergence"]
+# `crash`: the model raised inside a step the machine chose as realistic (a
+# pool run dry inside an allocation its admission check passed, say): the
+# manager under test would raise there too, so it is a finding with a trace.
+FailureKind = Literal["invariant", "divergence", "crash"]
 
 # Every invariant a session can check, by name.
 MODEL_INVARIANTS = ("hash_map_consistent", "one_hold")
@@ -71,7 +74,8 @@ class RequestState:
 
 
 class ExploreFailure(AssertionError):
-    """An invariant violation or a divergence, with the run that led to it."""
+    """An invariant violation, a divergence or a crash, with the run that led
+    to it."""
 
     def __init__(
         self,
@@ -230,7 +234,15 @@ class Session:
         step = Step(op, len(self.steps), **fields)
         self.guard(step)
         before = self.last
-        observed = self.model.apply(step)
+        try:
+            observed = self.model.apply(step)
+        except (StepRefused, Unrealistic, ExploreFailure):
+            raise
+        except Exception as error:
+            self.steps.append(step)
+            raise self.fail(
+                "crash", "raised", f"{step.where()}: {type(error).__name__}: {error}", Witness()
+            ) from error
         self.steps.append(step)
         self.counts[op] += 1
         if op == "free":
