@@ -25,18 +25,11 @@ from kvgate.explore.profiles import profile
 from kvgate.explore.runner import explore
 from kvgate.model import ModelTarget
 
-CONNECTOR_CONFIG = """\
-config:
-  num_blocks: 96
-  hash_unit: 8
-  eagle: true
-  retention_interval: 0
-  retain_checkpoint: false
-  kv_connector: true
-  groups:
-    - {kind: full_attention, block_size: 8}
-    - {kind: mamba_align, block_size: 32, speculative_blocks: 3}
-"""
+# The shared example config with a KV connector (the connector fields below
+# are refused without it, so a config missing it fails every test here).
+CONNECTOR_CONFIG = EXAMPLE_TRACE_CONFIG.replace(
+    "  groups:\n", "  kv_connector: true\n  groups:\n", 1
+)
 
 CONNECTOR_TRACES = [t for t in load_corpus(bundled_corpus()) if "-connector-" in t.name]
 
