@@ -5,6 +5,7 @@ hasher), the model's events, and the installed vLLM on traces using them."""
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from kvgate.conformance.events import KvEvent
 from kvgate.conformance.tokens import HashInputs, MmItem, prefix_keys
 from kvgate.conformance.trace import parse_trace
 from kvgate.conformance.writer import dump_trace
+from kvgate.explore.hash_inputs import VARY_EVERY, RequestInputs
 
 PROMPT = "- {op: arrive, req: A, prompt: [{fresh: 40}]"
 
@@ -185,3 +187,23 @@ def test_event_lines_show_the_adapter_and_the_extra_keys() -> None:
     assert event.line() == "stored g1 0-16/8: 8 16 lora ad extra ad,t1;ad,img@-3"
     assert "lora_id 5" in event.exact()
     assert KvEvent("stored", 0, ("8:a",), None, 0, 8, 8).line() == "stored g0 0-8/8: 8"
+
+
+# -- exploration ----------------------------------------------------------------
+
+
+def test_exploration_inherits_inputs_and_varies_one_in_a_few() -> None:
+    counts: Counter[str] = Counter()
+    inputs = RequestInputs("all", counts)
+    root = inputs.fresh("R0", 60)
+    assert root.cache_salt and root.lora and root.mm[0].end <= 60
+    children = [inputs.shared(f"C{i}", "R0") for i in range(2 * VARY_EVERY)]
+    varied = [c for c in children if c != root]
+    assert len(varied) == 2 and counts["arrive:varied"] == 2
+    # Each variant changes exactly one input, a different one in turn.
+    changed = [
+        {k for k in ("cache_salt", "lora", "mm") if getattr(c, k) != getattr(root, k)}
+        for c in varied
+    ]
+    assert all(len(c) == 1 for c in changed) and changed[0] != changed[1]
+    assert not RequestInputs("none", Counter()).fresh("R", 60)
