@@ -23,7 +23,7 @@ from kvgate.conformance.residency import Eviction
 from kvgate.conformance.residency import report as residency_report
 from kvgate.conformance.snapshot import Snapshot
 from kvgate.conformance.target import Capabilities, StepRefused
-from kvgate.conformance.tokens import FreshTokens
+from kvgate.conformance.tokens import NO_INPUTS, FreshTokens, HashInputs
 
 R = TypeVar("R")  # the target's request object
 
@@ -76,9 +76,17 @@ class OpDriver(ABC, Generic[R]):
     # -- hooks a target implements ------------------------------------------------
 
     @abstractmethod
-    def new_request(self, name: str, tokens: list[int], skip_prefix_cache: bool = False) -> R:
+    def new_request(
+        self,
+        name: str,
+        tokens: list[int],
+        skip_prefix_cache: bool = False,
+        inputs: HashInputs = NO_INPUTS,
+    ) -> R:
         """A request; `skip_prefix_cache`: it never reads the prefix cache (vLLM's
-        `skip_reading_prefix_cache`, set by prompt logprobs or pooling)."""
+        `skip_reading_prefix_cache`, set by prompt logprobs or pooling);
+        `inputs`: its salt, adapter and multimodal items (its block hashes
+        cover them)."""
 
     @abstractmethod
     def prompt_tokens(self, request: R) -> list[int]: ...
@@ -280,7 +288,15 @@ class OpDriver(ABC, Generic[R]):
                 f"{len(tokens):,} tokens, more than config.max_model_len "
                 f"{self.config.max_model_len:,}",
             )
-        pending = Pending(self.new_request(step.req, tokens, step.skip_prefix_cache))
+        inputs = step.hash_inputs
+        if inputs.mm and inputs.mm[-1].end > len(tokens):
+            last = inputs.mm[-1]
+            raise StepRefused(
+                f"mm[{len(inputs.mm) - 1}]",
+                f"placeholder {last.offset}..{last.end} ends past the prompt "
+                f"({len(tokens):,} tokens)",
+            )
+        pending = Pending(self.new_request(step.req, tokens, step.skip_prefix_cache, inputs))
         pending.skips_cache = step.skip_prefix_cache
         self.requests[step.req] = pending
         return {}

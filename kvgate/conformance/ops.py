@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from kvgate.conformance.tokens import NO_INPUTS, HashInputs, MmItem
+
 # A request's life, the same in every layer (the trace validator, the driver,
 # exploration's guards, the Z3 phases, the drift test's generator; the
 # workload's traces are read back through the validator). `absent` until it
@@ -33,6 +35,8 @@ FieldType = Literal[
     "int_or_all",  # an int >= 0, or "all"
     "how",  # finish / abort / preempt
     "bool",  # true / false
+    "text",  # a non-empty one-line string
+    "mm",  # a list of multimodal placeholders {offset, length, id}
 ]
 
 
@@ -75,6 +79,11 @@ FIELD_TYPES: dict[str, FieldType] = {
     "how": "how",
     "blocks": "int_or_all",
     "skip_prefix_cache": "bool",
+    # arrive (additive), the request's inputs that enter its block hashes as
+    # in vLLM: its cache salt, LoRA adapter (by name) and multimodal items.
+    "cache_salt": "text",
+    "lora": "text",
+    "mm": "mm",
     # lookup / prefill with a KV connector (config `kv_connector`): the prefix
     # the connector has the KV of, and whether it loads it asynchronously.
     "remote_hit": "int",
@@ -116,10 +125,18 @@ RESIDENCY_KEYS: tuple[str, ...] = ("evicted", "reuse_gaps")
 CONNECTOR_FIELDS: tuple[str, ...] = ("remote_hit", "remote_async", "load_failed")
 LOOKUP_KEYS: tuple[str, ...] = ("hit", "junction", "local_hit", "external")
 
+# An arrival's hash inputs (`tokens.HashInputs`).
+HASH_INPUT_FIELDS: tuple[str, ...] = ("cache_salt", "lora", "mm")
+
 ACTIONS: dict[str, Action] = {
     a.name: a
     for a in (
-        Action("arrive", ("req", "prompt"), ("skip_prefix_cache",), valid_in=frozenset({"absent"})),
+        Action(
+            "arrive",
+            ("req", "prompt"),
+            ("skip_prefix_cache", *HASH_INPUT_FIELDS),
+            valid_in=frozenset({"absent"}),
+        ),
         Action(
             "lookup",
             ("req",),
@@ -269,6 +286,10 @@ class Step:
     blocks: int | Literal["all"] | None = None
     # arrive: the request never reads the prefix cache (prompt logprobs, pooling)
     skip_prefix_cache: bool = False
+    # arrive: the inputs besides its tokens that enter its block hashes
+    cache_salt: str = ""
+    lora: str = ""
+    mm: tuple[MmItem, ...] = ()
     # lookup (and prefill): the KV connector has the request's first
     # `remote_hit` tokens, loaded asynchronously with `remote_async`
     remote_hit: int = 0
@@ -284,6 +305,13 @@ class Step:
     expect: dict[str, Any] = field(default_factory=dict)
     check: dict[str, Any] = field(default_factory=dict)
     steps: int = 0  # the `decode` macro's repeat count; the parser expands it
+
+    @property
+    def hash_inputs(self) -> HashInputs:
+        """An arrival's hash inputs (none for other ops)."""
+        if not (self.cache_salt or self.lora or self.mm):
+            return NO_INPUTS
+        return HashInputs(self.cache_salt, self.lora, self.mm)
 
     def where(self) -> str:
         """`step 6 (prefill: allocate #2)`: a place a person can find."""

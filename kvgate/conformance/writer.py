@@ -90,7 +90,9 @@ def step_dict(step: Step) -> dict[str, Any]:
         value = getattr(step, field)
         if field == "prompt":
             value = [segment_dict(s) for s in value]
-        if field in action.optional and value == 0:
+        if field == "mm":
+            value = [{"offset": m.offset, "length": m.length, "id": m.identifier} for m in value]
+        if field in action.optional and not value:  # 0, false, "", none
             continue
         out[field] = value
     if step.expect:

@@ -10,9 +10,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from kvgate.conformance.config import Config, validate
-from kvgate.conformance.events import KvEvent
 from kvgate.model.coordinator import Coordinator, HitBlocks
-from kvgate.model.pool import Block
+from kvgate.model.pool import Block, stored_event
 from kvgate.model.request import Request
 
 
@@ -139,7 +138,8 @@ class KVCacheManager:
             size = self.config.groups[group_id].block_size
             n = len(group_blocks)
             keys = tuple(request.keys[(i + 1) * size // unit - 1] for i in range(n))
-            events.append(KvEvent("stored", group_id, keys, None, 0, n * size, size))
+            windows = [i * size for i in range(n)]
+            events.append(stored_event(request, group_id, keys, None, 0, n * size, size, windows))
 
     def get_num_blocks_to_allocate(
         self,

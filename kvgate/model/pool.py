@@ -15,7 +15,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 
-from kvgate.conformance.events import KvEvent
+from kvgate.conformance.events import KvEvent, event_extras
+from kvgate.conformance.tokens import EventExtra, lora_adapter_id
+from kvgate.model.request import Request
 from kvgate.model.residency import Residency
 
 HashKey = tuple[int, str]  # (group id, prefix key of kvgate.conformance.tokens)
@@ -263,7 +265,7 @@ class BlockPool:
 
     def cache_full_blocks(
         self,
-        keys: Sequence[str],
+        request: Request,
         table: Sequence[Block],
         num_cached: int,
         num_full: int,
@@ -271,11 +273,14 @@ class BlockPool:
         group_id: int,
         mask: Sequence[bool] | None,
     ) -> None:
-        """Key table blocks [num_cached, num_full) at their block boundaries."""
+        """Key `request`'s table blocks [num_cached, num_full) at their block
+        boundaries."""
         if num_cached >= num_full:
             return
+        keys = request.keys
         scale = block_size // self.hash_unit
         stored: list[str] = []
+        windows: list[int] = []  # each stored block's start, for its event
         for i in range(num_cached, num_full):
             block = table[i]
             if block.is_null or (mask is not None and not mask[i - num_cached]):
@@ -288,31 +293,35 @@ class BlockPool:
             key = keys[(i + 1) * scale - 1]
             self.add_key((group_id, key), block, num_tokens)
             stored.append(key)
+            windows.append(i * block_size)
         if self.events is not None:
             # One event per call, even when every block was skipped.
             self.events.append(
-                KvEvent(
-                    "stored",
+                stored_event(
+                    request,
                     group_id,
                     tuple(stored),
                     keys[num_cached * scale - 1] if num_cached else None,
                     num_cached * block_size,
                     num_full * block_size,
                     block_size,
+                    windows,
                 )
             )
 
     def cache_partial_block(
         self,
-        keys: Sequence[str],
+        request: Request,
         block: Block,
         num_tokens: int,
         group_id: int,
         replace_existing: bool = False,
     ) -> HashKey | None:
-        """Make `block` reachable from the hash-unit boundary `num_tokens`."""
+        """Make `block` reachable from `request`'s hash-unit boundary
+        `num_tokens`."""
         if block.is_null:
             return None
+        keys = request.keys
         unit = self.hash_unit
         n = num_tokens // unit
         key = (group_id, keys[n - 1])
@@ -328,8 +337,9 @@ class BlockPool:
         self.add_key(key, block, num_tokens)
         if self.events is not None and not already:
             parent = keys[n - 2] if n > 1 else None
+            start = (n - 1) * unit
             self.events.append(
-                KvEvent("stored", group_id, (key[1],), parent, (n - 1) * unit, n * unit, unit)
+                stored_event(request, group_id, (key[1],), parent, start, n * unit, unit, [start])
             )
         return key
 
@@ -339,3 +349,37 @@ class BlockPool:
         num_tokens = source.hash_tokens
         for key in self.drop_keys(source):
             self.add_key(key, target, num_tokens)
+
+
+def stored_event(
+    request: Request,
+    group_id: int,
+    keys: tuple[str, ...],
+    parent: str | None,
+    start: int,
+    end: int,
+    block_size: int,
+    windows: Sequence[int],
+) -> KvEvent:
+    """A BlockStored of `request`'s `keys` (blocks starting at `windows`, each
+    `block_size` tokens), with what vLLM's event carries of its hash inputs:
+    the adapter, and each block's extra keys over its hashed window (the
+    block and the hash lookahead tokens after it)."""
+    inputs = request.inputs
+    lora = inputs.lora
+    extra: tuple[EventExtra, ...] = ()
+    if inputs:
+        span = block_size + request.hash_lookahead
+        extra = event_extras(inputs.event_extra(w, w + span) for w in windows)
+    return KvEvent(
+        "stored",
+        group_id,
+        keys,
+        parent,
+        start,
+        end,
+        block_size,
+        lora,
+        lora_adapter_id(lora) if lora else 0,
+        extra,
+    )

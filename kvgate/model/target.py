@@ -10,6 +10,7 @@ from kvgate.conformance.events import KvEvent
 from kvgate.conformance.residency import Eviction
 from kvgate.conformance.snapshot import BlockView, Snapshot, kept_aside
 from kvgate.conformance.target import Capabilities
+from kvgate.conformance.tokens import NO_INPUTS, HashInputs
 from kvgate.model.manager import KVCacheManager
 from kvgate.model.pool import HashKey
 from kvgate.model.request import Request
@@ -43,8 +44,16 @@ class ModelTarget(OpDriver[Request]):
 
     # -- requests -------------------------------------------------------------
 
-    def new_request(self, name: str, tokens: list[int], skip_prefix_cache: bool = False) -> Request:
-        request = Request(name, tokens, self.config.hash_unit, self.config.hash_lookahead_tokens)
+    def new_request(
+        self,
+        name: str,
+        tokens: list[int],
+        skip_prefix_cache: bool = False,
+        inputs: HashInputs = NO_INPUTS,
+    ) -> Request:
+        request = Request(
+            name, tokens, self.config.hash_unit, self.config.hash_lookahead_tokens, inputs
+        )
         request.skip_reading_prefix_cache = skip_prefix_cache
         return request
 
