@@ -19,6 +19,8 @@ from typing import Any, Generic, TypeVar, cast
 from kvgate.conformance.config import Config
 from kvgate.conformance.events import KvEvent, normalized
 from kvgate.conformance.ops import ACTIONS, LIVE, Phase, Segment, Step, next_phase, out_of_phase
+from kvgate.conformance.residency import Eviction
+from kvgate.conformance.residency import report as residency_report
 from kvgate.conformance.snapshot import Snapshot
 from kvgate.conformance.target import Capabilities, StepRefused
 from kvgate.conformance.tokens import NO_INPUTS, FreshTokens, HashInputs
@@ -171,6 +173,12 @@ class OpDriver(ABC, Generic[R]):
     @abstractmethod
     def take_events(self) -> list[KvEvent]:
         """The KV-cache events queued since the last call ([] when off)."""
+
+    @abstractmethod
+    def take_evictions(self) -> list[Eviction] | None:
+        """The residency metrics' eviction events since the last call, as the
+        Scheduler's `make_stats` drains them ([] without `kv_cache_metrics`);
+        None when it drains nothing (`disable_log_stats`: no stats made)."""
 
     @abstractmethod
     def pool_clean(self) -> bool:
@@ -593,6 +601,10 @@ class OpDriver(ABC, Generic[R]):
 
     def _op_stats(self, step: Step) -> dict[str, Any]:
         return self.make_prefix_cache_stats()
+
+    def _op_residency(self, step: Step) -> dict[str, Any]:
+        evictions = self.take_evictions()
+        return {} if evictions is None else residency_report(evictions)
 
     def _op_evict(self, step: Step) -> dict[str, Any]:
         free = self.num_free_blocks()

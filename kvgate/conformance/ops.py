@@ -114,6 +114,10 @@ STATS_KEYS: tuple[str, ...] = (
     "reset",
 )
 
+# What a `residency` op reports a trace may expect (kvgate.conformance.
+# residency): the eviction events drained, and how many carry 0..3 reuse gaps.
+RESIDENCY_KEYS: tuple[str, ...] = ("evicted", "reuse_gaps")
+
 # A lookup's fields for a KV connector, and what a lookup reports: `hit` and
 # `junction` (as the scheduler takes them), and with a connector (additive)
 # `local_hit`, the local lookup's own hit before the connector branch, and
@@ -168,6 +172,7 @@ ACTIONS: dict[str, Action] = {
         Action("reset", (), expect_keys=("ok",)),
         Action("events", (), expect_keys=("events",)),
         Action("stats", (), expect_keys=STATS_KEYS),
+        Action("residency", (), expect_keys=RESIDENCY_KEYS),
         Action("check", ()),
         Action(
             "prefill",
@@ -226,8 +231,9 @@ def next_phase(
 
 # The type of each `expect` value, as the parser checks it: "int" is an int
 # >= 0, "bool" a YAML boolean, "copies" a list of [src, dst] block-id pairs,
-# "events" a list of event lines (kvgate.conformance.events).
-ExpectType = Literal["int", "bool", "copies", "events"]
+# "events" a list of event lines (kvgate.conformance.events), "counts" a list
+# of ints >= 0.
+ExpectType = Literal["int", "bool", "copies", "events", "counts"]
 
 EXPECT_TYPES: dict[str, ExpectType] = {
     "hit": "int",
@@ -242,6 +248,8 @@ EXPECT_TYPES: dict[str, ExpectType] = {
     "events": "events",
     **{key: "int" for key in STATS_KEYS if key != "reset"},
     "reset": "bool",
+    "evicted": "int",
+    "reuse_gaps": "counts",
 }
 
 # Keys of a `check` step.

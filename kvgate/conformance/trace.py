@@ -96,6 +96,8 @@ _CONFIG_OPTIONAL = (
     "prefix_caching",
     "kv_connector",
     "kv_connector_divergent_hits",
+    "kv_cache_metrics",
+    "kv_cache_metrics_sample",
 )
 _GROUP_KEYS = (
     "kind",
@@ -461,6 +463,13 @@ class _Reader:
                 raise self.error(None, f"config.{key}", f"must be true or false, got {_got(value)}")
             return value
 
+        def rate(key: str) -> float:
+            # Any number reads: one outside (0, 1] is vLLM's to refuse.
+            value = raw.get(key, 1.0)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise self.error(None, f"config.{key}", f"must be a number, got {_got(value)}")
+            return float(value)
+
         retention = raw["retention_interval"]
         # Any integer reads: a negative one is vLLM's to refuse (`validate`).
         if retention is not None and type(retention) is not int:
@@ -490,6 +499,8 @@ class _Reader:
             prefix_caching=flag("prefix_caching", True),
             kv_connector=flag("kv_connector"),
             kv_connector_divergent_hits=flag("kv_connector_divergent_hits"),
+            kv_cache_metrics=flag("kv_cache_metrics"),
+            kv_cache_metrics_sample=rate("kv_cache_metrics_sample"),
             scheduler_block_size=count("scheduler_block_size", default_scheduler),
             max_model_len=count("max_model_len", 8192),
             max_num_scheduled_tokens=count("max_num_scheduled_tokens", 8192),
@@ -792,6 +803,12 @@ class _Reader:
                 isinstance(value, list) and all(isinstance(e, str) for e in value)
             ):
                 raise self.error(index, field, f"must be a list of event lines, got {_got(value)}")
+            if kind == "counts" and not (
+                isinstance(value, list) and all(_is_count(n) for n in value)
+            ):
+                raise self.error(
+                    index, field, f"must be a list of integers >= 0, got {_got(value)}"
+                )
             expect[key] = value
         return expect
 

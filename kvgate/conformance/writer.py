@@ -50,6 +50,12 @@ def config_dict(config: Config) -> dict[str, Any]:
         **({"prefix_caching": False} if not config.prefix_caching else {}),
         **({"kv_connector": True} if config.kv_connector else {}),
         **({"kv_connector_divergent_hits": True} if config.kv_connector_divergent_hits else {}),
+        **({"kv_cache_metrics": True} if config.kv_cache_metrics else {}),
+        **(
+            {"kv_cache_metrics_sample": config.kv_cache_metrics_sample}
+            if config.kv_cache_metrics_sample != 1.0
+            else {}
+        ),
         "groups": [group_dict(g) for g in config.groups],
     }
 

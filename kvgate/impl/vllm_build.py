@@ -20,6 +20,7 @@ from kvgate.conformance.config import Config, GroupConfig, RefusedByVllm, Unsupp
 from kvgate.conformance.tokens import HashInputs, lora_adapter_id
 from kvgate.impl._vllm_api import VllmApi
 from kvgate.impl.vllm_errors import config_field, describe
+from kvgate.impl.vllm_residency import metrics_collector
 
 __all__ = [
     "block_hasher",
@@ -159,6 +160,16 @@ def build_manager(api: VllmApi, config: Config) -> Any:
     """
     try:
         scheduler_config(config)
+        # What the Scheduler builds from its ObservabilityConfig (which
+        # validates the sample rate) and hands its manager.
+        collector = metrics_collector(config)
+        if (
+            collector is not None
+            and "metrics_collector" not in inspect.signature(api.KVCacheManager).parameters
+        ):
+            raise UnsupportedConfig(
+                "kv_cache_metrics", "this vLLM's KVCacheManager takes no metrics collector"
+            )
         return api.KVCacheManager(
             kv_cache_config(api, config),
             max_model_len=config.max_model_len,
@@ -172,6 +183,7 @@ def build_manager(api: VllmApi, config: Config) -> Any:
             **_lookahead_kwargs(config, api.KVCacheManager),
             log_stats=not config.disable_log_stats,
             enable_kv_cache_events=config.kv_events,
+            **({"metrics_collector": collector} if collector is not None else {}),
             **(
                 {"enable_mamba_shared_prefix_checkpoint": True}
                 if config.shared_prefix_checkpoint

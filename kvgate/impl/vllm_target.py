@@ -26,6 +26,7 @@ from kvgate.conformance.config import Config, check_modelled
 from kvgate.conformance.driver import OpDriver
 from kvgate.conformance.events import KvEvent, event_extras
 from kvgate.conformance.ops import STATS_KEYS
+from kvgate.conformance.residency import Eviction
 from kvgate.conformance.snapshot import Snapshot
 from kvgate.conformance.target import Capabilities
 from kvgate.conformance.tokens import NO_INPUTS, EventExtra, HashInputs, key_position
@@ -33,6 +34,7 @@ from kvgate.impl import _vllm_api
 from kvgate.impl._vllm_api import VllmApi
 from kvgate.impl.vllm_build import block_hasher, build_manager, request_inputs, split_context
 from kvgate.impl.vllm_probe import hold_source, holds_partial_tails, retains_retired
+from kvgate.impl.vllm_residency import take_evictions
 from kvgate.impl.vllm_view import ManagerView
 
 __all__ = ["VllmTarget"]
@@ -259,6 +261,11 @@ class VllmTarget(OpDriver[Any]):
             else:
                 raise RuntimeError(f"unknown KV-cache event {type(event).__name__}")
         return events
+
+    def take_evictions(self) -> list[Eviction] | None:
+        if self.config.disable_log_stats:
+            return None  # the Scheduler's make_stats returns before draining
+        return take_evictions(getattr(self.manager, "metrics_collector", None))
 
     def pool_clean(self) -> bool:
         pool = self._pool

@@ -18,6 +18,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from kvgate.conformance.events import KvEvent, event_extras
 from kvgate.conformance.tokens import EventExtra, lora_adapter_id
 from kvgate.model.request import Request
+from kvgate.model.residency import Residency
 
 HashKey = tuple[int, str]  # (group id, prefix key of kvgate.conformance.tokens)
 
@@ -94,10 +95,22 @@ class FreeQueue:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, hash_unit: int, events: bool = False) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        hash_unit: int,
+        events: bool = False,
+        residency: bool = False,
+        caching: bool = True,
+    ) -> None:
         self.hash_unit = hash_unit
         # The KV-cache event queue (vLLM's enable_kv_cache_events); None: off.
         self.events: list[KvEvent] | None = [] if events else None
+        # The residency metrics (vLLM's kv_cache_metrics); None: off.
+        self.residency: Residency | None = Residency() if residency else None
+        # Prefix caching on: a block handed out is first evicted from the
+        # prefix cache (off, nothing is cached, and vLLM skips that call).
+        self.caching = caching
         self.num_blocks = num_blocks
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue = FreeQueue(range(num_blocks))
@@ -141,10 +154,13 @@ class BlockPool:
             raise ValueError(f"cannot get {n} free blocks from the pool")
         taken = [self.blocks[self.free_queue.pop_head()] for _ in range(n)]
         for block in taken:
-            self.evict_keys(block)  # reuse evicts the cached state
+            if self.caching:
+                self.evict_keys(block)  # reuse evicts the cached state
             assert block.ref == 0
             block.ref = 1
             self.changed.add(block.block_id)
+            if self.residency is not None:
+                self.residency.allocated(block.block_id)
         return taken
 
     def add_ref(self, block: Block) -> None:
@@ -161,6 +177,8 @@ class BlockPool:
                 self.free_queue.remove(block.block_id)
             block.ref += 1
             self.changed.add(block.block_id)
+            if self.residency is not None:
+                self.residency.accessed(block.block_id)
 
     def free_blocks(self, ordered: Iterable[Block]) -> None:
         """Drop one ref of each; blocks reaching 0 join the free queue.
@@ -190,6 +208,8 @@ class BlockPool:
             block.hash = None
             block.hash_tokens = None
         self.changed.update(range(self.num_blocks))
+        if self.residency is not None:
+            self.residency.reset()
         if self.events is not None:
             self.events.append(KvEvent("cleared"))
         return True
@@ -204,7 +224,10 @@ class BlockPool:
 
     def evict_keys(self, block: Block) -> None:
         """Evict `block` from the prefix cache (its keys go, with a
-        `removed` event each); its ref count and place stay."""
+        `removed` event each); its ref count and place stay. Its residency
+        ends here, keyed or not (vLLM's `_maybe_evict_cached_block`)."""
+        if self.residency is not None:
+            self.residency.evicted(block.block_id)
         self._removed(self.drop_keys(block))
 
     def _removed(self, keys: Iterable[HashKey]) -> None:

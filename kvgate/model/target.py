@@ -7,6 +7,7 @@ from typing import Any
 from kvgate.conformance.config import Config
 from kvgate.conformance.driver import OpDriver
 from kvgate.conformance.events import KvEvent
+from kvgate.conformance.residency import Eviction
 from kvgate.conformance.snapshot import BlockView, Snapshot, kept_aside
 from kvgate.conformance.target import Capabilities
 from kvgate.conformance.tokens import NO_INPUTS, HashInputs
@@ -129,6 +130,12 @@ class ModelTarget(OpDriver[Request]):
 
     def take_events(self) -> list[KvEvent]:
         return self.pool.take_events()
+
+    def take_evictions(self) -> list[Eviction] | None:
+        if self.config.disable_log_stats:
+            return None  # the Scheduler makes no stats, so drains nothing
+        residency = self.pool.residency
+        return [] if residency is None else residency.drain()
 
     # -- observation ------------------------------------------------------------
 
