@@ -281,3 +281,37 @@ def test_inputs_the_scheduler_schedules_otherwise_are_refused_by_name(
         assert error.value.field == field and "\n" not in str(error.value)
     finally:
         real.close()
+
+
+def test_residency_metrics_keep_lockstep_on_the_real_scheduler(tmp_path: Path) -> None:
+    """`--kv-cache-metrics`: vLLM's Scheduler builds the collector itself and
+    drains it into every step's stats; each step's eviction events (their
+    reuse gaps) are the model's. A collector that drops the events of
+    blocks it never saw accessed diverges at the first such step."""
+    from dataclasses import replace
+
+    deployment = Deployment(build="upstream").scaled(SCALE)
+    config = replace(deployment.config(UNITS[0], False, WORKLOAD.sessions), kv_cache_metrics=True)
+    result = _one_arm(tmp_path / "ok", _scheduler(None), config)
+    assert result.replay.passed, result.replay.divergence
+    assert result.evictions_compared > 0
+
+    def dropping(config: Config, **kwargs: Any) -> Any:
+        real: Any = _scheduler(None)(config, **kwargs)
+        collector = real.scheduler.kv_metrics_collector
+        evicted = collector.on_block_evicted
+
+        def unaccessed_dropped(block: Any) -> None:
+            metrics = collector.block_metrics.get(block.block_id)
+            if metrics is not None and not metrics.access_history:
+                del collector.block_metrics[block.block_id]
+                return
+            evicted(block)
+
+        collector.on_block_evicted = unaccessed_dropped
+        return real
+
+    broken = _one_arm(tmp_path / "broken", dropping, config)
+    divergence = broken.replay.divergence
+    assert divergence is not None
+    assert divergence.what.endswith("residency eviction events (reuse gaps each)")
