@@ -40,6 +40,9 @@ class KvEvent:
     start: int = 0  # stored: the token span the event carries
     end: int = 0
     block_size: int = 0
+    # stored, with lookahead block hashes (vLLM's `lookahead_token_ids`): the
+    # tokens after each listed block that its hash covers; None without them.
+    lookahead: tuple[tuple[int, ...], ...] | None = None
 
     def line(self) -> str:
         """The event as a trace writes it (positions)."""
@@ -53,7 +56,10 @@ class KvEvent:
     def exact(self) -> str:
         """The event with its full keys: what two targets compare."""
         if self.kind == "stored":
-            return f"{self.line()} keys {' '.join(self.keys)} parent {self.parent}"
+            exact = f"{self.line()} keys {' '.join(self.keys)} parent {self.parent}"
+            if self.lookahead is not None:
+                exact += f" lookahead {[list(tokens) for tokens in self.lookahead]}"
+            return exact
         return f"{self.line()} keys {' '.join(self.keys)}"
 
 

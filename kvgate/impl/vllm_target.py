@@ -243,6 +243,7 @@ class VllmTarget(OpDriver[Any]):
                         start,
                         start + len(event.token_ids),
                         int(event.block_size),
+                        _lookahead_tokens(event),
                     )
                 )
             else:
@@ -287,3 +288,12 @@ class VllmTarget(OpDriver[Any]):
 
     def snapshot(self) -> Snapshot:
         return self._view.snapshot(self.popped)
+
+
+def _lookahead_tokens(event: Any) -> tuple[tuple[int, ...], ...] | None:
+    """A BlockStored's `lookahead_token_ids` (None without lookahead hashes,
+    or on a vLLM whose events do not carry them)."""
+    lookahead = getattr(event, "lookahead_token_ids", None)
+    if lookahead is None:
+        return None
+    return tuple(tuple(int(t) for t in tokens) for tokens in lookahead)

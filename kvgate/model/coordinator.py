@@ -46,7 +46,12 @@ def replay_boundaries(num_prompt: int, scheduler_block: int, eagle: bool) -> tup
 class Coordinator:
     def __init__(self, config: Config) -> None:
         self.config = config
-        self.pool = BlockPool(config.num_blocks, config.hash_unit, events=config.kv_events)
+        self.pool = BlockPool(
+            config.num_blocks,
+            config.hash_unit,
+            events=config.kv_events,
+            hash_lookahead=config.hash_lookahead_tokens,
+        )
         # Without prefix caching no state is keyed, so nothing can be held.
         caching = config.prefix_caching
         self.holds = Holds(self.pool, config.hold and caching, config.hold_retired and caching)

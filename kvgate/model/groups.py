@@ -134,6 +134,7 @@ class GroupManager:
             self.block_size,
             self.group_id,
             mask,
+            tokens=request.all_token_ids,
         )
         self.num_cached[rid] = num_full
 
@@ -260,4 +261,6 @@ class FullAttentionManager(GroupManager):
         table = self.tables[request.request_id]
         index = boundary // self.block_size
         if index < len(table):
-            self.pool.cache_partial_block(request.keys, table[index], boundary, self.group_id)
+            self.pool.cache_partial_block(
+                request.keys, table[index], boundary, self.group_id, tokens=request.all_token_ids
+            )

@@ -371,7 +371,12 @@ class MambaManager(GroupManager):
         if block.hash_tokens == position:
             return None
         return self.pool.cache_partial_block(
-            request.keys, block, position, self.group_id, replace_existing=True
+            request.keys,
+            block,
+            position,
+            self.group_id,
+            replace_existing=True,
+            tokens=request.all_token_ids,
         )
 
     def _cache_prompt_tail(
@@ -404,7 +409,9 @@ class MambaManager(GroupManager):
         source = table[index]
         if source.hash_tokens == num_tokens:
             return None  # already keyed here (by a hit or an earlier step)
-        key = self.pool.cache_partial_block(request.keys, source, num_tokens, self.group_id)
+        key = self.pool.cache_partial_block(
+            request.keys, source, num_tokens, self.group_id, tokens=request.all_token_ids
+        )
         if key is not None and num_tokens % self.block_size:
             # The next chunk overwrites this block: it must move the key.
             self.partial_hits[request.request_id] = (index, source)

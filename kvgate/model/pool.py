@@ -92,8 +92,13 @@ class FreeQueue:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, hash_unit: int, events: bool = False) -> None:
+    def __init__(
+        self, num_blocks: int, hash_unit: int, events: bool = False, hash_lookahead: int = 0
+    ) -> None:
         self.hash_unit = hash_unit
+        # Tokens after a block that its key covers (lookahead block hashes):
+        # a BlockStored event lists them per block.
+        self.hash_lookahead = hash_lookahead
         # The KV-cache event queue (vLLM's enable_kv_cache_events); None: off.
         self.events: list[KvEvent] | None = [] if events else None
         self.num_blocks = num_blocks
@@ -192,6 +197,16 @@ class BlockPool:
             self.events.append(KvEvent("cleared"))
         return True
 
+    def lookahead_tokens(
+        self, tokens: Sequence[int], block_ends: Iterable[int]
+    ) -> tuple[tuple[int, ...], ...] | None:
+        """A BlockStored event's lookahead tokens: for each block ending at
+        one of `block_ends`, the tokens after it that its key covers (as many
+        as exist); None without lookahead block hashes."""
+        if not self.hash_lookahead:
+            return None
+        return tuple(tuple(tokens[end : end + self.hash_lookahead]) for end in block_ends)
+
     def take_events(self) -> list[KvEvent]:
         if self.events is None:
             return []
@@ -247,12 +262,16 @@ class BlockPool:
         block_size: int,
         group_id: int,
         mask: Sequence[bool] | None,
+        *,
+        tokens: Sequence[int],
     ) -> None:
-        """Key table blocks [num_cached, num_full) at their block boundaries."""
+        """Key table blocks [num_cached, num_full) at their block boundaries
+        (`keys` and `tokens` are the request's)."""
         if num_cached >= num_full:
             return
         scale = block_size // self.hash_unit
         stored: list[str] = []
+        stored_ends: list[int] = []
         for i in range(num_cached, num_full):
             block = table[i]
             if block.is_null or (mask is not None and not mask[i - num_cached]):
@@ -265,6 +284,7 @@ class BlockPool:
             key = keys[(i + 1) * scale - 1]
             self.add_key((group_id, key), block, num_tokens)
             stored.append(key)
+            stored_ends.append(num_tokens)
         if self.events is not None:
             # One event per call, even when every block was skipped.
             self.events.append(
@@ -276,6 +296,7 @@ class BlockPool:
                     num_cached * block_size,
                     num_full * block_size,
                     block_size,
+                    self.lookahead_tokens(tokens, stored_ends),
                 )
             )
 
@@ -286,6 +307,8 @@ class BlockPool:
         num_tokens: int,
         group_id: int,
         replace_existing: bool = False,
+        *,
+        tokens: Sequence[int],
     ) -> HashKey | None:
         """Make `block` reachable from the hash-unit boundary `num_tokens`."""
         if block.is_null:
@@ -306,7 +329,16 @@ class BlockPool:
         if self.events is not None and not already:
             parent = keys[n - 2] if n > 1 else None
             self.events.append(
-                KvEvent("stored", group_id, (key[1],), parent, (n - 1) * unit, n * unit, unit)
+                KvEvent(
+                    "stored",
+                    group_id,
+                    (key[1],),
+                    parent,
+                    (n - 1) * unit,
+                    n * unit,
+                    unit,
+                    self.lookahead_tokens(tokens, (n * unit,)),
+                )
             )
         return key
 
