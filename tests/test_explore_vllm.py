@@ -21,6 +21,7 @@ from kvgate.explore.differential import (
     overlay_differential_mode,
     vllm_target,
 )
+from kvgate.explore.hash_inputs import MODES
 from kvgate.explore.profiles import profile
 from kvgate.explore.runner import explore
 from kvgate.model import ModelTarget
@@ -35,6 +36,10 @@ def test_differential_ci_profile_no_divergence_and_every_op(tmp_path: Path) -> N
     ops = outcome.stats.ops
     assert [op for op in PRIMITIVE_OPS if not ops[op]] == []
     assert [how for how in FREE_HOW if not ops[f"free:{how}"]] == []
+    # Requests arrived with each hash input, some varying their parent's,
+    # and every hash-input mode was drawn.
+    assert [k for k in ("cache_salt", "lora", "mm", "varied") if not ops[f"arrive:{k}"]] == []
+    assert [m for m in MODES if not outcome.stats.knobs[f"hash_inputs={m}"]] == []
 
 
 def test_overlay_differential_ci_profile_hold_on_no_divergence(hold_overlay_plugin: str) -> None:

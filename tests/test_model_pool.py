@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvgate.model.pool import BlockPool
+from kvgate.model.request import Request
 
 
 def test_the_null_block_is_taken_and_never_queued() -> None:
@@ -49,11 +50,18 @@ def test_more_blocks_than_free_is_an_error() -> None:
         pool.get_new_blocks(3)
 
 
+def _keyed(keys: list[str]) -> Request:
+    """A request whose prefix keys are `keys` (the pool reads nothing else)."""
+    request = Request("R", [0] * 4 * len(keys), 4)
+    request.keys = keys
+    return request
+
+
 def test_a_partial_key_is_replaced_by_the_full_block_key() -> None:
     pool = BlockPool(4, 4)
     [a] = pool.get_new_blocks(1)
-    assert pool.cache_partial_block(["4:p", "8:q"], a, 4, group_id=1, tokens=[]) == (1, "4:p")
-    pool.cache_full_blocks(["4:p", "8:q"], [a], 0, 1, 8, 1, None, tokens=[])
+    assert pool.cache_partial_block(_keyed(["4:p", "8:q"]), a, 4, group_id=1) == (1, "4:p")
+    pool.cache_full_blocks(_keyed(["4:p", "8:q"]), [a], 0, 1, 8, 1, None)
     assert a.hash == (1, "8:q") and a.hash_tokens == 8
     assert pool.cached_block("4:p", [1]) is None
 
@@ -61,9 +69,8 @@ def test_a_partial_key_is_replaced_by_the_full_block_key() -> None:
 def test_a_second_key_on_a_keyed_block_is_secondary() -> None:
     pool = BlockPool(4, 4)
     [a] = pool.get_new_blocks(1)
-    pool.cache_partial_block(["4:p", "8:q"], a, 8, group_id=1, tokens=[])
-    # A lower key is kept as a secondary one.
-    pool.cache_partial_block(["4:p", "8:q"], a, 4, group_id=1, tokens=[])
+    pool.cache_partial_block(_keyed(["4:p", "8:q"]), a, 8, group_id=1)
+    pool.cache_partial_block(_keyed(["4:p", "8:q"]), a, 4, group_id=1)  # lower: kept as secondary
     assert pool.keys_of(a) == [(1, "8:q"), (1, "4:p")]
 
 

@@ -53,6 +53,7 @@ def test_the_corpus_has_a_refusal_trace_for_each_of_vllms_rules() -> None:
         "long_prefill_token_threshold",
         "scheduler_block_size",
         "hash_unit",
+        "kv_cache_metrics_sample",
     }
 
 
@@ -96,6 +97,10 @@ def _grid() -> Iterator[Config]:
             scheduler_block_size=scheduler,
             prefix_caching=caching,
         )
+    # The residency metrics' sample rate, metrics on or off: vLLM's
+    # ObservabilityConfig takes (0, 1]; kvgate models only 1.0.
+    for metrics, sample in itertools.product((True, False), (-0.5, 0.0, 0.01, 0.5, 1.0, 1.5)):
+        yield replace(base, kv_cache_metrics=metrics, kv_cache_metrics_sample=sample)
     # Two rules broken at once: which one each side names first.
     for retention, unit, threshold in itertools.product((0, 48), (8, 16), (0, 9000)):
         yield replace(
@@ -151,12 +156,16 @@ def test_what_kvgate_refuses_by_name_vllm_serves() -> None:
     caching_off = replace(caching_off, prefix_caching=False)
     attention_only = replace(two_mamba, groups=(ATTENTION,), hash_unit=8, scheduler_block_size=8)
     multi_mtp = hybrid_config(ATTENTION, MAMBA, eagle=True, hash_lookahead_tokens=2)
+    sampled = hybrid_config(
+        ATTENTION, MAMBA, eagle=True, kv_cache_metrics=True, kv_cache_metrics_sample=0.5
+    )
     api = _vllm_api.load()
     for config, field in (
         (two_mamba, "groups"),
         (caching_off, "groups[0].block_size"),
         (attention_only, "groups"),
         (multi_mtp, "hash_lookahead_tokens"),
+        (sampled, "kv_cache_metrics_sample"),
     ):
         with pytest.raises(NotModelled) as error:
             VllmTarget(config)

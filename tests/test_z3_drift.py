@@ -280,6 +280,7 @@ def knob_configs(draw: st.DrawFn) -> Config:
         shared_prefix_checkpoint=draw(st.sampled_from([True, True, False])),
         long_prefill_token_threshold=draw(st.sampled_from([0, 0, 16, 40])),
         kv_events=draw(st.booleans()),
+        kv_cache_metrics=draw(st.booleans()),
         hash_lookahead_tokens=lookahead,
     )
 
@@ -331,7 +332,9 @@ def test_every_knob_step_is_a_transition(config: Config, data: st.DataObject) ->
         produce(run, name, prompt, data.draw(st.integers(0, 2)))
         for _ in range(data.draw(st.integers(0, 3))):
             kind = data.draw(
-                st.sampled_from(["free", "pop", "release", "evict", "reset", "events", "stats"])
+                st.sampled_from(
+                    ["free", "pop", "release", "evict", "reset", "events", "stats", "residency"]
+                )
             )
             if kind in ("free", "pop") and live(run):
                 victim = data.draw(st.sampled_from(live(run)))
@@ -342,7 +345,7 @@ def test_every_knob_step_is_a_transition(config: Config, data: st.DataObject) ->
             elif kind == "evict":
                 free = run.model.num_free_blocks()
                 run.apply(Step(kind, 0, blocks=data.draw(st.integers(0, free))))
-            elif kind in ("reset", "events", "stats"):
+            elif kind in ("reset", "events", "stats", "residency"):
                 run.apply(Step(kind, 0))
 
 
@@ -390,13 +393,15 @@ def test_a_retired_prefill_checkpoint_is_a_transition() -> None:
 def test_a_junction_and_a_tail_in_one_life_are_transitions() -> None:
     """The shared-prefix checkpoint: a sibling diverging at 40 keys its
     junction mid-block and moves it, then its own prompt's tail; then the
-    pool, idle, is reset, and the events and stats ops change nothing."""
+    pool, idle, is reset, and the events, stats and residency ops change
+    nothing."""
     run = witness(
         witness_config(
             retention_interval=0,
             hold=True,
             shared_prefix_checkpoint=True,
             kv_events=True,
+            kv_cache_metrics=True,
         )
     )
     produce(run, "R0", (Segment("fresh", count=64),), decodes=0)
@@ -404,7 +409,7 @@ def test_a_junction_and_a_tail_in_one_life_are_transitions() -> None:
     shared = tuple(run.model.requests["R0"].request.prompt[:40])
     produce(run, "R1", (Segment("tokens", token_ids=shared), Segment("fresh", count=20)), 0)
     assert "two partial tails in one life" in run.seen
-    for op in ("events", "stats"):
+    for op in ("events", "stats", "residency"):
         run.apply(Step(op, 0))
     run.apply(Step("free", 0, req="R1", how="finish"))
     run.apply(Step("drain", 0))

@@ -82,6 +82,13 @@ class Config:
     # trace field `kv_connector_divergent_hits`): the local lookup is
     # `get_computed_blocks_for_connector`, per-group hits.
     kv_connector_divergent_hits: bool = False
+    # vLLM's `--kv-cache-metrics` (ObservabilityConfig.kv_cache_metrics): the
+    # pool reports block residencies to a metrics collector, whose eviction
+    # events the `residency` op drains; and its sample rate
+    # (`kv_cache_metrics_sample`; vLLM's default 0.01, the trace's 1.0: only
+    # 1.0, every block, is modelled, a lower rate samples at random).
+    kv_cache_metrics: bool = False
+    kv_cache_metrics_sample: float = 1.0
 
     @property
     def block_drop(self) -> bool:
@@ -239,6 +246,14 @@ def check_modelled(config: Config) -> None:
         raise NotModelled(
             "kv_connector_divergent_hits", "needs kv_connector: true (it is the connector's)"
         )
+    if config.kv_cache_metrics and config.kv_cache_metrics_sample != 1.0:
+        # vLLM draws each block's sampling at random: not a function of the
+        # history, so nothing a model could predict.
+        raise NotModelled(
+            "kv_cache_metrics_sample",
+            f"{config.kv_cache_metrics_sample} is not 1.0 (vLLM samples blocks at random "
+            "below 1.0; only every block sampled is modelled)",
+        )
     if config.max_model_len < 1:
         raise NotModelled("max_model_len", "must be >= 1")
     if config.max_num_scheduled_tokens < 1:
@@ -262,6 +277,13 @@ def vllm_rules(config: Config) -> None:
             "long_prefill_token_threshold",
             f"{config.long_prefill_token_threshold} is greater than max_model_len "
             f"{config.max_model_len}",
+        )
+    sample = config.kv_cache_metrics_sample
+    if not 0 < sample <= 1:
+        # ObservabilityConfig's own check (built after the SchedulerConfig),
+        # whether the metrics are on or not.
+        raise RefusedByVllm(
+            "kv_cache_metrics_sample", f"{sample} is not in (0, 1] (a sampling rate)"
         )
     scheduler = config.scheduler_block_size
     # Every coordinator: the scheduler block is a multiple of the hash unit

@@ -19,9 +19,11 @@ from typing import Any, Generic, TypeVar, cast
 from kvgate.conformance.config import Config
 from kvgate.conformance.events import KvEvent, normalized
 from kvgate.conformance.ops import ACTIONS, LIVE, Phase, Segment, Step, next_phase, out_of_phase
+from kvgate.conformance.residency import Eviction
+from kvgate.conformance.residency import report as residency_report
 from kvgate.conformance.snapshot import Snapshot
 from kvgate.conformance.target import Capabilities, StepRefused
-from kvgate.conformance.tokens import FreshTokens
+from kvgate.conformance.tokens import NO_INPUTS, FreshTokens, HashInputs
 
 R = TypeVar("R")  # the target's request object
 
@@ -74,9 +76,17 @@ class OpDriver(ABC, Generic[R]):
     # -- hooks a target implements ------------------------------------------------
 
     @abstractmethod
-    def new_request(self, name: str, tokens: list[int], skip_prefix_cache: bool = False) -> R:
+    def new_request(
+        self,
+        name: str,
+        tokens: list[int],
+        skip_prefix_cache: bool = False,
+        inputs: HashInputs = NO_INPUTS,
+    ) -> R:
         """A request; `skip_prefix_cache`: it never reads the prefix cache (vLLM's
-        `skip_reading_prefix_cache`, set by prompt logprobs or pooling)."""
+        `skip_reading_prefix_cache`, set by prompt logprobs or pooling);
+        `inputs`: its salt, adapter and multimodal items (its block hashes
+        cover them)."""
 
     @abstractmethod
     def prompt_tokens(self, request: R) -> list[int]: ...
@@ -163,6 +173,12 @@ class OpDriver(ABC, Generic[R]):
     @abstractmethod
     def take_events(self) -> list[KvEvent]:
         """The KV-cache events queued since the last call ([] when off)."""
+
+    @abstractmethod
+    def take_evictions(self) -> list[Eviction] | None:
+        """The residency metrics' eviction events since the last call, as the
+        Scheduler's `make_stats` drains them ([] without `kv_cache_metrics`);
+        None when it drains nothing (`disable_log_stats`: no stats made)."""
 
     @abstractmethod
     def pool_clean(self) -> bool:
@@ -272,7 +288,15 @@ class OpDriver(ABC, Generic[R]):
                 f"{len(tokens):,} tokens, more than config.max_model_len "
                 f"{self.config.max_model_len:,}",
             )
-        pending = Pending(self.new_request(step.req, tokens, step.skip_prefix_cache))
+        inputs = step.hash_inputs
+        if inputs.mm and inputs.mm[-1].end > len(tokens):
+            last = inputs.mm[-1]
+            raise StepRefused(
+                f"mm[{len(inputs.mm) - 1}]",
+                f"placeholder {last.offset}..{last.end} ends past the prompt "
+                f"({len(tokens):,} tokens)",
+            )
+        pending = Pending(self.new_request(step.req, tokens, step.skip_prefix_cache, inputs))
         pending.skips_cache = step.skip_prefix_cache
         self.requests[step.req] = pending
         return {}
@@ -577,6 +601,10 @@ class OpDriver(ABC, Generic[R]):
 
     def _op_stats(self, step: Step) -> dict[str, Any]:
         return self.make_prefix_cache_stats()
+
+    def _op_residency(self, step: Step) -> dict[str, Any]:
+        evictions = self.take_evictions()
+        return {} if evictions is None else residency_report(evictions)
 
     def _op_evict(self, step: Step) -> dict[str, Any]:
         free = self.num_free_blocks()

@@ -14,9 +14,13 @@ lines, positions instead of digests:
 `stored` covers the tokens start..end of the request that cached them (its
 parent is the key at `start`, none at 0); a Mamba group in align mode keys
 only some of its blocks, so the positions may be fewer than the blocks, even
-none. One eviction can remove several keys of one block in an order vLLM
-leaves to a set: every run of consecutive `removed` events is sorted (by group, then
-position).
+none. A request with hash inputs (`tokens.HashInputs`) adds what vLLM's
+`BlockStored` carries of them: ` lora <name>` (the adapter; its id is
+compared too) and ` extra <per block>`, one entry per key, `;`-separated:
+`-` (none) or its keys `,`-separated, an adapter or salt bare, an item as
+`<identifier>@<offset in the block>`. One eviction can remove several keys
+of one block in an order vLLM leaves to a set: every run of consecutive
+`removed` events is sorted (by group, then position).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
-from kvgate.conformance.tokens import key_position
+from kvgate.conformance.tokens import EventExtra, key_position
 
 EventKind = Literal["stored", "removed", "cleared"]
 
@@ -40,6 +44,12 @@ class KvEvent:
     start: int = 0  # stored: the token span the event carries
     end: int = 0
     block_size: int = 0
+    # stored, for a request with an adapter: its name and int id.
+    lora: str = ""
+    lora_id: int = 0
+    # stored: the hash inputs each keyed block's window carries, aligned with
+    # `keys`; () when no block carries any (a request without hash inputs).
+    extra: tuple[EventExtra, ...] = ()
     # stored, with lookahead block hashes (vLLM's `lookahead_token_ids`): the
     # tokens after each listed block that its hash covers; None without them.
     lookahead: tuple[tuple[int, ...], ...] | None = None
@@ -51,16 +61,35 @@ class KvEvent:
         positions = " ".join(str(key_position(k)) for k in self.keys) or "-"
         if self.kind == "removed":
             return f"removed g{self.group} {positions}"
-        return f"stored g{self.group} {self.start}-{self.end}/{self.block_size}: {positions}"
+        line = f"stored g{self.group} {self.start}-{self.end}/{self.block_size}: {positions}"
+        if self.lora:
+            line += f" lora {self.lora}"
+        if self.extra:
+            line += " extra " + ";".join(_extra_text(e) for e in self.extra)
+        return line
 
     def exact(self) -> str:
         """The event with its full keys: what two targets compare."""
         if self.kind == "stored":
-            exact = f"{self.line()} keys {' '.join(self.keys)} parent {self.parent}"
+            lora_id = f" lora_id {self.lora_id}" if self.lora else ""
+            exact = f"{self.line()} keys {' '.join(self.keys)} parent {self.parent}{lora_id}"
             if self.lookahead is not None:
                 exact += f" lookahead {[list(tokens) for tokens in self.lookahead]}"
             return exact
         return f"{self.line()} keys {' '.join(self.keys)}"
+
+
+def event_extras(extras: Iterable[EventExtra]) -> tuple[EventExtra, ...]:
+    """Per-block event extras as `KvEvent.extra` keeps them: () when no
+    block carries any (vLLM then still lists a None per block)."""
+    kept = tuple(extras)
+    return kept if any(e is not None for e in kept) else ()
+
+
+def _extra_text(extra: EventExtra) -> str:
+    if extra is None:
+        return "-"
+    return ",".join(k if isinstance(k, str) else f"{k[0]}@{k[1]}" for k in extra)
 
 
 def normalized(events: Iterable[KvEvent]) -> list[KvEvent]:

@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from kvgate.conformance.tokens import NO_INPUTS, HashInputs, MmItem
+
 # A request's life, the same in every layer (the trace validator, the driver,
 # exploration's guards, the Z3 phases, the drift test's generator; the
 # workload's traces are read back through the validator). `absent` until it
@@ -33,6 +35,8 @@ FieldType = Literal[
     "int_or_all",  # an int >= 0, or "all"
     "how",  # finish / abort / preempt
     "bool",  # true / false
+    "text",  # a non-empty one-line string
+    "mm",  # a list of multimodal placeholders {offset, length, id}
 ]
 
 
@@ -75,6 +79,11 @@ FIELD_TYPES: dict[str, FieldType] = {
     "how": "how",
     "blocks": "int_or_all",
     "skip_prefix_cache": "bool",
+    # arrive (additive), the request's inputs that enter its block hashes as
+    # in vLLM: its cache salt, LoRA adapter (by name) and multimodal items.
+    "cache_salt": "text",
+    "lora": "text",
+    "mm": "mm",
     # lookup / prefill with a KV connector (config `kv_connector`): the prefix
     # the connector has the KV of, and whether it loads it asynchronously.
     "remote_hit": "int",
@@ -105,6 +114,10 @@ STATS_KEYS: tuple[str, ...] = (
     "reset",
 )
 
+# What a `residency` op reports a trace may expect (kvgate.conformance.
+# residency): the eviction events drained, and how many carry 0..3 reuse gaps.
+RESIDENCY_KEYS: tuple[str, ...] = ("evicted", "reuse_gaps")
+
 # A lookup's fields for a KV connector, and what a lookup reports: `hit` and
 # `junction` (as the scheduler takes them), and with a connector (additive)
 # `local_hit`, the local lookup's own hit before the connector branch, and
@@ -112,10 +125,18 @@ STATS_KEYS: tuple[str, ...] = (
 CONNECTOR_FIELDS: tuple[str, ...] = ("remote_hit", "remote_async", "load_failed")
 LOOKUP_KEYS: tuple[str, ...] = ("hit", "junction", "local_hit", "external")
 
+# An arrival's hash inputs (`tokens.HashInputs`).
+HASH_INPUT_FIELDS: tuple[str, ...] = ("cache_salt", "lora", "mm")
+
 ACTIONS: dict[str, Action] = {
     a.name: a
     for a in (
-        Action("arrive", ("req", "prompt"), ("skip_prefix_cache",), valid_in=frozenset({"absent"})),
+        Action(
+            "arrive",
+            ("req", "prompt"),
+            ("skip_prefix_cache", *HASH_INPUT_FIELDS),
+            valid_in=frozenset({"absent"}),
+        ),
         Action(
             "lookup",
             ("req",),
@@ -151,6 +172,7 @@ ACTIONS: dict[str, Action] = {
         Action("reset", (), expect_keys=("ok",)),
         Action("events", (), expect_keys=("events",)),
         Action("stats", (), expect_keys=STATS_KEYS),
+        Action("residency", (), expect_keys=RESIDENCY_KEYS),
         Action("check", ()),
         Action(
             "prefill",
@@ -209,8 +231,9 @@ def next_phase(
 
 # The type of each `expect` value, as the parser checks it: "int" is an int
 # >= 0, "bool" a YAML boolean, "copies" a list of [src, dst] block-id pairs,
-# "events" a list of event lines (kvgate.conformance.events).
-ExpectType = Literal["int", "bool", "copies", "events"]
+# "events" a list of event lines (kvgate.conformance.events), "counts" a list
+# of ints >= 0.
+ExpectType = Literal["int", "bool", "copies", "events", "counts"]
 
 EXPECT_TYPES: dict[str, ExpectType] = {
     "hit": "int",
@@ -225,6 +248,8 @@ EXPECT_TYPES: dict[str, ExpectType] = {
     "events": "events",
     **{key: "int" for key in STATS_KEYS if key != "reset"},
     "reset": "bool",
+    "evicted": "int",
+    "reuse_gaps": "counts",
 }
 
 # Keys of a `check` step.
@@ -261,6 +286,10 @@ class Step:
     blocks: int | Literal["all"] | None = None
     # arrive: the request never reads the prefix cache (prompt logprobs, pooling)
     skip_prefix_cache: bool = False
+    # arrive: the inputs besides its tokens that enter its block hashes
+    cache_salt: str = ""
+    lora: str = ""
+    mm: tuple[MmItem, ...] = ()
     # lookup (and prefill): the KV connector has the request's first
     # `remote_hit` tokens, loaded asynchronously with `remote_async`
     remote_hit: int = 0
@@ -276,6 +305,13 @@ class Step:
     expect: dict[str, Any] = field(default_factory=dict)
     check: dict[str, Any] = field(default_factory=dict)
     steps: int = 0  # the `decode` macro's repeat count; the parser expands it
+
+    @property
+    def hash_inputs(self) -> HashInputs:
+        """An arrival's hash inputs (none for other ops)."""
+        if not (self.cache_salt or self.lora or self.mm):
+            return NO_INPUTS
+        return HashInputs(self.cache_salt, self.lora, self.mm)
 
     def where(self) -> str:
         """`step 6 (prefill: allocate #2)`: a place a person can find."""

@@ -69,6 +69,7 @@ from kvgate.conformance.ops import (
     next_phase,
     out_of_phase,
 )
+from kvgate.conformance.tokens import MmItem
 from kvgate.errors import printable
 
 FORMAT = "kvgate-trace/1"
@@ -95,6 +96,8 @@ _CONFIG_OPTIONAL = (
     "prefix_caching",
     "kv_connector",
     "kv_connector_divergent_hits",
+    "kv_cache_metrics",
+    "kv_cache_metrics_sample",
 )
 _GROUP_KEYS = (
     "kind",
@@ -460,6 +463,13 @@ class _Reader:
                 raise self.error(None, f"config.{key}", f"must be true or false, got {_got(value)}")
             return value
 
+        def rate(key: str) -> float:
+            # Any number reads: one outside (0, 1] is vLLM's to refuse.
+            value = raw.get(key, 1.0)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise self.error(None, f"config.{key}", f"must be a number, got {_got(value)}")
+            return float(value)
+
         retention = raw["retention_interval"]
         # Any integer reads: a negative one is vLLM's to refuse (`validate`).
         if retention is not None and type(retention) is not int:
@@ -489,6 +499,8 @@ class _Reader:
             prefix_caching=flag("prefix_caching", True),
             kv_connector=flag("kv_connector"),
             kv_connector_divergent_hits=flag("kv_connector_divergent_hits"),
+            kv_cache_metrics=flag("kv_cache_metrics"),
+            kv_cache_metrics_sample=rate("kv_cache_metrics_sample"),
             scheduler_block_size=count("scheduler_block_size", default_scheduler),
             max_model_len=count("max_model_len", 8192),
             max_num_scheduled_tokens=count("max_num_scheduled_tokens", 8192),
@@ -581,7 +593,23 @@ class _Reader:
         expect = self.expect(index, action, raw.get("expect", {}))
         self.track_request(index, action, values)
         self.count(index, op, values)
+        if values.get("mm"):
+            self.mm_inside_prompt(index, values["req"], values["mm"])
         return Step(op, index, **values, expect=expect)
+
+    def mm_inside_prompt(self, index: int, req: str, items: tuple[MmItem, ...]) -> None:
+        """Every placeholder ends inside the prompt, as far as its length is
+        known here (a copied output's length is known at `arrive`, where the
+        driver checks it again)."""
+        most = self.budget.prompt_most[req]
+        for i, item in enumerate(items):
+            if item.end > most:
+                raise self.error(
+                    index,
+                    f"mm[{i}]",
+                    f"placeholder {item.offset}..{item.end} ends past the prompt "
+                    f"(at most {most:,} tokens)",
+                )
 
     def count(self, index: int, op: str, values: Mapping[str, Any]) -> None:
         """Charge the step to the trace's budget (before `decode` is expanded)."""
@@ -605,6 +633,10 @@ class _Reader:
             return value
         if kind == "prompt":
             return self.prompt(index, value)
+        if kind == "text":
+            return self.text(index, key, value)
+        if kind == "mm":
+            return self.mm(index, value)
         if kind == "bool":
             if not isinstance(value, bool):
                 raise self.error(index, key, f"must be true or false, got {_got(value)}")
@@ -641,6 +673,57 @@ class _Reader:
         if value not in FREE_HOW:
             raise self.error(index, key, f"{_got(value)} is not one of {', '.join(FREE_HOW)}")
         return value
+
+    def text(self, index: int, field: str, value: object) -> str:
+        if (
+            not isinstance(value, str)
+            or not value
+            or not value.isprintable()
+            or (value != "".join(value.split()))
+        ):
+            raise self.error(
+                index,
+                field,
+                f"must be a non-empty string of printable characters without spaces, "
+                f"got {_got(value)}",
+            )
+        return value
+
+    def mm(self, index: int, raw: object) -> tuple[MmItem, ...]:
+        """Multimodal placeholders: sorted by offset, disjoint, each at least
+        one token (vLLM's hasher assumes the order)."""
+        if not isinstance(raw, list) or not raw:
+            raise self.error(
+                index, "mm", f"must be a non-empty list of {{offset, length, id}}, got {_got(raw)}"
+            )
+        items: list[MmItem] = []
+        for i, entry in enumerate(raw):
+            where = f"mm[{i}]"
+            if not isinstance(entry, dict):
+                raise self.error(
+                    index, where, f"must be a mapping {{offset, length, id}}, got {_got(entry)}"
+                )
+            self.unknown_keys(index, where + ".", entry, ("offset", "length", "id"), "key")
+            self.missing_keys(index, where + ".", entry, ("offset", "length", "id"))
+            offset, length = entry["offset"], entry["length"]
+            if not _is_count(offset):
+                raise self.error(
+                    index, f"{where}.offset", f"must be an integer >= 0, got {_got(offset)}"
+                )
+            if not _is_count(length) or length == 0:
+                raise self.error(
+                    index, f"{where}.length", f"must be an integer >= 1, got {_got(length)}"
+                )
+            identifier = self.text(index, f"{where}.id", entry["id"])
+            if items and offset < items[-1].end:
+                raise self.error(
+                    index,
+                    f"{where}.offset",
+                    f"{offset} is inside or before mm[{i - 1}] ({items[-1].offset}.."
+                    f"{items[-1].end}): placeholders must be sorted and disjoint",
+                )
+            items.append(MmItem(offset, length, identifier))
+        return tuple(items)
 
     def prompt(self, index: int, raw: object) -> tuple[Segment, ...]:
         if not isinstance(raw, list) or not raw:
@@ -720,6 +803,12 @@ class _Reader:
                 isinstance(value, list) and all(isinstance(e, str) for e in value)
             ):
                 raise self.error(index, field, f"must be a list of event lines, got {_got(value)}")
+            if kind == "counts" and not (
+                isinstance(value, list) and all(_is_count(n) for n in value)
+            ):
+                raise self.error(
+                    index, field, f"must be a list of integers >= 0, got {_got(value)}"
+                )
             expect[key] = value
         return expect
 

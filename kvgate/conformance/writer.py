@@ -50,6 +50,12 @@ def config_dict(config: Config) -> dict[str, Any]:
         **({"prefix_caching": False} if not config.prefix_caching else {}),
         **({"kv_connector": True} if config.kv_connector else {}),
         **({"kv_connector_divergent_hits": True} if config.kv_connector_divergent_hits else {}),
+        **({"kv_cache_metrics": True} if config.kv_cache_metrics else {}),
+        **(
+            {"kv_cache_metrics_sample": config.kv_cache_metrics_sample}
+            if config.kv_cache_metrics_sample != 1.0
+            else {}
+        ),
         "groups": [group_dict(g) for g in config.groups],
     }
 
@@ -84,7 +90,9 @@ def step_dict(step: Step) -> dict[str, Any]:
         value = getattr(step, field)
         if field == "prompt":
             value = [segment_dict(s) for s in value]
-        if field in action.optional and value == 0:
+        if field == "mm":
+            value = [{"offset": m.offset, "length": m.length, "id": m.identifier} for m in value]
+        if field in action.optional and not value:  # 0, false, "", none
             continue
         out[field] = value
     if step.expect:

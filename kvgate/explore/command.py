@@ -52,6 +52,11 @@ MAX_SECONDS = 86_400.0
 PLAIN_PROGRESS_EVERY = 10.0
 
 
+# What an `arrive` line counts: requests with each hash input, and those
+# that changed one of their parent's (another tenant, adapter or image id).
+ARRIVE_INPUTS = ("cache_salt", "lora", "mm", "varied")
+
+
 def register(subparsers: Any) -> None:
     cmd = subparsers.add_parser(
         "explore", help="explore the model with Hypothesis (alone, or against vLLM)"
@@ -211,6 +216,9 @@ def write_summary(out: TextIO, outcome: Outcome) -> None:
         if op in ("lookup", "allocate") and ops[f"{op}:connector"]:
             # A KV connector's share: external tokens taken, async loads.
             line += f"  (connector: {ops[f'{op}:connector']})"
+        if op == "arrive":
+            # The hash inputs requests arrived with (`explore.hash_inputs`).
+            line += "  (" + ", ".join(f"{k} {ops[f'arrive:{k}']}" for k in ARRIVE_INPUTS) + ")"
         print(line, file=out)
     missing = [op for op in PRIMITIVE_OPS if not ops[op]]
     missing += [f"free:{how}" for how in FREE_HOW if not ops[f"free:{how}"]]

@@ -45,8 +45,11 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition,
 
 from kvgate.conformance.config import Config, GroupConfig, UnsupportedConfig
 from kvgate.conformance.driver import OpDriver
+from kvgate.conformance.ops import Segment
 from kvgate.conformance.refusal import model_refusal, refusal_of
 from kvgate.conformance.target import StepRefused
+from kvgate.conformance.tokens import HashInputs
+from kvgate.explore.hash_inputs import MODES, RequestInputs, arrive_fields
 from kvgate.explore.knobs import Stratum, configs
 from kvgate.explore.session import (
     ExploreFailure,
@@ -262,6 +265,8 @@ class ExploreMachine(RuleBasedStateMachine):
         # example runs nothing more.
         self._refused: str | None = None
         self._names = count()
+        # Each request's salt, adapter and images (`hash_inputs`).
+        self._hash = RequestInputs("none", self.mode.stats.ops)
         # What `hypothesis.target` maximizes, at the end of the example.
         self.first_failing = False  # this example raised the run's first failure
         self.resume_depth = 0
@@ -334,8 +339,11 @@ class ExploreMachine(RuleBasedStateMachine):
         mode = self.mode
         drawn = configs(mode.stratum, mode.swarm, mode.refusals)
         config = mode.apply(data.draw(drawn, label="config"))
+        inputs = data.draw(st.sampled_from(MODES), label="hash inputs")
+        self._hash = RequestInputs(inputs, mode.stats.ops)
         refused, account = model_refusal(config)
         mode.stats.knobs.update(knob_values(config, refused))
+        mode.stats.knobs[f"hash_inputs={inputs}"] += 1
         if refused is not None:
             if mode.lockstep is not None:
                 other, other_account, _ = refusal_of(mode.lockstep, config)
@@ -388,7 +396,10 @@ class ExploreMachine(RuleBasedStateMachine):
     def arrive(self, blocks: int, jitter: int, landing: Landing) -> None:
         name = self._name()
         n = new_tokens(self.session.config, 0, blocks, jitter, landing)
-        self._run("arrive", req=name, prompt=fresh(n))
+        self._arrive(name, fresh(n), self._hash.fresh(name, n))
+
+    def _arrive(self, name: str, prompt: tuple[Segment, ...], inputs: HashInputs) -> None:
+        self._run("arrive", req=name, prompt=prompt, **arrive_fields(inputs))
 
     def _parents(self) -> list[str]:
         return self.session.in_phase("waiting", "running", "decoding", "ended")
@@ -401,7 +412,7 @@ class ExploreMachine(RuleBasedStateMachine):
         if base > LONG_PROMPT:
             blocks = 0
         n = new_tokens(session.config, base, blocks, jitter, landing)
-        self._run("arrive", req=name, prompt=follow_up(parent, n))
+        self._arrive(name, follow_up(parent, n), self._hash.shared(name, parent))
         return name
 
     @when(lambda self: self._room() and bool(self._parents()))
@@ -687,7 +698,7 @@ class ExploreMachine(RuleBasedStateMachine):
         prompt is computed."""
         name = self._name()
         n = new_tokens(self.session.config, 0, shape.blocks, shape.jitter, shape.landing)
-        self._run("arrive", req=name, prompt=fresh(n))
+        self._arrive(name, fresh(n), self._hash.fresh(name, n))
         config = self.session.config
         if shape.interrupt_at in ("tail", "first chunk"):
             tail = checkpoint_position(
@@ -724,7 +735,7 @@ class ExploreMachine(RuleBasedStateMachine):
         for i in range(min(count, MAX_LIVE - self._live())):
             child = self._name()
             prompt = share_prompt(producer, extra + i)
-            self._run("arrive", req=child, prompt=prompt)
+            self._arrive(child, prompt, self._hash.shared(child, producer))
             children.append(child)
         for child in children:
             self._chunk(child, 0)
@@ -761,7 +772,7 @@ class ExploreMachine(RuleBasedStateMachine):
         producer = self._pick(computed, which)
         self._burst(burst, n)
         child = self._name()
-        self._run("arrive", req=child, prompt=share_prompt(producer, extra))
+        self._arrive(child, share_prompt(producer, extra), self._hash.shared(child, producer))
         if self._prefill(child, 0, PREFILL_ROUNDS):
             self._tick()
             self._decode(child, 0, 1)

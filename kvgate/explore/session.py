@@ -194,14 +194,17 @@ class Session:
         return state.parent if state is not None else None
 
     def prefix_names(self, request: str, group: int) -> dict[str, int]:
-        tokens = self.model.all_tokens(self.model.requests[request].request)
+        model_request = self.model.requests[request].request
+        tokens = self.model.all_tokens(model_request)
         cached = self._prefix.get((request, group))
         if cached is None or cached[0] != len(tokens):
             unit = self.config.hash_unit
             names = {
                 f"g{group}/{key}": (i + 1) * unit
                 for i, key in enumerate(
-                    prefix_keys(tokens, unit, self.config.hash_lookahead_tokens)
+                    prefix_keys(
+                        tokens, unit, self.config.hash_lookahead_tokens, model_request.inputs
+                    )
                 )
             }
             cached = (len(tokens), names)

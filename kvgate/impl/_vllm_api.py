@@ -55,6 +55,10 @@ class VllmApi:
     BlockStored: Any
     BlockRemoved: Any
     AllBlocksCleared: Any
+    # A request's hash inputs: its LoRA adapter, its multimodal items.
+    LoRARequest: Any
+    MultiModalFeatureSpec: Any
+    PlaceholderRange: Any
 
 
 @functools.cache
@@ -65,6 +69,8 @@ def load() -> VllmApi:
     import vllm
     from vllm import envs
     from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+    from vllm.lora.request import LoRARequest
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -109,6 +115,9 @@ def load() -> VllmApi:
         BlockStored=BlockStored,
         BlockRemoved=BlockRemoved,
         AllBlocksCleared=AllBlocksCleared,
+        LoRARequest=LoRARequest,
+        MultiModalFeatureSpec=MultiModalFeatureSpec,
+        PlaceholderRange=PlaceholderRange,
     )
 
 

@@ -17,11 +17,14 @@ from types import SimpleNamespace
 from typing import Any
 
 from kvgate.conformance.config import Config, GroupConfig, RefusedByVllm, UnsupportedConfig
+from kvgate.conformance.tokens import HashInputs, lora_adapter_id
 from kvgate.impl._vllm_api import VllmApi
 from kvgate.impl.vllm_errors import config_field, describe
+from kvgate.impl.vllm_residency import metrics_collector
 
 __all__ = [
     "block_hasher",
+    "request_inputs",
     "build_manager",
     "kv_cache_config",
     "scheduler_config",
@@ -54,6 +57,36 @@ def block_hasher(api: VllmApi, config: Config) -> Any:
     module = importlib.import_module(api.get_request_block_hasher.__module__)
     make = module.get_request_block_hasher
     return make(config.hash_unit, api.sha256, **_lookahead_kwargs(config, make))
+
+
+def request_inputs(api: VllmApi, inputs: HashInputs) -> dict[str, Any]:
+    """The `Request` arguments that carry `inputs`, as the engine builds them:
+    the salt as given; the adapter as a `LoRARequest` with its stable id
+    (`tokens.lora_adapter_id`) and a path of its own (the hash covers the
+    path too); each item as an image's `MultiModalFeatureSpec`, already in
+    the encoder cache (no data), its identifier and mm hash the trace's id.
+    """
+    args: dict[str, Any] = {}
+    if inputs.cache_salt:
+        args["cache_salt"] = inputs.cache_salt
+    if inputs.lora:
+        args["lora_request"] = api.LoRARequest(
+            lora_name=inputs.lora,
+            lora_int_id=lora_adapter_id(inputs.lora),
+            lora_path=f"/kvgate/lora/{inputs.lora}",
+        )
+    if inputs.mm:
+        args["mm_features"] = [
+            api.MultiModalFeatureSpec(
+                data=None,
+                modality="image",
+                identifier=item.identifier,
+                mm_position=api.PlaceholderRange(offset=item.offset, length=item.length),
+                mm_hash=item.identifier,
+            )
+            for item in inputs.mm
+        ]
+    return args
 
 
 def group_spec(api: VllmApi, index: int, group: GroupConfig) -> Any:
@@ -127,6 +160,16 @@ def build_manager(api: VllmApi, config: Config) -> Any:
     """
     try:
         scheduler_config(config)
+        # What the Scheduler builds from its ObservabilityConfig (which
+        # validates the sample rate) and hands its manager.
+        collector = metrics_collector(config)
+        if (
+            collector is not None
+            and "metrics_collector" not in inspect.signature(api.KVCacheManager).parameters
+        ):
+            raise UnsupportedConfig(
+                "kv_cache_metrics", "this vLLM's KVCacheManager takes no metrics collector"
+            )
         return api.KVCacheManager(
             kv_cache_config(api, config),
             max_model_len=config.max_model_len,
@@ -140,6 +183,7 @@ def build_manager(api: VllmApi, config: Config) -> Any:
             **_lookahead_kwargs(config, api.KVCacheManager),
             log_stats=not config.disable_log_stats,
             enable_kv_cache_events=config.kv_events,
+            **({"metrics_collector": collector} if collector is not None else {}),
             **(
                 {"enable_mamba_shared_prefix_checkpoint": True}
                 if config.shared_prefix_checkpoint

@@ -24,15 +24,17 @@ from typing import Any
 
 from kvgate.conformance.config import Config, check_modelled
 from kvgate.conformance.driver import OpDriver
-from kvgate.conformance.events import KvEvent
+from kvgate.conformance.events import KvEvent, event_extras
 from kvgate.conformance.ops import STATS_KEYS
+from kvgate.conformance.residency import Eviction
 from kvgate.conformance.snapshot import Snapshot
 from kvgate.conformance.target import Capabilities
-from kvgate.conformance.tokens import key_position
+from kvgate.conformance.tokens import NO_INPUTS, EventExtra, HashInputs, key_position
 from kvgate.impl import _vllm_api
 from kvgate.impl._vllm_api import VllmApi
-from kvgate.impl.vllm_build import block_hasher, build_manager, split_context
+from kvgate.impl.vllm_build import block_hasher, build_manager, request_inputs, split_context
 from kvgate.impl.vllm_probe import hold_source, holds_partial_tails, retains_retired
+from kvgate.impl.vllm_residency import take_evictions
 from kvgate.impl.vllm_view import ManagerView
 
 __all__ = ["VllmTarget"]
@@ -99,7 +101,13 @@ class VllmTarget(OpDriver[Any]):
 
     # -------------------------------------------------------------- requests
 
-    def new_request(self, name: str, tokens: list[int], skip_prefix_cache: bool = False) -> Any:
+    def new_request(
+        self,
+        name: str,
+        tokens: list[int],
+        skip_prefix_cache: bool = False,
+        inputs: HashInputs = NO_INPUTS,
+    ) -> Any:
         request = self._api.Request(
             request_id=name,
             prompt_token_ids=tokens,
@@ -113,8 +121,10 @@ class VllmTarget(OpDriver[Any]):
             ),
             pooling_params=None,
             block_hasher=self._hasher,
+            # vLLM's own hasher folds them into the hashes from here on.
+            **request_inputs(self._api, inputs),
         )
-        self._view.track(name, request)
+        self._view.track(name, request, inputs)
         return request
 
     def prompt_tokens(self, request: Any) -> list[int]:
@@ -243,12 +253,20 @@ class VllmTarget(OpDriver[Any]):
                         start,
                         start + len(event.token_ids),
                         int(event.block_size),
+                        str(event.lora_name or ""),
+                        int(event.lora_id or 0),
+                        event_extras(_event_extra(e) for e in event.extra_keys or ()),
                         _lookahead_tokens(event),
                     )
                 )
             else:
                 raise RuntimeError(f"unknown KV-cache event {type(event).__name__}")
         return events
+
+    def take_evictions(self) -> list[Eviction] | None:
+        if self.config.disable_log_stats:
+            return None  # the Scheduler's make_stats returns before draining
+        return take_evictions(getattr(self.manager, "metrics_collector", None))
 
     def pool_clean(self) -> bool:
         pool = self._pool
@@ -297,3 +315,11 @@ def _lookahead_tokens(event: Any) -> tuple[tuple[int, ...], ...] | None:
     if lookahead is None:
         return None
     return tuple(tuple(int(t) for t in tokens) for tokens in lookahead)
+
+
+def _event_extra(entry: Any) -> EventExtra:
+    """One block's extra keys as a BlockStored carries them (untagged: a bare
+    adapter name or salt, an (identifier, offset) pair per item)."""
+    if entry is None:
+        return None
+    return tuple(k if isinstance(k, str) else (str(k[0]), int(k[1])) for k in entry)

@@ -21,7 +21,7 @@ from operator import ne
 from typing import Any
 
 from kvgate.conformance.snapshot import NULL_BLOCK, BlockView, Snapshot, kept_aside, null_view
-from kvgate.conformance.tokens import extend_prefix_keys
+from kvgate.conformance.tokens import NO_INPUTS, HashInputs, extend_prefix_keys
 from kvgate.impl._vllm_api import HOLD_ATTR, VllmApi
 
 __all__ = ["ManagerView", "block_ids"]
@@ -32,6 +32,8 @@ class _Keys:
     """A request's prefix keys, and how far its vLLM hashes are indexed."""
 
     request: Any  # vllm.v1.request.Request
+    # Its salt, adapter and multimodal items, as the trace gave them.
+    inputs: HashInputs = NO_INPUTS
     # keys[i] names the prefix tokens[: (i + 1) * hash_unit] (covering the
     # hash lookahead tokens after it).
     keys: list[str] = field(default_factory=list)
@@ -88,9 +90,10 @@ class ManagerView:
         """The single-type managers, in group order."""
         return self._managers
 
-    def track(self, name: str, request: Any) -> None:
-        """Index `request`'s hashes under `name` from now on."""
-        self._keys[name] = _Keys(request)
+    def track(self, name: str, request: Any, inputs: HashInputs = NO_INPUTS) -> None:
+        """Index `request`'s hashes under `name` from now on; `inputs`: what
+        it was given besides its tokens that its hashes cover."""
+        self._keys[name] = _Keys(request, inputs)
         self._dirty.add(name)
 
     def touched(self, name: str) -> None:
@@ -224,7 +227,9 @@ class ManagerView:
                 continue
             keys = entry.keys
             if len(keys) < n:
-                extend_prefix_keys(keys, entry.request.all_token_ids, unit, self._hash_lookahead)
+                extend_prefix_keys(
+                    keys, entry.request.all_token_ids, unit, self._hash_lookahead, entry.inputs
+                )
             if len(keys) < n:
                 raise RuntimeError(f"{rid}: {n} block hashes but {len(keys)} prefix keys")
             for i in range(entry.mapped, n):

@@ -50,7 +50,8 @@ class Coordinator:
             config.num_blocks,
             config.hash_unit,
             events=config.kv_events,
-            hash_lookahead=config.hash_lookahead_tokens,
+            residency=config.kv_cache_metrics,
+            caching=config.prefix_caching,
         )
         # Without prefix caching no state is keyed, so nothing can be held.
         caching = config.prefix_caching

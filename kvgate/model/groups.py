@@ -127,14 +127,13 @@ class GroupManager:
             boundaries = (*boundaries, *extra)
         mask = self.retention_mask(num_cached, num_full, retention, boundaries)
         self.pool.cache_full_blocks(
-            request.keys,
+            request,
             self.tables[rid],
             num_cached,
             num_full,
             self.block_size,
             self.group_id,
             mask,
-            tokens=request.all_token_ids,
         )
         self.num_cached[rid] = num_full
 
@@ -261,6 +260,4 @@ class FullAttentionManager(GroupManager):
         table = self.tables[request.request_id]
         index = boundary // self.block_size
         if index < len(table):
-            self.pool.cache_partial_block(
-                request.keys, table[index], boundary, self.group_id, tokens=request.all_token_ids
-            )
+            self.pool.cache_partial_block(request, table[index], boundary, self.group_id)

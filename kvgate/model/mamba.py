@@ -371,12 +371,7 @@ class MambaManager(GroupManager):
         if block.hash_tokens == position:
             return None
         return self.pool.cache_partial_block(
-            request.keys,
-            block,
-            position,
-            self.group_id,
-            replace_existing=True,
-            tokens=request.all_token_ids,
+            request, block, position, self.group_id, replace_existing=True
         )
 
     def _cache_prompt_tail(
@@ -409,9 +404,7 @@ class MambaManager(GroupManager):
         source = table[index]
         if source.hash_tokens == num_tokens:
             return None  # already keyed here (by a hit or an earlier step)
-        key = self.pool.cache_partial_block(
-            request.keys, source, num_tokens, self.group_id, tokens=request.all_token_ids
-        )
+        key = self.pool.cache_partial_block(request, source, num_tokens, self.group_id)
         if key is not None and num_tokens % self.block_size:
             # The next chunk overwrites this block: it must move the key.
             self.partial_hits[request.request_id] = (index, source)

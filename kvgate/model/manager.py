@@ -13,7 +13,7 @@ from kvgate.conformance.config import Config, validate
 from kvgate.conformance.events import KvEvent
 from kvgate.conformance.target import StepRefused
 from kvgate.model.coordinator import Coordinator, HitBlocks
-from kvgate.model.pool import Block
+from kvgate.model.pool import Block, stored_event
 from kvgate.model.request import Request
 
 
@@ -153,9 +153,8 @@ class KVCacheManager:
                     "IndexError reporting it (kv_cache_report_mode full)",
                 )
             keys = tuple(request.keys[(i + 1) * size // unit - 1] for i in range(n))
-            ends = [(i + 1) * size for i in range(n)]
-            lookahead = self.block_pool.lookahead_tokens(request.all_token_ids, ends)
-            reported.append(KvEvent("stored", group_id, keys, None, 0, n * size, size, lookahead))
+            windows = [i * size for i in range(n)]
+            reported.append(stored_event(request, group_id, keys, None, 0, n * size, size, windows))
         events.extend(reported)
 
     def get_num_blocks_to_allocate(

@@ -15,7 +15,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 
-from kvgate.conformance.events import KvEvent
+from kvgate.conformance.events import KvEvent, event_extras
+from kvgate.conformance.tokens import EventExtra, lora_adapter_id
+from kvgate.model.request import Request
+from kvgate.model.residency import Residency
 
 HashKey = tuple[int, str]  # (group id, prefix key of kvgate.conformance.tokens)
 
@@ -93,14 +96,21 @@ class FreeQueue:
 
 class BlockPool:
     def __init__(
-        self, num_blocks: int, hash_unit: int, events: bool = False, hash_lookahead: int = 0
+        self,
+        num_blocks: int,
+        hash_unit: int,
+        events: bool = False,
+        residency: bool = False,
+        caching: bool = True,
     ) -> None:
         self.hash_unit = hash_unit
-        # Tokens after a block that its key covers (lookahead block hashes):
-        # a BlockStored event lists them per block.
-        self.hash_lookahead = hash_lookahead
         # The KV-cache event queue (vLLM's enable_kv_cache_events); None: off.
         self.events: list[KvEvent] | None = [] if events else None
+        # The residency metrics (vLLM's kv_cache_metrics); None: off.
+        self.residency: Residency | None = Residency() if residency else None
+        # Prefix caching on: a block handed out is first evicted from the
+        # prefix cache (off, nothing is cached, and vLLM skips that call).
+        self.caching = caching
         self.num_blocks = num_blocks
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue = FreeQueue(range(num_blocks))
@@ -144,10 +154,13 @@ class BlockPool:
             raise ValueError(f"cannot get {n} free blocks from the pool")
         taken = [self.blocks[self.free_queue.pop_head()] for _ in range(n)]
         for block in taken:
-            self.evict_keys(block)  # reuse evicts the cached state
+            if self.caching:
+                self.evict_keys(block)  # reuse evicts the cached state
             assert block.ref == 0
             block.ref = 1
             self.changed.add(block.block_id)
+            if self.residency is not None:
+                self.residency.allocated(block.block_id)
         return taken
 
     def add_ref(self, block: Block) -> None:
@@ -164,6 +177,8 @@ class BlockPool:
                 self.free_queue.remove(block.block_id)
             block.ref += 1
             self.changed.add(block.block_id)
+            if self.residency is not None:
+                self.residency.accessed(block.block_id)
 
     def free_blocks(self, ordered: Iterable[Block]) -> None:
         """Drop one ref of each; blocks reaching 0 join the free queue.
@@ -193,19 +208,11 @@ class BlockPool:
             block.hash = None
             block.hash_tokens = None
         self.changed.update(range(self.num_blocks))
+        if self.residency is not None:
+            self.residency.reset()
         if self.events is not None:
             self.events.append(KvEvent("cleared"))
         return True
-
-    def lookahead_tokens(
-        self, tokens: Sequence[int], block_ends: Iterable[int]
-    ) -> tuple[tuple[int, ...], ...] | None:
-        """A BlockStored event's lookahead tokens: for each block ending at
-        one of `block_ends`, the tokens after it that its key covers (as many
-        as exist); None without lookahead block hashes."""
-        if not self.hash_lookahead:
-            return None
-        return tuple(tuple(tokens[end : end + self.hash_lookahead]) for end in block_ends)
 
     def take_events(self) -> list[KvEvent]:
         if self.events is None:
@@ -217,7 +224,10 @@ class BlockPool:
 
     def evict_keys(self, block: Block) -> None:
         """Evict `block` from the prefix cache (its keys go, with a
-        `removed` event each); its ref count and place stay."""
+        `removed` event each); its ref count and place stay. Its residency
+        ends here, keyed or not (vLLM's `_maybe_evict_cached_block`)."""
+        if self.residency is not None:
+            self.residency.evicted(block.block_id)
         self._removed(self.drop_keys(block))
 
     def _removed(self, keys: Iterable[HashKey]) -> None:
@@ -255,23 +265,22 @@ class BlockPool:
 
     def cache_full_blocks(
         self,
-        keys: Sequence[str],
+        request: Request,
         table: Sequence[Block],
         num_cached: int,
         num_full: int,
         block_size: int,
         group_id: int,
         mask: Sequence[bool] | None,
-        *,
-        tokens: Sequence[int],
     ) -> None:
-        """Key table blocks [num_cached, num_full) at their block boundaries
-        (`keys` and `tokens` are the request's)."""
+        """Key `request`'s table blocks [num_cached, num_full) at their block
+        boundaries."""
         if num_cached >= num_full:
             return
+        keys = request.keys
         scale = block_size // self.hash_unit
         stored: list[str] = []
-        stored_ends: list[int] = []
+        windows: list[int] = []  # each stored block's start, for its event
         for i in range(num_cached, num_full):
             block = table[i]
             if block.is_null or (mask is not None and not mask[i - num_cached]):
@@ -284,35 +293,35 @@ class BlockPool:
             key = keys[(i + 1) * scale - 1]
             self.add_key((group_id, key), block, num_tokens)
             stored.append(key)
-            stored_ends.append(num_tokens)
+            windows.append(i * block_size)
         if self.events is not None:
             # One event per call, even when every block was skipped.
             self.events.append(
-                KvEvent(
-                    "stored",
+                stored_event(
+                    request,
                     group_id,
                     tuple(stored),
                     keys[num_cached * scale - 1] if num_cached else None,
                     num_cached * block_size,
                     num_full * block_size,
                     block_size,
-                    self.lookahead_tokens(tokens, stored_ends),
+                    windows,
                 )
             )
 
     def cache_partial_block(
         self,
-        keys: Sequence[str],
+        request: Request,
         block: Block,
         num_tokens: int,
         group_id: int,
         replace_existing: bool = False,
-        *,
-        tokens: Sequence[int],
     ) -> HashKey | None:
-        """Make `block` reachable from the hash-unit boundary `num_tokens`."""
+        """Make `block` reachable from `request`'s hash-unit boundary
+        `num_tokens`."""
         if block.is_null:
             return None
+        keys = request.keys
         unit = self.hash_unit
         n = num_tokens // unit
         key = (group_id, keys[n - 1])
@@ -328,17 +337,9 @@ class BlockPool:
         self.add_key(key, block, num_tokens)
         if self.events is not None and not already:
             parent = keys[n - 2] if n > 1 else None
+            start = (n - 1) * unit
             self.events.append(
-                KvEvent(
-                    "stored",
-                    group_id,
-                    (key[1],),
-                    parent,
-                    (n - 1) * unit,
-                    n * unit,
-                    unit,
-                    self.lookahead_tokens(tokens, (n * unit,)),
-                )
+                stored_event(request, group_id, (key[1],), parent, start, n * unit, unit, [start])
             )
         return key
 
@@ -348,3 +349,45 @@ class BlockPool:
         num_tokens = source.hash_tokens
         for key in self.drop_keys(source):
             self.add_key(key, target, num_tokens)
+
+
+def stored_event(
+    request: Request,
+    group_id: int,
+    keys: tuple[str, ...],
+    parent: str | None,
+    start: int,
+    end: int,
+    block_size: int,
+    windows: Sequence[int],
+) -> KvEvent:
+    """A BlockStored of `request`'s `keys` (blocks starting at `windows`, each
+    `block_size` tokens), with what vLLM's event carries of its hash inputs:
+    the adapter, each block's extra keys over its hashed window (the block
+    and the hash lookahead tokens after it) and, with lookahead hashes, those
+    tokens themselves (as many as exist)."""
+    inputs = request.inputs
+    lora = inputs.lora
+    extra: tuple[EventExtra, ...] = ()
+    if inputs:
+        span = block_size + request.hash_lookahead
+        extra = event_extras(inputs.event_extra(w, w + span) for w in windows)
+    lookahead = None
+    if request.hash_lookahead:
+        tokens = request.all_token_ids
+        lookahead = tuple(
+            tuple(tokens[w + block_size : w + block_size + request.hash_lookahead]) for w in windows
+        )
+    return KvEvent(
+        "stored",
+        group_id,
+        keys,
+        parent,
+        start,
+        end,
+        block_size,
+        lora,
+        lora_adapter_id(lora) if lora else 0,
+        extra,
+        lookahead,
+    )

@@ -2,23 +2,31 @@
 
 from __future__ import annotations
 
-from kvgate.conformance.tokens import extend_prefix_keys
+from kvgate.conformance.tokens import NO_INPUTS, HashInputs, extend_prefix_keys
 
 
 class Request:
     def __init__(
-        self, request_id: str, prompt: list[int], hash_unit: int, hash_lookahead: int = 0
+        self,
+        request_id: str,
+        prompt: list[int],
+        hash_unit: int,
+        hash_lookahead: int = 0,
+        inputs: HashInputs = NO_INPUTS,
     ) -> None:
         self.request_id = request_id
+        # Salt, adapter, multimodal items: they enter every key as in vLLM.
+        self.inputs = inputs
         self.prompt = list(prompt)
         self.output: list[int] = []
         self.all_token_ids = list(prompt)
         self.hash_unit = hash_unit
         self.hash_lookahead = hash_lookahead
-        # keys[i] names the prefix all_token_ids[: (i + 1) * hash_unit], once
-        # the `hash_lookahead` tokens after it (which it covers too) exist.
+        # keys[i] names the prefix all_token_ids[: (i + 1) * hash_unit] under
+        # `inputs`, once the `hash_lookahead` tokens after it (which it
+        # covers too) exist.
         self.keys: list[str] = []
-        extend_prefix_keys(self.keys, self.all_token_ids, hash_unit, hash_lookahead)
+        extend_prefix_keys(self.keys, self.all_token_ids, hash_unit, hash_lookahead, inputs)
         self.num_computed_tokens = 0
         self.spec_token_ids: list[int] = []
         # The junction of the request's last lookup (0: none), as the
@@ -41,4 +49,6 @@ class Request:
     def append_output(self, tokens: list[int]) -> None:
         self.output.extend(tokens)
         self.all_token_ids.extend(tokens)
-        extend_prefix_keys(self.keys, self.all_token_ids, self.hash_unit, self.hash_lookahead)
+        extend_prefix_keys(
+            self.keys, self.all_token_ids, self.hash_unit, self.hash_lookahead, self.inputs
+        )

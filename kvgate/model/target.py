@@ -7,8 +7,10 @@ from typing import Any
 from kvgate.conformance.config import Config
 from kvgate.conformance.driver import OpDriver
 from kvgate.conformance.events import KvEvent
+from kvgate.conformance.residency import Eviction
 from kvgate.conformance.snapshot import BlockView, Snapshot, kept_aside
 from kvgate.conformance.target import Capabilities
+from kvgate.conformance.tokens import NO_INPUTS, HashInputs
 from kvgate.model.manager import KVCacheManager
 from kvgate.model.pool import HashKey
 from kvgate.model.request import Request
@@ -42,8 +44,16 @@ class ModelTarget(OpDriver[Request]):
 
     # -- requests -------------------------------------------------------------
 
-    def new_request(self, name: str, tokens: list[int], skip_prefix_cache: bool = False) -> Request:
-        request = Request(name, tokens, self.config.hash_unit, self.config.hash_lookahead_tokens)
+    def new_request(
+        self,
+        name: str,
+        tokens: list[int],
+        skip_prefix_cache: bool = False,
+        inputs: HashInputs = NO_INPUTS,
+    ) -> Request:
+        request = Request(
+            name, tokens, self.config.hash_unit, self.config.hash_lookahead_tokens, inputs
+        )
         request.skip_reading_prefix_cache = skip_prefix_cache
         return request
 
@@ -120,6 +130,12 @@ class ModelTarget(OpDriver[Request]):
 
     def take_events(self) -> list[KvEvent]:
         return self.pool.take_events()
+
+    def take_evictions(self) -> list[Eviction] | None:
+        if self.config.disable_log_stats:
+            return None  # the Scheduler makes no stats, so drains nothing
+        residency = self.pool.residency
+        return [] if residency is None else residency.drain()
 
     # -- observation ------------------------------------------------------------
 

@@ -62,7 +62,7 @@ from kvgate.invariants.z3.vocabulary import (
 INIT = "init"
 HOW_NAMES = {n: name for name, n in HOW_NUMBERS.items()}
 # Ops that change no abstract state: a counterexample never needs them.
-IDLE_OPS = ("step", "reserve", "events", "stats")
+IDLE_OPS = ("step", "reserve", "events", "stats", "residency")
 # Ops a counterexample search leaves out besides: `reset` only forgets keys
 # of an idle pool, which no property's violation needs.
 BMC_SKIPPED = (*IDLE_OPS, "reset")

@@ -413,6 +413,9 @@ class Encoding:
     def op_stats(self, tx: Tx) -> None:
         return None  # takes the hit stats: no manager state changes
 
+    def op_residency(self, tx: Tx) -> None:
+        return None  # takes the residency metrics' events: no manager state changes
+
     def op_evict(self, tx: Tx) -> None:
         s, bounds = tx.s, self.bounds
         taken = {b: tx.bool(f"evict[{b}]") for b in bounds.block_ids}
@@ -704,6 +707,7 @@ TRANSITIONS: dict[str, Callable[[Encoding, Tx], None]] = {
     "reset": Encoding.op_reset,
     "events": Encoding.op_events,
     "stats": Encoding.op_stats,
+    "residency": Encoding.op_residency,
 }
 # `check` compares state and replays nothing: it is no transition.
 ENCODED_OPS: tuple[str, ...] = tuple(op for op in PRIMITIVE_OPS if op != "check")
