@@ -40,6 +40,9 @@ def test_differential_ci_profile_no_divergence_and_every_op(tmp_path: Path) -> N
     # and every hash-input mode was drawn.
     assert [k for k in ("cache_salt", "lora", "mm", "varied") if not ops[f"arrive:{k}"]] == []
     assert [m for m in MODES if not outcome.stats.knobs[f"hash_inputs={m}"]] == []
+    # The residency metrics were drawn and their eviction events compared.
+    assert outcome.stats.knobs["kv_cache_metrics=True"] > 0
+    assert ops["residency:evicted"] > 0
 
 
 def test_overlay_differential_ci_profile_hold_on_no_divergence(hold_overlay_plugin: str) -> None:

@@ -44,6 +44,8 @@ FAST = {
     "pop-keeps-partial-hit": "preempt-after-partial-tail",
     "mamba-pop-keeps-allocated": "preempt-after-partial-tail",
     "connector-async-load-cached-early": "gdn-triton-connector-async-load.hold-off",
+    # A block completed by output hashed without the image inside it.
+    "hasher-mm-window-swapped": "image-placeholder-boundaries",
     # vLLM accepting a config it should refuse: a refusal trace fails.
     "retention-interval-any-multiple": "refuse-retention-not-a-multiple",
     "retention-interval-negative": "refuse-retention-negative",

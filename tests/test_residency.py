@@ -177,9 +177,12 @@ def test_times_that_cannot_be_are_a_flaw_in_the_line() -> None:
 
     sound = KVCacheEvictionEvent(lifetime_seconds=2.0, idle_seconds=0.5, reuse_gaps_seconds=(1.0,))
     assert take_evictions(drained(sound)) == [Eviction(4, 1)]
-    idle_too_long = replace(sound, idle_seconds=3.0)
-    gaps_too_long = replace(sound, reuse_gaps_seconds=(1.0, 1.0))
+    # The idle time is read after the lifetime: past it is a descheduled
+    # process, not a flaw.
+    assert take_evictions(drained(replace(sound, idle_seconds=3.0))) == [Eviction(4, 1)]
+    gaps_too_long = replace(sound, reuse_gaps_seconds=(1.5, 1.0))
     negative_gap = replace(sound, reuse_gaps_seconds=(-1.0,))
-    flawed = take_evictions(drained(idle_too_long, gaps_too_long, negative_gap))
-    assert [e.reuse_gaps for e in flawed] == [1, 2, 1]
+    negative_idle = replace(sound, idle_seconds=-1.0)
+    flawed = take_evictions(drained(gaps_too_long, negative_gap, negative_idle))
+    assert [e.reuse_gaps for e in flawed] == [2, 1, 1]
     assert all(e.flaw for e in flawed), flawed

@@ -21,8 +21,9 @@ import pytest
 from configs import needs_vllm
 
 from kvgate import cli, targets
-from kvgate.conformance.config import Config, UnsupportedConfig
+from kvgate.conformance.config import Config, NotModelled, UnsupportedConfig
 from kvgate.conformance.replay import replay
+from kvgate.conformance.tokens import HashInputs, MmItem
 from kvgate.conformance.trace import load_trace
 from kvgate.model import ModelTarget
 from kvgate.workload import command
@@ -240,3 +241,43 @@ def test_the_prefill_threshold_counts_the_schedulers_requests_not_the_system_pro
     # The trace replays on the manager-level target too (`auto` chunks included).
     replayed = replay(load_trace(result.path), ModelTarget(config), None, "api")
     assert replayed.passed, replayed.divergence
+
+
+def test_tenants_salts_keep_lockstep_on_the_real_scheduler(tmp_path: Path) -> None:
+    """Two tenants (a cache salt each): the real Scheduler hashes the salts
+    itself and stays in strict lockstep with the model (at the Mamba block's
+    unit: the quicker arm)."""
+    deployment = Deployment(build="upstream").scaled(SCALE)
+    config = deployment.config(UNITS[1], False, WORKLOAD.sessions)
+    workload = Workload(sessions=2, turns=2, tenants=2)
+    result = run_on_scheduler(
+        config,
+        make_plan(workload, SCALE),
+        deployment.serving(WORKLOAD.system_prompt),
+        real=_scheduler(None)(config, spec_tokens=deployment.spec_tokens, max_num_seqs=16),
+        name="tenants",
+        out=tmp_path,
+        about="test",
+        level="strict",
+    )
+    assert result.replay.passed, result.replay.divergence
+    salts = {s.cache_salt for s in load_trace(result.path).steps if s.op == "arrive"}
+    assert salts == {"", "tenant-0", "tenant-1"}  # the unsalted system prompt besides
+
+
+@pytest.mark.parametrize(
+    ("inputs", "field"),
+    [(HashInputs(lora="ad-1"), "lora"), (HashInputs(mm=(MmItem(0, 4, "img"),)), "mm")],
+)
+def test_inputs_the_scheduler_schedules_otherwise_are_refused_by_name(
+    inputs: HashInputs, field: str
+) -> None:
+    deployment = Deployment(build="upstream").scaled(SCALE)
+    config = deployment.config(UNITS[0], False, 2)
+    real = _scheduler(None)(config, spec_tokens=deployment.spec_tokens, max_num_seqs=16)
+    try:
+        with pytest.raises(NotModelled) as error:
+            real.add_request("R", list(range(100, 140)), 4, None, inputs)
+        assert error.value.field == field and "\n" not in str(error.value)
+    finally:
+        real.close()

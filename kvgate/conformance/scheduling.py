@@ -16,6 +16,7 @@ from typing import Protocol
 
 from kvgate.conformance.snapshot import Snapshot
 from kvgate.conformance.target import Capabilities
+from kvgate.conformance.tokens import NO_INPUTS, HashInputs
 
 
 @dataclass
@@ -48,11 +49,18 @@ class SchedulerTarget(Protocol):
     capabilities: Capabilities
 
     def add_request(
-        self, name: str, tokens: list[int], max_tokens: int, follows: str | None
+        self,
+        name: str,
+        tokens: list[int],
+        max_tokens: int,
+        follows: str | None,
+        inputs: HashInputs = NO_INPUTS,
     ) -> None:
-        """A new request; `follows`: the request whose output it continues.
+        """A new request; `follows`: the request whose output it continues;
+        `inputs`: what its block hashes cover besides its tokens.
 
-        Raises `target.StepRefused` for a request the engine would not take.
+        Raises `target.StepRefused` for a request the engine would not take,
+        `config.NotModelled` for hash inputs the target does not model.
         """
         ...
 

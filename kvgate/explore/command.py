@@ -216,6 +216,8 @@ def write_summary(out: TextIO, outcome: Outcome) -> None:
         if op in ("lookup", "allocate") and ops[f"{op}:connector"]:
             # A KV connector's share: external tokens taken, async loads.
             line += f"  (connector: {ops[f'{op}:connector']})"
+        if op == "residency":
+            line += f"  (eviction events: {ops['residency:evicted']})"
         if op == "arrive":
             # The hash inputs requests arrived with (`explore.hash_inputs`).
             line += "  (" + ", ".join(f"{k} {ops[f'arrive:{k}']}" for k in ARRIVE_INPUTS) + ")"

@@ -209,6 +209,9 @@ KNOBS: tuple[Knob, ...] = (
     # or one taking per-group hits (NIXL-like); the machine's connector rule
     # then scripts what it holds.
     Knob("kv_connector", ("off", "on", "divergent_hits"), _kv_connector),
+    # vLLM's --kv-cache-metrics (every block sampled): the residency
+    # metrics' eviction events, drained by the `residency` op.
+    Knob("kv_cache_metrics", (False, True), lambda c, v: replace(c, kv_cache_metrics=v)),
 )
 KNOB_NAMES = tuple(k.name for k in KNOBS)
 
@@ -226,6 +229,7 @@ BREAKABLE = (
     "scheduler_block_size",
     "hash_unit",
     "groups",
+    "kv_cache_metrics_sample",
 )
 
 
@@ -249,6 +253,9 @@ def broken(config: Config, knob: str, variant: int) -> Config:
         return replace(config, hash_unit=mamba // 2)  # the unitary coordinator's
     if knob == "scheduler_block_size":
         return replace(config, scheduler_block_size=(mamba // 2, mamba + mamba // 2)[variant % 2])
+    if knob == "kv_cache_metrics_sample":
+        # ObservabilityConfig's (0, 1], metrics on or off.
+        return replace(config, kv_cache_metrics_sample=(0.0, 1.5)[variant % 2])
     if knob == "long_prefill_token_threshold":
         length = config.max_model_len
         return replace(config, long_prefill_token_threshold=(length + 1, 2 * length)[variant % 2])

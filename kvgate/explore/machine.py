@@ -164,6 +164,7 @@ def knob_values(config: Config, refused: str | None = None) -> tuple[str, ...]:
         f"prefix_caching={config.prefix_caching}",
         "kv_connector="
         + ("divergent_hits" if config.kv_connector_divergent_hits else str(config.kv_connector)),
+        f"kv_cache_metrics={config.kv_cache_metrics}",
     )
 
 
@@ -676,6 +677,14 @@ class ExploreMachine(RuleBasedStateMachine):
         """What a deployment's monitoring takes each step: the KV-cache
         events (empty unless the config queues them), or the hit stats."""
         self._run("events" if events else "stats")
+
+    @precondition(lambda self: self._session is not None)
+    @rule()
+    def observe_residency(self) -> None:
+        """The residency metrics' eviction events the Scheduler's stats drain
+        (none unless the config has `kv_cache_metrics`); in lockstep, each
+        event's block and reuse gaps are compared."""
+        self._run("residency")
 
     # -- other requests' prefills ---------------------------------------------
 

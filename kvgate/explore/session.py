@@ -253,6 +253,9 @@ class Session:
         if observed.get("external") or observed.get("loading"):
             # A lookup that takes a connector's tokens, an async load's allocation.
             self.counts[f"{op}:connector"] += 1
+        if op == "residency":
+            # The residency metrics' eviction events drained (compared in lockstep).
+            self.counts["residency:evicted"] += observed.get("evicted", 0)
         after = self.model.snapshot()
         self.last = after
         if self.other is not None:

@@ -33,12 +33,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from kvgate.conformance.config import Config, UnsupportedConfig
+from kvgate.conformance.config import Config, NotModelled, UnsupportedConfig
 from kvgate.conformance.scheduling import ScheduledStep
 from kvgate.conformance.snapshot import Snapshot
 from kvgate.conformance.target import Capabilities, StepRefused
+from kvgate.conformance.tokens import NO_INPUTS, HashInputs
 from kvgate.impl import _vllm_api
-from kvgate.impl.vllm_build import block_hasher, kv_cache_config, scheduler_config
+from kvgate.impl.vllm_build import block_hasher, kv_cache_config, request_inputs, scheduler_config
 from kvgate.impl.vllm_connector import ConnectorScript, ExternalHit
 from kvgate.impl.vllm_errors import describe
 from kvgate.impl.vllm_probe import hold_source, holds_partial_tails, retains_retired
@@ -383,8 +384,23 @@ class VllmScheduler:
         return self._script
 
     def add_request(
-        self, name: str, tokens: list[int], max_tokens: int, follows: str | None
+        self,
+        name: str,
+        tokens: list[int],
+        max_tokens: int,
+        follows: str | None,
+        inputs: HashInputs = NO_INPUTS,
     ) -> None:
+        # A salt only changes the hashes. An adapter or images would be
+        # scheduled otherwise by the real Scheduler (`max_loras`, the encoder
+        # budget and cache), which the scheduler model does not do.
+        for field in ("lora", "mm"):
+            if getattr(inputs, field):
+                raise NotModelled(
+                    field,
+                    f"request {name!r}: the scheduler-level target does not model "
+                    + ("LoRA scheduling (max_loras)" if field == "lora" else "encoder inputs"),
+                )
         if name in self._requests:
             raise StepRefused("req", f"request {name!r} already added")
         limit = self.config.max_model_len
@@ -401,11 +417,12 @@ class VllmScheduler:
             sampling_params=api.SamplingParams(max_tokens=max_tokens, ignore_eos=True),
             pooling_params=None,
             block_hasher=self._hasher,
+            **request_inputs(api, inputs),
         )
         self._requests[name] = request
         if follows is not None:
             self._follows[name] = follows
-        self._view.track(name, request)
+        self._view.track(name, request, inputs)
         self._scheduler.add_request(request)
 
     def schedule(self) -> ScheduledStep:

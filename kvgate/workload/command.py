@@ -45,6 +45,7 @@ FLAG_RANGES: dict[str, tuple[int, int]] = {
     "turns": (1, 16),
     "seed": (0, 2**63 - 1),
     "scale": (1, 4096),
+    "tenants": (1, 16),
 }
 MAX_UNIT = 2**20
 
@@ -79,6 +80,14 @@ def add_workload_arguments(parser: argparse.ArgumentParser, scale: int, units: s
     parser.add_argument("--turns", type=int, default=defaults.turns)
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument(
+        "--tenants",
+        type=int,
+        default=defaults.tenants,
+        help="sessions belong to N tenants in turn, each turn carrying its tenant's "
+        "cache_salt (no state is shared across tenants, the system prompt included); "
+        "default 1: no salt",
+    )
+    parser.add_argument(
         "--scale",
         type=int,
         default=scale,
@@ -89,7 +98,9 @@ def add_workload_arguments(parser: argparse.ArgumentParser, scale: int, units: s
 
 def workload_of(args: argparse.Namespace) -> tuple[Workload, Deployment]:
     """The workload and the (scaled) deployment the shared flags describe."""
-    workload = Workload(sessions=args.sessions, turns=args.turns, seed=args.seed)
+    workload = Workload(
+        sessions=args.sessions, turns=args.turns, seed=args.seed, tenants=args.tenants
+    )
     if args.kv_connector_divergent_hits and not args.kv_connector:
         raise InputError("--kv-connector-divergent-hits: needs --kv-connector")
     deployment = Deployment(

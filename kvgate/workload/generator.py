@@ -59,6 +59,7 @@ from kvgate.conformance.config import Config
 from kvgate.conformance.driver import chunk_offer
 from kvgate.conformance.ops import ACTIONS, Segment, Step
 from kvgate.conformance.scheduling import ScheduledStep
+from kvgate.conformance.tokens import NO_INPUTS, HashInputs
 from kvgate.model import ModelTarget
 from kvgate.model.request import Request
 from kvgate.model.split import chunk_tokens
@@ -517,10 +518,11 @@ class StepObserver(Protocol):
         max_tokens: int,
         follows: str | None,
         remote: RemoteHit | None = None,
+        inputs: HashInputs = NO_INPUTS,
     ) -> None:
         """A turn arrived: its prompt's token ids, its output length, the turn
-        it follows, and (with a KV connector) what the external store holds
-        of it."""
+        it follows, (with a KV connector) what the external store holds of
+        it, and its hash inputs (its tenant's salt)."""
 
     def stepped(self, decisions: StepDecisions, last: Step) -> None:
         """An engine step ended (finishes freed); `last` is its last trace step."""
@@ -591,6 +593,7 @@ class SessionRun:
                         live.target_output,
                         live.follows,
                         live.remote,
+                        live.request.inputs,
                     )
             decisions = StepDecisions()
             outputs = {live.name: len(live.request.output) for live in scheduler.running}
@@ -665,6 +668,6 @@ def _arrive(writer: _Writer, session: Session, turn: int, system: bool) -> _Live
         prompt = (Segment("prompt_of", req=SYSTEM), fresh)
     else:
         prompt = (fresh,)
-    writer.run("arrive", req=name, prompt=prompt)
+    writer.run("arrive", req=name, prompt=prompt, cache_salt=session.cache_salt)
     request = writer.oracle.requests[name].request
     return _Live(name, session, turn, request)

@@ -36,6 +36,7 @@ from kvgate.conformance.ops import Step
 from kvgate.conformance.replay import Divergence, Level, ReplayResult, one_line
 from kvgate.conformance.scheduling import ScheduledStep, SchedulerTarget
 from kvgate.conformance.target import StepRefused
+from kvgate.conformance.tokens import NO_INPUTS, HashInputs
 from kvgate.conformance.trace import TraceError, load_trace
 from kvgate.conformance.writer import save_trace
 from kvgate.errors import InputError
@@ -92,13 +93,14 @@ class _Lockstep:
         max_tokens: int,
         follows: str | None,
         remote: RemoteHit | None = None,
+        inputs: HashInputs = NO_INPUTS,
     ) -> None:
         self.seen[name] = Seen(prompt_tokens=len(tokens), follows=follows)
         step = self.run.writer.steps[-1]
         try:
             if remote is not None:
                 self.real.script_external(name, remote.tokens, remote.load_async)
-            self.real.add_request(name, tokens, max_tokens, follows)
+            self.real.add_request(name, tokens, max_tokens, follows, inputs)
         except StepRefused as refusal:
             raise _Refused(step.index, refusal, "vLLM's Scheduler") from None
         except Exception as error:

@@ -32,6 +32,8 @@ class Turn:
 class Session:
     index: int
     turns: tuple[Turn, ...]
+    # The tenant's `cache_salt` every turn carries ("": none).
+    cache_salt: str = ""
 
     def request(self, turn: int) -> str:
         return f"s{self.index:02d}t{turn:02d}"
@@ -56,10 +58,13 @@ class Workload:
     growth: tuple[int, int] = (512, 8192)  # a follow-up's new text (tool result)
     tool_latency: tuple[int, int] = (16, 512)  # steps between a turn and its follow-up
     start_spread: int = 1024  # sessions start within this many steps
+    # Sessions belong to this many tenants in turn, each with a cache salt
+    # of its own (vLLM's `cache_salt`); 1: no salt, the workload as measured.
+    tenants: int = 1
 
     def __post_init__(self) -> None:
-        if self.sessions < 1 or self.turns < 1:
-            raise ValueError("sessions and turns must be >= 1")
+        if self.sessions < 1 or self.turns < 1 or self.tenants < 1:
+            raise ValueError("sessions, turns and tenants must be >= 1")
         for name in ("final_prompt", "output", "growth", "tool_latency"):
             low, high = getattr(self, name)
             if not 0 < low <= high:
@@ -109,6 +114,7 @@ def make_plan(workload: Workload, scale: int = 1) -> tuple[Session, ...]:
                     )
                     for turn, (f, o, d) in enumerate(zip(fresh, outputs, delays, strict=True))
                 ),
+                f"tenant-{index % workload.tenants}" if workload.tenants > 1 else "",
             )
         )
     return tuple(sessions)
