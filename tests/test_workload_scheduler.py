@@ -24,7 +24,7 @@ from kvgate import cli, targets
 from kvgate.conformance.config import Config, NotModelled, UnsupportedConfig
 from kvgate.conformance.replay import replay
 from kvgate.conformance.tokens import HashInputs, MmItem
-from kvgate.conformance.trace import load_trace
+from kvgate.conformance.trace import TraceError, load_trace
 from kvgate.model import ModelTarget
 from kvgate.workload import command
 from kvgate.workload.deployment import Deployment
@@ -281,3 +281,58 @@ def test_inputs_the_scheduler_schedules_otherwise_are_refused_by_name(
         assert error.value.field == field and "\n" not in str(error.value)
     finally:
         real.close()
+
+
+def test_residency_metrics_keep_lockstep_on_the_real_scheduler(tmp_path: Path) -> None:
+    """`--kv-cache-metrics`: vLLM's Scheduler builds the collector itself and
+    drains it into every step's stats; each step's eviction events (their
+    reuse gaps) are the model's. A collector that drops the events of
+    blocks it never saw accessed diverges at the first such step."""
+    from dataclasses import replace
+
+    deployment = Deployment(build="upstream").scaled(SCALE)
+    config = replace(deployment.config(UNITS[0], False, WORKLOAD.sessions), kv_cache_metrics=True)
+    result = _one_arm(tmp_path / "ok", _scheduler(None), config)
+    assert result.replay.passed, result.replay.divergence
+    assert result.evictions_compared > 0
+
+    def dropping(config: Config, **kwargs: Any) -> Any:
+        real: Any = _scheduler(None)(config, **kwargs)
+        collector = real.scheduler.kv_metrics_collector
+        evicted = collector.on_block_evicted
+
+        def unaccessed_dropped(block: Any) -> None:
+            metrics = collector.block_metrics.get(block.block_id)
+            if metrics is not None and not metrics.access_history:
+                del collector.block_metrics[block.block_id]
+                return
+            evicted(block)
+
+        collector.on_block_evicted = unaccessed_dropped
+        return real
+
+    broken = _one_arm(tmp_path / "broken", dropping, config)
+    divergence = broken.replay.divergence
+    assert divergence is not None
+    assert divergence.what.endswith("residency eviction events (reuse gaps each)")
+
+
+def test_an_unmodelled_input_in_a_run_is_one_line_naming_the_step(tmp_path: Path) -> None:
+    """Inside a workload run the refusal is the run's one-line error at the
+    arrival, not a divergence."""
+
+    def build(config: Any, *, spec_tokens: int, max_num_seqs: int) -> Any:
+        real: Any = _scheduler(None)(config, spec_tokens=spec_tokens, max_num_seqs=max_num_seqs)
+        add = real.add_request
+
+        def with_adapter(*args: Any) -> None:
+            add(*args[:4], HashInputs(lora="ad-1"))
+
+        real.add_request = with_adapter
+        return real
+
+    with pytest.raises(TraceError) as error:
+        _one_arm(tmp_path, build)
+    message = str(error.value)
+    assert ": step 1: lora: vLLM's Scheduler refuses it: " in message, message
+    assert "\n" not in message

@@ -229,7 +229,6 @@ BREAKABLE = (
     "scheduler_block_size",
     "hash_unit",
     "groups",
-    "kv_cache_metrics_sample",
 )
 
 
@@ -253,9 +252,6 @@ def broken(config: Config, knob: str, variant: int) -> Config:
         return replace(config, hash_unit=mamba // 2)  # the unitary coordinator's
     if knob == "scheduler_block_size":
         return replace(config, scheduler_block_size=(mamba // 2, mamba + mamba // 2)[variant % 2])
-    if knob == "kv_cache_metrics_sample":
-        # ObservabilityConfig's (0, 1], metrics on or off.
-        return replace(config, kv_cache_metrics_sample=(0.0, 1.5)[variant % 2])
     if knob == "long_prefill_token_threshold":
         length = config.max_model_len
         return replace(config, long_prefill_token_threshold=(length + 1, 2 * length)[variant % 2])

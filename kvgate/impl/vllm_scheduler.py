@@ -120,6 +120,7 @@ def _vllm_config(
     from vllm.config import (
         CacheConfig,
         ModelConfig,
+        ObservabilityConfig,
         ParallelConfig,
         SpeculativeConfig,
         VllmConfig,
@@ -156,6 +157,11 @@ def _vllm_config(
         scheduler_config=scheduler,
         speculative_config=speculative,
         kv_transfer_config=None if connector is None else _kv_transfer_config(connector),
+        # The residency metrics: the Scheduler builds their collector itself.
+        observability_config=ObservabilityConfig(
+            kv_cache_metrics=config.kv_cache_metrics,
+            kv_cache_metrics_sample=config.kv_cache_metrics_sample,
+        ),
     )
     vllm_config.cache_config.num_gpu_blocks = config.num_blocks
     return vllm_config
@@ -301,6 +307,10 @@ class VllmScheduler:
                 structured_output_manager=StructuredOutputManager(vllm_config),
                 block_size=config.scheduler_block_size,
                 hash_block_size=config.hash_unit,
+                # Stats are made (and the residency metrics drained) each
+                # update, as an engine logging stats does, when the metrics
+                # are on; otherwise as before (nothing reads them).
+                log_stats=config.kv_cache_metrics and not config.disable_log_stats,
             )
         except UnsupportedConfig:
             raise
@@ -331,6 +341,8 @@ class VllmScheduler:
         self._follows: dict[str, str] = {}
         self._admitted: set[str] = set()
         self._output: Any = None
+        # The reuse gaps of each eviction event the stats drained, not yet taken.
+        self._evictions: list[int] = []
         self._step = ScheduledStep()
         # The admission's own local lookup: with a connector that restores
         # lagging Mamba states, the per-group one (which may fall back to, and
@@ -481,7 +493,13 @@ class VllmScheduler:
             sampled_token_ids=[list(sampled.get(r, ())) for r in ids],
             kv_connector_output=kv_output,
         )
-        self._scheduler.update_from_output(output, runner_output)
+        outputs = self._scheduler.update_from_output(output, runner_output)
+        for engine_output in outputs.values():
+            stats = engine_output.scheduler_stats
+            if stats is not None:
+                self._evictions += [
+                    len(e.reuse_gaps_seconds) for e in stats.kv_cache_eviction_events
+                ]
         finished = [r for r in ids if self._requests[r].is_finished()]
         # The drafter proposes K tokens for every request that goes on (the
         # Scheduler drops them for a prefill chunk).
@@ -493,6 +511,10 @@ class VllmScheduler:
         for r in ids:
             self._view.touched(r)
         return finished
+
+    def take_evictions(self) -> list[int]:
+        evictions, self._evictions = self._evictions, []
+        return evictions
 
     def snapshot(self) -> Snapshot:
         return self._view.snapshot({})

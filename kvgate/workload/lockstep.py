@@ -83,6 +83,7 @@ class _Lockstep:
     run: SessionRun
     level: Level
     engine_steps: int = 0
+    evictions_compared: int = 0
     seen: dict[str, Seen] = field(default_factory=dict)
     _checked: dict[str, int] = field(default_factory=dict)
 
@@ -103,6 +104,9 @@ class _Lockstep:
             self.real.add_request(name, tokens, max_tokens, follows, inputs)
         except StepRefused as refusal:
             raise _Refused(step.index, refusal, "vLLM's Scheduler") from None
+        except UnsupportedConfig as error:  # hash inputs the target does not model
+            unmodelled = StepRefused(error.field, error.message)
+            raise _Refused(step.index, unmodelled, "vLLM's Scheduler") from None
         except Exception as error:
             raise _Diverged(step, "api", "exception", "no exception", one_line(error)) from error
 
@@ -125,6 +129,16 @@ class _Lockstep:
             ) from error
         if finished != decisions.finished:
             raise _Diverged(last, "api", "finished", decisions.finished, finished)
+        # The residency metrics the real update's stats drained, against
+        # the model's (the oracle's own collector; none without the metrics).
+        drained = self.run.oracle.take_evictions() or []
+        modelled = [e.reuse_gaps for e in drained]
+        evictions = self.real.take_evictions()
+        if evictions != modelled:
+            raise _Diverged(
+                last, "api", "residency eviction events (reuse gaps each)", modelled, evictions
+            )
+        self.evictions_compared += len(evictions)
         self._record(real)
         if self.level == "strict":
             model_view = self.run.oracle.snapshot()
@@ -173,6 +187,8 @@ class SchedulerArm:
     counts: ArmCounts
     replay: ReplayResult
     engine_steps: int
+    # Residency metrics' eviction events compared (`kv_cache_metrics`).
+    evictions_compared: int = 0
 
 
 def run_on_scheduler(
@@ -238,7 +254,13 @@ def run_on_scheduler(
         divergence=divergence,
         notes=(NOTE,),
     )
-    return SchedulerArm(path, count_seen(lockstep.seen, config), result, lockstep.engine_steps)
+    return SchedulerArm(
+        path,
+        count_seen(lockstep.seen, config),
+        result,
+        lockstep.engine_steps,
+        lockstep.evictions_compared,
+    )
 
 
 # Builds the real scheduler for a config: (config, spec_tokens=, max_num_seqs=).
