@@ -34,10 +34,11 @@ ADAPTERS = ("ad-1", "ad-2")
 class RequestInputs:
     """Hands out each request's hash inputs for one example in `mode`."""
 
-    def __init__(self, mode: str, counts: Counter[str]) -> None:
+    def __init__(self, mode: str, counts: Counter[str], unit: int = 1) -> None:
         if mode not in MODES:
             raise ValueError(f"unknown hash-input mode {mode!r}")
         self.mode = mode
+        self.unit = unit  # the hash unit, where images may start
         self._on = {"cache_salt", "lora", "mm"} if mode == "all" else {mode}
         self._roots = count()
         self._shares = count()
@@ -76,13 +77,22 @@ class RequestInputs:
             self.counts["arrive:varied"] += 1
         return inputs
 
-    @staticmethod
-    def _image(k: int, prompt_tokens: int) -> tuple[MmItem, ...]:
-        """One image placeholder in the middle third of the prompt."""
+    def _image(self, k: int, prompt_tokens: int) -> tuple[MmItem, ...]:
+        """One image placeholder, placed in turn: in the middle third of the
+        prompt; from the first hash-unit boundary there (the edge of the
+        units' windows: the unit before it covers it only through its
+        lookahead tokens); ending the prompt (the output completes the unit
+        it ends in, hashed as tokens arrive)."""
         if prompt_tokens < 3:
             return ()
-        offset = prompt_tokens // 3
         length = max(1, min(24, prompt_tokens // 3))
+        offset = prompt_tokens // 3
+        if k % 3 == 1:
+            offset = -(-offset // self.unit) * self.unit
+        elif k % 3 == 2:
+            offset = prompt_tokens - length
+        if offset + length > prompt_tokens:
+            offset = prompt_tokens - length
         return (MmItem(offset, length, f"img-{k}"),)
 
     def _vary(self, inputs: HashInputs, turn: int) -> HashInputs:

@@ -341,7 +341,7 @@ class ExploreMachine(RuleBasedStateMachine):
         drawn = configs(mode.stratum, mode.swarm, mode.refusals)
         config = mode.apply(data.draw(drawn, label="config"))
         inputs = data.draw(st.sampled_from(MODES), label="hash inputs")
-        self._hash = RequestInputs(inputs, mode.stats.ops)
+        self._hash = RequestInputs(inputs, mode.stats.ops, config.hash_unit)
         refused, account = model_refusal(config)
         mode.stats.knobs.update(knob_values(config, refused))
         mode.stats.knobs[f"hash_inputs={inputs}"] += 1
