@@ -24,7 +24,7 @@ from kvgate import cli, targets
 from kvgate.conformance.config import Config, NotModelled, UnsupportedConfig
 from kvgate.conformance.replay import replay
 from kvgate.conformance.tokens import HashInputs, MmItem
-from kvgate.conformance.trace import load_trace
+from kvgate.conformance.trace import TraceError, load_trace
 from kvgate.model import ModelTarget
 from kvgate.workload import command
 from kvgate.workload.deployment import Deployment
@@ -315,3 +315,24 @@ def test_residency_metrics_keep_lockstep_on_the_real_scheduler(tmp_path: Path) -
     divergence = broken.replay.divergence
     assert divergence is not None
     assert divergence.what.endswith("residency eviction events (reuse gaps each)")
+
+
+def test_an_unmodelled_input_in_a_run_is_one_line_naming_the_step(tmp_path: Path) -> None:
+    """Inside a workload run the refusal is the run's one-line error at the
+    arrival, not a divergence."""
+
+    def build(config: Any, *, spec_tokens: int, max_num_seqs: int) -> Any:
+        real: Any = _scheduler(None)(config, spec_tokens=spec_tokens, max_num_seqs=max_num_seqs)
+        add = real.add_request
+
+        def with_adapter(*args: Any) -> None:
+            add(*args[:4], HashInputs(lora="ad-1"))
+
+        real.add_request = with_adapter
+        return real
+
+    with pytest.raises(TraceError) as error:
+        _one_arm(tmp_path, build)
+    message = str(error.value)
+    assert ": step 1: lora: vLLM's Scheduler refuses it: " in message, message
+    assert "\n" not in message

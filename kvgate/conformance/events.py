@@ -50,6 +50,9 @@ class KvEvent:
     # stored: the hash inputs each keyed block's window carries, aligned with
     # `keys`; () when no block carries any (a request without hash inputs).
     extra: tuple[EventExtra, ...] = ()
+    # stored, with lookahead block hashes (vLLM's `lookahead_token_ids`): the
+    # tokens after each listed block that its hash covers; None without them.
+    lookahead: tuple[tuple[int, ...], ...] | None = None
 
     def line(self) -> str:
         """The event as a trace writes it (positions)."""
@@ -69,7 +72,10 @@ class KvEvent:
         """The event with its full keys: what two targets compare."""
         if self.kind == "stored":
             lora_id = f" lora_id {self.lora_id}" if self.lora else ""
-            return f"{self.line()} keys {' '.join(self.keys)} parent {self.parent}{lora_id}"
+            exact = f"{self.line()} keys {' '.join(self.keys)} parent {self.parent}{lora_id}"
+            if self.lookahead is not None:
+                exact += f" lookahead {[list(tokens) for tokens in self.lookahead]}"
+            return exact
         return f"{self.line()} keys {' '.join(self.keys)}"
 
 

@@ -180,8 +180,13 @@ KNOBS: tuple[Knob, ...] = (
         (8192, 64, 32),
         lambda c, v: replace(c, max_num_scheduled_tokens=v),
     ),
-    # KV-cache events queued for the `events` op.
-    Knob("kv_events", (False, True), lambda c, v: replace(c, kv_events=v)),
+    # KV-cache events queued for the `events` op; "full": every request also
+    # asks for kv_cache_report_mode full (its hits reported as BlockStored).
+    Knob(
+        "kv_events",
+        (False, True, "full"),
+        lambda c, v: replace(c, kv_events=bool(v), kv_events_full=v == "full"),
+    ),
     # The scheduler's full-sequence admission gate (`scheduler_reserve_full_isl`).
     Knob(
         "reserve_full_sequence",

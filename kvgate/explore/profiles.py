@@ -3,11 +3,16 @@
 Kept as settings objects rather than registered profiles: Hypothesis loads
 its own `ci` profile when the CI variable is set, and a run here must not
 depend on the environment. No example database: a run is reproduced from its
-seed (`ci` is derandomized) and a failure from its saved trace.
+seed (`ci` is derandomized) and a failure from its saved trace; runs draw
+without Hypothesis's pool of constants from the modules loaded so far
+(`draws_from_the_seed_alone`), which made a seeded run depend on what the
+process had imported before it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from hypothesis import HealthCheck, Phase, settings
@@ -39,3 +44,34 @@ def profile(name: str, **overrides: Any) -> settings:
     if name not in PROFILES:
         raise KeyError(f"no profile {name!r} (profiles: {', '.join(PROFILES)})")
     return settings(PROFILES[name], **overrides)
+
+
+@contextmanager
+def draws_from_the_seed_alone() -> Iterator[None]:
+    """Hypothesis draws, now and then, a literal constant found in the local
+    (non-installed) modules imported so far, and it reads them afresh
+    whenever `sys.modules` grows. Which kvgate modules a process has imported
+    by the time a search starts (a test file run earlier, the CLI against a
+    test) then changes a seeded search's draws. Inside this block the local
+    pool is empty (its cached draws dropped on the way in and out), so a run
+    depends on its seed and settings only. A Hypothesis without the pool is
+    left alone."""
+    try:
+        from hypothesis.internal.conjecture import providers
+        from hypothesis.internal.constants_ast import Constants
+    except ImportError:  # pragma: no cover - a Hypothesis laid out otherwise
+        yield
+        return
+    local_constants = getattr(providers, "_get_local_constants", None)
+    cache = getattr(providers, "CONSTANTS_CACHE", None)
+    if local_constants is None or cache is None:
+        yield
+        return
+    empty = Constants()
+    cache.cache.clear()
+    providers._get_local_constants = lambda: empty
+    try:
+        yield
+    finally:
+        providers._get_local_constants = local_constants
+        cache.cache.clear()

@@ -17,6 +17,7 @@ from hypothesis.stateful import get_state_machine_test
 
 from kvgate.conformance.config import Config
 from kvgate.explore.machine import Mode, Stats, machine_class
+from kvgate.explore.profiles import draws_from_the_seed_alone
 from kvgate.explore.session import ALL_INVARIANTS, HOLD_ONLY_INVARIANTS, ExploreFailure, Session
 from kvgate.explore.session import shrink as shrink_trace
 
@@ -53,7 +54,8 @@ def run_once(mode: Mode, settings: Settings, seed: int | None = None) -> Explore
         # What @seed does: get_state_machine_test returns the @given test.
         test._hypothesis_internal_use_seed = seed  # type: ignore[attr-defined]
     try:
-        test()
+        with draws_from_the_seed_alone():
+            test()
     except ExploreFailure as failure:
         return failure
     return None

@@ -256,6 +256,7 @@ class VllmTarget(OpDriver[Any]):
                         str(event.lora_name or ""),
                         int(event.lora_id or 0),
                         event_extras(_event_extra(e) for e in event.extra_keys or ()),
+                        _lookahead_tokens(event),
                     )
                 )
             else:
@@ -305,6 +306,15 @@ class VllmTarget(OpDriver[Any]):
 
     def snapshot(self) -> Snapshot:
         return self._view.snapshot(self.popped)
+
+
+def _lookahead_tokens(event: Any) -> tuple[tuple[int, ...], ...] | None:
+    """A BlockStored's `lookahead_token_ids` (None without lookahead hashes,
+    or on a vLLM whose events do not carry them)."""
+    lookahead = getattr(event, "lookahead_token_ids", None)
+    if lookahead is None:
+        return None
+    return tuple(tuple(int(t) for t in tokens) for tokens in lookahead)
 
 
 def _event_extra(entry: Any) -> EventExtra:

@@ -239,6 +239,11 @@ class NoTotalMiss:
         h, keys = newest
         if self.excused.get(parent) == h:
             return None
+        if any(self.world.prefix_names(follow_up, g).get(name) != h for g, name in keys.items()):
+            # The follow-up's prefix is not the parent's up to h: another
+            # hash input (a salt, an adapter, an image) keys it apart, so the
+            # pinned state was never its to resume from.
+            return None
         config = self.world.config
         attention = next((g for g in config.groups if g.kind == "full_attention"), None)
         if attention is None:

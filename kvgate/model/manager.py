@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from kvgate.conformance.config import Config, validate
+from kvgate.conformance.events import KvEvent
+from kvgate.conformance.target import StepRefused
 from kvgate.model.coordinator import Coordinator, HitBlocks
 from kvgate.model.pool import Block, stored_event
 from kvgate.model.request import Request
@@ -127,19 +129,33 @@ class KVCacheManager:
 
     def _report_hit(self, request: Request, blocks: HitBlocks) -> None:
         """With `kv_cache_report_mode: full`, a hit is reported as one
-        BlockStored per group that hit: the prefix its blocks cover, from 0."""
+        BlockStored per group that hit: the prefix its blocks cover, from 0.
+
+        A Mamba sub-block hit's list ends with its copy source's whole block,
+        whose key the request may not have yet (its tokens stop inside that
+        block): vLLM 0.33.0 then raises IndexError reading that key, so the
+        lookup is refused by name, before anything changed."""
         events = self.block_pool.events
         if events is None:
             return
         unit = self.config.hash_unit
+        reported: list[KvEvent] = []
         for group_id, group_blocks in enumerate(blocks):
             if not group_blocks:
                 continue
             size = self.config.groups[group_id].block_size
             n = len(group_blocks)
+            if n * size // unit > len(request.keys):
+                raise StepRefused(
+                    "kv_events_full",
+                    f"group {group_id}'s hit list runs to token {n * size}, past the "
+                    f"request's last key ({len(request.keys) * unit}): vLLM 0.33.0 raises "
+                    "IndexError reporting it (kv_cache_report_mode full)",
+                )
             keys = tuple(request.keys[(i + 1) * size // unit - 1] for i in range(n))
             windows = [i * size for i in range(n)]
-            events.append(stored_event(request, group_id, keys, None, 0, n * size, size, windows))
+            reported.append(stored_event(request, group_id, keys, None, 0, n * size, size, windows))
+        events.extend(reported)
 
     def get_num_blocks_to_allocate(
         self,

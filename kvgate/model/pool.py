@@ -363,14 +363,21 @@ def stored_event(
 ) -> KvEvent:
     """A BlockStored of `request`'s `keys` (blocks starting at `windows`, each
     `block_size` tokens), with what vLLM's event carries of its hash inputs:
-    the adapter, and each block's extra keys over its hashed window (the
-    block and the hash lookahead tokens after it)."""
+    the adapter, each block's extra keys over its hashed window (the block
+    and the hash lookahead tokens after it) and, with lookahead hashes, those
+    tokens themselves (as many as exist)."""
     inputs = request.inputs
     lora = inputs.lora
     extra: tuple[EventExtra, ...] = ()
     if inputs:
         span = block_size + request.hash_lookahead
         extra = event_extras(inputs.event_extra(w, w + span) for w in windows)
+    lookahead = None
+    if request.hash_lookahead:
+        tokens = request.all_token_ids
+        lookahead = tuple(
+            tuple(tokens[w + block_size : w + block_size + request.hash_lookahead]) for w in windows
+        )
     return KvEvent(
         "stored",
         group_id,
@@ -382,4 +389,5 @@ def stored_event(
         lora,
         lora_adapter_id(lora) if lora else 0,
         extra,
+        lookahead,
     )

@@ -104,6 +104,9 @@ class _Lockstep:
             self.real.add_request(name, tokens, max_tokens, follows, inputs)
         except StepRefused as refusal:
             raise _Refused(step.index, refusal, "vLLM's Scheduler") from None
+        except UnsupportedConfig as error:  # hash inputs the target does not model
+            unmodelled = StepRefused(error.field, error.message)
+            raise _Refused(step.index, unmodelled, "vLLM's Scheduler") from None
         except Exception as error:
             raise _Diverged(step, "api", "exception", "no exception", one_line(error)) from error
 
