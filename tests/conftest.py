@@ -45,14 +45,13 @@ def hold_overlay_plugin() -> Iterator[str]:
     in this process runs on an overlaid vLLM."""
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("vLLM is not installed")
-    from kvgate.impl import _vllm_api, hold_overlay
+    from kvgate.impl import hold_overlay
 
     was_installed = hold_overlay.is_registered()
     try:
         yield HOLD_OVERLAY
     finally:
         if not was_installed:
+            # A later `plugin=` target installs it again (the adapter asks
+            # the plugin whether it is installed).
             hold_overlay.unregister()
-            # The adapter loads a plugin once per process; a later
-            # `plugin=` target must install it again.
-            _vllm_api._registered.pop(HOLD_OVERLAY, None)

@@ -19,6 +19,7 @@ from kvgate.conformance.config import Config, GroupConfig
 from kvgate.conformance.ops import FREE_HOW, PRIMITIVE_OPS, Segment, Step
 from kvgate.conformance.replay import replay
 from kvgate.conformance.snapshot import BlockView, Snapshot
+from kvgate.conformance.tokens import MmItem
 from kvgate.conformance.trace import Trace, load_trace
 from kvgate.explore.command import parse_budget
 from kvgate.explore.machine import Mode, new_tokens, tail_lands
@@ -360,7 +361,7 @@ def test_explore_runs_the_fork_retention_on_the_model(
 
 def test_the_shrinker_replays_every_field_of_a_step() -> None:
     """A step replayed while shrinking keeps every op field (a connector's
-    answers, `sample`, `skip_prefix_cache`), so a shrunk trace is a
+    answers, `sample`, `skip_prefix_cache`, the hash inputs), so a shrunk trace is a
     sub-history of the failing one, not a different history."""
     step = Step(
         "allocate",
@@ -374,6 +375,9 @@ def test_the_shrinker_replays_every_field_of_a_step() -> None:
         how="finish",
         blocks=2,
         skip_prefix_cache=True,
+        cache_salt="tenant-a",
+        lora="adapter-1",
+        mm=(MmItem(2, 4, "image-1"),),
         remote_hit=40,
         remote_async=True,
         load_failed=True,

@@ -70,9 +70,6 @@ def overlay() -> Iterator[Any]:
     yield hold_overlay
     if not was_installed:
         hold_overlay.unregister()
-        # The adapter loads a plugin once per process; let a later
-        # `plugin=` target install it again.
-        _vllm_api._registered.pop(PLUGIN, None)
 
 
 @pytest.fixture

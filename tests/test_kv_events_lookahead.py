@@ -154,3 +154,20 @@ def test_differential_exploration_of_full_reports_with_lookahead_hashes(tmp_path
     assert outcome.failure is None, outcome.failure.summary()
     assert outcome.stats.knobs["kv_events_full_with_lookahead_hashes=True"] > 0
     assert outcome.stats.ops["events"] > 0
+
+
+def test_the_summary_counts_examples_dropped_at_the_crash() -> None:
+    from io import StringIO
+
+    from kvgate.explore.command import write_summary
+    from kvgate.explore.machine import Stats
+    from kvgate.explore.runner import Outcome
+
+    stats = Stats(discarded=5, rejected_lookups=2)
+    out = StringIO()
+    write_summary(out, Outcome(None, None, stats, 1.0, 1))
+    first = out.getvalue().splitlines()[0]
+    assert "5 dropped part-way by Hypothesis, 2 of them at a kv_events_full lookup" in first
+    out = StringIO()
+    write_summary(out, Outcome(None, None, Stats(discarded=5), 1.0, 1))
+    assert "kv_events_full" not in out.getvalue().splitlines()[0]

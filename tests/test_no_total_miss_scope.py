@@ -155,3 +155,24 @@ def _superseded_by_a_retired_state() -> int:
 def test_a_pin_superseded_by_the_hold_is_released_with_it() -> None:
     # Before: the tail at 24 still counted as pinned once the hold held 32.
     assert _superseded_by_a_retired_state() == 0
+
+
+def test_a_follow_up_keyed_apart_by_a_hash_input_owes_nothing_to_its_parent() -> None:
+    """F opens with A's tokens but under a tenant's salt: A's pinned state at
+    48 was never F's to resume from. G (the same tenant, same prefix) cached
+    attention for F's prompt and left salted states F hits (32, below 48):
+    no violation (exploration found the parent's pin wrongly applied once
+    requests drew hash inputs)."""
+    config = replace(SEED_CONFIG, hold=True)
+    with closing(Session(config, ALL_INVARIANTS)) as session:
+        session.run("arrive", req="A", prompt=fresh(60))  # tail at 48, pinned
+        _prefill(session, "A")
+        _decode(session, "A", 1)
+        _run(session, [("free", {"req": "A", "how": "finish"}), ("drain", {})])
+        session.run("arrive", req="G", prompt=follow_up("A", 11), cache_salt="tenant")
+        _prefill(session, "G")
+        _decode(session, "G", 1)
+        _run(session, [("free", {"req": "G", "how": "finish"}), ("drain", {})])
+        session.run("arrive", req="F", prompt=follow_up("A", 11), cache_salt="tenant")
+        assert _hit(session, "F") == 32
+        assert session.attention_cached("F") >= 48

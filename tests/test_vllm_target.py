@@ -365,3 +365,39 @@ def test_plugin_is_registered_once(
     for _ in range(2):
         VllmTarget(CONFIG, plugin=name).close()
     assert sys.modules[name].calls == 1
+
+
+def test_a_plugin_uninstalled_since_is_installed_again(
+    vllm_loaded: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A test that restores vLLM (the plugin's `unregister()`) leaves no
+    stale record: the next `plugin=` target installs it again (the leak that
+    made tests/test_workload.py run without the overlay after
+    tests/test_workload_scheduler.py)."""
+    name = "kvgate_test_uninstallable_plugin"
+    (tmp_path / f"{name}.py").write_text(
+        textwrap.dedent(
+            """
+            calls = 0
+            installed = False
+            def register():
+                global calls, installed
+                if not installed:
+                    calls += 1
+                    installed = True
+            def unregister():
+                global installed
+                installed = False
+            def is_registered():
+                return installed
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    VllmTarget(CONFIG, plugin=name).close()
+    plugin = sys.modules[name]
+    VllmTarget(CONFIG, plugin=name).close()
+    assert plugin.calls == 1 and plugin.is_registered()
+    plugin.unregister()
+    VllmTarget(CONFIG, plugin=name).close()
+    assert plugin.calls == 2 and plugin.is_registered()

@@ -161,9 +161,19 @@ def register_plugin(name: str) -> ModuleType | None:
     `ENTRY_POINTS` runs vLLM's own loader (`vllm.plugins.load_general_plugins`:
     the `vllm.general_plugins` entry points, filtered by `VLLM_PLUGINS`), as a
     vLLM engine does at startup; no single module is named then (None).
+
+    A plugin that says whether it is installed (`is_registered()`) and was
+    uninstalled since (its `unregister()`, e.g. by a test restoring vLLM) is
+    installed again: whether it is installed is the plugin's own state, never
+    a stale record here.
     """
     if name in _registered:
-        return _registered[name]
+        loaded = _registered[name]
+        is_registered = getattr(loaded, "is_registered", None)
+        register = getattr(loaded, "register", None)
+        if callable(is_registered) and callable(register) and not is_registered():
+            register()
+        return loaded
     module: ModuleType | None
     if name == ENTRY_POINTS:
         from vllm.plugins import load_general_plugins

@@ -552,6 +552,9 @@ class UEncoding:
     def op_stats(self, tx: UTx) -> None:
         return None  # takes the hit stats: no manager state changes
 
+    def op_residency(self, tx: UTx) -> None:
+        return None  # takes the residency metrics' events: no manager state changes
+
     def op_evict(self, tx: UTx) -> None:
         taken = tx.fresh("evict", BLOCK)
         free = tx.next["free"]
