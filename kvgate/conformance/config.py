@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 GroupKind = Literal["full_attention", "mamba_align"]
+# vLLM 0.33.0's `MambaCacheMode`: the modes its CacheConfig accepts.
+MAMBA_CACHE_MODES = ("align", "none")
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,12 @@ class Config:
     # request is hashed, no lookup hits and no block is cached (vLLM's
     # no-prefix-cache coordinator); the hold has nothing to hold.
     prefix_caching: bool = True
+    # vLLM's `mamba_cache_mode` for every Mamba group (trace field
+    # `mamba_cache_mode`): `align` keeps states at block boundaries for prefix
+    # caching; `none` (what the engine config sets without prefix caching)
+    # gives a request one running state block plus its speculative blocks,
+    # sized like attention's and freed below the last computed token.
+    mamba_cache_mode: str = "align"
     # The Scheduler has a KV connector (trace field `kv_connector`): each
     # lookup runs its connector branch of admission (external tokens,
     # truncation of a local sub-block tail, async loads).
@@ -104,6 +112,12 @@ class Config:
     @property
     def mamba_group_ids(self) -> tuple[int, ...]:
         return tuple(i for i, g in enumerate(self.groups) if g.kind == "mamba_align")
+
+    @property
+    def mamba_align_split(self) -> bool:
+        """The scheduler splits prefill chunks for Mamba (align mode only:
+        in mode none no state is kept at a boundary)."""
+        return self.mamba_cache_mode == "align"
 
     @property
     def prefill_checkpoints(self) -> bool:
@@ -254,6 +268,14 @@ def check_modelled(config: Config) -> None:
             f"{config.kv_cache_metrics_sample} is not 1.0 (vLLM samples blocks at random "
             "below 1.0; only every block sampled is modelled)",
         )
+    if config.mamba_cache_mode not in MAMBA_CACHE_MODES:
+        # vLLM 0.33.0 has no other mode (its CacheConfig's literal); a later
+        # one (e.g. 'all') is not modelled until it is read and modelled.
+        raise NotModelled(
+            "mamba_cache_mode",
+            f"{config.mamba_cache_mode!r} is not modelled (only align and none, "
+            "vLLM 0.33.0's modes)",
+        )
     if config.max_model_len < 1:
         raise NotModelled("max_model_len", "must be >= 1")
     if config.max_num_scheduled_tokens < 1:
@@ -312,6 +334,13 @@ def vllm_rules(config: Config) -> None:
         raise RefusedByVllm(
             "retention_interval",
             f"{retention} is not null, or >= 0 and a multiple of scheduler_block_size {scheduler}",
+        )
+    if config.mamba_cache_mode == "none" and config.prefix_caching:
+        # MambaManager asserts align mode under prefix caching (and the
+        # engine config switches 'none' to 'align' when caching is on).
+        raise RefusedByVllm(
+            "mamba_cache_mode",
+            "none with prefix_caching true (Mamba prefix caching requires align mode)",
         )
     if not config.prefix_caching:
         return  # the no-prefix-cache coordinator hashes nothing

@@ -94,6 +94,7 @@ _CONFIG_OPTIONAL = (
     "reserve_full_sequence",
     "disable_log_stats",
     "prefix_caching",
+    "mamba_cache_mode",
     "kv_connector",
     "kv_connector_divergent_hits",
     "kv_cache_metrics",
@@ -463,6 +464,13 @@ class _Reader:
                 raise self.error(None, f"config.{key}", f"must be true or false, got {_got(value)}")
             return value
 
+        def word(key: str, default: str) -> str:
+            # Any string reads: one outside the modelled set is refused by name.
+            value = raw.get(key, default)
+            if not isinstance(value, str):
+                raise self.error(None, f"config.{key}", f"must be a string, got {_got(value)}")
+            return value
+
         def rate(key: str) -> float:
             # Any number reads: one outside (0, 1] is vLLM's to refuse.
             value = raw.get(key, 1.0)
@@ -497,6 +505,7 @@ class _Reader:
             reserve_full_sequence=flag("reserve_full_sequence"),
             disable_log_stats=flag("disable_log_stats"),
             prefix_caching=flag("prefix_caching", True),
+            mamba_cache_mode=word("mamba_cache_mode", "align"),
             kv_connector=flag("kv_connector"),
             kv_connector_divergent_hits=flag("kv_connector_divergent_hits"),
             kv_cache_metrics=flag("kv_cache_metrics"),

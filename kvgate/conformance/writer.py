@@ -48,6 +48,11 @@ def config_dict(config: Config) -> dict[str, Any]:
         **({"reserve_full_sequence": True} if config.reserve_full_sequence else {}),
         **({"disable_log_stats": True} if config.disable_log_stats else {}),
         **({"prefix_caching": False} if not config.prefix_caching else {}),
+        **(
+            {"mamba_cache_mode": config.mamba_cache_mode}
+            if config.mamba_cache_mode != "align"
+            else {}
+        ),
         **({"kv_connector": True} if config.kv_connector else {}),
         **({"kv_connector_divergent_hits": True} if config.kv_connector_divergent_hits else {}),
         **({"kv_cache_metrics": True} if config.kv_cache_metrics else {}),

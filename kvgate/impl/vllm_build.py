@@ -89,7 +89,7 @@ def request_inputs(api: VllmApi, inputs: HashInputs) -> dict[str, Any]:
     return args
 
 
-def group_spec(api: VllmApi, index: int, group: GroupConfig) -> Any:
+def group_spec(api: VllmApi, index: int, group: GroupConfig, mamba_cache_mode: str) -> Any:
     float32 = api.torch.float32
     if group.kind == "full_attention":
         return api.FullAttentionSpec(
@@ -107,7 +107,7 @@ def group_spec(api: VllmApi, index: int, group: GroupConfig) -> Any:
             block_size=group.block_size,
             shapes=((1, 1),),
             dtypes=(float32,),
-            mamba_cache_mode="align",
+            mamba_cache_mode=mamba_cache_mode,
             num_speculative_blocks=group.speculative_blocks,
             **checkpoints,
         )
@@ -117,7 +117,7 @@ def group_spec(api: VllmApi, index: int, group: GroupConfig) -> Any:
 def kv_cache_config(api: VllmApi, config: Config) -> Any:
     """vLLM's `KVCacheConfig` for `config`: its pool, groups and retention."""
     groups = [
-        api.KVCacheGroupSpec([f"layer{i}"], group_spec(api, i, g))
+        api.KVCacheGroupSpec([f"layer{i}"], group_spec(api, i, g, config.mamba_cache_mode))
         for i, g in enumerate(config.groups)
     ]
     return api.KVCacheConfig(

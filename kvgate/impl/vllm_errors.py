@@ -29,6 +29,7 @@ def describe(exc: BaseException) -> str:
 
 _FIELD_PATTERNS: tuple[tuple[str, str], ...] = (
     (r"kv_cache_metrics_sample", "kv_cache_metrics_sample"),
+    (r"mamba_cache_mode", "mamba_cache_mode"),
     (r"retention", "retention_interval"),
     (r"long_prefill_token_threshold", "long_prefill_token_threshold"),
     (r"shared_prefix", "shared_prefix_checkpoint"),

@@ -193,6 +193,8 @@ class VllmTarget(OpDriver[Any]):
         )
 
     def split(self, request: Any, num_new: int, hit: int, external: int = 0) -> int:
+        if not self.config.mamba_align_split:
+            return num_new  # the Scheduler calls its split only in align mode
         split = self._api.Scheduler._mamba_block_aligned_split
         return int(split(self._split_self, request, num_new, hit, external))
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from kvgate.conformance.config import Config, GroupConfig
 from kvgate.model.groups import FullAttentionManager, cdiv
 from kvgate.model.hold import Holds
-from kvgate.model.mamba import MambaManager
+from kvgate.model.mamba import MambaManager, MambaNoneManager
 from kvgate.model.pool import Block, BlockPool
 from kvgate.model.request import Request
 
@@ -62,7 +62,10 @@ class Coordinator:
             if group.kind == "full_attention":
                 self.managers.append(FullAttentionManager(self.pool, group_id, group.block_size))
             else:
-                mamba = MambaManager(
+                mamba_class = (
+                    MambaNoneManager if config.mamba_cache_mode == "none" else MambaManager
+                )
+                mamba = mamba_class(
                     self.pool,
                     group_id,
                     group.block_size,
@@ -228,7 +231,7 @@ class Coordinator:
             if isinstance(manager, MambaManager):
                 total += manager.blocks_needed(
                     request_id,
-                    num_tokens_main,
+                    num_tokens if manager.counts_draft_slots else num_tokens_main,
                     hit,
                     num_local_computed,
                     query_start=total_computed,

@@ -69,6 +69,9 @@ def prefill_checkpoint_valid(
 
 
 class MambaManager(GroupManager):
+    # Align mode counts only the main model's tokens: drafts get no states.
+    counts_draft_slots = False
+
     def __init__(
         self,
         pool: BlockPool,
@@ -438,3 +441,68 @@ class MambaManager(GroupManager):
 
     def new_step(self) -> None:
         self.cached_this_step.clear()
+
+
+class MambaNoneManager(MambaManager):
+    """A Mamba group in cache mode `none` (vLLM's engine config without
+    prefix caching): no state is ever keyed, so a request's table is sized
+    like attention's, by all its tokens (drafts included) plus
+    `speculative_blocks` blocks, and every block below the one holding the
+    last computed token's state is freed, newest first, stopping at the
+    first already-null block."""
+
+    # The admission and step counts take the draft slots too.
+    counts_draft_slots = True
+
+    def blocks_needed(
+        self,
+        request_id: str,
+        num_tokens_main: int,
+        hit_blocks: Sequence[Block],
+        num_local_computed: int,
+        query_start: int = 0,
+        prefill_end: int = 0,
+        record: bool = False,
+    ) -> int:
+        # Here `num_tokens_main` is every token needing a slot (the
+        # coordinator passes drafts too: `counts_draft_slots`).
+        spare = self.block_size * self.speculative_blocks
+        required = cdiv(num_tokens_main + spare, self.block_size)
+        have = len(self.tables.get(request_id, ()))
+        if request_id in self.num_cached:
+            return max(required - have, 0)
+        # A request's first count: states below the computed prefix (a
+        # connector's tokens included, `query_start`) are skipped.
+        num_skipped = self.skipped_tokens(query_start) // self.block_size
+        num_new = max(required - max(num_skipped, len(hit_blocks) + have), 0)
+        kept = hit_blocks[max(0, num_skipped - have) :]
+        evictable = sum(b.ref == 0 and not b.is_null for b in kept)
+        if self.has_partial_hit(hit_blocks, num_local_computed):
+            num_new += 1
+        return num_new + evictable
+
+    def allocate(self, request_id: str, num_tokens: int, num_tokens_main: int) -> list[Block]:
+        table = self.table(request_id)
+        missing = cdiv(num_tokens + self.block_size * self.speculative_blocks, self.block_size)
+        missing -= len(table)
+        if missing <= 0:
+            return []
+        blocks = self.pool.get_new_blocks(missing)
+        table.extend(blocks)
+        return blocks
+
+    def remove_skipped(self, request_id: str, num_processed: int) -> None:
+        skipped = self.skipped_tokens(num_processed)
+        if skipped <= 0:
+            return
+        table = self.table(request_id)
+        last = min(skipped // self.block_size, len(table))
+        freed: list[Block] = []
+        # Newest first; an earlier call nulled everything below a null.
+        for i in range(last - 1, -1, -1):
+            if table[i].is_null:
+                break
+            freed.append(table[i])
+            table[i] = self.pool.null_block
+        if freed:
+            self.pool.free_blocks(freed)

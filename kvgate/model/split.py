@@ -20,6 +20,8 @@ from kvgate.model.request import Request
 
 def chunk_tokens(config: Config, request: Request, num_new: int, num_new_hit: int) -> int:
     """How many of `num_new` tokens (starting after the hit) this chunk runs."""
+    if not config.mamba_align_split:
+        return num_new
     start = request.num_computed_tokens + num_new_hit
     prefill_end = max(request.num_prompt_tokens, request.num_tokens - 1)
     if start >= prefill_end:
