@@ -203,8 +203,13 @@ KNOBS: tuple[Knob, ...] = (
     # A single group, no attention (the unitary coordinator); after the
     # Mamba block size it reads.
     Knob("pure_mamba", (False, True), _pure_mamba, only_with=(("mamba_groups", 1),)),
-    # vLLM's `enable_prefix_caching` off: the no-prefix-cache coordinator.
-    Knob("prefix_caching", (True, False), lambda c, v: replace(c, prefix_caching=v)),
+    # vLLM's `enable_prefix_caching` off: the no-prefix-cache coordinator,
+    # with Mamba in cache mode none, as the engine config then sets it.
+    Knob(
+        "prefix_caching",
+        (True, False),
+        lambda c, v: replace(c, prefix_caching=v, mamba_cache_mode="align" if v else "none"),
+    ),
     # A KV connector: none, one reading the agreed local hit (LMCache-like),
     # or one taking per-group hits (NIXL-like); the machine's connector rule
     # then scripts what it holds.

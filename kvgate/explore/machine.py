@@ -162,6 +162,7 @@ def knob_values(config: Config, refused: str | None = None) -> tuple[str, ...]:
         + str(config.kv_events_full and bool(config.hash_lookahead_tokens)),
         f"pure_mamba={not config.has_attention}",
         f"prefix_caching={config.prefix_caching}",
+        f"mamba_cache_mode={config.mamba_cache_mode}",
         "kv_connector="
         + ("divergent_hits" if config.kv_connector_divergent_hits else str(config.kv_connector)),
         f"kv_cache_metrics={config.kv_cache_metrics}",
