@@ -31,9 +31,9 @@ from kvgate.model import ModelTarget
 
 CORPUS = {t.name: t for t in load_corpus(bundled_corpus())}
 MODE_NONE = [
-    "gdn-triton-mamba-mode-none",
-    "gdn-flashinfer-mamba-mode-none",
-    "mamba2-mamba-mode-none",
+    "mode-none-gdn-triton",
+    "mode-none-gdn-flashinfer",
+    "mode-none-mamba2",
 ]
 
 # A GDN-style hybrid whose Mamba block (32) is finer than its prompts, so
