@@ -175,10 +175,16 @@ class OpDriver(ABC, Generic[R]):
         """The KV-cache events queued since the last call ([] when off)."""
 
     @abstractmethod
-    def take_evictions(self) -> list[Eviction] | None:
-        """The residency metrics' eviction events since the last call, as the
-        Scheduler's `make_stats` drains them ([] without `kv_cache_metrics`);
-        None when it drains nothing (`disable_log_stats`: no stats made)."""
+    def take_evictions(self) -> list[Eviction]:
+        """Drain the residency metrics' eviction events queued since the last
+        drain ([] without `kv_cache_metrics`)."""
+
+    def stats_evictions(self) -> list[Eviction] | None:
+        """The eviction events the Scheduler's `make_stats` drains: None when
+        it makes no stats (`disable_log_stats`), which leaves them queued."""
+        if self.config.disable_log_stats:
+            return None
+        return self.take_evictions()
 
     @abstractmethod
     def pool_clean(self) -> bool:
@@ -603,7 +609,7 @@ class OpDriver(ABC, Generic[R]):
         return self.make_prefix_cache_stats()
 
     def _op_residency(self, step: Step) -> dict[str, Any]:
-        evictions = self.take_evictions()
+        evictions = self.stats_evictions()
         return {} if evictions is None else residency_report(evictions)
 
     def _op_evict(self, step: Step) -> dict[str, Any]:

@@ -265,9 +265,7 @@ class VllmTarget(OpDriver[Any]):
                 raise RuntimeError(f"unknown KV-cache event {type(event).__name__}")
         return events
 
-    def take_evictions(self) -> list[Eviction] | None:
-        if self.config.disable_log_stats:
-            return None  # the Scheduler's make_stats returns before draining
+    def take_evictions(self) -> list[Eviction]:
         return take_evictions(getattr(self.manager, "metrics_collector", None))
 
     def pool_clean(self) -> bool:

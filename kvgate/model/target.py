@@ -131,9 +131,7 @@ class ModelTarget(OpDriver[Request]):
     def take_events(self) -> list[KvEvent]:
         return self.pool.take_events()
 
-    def take_evictions(self) -> list[Eviction] | None:
-        if self.config.disable_log_stats:
-            return None  # the Scheduler makes no stats, so drains nothing
+    def take_evictions(self) -> list[Eviction]:
         residency = self.pool.residency
         return [] if residency is None else residency.drain()
 

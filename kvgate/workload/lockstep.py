@@ -131,7 +131,7 @@ class _Lockstep:
             raise _Diverged(last, "api", "finished", decisions.finished, finished)
         # The residency metrics the real update's stats drained, against
         # the model's (the oracle's own collector; none without the metrics).
-        drained = self.run.oracle.take_evictions() or []
+        drained = self.run.oracle.stats_evictions() or []
         modelled = [e.reuse_gaps for e in drained]
         evictions = self.real.take_evictions()
         if evictions != modelled:
