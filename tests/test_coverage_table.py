@@ -1,0 +1,72 @@
+"""The coverage table's counting (kvgate.explore.coverage) on a module
+whose answer is known by reading it, recorded by coverage.py here."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import coverage
+
+from kvgate.explore.coverage import figures
+
+# A condition split over lines (Python 3.11 reports it on a continuation
+# line) inside a class, then a function outside the class that never runs.
+SOURCE = '''\
+class Gate:
+    def admit(self, free, needed):
+        if (
+            free
+            >= needed
+        ):
+            return True
+        return False
+
+
+def never_called(x):
+    if x:
+        return 1
+    return 2
+'''
+
+
+def _record(tmp_path: Path) -> tuple[Path, Path]:
+    module = tmp_path / "gate_module.py"
+    module.write_text(SOURCE, encoding="utf-8")
+    data = tmp_path / ".coverage"
+    cov = coverage.Coverage(data_file=str(data), branch=True, include=[str(module)])
+    cov.start()
+    try:
+        spec = importlib.util.spec_from_file_location("gate_module", module)
+        assert spec is not None and spec.loader is not None
+        loaded = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(loaded)
+        assert loaded.Gate().admit(4, 2) is True  # only the taken exit
+    finally:
+        cov.stop()
+        cov.save()
+        sys.modules.pop("gate_module", None)
+    return data, module
+
+
+def test_a_multi_line_condition_counts_as_reached_with_one_exit_taken(tmp_path: Path) -> None:
+    data, module = _record(tmp_path)
+    within_class = figures(data, module, (1, 8))
+    # def admit, the if, return True, return False (+ the class line itself)
+    assert within_class.missing_lines == (8,)
+    assert (within_class.branches, within_class.branches_hit) == (2, 1)
+    assert within_class.missing_branches == ((3, 8),)
+
+
+def test_a_whole_file_counts_what_coverage_report_counts(tmp_path: Path) -> None:
+    data, module = _record(tmp_path)
+    whole = figures(data, module)
+    assert whole.missing_lines == (8, 12, 13, 14)
+    assert (whole.branches, whole.branches_hit) == (4, 1)
+    cov = coverage.Coverage(data_file=str(data), branch=True)
+    cov.load()
+    numbers = cov._analyze(str(module)).numbers
+    assert whole.lines == numbers.n_statements
+    assert whole.lines - whole.lines_hit == numbers.n_missing
+    assert whole.branches - whole.branches_hit == numbers.n_missing_branches
