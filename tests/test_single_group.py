@@ -136,7 +136,8 @@ def test_the_model_conforms_with_vllms_own_coordinator_for_it(name: str, coordin
                 32,
                 prefix_caching=False,
             ),
-            "prefix_caching",
+            # Align mode without caching: vLLM's engine runs Mamba in mode none.
+            "mamba_cache_mode",
         ),
     ],
 )

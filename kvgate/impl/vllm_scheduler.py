@@ -133,10 +133,11 @@ def _vllm_config(
         dtype="float32",
     )
     scheduler = scheduler_config(config, max_num_seqs)
+    # No Mamba cache mode is passed (vLLM deprecates the flag): the engine
+    # config resolves it from prefix caching, which `_check_mode` reads back.
     cache = CacheConfig(
         block_size=config.scheduler_block_size,
-        enable_prefix_caching=True,
-        mamba_cache_mode="align",
+        enable_prefix_caching=config.prefix_caching,
         enable_mamba_shared_prefix_checkpoint=config.shared_prefix_checkpoint,
     )
     speculative = None
@@ -167,7 +168,44 @@ def _vllm_config(
     return vllm_config
 
 
-def _check_derived(scheduler: Any, config: Config, spec_tokens: int) -> None:
+def _check_mode(vllm_config: Any, config: Config) -> None:
+    """The Mamba cache mode vLLM's engine config resolved (`align` with prefix
+    caching, `none` without, in 0.33.0) must be the config's: the KV-cache
+    spec is built with the config's mode, as the engine builds it with its own."""
+    resolved = str(vllm_config.cache_config.mamba_cache_mode)
+    if resolved != config.mamba_cache_mode:
+        caching = "on" if config.prefix_caching else "off"
+        raise UnsupportedConfig(
+            "mamba_cache_mode",
+            f"vLLM's engine runs Mamba in cache mode {resolved!r} with prefix caching "
+            f"{caching}, not {config.mamba_cache_mode!r}",
+        )
+
+
+def _engine_hash_block(vllm_config: Any, kv_config: Any, config: Config) -> int:
+    """The hash block vLLM's engine hands its Scheduler for `config`. With
+    prefix caching, the config's unit (as built so far). Without it, vLLM's
+    own resolution (`resolve_kv_cache_block_sizes`, where present): the
+    scheduler block, the groups' lcm, which must be the config's. Nothing is
+    hashed then, so the model's unit (which sizes nothing it compares) stays."""
+    if config.prefix_caching:
+        return config.hash_unit
+    from vllm.v1.core import kv_cache_utils
+
+    resolve = getattr(kv_cache_utils, "resolve_kv_cache_block_sizes", None)
+    if resolve is None:
+        return config.hash_unit
+    scheduler_block, hash_block = resolve(kv_config, vllm_config)
+    if int(scheduler_block) != config.scheduler_block_size:
+        raise UnsupportedConfig(
+            "scheduler_block_size",
+            f"vLLM's engine runs {config.scheduler_block_size} as {scheduler_block} "
+            "without prefix caching (the groups' lcm)",
+        )
+    return int(hash_block)
+
+
+def _check_derived(scheduler: Any, config: Config, spec_tokens: int, hash_block: int) -> None:
     """What vLLM derived from the settings must be what the config says."""
     manager = scheduler.kv_cache_manager
     coordinator = manager.coordinator
@@ -179,7 +217,7 @@ def _check_derived(scheduler: Any, config: Config, spec_tokens: int) -> None:
             config.scheduler_block_size,
         ),
         ("scheduler_block_size", int(scheduler.block_size), config.scheduler_block_size),
-        ("hash_unit", int(scheduler.hash_block_size), config.hash_unit),
+        ("hash_unit", int(scheduler.hash_block_size), hash_block),
         ("num_blocks", int(manager.block_pool.num_gpu_blocks), config.num_blocks),
         ("groups", sizes, tuple(g.block_size for g in config.groups)),
         ("eagle", bool(scheduler.use_eagle_block_drop), config.block_drop),
@@ -218,6 +256,21 @@ def _check_derived(scheduler: Any, config: Config, spec_tokens: int) -> None:
             "shared_prefix_checkpoint",
             bool(scheduler.mamba_shared_prefix_checkpoint),
             config.shared_prefix_checkpoint_on,
+        ),
+        # The align split only in align mode; every Mamba manager in the mode.
+        (
+            "mamba_cache_mode",
+            bool(scheduler.need_mamba_block_aligned_split),
+            config.mamba_align_split,
+        ),
+        (
+            "mamba_cache_mode",
+            {
+                str(m.mamba_cache_mode)
+                for m in coordinator.single_type_managers
+                if hasattr(m, "mamba_cache_mode")
+            },
+            {config.mamba_cache_mode},
         ),
     )
     for name, got, want in checks:
@@ -276,14 +329,6 @@ class VllmScheduler:
             raise UnsupportedConfig(
                 "groups", "the vllm-scheduler target runs a hybrid model: a full_attention group"
             )
-        if not config.prefix_caching:
-            # vLLM's engine config (MambaModelConfig) switches a Mamba model to
-            # mamba_cache_mode 'none' without prefix caching: not align mode.
-            raise UnsupportedConfig(
-                "prefix_caching",
-                "without prefix caching vLLM's engine runs Mamba in cache mode 'none', "
-                "which is not modelled",
-            )
         if spec_tokens == 0 and config.eagle:
             raise UnsupportedConfig("eagle", "the eagle drop needs draft tokens (spec > 0)")
         if connector is None and config.kv_connector:
@@ -301,12 +346,15 @@ class VllmScheduler:
             from vllm.v1.structured_output import StructuredOutputManager
 
             vllm_config = _vllm_config(config, spec_tokens, max_num_seqs, connector)
+            _check_mode(vllm_config, config)
+            kv_config = kv_cache_config(api, config)
+            hash_block = _engine_hash_block(vllm_config, kv_config, config)
             scheduler = Scheduler(
                 vllm_config=vllm_config,
-                kv_cache_config=kv_cache_config(api, config),
+                kv_cache_config=kv_config,
                 structured_output_manager=StructuredOutputManager(vllm_config),
                 block_size=config.scheduler_block_size,
-                hash_block_size=config.hash_unit,
+                hash_block_size=hash_block,
                 # Stats are made (and the residency metrics drained) each
                 # update, as an engine logging stats does, when the metrics
                 # are on; otherwise as before (nothing reads them).
@@ -318,7 +366,7 @@ class VllmScheduler:
             raise UnsupportedConfig(
                 "groups", f"vLLM's Scheduler rejects it: {describe(exc)}"
             ) from exc
-        _check_derived(scheduler, config, spec_tokens)
+        _check_derived(scheduler, config, spec_tokens, hash_block)
         self._script: ConnectorScript | None = (
             None if connector is None else _scripted_connector(scheduler)
         )

@@ -1,7 +1,8 @@
 """`kvgate workload`: the production measurement, reproduced on a target.
 
     kvgate workload --target {model,vllm} [--units 64,256,512,1024,4096]
-                    [--hold on,off] [--build fork|upstream] [--sessions N] [--turns T] [--seed S]
+                    [--hold on,off] [--build fork|upstream] [--no-enable-prefix-caching]
+                    [--sessions N] [--turns T] [--seed S]
                     [--scale K] [--out DIR] [--level api|strict] [--plugin MODULE]
 
 Writes one trace per unit x hold arm into DIR, replays each on the target
@@ -76,6 +77,13 @@ def add_workload_arguments(parser: argparse.ArgumentParser, scale: int, units: s
         help="with --kv-connector: the connector restores lagging Mamba states "
         "(supports_divergent_local_hybrid_hits, as NIXL's), so the local lookup is per group",
     )
+    parser.add_argument(
+        "--no-enable-prefix-caching",
+        action="store_true",
+        help="serve without prefix caching, as vLLM's flag: Mamba in cache mode none, its "
+        "block max_model_len long (as vLLM's engine config resolves them); every hold and "
+        "retention then holds nothing",
+    )
     parser.add_argument("--sessions", type=int, default=defaults.sessions)
     parser.add_argument("--turns", type=int, default=defaults.turns)
     parser.add_argument("--seed", type=int, default=defaults.seed)
@@ -107,6 +115,7 @@ def workload_of(args: argparse.Namespace) -> tuple[Workload, Deployment]:
         build=args.build,
         kv_connector=args.kv_connector,
         kv_connector_divergent_hits=args.kv_connector_divergent_hits,
+        prefix_caching=not args.no_enable_prefix_caching,
     )
     return workload, deployment.scaled(args.scale)
 
@@ -224,6 +233,7 @@ def run(args: argparse.Namespace) -> int:
         f"workload-{workload.sessions}x{workload.turns}-seed{workload.seed}{scale}-{args.build}"
         + ("-kv-connector" if args.kv_connector else "")
         + ("-divergent" if args.kv_connector_divergent_hits else "")
+        + ("-no-prefix-caching" if args.no_enable_prefix_caching else "")
     )
     # The header names the hold implementation when a hold-on arm ran.
     replays = sorted(

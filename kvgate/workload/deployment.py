@@ -93,6 +93,11 @@ class Deployment:
     # `supports_divergent_local_hybrid_hits`, as NIXL's): the Scheduler's local
     # lookup is then per group.
     kv_connector_divergent_hits: bool = False
+    # vLLM's `enable_prefix_caching`. Off (`--no-enable-prefix-caching`), the
+    # engine config runs every Mamba layer in cache mode `none` with its block
+    # `max_model_len` long (its only size there), and the scheduler block is
+    # the groups' lcm: `config()` sets all three, as vLLM resolves them.
+    prefix_caching: bool = True
     # Every token quantity below is divided by this (see `scaled`).
     scale: int = 1
 
@@ -159,6 +164,13 @@ class Deployment:
         block = self.tokens(self.mamba_block_size)
         if block % unit:
             raise ValueError(f"unit {unit} does not divide the Mamba block {block}")
+        if not self.prefix_caching:
+            # Mode none's Mamba block; the scheduler block, their lcm. (The
+            # engine's hash block is then the scheduler block too: nothing is
+            # hashed, so the unit stands in, which the model sizes keys by.)
+            block = self.tokens(self.max_model_len)
+            if block % unit:
+                raise ValueError(f"unit {unit} does not divide max_model_len {block}")
         config = Config(
             num_blocks=self.num_blocks(unit, concurrency),
             hash_unit=unit,
@@ -169,7 +181,8 @@ class Deployment:
             eagle=self.eagle,
             retention_interval=self.retention_interval,
             hold=hold,
-            hold_retired=self.build == "fork",
+            # The fork's retention, like the hold, acts only with prefix caching.
+            hold_retired=self.build == "fork" and self.prefix_caching,
             scheduler_block_size=block,
             max_model_len=self.tokens(self.max_model_len),
             max_num_scheduled_tokens=self.tokens(self.max_num_scheduled_tokens),
@@ -178,6 +191,8 @@ class Deployment:
             # vLLM's default admission gate: with a connector the re-admission
             # after an async load has no lookup for the generator's own gate.
             reserve_full_sequence=self.kv_connector,
+            prefix_caching=self.prefix_caching,
+            mamba_cache_mode="align" if self.prefix_caching else "none",
         )
         validate(config)
         return config
@@ -216,7 +231,14 @@ class Deployment:
             "for KV cache and Mamba states",
             f"attention: {self.attention_layers} layers, {self.attention_bytes_per_token} "
             f"B/token/GPU -> {capacity:,} tokens of capacity after {footprint} Mamba states",
-            f"mamba: {self.mamba_layers} layers, block {self.mamba_block_size} tokens, state "
+            f"mamba: {self.mamba_layers} layers, "
+            + (
+                f"block {self.mamba_block_size} tokens"
+                if self.prefix_caching
+                else f"no prefix caching: cache mode none, block max_model_len "
+                f"{self.max_model_len} tokens"
+            )
+            + ", state "
             f"{self.mamba_state_bytes / mib:.1f} MiB/GPU; pool adds {concurrency} sessions x "
             f"{self.mamba_footprint} blocks (state + {self.spec_tokens} scratch)",
             f"serving: MTP K={self.spec_tokens} (spec {self.spec_tokens}, lookahead "

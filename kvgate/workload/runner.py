@@ -133,6 +133,8 @@ def replay_arm(
 def lacking_capability(config: Config, capabilities: Capabilities) -> str:
     """What the arm's config needs that the target lacks ("" when nothing)."""
     if config.hold and not capabilities.hold:
+        if not config.prefix_caching:
+            return "holds nothing without prefix caching (the hold-off arm is the same run)"
         return "has no hold (pass --plugin kvgate.impl.hold_overlay)"
     if config.hold_retired and not capabilities.retire:
         return (
