@@ -31,6 +31,11 @@ CONNECTOR_CONFIG = EXAMPLE_TRACE_CONFIG.replace(
     "  groups:\n", "  kv_connector: true\n  groups:\n", 1
 )
 
+# The same with vLLM's other load-failure policy.
+FAIL_CONFIG = CONNECTOR_CONFIG.replace(
+    "kv_connector: true\n", "kv_connector: true\n  kv_load_failure_policy: fail\n", 1
+)
+
 CONNECTOR_TRACES = [t for t in load_corpus(bundled_corpus()) if "-connector-" in t.name]
 
 # A0 computed, then A1 resumes at A0's partial tail (136, inside a block).
@@ -83,6 +88,27 @@ def test_lookahead_hashes_with_a_connector_are_not_modelled() -> None:
             CONNECTOR_CONFIG.replace("kv_connector: true", "kv_connector: yes please"),
             "config.kv_connector",
         ),
+        # The load-failure policy: its values, its connector, and where each
+        # policy puts a failed load (the retrying lookup; the ending free).
+        (
+            "- {op: lookup, req: A1}\n",
+            FAIL_CONFIG.replace(": fail", ": retry"),
+            "kv_load_failure_policy",
+        ),
+        (
+            "- {op: lookup, req: A1}\n",
+            FAIL_CONFIG.replace(": fail", ": [fail]"),
+            "config.kv_load_failure_policy",
+        ),
+        (
+            "- {op: lookup, req: A1}\n",
+            FAIL_CONFIG.replace("  kv_connector: true\n", ""),
+            "kv_load_failure_policy",
+        ),
+        ("- {op: free, req: A1, how: abort, load_failed: true}\n", CONNECTOR_CONFIG, "load_failed"),
+        ("- {op: free, req: A1, how: finish, load_failed: true}\n", FAIL_CONFIG, "load_failed"),
+        ("- {op: lookup, req: A1, load_failed: true}\n", FAIL_CONFIG, "load_failed"),
+        ("- {op: prefill, req: A1, load_failed: true}\n", FAIL_CONFIG, "load_failed"),
     ],
 )
 def test_malformed_connector_fields_are_one_line_errors(
@@ -275,6 +301,32 @@ def test_a_failed_load_frees_the_request_and_admits_it_afresh() -> None:
     assert refused.value.field == "load_failed"
 
 
+def test_under_policy_fail_a_failed_load_ends_the_request() -> None:
+    """The free that ends a request for its failed load frees what it no
+    longer needs, then its blocks, as any end does; nothing is counted
+    again in the stats, and only a load in flight can fail."""
+    load = (
+        "- {op: lookup, req: A1, remote_hit: 160, remote_async: true}\n"
+        "- {op: allocate, req: A1, tokens: auto}\n"
+        "- {op: step}\n- {op: drain}\n"
+    )
+    ends = "- {op: free, req: A1, how: abort, load_failed: true}\n- {op: stats}\n"
+    failed = parse_trace(trace_text(PRODUCER + load + ends, FAIL_CONFIG), "f.yaml")
+    aborted = parse_trace(
+        trace_text(PRODUCER + load + ends.replace(", load_failed: true", ""), CONNECTOR_CONFIG)
+    )
+    failing, aborting = ModelTarget(failed.config), ModelTarget(aborted.config)
+    seen, plain = observe(failing, failed.steps), observe(aborting, aborted.steps)
+    assert seen[-1][1] == plain[-1][1] and seen[-1][1]["requests"] == 2
+    assert failing.snapshot() == aborting.snapshot()
+    assert "A1" not in failing.snapshot().tables
+    fresh = ModelTarget(failed.config)
+    early = parse_trace(trace_text(PRODUCER + ends, FAIL_CONFIG)).steps
+    with pytest.raises(StepRefused) as refused:
+        observe(fresh, early)
+    assert refused.value.field == "load_failed"
+
+
 def test_every_family_has_connector_traces_in_both_arms() -> None:
     names = {t.name for t in CONNECTOR_TRACES}
     for family in ("gdn-triton-", "gdn-flashinfer-", "mamba2-"):
@@ -283,6 +335,16 @@ def test_every_family_has_connector_traces_in_both_arms() -> None:
     assert any(t.config.kv_connector_divergent_hits for t in CONNECTOR_TRACES)
     assert any(s.remote_async for t in CONNECTOR_TRACES for s in t.steps)
     assert any(s.load_failed for t in CONNECTOR_TRACES for s in t.steps)
+    # The fail policy's whole-load failure, in every family and both arms.
+    for family in ("gdn-triton-", "gdn-flashinfer-", "mamba2-"):
+        failing = {
+            t.name.rsplit(".", 1)[-1]
+            for t in CONNECTOR_TRACES
+            if t.name.startswith(family)
+            and t.config.kv_load_failure_policy == "fail"
+            and any(s.op == "free" and s.load_failed for s in t.steps)
+        }
+        assert failing == {"hold-on", "hold-off"}, family
 
 
 # ------------------------------------------------------------- on vLLM

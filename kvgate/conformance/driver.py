@@ -559,6 +559,16 @@ class OpDriver(ABC, Generic[R]):
         if step.how == "preempt":
             # Only a running request is preempted; a loading one waits.
             self._refuse_while_loading(pending, step, "how")
+        if step.load_failed and not pending.loading:
+            # Policy fail: the Scheduler fails a request whose async load the
+            # worker reported failed (`failed_recving`), and only such one.
+            raise StepRefused("load_failed", "the request has no KV load in flight")
+        # A request failed for its load ends as any ended request does: the
+        # Scheduler's error finish (`finish_requests`) frees what it no longer
+        # needs below its computed tokens (its hit and the external tokens:
+        # under fail nothing resets them), hands the connector its blocks,
+        # and frees them once the worker reports the load done, in the same
+        # output; it counts nothing in the prefix-cache stats.
         result: dict[str, Any] = {}
         if step.how != "preempt":
             # A request that ends hands a KV producer's connector its partial

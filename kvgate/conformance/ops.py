@@ -88,8 +88,9 @@ FIELD_TYPES: dict[str, FieldType] = {
     # the connector has the KV of, and whether it loads it asynchronously.
     "remote_hit": "int",
     "remote_async": "bool",
-    # lookup: the request's async load failed (the scheduler frees its
-    # blocks and looks it up again)
+    # lookup: the request's async load failed (policy recompute: the
+    # scheduler frees its blocks and looks it up again); free (additive,
+    # policy fail): the scheduler ends the request because its load failed
     "load_failed": "bool",
     # allocate (additive), what vLLM's Scheduler decides around the call: the
     # speculative rows it padded a one-token admission chunk with; the free
@@ -163,7 +164,7 @@ ACTIONS: dict[str, Action] = {
         ),
         Action("step", ()),
         Action("drain", (), expect_keys=("copies",)),
-        Action("free", ("req", "how"), valid_in=LIVE),
+        Action("free", ("req", "how"), ("load_failed",), valid_in=LIVE),
         Action("pop", ("req",), valid_in=LIVE),
         Action("release", ("req",), valid_in=frozenset({"popped"})),
         Action("evict", ("blocks",)),
@@ -294,7 +295,9 @@ class Step:
     # `remote_hit` tokens, loaded asynchronously with `remote_async`
     remote_hit: int = 0
     remote_async: bool = False
-    # lookup: the request's async KV load failed as a whole (`failed_recving`)
+    # lookup: the request's async KV load failed as a whole (`failed_recving`,
+    # policy recompute); free: the scheduler fails the request for it (policy
+    # fail)
     load_failed: bool = False
     # allocate: `pad` speculative rows on a one-token chunk; `reserved` free
     # blocks an async load's allocation leaves; `complete_only`: only complete

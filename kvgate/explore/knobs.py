@@ -214,6 +214,14 @@ KNOBS: tuple[Knob, ...] = (
     # or one taking per-group hits (NIXL-like); the machine's connector rule
     # then scripts what it holds.
     Knob("kv_connector", ("off", "on", "divergent_hits"), _kv_connector),
+    # The connector's kv_load_failure_policy (after the connector, which it
+    # needs): a failed load retried (`recompute`, vLLM's default) or failing
+    # its request (`fail`).
+    Knob(
+        "kv_load_failure_policy",
+        ("recompute", "fail"),
+        lambda c, v: replace(c, kv_load_failure_policy=v if c.kv_connector else "recompute"),
+    ),
     # vLLM's --kv-cache-metrics (every block sampled): the residency
     # metrics' eviction events, drained by the `residency` op.
     Knob("kv_cache_metrics", (False, True), lambda c, v: replace(c, kv_cache_metrics=v)),

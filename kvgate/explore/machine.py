@@ -184,6 +184,7 @@ def knob_values(config: Config, refused: str | None = None) -> tuple[str, ...]:
         f"mamba_cache_mode={config.mamba_cache_mode}",
         "kv_connector="
         + ("divergent_hits" if config.kv_connector_divergent_hits else str(config.kv_connector)),
+        f"kv_load_failure_policy={config.kv_load_failure_policy}",
         f"kv_cache_metrics={config.kv_cache_metrics}",
     )
 
@@ -580,8 +581,9 @@ class ExploreMachine(RuleBasedStateMachine):
         scheduler step: another waiting request may look up (`peek`: it must
         not see the unloaded blocks) and a burst may take the free blocks;
         then the load completes at the request's next allocation (or, with
-        `fail`, it failed: the request is looked up afresh first), and its
-        prefill goes on for up to `rounds` chunks."""
+        `fail`, it failed: under policy recompute the request is looked up
+        afresh first, under policy fail it ends), and its prefill goes on for
+        up to `rounds` chunks."""
         session = self.session
         req = self._pick(session.schedulable("waiting"), which)
         total = session.tokens(req)
@@ -597,6 +599,10 @@ class ExploreMachine(RuleBasedStateMachine):
             if peek and others:
                 self._run("lookup", req=others[0])
             self._burst(burst, n)
+            if fail and session.config.kv_load_failure_policy == "fail":
+                # The Scheduler fails the request (an error finish).
+                self._run("free", req=req, how="abort", load_failed=True)
+                return
             if fail:
                 self._run("lookup", req=req, load_failed=True)
             if not self._run("allocate", req=req, tokens="auto")["ok"]:
