@@ -250,6 +250,14 @@ def write_summary(out: TextIO, outcome: Outcome) -> None:
         knobs.setdefault(knob, []).append(f"{value} {stats.knobs[key]}")
     for knob, values in knobs.items():
         print(f"  {knob}: {', '.join(sorted(values))}", file=out)
+    breaches = stats.rule_breaches
+    if breaches:
+        refusals = ", ".join(f"{how} {breaches[how]}" for how in sorted(breaches))
+        print(
+            f"config rules broken before the search: {breaches.total()} configs, "
+            f"refused alike ({refusals})",
+            file=out,
+        )
     failure = outcome.failure
     if failure is None:
         print("no failure found", file=out)

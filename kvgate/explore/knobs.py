@@ -248,14 +248,16 @@ BREAKABLE = (
 def broken(config: Config, knob: str, variant: int) -> Config:
     """`config` with `knob` set to a value vLLM refuses (`variant` picks one
     of a few: negative, below the unit, between two multiples, ...). For
-    `groups`: the model without its Mamba groups, which vLLM refuses with
-    a retention interval set, and otherwise builds and kvgate does not
-    model (its refusal must then be kvgate's on both sides)."""
+    `groups`: the model without its Mamba groups, with a retention interval
+    of one scheduler block (odd variants), which vLLM refuses, or of 0
+    (even), which vLLM builds (the one interval its retention check lets
+    through without a Mamba group) and kvgate does not model: that refusal
+    must then be kvgate's on both sides."""
     scheduler = config.scheduler_block_size
     mamba = max(config.groups[i].block_size for i in config.mamba_group_ids)
     if knob == "groups" and config.has_attention:
         kept = tuple(g for g in config.groups if g.kind == "full_attention")
-        return replace(config, groups=kept)
+        return replace(config, groups=kept, retention_interval=(0, scheduler)[variant % 2])
     if knob == "hash_unit" and config.prefix_caching:
         if config.has_attention:
             # Coarser than the attention block, which stays a multiple of
@@ -276,6 +278,21 @@ def broken(config: Config, knob: str, variant: int) -> Config:
 
 # A campaign stratum: a value for some knobs, fixed for all its examples.
 Stratum = Mapping[str, Any]
+
+
+def rule_breaches() -> list[Config]:
+    """Each of `BREAKABLE` broken in each of its variants, on the seed's
+    config and on the pure Mamba one (where `hash_unit` and `groups` break
+    otherwise), without repeats: a differential run checks them all before
+    its search, so every rule is checked whatever the search draws."""
+    found: list[Config] = []
+    for base in (build({}), build({"pure_mamba": True})):
+        for knob in BREAKABLE:
+            for variant in range(3):
+                config = broken(base, knob, variant)
+                if config not in found:
+                    found.append(config)
+    return found
 
 
 def strata() -> Iterator[dict[str, Any]]:

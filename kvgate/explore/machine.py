@@ -50,7 +50,7 @@ from kvgate.conformance.refusal import model_refusal, refusal_of
 from kvgate.conformance.target import StepRefused
 from kvgate.conformance.tokens import HashInputs
 from kvgate.explore.hash_inputs import MODES, RequestInputs, arrive_fields
-from kvgate.explore.knobs import Stratum, configs
+from kvgate.explore.knobs import Stratum, configs, rule_breaches
 from kvgate.explore.session import (
     ExploreFailure,
     RefusalDivergence,
@@ -92,6 +92,9 @@ class Stats:
     shrinking: int = 0
     # Examples dropped at a lookup vLLM 0.33.0 crashes on (kv_events_full).
     rejected_lookups: int = 0
+    # Configs breaking one of vLLM's rules checked before the search
+    # (`check_config_rules`), and how the model refused them ("field" counts).
+    rule_breaches: Counter[str] = field(default_factory=Counter)
     steps: int = 0
     started: float = field(default_factory=time.perf_counter)
     # Seconds from `started` to the first failing step Hypothesis ran
@@ -128,6 +131,22 @@ class Mode:
         the gate does on a trace with them)."""
         events = config.kv_events or self.lockstep is not None
         return replace(config, hold=self.hold, hold_retired=self.retire, kv_events=events)
+
+
+def check_config_rules(mode: Mode) -> RefusalDivergence | None:
+    """Every config of `knobs.rule_breaches` (one of vLLM's config rules
+    broken, or a model kvgate does not cover): the model and the lockstep
+    target must refuse it alike. The search draws such configs too, one in
+    `knobs.REFUSAL_ODDS`, but which rules depends on its draws."""
+    assert mode.lockstep is not None, "a differential mode"
+    for breach in rule_breaches():
+        config = mode.apply(breach)
+        refused, account = model_refusal(config)
+        other, other_account, _ = refusal_of(mode.lockstep, config)
+        if other != refused:
+            return RefusalDivergence(config, account, other_account, refused or other or "")
+        mode.stats.rule_breaches[refused or "accepted"] += 1
+    return None
 
 
 def knob_values(config: Config, refused: str | None = None) -> tuple[str, ...]:
