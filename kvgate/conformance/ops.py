@@ -37,6 +37,7 @@ FieldType = Literal[
     "bool",  # true / false
     "text",  # a non-empty one-line string
     "mm",  # a list of multimodal placeholders {offset, length, id}
+    "indices",  # a non-empty, increasing list of ints >= 0
 ]
 
 
@@ -99,6 +100,10 @@ FIELD_TYPES: dict[str, FieldType] = {
     "pad": "int",
     "reserved": "int",
     "complete_only": "bool",
+    # allocate (policy recompute) / free (policy fail), additive: the blocks
+    # of the request's KV load the worker reported invalid
+    # (`invalid_block_ids`), as indices into its block table
+    "invalid_blocks": "indices",
 }
 
 # The prefix-cache hit stats a `stats` op reports (vLLM's PrefixCacheStats):
@@ -149,7 +154,7 @@ ACTIONS: dict[str, Action] = {
         Action(
             "allocate",
             ("req", "tokens"),
-            ("lookahead", "sample", "pad", "reserved", "complete_only"),
+            ("lookahead", "sample", "pad", "reserved", "complete_only", "invalid_blocks"),
             expect_keys=("ok", "tokens"),
             valid_in=LIVE,
             issued_in=frozenset({"waiting", "running"}),
@@ -164,7 +169,7 @@ ACTIONS: dict[str, Action] = {
         ),
         Action("step", ()),
         Action("drain", (), expect_keys=("copies",)),
-        Action("free", ("req", "how"), ("load_failed",), valid_in=LIVE),
+        Action("free", ("req", "how"), ("load_failed", "invalid_blocks"), valid_in=LIVE),
         Action("pop", ("req",), valid_in=LIVE),
         Action("release", ("req",), valid_in=frozenset({"popped"})),
         Action("evict", ("blocks",)),
@@ -305,6 +310,10 @@ class Step:
     pad: int = 0
     reserved: int = 0
     complete_only: bool = False
+    # allocate (policy recompute) / free (policy fail): indices into the
+    # request's block table of the blocks its KV load failed to fill
+    # (`invalid_block_ids`; one KV-cache group only)
+    invalid_blocks: tuple[int, ...] = ()
     expect: dict[str, Any] = field(default_factory=dict)
     check: dict[str, Any] = field(default_factory=dict)
     steps: int = 0  # the `decode` macro's repeat count; the parser expands it

@@ -100,9 +100,17 @@ class Knob:
     # `values[0]` is still the value when it is off.
     strategy: st.SearchStrategy[Any] | None = None
     # Drawn only where these earlier knobs have these values (fixed by a
-    # stratum or drawn); elsewhere it keeps its first value, so it never
-    # undoes what a stratum fixes.
+    # stratum or drawn; a frozenset: any of its values); elsewhere it keeps
+    # its first value, so it never undoes what a stratum fixes.
     only_with: tuple[tuple[str, Any], ...] = ()
+
+    def applies(self, values: Mapping[str, Any]) -> bool:
+        """Whether the earlier knobs' `values` let this one be drawn."""
+        for name, wanted in self.only_with:
+            value = values.get(name, _first(name))
+            if value not in wanted if isinstance(wanted, frozenset) else value != wanted:
+                return False
+        return True
 
     def draw_from(self) -> st.SearchStrategy[Any]:
         return self.strategy if self.strategy is not None else st.sampled_from(self.values)
@@ -221,6 +229,7 @@ KNOBS: tuple[Knob, ...] = (
         "kv_load_failure_policy",
         ("recompute", "fail"),
         lambda c, v: replace(c, kv_load_failure_policy=v if c.kv_connector else "recompute"),
+        only_with=(("kv_connector", frozenset({"on", "divergent_hits"})),),
     ),
     # vLLM's --kv-cache-metrics (every block sampled): the residency
     # metrics' eviction events, drained by the `residency` op.
@@ -344,7 +353,7 @@ def configs(
     for knob in KNOBS:
         if knob.name in fixed:
             values[knob.name] = fixed[knob.name]
-        elif any(values.get(name, _first(name)) != value for name, value in knob.only_with):
+        elif not knob.applies(values):
             continue
         # `not b`: the switch shrinks to on, so shrinking changes the value, not the subset.
         elif not swarm or draw(st.booleans().map(lambda b: not b)):

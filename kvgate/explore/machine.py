@@ -563,6 +563,7 @@ class ExploreMachine(RuleBasedStateMachine):
         n=st.integers(0, 4),
         rounds=st.integers(1, 8),
         fail=st.sampled_from([False, False, True]),
+        bad_block=st.sampled_from([False, False, True]),
     )
     def connector_admit(
         self,
@@ -574,6 +575,7 @@ class ExploreMachine(RuleBasedStateMachine):
         n: int,
         rounds: int,
         fail: bool,
+        bad_block: bool,
     ) -> None:
         """A waiting request admitted with a KV connector holding its first
         tokens (all but `short` of them, at most what the connector may
@@ -583,32 +585,53 @@ class ExploreMachine(RuleBasedStateMachine):
         then the load completes at the request's next allocation (or, with
         `fail`, it failed: under policy recompute the request is looked up
         afresh first, under policy fail it ends), and its prefill goes on for
-        up to `rounds` chunks."""
+        up to `rounds` chunks. With `bad_block` on a single-group model (the
+        one layout vLLM takes block-level failures on), the worker reports
+        the block holding the loaded state invalid instead: the request goes
+        on from the block before it (policy recompute) or ends (fail)."""
         session = self.session
+        config = session.config
         req = self._pick(session.schedulable("waiting"), which)
         total = session.tokens(req)
         remote = max(0, min(total - short, total if load_async else total - 1))
-        self._run("lookup", req=req, remote_hit=remote, remote_async=load_async)
+        found = self._run("lookup", req=req, remote_hit=remote, remote_async=load_async)
         reserved = self._run("reserve", req=req)
-        if reserved["blocks"] > session.free_blocks() and not session.config.reserve_full_sequence:
+        if reserved["blocks"] > session.free_blocks() and not config.reserve_full_sequence:
             return
         observed = self._run("allocate", req=req, tokens="auto")
+        # The loaded tokens' last block holds the loaded Mamba state (in
+        # align mode the blocks before it in the load are null).
+        loaded_end = found["hit"] + found["external"]
+        bad = (loaded_end - 1) // config.scheduler_block_size
+        bad_block = bad_block and len(config.groups) == 1 and found["external"] > 0
+        policy_fails = config.kv_load_failure_policy == "fail"
         if observed.get("loading") is True:
             self._tick()
             others = [r for r in session.schedulable("waiting") if r != req]
             if peek and others:
                 self._run("lookup", req=others[0])
             self._burst(burst, n)
-            if fail and session.config.kv_load_failure_policy == "fail":
+            if (fail or bad_block) and policy_fails:
                 # The Scheduler fails the request (an error finish).
-                self._run("free", req=req, how="abort", load_failed=True)
+                failure = {"invalid_blocks": (bad,)} if bad_block else {"load_failed": True}
+                self._run("free", req=req, how="abort", **failure)
                 return
-            if fail:
+            partial: dict[str, Any] = {}
+            if bad_block and bad > 0:
+                partial = {"invalid_blocks": (bad,)}
+            elif fail or bad_block:
                 self._run("lookup", req=req, load_failed=True)
-            if not self._run("allocate", req=req, tokens="auto")["ok"]:
+            if not self._run("allocate", req=req, tokens="auto", **partial)["ok"]:
                 return
         elif not observed["ok"]:
             return
+        elif bad_block:
+            self._tick()
+            if policy_fails:
+                self._run("free", req=req, how="abort", invalid_blocks=(bad,))
+                return
+            if not self._run("allocate", req=req, tokens="auto", invalid_blocks=(bad,))["ok"]:
+                return
         self._tick()
         self._prefill(req, 0, rounds)
 
