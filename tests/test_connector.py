@@ -6,6 +6,7 @@ differential exploration against vLLM with the connector drawn."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,11 @@ from kvgate.model import ModelTarget
 # are refused without it, so a config missing it fails every test here).
 CONNECTOR_CONFIG = EXAMPLE_TRACE_CONFIG.replace(
     "  groups:\n", "  kv_connector: true\n  groups:\n", 1
+)
+
+# The same with vLLM's other load-failure policy.
+FAIL_CONFIG = CONNECTOR_CONFIG.replace(
+    "kv_connector: true\n", "kv_connector: true\n  kv_load_failure_policy: fail\n", 1
 )
 
 CONNECTOR_TRACES = [t for t in load_corpus(bundled_corpus()) if "-connector-" in t.name]
@@ -83,6 +89,36 @@ def test_lookahead_hashes_with_a_connector_are_not_modelled() -> None:
             CONNECTOR_CONFIG.replace("kv_connector: true", "kv_connector: yes please"),
             "config.kv_connector",
         ),
+        # The load-failure policy: its values, its connector, and where each
+        # policy puts a failed load (the retrying lookup; the ending free).
+        (
+            "- {op: lookup, req: A1}\n",
+            FAIL_CONFIG.replace(": fail", ": retry"),
+            "kv_load_failure_policy",
+        ),
+        (
+            "- {op: lookup, req: A1}\n",
+            FAIL_CONFIG.replace(": fail", ": [fail]"),
+            "config.kv_load_failure_policy",
+        ),
+        (
+            "- {op: lookup, req: A1}\n",
+            FAIL_CONFIG.replace("  kv_connector: true\n", ""),
+            "kv_load_failure_policy",
+        ),
+        ("- {op: free, req: A1, how: abort, load_failed: true}\n", CONNECTOR_CONFIG, "load_failed"),
+        ("- {op: free, req: A1, how: finish, load_failed: true}\n", FAIL_CONFIG, "load_failed"),
+        ("- {op: lookup, req: A1, load_failed: true}\n", FAIL_CONFIG, "load_failed"),
+        ("- {op: prefill, req: A1, load_failed: true}\n", FAIL_CONFIG, "load_failed"),
+        # Block-level failures: vLLM refuses them with several KV-cache
+        # groups (its Scheduler raises RuntimeError), so a hybrid's trace
+        # cannot write them; the list's shape; and where each policy puts them.
+        (
+            "- {op: allocate, req: A1, tokens: 8, invalid_blocks: [3]}\n",
+            CONNECTOR_CONFIG,
+            "invalid_blocks",
+        ),
+        ("- {op: free, req: A1, how: abort, invalid_blocks: [3]}\n", FAIL_CONFIG, "invalid_blocks"),
     ],
 )
 def test_malformed_connector_fields_are_one_line_errors(
@@ -92,6 +128,121 @@ def test_malformed_connector_fields_are_one_line_errors(
         parse_trace(trace_text(PRODUCER + steps, config or EXAMPLE_TRACE_CONFIG), "bad.yaml")
     message = str(error.value)
     assert field in message and "bad.yaml" in message and "\n" not in message
+
+
+# A pure Mamba model (one group, hashed at its block) behind a connector: the
+# one layout vLLM takes block-level load failures on.
+PURE_CONFIG = """\
+config:
+  num_blocks: 32
+  hash_unit: 32
+  eagle: false
+  retention_interval: 0
+  kv_connector: true
+  groups:
+    - {kind: mamba_align, block_size: 32, prefill_checkpoint_blocks: 1, \
+prefill_checkpoint_alignment: 1}
+"""
+PURE_FAIL_CONFIG = PURE_CONFIG.replace(
+    "kv_connector: true\n", "kv_connector: true\n  kv_load_failure_policy: fail\n"
+)
+# A0 computed; A1, its next turn, hits 128 locally and loads 96 tokens
+# synchronously, 8 more computed: block 6 holds the loaded state.
+PURE_LOAD = """\
+- {op: arrive, req: A0, prompt: [{fresh: 150}]}
+- {op: prefill, req: A0}
+- {op: decode, req: A0, steps: 2}
+- {op: free, req: A0, how: finish}
+- {op: drain}
+- {op: arrive, req: A1, prompt: [{all_of: A0}, {fresh: 90}]}
+- {op: lookup, req: A1, remote_hit: 224}
+- {op: allocate, req: A1, tokens: 8}
+- {op: step}
+- {op: drain}
+"""
+
+
+@pytest.mark.parametrize(
+    ("steps", "config"),
+    [
+        ("- {op: allocate, req: A1, tokens: 8, invalid_blocks: []}\n", PURE_CONFIG),
+        ("- {op: allocate, req: A1, tokens: 8, invalid_blocks: [6, 5]}\n", PURE_CONFIG),
+        ("- {op: allocate, req: A1, tokens: 8, invalid_blocks: [-1]}\n", PURE_CONFIG),
+        ("- {op: allocate, req: A1, tokens: 8, invalid_blocks: 6}\n", PURE_CONFIG),
+        ("- {op: allocate, req: A1, tokens: 8, invalid_blocks: [6]}\n", PURE_FAIL_CONFIG),
+        ("- {op: free, req: A1, how: abort, invalid_blocks: [6]}\n", PURE_CONFIG),
+        ("- {op: free, req: A1, how: finish, invalid_blocks: [6]}\n", PURE_FAIL_CONFIG),
+    ],
+)
+def test_malformed_failed_blocks_are_one_line_errors(steps: str, config: str) -> None:
+    with pytest.raises(TraceError) as error:
+        parse_trace(trace_text(PURE_LOAD + steps, config), "bad.yaml")
+    message = str(error.value)
+    assert "invalid_blocks" in message and "bad.yaml" in message and "\n" not in message
+    assert "step 10" in message
+
+
+@pytest.mark.parametrize(
+    ("steps", "why"),
+    [
+        # Blocks 4 and 5 of the load are null in align mode; 7 is past it.
+        ("- {op: allocate, req: A1, tokens: auto, invalid_blocks: [5]}\n", "not one the KV load"),
+        ("- {op: allocate, req: A1, tokens: auto, invalid_blocks: [7]}\n", "not one the KV load"),
+        # Only the step after a sync load's admission reports its blocks.
+        (
+            "- {op: allocate, req: A1, tokens: auto}\n- {op: step}\n- {op: drain}\n"
+            "- {op: allocate, req: A1, tokens: auto, invalid_blocks: [6]}\n",
+            "loaded no KV",
+        ),
+    ],
+)
+def test_failed_blocks_the_load_did_not_fill_are_refused(steps: str, why: str) -> None:
+    trace = parse_trace(trace_text(PURE_LOAD + steps, PURE_CONFIG), "c.yaml")
+    with pytest.raises(StepRefused) as refused:
+        observe(ModelTarget(trace.config), trace.steps)
+    assert refused.value.field == "invalid_blocks" and why in refused.value.message
+
+
+def test_failed_blocks_truncate_under_recompute_and_evict_under_fail(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Recompute: A1 computes again from its failed block's start, the
+    block stays keyed. Fail: the failed block and every later one of A1
+    leave the prefix cache (refs kept) before A1 is freed."""
+    recompute = parse_trace(
+        trace_text(
+            PURE_LOAD + "- {op: allocate, req: A1, tokens: 1, invalid_blocks: [6]}\n", PURE_CONFIG
+        )
+    )
+    target = ModelTarget(recompute.config)
+    seen = observe(target, recompute.steps)
+    assert seen[-1][1]["ok"]
+    assert target.requests["A1"].request.num_computed_tokens == 6 * 32 + 1
+    keyed = {b.block_id for b in target.manager.block_pool.blocks if b.hash is not None}
+    failed = target.manager.get_block_ids("A1")[0][6]
+    assert failed in keyed
+    fail = parse_trace(
+        trace_text(
+            PURE_LOAD + "- {op: free, req: A1, how: abort, invalid_blocks: [6]}\n", PURE_FAIL_CONFIG
+        )
+    )
+    target = ModelTarget(fail.config)
+    evicted: list[set[int]] = []
+    original = target.manager.block_pool.evict_blocks
+
+    def watched(ids: Iterable[int]) -> None:
+        ids = set(ids)
+        refs = {i: target.manager.block_pool.blocks[i].ref for i in ids}
+        original(ids)
+        assert {i: target.manager.block_pool.blocks[i].ref for i in ids} == refs
+        evicted.append(set(ids))
+
+    monkeypatch.setattr(target.manager.block_pool, "evict_blocks", watched)
+    observe(target, fail.steps[:-1])
+    table = target.manager.get_block_ids("A1")[0]
+    observe(target, fail.steps[-1:])
+    assert evicted == [set(table[6:])]
+    assert table[6] not in {b.block_id for b in target.manager.block_pool.blocks if b.hash}
 
 
 def test_the_fields_read_back_as_written() -> None:
@@ -275,6 +426,32 @@ def test_a_failed_load_frees_the_request_and_admits_it_afresh() -> None:
     assert refused.value.field == "load_failed"
 
 
+def test_under_policy_fail_a_failed_load_ends_the_request() -> None:
+    """The free that ends a request for its failed load frees what it no
+    longer needs, then its blocks, as any end does; nothing is counted
+    again in the stats, and only a load in flight can fail."""
+    load = (
+        "- {op: lookup, req: A1, remote_hit: 160, remote_async: true}\n"
+        "- {op: allocate, req: A1, tokens: auto}\n"
+        "- {op: step}\n- {op: drain}\n"
+    )
+    ends = "- {op: free, req: A1, how: abort, load_failed: true}\n- {op: stats}\n"
+    failed = parse_trace(trace_text(PRODUCER + load + ends, FAIL_CONFIG), "f.yaml")
+    aborted = parse_trace(
+        trace_text(PRODUCER + load + ends.replace(", load_failed: true", ""), CONNECTOR_CONFIG)
+    )
+    failing, aborting = ModelTarget(failed.config), ModelTarget(aborted.config)
+    seen, plain = observe(failing, failed.steps), observe(aborting, aborted.steps)
+    assert seen[-1][1] == plain[-1][1] and seen[-1][1]["requests"] == 2
+    assert failing.snapshot() == aborting.snapshot()
+    assert "A1" not in failing.snapshot().tables
+    fresh = ModelTarget(failed.config)
+    early = parse_trace(trace_text(PRODUCER + ends, FAIL_CONFIG)).steps
+    with pytest.raises(StepRefused) as refused:
+        observe(fresh, early)
+    assert refused.value.field == "load_failed"
+
+
 def test_every_family_has_connector_traces_in_both_arms() -> None:
     names = {t.name for t in CONNECTOR_TRACES}
     for family in ("gdn-triton-", "gdn-flashinfer-", "mamba2-"):
@@ -283,6 +460,16 @@ def test_every_family_has_connector_traces_in_both_arms() -> None:
     assert any(t.config.kv_connector_divergent_hits for t in CONNECTOR_TRACES)
     assert any(s.remote_async for t in CONNECTOR_TRACES for s in t.steps)
     assert any(s.load_failed for t in CONNECTOR_TRACES for s in t.steps)
+    # The fail policy's whole-load failure, in every family and both arms.
+    for family in ("gdn-triton-", "gdn-flashinfer-", "mamba2-"):
+        failing = {
+            t.name.rsplit(".", 1)[-1]
+            for t in CONNECTOR_TRACES
+            if t.name.startswith(family)
+            and t.config.kv_load_failure_policy == "fail"
+            and any(s.op == "free" and s.load_failed for s in t.steps)
+        }
+        assert failing == {"hold-on", "hold-off"}, family
 
 
 # ------------------------------------------------------------- on vLLM
@@ -301,3 +488,22 @@ def test_differential_exploration_with_a_connector(tmp_path: Path) -> None:
     assert outcome.failure is None, outcome.failure.summary()
     assert outcome.stats.knobs["kv_connector=divergent_hits"] > 0
     assert outcome.stats.ops["lookup:connector"] > 0
+
+
+@needs_vllm
+def test_differential_exploration_draws_load_failures_on_a_single_group(tmp_path: Path) -> None:
+    """Pure Mamba behind a connector, against vLLM's manager: the connector
+    rule's failures (whole loads, and the loaded state's block) under both
+    policies keep the two in lockstep."""
+    stratum = {"mamba_groups": 1, "pure_mamba": True, "kv_connector": "on"}
+    mode = replace(differential_mode(), stratum=stratum)
+    settings = profile("ci", max_examples=80, phases=(Phase.explicit, Phase.generate, Phase.target))
+    outcome = explore(mode, settings, out=tmp_path, shrink=False)
+    assert outcome.failure is None, outcome.failure.summary()
+    knobs, ops = outcome.stats.knobs, outcome.stats.ops
+    assert (
+        knobs["kv_load_failure_policy=fail"] > 0 and knobs["kv_load_failure_policy=recompute"] > 0
+    )
+    failures = {k: n for k, n in ops.items() if k.startswith("load_failure:")}
+    assert failures.get("load_failure:blocks:free", 0) > 0, failures
+    assert failures.get("load_failure:blocks:allocate", 0) > 0, failures

@@ -523,3 +523,52 @@ def test_the_workload_names_the_stall_after_a_failed_load() -> None:
     serving = deployment.serving(WORKLOAD.system_prompt, WORKLOAD.seed)
     with pytest.raises(WorkloadStuck, match="its async load failed"):
         generate(config, make_plan(WORKLOAD, SCALE), serving)
+
+
+def test_a_failed_async_load_under_policy_fail_ends_the_request_as_the_driver_does() -> None:
+    """`kv_load_failure_policy: fail`: the worker reports an async load
+    failed and the real Scheduler fails the request (FINISHED_ERROR). The
+    driver's `free how: abort, load_failed: true` on the model leaves the
+    same pool: the same free queue, every block at ref 0, no table."""
+    from vllm.v1.request import RequestStatus
+
+    from kvgate.conformance.ops import Segment, Step
+    from kvgate.conformance.trace import parse_trace
+    from kvgate.conformance.writer import dump_trace
+    from kvgate.impl.vllm_scheduler import ConnectorSettings, VllmScheduler
+    from kvgate.model import ModelTarget
+
+    config = dataclasses.replace(CONFIG, kv_connector=True, kv_load_failure_policy="fail")
+    real = VllmScheduler(
+        config,
+        spec_tokens=SPEC,
+        max_num_seqs=4,
+        connector=ConnectorSettings(load_failure_policy="fail"),
+    )
+    try:
+        real.script_external("B", 96, True)
+        real.add_request("B", _fresh(100), 4, None)
+        first = real.schedule()
+        assert first.taken == [("B", 0, 96, True)]
+        real.update({}, failed=["B"])
+        assert "B" not in real.scheduler.requests
+        assert real._requests["B"].status == RequestStatus.FINISHED_ERROR
+        after = real.snapshot()
+    finally:
+        real.close()
+    steps = (
+        Step("arrive", 0, req="B", prompt=(Segment("fresh", 100),)),
+        Step("lookup", 1, req="B", remote_hit=96, remote_async=True),
+        Step("allocate", 2, req="B", tokens="auto"),
+        Step("free", 3, req="B", how="abort", load_failed=True),
+    )
+    # Written and read back: the trace a person would write for it.
+    text = dump_trace("fail", config, steps)
+    trace = parse_trace(text, "fail.yaml")
+    model = ModelTarget(trace.config)
+    for step in trace.primitives:
+        model.apply(step)
+    mine = model.snapshot()
+    assert mine.free_queue == after.free_queue
+    assert all(b.ref == 0 for b in after.blocks) and not after.tables
+    assert list(mine.differences(after)) == []

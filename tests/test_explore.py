@@ -384,6 +384,7 @@ def test_the_shrinker_replays_every_field_of_a_step() -> None:
         pad=2,
         reserved=3,
         complete_only=True,
+        invalid_blocks=(3,),
     )
     defaults = Step("allocate", 3)
     # Every replayed field is set away from its default above.

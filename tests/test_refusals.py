@@ -308,3 +308,32 @@ def test_exploration_breaks_a_share_of_configs_and_fails_a_refusal_divergence() 
     trace = parse_trace(failure.yaml())
     assert trace.expect_refused == "retention_interval"
     assert judge_refusal(trace, lax).failures[0].actual == ACCEPTED
+
+
+def test_a_differential_run_checks_every_rule_breach_before_its_search() -> None:
+    """`check_config_rules`: every breach of `knobs.rule_breaches` is checked
+    whatever the search draws, the attention-only model with retention 0
+    among them (vLLM builds it, its one retention value without a Mamba
+    group; kvgate does not model it); a lockstep target that lets a
+    negative interval through is a refusal divergence."""
+    from kvgate.explore.knobs import rule_breaches
+    from kvgate.explore.machine import Mode, check_config_rules
+    from kvgate.explore.session import ALL_INVARIANTS, RefusalDivergence
+
+    breaches = rule_breaches()
+    attention_only = [c for c in breaches if not c.mamba_group_ids]
+    assert sorted(c.retention_interval or 0 for c in attention_only) == [0, 32]
+    mode = Mode(hold=False, invariants=ALL_INVARIANTS, lockstep=ModelTarget, refusals=True)
+    assert check_config_rules(mode) is None
+    assert mode.stats.rule_breaches.total() == len(breaches)
+    assert mode.stats.rule_breaches["not modelled: groups"] == 1
+
+    def lax(config: Config) -> Any:
+        if config.retention_interval is not None and config.retention_interval < 0:
+            config = replace(config, retention_interval=0)
+        return ModelTarget(config)
+
+    mode = Mode(hold=False, invariants=ALL_INVARIANTS, lockstep=lax, refusals=True)
+    failure = check_config_rules(mode)
+    assert isinstance(failure, RefusalDivergence) and failure.field == "retention_interval"
+    assert "target accepted (nothing replayed)" in failure.message

@@ -8,6 +8,9 @@ from typing import Literal
 GroupKind = Literal["full_attention", "mamba_align"]
 # vLLM 0.33.0's `MambaCacheMode`: the modes its CacheConfig accepts.
 MAMBA_CACHE_MODES = ("align", "none")
+# vLLM's `kv_load_failure_policy` values (KVTransferConfig): `recompute`
+# (its default) recomputes what a failed load lost; `fail` ends the request.
+KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
 
 
 @dataclass(frozen=True)
@@ -90,6 +93,10 @@ class Config:
     # trace field `kv_connector_divergent_hits`): the local lookup is
     # `get_computed_blocks_for_connector`, per-group hits.
     kv_connector_divergent_hits: bool = False
+    # The connector's `kv_load_failure_policy` (trace field of that name):
+    # `recompute` retries or truncates a failed load, `fail` fails the
+    # request (and evicts a failed sync load's blocks from the prefix cache).
+    kv_load_failure_policy: str = "recompute"
     # vLLM's `--kv-cache-metrics` (ObservabilityConfig.kv_cache_metrics): the
     # pool reports block residencies to a metrics collector, whose eviction
     # events the `residency` op drains; and its sample rate
@@ -259,6 +266,16 @@ def check_modelled(config: Config) -> None:
     if config.kv_connector_divergent_hits and not config.kv_connector:
         raise NotModelled(
             "kv_connector_divergent_hits", "needs kv_connector: true (it is the connector's)"
+        )
+    if config.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
+        raise NotModelled(
+            "kv_load_failure_policy",
+            f"{config.kv_load_failure_policy!r} is not one of "
+            f"{', '.join(KV_LOAD_FAILURE_POLICIES)} (vLLM 0.33.0's policies)",
+        )
+    if config.kv_load_failure_policy != "recompute" and not config.kv_connector:
+        raise NotModelled(
+            "kv_load_failure_policy", "needs kv_connector: true (it is the connector's)"
         )
     if config.kv_cache_metrics and config.kv_cache_metrics_sample != 1.0:
         # vLLM draws each block's sampling at random: not a function of the

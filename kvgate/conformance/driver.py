@@ -46,6 +46,12 @@ class Pending(Generic[R]):
     loading: bool = False
     after_load: bool = False
     skips_cache: bool = False
+    # What a block-level load failure (`invalid_blocks`) reads: the local hit
+    # of the async load in flight; and, until the request is scheduled
+    # again, its last scheduled step's sync load: the local hit, the
+    # computed tokens before the step, and whether the step sampled.
+    load_hit: int = 0
+    sync_load: tuple[int, int, bool] | None = None
     # Where it is in its life (`ops.Phase`), moved on by `ops.next_phase`.
     phase: Phase = "absent"
 
@@ -443,6 +449,7 @@ class OpDriver(ABC, Generic[R]):
         if ok:
             self.record_prefix_cache_stats(request, hit)
             self.set_num_computed(request, self.num_computed(request) + hit + external)
+            pending.load_hit = hit
             pending.has_hit, pending.hit_blocks, pending.hit = False, None, 0
             pending.external, pending.load_async, pending.loading = 0, False, True
         return {"ok": ok, "tokens": 0, "prompt_done": False, "loading": ok}
@@ -452,6 +459,14 @@ class OpDriver(ABC, Generic[R]):
         request = pending.request
         if step.complete_only and not pending.loading:
             raise StepRefused("complete_only", f"{step.req!r} has no KV load in flight")
+        sync_load, pending.sync_load = pending.sync_load, None
+        if step.invalid_blocks and pending.loading:
+            # Policy recompute: the load completes with its valid blocks only.
+            self._complete_partial_load(pending, step.invalid_blocks)
+        elif step.invalid_blocks:
+            # Policy recompute: the request is rescheduled from its last
+            # valid block (`_update_requests_with_invalid_blocks`).
+            self._truncate_at_invalid(pending, sync_load, step.invalid_blocks)
         if pending.loading:
             self._complete_load(pending)
             if step.complete_only:
@@ -497,6 +512,8 @@ class OpDriver(ABC, Generic[R]):
         if ok:
             if admitting:
                 self.record_prefix_cache_stats(request, hit)
+            if admitting and external:
+                pending.sync_load = (hit, start, bool(step.sample) and start + num_new >= total)
             self.set_num_computed(request, start + num_new)
             pending.has_hit, pending.hit_blocks, pending.hit = False, None, 0
             pending.external, pending.load_async, pending.after_load = 0, False, False
@@ -519,8 +536,84 @@ class OpDriver(ABC, Generic[R]):
             result["cached_tokens"] = self.estimate_cached_tokens(request)
         return result
 
+    def _invalid_block_start(
+        self, pending: Pending[R], hit: int, computed: int, invalid: tuple[int, ...]
+    ) -> tuple[int, list[int]]:
+        """The first invalid block's index in the request's table (the one
+        group's) and the table's ids, once the indices are checked: each
+        names a block the load filled (from the hit's end to the loaded
+        tokens' last block), shared with no other request. vLLM scans every
+        request for the failed ids (sharing a block would make a later
+        request keep it as computed): not modelled, refused by name."""
+        size = self.config.scheduler_block_size
+        first_loaded, end = hit // size, -(-computed // size)
+        ids = self.block_ids(pending.request)
+        for index in invalid:
+            if not first_loaded <= index < min(end, len(ids)) or ids[index] == 0:
+                raise StepRefused(
+                    "invalid_blocks",
+                    f"block {index} is not one the KV load filled (blocks "
+                    f"{first_loaded}..{end - 1} of {len(ids)}, null ones excluded)",
+                )
+        failed = {ids[i] for i in invalid}
+        for name, other in self.requests.items():
+            if other is pending or other.phase not in LIVE or not self.has_blocks(other.request):
+                continue
+            if failed & set(self.block_ids(other.request)):
+                raise StepRefused(
+                    "invalid_blocks",
+                    f"a failed block is shared with {name!r} (a block-level failure shared "
+                    "between requests is not modelled)",
+                )
+        return invalid[0], ids
+
+    def _truncate_at_invalid(
+        self, pending: Pending[R], sync_load: tuple[int, int, bool] | None, invalid: tuple[int, ...]
+    ) -> list[int]:
+        """A sync load's blocks reported invalid in the output of the step
+        that loaded them: the request's computed tokens end at its first
+        invalid block. Returns the ids of that block and every later one."""
+        if sync_load is None:
+            raise StepRefused(
+                "invalid_blocks",
+                "the request's last scheduled step loaded no KV synchronously "
+                "(a sync load's admission, with external tokens)",
+            )
+        hit, before, sampled = sync_load
+        if sampled:
+            raise StepRefused(
+                "invalid_blocks",
+                "the failed step sampled (its allocate's sample): vLLM discards the output "
+                "of a request whose loaded blocks failed",
+            )
+        first, ids = self._invalid_block_start(pending, hit, before, invalid)
+        self.set_num_computed(pending.request, first * self.config.scheduler_block_size)
+        return ids[first:]
+
+    def _complete_partial_load(self, pending: Pending[R], invalid: tuple[int, ...]) -> None:
+        """An async load completed with some blocks invalid (policy
+        recompute): the computed tokens end at the first one, the valid
+        ones are keyed and the rest re-zeroed before they are recomputed
+        (`_update_waiting_for_remote_kv`); the request is then re-admitted."""
+        request = pending.request
+        first, _ = self._invalid_block_start(
+            pending, pending.load_hit, self.num_computed(request), invalid
+        )
+        valid = first * self.config.scheduler_block_size
+        if valid == 0:
+            raise StepRefused(
+                "invalid_blocks",
+                "the request's first block failed, so nothing valid is left: the Scheduler "
+                "frees it and looks it up again (write load_failed on a lookup)",
+            )
+        self.set_num_computed(request, valid)
+        self.cache_blocks(request, valid)
+        self.record_blocks_for_zeroing(request, valid)
+        pending.loading, pending.after_load = False, True
+
     def _op_decode1(self, step: Step) -> dict[str, Any]:
         pending = self._pending(step)
+        pending.sync_load = None
         self._refuse_while_loading(pending, step)
         request = pending.request
         if self.num_computed(request) >= len(self.all_tokens(request)):
@@ -559,6 +652,28 @@ class OpDriver(ABC, Generic[R]):
         if step.how == "preempt":
             # Only a running request is preempted; a loading one waits.
             self._refuse_while_loading(pending, step, "how")
+        if step.load_failed and not pending.loading:
+            # Policy fail: the Scheduler fails a request whose async load the
+            # worker reported failed (`failed_recving`), and only such one.
+            raise StepRefused("load_failed", "the request has no KV load in flight")
+        sync_load, pending.sync_load = pending.sync_load, None
+        if step.invalid_blocks and pending.loading:
+            # Policy fail, an async load: not cached yet, so nothing to evict.
+            first, _ = self._invalid_block_start(
+                pending, pending.load_hit, self.num_computed(pending.request), step.invalid_blocks
+            )
+            self.set_num_computed(pending.request, first * self.config.scheduler_block_size)
+        elif step.invalid_blocks:
+            # Policy fail, a sync load: its blocks were keyed when allocated,
+            # so the failed block and every later one of the request leave
+            # the prefix cache (`evict_blocks`); they stay allocated.
+            self.evict_blocks(self._truncate_at_invalid(pending, sync_load, step.invalid_blocks))
+        # A request failed for its load ends as any ended request does: the
+        # Scheduler's error finish (`finish_requests`) frees what it no longer
+        # needs below its computed tokens (its hit and the external tokens:
+        # under fail nothing resets them), hands the connector its blocks,
+        # and frees them once the worker reports the load done, in the same
+        # output; it counts nothing in the prefix-cache stats.
         result: dict[str, Any] = {}
         if step.how != "preempt":
             # A request that ends hands a KV producer's connector its partial
@@ -693,6 +808,20 @@ class OpDriver(ABC, Generic[R]):
 
     def free(self, request: R) -> None:
         self.manager.free(request)
+
+    def block_ids(self, request: R) -> list[int]:
+        """`get_block_ids` of a single-group model: the request's table."""
+        (ids,) = self.manager.get_block_ids(cast(Any, request).request_id)
+        return [int(i) for i in ids]
+
+    def evict_blocks(self, block_ids: list[int]) -> None:
+        """`evict_blocks`: these blocks leave the prefix cache (ref kept)."""
+        self.manager.evict_blocks(set(block_ids))
+
+    def record_blocks_for_zeroing(self, request: R, start: int) -> None:
+        """`record_blocks_for_zeroing`: the request's blocks from token
+        `start` on are zeroed again before they are recomputed."""
+        self.manager.record_blocks_for_zeroing(cast(Any, request).request_id, start)
 
     def remove_skipped_blocks(self, request: R, num_computed: int) -> None:
         """`remove_skipped_blocks`: free the blocks the request no longer

@@ -37,6 +37,7 @@ FieldType = Literal[
     "bool",  # true / false
     "text",  # a non-empty one-line string
     "mm",  # a list of multimodal placeholders {offset, length, id}
+    "indices",  # a non-empty, increasing list of ints >= 0
 ]
 
 
@@ -88,8 +89,9 @@ FIELD_TYPES: dict[str, FieldType] = {
     # the connector has the KV of, and whether it loads it asynchronously.
     "remote_hit": "int",
     "remote_async": "bool",
-    # lookup: the request's async load failed (the scheduler frees its
-    # blocks and looks it up again)
+    # lookup: the request's async load failed (policy recompute: the
+    # scheduler frees its blocks and looks it up again); free (additive,
+    # policy fail): the scheduler ends the request because its load failed
     "load_failed": "bool",
     # allocate (additive), what vLLM's Scheduler decides around the call: the
     # speculative rows it padded a one-token admission chunk with; the free
@@ -98,6 +100,10 @@ FIELD_TYPES: dict[str, FieldType] = {
     "pad": "int",
     "reserved": "int",
     "complete_only": "bool",
+    # allocate (policy recompute) / free (policy fail), additive: the blocks
+    # of the request's KV load the worker reported invalid
+    # (`invalid_block_ids`), as indices into its block table
+    "invalid_blocks": "indices",
 }
 
 # The prefix-cache hit stats a `stats` op reports (vLLM's PrefixCacheStats):
@@ -148,7 +154,7 @@ ACTIONS: dict[str, Action] = {
         Action(
             "allocate",
             ("req", "tokens"),
-            ("lookahead", "sample", "pad", "reserved", "complete_only"),
+            ("lookahead", "sample", "pad", "reserved", "complete_only", "invalid_blocks"),
             expect_keys=("ok", "tokens"),
             valid_in=LIVE,
             issued_in=frozenset({"waiting", "running"}),
@@ -163,7 +169,7 @@ ACTIONS: dict[str, Action] = {
         ),
         Action("step", ()),
         Action("drain", (), expect_keys=("copies",)),
-        Action("free", ("req", "how"), valid_in=LIVE),
+        Action("free", ("req", "how"), ("load_failed", "invalid_blocks"), valid_in=LIVE),
         Action("pop", ("req",), valid_in=LIVE),
         Action("release", ("req",), valid_in=frozenset({"popped"})),
         Action("evict", ("blocks",)),
@@ -294,7 +300,9 @@ class Step:
     # `remote_hit` tokens, loaded asynchronously with `remote_async`
     remote_hit: int = 0
     remote_async: bool = False
-    # lookup: the request's async KV load failed as a whole (`failed_recving`)
+    # lookup: the request's async KV load failed as a whole (`failed_recving`,
+    # policy recompute); free: the scheduler fails the request for it (policy
+    # fail)
     load_failed: bool = False
     # allocate: `pad` speculative rows on a one-token chunk; `reserved` free
     # blocks an async load's allocation leaves; `complete_only`: only complete
@@ -302,6 +310,10 @@ class Step:
     pad: int = 0
     reserved: int = 0
     complete_only: bool = False
+    # allocate (policy recompute) / free (policy fail): indices into the
+    # request's block table of the blocks its KV load failed to fill
+    # (`invalid_block_ids`; one KV-cache group only)
+    invalid_blocks: tuple[int, ...] = ()
     expect: dict[str, Any] = field(default_factory=dict)
     check: dict[str, Any] = field(default_factory=dict)
     steps: int = 0  # the `decode` macro's repeat count; the parser expands it

@@ -97,6 +97,7 @@ _CONFIG_OPTIONAL = (
     "mamba_cache_mode",
     "kv_connector",
     "kv_connector_divergent_hits",
+    "kv_load_failure_policy",
     "kv_cache_metrics",
     "kv_cache_metrics_sample",
 )
@@ -508,6 +509,7 @@ class _Reader:
             mamba_cache_mode=word("mamba_cache_mode", "align"),
             kv_connector=flag("kv_connector"),
             kv_connector_divergent_hits=flag("kv_connector_divergent_hits"),
+            kv_load_failure_policy=word("kv_load_failure_policy", "recompute"),
             kv_cache_metrics=flag("kv_cache_metrics"),
             kv_cache_metrics_sample=rate("kv_cache_metrics_sample"),
             scheduler_block_size=count("scheduler_block_size", default_scheduler),
@@ -599,12 +601,88 @@ class _Reader:
         for key in CONNECTOR_FIELDS:
             if key in values and not self.config.kv_connector:
                 raise self.error(index, key, "needs config.kv_connector: true")
+        if values.get("load_failed"):
+            self.load_failure(index, op, values)
+        if values.get("invalid_blocks"):
+            self.block_failure(index, op, values)
         expect = self.expect(index, action, raw.get("expect", {}))
         self.track_request(index, action, values)
         self.count(index, op, values)
         if values.get("mm"):
             self.mm_inside_prompt(index, values["req"], values["mm"])
         return Step(op, index, **values, expect=expect)
+
+    def load_failure(self, index: int, op: str, values: Mapping[str, Any]) -> None:
+        """A failed load is written where its policy puts it: under
+        `recompute` on the lookup that retries the request, under `fail` on
+        the `free` that ends it (as an abort: the Scheduler's error finish
+        frees the request the same way)."""
+        assert self.config is not None
+        policy = self.config.kv_load_failure_policy
+        if op == "free":
+            if policy != "fail":
+                raise self.error(
+                    index,
+                    "load_failed",
+                    f"a free for a failed load needs kv_load_failure_policy: fail (under "
+                    f"{policy} the scheduler retries: write load_failed on the lookup)",
+                )
+            if values.get("how") != "abort":
+                raise self.error(
+                    index,
+                    "load_failed",
+                    "a request failed by its KV load ends as an abort: write how: abort",
+                )
+        elif policy == "fail":
+            raise self.error(
+                index,
+                "load_failed",
+                f"under kv_load_failure_policy fail the request is not retried: write "
+                f"load_failed on its free (how: abort), not on a {op}",
+            )
+
+    def block_failure(self, index: int, op: str, values: Mapping[str, Any]) -> None:
+        """Failed blocks of a load, where its policy puts them (as a failed
+        load's): under `recompute` on the `allocate` that schedules the
+        request again, under `fail` on the `free` that ends it."""
+        assert self.config is not None
+        config = self.config
+        if not config.kv_connector:
+            raise self.error(index, "invalid_blocks", "needs config.kv_connector: true")
+        if len(config.groups) > 1:
+            # vLLM's own refusal: block ids are per group, so its Scheduler
+            # raises (RuntimeError in `_handle_invalid_blocks`) on a model
+            # with several KV-cache groups.
+            raise self.error(
+                index,
+                "invalid_blocks",
+                f"vLLM refuses block-level load failures on a model with several KV-cache "
+                f"groups ({len(config.groups)} here; its Scheduler raises RuntimeError): "
+                "a connector reports the load failed as a whole (load_failed)",
+            )
+        policy = config.kv_load_failure_policy
+        if op == "free":
+            if policy != "fail":
+                raise self.error(
+                    index,
+                    "invalid_blocks",
+                    f"failed blocks end the request only under kv_load_failure_policy: fail "
+                    f"(under {policy} write them on the request's next allocate)",
+                )
+            if values.get("how") != "abort" or values.get("load_failed"):
+                raise self.error(
+                    index,
+                    "invalid_blocks",
+                    "a request failed by failed blocks ends as an abort: write how: abort, "
+                    "without load_failed",
+                )
+        elif policy == "fail":
+            raise self.error(
+                index,
+                "invalid_blocks",
+                "under kv_load_failure_policy fail the request is not rescheduled: write "
+                "invalid_blocks on its free (how: abort), not on an allocate",
+            )
 
     def mm_inside_prompt(self, index: int, req: str, items: tuple[MmItem, ...]) -> None:
         """Every placeholder ends inside the prompt, as far as its length is
@@ -646,6 +724,20 @@ class _Reader:
             return self.text(index, key, value)
         if kind == "mm":
             return self.mm(index, value)
+        if kind == "indices":
+            if (
+                not isinstance(value, list)
+                or not value
+                or not all(_is_count(v) for v in value)
+                or any(a >= b for a, b in zip(value, value[1:], strict=False))
+            ):
+                raise self.error(
+                    index,
+                    key,
+                    "must be a non-empty, increasing list of block indices >= 0, "
+                    f"got {_got(value)}",
+                )
+            return tuple(value)
         if kind == "bool":
             if not isinstance(value, bool):
                 raise self.error(index, key, f"must be true or false, got {_got(value)}")

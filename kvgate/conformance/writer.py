@@ -55,6 +55,11 @@ def config_dict(config: Config) -> dict[str, Any]:
         ),
         **({"kv_connector": True} if config.kv_connector else {}),
         **({"kv_connector_divergent_hits": True} if config.kv_connector_divergent_hits else {}),
+        **(
+            {"kv_load_failure_policy": config.kv_load_failure_policy}
+            if config.kv_load_failure_policy != "recompute"
+            else {}
+        ),
         **({"kv_cache_metrics": True} if config.kv_cache_metrics else {}),
         **(
             {"kv_cache_metrics_sample": config.kv_cache_metrics_sample}

@@ -229,6 +229,16 @@ def write_summary(out: TextIO, outcome: Outcome) -> None:
             # The hash inputs requests arrived with (`explore.hash_inputs`).
             line += "  (" + ", ".join(f"{k} {ops[f'arrive:{k}']}" for k in ARRIVE_INPUTS) + ")"
         print(line, file=out)
+    failures = [
+        f"{kind} on {op} {ops[f'load_failure:{kind}:{op}']}"
+        for kind in ("whole", "blocks")
+        for op in ("lookup", "allocate", "free")
+        if ops[f"load_failure:{kind}:{op}"]
+    ]
+    if failures:
+        # A connector's load failures: whole or of some blocks; on a lookup
+        # or allocate under policy recompute, on a free under policy fail.
+        print(f"  KV load failures: {', '.join(failures)}", file=out)
     missing = [op for op in PRIMITIVE_OPS if not ops[op]]
     missing += [f"free:{how}" for how in FREE_HOW if not ops[f"free:{how}"]]
     if missing:
@@ -240,6 +250,14 @@ def write_summary(out: TextIO, outcome: Outcome) -> None:
         knobs.setdefault(knob, []).append(f"{value} {stats.knobs[key]}")
     for knob, values in knobs.items():
         print(f"  {knob}: {', '.join(sorted(values))}", file=out)
+    breaches = stats.rule_breaches
+    if breaches:
+        refusals = ", ".join(f"{how} {breaches[how]}" for how in sorted(breaches))
+        print(
+            f"config rules broken before the search: {breaches.total()} configs, "
+            f"refused alike ({refusals})",
+            file=out,
+        )
     failure = outcome.failure
     if failure is None:
         print("no failure found", file=out)

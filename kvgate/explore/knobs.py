@@ -100,9 +100,17 @@ class Knob:
     # `values[0]` is still the value when it is off.
     strategy: st.SearchStrategy[Any] | None = None
     # Drawn only where these earlier knobs have these values (fixed by a
-    # stratum or drawn); elsewhere it keeps its first value, so it never
-    # undoes what a stratum fixes.
+    # stratum or drawn; a frozenset: any of its values); elsewhere it keeps
+    # its first value, so it never undoes what a stratum fixes.
     only_with: tuple[tuple[str, Any], ...] = ()
+
+    def applies(self, values: Mapping[str, Any]) -> bool:
+        """Whether the earlier knobs' `values` let this one be drawn."""
+        for name, wanted in self.only_with:
+            value = values.get(name, _first(name))
+            if value not in wanted if isinstance(wanted, frozenset) else value != wanted:
+                return False
+        return True
 
     def draw_from(self) -> st.SearchStrategy[Any]:
         return self.strategy if self.strategy is not None else st.sampled_from(self.values)
@@ -214,6 +222,15 @@ KNOBS: tuple[Knob, ...] = (
     # or one taking per-group hits (NIXL-like); the machine's connector rule
     # then scripts what it holds.
     Knob("kv_connector", ("off", "on", "divergent_hits"), _kv_connector),
+    # The connector's kv_load_failure_policy (after the connector, which it
+    # needs): a failed load retried (`recompute`, vLLM's default) or failing
+    # its request (`fail`).
+    Knob(
+        "kv_load_failure_policy",
+        ("recompute", "fail"),
+        lambda c, v: replace(c, kv_load_failure_policy=v if c.kv_connector else "recompute"),
+        only_with=(("kv_connector", frozenset({"on", "divergent_hits"})),),
+    ),
     # vLLM's --kv-cache-metrics (every block sampled): the residency
     # metrics' eviction events, drained by the `residency` op.
     Knob("kv_cache_metrics", (False, True), lambda c, v: replace(c, kv_cache_metrics=v)),
@@ -240,14 +257,16 @@ BREAKABLE = (
 def broken(config: Config, knob: str, variant: int) -> Config:
     """`config` with `knob` set to a value vLLM refuses (`variant` picks one
     of a few: negative, below the unit, between two multiples, ...). For
-    `groups`: the model without its Mamba groups, which vLLM refuses with
-    a retention interval set, and otherwise builds and kvgate does not
-    model (its refusal must then be kvgate's on both sides)."""
+    `groups`: the model without its Mamba groups, with a retention interval
+    of one scheduler block (odd variants), which vLLM refuses, or of 0
+    (even), which vLLM builds (the one interval its retention check lets
+    through without a Mamba group) and kvgate does not model: that refusal
+    must then be kvgate's on both sides."""
     scheduler = config.scheduler_block_size
     mamba = max(config.groups[i].block_size for i in config.mamba_group_ids)
     if knob == "groups" and config.has_attention:
         kept = tuple(g for g in config.groups if g.kind == "full_attention")
-        return replace(config, groups=kept)
+        return replace(config, groups=kept, retention_interval=(0, scheduler)[variant % 2])
     if knob == "hash_unit" and config.prefix_caching:
         if config.has_attention:
             # Coarser than the attention block, which stays a multiple of
@@ -268,6 +287,21 @@ def broken(config: Config, knob: str, variant: int) -> Config:
 
 # A campaign stratum: a value for some knobs, fixed for all its examples.
 Stratum = Mapping[str, Any]
+
+
+def rule_breaches() -> list[Config]:
+    """Each of `BREAKABLE` broken in each of its variants, on the seed's
+    config and on the pure Mamba one (where `hash_unit` and `groups` break
+    otherwise), without repeats: a differential run checks them all before
+    its search, so every rule is checked whatever the search draws."""
+    found: list[Config] = []
+    for base in (build({}), build({"pure_mamba": True})):
+        for knob in BREAKABLE:
+            for variant in range(3):
+                config = broken(base, knob, variant)
+                if config not in found:
+                    found.append(config)
+    return found
 
 
 def strata() -> Iterator[dict[str, Any]]:
@@ -319,7 +353,7 @@ def configs(
     for knob in KNOBS:
         if knob.name in fixed:
             values[knob.name] = fixed[knob.name]
-        elif any(values.get(name, _first(name)) != value for name, value in knob.only_with):
+        elif not knob.applies(values):
             continue
         # `not b`: the switch shrinks to on, so shrinking changes the value, not the subset.
         elif not swarm or draw(st.booleans().map(lambda b: not b)):

@@ -50,7 +50,7 @@ from kvgate.conformance.refusal import model_refusal, refusal_of
 from kvgate.conformance.target import StepRefused
 from kvgate.conformance.tokens import HashInputs
 from kvgate.explore.hash_inputs import MODES, RequestInputs, arrive_fields
-from kvgate.explore.knobs import Stratum, configs
+from kvgate.explore.knobs import Stratum, configs, rule_breaches
 from kvgate.explore.session import (
     ExploreFailure,
     RefusalDivergence,
@@ -92,6 +92,9 @@ class Stats:
     shrinking: int = 0
     # Examples dropped at a lookup vLLM 0.33.0 crashes on (kv_events_full).
     rejected_lookups: int = 0
+    # Configs breaking one of vLLM's rules checked before the search
+    # (`check_config_rules`), and how the model refused them ("field" counts).
+    rule_breaches: Counter[str] = field(default_factory=Counter)
     steps: int = 0
     started: float = field(default_factory=time.perf_counter)
     # Seconds from `started` to the first failing step Hypothesis ran
@@ -130,6 +133,22 @@ class Mode:
         return replace(config, hold=self.hold, hold_retired=self.retire, kv_events=events)
 
 
+def check_config_rules(mode: Mode) -> RefusalDivergence | None:
+    """Every config of `knobs.rule_breaches` (one of vLLM's config rules
+    broken, or a model kvgate does not cover): the model and the lockstep
+    target must refuse it alike. The search draws such configs too, one in
+    `knobs.REFUSAL_ODDS`, but which rules depends on its draws."""
+    assert mode.lockstep is not None, "a differential mode"
+    for breach in rule_breaches():
+        config = mode.apply(breach)
+        refused, account = model_refusal(config)
+        other, other_account, _ = refusal_of(mode.lockstep, config)
+        if other != refused:
+            return RefusalDivergence(config, account, other_account, refused or other or "")
+        mode.stats.rule_breaches[refused or "accepted"] += 1
+    return None
+
+
 def knob_values(config: Config, refused: str | None = None) -> tuple[str, ...]:
     """The config's align-mode knobs as `knob=value` (per-knob counts), and
     how the model refuses it (`refused`: vLLM's field, `not modelled:
@@ -165,6 +184,7 @@ def knob_values(config: Config, refused: str | None = None) -> tuple[str, ...]:
         f"mamba_cache_mode={config.mamba_cache_mode}",
         "kv_connector="
         + ("divergent_hits" if config.kv_connector_divergent_hits else str(config.kv_connector)),
+        f"kv_load_failure_policy={config.kv_load_failure_policy}",
         f"kv_cache_metrics={config.kv_cache_metrics}",
     )
 
@@ -543,6 +563,7 @@ class ExploreMachine(RuleBasedStateMachine):
         n=st.integers(0, 4),
         rounds=st.integers(1, 8),
         fail=st.sampled_from([False, False, True]),
+        bad_block=st.sampled_from([False, False, True]),
     )
     def connector_admit(
         self,
@@ -554,6 +575,7 @@ class ExploreMachine(RuleBasedStateMachine):
         n: int,
         rounds: int,
         fail: bool,
+        bad_block: bool,
     ) -> None:
         """A waiting request admitted with a KV connector holding its first
         tokens (all but `short` of them, at most what the connector may
@@ -561,29 +583,55 @@ class ExploreMachine(RuleBasedStateMachine):
         scheduler step: another waiting request may look up (`peek`: it must
         not see the unloaded blocks) and a burst may take the free blocks;
         then the load completes at the request's next allocation (or, with
-        `fail`, it failed: the request is looked up afresh first), and its
-        prefill goes on for up to `rounds` chunks."""
+        `fail`, it failed: under policy recompute the request is looked up
+        afresh first, under policy fail it ends), and its prefill goes on for
+        up to `rounds` chunks. With `bad_block` on a single-group model (the
+        one layout vLLM takes block-level failures on), the worker reports
+        the block holding the loaded state invalid instead: the request goes
+        on from the block before it (policy recompute) or ends (fail)."""
         session = self.session
+        config = session.config
         req = self._pick(session.schedulable("waiting"), which)
         total = session.tokens(req)
         remote = max(0, min(total - short, total if load_async else total - 1))
-        self._run("lookup", req=req, remote_hit=remote, remote_async=load_async)
+        found = self._run("lookup", req=req, remote_hit=remote, remote_async=load_async)
         reserved = self._run("reserve", req=req)
-        if reserved["blocks"] > session.free_blocks() and not session.config.reserve_full_sequence:
+        if reserved["blocks"] > session.free_blocks() and not config.reserve_full_sequence:
             return
         observed = self._run("allocate", req=req, tokens="auto")
+        # The loaded tokens' last block holds the loaded Mamba state (in
+        # align mode the blocks before it in the load are null).
+        loaded_end = found["hit"] + found["external"]
+        bad = (loaded_end - 1) // config.scheduler_block_size
+        bad_block = bad_block and len(config.groups) == 1 and found["external"] > 0
+        policy_fails = config.kv_load_failure_policy == "fail"
         if observed.get("loading") is True:
             self._tick()
             others = [r for r in session.schedulable("waiting") if r != req]
             if peek and others:
                 self._run("lookup", req=others[0])
             self._burst(burst, n)
-            if fail:
+            if (fail or bad_block) and policy_fails:
+                # The Scheduler fails the request (an error finish).
+                failure = {"invalid_blocks": (bad,)} if bad_block else {"load_failed": True}
+                self._run("free", req=req, how="abort", **failure)
+                return
+            partial: dict[str, Any] = {}
+            if bad_block and bad > 0:
+                partial = {"invalid_blocks": (bad,)}
+            elif fail or bad_block:
                 self._run("lookup", req=req, load_failed=True)
-            if not self._run("allocate", req=req, tokens="auto")["ok"]:
+            if not self._run("allocate", req=req, tokens="auto", **partial)["ok"]:
                 return
         elif not observed["ok"]:
             return
+        elif bad_block:
+            self._tick()
+            if policy_fails:
+                self._run("free", req=req, how="abort", invalid_blocks=(bad,))
+                return
+            if not self._run("allocate", req=req, tokens="auto", invalid_blocks=(bad,))["ok"]:
+                return
         self._tick()
         self._prefill(req, 0, rounds)
 

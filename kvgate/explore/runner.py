@@ -16,7 +16,7 @@ from hypothesis import settings as Settings
 from hypothesis.stateful import get_state_machine_test
 
 from kvgate.conformance.config import Config
-from kvgate.explore.machine import Mode, Stats, machine_class
+from kvgate.explore.machine import Mode, Stats, check_config_rules, machine_class
 from kvgate.explore.profiles import draws_from_the_seed_alone
 from kvgate.explore.session import ALL_INVARIANTS, HOLD_ONLY_INVARIANTS, ExploreFailure, Session
 from kvgate.explore.session import shrink as shrink_trace
@@ -79,6 +79,8 @@ def explore(
     mode.stats.started_cpu = time.process_time()
     started = mode.stats.started = time.perf_counter()
     failure: ExploreFailure | None = None
+    if mode.refusals and mode.lockstep is not None:
+        failure = check_config_rules(mode)
     rounds = 0
     while failure is None:
         round_seed = None if seed is None else seed + rounds

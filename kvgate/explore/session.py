@@ -250,6 +250,11 @@ class Session:
         self.counts[op] += 1
         if op == "free":
             self.counts[f"free:{step.how}"] += 1
+        if step.load_failed or step.invalid_blocks:
+            # A KV load failure: whole (`load_failed`) or of some blocks, by
+            # the op its policy puts it on (lookup/allocate: recompute; free: fail).
+            kind = "blocks" if step.invalid_blocks else "whole"
+            self.counts[f"load_failure:{kind}:{op}"] += 1
         if observed.get("external") or observed.get("loading"):
             # A lookup that takes a connector's tokens, an async load's allocation.
             self.counts[f"{op}:connector"] += 1
@@ -292,7 +297,10 @@ class Session:
             return
         state = self.requests.get(step.req)
         phase: Phase = state.phase if state is not None else "absent"
-        if phase not in action.realistic_in:
+        # A request whose loaded blocks failed is scheduled again from the
+        # block before them, whether or not its prompt had been computed.
+        rescheduled = step.op == "allocate" and bool(step.invalid_blocks)
+        if phase not in action.realistic_in and not rescheduled:
             raise Unrealistic(out_of_phase(step.op, step.req, phase))
         if step.op in ("allocate", "decode1") and step.req in self.allocated_since_drain:
             raise Unrealistic(f"{step.req} allocates twice in one scheduler step")

@@ -349,6 +349,15 @@ class Coordinator:
                 tails.append([manager.group_id, *tail])
         return tails
 
+    def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
+        """The groups whose new blocks the worker zeroes (attention) queue
+        the request's blocks from `start_token` (block-aligned) on again."""
+        for manager in self.managers:
+            if isinstance(manager, FullAttentionManager):
+                assert start_token % manager.block_size == 0
+                table = manager.tables.get(request_id, [])
+                manager.record_new_blocks(table[start_token // manager.block_size :])
+
     def take_new_block_ids(self) -> list[int]:
         ids: list[int] = []
         for manager in self.managers:

@@ -305,6 +305,23 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         self.coordinator.free(request.request_id)
 
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        """The request's block tables' ids, per group."""
+        return tuple(
+            [b.block_id for b in manager.tables.get(request_id, [])]
+            for manager in self.coordinator.managers
+        )
+
+    def evict_blocks(self, block_ids: set[int]) -> None:
+        """Drop these blocks from the prefix cache (a KV connector's failed
+        blocks); they keep their refs and their place."""
+        self.block_pool.evict_blocks(block_ids)
+
+    def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
+        """Queue the request's blocks from `start_token` on for zeroing
+        again (a failed load left them unwritten)."""
+        self.coordinator.record_blocks_for_zeroing(request_id, start_token)
+
     def pop_blocks_for_free(self, request: Request) -> list[Block]:
         return self.coordinator.pop_blocks(request.request_id)
 

@@ -230,6 +230,13 @@ class BlockPool:
             self.residency.evicted(block.block_id)
         self._removed(self.drop_keys(block))
 
+    def evict_blocks(self, block_ids: Iterable[int]) -> None:
+        """Evict each of these blocks from the prefix cache, as `evict_keys`."""
+        for block_id in block_ids:
+            if not 0 <= block_id < self.num_blocks:
+                raise ValueError(f"block {block_id} is not in the pool")
+            self.evict_keys(self.blocks[block_id])
+
     def _removed(self, keys: Iterable[HashKey]) -> None:
         if self.events is not None:
             self.events.extend(KvEvent("removed", g, (k,)) for g, k in keys)
