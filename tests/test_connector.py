@@ -203,6 +203,21 @@ def test_failed_blocks_the_load_did_not_fill_are_refused(steps: str, why: str) -
     assert refused.value.field == "invalid_blocks" and why in refused.value.message
 
 
+def test_a_failed_block_another_request_holds_is_refused_by_name() -> None:
+    """B hits A1's loaded state (keyed when A1's sync load was allocated)
+    before the failure: vLLM would keep it computed for B; not modelled."""
+    steps = (
+        "- {op: arrive, req: B, prompt: [{prompt_of: A1}, {fresh: 4}]}\n"
+        "- {op: lookup, req: B}\n"
+        "- {op: allocate, req: B, tokens: 8}\n"
+        "- {op: allocate, req: A1, tokens: auto, invalid_blocks: [6]}\n"
+    )
+    trace = parse_trace(trace_text(PURE_LOAD + steps, PURE_CONFIG), "c.yaml")
+    with pytest.raises(StepRefused) as refused:
+        observe(ModelTarget(trace.config), trace.steps)
+    assert refused.value.field == "invalid_blocks" and "'B'" in refused.value.message
+
+
 def test_failed_blocks_truncate_under_recompute_and_evict_under_fail(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
