@@ -24,12 +24,14 @@ from kvgate.mutate.campaign import (
     Baseline,
     ExploreOutcome,
     GateRun,
+    SchedulerOutcome,
     Settings,
     TraceOutcome,
     explore_stage,
     gate_run,
     judge,
     run_campaign,
+    scheduler_stage,
 )
 from kvgate.mutate.faults import BY_NAME, FAULTS, Fault, Port, select
 from kvgate.mutate.inject import NotApplicable, apply, at_site, find_edit, injected, locate
@@ -205,6 +207,36 @@ def test_exploration_counts_only_when_it_passes_unmutated() -> None:
     assert judge(fault, run, "", failing, 1.0).verdict == "missed"
 
 
+def test_the_real_scheduler_stage_counts_only_when_it_passes_unmutated() -> None:
+    fault = FAULTS[0]
+    diverged = SchedulerOutcome(True, "engine step 10: scheduled (request, tokens)", 3.0)
+    in_lockstep = SchedulerOutcome(True, "", 3.0)
+    run = replace(GateRun(fault.name, None, "", (_outcome("a"),), None), scheduler=diverged)
+    usable = Baseline(replace(_baseline(_outcome("a")).run, scheduler=in_lockstep), 1.0)
+    result = judge(fault, run, "", usable, 1.0)
+    assert result.catch is not None and result.catch.stage == "scheduler"
+    assert result.catch.detail.startswith("engine step 10") and not result.corpus_caught
+    failing = Baseline(replace(usable.run, scheduler=diverged), 1.0)
+    assert judge(fault, run, "", failing, 1.0).verdict == "missed"
+
+
+@needs_vllm
+def test_a_mode_none_fault_in_the_scheduler_is_caught_by_its_stage_not_the_corpus() -> None:
+    """The Scheduler splitting chunks for Mamba in mode none: no manager-level
+    trace reaches the Scheduler's own code, the real-Scheduler stage does."""
+    from kvgate.conformance.trace import load_trace
+    from kvgate.mutate.campaign import _replay_with_invariants
+
+    clean = scheduler_stage()
+    assert clean.passed, clean.failure
+    trace = load_trace(bundled_corpus() / "mode-none-gdn-triton.yaml")
+    with injected(BY_NAME["scheduler-splits-in-mode-none"]):
+        assert _replay_with_invariants(trace, "strict").passed
+        mutated = scheduler_stage()
+    assert mutated.ran and "scheduled (request, tokens)" in mutated.failure, mutated
+    assert scheduler_stage().passed  # reverted
+
+
 def test_exploration_alone_is_counted_beside_the_corpus() -> None:
     """With the exploration run on every fault, each stage's own rate: a
     fault both catch counts for both; one only the corpus catches counts
@@ -317,7 +349,7 @@ def test_a_fault_that_hangs_the_gate_is_hung_not_caught(tmp_path: Path) -> None:
         anchor="return self.free_block_queue.num_free_blocks",
         replacement="while True: pass",
     )
-    settings = Settings(corpus=corpus, explore_examples=0, timeout=5.0)
+    settings = Settings(corpus=corpus, explore_examples=0, timeout=5.0, scheduler_stage=False)
     campaign = run_campaign([looping], settings, jobs=1)
     [result] = campaign.results
     assert result.verdict == "hung" and result.catch is None

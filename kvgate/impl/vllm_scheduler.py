@@ -257,12 +257,8 @@ def _check_derived(scheduler: Any, config: Config, spec_tokens: int, hash_block:
             bool(scheduler.mamba_shared_prefix_checkpoint),
             config.shared_prefix_checkpoint_on,
         ),
-        # The align split only in align mode; every Mamba manager in the mode.
-        (
-            "mamba_cache_mode",
-            bool(scheduler.need_mamba_block_aligned_split),
-            config.mamba_align_split,
-        ),
+        # Every Mamba manager in the mode. (Whether the Scheduler then splits
+        # for Mamba is its behaviour, not a setting: the lockstep judges it.)
         (
             "mamba_cache_mode",
             {

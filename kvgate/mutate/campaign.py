@@ -5,7 +5,10 @@ can afford to check besides: the corpus replayed in lockstep with the model
 (strict by default), the snapshot invariants after every step of the target
 (`kvgate.invariants.predicates.check_snapshot`), and, for a fault the corpus
 misses, a short differential exploration (model against vLLM) when
-`kvgate.explore` is installed.
+`kvgate.explore` is installed, then, for one both miss, a short workload on
+vLLM's real `Scheduler` without prefix caching (Mamba cache mode `none`) in
+lockstep with kvgate's scheduler model: the Scheduler's own code (its
+split, its admission) is reached by nothing else.
 
 Each run happens in a child process, so a fault never leaks into the parent
 or into another fault's run: the baseline first (no fault), then one child
@@ -22,14 +25,15 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.connection
 import os
+import tempfile
 import time
 import traceback
 from collections.abc import Callable, Sequence
 from contextlib import closing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Literal
+from typing import Literal, cast
 
 from kvgate.conformance.ops import Step
 from kvgate.conformance.refusal import judge_refusal
@@ -80,6 +84,8 @@ class Settings:
     # for the baseline and every fault, another set for another seed.
     explore_seed: int | None = None
     timeout: float = 300.0  # seconds one child may take before it counts as hung
+    # The real-Scheduler stage for a fault the corpus and the exploration miss.
+    scheduler_stage: bool = True
 
 
 @dataclass(frozen=True)
@@ -106,6 +112,18 @@ class ExploreOutcome:
 
 
 @dataclass(frozen=True)
+class SchedulerOutcome:
+    ran: bool
+    failure: str  # one line ("" when in lockstep)
+    seconds: float
+    note: str = ""  # why it did not run
+
+    @property
+    def passed(self) -> bool:
+        return self.ran and not self.failure
+
+
+@dataclass(frozen=True)
 class GateRun:
     """What one child reports back."""
 
@@ -115,6 +133,7 @@ class GateRun:
     traces: tuple[TraceOutcome, ...]
     exploration: ExploreOutcome | None
     error: str = ""  # the child itself failed (not the gate)
+    scheduler: SchedulerOutcome | None = None
 
 
 @dataclass(frozen=True)
@@ -136,10 +155,14 @@ class Baseline:
     def exploration_usable(self) -> bool:
         return self.run.exploration is not None and self.run.exploration.passed
 
+    @property
+    def scheduler_usable(self) -> bool:
+        return self.run.scheduler is not None and self.run.scheduler.passed
+
 
 @dataclass(frozen=True)
 class Catch:
-    stage: Literal["trace", "invariant", "exploration"]
+    stage: Literal["trace", "invariant", "exploration", "scheduler"]
     source: str  # the trace, invariant or "exploration"
     detail: str
 
@@ -228,7 +251,22 @@ def gate_run(
         if progress is not None:
             progress.send(("trace", "(exploration)"))
         exploration = explore_stage(settings.explore_examples, settings.explore_seed)
-    return GateRun(None if fault is None else fault.name, edit, "", tuple(outcomes), exploration)
+    explored = exploration is not None and bool(exploration.failure)
+    scheduler = None
+    if settings.scheduler_stage and (
+        baseline is None or (baseline.scheduler_usable and not caught and not explored)
+    ):
+        if progress is not None:
+            progress.send(("trace", "(real Scheduler, prefix caching off)"))
+        scheduler = scheduler_stage()
+    return GateRun(
+        None if fault is None else fault.name,
+        edit,
+        "",
+        tuple(outcomes),
+        exploration,
+        scheduler=scheduler,
+    )
 
 
 def _counts(outcome: TraceOutcome, baseline: Baseline) -> bool:
@@ -316,6 +354,64 @@ def explore_stage(examples: int, seed: int | None = None) -> ExploreOutcome:
             return ExploreOutcome(True, one_line(error), examples, time.perf_counter() - started)
     found = "" if failure is None else " ".join(str(failure).splitlines()[0].split())
     return ExploreOutcome(True, found, examples, time.perf_counter() - started)
+
+
+# The real-Scheduler stage's workload: every token count / 32, 4 sessions x 3
+# turns, without prefix caching at the align deployment's Mamba block (4096
+# tokens, finer than max_model_len), where mode none's split, counts and
+# frees differ from align mode's. About 3 s in a child.
+SCHEDULER_SCALE = 32
+SCHEDULER_SESSIONS = (4, 3)
+
+
+def scheduler_stage() -> SchedulerOutcome:
+    """vLLM's real `Scheduler` (in this process, the fault in effect) run
+    without prefix caching beside kvgate's scheduler model, strict level."""
+    started = time.perf_counter()
+    try:
+        from kvgate.targets import target_factory
+        from kvgate.workload.deployment import Deployment
+        from kvgate.workload.lockstep import SchedulerFactory, run_on_scheduler
+        from kvgate.workload.plan import Workload, make_plan
+    except ImportError as missing:
+        return SchedulerOutcome(False, "", 0.0, f"kvgate.workload not available ({missing})")
+    deployment = Deployment(build="upstream", prefix_caching=False).scaled(SCHEDULER_SCALE)
+    sessions, turns = SCHEDULER_SESSIONS
+    workload = Workload(sessions=sessions, turns=turns)
+    config = deployment.config(64 // SCHEDULER_SCALE, False, sessions)
+    block = deployment.tokens(deployment.mamba_block_size)
+    attention, mamba = config.groups
+    config = replace(
+        config, groups=(attention, replace(mamba, block_size=block)), scheduler_block_size=block
+    )
+    try:
+        factory = cast(SchedulerFactory, target_factory("vllm-scheduler"))
+        real = factory(
+            config, spec_tokens=deployment.spec_tokens, max_num_seqs=deployment.max_num_seqs
+        )
+    except Exception as error:
+        return SchedulerOutcome(
+            True, f"Scheduler not built: {one_line(error)}", time.perf_counter() - started
+        )
+    try:
+        with tempfile.TemporaryDirectory(prefix="kvgate-mutate-") as out:
+            result = run_on_scheduler(
+                config,
+                make_plan(workload, SCHEDULER_SCALE),
+                deployment.serving(workload.system_prompt),
+                real=real,
+                name="mode-none-scheduler",
+                out=Path(out),
+                about="fault campaign: the real Scheduler without prefix caching",
+                level="strict",
+            )
+    except Exception as error:  # a request refused, or the trace unwritable
+        return SchedulerOutcome(True, one_line(error), time.perf_counter() - started)
+    finally:
+        real.close()
+    divergence = result.replay.divergence
+    failure = "" if divergence is None else divergence_summary(divergence)
+    return SchedulerOutcome(True, failure, time.perf_counter() - started)
 
 
 def _child(
@@ -487,6 +583,9 @@ def judge(
     if catch is None and explored:
         assert run.exploration is not None
         catch = Catch("exploration", "exploration", run.exploration.failure)
+    scheduler = run.scheduler
+    if catch is None and scheduler is not None and scheduler.failure and baseline.scheduler_usable:
+        catch = Catch("scheduler", "real Scheduler, prefix caching off", scheduler.failure)
     if catch is None and fault.equivalent_under:
         # Its only effect is state the strict view leaves out as unobservable.
         return FaultResult(

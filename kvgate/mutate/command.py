@@ -188,6 +188,7 @@ def gate_campaign(out: TextIO, faults: Sequence[Fault], settings: Settings, jobs
             if settings.explore_examples
             else ""
         )
+        + (" + the real Scheduler without prefix caching" if settings.scheduler_stage else "")
         + f"; {jobs} job(s)",
     )
     try:
@@ -229,6 +230,21 @@ def describe_baseline(baseline: Baseline) -> list[str]:
         lines.append(
             f"  exploration: {exploration.examples} examples pass unmutated "
             f"({exploration.seconds:.1f}s)"
+        )
+    scheduler = run.scheduler
+    if scheduler is None:
+        lines.append("  real Scheduler (prefix caching off): off")
+    elif not scheduler.ran:
+        lines.append(f"  real Scheduler (prefix caching off): not run ({scheduler.note})")
+    elif scheduler.failure:
+        lines.append(
+            "  real Scheduler (prefix caching off): fails unmutated, left out "
+            f"({scheduler.failure[:DETAIL_WIDTH]})"
+        )
+    else:
+        lines.append(
+            "  real Scheduler (prefix caching off): in lockstep unmutated "
+            f"({scheduler.seconds:.1f}s)"
         )
     return lines
 
@@ -276,6 +292,11 @@ def summary_lines(campaign: Campaign) -> list[str]:
     if by_exploration:
         lines.append(
             "caught by exploration only: " + ", ".join(r.fault.name for r in by_exploration)
+        )
+    by_scheduler = [r for r in campaign.caught if r.catch and r.catch.stage == "scheduler"]
+    if by_scheduler:
+        lines.append(
+            "caught by the real Scheduler only: " + ", ".join(r.fault.name for r in by_scheduler)
         )
     explored = campaign.exploration_kill_rate()
     if explored is not None:
