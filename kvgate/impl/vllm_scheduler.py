@@ -11,7 +11,10 @@ groups, block sizes, hash unit, pool, retention). What vLLM derives from
 those settings is then checked against the config (block sizes, unit, pool,
 eagle drop, lookahead, the lookahead hashes): a mismatch is an
 `UnsupportedConfig` naming the field, as is anything vLLM raises while
-building it.
+building it. Prefix caching off is built as the engine builds it: no Mamba
+cache mode passed, the one vLLM's engine config resolves (`none`) read back
+and required to be the trace's, the hash block from vLLM's own block-size
+resolution.
 
 Each engine step is `schedule()`, then `update()` with fake model-runner
 output (`ModelRunnerOutput`: the tokens each request sampled, every draft
@@ -172,7 +175,8 @@ def _check_mode(vllm_config: Any, config: Config) -> None:
     """The Mamba cache mode vLLM's engine config resolved (`align` with prefix
     caching, `none` without, in 0.33.0) must be the config's: the KV-cache
     spec is built with the config's mode, as the engine builds it with its own."""
-    resolved = str(vllm_config.cache_config.mamba_cache_mode)
+    # A release without the setting has align mode only.
+    resolved = str(getattr(vllm_config.cache_config, "mamba_cache_mode", "align"))
     if resolved != config.mamba_cache_mode:
         caching = "on" if config.prefix_caching else "off"
         raise UnsupportedConfig(

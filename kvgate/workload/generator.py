@@ -239,6 +239,14 @@ class _Scheduler:
                 decisions.preempted.append(victim.name)
                 preempted = True
                 if victim is live:
+                    if not self.running and not self.holding:
+                        # Alone, it outgrew the whole pool: re-admitted (its
+                        # prompt fits), it reaches the same point again, for
+                        # ever (vLLM's Scheduler loops the same way).
+                        raise WorkloadStuck(
+                            f"{live.name} cannot run on a pool of {self.config.num_blocks} "
+                            "blocks: alone, its sequence outgrows the pool and it preempts itself"
+                        )
                     break
                 ok = run()
             if not ok:
