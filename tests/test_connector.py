@@ -218,6 +218,30 @@ def test_a_failed_block_another_request_holds_is_refused_by_name() -> None:
     assert refused.value.field == "invalid_blocks" and "'B'" in refused.value.message
 
 
+@needs_vllm
+def test_no_request_can_take_a_sync_loaded_state_before_its_failure_is_reported() -> None:
+    """Why a failed block is never shared on a single group: B hits A1's
+    loaded state in the step that keyed it, and vLLM (the model in
+    lockstep) defers B's admission to the next step, after that step's
+    output reported the failure."""
+    from kvgate.impl.vllm_target import VllmTarget
+
+    same_step = PURE_LOAD.replace(
+        "- {op: step}\n- {op: drain}\n",
+        "- {op: arrive, req: B, prompt: [{prompt_of: A1}, {fresh: 10}]}\n"
+        "- {op: lookup, req: B, expect: {hit: 224}}\n"
+        "- {op: allocate, req: B, tokens: auto, expect: {ok: false}}\n"
+        "- {op: step}\n- {op: drain}\n",
+    )
+    trace = parse_trace(trace_text(same_step, PURE_CONFIG.replace("32\n", "64\n", 1)), "s.yaml")
+    target = VllmTarget(trace.config)
+    try:
+        result = replay(trace, target, ModelTarget, "strict")
+    finally:
+        target.close()
+    assert result.passed, result.divergence
+
+
 def test_failed_blocks_truncate_under_recompute_and_evict_under_fail(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -543,8 +543,12 @@ class OpDriver(ABC, Generic[R]):
         group's) and the table's ids, once the indices are checked: each
         names a block the load filled (from the hit's end to the loaded
         tokens' last block), shared with no other request. vLLM scans every
-        request for the failed ids (sharing a block would make a later
-        request keep it as computed): not modelled, refused by name."""
+        request for the failed ids (a later one sharing a block keeps it as
+        computed), but on a single group none can share one: a Mamba state
+        keyed in a step is adopted only from the next step on (the
+        same-step hit is deferred), after the step's output reported the
+        failure. A request holding one here was scheduled before the failure
+        was written: refused by name."""
         size = self.config.scheduler_block_size
         first_loaded, end = hit // size, -(-computed // size)
         ids = self.block_ids(pending.request)
@@ -562,8 +566,8 @@ class OpDriver(ABC, Generic[R]):
             if failed & set(self.block_ids(other.request)):
                 raise StepRefused(
                     "invalid_blocks",
-                    f"a failed block is shared with {name!r} (a block-level failure shared "
-                    "between requests is not modelled)",
+                    f"a failed block is shared with {name!r}, which took it after the failed "
+                    "step (write the failure before that request is scheduled again)",
                 )
         return invalid[0], ids
 
