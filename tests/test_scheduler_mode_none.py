@@ -139,8 +139,7 @@ def test_preemption_and_resumption_keep_lockstep_in_mode_none(tmp_path: Path) ->
         mamba_cache_mode="none",
     )
     sessions = tuple(
-        Session(i, (Turn(fresh=70 + 13 * i, output=60, delay=i), Turn(20, 30, 3)))
-        for i in range(3)
+        Session(i, (Turn(fresh=70 + 13 * i, output=60, delay=i), Turn(20, 30, 3))) for i in range(3)
     )
     real = _scheduler()(config, spec_tokens=2, max_num_seqs=16)
     result = run_on_scheduler(
@@ -213,4 +212,3 @@ def test_the_real_scheduler_reads_back_mode_none() -> None:
         assert modes[1:] == ["none"]
     finally:
         real.close()
-
