@@ -37,7 +37,7 @@ import tempfile
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from kvgate.conformance.config import Config, NotModelled, UnsupportedConfig
 from kvgate.conformance.scheduling import ScheduledStep
@@ -392,7 +392,12 @@ class VllmScheduler:
         if spec_tokens == 0 and config.eagle:
             raise UnsupportedConfig("eagle", "the eagle drop needs draft tokens (spec > 0)")
         if connector is None and config.kv_connector:
-            connector = ConnectorSettings(divergent_hits=config.kv_connector_divergent_hits)
+            connector = ConnectorSettings(
+                load_failure_policy=cast(
+                    Literal["recompute", "fail"], config.kv_load_failure_policy
+                ),
+                divergent_hits=config.kv_connector_divergent_hits,
+            )
         if connector is not None and config.hash_lookahead_tokens:
             # VllmConfig.num_hash_lookahead_tokens is 0 under any KV connector.
             raise UnsupportedConfig(
