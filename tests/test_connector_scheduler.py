@@ -14,11 +14,12 @@ driver drifting from the Scheduler's connector branch diverges.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import itertools
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 from configs import EXAMPLE_CONFIG, needs_vllm
@@ -572,3 +573,52 @@ def test_a_failed_async_load_under_policy_fail_ends_the_request_as_the_driver_do
     assert mine.free_queue == after.free_queue
     assert all(b.ref == 0 for b in after.blocks) and not after.tables
     assert list(mine.differences(after)) == []
+
+
+# Policy fail: 4 sessions x 3 turns, seed 4, unit 256/32: two async loads
+# fail, each ending its request (the session's next turn still arrives).
+FAIL_WORKLOAD = Workload(sessions=4, turns=3, seed=4)
+
+
+def _fail_arm(tmp_path: Path, real_policy: Literal["recompute", "fail"]) -> ArmResult:
+    """The `--kv-load-failure-policy fail` workload's arm on vLLM's real
+    Scheduler, its connector built with `real_policy`."""
+    from kvgate.impl.vllm_scheduler import ConnectorSettings, VllmScheduler
+
+    deployment = Deployment(
+        build="upstream", kv_connector=True, kv_load_failure_policy="fail"
+    ).scaled(SCALE)
+    factory: Any = functools.partial(
+        VllmScheduler, connector=ConnectorSettings(load_failure_policy=real_policy)
+    )
+    return scheduler_arm(
+        FAIL_WORKLOAD,
+        deployment,
+        Arm(256 // SCALE, False),
+        factory,
+        tmp_path,
+        "strict",
+        Progress(stream=io.StringIO()),
+    )
+
+
+def test_the_workload_under_policy_fail_keeps_lockstep_and_a_drift_diverges(
+    tmp_path: Path,
+) -> None:
+    result = _fail_arm(tmp_path / "fail", "fail")
+    assert result.replay is not None
+    assert result.replay.passed, result.replay.divergence
+    assert result.trace.config.kv_load_failure_policy == "fail"
+    failed = [s.req for s in result.trace.primitives if s.op == "free" and s.load_failed]
+    assert len(failed) == 2, failed
+    # Nothing is looked up again after a failure under fail.
+    assert not any(s.load_failed for s in result.trace.primitives if s.op == "lookup")
+    # A Scheduler that retries failed loads (policy recompute) beside the
+    # same scheduler model: at the step the first failure is reported it
+    # keeps the request (waiting for its retry) where the model freed it.
+    drifted = _fail_arm(tmp_path / "drift", "recompute")
+    assert drifted.replay is not None
+    divergence = drifted.replay.divergence
+    assert divergence is not None
+    assert divergence.what.endswith("free queue"), divergence.what
+    assert divergence.step.op == "free" and divergence.step.req == failed[0]

@@ -13,7 +13,7 @@ from kvgate.explore.coverage import figures
 
 # A condition split over lines (Python 3.11 reports it on a continuation
 # line) inside a class, then a function outside the class that never runs.
-SOURCE = '''\
+SOURCE = """\
 class Gate:
     def admit(self, free, needed):
         if (
@@ -28,7 +28,7 @@ def never_called(x):
     if x:
         return 1
     return 2
-'''
+"""
 
 
 def _record(tmp_path: Path) -> tuple[Path, Path]:

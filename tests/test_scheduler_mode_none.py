@@ -67,10 +67,13 @@ def _lockstep(
     *,
     books: Config | None = None,
     level: Any = "strict",
+    engine_sizes: bool = True,
 ) -> SchedulerArm:
     """The workload on the real Scheduler built for `config`, beside the
     scheduler model keeping `books` (default: `config`)."""
-    real = _scheduler()(config, spec_tokens=deployment.spec_tokens, max_num_seqs=16)
+    real = _scheduler()(
+        config, spec_tokens=deployment.spec_tokens, max_num_seqs=16, engine_sizes=engine_sizes
+    )
     return run_on_scheduler(
         books or config,
         make_plan(WORKLOAD, SCALE),
@@ -105,14 +108,19 @@ FINE_BLOCK = 4096 // SCALE
 def test_a_finer_block_frees_states_and_align_books_diverge(tmp_path: Path) -> None:
     deployment = _deployment()
     config = _with_mamba(deployment.config(UNIT, False, WORKLOAD.sessions), block_size=FINE_BLOCK)
-    passed = _lockstep(config, deployment, tmp_path / "none")
+    # A block the engine would not resolve: refused by default, run on request.
+    with pytest.raises(UnsupportedConfig, match="Mamba block"):
+        _lockstep(config, deployment, tmp_path / "refused")
+    passed = _lockstep(config, deployment, tmp_path / "none", engine_sizes=False)
     assert passed.replay.passed, passed.replay.divergence
     # The same Scheduler beside a model keeping align mode's books (its
     # split, its counts) diverges. At api level, in what callers see: the
     # real Scheduler runs a chunk whole where align mode stops it at a Mamba
     # block boundary (strict level: at the first step, the blocks booked).
     align = replace(config, mamba_cache_mode="align")
-    drifted = _lockstep(config, deployment, tmp_path / "align", books=align, level="api")
+    drifted = _lockstep(
+        config, deployment, tmp_path / "align", books=align, level="api", engine_sizes=False
+    )
     divergence = drifted.replay.divergence
     assert divergence is not None
     assert divergence.what.endswith("scheduled (request, tokens)"), divergence.what
@@ -139,10 +147,10 @@ def test_preemption_and_resumption_keep_lockstep_in_mode_none(tmp_path: Path) ->
         mamba_cache_mode="none",
     )
     sessions = tuple(
-        Session(i, (Turn(fresh=70 + 13 * i, output=60, delay=i), Turn(20, 30, 3)))
-        for i in range(3)
+        Session(i, (Turn(fresh=70 + 13 * i, output=60, delay=i), Turn(20, 30, 3))) for i in range(3)
     )
-    real = _scheduler()(config, spec_tokens=2, max_num_seqs=16)
+    # 32-token states below max_model_len: not the engine's block, run as given.
+    real = _scheduler()(config, spec_tokens=2, max_num_seqs=16, engine_sizes=False)
     result = run_on_scheduler(
         config,
         sessions,
@@ -213,4 +221,3 @@ def test_the_real_scheduler_reads_back_mode_none() -> None:
         assert modes[1:] == ["none"]
     finally:
         real.close()
-

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import io
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -324,3 +325,37 @@ def test_no_arm_the_target_can_run_is_an_error_not_a_pass(
     errors = [line for line in err.splitlines() if line.startswith("kvgate: error:")]
     assert len(errors) == 1 and "keeps no retired state" in errors[0]
     assert err.rstrip().endswith(errors[0]) and "Traceback" not in err
+
+
+def test_a_turn_that_outgrows_the_pool_alone_is_stuck_not_a_livelock() -> None:
+    """Its prompt fits (admitted), its sequence does not: alone it preempts
+    itself and is re-admitted to the same end for ever, each step running
+    something, while the turns waiting behind it never run (found on a pool
+    too small for the plan; before, generation never ended)."""
+    from configs import EXAMPLE_CONFIG
+
+    from kvgate.conformance.config import GroupConfig
+    from kvgate.workload.deployment import Serving
+    from kvgate.workload.generator import WorkloadStuck
+    from kvgate.workload.plan import Session, Turn
+
+    config = replace(
+        EXAMPLE_CONFIG,
+        num_blocks=30,
+        groups=(
+            GroupConfig("full_attention", 8),
+            GroupConfig("mamba_align", 512, speculative_blocks=2),
+        ),
+        hold=False,
+        scheduler_block_size=512,
+        max_model_len=512,
+        max_num_scheduled_tokens=48,
+        prefix_caching=False,
+        mamba_cache_mode="none",
+    )
+    sessions = tuple(
+        Session(i, (Turn(fresh=70 + 13 * i, output=150, delay=i), Turn(20, 75, 3)))
+        for i in range(3)
+    )
+    with pytest.raises(WorkloadStuck, match="cannot run on a pool of 30 blocks: alone"):
+        generate(config, sessions, Serving(0, 2, 16))

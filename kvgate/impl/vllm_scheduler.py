@@ -11,7 +11,13 @@ groups, block sizes, hash unit, pool, retention). What vLLM derives from
 those settings is then checked against the config (block sizes, unit, pool,
 eagle drop, lookahead, the lookahead hashes): a mismatch is an
 `UnsupportedConfig` naming the field, as is anything vLLM raises while
-building it.
+building it. Prefix caching off is built as the engine builds it: no Mamba
+cache mode passed, the one vLLM's engine config resolves (`none`) read back
+and required to be the trace's. Every size is built as the engine resolves
+it: the user's choices passed as their flags would pass them (with prefix
+caching, `--mamba-block-size` and `--prefix-match-unit`; the retention
+interval), the scheduler and hash block from vLLM's own block-size
+resolution, a config it resolves otherwise refused by name.
 
 Each engine step is `schedule()`, then `update()` with fake model-runner
 output (`ModelRunnerOutput`: the tokens each request sampled, every draft
@@ -31,7 +37,7 @@ import tempfile
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from kvgate.conformance.config import Config, NotModelled, UnsupportedConfig
 from kvgate.conformance.scheduling import ScheduledStep
@@ -41,7 +47,7 @@ from kvgate.conformance.tokens import NO_INPUTS, HashInputs
 from kvgate.impl import _vllm_api
 from kvgate.impl.vllm_build import block_hasher, kv_cache_config, request_inputs, scheduler_config
 from kvgate.impl.vllm_connector import ConnectorScript, ExternalHit
-from kvgate.impl.vllm_errors import describe
+from kvgate.impl.vllm_errors import config_field, describe
 from kvgate.impl.vllm_probe import hold_source, holds_partial_tails, retains_retired
 from kvgate.impl.vllm_view import ManagerView
 
@@ -135,10 +141,16 @@ def _vllm_config(
     scheduler = scheduler_config(config, max_num_seqs)
     # No Mamba cache mode is passed (vLLM deprecates the flag): the engine
     # config resolves it from prefix caching, which `_check_mode` reads back.
+    # The sizes a user may choose are passed as their engine flags would pass
+    # them (with prefix caching: `--mamba-block-size`, `--prefix-match-unit`;
+    # `--prefix-cache-retention-interval`), so vLLM's engine resolves every
+    # size from them and `_engine_sizes` reads its resolution back.
     cache = CacheConfig(
         block_size=config.scheduler_block_size,
         enable_prefix_caching=config.prefix_caching,
         enable_mamba_shared_prefix_checkpoint=config.shared_prefix_checkpoint,
+        prefix_cache_retention_interval=config.retention_interval,
+        **_size_flags(config),
     )
     speculative = None
     if spec_tokens:
@@ -172,7 +184,8 @@ def _check_mode(vllm_config: Any, config: Config) -> None:
     """The Mamba cache mode vLLM's engine config resolved (`align` with prefix
     caching, `none` without, in 0.33.0) must be the config's: the KV-cache
     spec is built with the config's mode, as the engine builds it with its own."""
-    resolved = str(vllm_config.cache_config.mamba_cache_mode)
+    # A release without the setting has align mode only.
+    resolved = str(getattr(vllm_config.cache_config, "mamba_cache_mode", "align"))
     if resolved != config.mamba_cache_mode:
         caching = "on" if config.prefix_caching else "off"
         raise UnsupportedConfig(
@@ -182,25 +195,70 @@ def _check_mode(vllm_config: Any, config: Config) -> None:
         )
 
 
-def _engine_hash_block(vllm_config: Any, kv_config: Any, config: Config) -> int:
-    """The hash block vLLM's engine hands its Scheduler for `config`. With
-    prefix caching, the config's unit (as built so far). Without it, vLLM's
-    own resolution (`resolve_kv_cache_block_sizes`, where present): the
-    scheduler block, the groups' lcm, which must be the config's. Nothing is
-    hashed then, so the model's unit (which sizes nothing it compares) stays."""
-    if config.prefix_caching:
-        return config.hash_unit
+def _size_flags(config: Config) -> dict[str, int]:
+    """The engine flags that choose `config`'s Mamba block and hash unit, as
+    a user would pass them: only with prefix caching (vLLM refuses
+    `--mamba-block-size` without it; nothing is hashed then), and only the
+    settings this vLLM's `CacheConfig` has."""
+    if not config.prefix_caching:
+        return {}
+    from vllm.config import CacheConfig
+
+    fields = getattr(CacheConfig, "__dataclass_fields__", {})
+    flags: dict[str, int] = {}
+    mamba = [config.groups[i].block_size for i in config.mamba_group_ids]
+    if mamba and "mamba_block_size" in fields:
+        flags["mamba_block_size"] = mamba[0]
+    if "prefix_match_unit" in fields:
+        flags["prefix_match_unit"] = config.hash_unit
+    return flags
+
+
+def _engine_sizes(vllm_config: Any, kv_config: Any, config: Config, as_engine: bool) -> int:
+    """The hash block vLLM's engine hands its Scheduler for `config`, after
+    checking that every size the engine resolves (`resolve_kv_cache_block_sizes`
+    where present, the engine config's Mamba block and retention) is the
+    config's: a config production would run differently is refused by name.
+    Without prefix caching nothing is hashed, so the model's unit (which
+    sizes nothing it compares) stands beside the engine's hash block.
+    `as_engine` off skips the Mamba block's check (see `VllmScheduler`)."""
     from vllm.v1.core import kv_cache_utils
 
     resolve = getattr(kv_cache_utils, "resolve_kv_cache_block_sizes", None)
-    if resolve is None:
-        return config.hash_unit
-    scheduler_block, hash_block = resolve(kv_config, vllm_config)
+    try:
+        # A release without the resolution hands the Scheduler both as set.
+        scheduler_block, hash_block = (
+            (config.scheduler_block_size, config.hash_unit)
+            if resolve is None
+            else resolve(kv_config, vllm_config)
+        )
+    except ValueError as exc:
+        raise UnsupportedConfig("hash_unit", f"vLLM's engine refuses it: {describe(exc)}") from exc
     if int(scheduler_block) != config.scheduler_block_size:
         raise UnsupportedConfig(
             "scheduler_block_size",
-            f"vLLM's engine runs {config.scheduler_block_size} as {scheduler_block} "
-            "without prefix caching (the groups' lcm)",
+            f"vLLM's engine resolves {config.scheduler_block_size} to {scheduler_block} "
+            "(the groups' lcm)",
+        )
+    if config.prefix_caching and int(hash_block) != config.hash_unit:
+        raise UnsupportedConfig(
+            "hash_unit",
+            f"vLLM's engine resolves {config.hash_unit} to {hash_block}",
+        )
+    cache = vllm_config.cache_config
+    mamba = {config.groups[i].block_size for i in config.mamba_group_ids}
+    resolved_mamba = getattr(cache, "mamba_block_size", None)
+    if as_engine and mamba and resolved_mamba is not None and {int(resolved_mamba)} != mamba:
+        raise UnsupportedConfig(
+            "groups",
+            f"vLLM's engine resolves the Mamba block to {resolved_mamba}, not {sorted(mamba)[0]}",
+        )
+    resolved_retention = getattr(cache, "prefix_cache_retention_interval", 0)
+    if resolved_retention != config.retention_interval:
+        raise UnsupportedConfig(
+            "retention_interval",
+            f"vLLM's engine resolves it to {resolved_retention!r}, not "
+            f"{config.retention_interval!r}",
         )
     return int(hash_block)
 
@@ -314,7 +372,13 @@ class VllmScheduler:
         max_num_seqs: int,
         plugin: str | None = None,
         connector: ConnectorSettings | None = None,
+        engine_sizes: bool = True,
     ) -> None:
+        """`engine_sizes` off runs a Mamba block vLLM's engine would not
+        resolve for the config (one finer than max_model_len without prefix
+        caching: the Scheduler accepts it), for a study of what the Scheduler
+        does there; on (the default, and the `workload` command's), such a
+        config is refused by name."""
         self.config = config
         self.spec_tokens = spec_tokens
         api, plugin_module = _vllm_api.load_with_hold(config.hold, config.hold_retired, plugin)
@@ -328,7 +392,12 @@ class VllmScheduler:
         if spec_tokens == 0 and config.eagle:
             raise UnsupportedConfig("eagle", "the eagle drop needs draft tokens (spec > 0)")
         if connector is None and config.kv_connector:
-            connector = ConnectorSettings(divergent_hits=config.kv_connector_divergent_hits)
+            connector = ConnectorSettings(
+                load_failure_policy=cast(
+                    Literal["recompute", "fail"], config.kv_load_failure_policy
+                ),
+                divergent_hits=config.kv_connector_divergent_hits,
+            )
         if connector is not None and config.hash_lookahead_tokens:
             # VllmConfig.num_hash_lookahead_tokens is 0 under any KV connector.
             raise UnsupportedConfig(
@@ -344,7 +413,7 @@ class VllmScheduler:
             vllm_config = _vllm_config(config, spec_tokens, max_num_seqs, connector)
             _check_mode(vllm_config, config)
             kv_config = kv_cache_config(api, config)
-            hash_block = _engine_hash_block(vllm_config, kv_config, config)
+            hash_block = _engine_sizes(vllm_config, kv_config, config, engine_sizes)
             scheduler = Scheduler(
                 vllm_config=vllm_config,
                 kv_cache_config=kv_config,
@@ -359,8 +428,9 @@ class VllmScheduler:
         except UnsupportedConfig:
             raise
         except Exception as exc:  # pydantic, ValueError or a bare assert
+            message = describe(exc)
             raise UnsupportedConfig(
-                "groups", f"vLLM's Scheduler rejects it: {describe(exc)}"
+                config_field(message), f"vLLM's Scheduler rejects it: {message}"
             ) from exc
         _check_derived(scheduler, config, spec_tokens, hash_block)
         self._script: ConnectorScript | None = (

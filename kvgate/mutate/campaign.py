@@ -386,8 +386,13 @@ def scheduler_stage() -> SchedulerOutcome:
     )
     try:
         factory = cast(SchedulerFactory, target_factory("vllm-scheduler"))
+        # A Mamba block the engine would not resolve without prefix caching
+        # (the Scheduler accepts it): run as given, on purpose.
         real = factory(
-            config, spec_tokens=deployment.spec_tokens, max_num_seqs=deployment.max_num_seqs
+            config,
+            spec_tokens=deployment.spec_tokens,
+            max_num_seqs=deployment.max_num_seqs,
+            engine_sizes=False,
         )
     except Exception as error:
         return SchedulerOutcome(

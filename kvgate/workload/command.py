@@ -2,6 +2,8 @@
 
     kvgate workload --target {model,vllm} [--units 64,256,512,1024,4096]
                     [--hold on,off] [--build fork|upstream] [--no-enable-prefix-caching]
+                    [--kv-connector [--kv-connector-divergent-hits]
+                     [--kv-load-failure-policy recompute|fail]]
                     [--sessions N] [--turns T] [--seed S]
                     [--scale K] [--out DIR] [--level api|strict] [--plugin MODULE]
 
@@ -24,6 +26,7 @@ import sys
 from pathlib import Path
 from typing import Any, cast
 
+from kvgate.conformance.config import KV_LOAD_FAILURE_POLICIES
 from kvgate.conformance.replay import LEVELS, Level
 from kvgate.conformance.report import capabilities_line
 from kvgate.errors import InputError
@@ -78,6 +81,14 @@ def add_workload_arguments(parser: argparse.ArgumentParser, scale: int, units: s
         "(supports_divergent_local_hybrid_hits, as NIXL's), so the local lookup is per group",
     )
     parser.add_argument(
+        "--kv-load-failure-policy",
+        default="recompute",
+        choices=KV_LOAD_FAILURE_POLICIES,
+        help="with --kv-connector, as vLLM's flag: recompute (default) looks a request up again "
+        "after its async load failed; fail ends it with an error (the session's next turn "
+        "still arrives)",
+    )
+    parser.add_argument(
         "--no-enable-prefix-caching",
         action="store_true",
         help="serve without prefix caching, as vLLM's flag: Mamba in cache mode none, its "
@@ -111,10 +122,13 @@ def workload_of(args: argparse.Namespace) -> tuple[Workload, Deployment]:
     )
     if args.kv_connector_divergent_hits and not args.kv_connector:
         raise InputError("--kv-connector-divergent-hits: needs --kv-connector")
+    if args.kv_load_failure_policy != "recompute" and not args.kv_connector:
+        raise InputError("--kv-load-failure-policy: needs --kv-connector")
     deployment = Deployment(
         build=args.build,
         kv_connector=args.kv_connector,
         kv_connector_divergent_hits=args.kv_connector_divergent_hits,
+        kv_load_failure_policy=args.kv_load_failure_policy,
         prefix_caching=not args.no_enable_prefix_caching,
     )
     return workload, deployment.scaled(args.scale)
@@ -233,6 +247,7 @@ def run(args: argparse.Namespace) -> int:
         f"workload-{workload.sessions}x{workload.turns}-seed{workload.seed}{scale}-{args.build}"
         + ("-kv-connector" if args.kv_connector else "")
         + ("-divergent" if args.kv_connector_divergent_hits else "")
+        + (f"-{args.kv_load_failure_policy}" if args.kv_load_failure_policy != "recompute" else "")
         + ("-no-prefix-caching" if args.no_enable_prefix_caching else "")
     )
     # The header names the hold implementation when a hold-on arm ran.

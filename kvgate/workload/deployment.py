@@ -93,6 +93,10 @@ class Deployment:
     # `supports_divergent_local_hybrid_hits`, as NIXL's): the Scheduler's local
     # lookup is then per group.
     kv_connector_divergent_hits: bool = False
+    # ... and its load-failure policy (vLLM's `--kv-load-failure-policy`):
+    # `recompute` looks a request up again after its async load failed,
+    # `fail` ends it with an error (trace config `kv_load_failure_policy`).
+    kv_load_failure_policy: str = "recompute"
     # vLLM's `enable_prefix_caching`. Off (`--no-enable-prefix-caching`), the
     # engine config runs every Mamba layer in cache mode `none` with its block
     # `max_model_len` long (its only size there), and the scheduler block is
@@ -188,6 +192,7 @@ class Deployment:
             max_num_scheduled_tokens=self.tokens(self.max_num_scheduled_tokens),
             kv_connector=self.kv_connector,
             kv_connector_divergent_hits=self.kv_connector_divergent_hits,
+            kv_load_failure_policy=self.kv_load_failure_policy,
             # vLLM's default admission gate: with a connector the re-admission
             # after an async load has no lookup for the generator's own gate.
             reserve_full_sequence=self.kv_connector,
@@ -256,6 +261,7 @@ class Deployment:
             + (
                 "; KV connector: each request's external hit drawn (none, sync or async)"
                 + (", per-group local lookups" if self.kv_connector_divergent_hits else "")
+                + f", load-failure policy {self.kv_load_failure_policy}"
                 if self.kv_connector
                 else ""
             ),

@@ -26,7 +26,9 @@ allocation (with the blocks the Scheduler keeps for in-flight prefills,
 hold blocks, scanned first; the worker reports the load done (or failed)
 some steps later, and the scan then completes it (`allocate`, or `allocate
 complete_only` when nothing runs) or, failed, looks it up again (`lookup
-load_failed`).
+load_failed`); under load-failure policy `fail` (config
+`kv_load_failure_policy`) a failed load ends its request instead (`free
+abort load_failed`, after the step's finishes), one failure reported a step.
 
 A chunk that computes every token of its request samples the step's output
 token (`allocate sample 1`), as vLLM's `Scheduler` appends it after the step;
@@ -239,6 +241,14 @@ class _Scheduler:
                 decisions.preempted.append(victim.name)
                 preempted = True
                 if victim is live:
+                    if not self.running and not self.holding:
+                        # Alone, it outgrew the whole pool: re-admitted (its
+                        # prompt fits), it reaches the same point again, for
+                        # ever (vLLM's Scheduler loops the same way).
+                        raise WorkloadStuck(
+                            f"{live.name} cannot run on a pool of {self.config.num_blocks} "
+                            "blocks: alone, its sequence outgrows the pool and it preempts itself"
+                        )
                     break
                 ok = run()
             if not ok:
@@ -432,6 +442,10 @@ class _Scheduler:
         failed)."""
         loaded: list[str] = []
         failed: list[str] = []
+        # Under `fail` vLLM's Scheduler frees each failed request's blocks in
+        # the order of the worker's set of finished receives, which no model
+        # can know: the worker reports one failure a step (a later one waits).
+        one_failure = self.config.kv_load_failure_policy == "fail"
         for live in self.holding:
             remote = live.remote
             if (
@@ -439,6 +453,7 @@ class _Scheduler:
                 and not live.reported
                 and remote is not None
                 and self.engine_step - live.load_started >= remote.delay
+                and not (remote.fails and one_failure and failed)
             ):
                 live.reported = True
                 live.failed_reported = remote.fails
@@ -608,10 +623,23 @@ class SessionRun:
             for name, _ in decisions.scheduled:
                 request = writer.oracle.requests[name].request
                 decisions.sampled[name] = list(request.output[outputs[name] :])
-            for live in finished:
-                writer.run("free", req=live.name, how="finish")
-                scheduler.running.remove(live)
-                decisions.finished.append(live.name)
+            # Under `fail`, a failed load ends its request with an error once
+            # the step's finishes are freed (vLLM frees its blocks with the
+            # worker's report); the session's next turn still arrives.
+            errored = [
+                live
+                for live in scheduler.holding
+                if live.failed_reported and self.config.kv_load_failure_policy == "fail"
+            ]
+            for live in errored:
+                scheduler.holding.remove(live)
+            for live in [*finished, *errored]:
+                if any(live is e for e in errored):
+                    writer.run("free", req=live.name, how="abort", load_failed=True)
+                else:
+                    writer.run("free", req=live.name, how="finish")
+                    scheduler.running.remove(live)
+                    decisions.finished.append(live.name)
                 done += 1
                 if self.progress is not None:
                     self.progress(done, total)

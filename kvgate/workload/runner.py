@@ -62,6 +62,11 @@ def trace_name(workload: Workload, deployment: Deployment, arm: Arm) -> str:
         f"-u{arm.unit}.{deployment.build}"
         + (".kv-connector" if deployment.kv_connector else "")
         + ("-divergent" if deployment.kv_connector_divergent_hits else "")
+        + (
+            f"-{deployment.kv_load_failure_policy}"
+            if deployment.kv_load_failure_policy != "recompute"
+            else ""
+        )
         + f".hold-{hold}"
     )
 
