@@ -137,3 +137,27 @@ def test_the_drafter_group_traces_tell_production_from_the_fallback(
 
     monkeypatch.setattr(vllm_build, "kv_cache_config", unflagged)
     assert not _conforms(trace)
+
+
+@needs_vllm
+def test_lookahead_hashes_keep_the_flags_and_the_shared_prefix_checkpoint(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Lookahead hashes turn the drop off, not the flags: vLLM keeps the
+    shared-prefix checkpoint on, S3 resumes at the junction. Built without
+    the flags, vLLM turns the knob off and the trace fails."""
+    from kvgate.impl import vllm_build
+
+    trace = CORPUS["gdn-triton-shared-prefix-checkpoint-lookahead.hold-off"]
+    assert trace.config.hash_lookahead_tokens and trace.config.shared_prefix_checkpoint_on
+    assert _conforms(trace)
+    production = vllm_build.kv_cache_config
+
+    def unflagged(api: Any, config: Any) -> Any:
+        built = production(api, config)
+        for group in built.kv_cache_groups:
+            group.is_eagle_group = False
+        return built
+
+    monkeypatch.setattr(vllm_build, "kv_cache_config", unflagged)
+    assert not _conforms(trace)
