@@ -111,6 +111,26 @@ class Config:
         return self.eagle and self.hash_lookahead_tokens == 0
 
     @property
+    def eagle_group_ids(self) -> tuple[int, ...]:
+        """The groups vLLM flags as the drafter's (`is_eagle_group`), as its
+        engine planning derives them: the groups holding a draft layer. An
+        EAGLE/MTP drafter's layers are attention layers whose spec equals the
+        target's attention spec (`is_draft` is left out of spec equality), so
+        they join the attention groups; a Mamba group never holds one. Without
+        an attention group nothing is flagged and, with the drop on, the
+        coordinator's fallback flags every group. Lookahead hashes leave the
+        flags and turn the drop off (`drop_group_ids`)."""
+        if self.eagle and self.has_attention:
+            return tuple(i for i, g in enumerate(self.groups) if g.kind == "full_attention")
+        return tuple(range(len(self.groups))) if self.block_drop else ()
+
+    @property
+    def drop_group_ids(self) -> tuple[int, ...]:
+        """The groups that take the trailing-block drop (vLLM's
+        `drop_eagle_group_ids`): the flagged ones, while the drop is on."""
+        return self.eagle_group_ids if self.block_drop else ()
+
+    @property
     def has_attention(self) -> bool:
         """A hybrid; without it, a pure Mamba model (one group, vLLM's
         unitary coordinator)."""
@@ -139,9 +159,9 @@ class Config:
 
     @property
     def shared_prefix_checkpoint_on(self) -> bool:
-        """The knob as vLLM's `KVCacheManager` narrows it: an eagle group that
-        drops (lookahead hashes flag none), sub-block hits."""
-        return self.shared_prefix_checkpoint and self.block_drop and self.partial_hits
+        """The knob as vLLM's `KVCacheManager` narrows it: a group flagged as
+        the drafter's (lookahead hashes keep the flags), sub-block hits."""
+        return self.shared_prefix_checkpoint and bool(self.eagle_group_ids) and self.partial_hits
 
     @property
     def partial_hits(self) -> bool:

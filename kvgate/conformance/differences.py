@@ -33,11 +33,14 @@ KNOWN: tuple[KnownDifference, ...] = (
         trace="abort-mid-prefill",
         step=15,
         what="hashes",
-        explanation="under sparse retention with eagle on, vLLM 0.33.0 and 0.34.0 also key "
-        "the Mamba state one block below a request's shared-prefix junction (a sibling "
-        "diverging right after the junction resumes a block lower, the block past it being "
-        "the EAGLE peek); vLLM 0.32.0 keys only the junction's state",
-        verdict="a 0.32.0 bug: lost prefix hits (such a sibling recomputes), no wrong output",
+        explanation="under sparse retention with eagle on and every group flagged as the "
+        "drafter's (vLLM's fallback, which the gate built before it flagged only the "
+        "attention group as production does), vLLM 0.33.0 and 0.34.0 also key the Mamba "
+        "state one block below a request's shared-prefix junction; vLLM 0.32.0 keys only "
+        "the junction's state, as all three do with production's flags",
+        verdict="a 0.32.0 bug only where every group is flagged (lost prefix hits, no "
+        "wrong output); with production's flags no release keys that state, so the "
+        "corpus no longer shows it",
     ),
 )
 

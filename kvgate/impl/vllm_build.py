@@ -11,6 +11,7 @@ statement of them), so the gate exercises vLLM's own validation.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
 from types import SimpleNamespace
@@ -120,6 +121,14 @@ def kv_cache_config(api: VllmApi, config: Config) -> Any:
         api.KVCacheGroupSpec([f"layer{i}"], group_spec(api, i, g, config.mamba_cache_mode))
         for i, g in enumerate(config.groups)
     ]
+    # The drafter's groups, flagged as vLLM's engine planning flags them;
+    # left unflagged, vLLM's fallback would give every group the drop.
+    flagged = set(config.eagle_group_ids) if config.eagle and config.has_attention else set()
+    if flagged:
+        if "is_eagle_group" not in {f.name for f in dataclasses.fields(api.KVCacheGroupSpec)}:
+            raise UnsupportedConfig("eagle", "this vLLM's KVCacheGroupSpec has no is_eagle_group")
+        for group_id, group in enumerate(groups):
+            group.is_eagle_group = group_id in flagged
     return api.KVCacheConfig(
         num_blocks=config.num_blocks,
         kv_cache_tensors=[],

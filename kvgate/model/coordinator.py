@@ -82,18 +82,27 @@ class Coordinator:
         self.alignment = config.hash_unit if self.partial_hits else self.scheduler_block
         lookup_groups: list[_LookupGroup] = []
         specs: dict[GroupConfig, _LookupGroup] = {}
+        # Only the drafter's groups drop (its attention layers' groups; all
+        # groups when none holds one); lookahead hashes prove the boundary
+        # token, so then none drops.
+        drop_group_ids = set(config.drop_group_ids)
         for group_id, group in enumerate(config.groups):
             self.managers[group_id].alignment = self.alignment
-            # Lookahead hashes prove the boundary token: no group drops.
-            self.managers[group_id].use_eagle = config.block_drop
+            self.managers[group_id].use_eagle = group_id in drop_group_ids
             spec = group  # equal specs (every field) share one lookup
             if spec in specs:
+                # One lookup for the spec: it drops if any member does.
                 specs[spec].group_ids.append(group_id)
+                specs[spec].use_eagle |= group_id in drop_group_ids
             else:
                 specs[spec] = _LookupGroup(
-                    [group_id], group.kind == "full_attention", config.block_drop
+                    [group_id], group.kind == "full_attention", group_id in drop_group_ids
                 )
                 lookup_groups.append(specs[spec])
+        # Every member of a lookup group that drops caches as eagle does.
+        for lookup in lookup_groups:
+            for group_id in lookup.group_ids:
+                self.managers[group_id].use_eagle = lookup.use_eagle
         # Attention first: its left-to-right scan bounds the others.
         self.lookup_groups = sorted(lookup_groups, key=lambda g: not g.is_attention)
 
