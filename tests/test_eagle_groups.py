@@ -109,23 +109,10 @@ def _conforms(trace: Trace) -> bool:
         return replay(trace, target, ModelTarget, "strict").passed
 
 
-@needs_vllm
-@pytest.mark.parametrize("family", FAMILIES)
-def test_the_drafter_group_traces_tell_production_from_the_fallback(
-    family: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Built as production flags the groups, vLLM conforms; built unflagged
-    (vLLM then flags every group) or with the coordinator ignoring the flags,
-    the sibling diverging right after the junction hits a block lower and the
-    trace fails."""
+def _build_without_drafter_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's targets build their groups with no `is_eagle_group` (kvgate's
+    build before stop 23): vLLM then flags every group, Mamba included."""
     from kvgate.impl import vllm_build
-    from kvgate.mutate.faults import BY_NAME
-    from kvgate.mutate.inject import injected
-
-    trace = CORPUS[f"{family}-eagle-drafter-groups.hold-off"]
-    assert _conforms(trace)
-    with injected(BY_NAME["eagle-drop-on-every-group"]):
-        assert not _conforms(trace)
 
     production = vllm_build.kv_cache_config
 
@@ -136,6 +123,26 @@ def test_the_drafter_group_traces_tell_production_from_the_fallback(
         return built
 
     monkeypatch.setattr(vllm_build, "kv_cache_config", unflagged)
+
+
+@needs_vllm
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_drafter_group_traces_tell_production_from_the_fallback(
+    family: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Built as production flags the groups, vLLM conforms; built unflagged
+    (vLLM then flags every group) or with the coordinator ignoring the flags,
+    the sibling diverging right after the junction hits a block lower and the
+    trace fails."""
+    from kvgate.mutate.faults import BY_NAME
+    from kvgate.mutate.inject import injected
+
+    trace = CORPUS[f"{family}-eagle-drafter-groups.hold-off"]
+    assert _conforms(trace)
+    with injected(BY_NAME["eagle-drop-on-every-group"]):
+        assert not _conforms(trace)
+
+    _build_without_drafter_flags(monkeypatch)
     assert not _conforms(trace)
 
 
@@ -146,18 +153,9 @@ def test_lookahead_hashes_keep_the_flags_and_the_shared_prefix_checkpoint(
     """Lookahead hashes turn the drop off, not the flags: vLLM keeps the
     shared-prefix checkpoint on, S3 resumes at the junction. Built without
     the flags, vLLM turns the knob off and the trace fails."""
-    from kvgate.impl import vllm_build
 
     trace = CORPUS["gdn-triton-shared-prefix-checkpoint-lookahead.hold-off"]
     assert trace.config.hash_lookahead_tokens and trace.config.shared_prefix_checkpoint_on
     assert _conforms(trace)
-    production = vllm_build.kv_cache_config
-
-    def unflagged(api: Any, config: Any) -> Any:
-        built = production(api, config)
-        for group in built.kv_cache_groups:
-            group.is_eagle_group = False
-        return built
-
-    monkeypatch.setattr(vllm_build, "kv_cache_config", unflagged)
+    _build_without_drafter_flags(monkeypatch)
     assert not _conforms(trace)

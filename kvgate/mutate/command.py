@@ -40,7 +40,9 @@ from kvgate.mutate.campaign import (
     Baseline,
     Campaign,
     CampaignError,
+    ExploreOutcome,
     FaultResult,
+    SchedulerOutcome,
     Settings,
     run_campaign,
 )
@@ -217,36 +219,24 @@ def describe_baseline(baseline: Baseline) -> list[str]:
     ]
     if failing:
         lines.append(f"  left out: {', '.join(failing)}")
-    exploration = run.exploration
-    if exploration is None:
-        lines.append("  exploration: off")
-    elif not exploration.ran:
-        lines.append(f"  exploration: not run ({exploration.note})")
-    elif exploration.failure:
-        lines.append(
-            f"  exploration: fails unmutated, left out ({exploration.failure[:DETAIL_WIDTH]})"
-        )
-    else:
-        lines.append(
-            f"  exploration: {exploration.examples} examples pass unmutated "
-            f"({exploration.seconds:.1f}s)"
-        )
-    scheduler = run.scheduler
-    if scheduler is None:
-        lines.append("  real Scheduler (prefix caching off): off")
-    elif not scheduler.ran:
-        lines.append(f"  real Scheduler (prefix caching off): not run ({scheduler.note})")
-    elif scheduler.failure:
-        lines.append(
-            "  real Scheduler (prefix caching off): fails unmutated, left out "
-            f"({scheduler.failure[:DETAIL_WIDTH]})"
-        )
-    else:
-        lines.append(
-            "  real Scheduler (prefix caching off): in lockstep unmutated "
-            f"({scheduler.seconds:.1f}s)"
-        )
+    examples = run.exploration.examples if run.exploration else 0
+    lines.append(_stage_line("exploration", run.exploration, f"{examples} examples pass unmutated"))
+    lines.append(
+        _stage_line("real Scheduler (prefix caching off)", run.scheduler, "in lockstep unmutated")
+    )
     return lines
+
+
+def _stage_line(title: str, stage: ExploreOutcome | SchedulerOutcome | None, passed: str) -> str:
+    """A baseline stage's line: off, not run (why), failing unmutated (so
+    left out), or passing (`passed` says how) in so many seconds."""
+    if stage is None:
+        return f"  {title}: off"
+    if not stage.ran:
+        return f"  {title}: not run ({stage.note})"
+    if stage.failure:
+        return f"  {title}: fails unmutated, left out ({stage.failure[:DETAIL_WIDTH]})"
+    return f"  {title}: {passed} ({stage.seconds:.1f}s)"
 
 
 def row_header() -> str:
