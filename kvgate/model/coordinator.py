@@ -88,7 +88,6 @@ class Coordinator:
         drop_group_ids = set(config.drop_group_ids)
         for group_id, group in enumerate(config.groups):
             self.managers[group_id].alignment = self.alignment
-            self.managers[group_id].use_eagle = group_id in drop_group_ids
             spec = group  # equal specs (every field) share one lookup
             if spec in specs:
                 # One lookup for the spec: it drops if any member does.
@@ -99,7 +98,7 @@ class Coordinator:
                     [group_id], group.kind == "full_attention", group_id in drop_group_ids
                 )
                 lookup_groups.append(specs[spec])
-        # Every member of a lookup group that drops caches as eagle does.
+        # Each group caches as its lookup group drops (any member's drop).
         for lookup in lookup_groups:
             for group_id in lookup.group_ids:
                 self.managers[group_id].use_eagle = lookup.use_eagle
