@@ -56,6 +56,7 @@ from kvgate.conformance.trace import (
     load_trace,
 )
 from kvgate.errors import InputError, printable
+from kvgate.output import QUIET, VllmLogs, vllm_logs
 from kvgate.targets import LOCKSTEP_MODEL, TARGETS, build_target, target_factory
 
 # Further commands, each a module with `register(subparsers)` that adds its
@@ -85,16 +86,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     args: argparse.Namespace | None = None
     try:
         args = _parser().parse_args(argv)
-        handler = getattr(args, "handler", None)
-        if handler is not None:
-            return cast(int, handler(args))
-        limits = _limits(args.limit)
-        if args.command == "replay":
-            traces = [load_trace(path, limits) for path in args.traces]
-            check_unique_names(traces)
-        else:
-            traces = load_corpus(args.corpus or bundled_corpus(), limits)
-        return run_traces(traces, args.target, args.level, args.plugin, args.junit_xml)
+        with vllm_logs(args.verbosity) as logs:
+            args.vllm_logs = logs
+            handler = getattr(args, "handler", None)
+            if handler is not None:
+                # Lines no smaller unit claims count as the command's own.
+                with logs.unit(f"kvgate {args.command}"):
+                    code = cast(int, handler(args))
+                logs.print_summary()
+                return code
+            limits = _limits(args.limit)
+            if args.command == "replay":
+                traces = [load_trace(path, limits) for path in args.traces]
+                check_unique_names(traces)
+            else:
+                traces = load_corpus(args.corpus or bundled_corpus(), limits)
+            return run_traces(traces, args.target, args.level, args.plugin, args.junit_xml, logs)
     except (TraceError, InputError) as error:
         print(f"kvgate: error: {printable(str(error))}", file=sys.stderr)
         junit_xml: Path | None = getattr(args, "junit_xml", None)
@@ -164,7 +171,32 @@ def _parser() -> argparse.ArgumentParser:
         )
     for module in COMMAND_MODULES:
         importlib.import_module(module).register(commands)
+    for command in commands.choices.values():
+        add_verbosity(command)
     return parser
+
+
+def add_verbosity(parser: argparse.ArgumentParser) -> None:
+    """-q / -v / -vv, the same on every command (see kvgate/output.py)."""
+    levels = parser.add_argument_group("output")
+    levels.add_argument(
+        "-v",
+        "--verbose",
+        dest="verbosity",
+        action="count",
+        default=0,
+        help="-v: also show vLLM's warnings as they happen; -vv: also its info "
+        "and debug lines (default: vLLM's lines are kept per trace and shown "
+        "only with a failure, and counted in the summary)",
+    )
+    levels.add_argument(
+        "-q",
+        "--quiet",
+        dest="verbosity",
+        action="store_const",
+        const=QUIET,
+        help="print only failures, errors and the summary",
+    )
 
 
 def run_traces(
@@ -173,7 +205,9 @@ def run_traces(
     level: Level,
     plugin: str | None,
     junit_xml: Path | None,
+    logs: VllmLogs | None = None,
 ) -> int:
+    logs = logs or VllmLogs()
     if plugin is not None and target_name != "vllm":
         raise InputError("--plugin: only --target vllm loads plugins")
     factory = target_factory(target_name)
@@ -182,18 +216,23 @@ def run_traces(
         factory = functools.partial(cast(Callable[..., Target], factory), plugin=plugin)
     model = None if target_name == LOCKSTEP_MODEL else target_factory(LOCKSTEP_MODEL)
 
-    report = TerminalReport(sys.stdout)
+    report = TerminalReport(sys.stdout, quiet=logs.verbosity <= QUIET)
     if traces:
         report.target(_header_capabilities(factory, traces), target_name)
     for trace in traces:
         excluded: list[str] = []
-        result = _run_one(trace, factory, model, level, target_name == LOCKSTEP_MODEL, excluded)
+        kind = "refusal traces" if trace.expect_refused is not None else "traces"
+        with logs.unit(kind) as captured:
+            result = _run_one(trace, factory, model, level, target_name == LOCKSTEP_MODEL, excluded)
         report.exclusions(trace.name, excluded)
         if isinstance(result, TraceRunError):
             kind = "internal error" if result.bug else "error"
             print(f"kvgate: {kind}: {printable(result.message)}", file=sys.stderr)
         report.add(result)
+        if not result.passed:
+            logs.show(captured, f"trace {trace.name}")
     report.finish()
+    logs.print_summary()
 
     if junit_xml is not None:
         _write_junit(report.results, junit_xml)

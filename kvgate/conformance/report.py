@@ -37,8 +37,11 @@ _EXPECTED_FROM = {"expect": "the trace", "api": "the model", "strict": "the mode
 class TerminalReport:
     """Writes the report while the run goes, so a long gate shows progress."""
 
-    def __init__(self, out: TextIO) -> None:
+    def __init__(self, out: TextIO, quiet: bool = False) -> None:
         self.out = out
+        # Quiet: no header and no line per passing trace; failures, errors
+        # and the summary still print.
+        self.quiet = quiet
         self.results: list[Outcome] = []
         # Strict-view exclusion name -> the traces whose target it hid raw
         # state of (named, explained differences rather than failures).
@@ -51,6 +54,8 @@ class TerminalReport:
 
     def target(self, capabilities: Capabilities | None, name: str = "") -> None:
         """The header; None when no trace's config could be built on target `name`."""
+        if self.quiet:
+            return
         if capabilities is None:
             self._line(f"target: {name} (no trace's config could be built on it)")
         else:
@@ -58,7 +63,8 @@ class TerminalReport:
 
     def add(self, result: Outcome) -> None:
         self.results.append(result)
-        self._line(trace_line(result))
+        if not (self.quiet and result.passed):
+            self._line(trace_line(result))
 
     def finish(self) -> None:
         for result in self.results:
