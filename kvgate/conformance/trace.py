@@ -116,7 +116,7 @@ FIELD_WIDTH = 80
 # How long a trace name may be: it heads report lines and names JUnit cases.
 NAME_WIDTH = 200
 # The words a report's verdict lines start with (report.trace_line).
-VERDICT_WORDS = ("PASS", "FAIL", "ERROR")
+VERDICT_WORDS = ("PASS", "FAIL", "LACKS", "SKIP", "ERROR")
 
 
 class TraceError(ValueError):
