@@ -46,14 +46,20 @@ from kvgate.conformance.replay import (
     replay,
 )
 from kvgate.conformance.report import TerminalReport, write_junit
+from kvgate.conformance.selection import (
+    ARMS,
+    FAMILIES,
+    Selection,
+    SelectionError,
+    describe,
+)
 from kvgate.conformance.target import Capabilities, Target
 from kvgate.conformance.trace import (
     Trace,
     TraceError,
     bundled_corpus,
-    check_unique_names,
-    load_corpus,
-    load_trace,
+    read_corpus,
+    read_traces,
 )
 from kvgate.conformance.verdict import (
     CAPABILITY_NAMES,
@@ -104,10 +110,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cast(int, handler(args))
         limits = _limits(args.limit)
         if args.command == "replay":
-            traces = [load_trace(path, limits) for path in args.traces]
-            check_unique_names(traces)
+            traces, invalid = read_traces(args.traces, limits)
         else:
-            traces = load_corpus(args.corpus or bundled_corpus(), limits)
+            traces, invalid = read_corpus(args.corpus or bundled_corpus(), limits)
+            traces = _select(traces, args)
+            if args.list:
+                return list_traces(traces, invalid)
+            if not traces and not invalid:
+                raise InputError("no trace selected (-k, --arm, --family): nothing to gate")
         return run_traces(
             traces,
             args.target,
@@ -116,7 +126,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.junit_xml,
             _required(args.require),
             explain_lacking=args.command == "replay",
+            invalid=invalid,
         )
+    except _NothingValid as nothing:
+        for error in nothing.invalid:
+            print(f"kvgate: error: {printable(str(error))}", file=sys.stderr)
+        junit_path: Path | None = getattr(args, "junit_xml", None)
+        if junit_path is not None:
+            # Nothing ran; CI still gets a file that says why.
+            try:
+                _write_junit([], junit_path, [(str(e.path), str(e)) for e in nothing.invalid])
+            except InputError as unwritable:
+                print(f"kvgate: error: {printable(str(unwritable))}", file=sys.stderr)
+        return EXIT_INPUT
     except (TraceError, InputError) as error:
         print(f"kvgate: error: {printable(str(error))}", file=sys.stderr)
         junit_xml: Path | None = getattr(args, "junit_xml", None)
@@ -154,6 +176,25 @@ def _limits(assignments: Sequence[str] | None) -> Limits:
     return limits
 
 
+def _select(traces: Sequence[Trace], args: argparse.Namespace) -> list[Trace]:
+    selection = Selection(args.keyword or "", tuple(args.arm or ()), tuple(args.family or ()))
+    try:
+        return selection.select(traces)
+    except SelectionError as error:
+        raise InputError(f"-k: {error}") from None
+
+
+def list_traces(traces: Sequence[Trace], invalid: Sequence[TraceError]) -> int:
+    """`--list`: the selected traces, one a line, and each invalid one's error."""
+    for trace in traces:
+        print(printable(describe(trace)))
+    for error in invalid:
+        print(f"kvgate: error: {printable(str(error))}", file=sys.stderr)
+    errors = f", {len(invalid)} invalid" if invalid else ""
+    print(f"{len(traces)} traces selected{errors}")
+    return EXIT_INPUT if invalid else EXIT_OK
+
+
 def _required(values: Sequence[str] | None) -> tuple[str, ...]:
     try:
         return resolve_required(values)
@@ -188,6 +229,35 @@ def _parser() -> argparse.ArgumentParser:
     gate_cmd.add_argument("--target", default="vllm", choices=sorted(TARGETS))
     gate_cmd.add_argument(
         "--corpus", type=Path, metavar="DIR", help="default: the corpus kvgate ships"
+    )
+    gate_cmd.add_argument(
+        "-k",
+        dest="keyword",
+        metavar="EXPR",
+        help="only the traces EXPR matches, as pytest's -k: words (a substring of a trace's "
+        "name, a tag, its family or arm) joined by and, or, not, parentheses "
+        "(default: every trace)",
+    )
+    gate_cmd.add_argument(
+        "--arm",
+        action="append",
+        choices=ARMS,
+        help="only the traces of this arm, from their config's hold switches (repeatable; "
+        "default: every arm)",
+    )
+    gate_cmd.add_argument(
+        "--family",
+        action="append",
+        choices=FAMILIES,
+        help="only the traces of this deployment family, from their config's Mamba "
+        "checkpoint (repeatable; default: every trace, of a family or not)",
+    )
+    gate_cmd.add_argument(
+        "--list",
+        "--collect-only",
+        dest="list",
+        action="store_true",
+        help="print the selected traces (and every invalid one) and exit without running them",
     )
 
     for command in (replay_cmd, gate_cmd):
@@ -228,7 +298,13 @@ def run_traces(
     junit_xml: Path | None,
     required: Sequence[str] = DEFAULT_REQUIRED,
     explain_lacking: bool = False,
+    invalid: Sequence[TraceError] = (),
 ) -> int:
+    """Run `traces` and report each one's verdict, with every `invalid`
+    trace's error listed and counted; the exit code (`errors.EXIT_CODES`).
+    `_NothingValid` when there is nothing to run: only errors to tell."""
+    if not traces and invalid:
+        raise _NothingValid(invalid)
     if plugin is not None and target_name != "vllm":
         raise InputError("--plugin: only --target vllm loads plugins")
     factory = target_factory(target_name)
@@ -240,6 +316,9 @@ def run_traces(
     report = TerminalReport(sys.stdout, required, explain_lacking)
     if traces:
         report.target(_header_capabilities(factory, traces), target_name)
+    for error in invalid:
+        print(f"kvgate: error: {printable(str(error))}", file=sys.stderr)
+        report.add_invalid(error)
     for trace in traces:
         excluded: list[str] = []
         result = _run_one(trace, factory, model, level, target_name == LOCKSTEP_MODEL, excluded)
@@ -248,7 +327,7 @@ def run_traces(
             kind = "internal error" if result.bug else "error"
             print(f"kvgate: {kind}: {printable(result.message)}", file=sys.stderr)
         report.add(result)
-    code = exit_code(report.results, required)
+    code = exit_code(report.results, required, len(invalid))
     if report.results and all(verdict(r) is Verdict.NOT_APPLICABLE for r in report.results):
         # Nothing was checked: each refusal is the input's error.
         for result in report.results:
@@ -257,17 +336,27 @@ def run_traces(
     report.finish(f"verdict: exit {code}: {dict(EXIT_CODES)[code]}")
 
     if junit_xml is not None:
-        _write_junit(report.results, junit_xml, required=required)
+        unloaded = [(str(error.path), str(error)) for error in invalid]
+        _write_junit(report.results, junit_xml, unloaded, required)
     return code
 
 
-def exit_code(results: Sequence[Outcome], required: Sequence[str]) -> int:
-    """The exit code of a run with these outcomes (`errors.EXIT_CODES`)."""
+class _NothingValid(Exception):
+    """Every trace given is invalid: no report, only their errors (exit 2)."""
+
+    def __init__(self, invalid: Sequence[TraceError]) -> None:
+        super().__init__(f"{len(invalid)} invalid traces")
+        self.invalid = invalid
+
+
+def exit_code(results: Sequence[Outcome], required: Sequence[str], invalid: int = 0) -> int:
+    """The exit code of a run with these outcomes and `invalid` traces that
+    could not be read (`errors.EXIT_CODES`)."""
     causes = {verdict(r) for r in results}
     applies = {
         EXIT_KVGATE_BUG: Verdict.BUG in causes,
         # A run in which no trace applies to the target checked nothing.
-        EXIT_INPUT: Verdict.ERROR in causes or causes == {Verdict.NOT_APPLICABLE},
+        EXIT_INPUT: bool(invalid) or Verdict.ERROR in causes or causes == {Verdict.NOT_APPLICABLE},
         EXIT_DIVERGED: Verdict.DIVERGES in causes,
         EXIT_LACKS_REQUIRED: any(fails_requirement(r, required) for r in results),
         EXIT_OK: True,

@@ -25,8 +25,10 @@ from typing import TextIO
 
 from kvgate.conformance.differences import explain
 from kvgate.conformance.replay import Divergence, Outcome, ReplayResult, TraceRunError
+from kvgate.conformance.selection import INVALID_CLASSNAME, classname
 from kvgate.conformance.snapshot import EXCLUSIONS
 from kvgate.conformance.target import Capabilities
+from kvgate.conformance.trace import TraceError
 from kvgate.conformance.verdict import (
     CAPABILITIES,
     DEFAULT_REQUIRED,
@@ -54,6 +56,7 @@ class TerminalReport:
     ) -> None:
         self.out = out
         self.required = tuple(required)
+        self.invalid = 0  # traces that could not be read
         # Whether a trace that lacks a capability shows its misses in full
         # too (a replay of named traces, to look into them), or only its line.
         self.explain_lacking = explain_lacking
@@ -78,6 +81,11 @@ class TerminalReport:
         self.results.append(result)
         self._line(trace_line(result))
 
+    def add_invalid(self, error: TraceError) -> None:
+        """A trace that could not be read: its line, and a count in the summary."""
+        self.invalid += 1
+        self._line(f"ERROR {error}")
+
     def finish(self, verdict_text: str = "") -> None:
         """The details and the summary; `verdict_text` (what the exit code
         means) goes on the line before the counts."""
@@ -95,7 +103,7 @@ class TerminalReport:
             self._line(line)
         if verdict_text:
             self._line(verdict_text)
-        self._line(summary_line(self.results))
+        self._line(summary_line(self.results, self.invalid))
 
     def _line(self, text: str) -> None:
         print(printable(text), file=self.out, flush=True)
@@ -184,8 +192,9 @@ def capability_lines(results: Sequence[Outcome], required: Sequence[str]) -> lis
     return lines
 
 
-def summary_line(results: Sequence[Outcome]) -> str:
-    """`N passed, M failed`, then the other causes' counts when there are any."""
+def summary_line(results: Sequence[Outcome], invalid: int = 0) -> str:
+    """`N passed, M failed`, then the other causes' counts when there are any
+    (`invalid` traces that could not be read are errors)."""
     causes = [verdict(r) for r in results]
     passed = causes.count(Verdict.CONFORMS)
     line = f"{passed} passed, {causes.count(Verdict.DIVERGES)} failed"
@@ -195,7 +204,7 @@ def summary_line(results: Sequence[Outcome]) -> str:
     skipped = causes.count(Verdict.NOT_APPLICABLE)
     if skipped:
         line += f", {skipped} not applicable"
-    errors = causes.count(Verdict.ERROR) + causes.count(Verdict.BUG)
+    errors = causes.count(Verdict.ERROR) + causes.count(Verdict.BUG) + invalid
     return line + (f", {errors} error{'s' if errors > 1 else ''}" if errors else "")
 
 
@@ -326,7 +335,7 @@ def write_junit(
         case = _element(
             suite_element,
             "testcase",
-            classname=suite,
+            classname=classname(result.trace),
             name=result.trace.name,
             file=str(result.trace.path),
             time=f"{result.seconds:.3f}",
@@ -346,7 +355,9 @@ def write_junit(
             failure = _element(case, tag, message=divergence_summary(result.divergence), type=kind)
             failure.text = "\n".join(printable(line) for line in divergence_lines(result))
     for file, reason in unloaded:
-        case = _element(suite_element, "testcase", classname=suite, name=file, file=file, time="0")
+        case = _element(
+            suite_element, "testcase", classname=INVALID_CLASSNAME, name=file, file=file, time="0"
+        )
         _element(case, "error", message=reason, type="invalid trace")
     ET.indent(root)
     ET.ElementTree(root).write(path, encoding="utf-8", xml_declaration=True)
