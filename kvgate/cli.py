@@ -24,12 +24,11 @@ chosen, so `--target model` never imports vLLM.
 from __future__ import annotations
 
 import argparse
-import functools
 import importlib
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn, cast
 
@@ -46,7 +45,7 @@ from kvgate.conformance.replay import (
     replay,
 )
 from kvgate.conformance.report import TerminalReport, write_junit
-from kvgate.conformance.target import Capabilities, Target
+from kvgate.conformance.target import Capabilities
 from kvgate.conformance.trace import (
     Trace,
     TraceError,
@@ -56,7 +55,7 @@ from kvgate.conformance.trace import (
     load_trace,
 )
 from kvgate.errors import InputError, printable
-from kvgate.targets import LOCKSTEP_MODEL, TARGETS, build_target, target_factory
+from kvgate.targets import LOCKSTEP_MODEL, TARGETS, build_target, plugin_factory, target_factory
 
 # Further commands, each a module with `register(subparsers)` that adds its
 # parser and sets `handler(args) -> exit code` on it. A handler raises
@@ -66,6 +65,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "kvgate.workload.command",
     "kvgate.mutate.command",
     "kvgate.invariants.z3.command",
+    "kvgate.bless_command",
 )
 
 
@@ -174,12 +174,7 @@ def run_traces(
     plugin: str | None,
     junit_xml: Path | None,
 ) -> int:
-    if plugin is not None and target_name != "vllm":
-        raise InputError("--plugin: only --target vllm loads plugins")
-    factory = target_factory(target_name)
-    if plugin is not None:
-        # VllmTarget(config, plugin=...): the one target that loads plugins.
-        factory = functools.partial(cast(Callable[..., Target], factory), plugin=plugin)
+    factory = plugin_factory(target_name, plugin)
     model = None if target_name == LOCKSTEP_MODEL else target_factory(LOCKSTEP_MODEL)
 
     report = TerminalReport(sys.stdout)
