@@ -31,12 +31,8 @@ from kvgate.conformance.bless import Blessing, bless, check_blessable
 from kvgate.conformance.replay import LEVELS, Level, ModelBug, TargetFactory, replay
 from kvgate.conformance.report import show_pair
 from kvgate.conformance.trace import Trace, TraceError, check_unique_names, load_trace
-from kvgate.errors import InputError, printable
+from kvgate.errors import EXIT_DIVERGED, EXIT_INPUT, EXIT_KVGATE_BUG, InputError, printable
 from kvgate.targets import LOCKSTEP_MODEL, build_target, plugin_factory, target_factory
-
-EXIT_DISAGREES = 1
-EXIT_INPUT = 2
-EXIT_KVGATE_BUG = 3
 
 
 def register(subparsers: Any) -> None:
@@ -100,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
                 disagreement = _disagreement(blessing.blessed, vllm, model, args.level)
                 if disagreement is not None:
                     _error(f"refused to bless {trace.path}: {disagreement}")
-                    status = max(status, EXIT_DISAGREES)
+                    status = max(status, EXIT_DIVERGED)
                     continue
         except TraceError as error:
             _error(str(error))
@@ -118,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"{name}: up to date ({blessing.kept} values)")
         elif args.check:
             print(f"{name}: would change: {blessing.account()}")
-            status = max(status, EXIT_DISAGREES)
+            status = max(status, EXIT_DIVERGED)
         else:
             _write(blessing.trace.path, blessing.text)
             print(f"blessed {name}: {blessing.account()}")

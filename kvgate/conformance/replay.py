@@ -181,12 +181,15 @@ class ModelBug(Exception):
 class TraceRunError:
     """A trace that got no verdict on the target: refused while it ran (the
     trace's fault, or a config the target cannot run), or stopped by a bug in
-    kvgate's model. `message` is one line naming the file, step and field."""
+    kvgate's model. `message` is one line naming the file, step and field.
+    `config_refused`: the target would not build the trace's config at all
+    (the trace is not applicable to it)."""
 
     trace: Trace
     message: str
     bug: bool
     seconds: float = 0.0
+    config_refused: bool = False
 
     @property
     def passed(self) -> bool:
