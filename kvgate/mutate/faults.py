@@ -30,6 +30,7 @@ MODULES: dict[str, str] = {
     "single": "vllm.v1.core.single_type_kv_cache_manager",
     "coordinator": "vllm.v1.core.kv_cache_coordinator",
     "manager": "vllm.v1.core.kv_cache_manager",
+    "scheduler": "vllm.v1.core.sched.scheduler",
 }
 
 
