@@ -3,33 +3,32 @@
     kvgate replay TRACE... --target {model,vllm} [--level api|strict]
     kvgate gate [--target vllm|model] [--corpus DIR] [--level api|strict]
                 [--junit-xml PATH] [--plugin MODULE|entry-points]
-    (both) [--limit NAME=N ...]
+    (both) [--require hold|retention|none ...] [--limit NAME=N ...]
 
-Exit codes: 0 every trace conforms, 1 some trace diverged, 2 invalid input
-(a trace, an unsupported config, an unknown or unavailable target, bad
-arguments), told in one line on stderr and never with a traceback, 3 a bug
-in kvgate itself (its model raised), told in one line naming the trace and
-step. The highest applies.
+Each trace gets a verdict by cause (`conformance.verdict`): conforms,
+diverges, lacks a capability (the build lacks what the trace's config asks
+for; it fails the gate only when `--require` names it), not applicable (the
+target refuses the config), or an error. The exit codes are
+`errors.EXIT_CODES`; `--help` shows them.
 
 Every trace is loaded and validated before anything is replayed; an invalid
 one stops the run before anything runs. A trace refused while it runs (a
-step its state cannot do, a config the target cannot run) or stopped by a
-bug in the model gets an ERROR line instead of a verdict, and the rest
-still run; the summary counts it and the JUnit file is written either way.
-Against `--target vllm` the model runs in lockstep; against `--target model`
-only the traces' own expectations apply. Targets are imported only when
-chosen, so `--target model` never imports vLLM.
+step its state cannot do) or stopped by a bug in the model gets an ERROR
+line instead of a verdict, and the rest still run; the summary counts it and
+the JUnit file is written either way. Against `--target vllm` the model runs
+in lockstep; against `--target model` only the traces' own expectations
+apply. Targets are imported only when chosen, so `--target model` never
+imports vLLM.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import importlib
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn, cast
 
@@ -46,17 +45,44 @@ from kvgate.conformance.replay import (
     replay,
 )
 from kvgate.conformance.report import TerminalReport, write_junit
-from kvgate.conformance.target import Capabilities, Target
+from kvgate.conformance.selection import (
+    ARMS,
+    FAMILIES,
+    Selection,
+    SelectionError,
+    describe,
+)
+from kvgate.conformance.target import Capabilities
 from kvgate.conformance.trace import (
     Trace,
     TraceError,
     bundled_corpus,
-    check_unique_names,
-    load_corpus,
-    load_trace,
+    read_corpus,
+    read_traces,
 )
-from kvgate.errors import InputError, printable
-from kvgate.targets import LOCKSTEP_MODEL, TARGETS, build_target, target_factory
+from kvgate.conformance.verdict import (
+    CAPABILITY_NAMES,
+    DEFAULT_REQUIRED,
+    REQUIRE_NONE,
+    Verdict,
+    fails_requirement,
+    resolve_required,
+    verdict,
+)
+from kvgate.errors import (
+    EXIT_CODES,
+    EXIT_DIVERGED,
+    EXIT_INPUT,
+    EXIT_KVGATE_BUG,
+    EXIT_LACKS_REQUIRED,
+    EXIT_OK,
+    EXIT_PRECEDENCE,
+    InputError,
+    exit_code_table,
+    printable,
+)
+from kvgate.output import QUIET, VllmLogs, vllm_logs
+from kvgate.targets import LOCKSTEP_MODEL, TARGETS, build_target, plugin_factory, target_factory
 
 # Further commands, each a module with `register(subparsers)` that adds its
 # parser and sets `handler(args) -> exit code` on it. A handler raises
@@ -66,6 +92,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "kvgate.workload.command",
     "kvgate.mutate.command",
     "kvgate.invariants.z3.command",
+    "kvgate.bless_command",
 )
 
 
@@ -75,26 +102,51 @@ class _Parser(argparse.ArgumentParser):
         raise InputError(message)
 
 
-# Exit codes (see the module docstring).
-EXIT_DIVERGED = 1
-EXIT_INPUT = 2
-EXIT_KVGATE_BUG = 3
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args: argparse.Namespace | None = None
     try:
         args = _parser().parse_args(argv)
-        handler = getattr(args, "handler", None)
-        if handler is not None:
-            return cast(int, handler(args))
-        limits = _limits(args.limit)
-        if args.command == "replay":
-            traces = [load_trace(path, limits) for path in args.traces]
-            check_unique_names(traces)
-        else:
-            traces = load_corpus(args.corpus or bundled_corpus(), limits)
-        return run_traces(traces, args.target, args.level, args.plugin, args.junit_xml)
+        with vllm_logs(args.verbosity) as logs:
+            args.vllm_logs = logs
+            handler = getattr(args, "handler", None)
+            if handler is not None:
+                # Lines no smaller unit claims count as the command's own.
+                with logs.unit(f"kvgate {args.command}"):
+                    code = cast(int, handler(args))
+                logs.print_summary()
+                return code
+            limits = _limits(args.limit)
+            if args.command == "replay":
+                traces, invalid = read_traces(args.traces, limits)
+            else:
+                traces, invalid = read_corpus(args.corpus or bundled_corpus(), limits)
+                traces = _select(traces, args)
+                if args.list:
+                    return list_traces(traces, invalid)
+                if not traces and not invalid:
+                    raise InputError("no trace selected (-k, --arm, --family): nothing to gate")
+            return run_traces(
+                traces,
+                args.target,
+                args.level,
+                args.plugin,
+                args.junit_xml,
+                _required(args.require),
+                explain_lacking=args.command == "replay",
+                invalid=invalid,
+                logs=logs,
+            )
+    except _NothingValid as nothing:
+        for error in nothing.invalid:
+            print(f"kvgate: error: {printable(str(error))}", file=sys.stderr)
+        junit_path: Path | None = getattr(args, "junit_xml", None)
+        if junit_path is not None:
+            # Nothing ran; CI still gets a file that says why.
+            try:
+                _write_junit([], junit_path, [(str(e.path), str(e)) for e in nothing.invalid])
+            except InputError as unwritable:
+                print(f"kvgate: error: {printable(str(unwritable))}", file=sys.stderr)
+        return EXIT_INPUT
     except (TraceError, InputError) as error:
         print(f"kvgate: error: {printable(str(error))}", file=sys.stderr)
         junit_xml: Path | None = getattr(args, "junit_xml", None)
@@ -132,18 +184,88 @@ def _limits(assignments: Sequence[str] | None) -> Limits:
     return limits
 
 
+def _select(traces: Sequence[Trace], args: argparse.Namespace) -> list[Trace]:
+    selection = Selection(args.keyword or "", tuple(args.arm or ()), tuple(args.family or ()))
+    try:
+        return selection.select(traces)
+    except SelectionError as error:
+        raise InputError(f"-k: {error}") from None
+
+
+def list_traces(traces: Sequence[Trace], invalid: Sequence[TraceError]) -> int:
+    """`--list`: the selected traces, one a line, and each invalid one's error."""
+    for trace in traces:
+        print(printable(describe(trace)))
+    for error in invalid:
+        print(f"kvgate: error: {printable(str(error))}", file=sys.stderr)
+    errors = f", {len(invalid)} invalid" if invalid else ""
+    print(f"{len(traces)} traces selected{errors}")
+    return EXIT_INPUT if invalid else EXIT_OK
+
+
+def _required(values: Sequence[str] | None) -> tuple[str, ...]:
+    try:
+        return resolve_required(values)
+    except ValueError as error:
+        raise InputError(f"--require: {error}") from None
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="kvgate", description="Conformance gate for vLLM's KV-cache manager.")
+    parser = _Parser(
+        prog="kvgate",
+        description="Conformance gate for vLLM's KV-cache manager.",
+        epilog=exit_code_table(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    replay_cmd = commands.add_parser("replay", help="replay traces on a target")
+    replay_cmd = commands.add_parser(
+        "replay",
+        help="replay traces on a target",
+        epilog=exit_code_table(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     replay_cmd.add_argument("traces", nargs="+", type=Path, metavar="TRACE")
     replay_cmd.add_argument("--target", required=True, choices=sorted(TARGETS))
 
-    gate_cmd = commands.add_parser("gate", help="replay a corpus; exit 0 only if all conform")
+    gate_cmd = commands.add_parser(
+        "gate",
+        help="replay a corpus; exit 0 only if the build is deployable",
+        epilog=exit_code_table(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     gate_cmd.add_argument("--target", default="vllm", choices=sorted(TARGETS))
     gate_cmd.add_argument(
         "--corpus", type=Path, metavar="DIR", help="default: the corpus kvgate ships"
+    )
+    gate_cmd.add_argument(
+        "-k",
+        dest="keyword",
+        metavar="EXPR",
+        help="only the traces EXPR matches, as pytest's -k: words (a substring of a trace's "
+        "name, a tag, its family or arm) joined by and, or, not, parentheses "
+        "(default: every trace)",
+    )
+    gate_cmd.add_argument(
+        "--arm",
+        action="append",
+        choices=ARMS,
+        help="only the traces of this arm, from their config's hold switches (repeatable; "
+        "default: every arm)",
+    )
+    gate_cmd.add_argument(
+        "--family",
+        action="append",
+        choices=FAMILIES,
+        help="only the traces of this deployment family, from their config's Mamba "
+        "checkpoint (repeatable; default: every trace, of a family or not)",
+    )
+    gate_cmd.add_argument(
+        "--list",
+        "--collect-only",
+        dest="list",
+        action="store_true",
+        help="print the selected traces (and every invalid one) and exit without running them",
     )
 
     for command in (replay_cmd, gate_cmd):
@@ -156,6 +278,15 @@ def _parser() -> argparse.ArgumentParser:
             "or 'entry-points' to run vLLM's own vllm.general_plugins loader",
         )
         command.add_argument(
+            "--require",
+            action="append",
+            metavar="CAPABILITY",
+            help="a capability the build must have, or the gate exits "
+            f"{EXIT_LACKS_REQUIRED}: {', '.join(CAPABILITY_NAMES)}, or {REQUIRE_NONE} to gate "
+            "the build's own semantics (repeat or comma-separate; default: "
+            f"{','.join(DEFAULT_REQUIRED)}, the hold the multi-turn agent load needs)",
+        )
+        command.add_argument(
             "--limit",
             action="append",
             metavar="NAME=N",
@@ -164,7 +295,32 @@ def _parser() -> argparse.ArgumentParser:
         )
     for module in COMMAND_MODULES:
         importlib.import_module(module).register(commands)
+    for command in commands.choices.values():
+        add_verbosity(command)
     return parser
+
+
+def add_verbosity(parser: argparse.ArgumentParser) -> None:
+    """-q / -v / -vv, the same on every command (see kvgate/output.py)."""
+    levels = parser.add_argument_group("output")
+    levels.add_argument(
+        "-v",
+        "--verbose",
+        dest="verbosity",
+        action="count",
+        default=0,
+        help="-v: also show vLLM's warnings as they happen; -vv: also its info "
+        "and debug lines (default: vLLM's lines are kept per trace and shown "
+        "only with a failure, and counted in the summary)",
+    )
+    levels.add_argument(
+        "-q",
+        "--quiet",
+        dest="verbosity",
+        action="store_const",
+        const=QUIET,
+        help="print only failures, errors and the summary",
+    )
 
 
 def run_traces(
@@ -173,36 +329,74 @@ def run_traces(
     level: Level,
     plugin: str | None,
     junit_xml: Path | None,
+    required: Sequence[str] = DEFAULT_REQUIRED,
+    explain_lacking: bool = False,
+    invalid: Sequence[TraceError] = (),
+    logs: VllmLogs | None = None,
 ) -> int:
-    if plugin is not None and target_name != "vllm":
-        raise InputError("--plugin: only --target vllm loads plugins")
-    factory = target_factory(target_name)
-    if plugin is not None:
-        # VllmTarget(config, plugin=...): the one target that loads plugins.
-        factory = functools.partial(cast(Callable[..., Target], factory), plugin=plugin)
+    """Run `traces` and report each one's verdict, with every `invalid`
+    trace's error listed and counted; the exit code (`errors.EXIT_CODES`).
+    `_NothingValid` when there is nothing to run: only errors to tell."""
+    if not traces and invalid:
+        raise _NothingValid(invalid)
+    logs = logs or VllmLogs()
+    factory = plugin_factory(target_name, plugin)
     model = None if target_name == LOCKSTEP_MODEL else target_factory(LOCKSTEP_MODEL)
 
-    report = TerminalReport(sys.stdout)
+    report = TerminalReport(sys.stdout, required, explain_lacking, quiet=logs.verbosity <= QUIET)
     if traces:
         report.target(_header_capabilities(factory, traces), target_name)
+    for error in invalid:
+        print(f"kvgate: error: {printable(str(error))}", file=sys.stderr)
+        report.add_invalid(error)
     for trace in traces:
         excluded: list[str] = []
-        result = _run_one(trace, factory, model, level, target_name == LOCKSTEP_MODEL, excluded)
+        kind = "refusal traces" if trace.expect_refused is not None else "traces"
+        with logs.unit(kind) as captured:
+            result = _run_one(trace, factory, model, level, target_name == LOCKSTEP_MODEL, excluded)
         report.exclusions(trace.name, excluded)
-        if isinstance(result, TraceRunError):
+        if isinstance(result, TraceRunError) and not result.config_refused:
             kind = "internal error" if result.bug else "error"
             print(f"kvgate: {kind}: {printable(result.message)}", file=sys.stderr)
         report.add(result)
-    report.finish()
+        if not result.passed:
+            logs.show(captured, f"trace {trace.name}")
+    code = exit_code(report.results, required, len(invalid))
+    if report.results and all(verdict(r) is Verdict.NOT_APPLICABLE for r in report.results):
+        # Nothing was checked: each refusal is the input's error.
+        for result in report.results:
+            assert isinstance(result, TraceRunError)
+            print(f"kvgate: error: {printable(result.message)}", file=sys.stderr)
+    report.finish(f"verdict: exit {code}: {dict(EXIT_CODES)[code]}")
+    logs.print_summary()
 
     if junit_xml is not None:
-        _write_junit(report.results, junit_xml)
-    errors = [r for r in report.results if isinstance(r, TraceRunError)]
-    if any(e.bug for e in errors):
-        return EXIT_KVGATE_BUG
-    if errors:
-        return EXIT_INPUT
-    return 0 if all(r.passed for r in report.results) else EXIT_DIVERGED
+        unloaded = [(str(error.path), str(error)) for error in invalid]
+        _write_junit(report.results, junit_xml, unloaded, required)
+    return code
+
+
+class _NothingValid(Exception):
+    """Every trace given is invalid: no report, only their errors (exit 2)."""
+
+    def __init__(self, invalid: Sequence[TraceError]) -> None:
+        super().__init__(f"{len(invalid)} invalid traces")
+        self.invalid = invalid
+
+
+def exit_code(results: Sequence[Outcome], required: Sequence[str], invalid: int = 0) -> int:
+    """The exit code of a run with these outcomes and `invalid` traces that
+    could not be read (`errors.EXIT_CODES`)."""
+    causes = {verdict(r) for r in results}
+    applies = {
+        EXIT_KVGATE_BUG: Verdict.BUG in causes,
+        # A run in which no trace applies to the target checked nothing.
+        EXIT_INPUT: bool(invalid) or Verdict.ERROR in causes or causes == {Verdict.NOT_APPLICABLE},
+        EXIT_DIVERGED: Verdict.DIVERGES in causes,
+        EXIT_LACKS_REQUIRED: any(fails_requirement(r, required) for r in results),
+        EXIT_OK: True,
+    }
+    return next(code for code in EXIT_PRECEDENCE if applies[code])
 
 
 def _run_one(
@@ -220,6 +414,11 @@ def _run_one(
         return judge_refusal(trace, factory, level)
     try:
         target = build_target(factory, trace)
+    except TraceError as error:
+        # The target will not run this config at all: not applicable to it.
+        seconds = time.perf_counter() - started
+        return TraceRunError(trace, str(error), bug=False, seconds=seconds, config_refused=True)
+    try:
         try:
             result = replay(trace, target, model, level, target_is_model=target_is_model)
             if excluded is not None:
@@ -234,10 +433,13 @@ def _run_one(
 
 
 def _write_junit(
-    results: Sequence[Outcome], path: Path, unloaded: Sequence[tuple[str, str]] = ()
+    results: Sequence[Outcome],
+    path: Path,
+    unloaded: Sequence[tuple[str, str]] = (),
+    required: Sequence[str] = DEFAULT_REQUIRED,
 ) -> None:
     try:
-        write_junit(results, path, unloaded=unloaded)
+        write_junit(results, path, unloaded=unloaded, required=required)
     except OSError as error:
         raise InputError(f"--junit-xml: cannot write {path}: {error.strerror}") from None
 

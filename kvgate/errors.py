@@ -38,3 +38,48 @@ def _escape(char: str) -> str:
     if code < 0x10000:
         return f"\\u{code:04x}"
     return f"\\U{code:08x}"
+
+
+# Exit codes: the one table the command line's help and docs/gate.md show.
+EXIT_OK = 0
+EXIT_DIVERGED = 1
+EXIT_INPUT = 2
+EXIT_KVGATE_BUG = 3
+EXIT_LACKS_REQUIRED = 4
+EXIT_CODES: tuple[tuple[int, str], ...] = (
+    (
+        EXIT_OK,
+        "deployable: every trace that ran conforms (a capability not required may be missing)",
+    ),
+    (
+        EXIT_DIVERGED,
+        "a trace diverges: the build differs from the model, or misses an expectation "
+        "for a reason other than a missing capability; do not deploy",
+    ),
+    (
+        EXIT_INPUT,
+        "bad input: an invalid trace, a bad argument, an unknown or unavailable target "
+        "(each told in one line), or no trace applicable to the target",
+    ),
+    (EXIT_KVGATE_BUG, "a bug in kvgate itself (its model raised): please report it"),
+    (
+        EXIT_LACKS_REQUIRED,
+        "conforms, but the build lacks a required capability (--require): the summary "
+        "names it, what it costs and the remedy",
+    ),
+)
+# When several apply, the first of these is the exit code.
+EXIT_PRECEDENCE: tuple[int, ...] = (
+    EXIT_KVGATE_BUG,
+    EXIT_INPUT,
+    EXIT_DIVERGED,
+    EXIT_LACKS_REQUIRED,
+    EXIT_OK,
+)
+
+
+def exit_code_table() -> str:
+    """The exit codes as `--help` shows them."""
+    lines = [f"  {code}  {meaning}" for code, meaning in EXIT_CODES]
+    order = ", ".join(str(code) for code in EXIT_PRECEDENCE)
+    return "exit codes:\n" + "\n".join(lines) + f"\nwhen several apply, the first of {order}"

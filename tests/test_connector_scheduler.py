@@ -381,10 +381,12 @@ def test_a_driver_that_drifts_from_the_schedulers_connector_branch_diverges(
     seen: str,
 ) -> None:
     from kvgate.conformance.driver import OpDriver
-    from kvgate.workload import generator
+    from kvgate.model import scheduler as scheduler_model
 
     if drift == "reserved":
-        monkeypatch.setattr(generator._Scheduler, "_reserved_blocks", lambda self, skipped: 0)
+        monkeypatch.setattr(
+            scheduler_model.SchedulerModel, "_reserved_blocks", lambda self, skipped: 0
+        )
     elif drift == "truncate":
         monkeypatch.setattr(OpDriver, "truncate_computed_blocks", lambda self, blocks, n: blocks)
     elif drift == "load_failed":
@@ -395,9 +397,9 @@ def test_a_driver_that_drifts_from_the_schedulers_connector_branch_diverges(
 
         monkeypatch.setattr(OpDriver, "_fail_load", keep_blocks)
     else:
-        chunk = generator._Scheduler._chunk
+        chunk = scheduler_model.SchedulerModel._chunk
         monkeypatch.setattr(
-            generator._Scheduler,
+            scheduler_model.SchedulerModel,
             "_admission_chunk",
             lambda self, live, hit, budget: chunk(self, live.request, hit, budget),
         )

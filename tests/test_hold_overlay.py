@@ -66,7 +66,7 @@ def overlay() -> Iterator[Any]:
 
     _vllm_api.load()
     was_installed = hold_overlay.is_registered()
-    hold_overlay.register()
+    hold_overlay.install()
     yield hold_overlay
     if not was_installed:
         hold_overlay.unregister()
@@ -79,7 +79,7 @@ def upstream(overlay: Any) -> Iterator[None]:
     try:
         yield
     finally:
-        overlay.register()
+        overlay.install()
 
 
 def run(trace: Trace, plugin: str | None, record: list[Snapshot] | None = None) -> ReplayResult:
@@ -166,7 +166,7 @@ def test_switched_off_the_overlay_changes_nothing(overlay: Any) -> None:
             assert result.steps_run == installed.steps_run
             assert len(snaps) > 10 and snaps == installed_snaps, trace.name
     finally:
-        overlay.register()
+        overlay.install()
 
 
 # -- beyond the corpus's own expectations ----------------------------------------
@@ -221,7 +221,7 @@ def test_register_is_idempotent_and_unregister_restores(overlay: Any) -> None:
 
     names = ("__init__", "get_num_blocks_to_allocate", "allocate_new_blocks")
     patched = [MambaManager.__dict__[n] for n in names] + [KVCacheCoordinator.__dict__["free"]]
-    overlay.register()
+    overlay.install()
     again = [MambaManager.__dict__[n] for n in names] + [KVCacheCoordinator.__dict__["free"]]
     assert again == patched
     assert all(f.__module__ == PLUGIN for f in patched)
@@ -230,7 +230,7 @@ def test_register_is_idempotent_and_unregister_restores(overlay: Any) -> None:
         assert all(MambaManager.__dict__[n].__module__.startswith("vllm.") for n in names)
         assert KVCacheCoordinator.__dict__["free"].__module__.startswith("vllm.")
     finally:
-        overlay.register()
+        overlay.install()
 
 
 def test_the_switch_is_read_per_manager(overlay: Any) -> None:

@@ -21,6 +21,7 @@ from fake_target import (
     ReversedQueueFake,
     SilentFake,
     StingyFake,
+    fake_trace_text,
 )
 
 from kvgate import cli, targets
@@ -47,23 +48,9 @@ from kvgate.conformance.trace import Trace, TraceError, parse_trace
 
 
 def make_trace(steps: str, *, num_blocks: int = 96, hold: bool = False, name: str = "t") -> Trace:
-    text = textwrap.dedent(
-        f"""\
-        format: kvgate-trace/1
-        name: {name}
-        config:
-          num_blocks: {num_blocks}
-          hash_unit: 8
-          eagle: true
-          retention_interval: 0
-          retain_checkpoint: {"true" if hold else "false"}
-          groups:
-            - {{kind: full_attention, block_size: 8}}
-            - {{kind: mamba_align, block_size: 32, speculative_blocks: 3}}
-        steps:
-        """
+    return parse_trace(
+        fake_trace_text(steps, name, hold=hold, num_blocks=num_blocks), f"{name}.yaml"
     )
-    return parse_trace(text + textwrap.indent(textwrap.dedent(steps), "  "), f"{name}.yaml")
 
 
 # A's prompt is 150 tokens: the fake computes it in chunks of 64, 64 and 22.

@@ -194,16 +194,18 @@ def test_unknown_target_is_an_input_error(
     assert err.count("\n") == 1 and err.startswith("kvgate: error: argument --target")
 
 
-def test_one_bad_trace_stops_all_before_any_replay(
+def test_a_bad_trace_is_listed_and_the_valid_ones_still_run(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     good, bad = tmp_path / "good.yaml", tmp_path / "bad.yaml"
     good.write_text(trace_text(ARRIVE))
-    bad.write_text(trace_text("- {op: lookup, req: A}\n"))
+    bad.write_text(trace_text("- {op: lookup, req: A}\n").replace("name: t", "name: u"))
     assert main(["replay", str(good), str(bad), "--target", "model"]) == 2
     out, err = capsys.readouterr()
-    assert out == ""  # nothing was replayed, not even the valid trace
-    assert f"{bad}: step 0: req:" in err
+    assert out.splitlines()[1].startswith("ERROR ")
+    assert out.splitlines()[2].startswith("PASS t (")
+    assert out.splitlines()[-1] == "1 passed, 0 failed, 1 error"
+    assert err.count("\n") == 1 and f"{bad}: step 0: req:" in err
 
 
 # -- what the reader accepts --------------------------------------------------

@@ -1,12 +1,15 @@
 """What a replay run tells people (the terminal) and CI (JUnit XML).
 
 Terminal shape, in order: the target's capabilities, a line per trace as it
-finishes (`PASS`, `FAIL`, or `ERROR` with its one-line reason when the trace
-got no verdict), each failing trace's first divergence in a few lines, the
-named differences (strict-view exclusions that hid raw state of the target:
-a release that keeps unobservable state differently), and a last line
-`N passed, M failed` (`, K errors` when there are any) on its own, for CI
-parsers.
+finishes (`PASS`, `FAIL`, `LACKS` naming the capability the build lacks,
+`SKIP` when the target refuses the trace's config, or `ERROR` with its
+one-line reason when the trace got no verdict), each diverging trace's first
+divergence in a few lines, the named differences (strict-view exclusions
+that hid raw state of the target: a release that keeps unobservable state
+differently), one line per missing capability (how many traces, what they
+show it costs, the remedy, whether it is required), the verdict, and a last
+line `N passed, M failed` (then the other causes' counts when there are
+any) on its own, for CI parsers.
 
 Every piece of text from input (trace names, values, messages, paths) goes
 through `printable`: a report line is one physical line, and nothing in a
@@ -22,8 +25,19 @@ from typing import TextIO
 
 from kvgate.conformance.differences import explain
 from kvgate.conformance.replay import Divergence, Outcome, ReplayResult, TraceRunError
+from kvgate.conformance.selection import INVALID_CLASSNAME, classname
 from kvgate.conformance.snapshot import EXCLUSIONS
 from kvgate.conformance.target import Capabilities
+from kvgate.conformance.trace import TraceError
+from kvgate.conformance.verdict import (
+    CAPABILITIES,
+    DEFAULT_REQUIRED,
+    Verdict,
+    cost,
+    fails_requirement,
+    lacking,
+    verdict,
+)
 from kvgate.errors import printable
 
 # How much of one value a terminal line shows.
@@ -37,8 +51,22 @@ _EXPECTED_FROM = {"expect": "the trace", "api": "the model", "strict": "the mode
 class TerminalReport:
     """Writes the report while the run goes, so a long gate shows progress."""
 
-    def __init__(self, out: TextIO) -> None:
+    def __init__(
+        self,
+        out: TextIO,
+        required: Sequence[str] = DEFAULT_REQUIRED,
+        explain_lacking: bool = False,
+        quiet: bool = False,
+    ) -> None:
         self.out = out
+        # Quiet: no header and no line per passing trace; failures, errors
+        # and the summary still print.
+        self.quiet = quiet
+        self.required = tuple(required)
+        self.invalid = 0  # traces that could not be read
+        # Whether a trace that lacks a capability shows its misses in full
+        # too (a replay of named traces, to look into them), or only its line.
+        self.explain_lacking = explain_lacking
         self.results: list[Outcome] = []
         # Strict-view exclusion name -> the traces whose target it hid raw
         # state of (named, explained differences rather than failures).
@@ -51,6 +79,8 @@ class TerminalReport:
 
     def target(self, capabilities: Capabilities | None, name: str = "") -> None:
         """The header; None when no trace's config could be built on target `name`."""
+        if self.quiet:
+            return
         if capabilities is None:
             self._line(f"target: {name} (no trace's config could be built on it)")
         else:
@@ -58,19 +88,32 @@ class TerminalReport:
 
     def add(self, result: Outcome) -> None:
         self.results.append(result)
-        self._line(trace_line(result))
+        if not (self.quiet and result.passed):
+            self._line(trace_line(result))
 
-    def finish(self) -> None:
-        for result in self.results:
-            if isinstance(result, ReplayResult) and not result.passed:
-                self._line("")
-                for line in divergence_lines(result):
-                    self._line(line)
-        if any(isinstance(r, ReplayResult) and not r.passed for r in self.results):
+    def add_invalid(self, error: TraceError) -> None:
+        """A trace that could not be read: its line, and a count in the summary."""
+        self.invalid += 1
+        self._line(f"ERROR {error}")
+
+    def finish(self, verdict_text: str = "") -> None:
+        """The details and the summary; `verdict_text` (what the exit code
+        means) goes on the line before the counts."""
+        shown = {Verdict.DIVERGES, Verdict.LACKS} if self.explain_lacking else {Verdict.DIVERGES}
+        diverged = [r for r in self.results if isinstance(r, ReplayResult) and verdict(r) in shown]
+        for result in diverged:
+            self._line("")
+            for line in divergence_lines(result):
+                self._line(line)
+        if diverged:
             self._line("")
         for line in difference_lines(self.excluded):
             self._line(line)
-        self._line(summary_line(self.results))
+        for line in capability_lines(self.results, self.required):
+            self._line(line)
+        if verdict_text:
+            self._line(verdict_text)
+        self._line(summary_line(self.results, self.invalid))
 
     def _line(self, text: str) -> None:
         print(printable(text), file=self.out, flush=True)
@@ -106,23 +149,72 @@ def capabilities_line(capabilities: Capabilities) -> str:
     return f"target: {capabilities.implementation} (partial hits: {partial}, hold: {hold}{retire})"
 
 
+# The word a trace's report line starts with, by its verdict.
+VERDICT_WORD = {
+    Verdict.CONFORMS: "PASS",
+    Verdict.DIVERGES: "FAIL",
+    Verdict.LACKS: "LACKS",
+    Verdict.NOT_APPLICABLE: "SKIP",
+    Verdict.ERROR: "ERROR",
+    Verdict.BUG: "ERROR",
+}
+
+
 def trace_line(result: Outcome) -> str:
+    cause = verdict(result)
+    word = VERDICT_WORD[cause]
     if isinstance(result, TraceRunError):
-        return f"ERROR {result.trace.name} ({error_kind(result)}: {result.message})"
-    verdict = "PASS" if result.passed else "FAIL"
+        return f"{word} {result.trace.name} ({error_kind(result)}: {result.message})"
     refused = result.trace.expect_refused
     done = f"{result.steps_run} steps" if refused is None else f"refusal by {refused}"
-    return f"{verdict} {result.trace.name} ({done}, {result.seconds:.2f}s)"
+    if cause is Verdict.LACKS:
+        done = f"{' and '.join(c.name for c in lacking(result))}: {done}"
+    return f"{word} {result.trace.name} ({done}, {result.seconds:.2f}s)"
 
 
 def error_kind(error: TraceRunError) -> str:
-    return "kvgate bug" if error.bug else "refused"
+    if error.bug:
+        return "kvgate bug"
+    return "not applicable, the target refuses the config" if error.config_refused else "refused"
 
 
-def summary_line(results: Sequence[Outcome]) -> str:
-    errors = sum(isinstance(r, TraceRunError) for r in results)
-    failed = sum(not r.passed for r in results) - errors
-    line = f"{len(results) - failed - errors} passed, {failed} failed"
+def capability_lines(results: Sequence[Outcome], required: Sequence[str]) -> list[str]:
+    """One line per capability some trace lacked: how many traces, what they
+    show it costs, the remedy, and whether the gate requires it."""
+    lines: list[str] = []
+    lacks = [r for r in results if isinstance(r, ReplayResult) and verdict(r) is Verdict.LACKS]
+    for capability in CAPABILITIES:
+        group = [r for r in lacks if capability in lacking(r)]
+        if not group:
+            continue
+        policy = (
+            f"required (--require {capability.name}): fails the gate"
+            if capability.name in required
+            else "not required: reported only"
+        )
+        lines.append(
+            f"lacks {capability.name}: {len(group)} traces need {capability.what}, which "
+            f"this build lacks; cost: {cost(group).text()}; remedy: {capability.remedy}; "
+            f"{policy}"
+        )
+    if lines:
+        lines.append("")
+    return lines
+
+
+def summary_line(results: Sequence[Outcome], invalid: int = 0) -> str:
+    """`N passed, M failed`, then the other causes' counts when there are any
+    (`invalid` traces that could not be read are errors)."""
+    causes = [verdict(r) for r in results]
+    passed = causes.count(Verdict.CONFORMS)
+    line = f"{passed} passed, {causes.count(Verdict.DIVERGES)} failed"
+    lacks = causes.count(Verdict.LACKS)
+    if lacks:
+        line += f", {lacks} lacking a capability"
+    skipped = causes.count(Verdict.NOT_APPLICABLE)
+    if skipped:
+        line += f", {skipped} not applicable"
+    errors = causes.count(Verdict.ERROR) + causes.count(Verdict.BUG) + invalid
     return line + (f", {errors} error{'s' if errors > 1 else ''}" if errors else "")
 
 
@@ -215,20 +307,27 @@ def write_junit(
     path: str | Path,
     suite: str = "kvgate",
     unloaded: Sequence[tuple[str, str]] = (),
+    required: Sequence[str] = DEFAULT_REQUIRED,
 ) -> None:
     """One testcase per trace; a failing one carries its first divergence, an
-    errored one its reason. `unloaded` adds an error case per (file, reason)
-    that could not even be loaded, so CI sees why nothing ran."""
+    errored one its reason; one that lacks a capability fails when `required`
+    names it and is skipped otherwise, as is one not applicable. `unloaded`
+    adds an error case per (file, reason) that could not even be loaded, so
+    CI sees why nothing ran."""
+    causes = [verdict(r) for r in results]
     replayed = [r for r in results if isinstance(r, ReplayResult)]
-    failed = [r for r in replayed if not r.passed]
+    failed = causes.count(Verdict.DIVERGES) + sum(fails_requirement(r, required) for r in results)
+    skipped = causes.count(Verdict.NOT_APPLICABLE) + causes.count(Verdict.LACKS)
+    errors = causes.count(Verdict.ERROR) + causes.count(Verdict.BUG) + len(unloaded)
     root = ET.Element("testsuites")
     suite_element = ET.SubElement(
         root,
         "testsuite",
         name=suite,
         tests=str(len(results) + len(unloaded)),
-        failures=str(len(failed)),
-        errors=str(len(results) - len(replayed) + len(unloaded)),
+        failures=str(failed),
+        errors=str(errors),
+        skipped=str(skipped - sum(fails_requirement(r, required) for r in results)),
         time=f"{sum(r.seconds for r in results):.3f}",
     )
     if replayed:
@@ -246,23 +345,29 @@ def write_junit(
         case = _element(
             suite_element,
             "testcase",
-            classname=suite,
+            classname=classname(result.trace),
             name=result.trace.name,
             file=str(result.trace.path),
             time=f"{result.seconds:.3f}",
         )
+        cause = verdict(result)
         if isinstance(result, TraceRunError):
-            _element(case, "error", message=result.message, type=error_kind(result))
+            tag = "skipped" if cause is Verdict.NOT_APPLICABLE else "error"
+            _element(case, tag, message=result.message, type=error_kind(result))
         elif result.divergence is not None:
-            failure = _element(
-                case,
-                "failure",
-                message=divergence_summary(result.divergence),
-                type=result.divergence.level,
-            )
+            lacks = ", ".join(c.name for c in lacking(result))
+            if cause is not Verdict.LACKS:
+                tag, kind = "failure", str(result.divergence.level)
+            elif fails_requirement(result, required):
+                tag, kind = "failure", f"lacks a required capability: {lacks}"
+            else:
+                tag, kind = "skipped", f"lacks a capability not required: {lacks}"
+            failure = _element(case, tag, message=divergence_summary(result.divergence), type=kind)
             failure.text = "\n".join(printable(line) for line in divergence_lines(result))
     for file, reason in unloaded:
-        case = _element(suite_element, "testcase", classname=suite, name=file, file=file, time="0")
+        case = _element(
+            suite_element, "testcase", classname=INVALID_CLASSNAME, name=file, file=file, time="0"
+        )
         _element(case, "error", message=reason, type="invalid trace")
     ET.indent(root)
     ET.ElementTree(root).write(path, encoding="utf-8", xml_declaration=True)

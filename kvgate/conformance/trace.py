@@ -29,6 +29,7 @@ the target's chunk split.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,7 +76,7 @@ from kvgate.errors import printable
 FORMAT = "kvgate-trace/1"
 
 _REQUIRED_KEYS = ("format", "name", "config", "steps")
-_OPTIONAL_KEYS = ("about", "expect_refused")
+_OPTIONAL_KEYS = ("about", "expect_refused", "tags")
 
 _CONFIG_REQUIRED = ("num_blocks", "hash_unit", "retention_interval", "groups")
 _CONFIG_OPTIONAL = (
@@ -115,8 +116,12 @@ _SEGMENT_KINDS = ("fresh", "all_of", "prompt_of", "tokens")
 FIELD_WIDTH = 80
 # How long a trace name may be: it heads report lines and names JUnit cases.
 NAME_WIDTH = 200
+# A tag: a word `-k` can select by (letters, digits, `_ . + -`), and how
+# many a trace may carry.
+TAG_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,63}")
+MAX_TAGS = 32
 # The words a report's verdict lines start with (report.trace_line).
-VERDICT_WORDS = ("PASS", "FAIL", "ERROR")
+VERDICT_WORDS = ("PASS", "FAIL", "LACKS", "SKIP", "ERROR")
 
 
 class TraceError(ValueError):
@@ -167,6 +172,8 @@ class Trace:
     # refuse the config by (vLLM's own refusal; the model states the rule).
     # Such a trace has no steps.
     expect_refused: str | None = None
+    # Words `-k` selects by besides the name (optional field `tags`).
+    tags: tuple[str, ...] = ()
 
 
 def load_trace(path: str | Path, limits: Limits = DEFAULT_LIMITS) -> Trace:
@@ -188,18 +195,50 @@ def parse_trace(text: str, path: str | Path = "<string>", limits: Limits = DEFAU
 
 
 def load_corpus(directory: str | Path, limits: Limits = DEFAULT_LIMITS) -> list[Trace]:
-    """Every `*.yaml` trace in `directory`, sorted by file name.
+    """Every `*.yaml` trace in `directory`, sorted by file name; the first
+    invalid one is raised (`read_corpus` lists them all).
 
     An empty corpus is an error: a gate that checks nothing must not pass.
     """
+    traces, invalid = read_corpus(directory, limits)
+    if invalid:
+        raise invalid[0]
+    return traces
+
+
+def read_corpus(
+    directory: str | Path, limits: Limits = DEFAULT_LIMITS
+) -> tuple[list[Trace], list[TraceError]]:
+    """Every `*.yaml` trace in `directory`, sorted by file name, and each
+    invalid one's error (a second trace of a name already read is one).
+
+    A directory that is missing or holds no trace raises: there is nothing
+    to list."""
     directory = Path(directory)
     if not directory.is_dir():
         raise TraceError(directory, None, "corpus", "is not a directory")
-    traces = [load_trace(p, limits) for p in sorted(directory.glob("*.yaml"))]
-    if not traces:
+    paths = sorted(directory.glob("*.yaml"))
+    if not paths:
         raise TraceError(directory, None, "corpus", "holds no *.yaml traces")
-    check_unique_names(traces)
-    return traces
+    return read_traces(paths, limits)
+
+
+def read_traces(
+    paths: Sequence[str | Path], limits: Limits = DEFAULT_LIMITS
+) -> tuple[list[Trace], list[TraceError]]:
+    """The traces in `paths` that are valid, and each other one's error."""
+    traces: list[Trace] = []
+    invalid: list[TraceError] = []
+    first_path: dict[str, Path] = {}
+    for path in paths:
+        try:
+            trace = load_trace(path, limits)
+            _check_new_name(trace, first_path)
+        except TraceError as error:
+            invalid.append(error)
+            continue
+        traces.append(trace)
+    return traces, invalid
 
 
 def check_unique_names(traces: Sequence[Trace]) -> None:
@@ -207,14 +246,16 @@ def check_unique_names(traces: Sequence[Trace]) -> None:
     not say which of them passed."""
     first_path: dict[str, Path] = {}
     for trace in traces:
-        if trace.name in first_path:
-            raise TraceError(
-                trace.path,
-                None,
-                "name",
-                f"{trace.name!r} is also the name of {first_path[trace.name]}",
-            )
-        first_path[trace.name] = trace.path
+        _check_new_name(trace, first_path)
+
+
+def _check_new_name(trace: Trace, first_path: dict[str, Path]) -> None:
+    """`trace`'s name is not in `first_path` (name -> the file that has it); add it."""
+    if trace.name in first_path:
+        raise TraceError(
+            trace.path, None, "name", f"{trace.name!r} is also the name of {first_path[trace.name]}"
+        )
+    first_path[trace.name] = trace.path
 
 
 def bundled_corpus() -> Path:
@@ -384,9 +425,10 @@ class _Reader:
         about = doc.get("about", "")
         if not isinstance(about, str):
             raise self.error(None, "about", f"must be a string, got {_got(about)}")
+        tags = self.tags(doc.get("tags", []))
         self.config = self.read_config(doc["config"], refused)
         if refused is not None:
-            return Trace(name, about, self.config, (), (), self.path, refused)
+            return Trace(name, about, self.config, (), (), self.path, refused, tags)
         self._budget = TraceBudget(self.limits, self.config.max_model_len)
         raw_steps = doc["steps"]
         if not isinstance(raw_steps, list) or not raw_steps:
@@ -401,7 +443,25 @@ class _Reader:
             steps=steps,
             primitives=tuple(p for s in steps for p in expand(s)),
             path=self.path,
+            tags=tags,
         )
+
+    def tags(self, raw: object) -> tuple[str, ...]:
+        if not isinstance(raw, list):
+            raise self.error(None, "tags", f"must be a list of words, got {_got(raw)}")
+        if len(raw) > MAX_TAGS:
+            raise self.error(None, "tags", f"{len(raw)} tags, more than {MAX_TAGS}")
+        for i, tag in enumerate(raw):
+            if not isinstance(tag, str) or not TAG_PATTERN.fullmatch(tag):
+                raise self.error(
+                    None,
+                    f"tags[{i}]",
+                    "must be a word of letters, digits and _ . + - (at most 64, "
+                    f"starting with a letter or digit), got {_got(tag)}",
+                )
+            if tag in raw[:i]:
+                raise self.error(None, f"tags[{i}]", f"{tag!r} is listed twice")
+        return tuple(raw)
 
     def expect_refused(self, doc: Mapping[Any, Any]) -> str | None:
         """The config key a refusal trace names; such a trace has no steps

@@ -60,6 +60,7 @@ from kvgate.explore.session import (
     share_prompt,
 )
 from kvgate.model.mamba import checkpoint_position
+from kvgate.model.scheduler import admission_fits
 
 Landing = Literal["mid-block", "boundary", "whole blocks", "any"]
 Burst = Literal["all", "all but", "some", "none"]
@@ -464,9 +465,11 @@ class ExploreMachine(RuleBasedStateMachine):
             self._run("lookup", req=req)
             reserved = self._run("reserve", req=req)
             # The admission gate refuses it for now; with the full-sequence
-            # gate on, the scheduler leaves that to the allocation itself.
+            # gate on, exploration leaves that to the allocation itself (its
+            # refusal is the manager's to check).
             gate_in_allocation = session.config.reserve_full_sequence
-            if reserved["blocks"] > session.free_blocks() and not gate_in_allocation:
+            fits = admission_fits(reserved["blocks"], session.free_blocks())
+            if not fits and not gate_in_allocation:
                 return False
         return bool(self._run("allocate", req=req, tokens="auto", lookahead=lookahead)["ok"])
 
@@ -596,7 +599,8 @@ class ExploreMachine(RuleBasedStateMachine):
         remote = max(0, min(total - short, total if load_async else total - 1))
         found = self._run("lookup", req=req, remote_hit=remote, remote_async=load_async)
         reserved = self._run("reserve", req=req)
-        if reserved["blocks"] > session.free_blocks() and not config.reserve_full_sequence:
+        fits = admission_fits(reserved["blocks"], session.free_blocks())
+        if not fits and not config.reserve_full_sequence:
             return
         observed = self._run("allocate", req=req, tokens="auto")
         # The loaded tokens' last block holds the loaded Mamba state (in

@@ -40,8 +40,9 @@ from kvgate.conformance.tokens import NO_INPUTS, HashInputs
 from kvgate.conformance.trace import TraceError, load_trace
 from kvgate.conformance.writer import save_trace
 from kvgate.errors import InputError
+from kvgate.model.scheduler import RemoteHit, StepDecisions
 from kvgate.workload.deployment import Deployment, Serving
-from kvgate.workload.generator import RemoteHit, SessionRun, StepDecisions
+from kvgate.workload.generator import SessionRun
 from kvgate.workload.measure import ArmCounts, Seen, count_seen
 from kvgate.workload.plan import Session, Workload, make_plan
 from kvgate.workload.progress import Progress

@@ -1,0 +1,581 @@
+"""kvgate's model of vLLM's `Scheduler`, played over the model manager.
+
+`SchedulerModel` schedules requests one engine step at a time as
+`Scheduler.schedule()` does, writing every manager call as a trace step on
+the model (`ModelTarget`, the oracle) through a `StepWriter`:
+
+1. running requests in admission order, within the step's token budget: a
+   decoding request runs `decode1` (1 + K tokens, fewer drafts when the
+   budget left is short, the full lookahead kept), a prefilling one the next
+   chunk of its prompt, cut by the align-mode split (`allocate auto` when
+   the budget left does not bind, else the split's count written out, so a
+   trace never depends on a target's budget arithmetic). When an allocation
+   fails, the last running request is preempted (`preempt`: `free
+   preempt`, back to the front of the waiting queue), down to the failing
+   request itself;
+2. if nothing was preempted, waiting requests in order (`admit`): `lookup`,
+   `reserve` and the full-sequence admission gate (`admission_fits`), the
+   first chunk; the first that does not fit ends admission. A first chunk
+   of one token is padded to a speculative step (`allocate pad`) where the
+   Scheduler pads it;
+3. `step` and `drain`, then `free finish` of requests that generated their
+   output (`step` runs all three and reports the step's `StepDecisions`).
+
+With a KV connector each request's external hit (`RemoteHit`, set on the
+request after it arrives) is carried by every lookup; an async load's
+allocation (with the blocks the Scheduler keeps for in-flight prefills,
+`allocate reserved`) puts the request in a queue of waiting requests that
+hold blocks, scanned first; the worker reports the load done (or failed)
+some steps later, and the scan then completes it (`allocate`, or `allocate
+complete_only` when nothing runs) or, failed, looks it up again (`lookup
+load_failed`); under load-failure policy `fail` (config
+`kv_load_failure_policy`) a failed load ends its request instead (`free
+abort load_failed`, after the step's finishes), one failure reported a step.
+
+A chunk that computes every token of its request samples the step's output
+token (`allocate sample 1`), as vLLM's `Scheduler` appends it after the step;
+the model's drafts are all rejected (one token per decode step).
+
+The workload's generator (`workload.generator.SessionRun`) and the
+scheduler-level lockstep drive it; the steps it writes, each with what the
+oracle observed in its `expect`, are a fixed trace any target replays.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+from kvgate.conformance.config import Config
+from kvgate.conformance.driver import chunk_offer
+from kvgate.conformance.ops import ACTIONS, Segment, Step
+from kvgate.conformance.scheduling import ScheduledStep
+from kvgate.model.request import Request
+from kvgate.model.split import chunk_tokens
+from kvgate.model.target import ModelTarget
+
+
+class SchedulerStuck(RuntimeError):
+    """The requests cannot run on this pool (a request never fits)."""
+
+
+# A prefill chunk as the scheduler writes it: (the `allocate`'s `tokens`, the
+# tokens the step runs, the speculative padding rows among them).
+_Chunk = tuple[int | Literal["auto"], int, int]
+
+
+def admission_fits(blocks: int, free_blocks: int) -> bool:
+    """The Scheduler's full-sequence admission gate (vLLM's
+    `scheduler_reserve_full_isl`, on by default): a waiting request is
+    admitted only while the blocks its whole sequence needs (the `reserve`
+    op's `blocks`) are free.
+
+    The scheduler model checks it before the admitting `allocate`, whatever
+    the config's `reserve_full_sequence` (which puts the same gate inside
+    that `allocate`, failing it), so its traces carry the gate either way
+    and never a refused admission's `allocate`. Exploration leaves it to the
+    `allocate` under `reserve_full_sequence`, to reach the manager's own
+    refusal (`tests/test_scheduler_model.py` shows both refuse alike)."""
+    return blocks <= free_blocks
+
+
+@dataclass(frozen=True)
+class RemoteHit:
+    """What a KV connector's external store holds of a request: its first
+    `tokens` tokens, loaded asynchronously when `load_async`; such a load is
+    reported finished by the worker `delay` engine steps after the step that
+    started it (0: in that step's own output)."""
+
+    tokens: int
+    load_async: bool
+    delay: int
+    # The async load fails (the worker reports `failed_recving`): the
+    # Scheduler frees its blocks and looks the request up again.
+    fails: bool = False
+
+
+@dataclass
+class LiveRequest:
+    """A request as the scheduler tracks it."""
+
+    name: str
+    request: Request  # the oracle's request (prompt, output, progress)
+    max_tokens: int  # the output it generates before it finishes
+    follows: str | None  # the request whose output its prompt continues
+    admitted: bool = False  # past its first admission (its hit is the cached tokens)
+    # Its last run sampled (a completed prefill or a decode): it decodes next,
+    # with drafts, as vLLM's Scheduler runs a request that has them.
+    decoding: bool = False
+    # With a KV connector: what the external store holds of it (None: nothing).
+    remote: RemoteHit | None = None
+    # Its asynchronous load is in flight (the Scheduler's WAITING_FOR_REMOTE_KVS),
+    # since engine step `load_started`; `reported` once the worker said it
+    # finished. It holds blocks while it waits (`holds_blocks`), which puts it
+    # in the Scheduler's queue of such requests, scanned before the others.
+    loading: bool = False
+    load_started: int = 0
+    # Its computed tokens as the Scheduler holds them during this step's scan
+    # (it advances them only after the scan).
+    sched_computed: int = 0
+    reported: bool = False
+    failed_reported: bool = False  # the worker reported its load failed
+    retried_load: bool = False  # a load of it failed; it was looked up again
+    holds_blocks: bool = False
+
+
+@dataclass
+class StepWriter:
+    """Runs each step on the oracle and keeps it with what the oracle saw."""
+
+    oracle: ModelTarget
+    steps: list[Step] = field(default_factory=list)
+
+    def run(self, op: str, **fields: Any) -> dict[str, Any]:
+        step = Step(op, len(self.steps), **fields)
+        result = self.oracle.apply(step)
+        # `copies` are block ids: compared with the lockstep model anyway,
+        # and only noise in a trace people read.
+        keys = [k for k in ACTIONS[op].expect_keys if k != "copies" and k in result]
+        self.steps.append(replace(step, expect={k: result[k] for k in keys}))
+        return result
+
+    def check(self, query: dict[str, Any]) -> dict[str, Any]:
+        values = self.oracle.check_values(query)
+        self.steps.append(Step("check", len(self.steps), check=values))
+        return values
+
+
+@dataclass
+class StepDecisions(ScheduledStep):
+    """What the scheduler model did in one engine step: what vLLM's
+    `Scheduler` shows of a step (comparable step for step with the real one;
+    running requests are scheduled first, then admissions), and what the
+    model runner and the finish check then did."""
+
+    # Output tokens each scheduled request gained this step (the model's ids).
+    sampled: dict[str, list[int]] = field(default_factory=dict)
+    finished: list[str] = field(default_factory=list)
+    # Async KV loads the worker reports finished (or failed) in this step's output.
+    loaded: list[str] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
+    # Requests ended with an error after their load failed (policy `fail`).
+    errored: list[str] = field(default_factory=list)
+
+
+class SchedulerModel:
+    """vLLM's `Scheduler` over the model manager, one engine step at a time."""
+
+    def __init__(self, config: Config, spec: int, max_num_seqs: int) -> None:
+        self.config = config
+        self.spec = spec
+        self.max_num_seqs = max_num_seqs
+        self.writer = StepWriter(ModelTarget(config))
+        self.waiting: deque[LiveRequest] = deque()
+        self.running: list[LiveRequest] = []
+        # With a KV connector: waiting requests that hold blocks (an async
+        # load in flight, or done but not yet admitted), which vLLM's
+        # Scheduler keeps in a queue of their own (`kv_holding_waiting`) and
+        # scans first.
+        self.holding: deque[LiveRequest] = deque()
+        self.engine_step = 0
+        self.num_eligible = 0  # waiting + running when this step began
+        self._running_scheduled = False
+        self._prefill_scheduled = False
+
+    @property
+    def oracle(self) -> ModelTarget:
+        return self.writer.oracle
+
+    def arrive(
+        self,
+        name: str,
+        prompt: tuple[Segment, ...],
+        max_tokens: int,
+        follows: str | None = None,
+        cache_salt: str = "",
+    ) -> LiveRequest:
+        """A request arrives (`arrive`) and waits at the end of the queue."""
+        self.writer.run("arrive", req=name, prompt=prompt, cache_salt=cache_salt)
+        live = LiveRequest(name, self.oracle.requests[name].request, max_tokens, follows)
+        self.waiting.append(live)
+        return live
+
+    def step(self) -> StepDecisions:
+        """One engine step: `schedule`, the worker's load reports, `step` and
+        `drain`, the output each scheduled request sampled, then `free
+        finish` of the requests that generated their output (and, under
+        load-failure policy `fail`, `free abort` of those whose load failed)."""
+        writer = self.writer
+        decisions = StepDecisions()
+        outputs = {
+            live.name: len(live.request.output)
+            for live in (*self.running, *self.waiting, *self.holding)
+        }
+        finished = self.schedule(decisions)
+        decisions.loaded, decisions.failed = self.reported_loads()
+        writer.run("step")
+        decisions.copies = writer.run("drain")["copies"]
+        for name, _ in decisions.scheduled:
+            request = self.oracle.requests[name].request
+            decisions.sampled[name] = list(request.output[outputs[name] :])
+        # Under `fail`, a failed load ends its request with an error once
+        # the step's finishes are freed (vLLM frees its blocks with the
+        # worker's report).
+        errored = [
+            live
+            for live in self.holding
+            if live.failed_reported and self.config.kv_load_failure_policy == "fail"
+        ]
+        for live in errored:
+            self.holding.remove(live)
+        for live in finished:
+            writer.run("free", req=live.name, how="finish")
+            self.running.remove(live)
+            decisions.finished.append(live.name)
+        for live in errored:
+            writer.run("free", req=live.name, how="abort", load_failed=True)
+            decisions.errored.append(live.name)
+        self.engine_step += 1
+        return decisions
+
+    def loading(self) -> bool:
+        """An async KV load is in flight (progress even when nothing runs)."""
+        return any(live.loading for live in self.holding)
+
+    def schedule(self, decisions: StepDecisions) -> list[LiveRequest]:
+        """One scheduler step's allocations, recorded in `decisions`; the
+        requests that generated their whole output."""
+        budget = self.config.max_num_scheduled_tokens
+        finished: list[LiveRequest] = []
+        preempted = False
+        # What vLLM's Scheduler counts, once per step, to decide whether
+        # `long_prefill_token_threshold` applies: its own queues. The oracle's
+        # live requests may also hold requests never scheduled (a shared
+        # system prompt's holder).
+        self.num_eligible = len(self.waiting) + len(self.holding) + len(self.running)
+        for live in (*self.running, *self.holding):
+            # A load reported failed has nothing computed for the Scheduler.
+            failed = live.failed_reported
+            live.sched_computed = 0 if failed else live.request.num_computed_tokens
+        index = 0
+        # Whether a running request ran a prefill chunk this step (vLLM's
+        # `prefill_scheduled`, which the waiting scan's padding reads).
+        prefill_scheduled = False
+        while index < len(self.running) and budget > 0:
+            live = self.running[index]
+            request = live.request
+            outputs = len(request.output)
+            prefilling = not live.decoding
+            if live.decoding:
+                # vLLM schedules what the budget leaves of 1 + K: fewer drafts.
+                drafts = min(self.spec, budget - 1)
+                cost = 1 + drafts
+                run = self._decode(live, drafts)
+            else:
+                chunk = self._chunk(request, 0, budget)
+                if chunk is None:
+                    index += 1
+                    continue
+                cost = chunk[1]
+                run = self._allocate(live, chunk)
+            ok = run()
+            while not ok:
+                # vLLM's FCFS policy preempts the last running request, the
+                # failing one included, and retries.
+                victim = self.preempt(decisions)
+                preempted = True
+                if victim is live:
+                    if not self.running and not self.holding:
+                        # Alone, it outgrew the whole pool: re-admitted (its
+                        # prompt fits), it reaches the same point again, for
+                        # ever (vLLM's Scheduler loops the same way).
+                        raise SchedulerStuck(
+                            f"{live.name} cannot run on a pool of {self.config.num_blocks} "
+                            "blocks: alone, its sequence outgrows the pool and it preempts itself"
+                        )
+                    break
+                ok = run()
+            if not ok:
+                break
+            budget -= cost
+            index += 1
+            decisions.scheduled.append((live.name, cost))
+            prefill_scheduled |= prefilling
+            live.decoding = len(request.output) > outputs  # it sampled
+            if len(request.output) >= live.max_tokens:
+                finished.append(live)
+        if preempted:
+            return finished  # vLLM admits nothing in a step that preempted
+        # Requests the scan passed over that hold blocks: back at the head of
+        # their queue after the scan, in scan order.
+        skipped: list[LiveRequest] = []
+        # Whether the running loop scheduled anything (the padding reads it).
+        self._running_scheduled = bool(decisions.scheduled)
+        self._prefill_scheduled = prefill_scheduled
+        while budget > 0 and len(self.running) < self.max_num_seqs:
+            queue = self.holding if self.holding else self.waiting
+            if not queue:
+                break
+            live = queue[0]
+            if live.loading and not live.reported:
+                skipped.append(queue.popleft())  # its KV is not here yet
+                continue
+            outputs = len(live.request.output)
+            admitted = self.admit(live, decisions, budget, skipped)
+            if admitted is None:
+                break
+            if admitted == "loading":
+                skipped.append(queue.popleft())
+                continue
+            queue.popleft()
+            self.running.append(live)
+            live.admitted = True
+            live.holds_blocks = False
+            budget -= admitted
+            live.decoding = len(live.request.output) > outputs  # it sampled
+            if len(live.request.output) >= live.max_tokens:
+                finished.append(live)
+        self.holding.extendleft(reversed(skipped))
+        return finished
+
+    def preempt(self, decisions: StepDecisions) -> LiveRequest:
+        """Preempt the last running request (`free preempt`): back to the
+        front of the waiting queue, its prefill to run again."""
+        victim = self.running.pop()
+        self.writer.run("free", req=victim.name, how="preempt")
+        self.waiting.appendleft(victim)
+        victim.decoding = False
+        decisions.preempted.append(victim.name)
+        return victim
+
+    def admit(
+        self,
+        live: LiveRequest,
+        decisions: StepDecisions,
+        budget: int,
+        skipped: list[LiveRequest],
+    ) -> int | Literal["loading"] | None:
+        """Admit `live`, the head of its waiting queue, within `budget`: the
+        tokens its first chunk runs (it is scheduled); "loading" when it now
+        waits for its async KV load, holding blocks; None when it does not
+        fit (the scan stops). `skipped`: the requests holding blocks this
+        scan passed over."""
+        # The scan reaching a failed load frees its blocks and looks it up
+        # again right away (`lookup load_failed`), asking the connector
+        # again: its retry loads.
+        load_failed = live.failed_reported
+        if load_failed:
+            live.loading = live.holds_blocks = live.failed_reported = False
+            live.retried_load = True
+            if live.remote is not None:
+                live.remote = replace(live.remote, fails=False)
+        if live.holds_blocks:
+            admitted = self._admit_loaded(live, budget)
+            if admitted is None:
+                return None
+            hit, cost = 0, admitted
+            decisions.taken.append((live.name, 0, 0, False))
+        else:
+            if not live.admitted and live.follows is not None:
+                cached = self.writer.check({"attention_cached": {live.follows: 0}})
+                decisions.checked[live.name] = int(cached["attention_cached"][live.follows])
+            hit, external, load_async = self._lookup(live, decisions, load_failed)
+            need = self.writer.run("reserve", req=live.name)["blocks"]
+            if not admission_fits(need, self.oracle.num_free_blocks()):
+                return None
+            reserved = self._reserved_blocks(skipped) if load_async else 0
+            live.sched_computed = live.request.num_computed_tokens + hit + external
+            if load_async:
+                # The load's blocks, nothing to compute: it waits for its KV,
+                # keeping the in-flight prefills' blocks free.
+                fields = {"reserved": reserved} if reserved else {}
+                result = self.writer.run("allocate", req=live.name, tokens="auto", **fields)
+                if not result["ok"]:
+                    return None
+                decisions.taken.append((live.name, hit, external, True))
+                live.loading, live.reported, live.holds_blocks = True, False, True
+                live.load_started = self.engine_step
+                return "loading"
+            chunk = self._admission_chunk(live, hit + external, budget)
+            if chunk is None or not self._allocate(live, chunk, hit + external)():
+                return None
+            if self.config.kv_connector:
+                decisions.taken.append((live.name, hit, external, False))
+            cost = chunk[1]
+        decisions.scheduled.append((live.name, cost))
+        decisions.admitted.append((live.name, hit))
+        return cost
+
+    def _lookup(
+        self, live: LiveRequest, decisions: StepDecisions, load_failed: bool = False
+    ) -> tuple[int, int, bool]:
+        """The admission's lookup: (local hit taken, external tokens, loaded
+        asynchronously). With a KV connector the lookup carries what the
+        external store holds (and whether the request's load just failed),
+        and the question the Scheduler then puts to the connector is
+        recorded."""
+        if not self.config.kv_connector:
+            hit = int(self.writer.run("lookup", req=live.name)["hit"])
+            decisions.lookups.append((live.name, hit))
+            return hit, 0, False
+        remote = live.remote or RemoteHit(0, False, 0)
+        failed = {"load_failed": True} if load_failed else {}
+        result = self.writer.run(
+            "lookup",
+            req=live.name,
+            remote_hit=remote.tokens,
+            remote_async=remote.load_async,
+            **failed,
+        )
+        local = int(result["local_hit"])
+        decisions.lookups.append((live.name, local))
+        presented = local - local % self.config.scheduler_block_size
+        answered = max(0, remote.tokens - presented)
+        decisions.connector_queries.append(
+            (live.name, presented, answered, remote.load_async and answered > 0)
+        )
+        external = int(result["external"])
+        return int(result["hit"]), external, remote.load_async and external > 0
+
+    def _admit_loaded(self, live: LiveRequest, budget: int) -> int | None:
+        """Admit a request that holds blocks, without a lookup. When the scan
+        first reaches it after the worker reported its load, the Scheduler
+        completes the load (its blocks keyed; a load of every token leaves the
+        last to compute) whatever follows: the `allocate` completes it, or,
+        when nothing runs this step, an `allocate complete_only` does only
+        that. The tokens run, or None when nothing runs (the scan stops; the
+        request stays waiting with its blocks)."""
+        request = live.request
+        completing = live.loading
+        # Where the chunk starts once the load is complete.
+        back = -1 if completing and request.num_computed_tokens >= request.num_tokens else 0
+        live.loading = False
+        live.sched_computed = request.num_computed_tokens + back
+        chunk = self._admission_chunk(live, back, budget)
+        if chunk is None:
+            if completing:
+                self.writer.run("allocate", req=live.name, tokens="auto", complete_only=True)
+            return None
+        if not self._allocate(live, chunk, back)():
+            return None
+        return chunk[1]
+
+    def _reserved_blocks(self, skipped: list[LiveRequest]) -> int:
+        """The free blocks vLLM's Scheduler keeps when it admits an async KV
+        load: what each in-flight prefill (a running request still in its
+        prompt, or a waiting one holding blocks) needs to finish, from the
+        computed tokens the Scheduler holds for it, plus a speculative step's
+        attention blocks."""
+        slots = 2 * self.spec + 1 if self.spec else 0  # 1 + K drafts + K lookahead
+        manager = self.writer.oracle.manager
+        # Waiting requests holding blocks, the ones this scan passed over too.
+        holding = [*skipped, *self.holding]
+        inflight = [live for live in self.running if not live.decoding] + holding
+        reserved = sum(
+            manager.blocks_to_finish(live.request, live.sched_computed, slots) for live in inflight
+        )
+        return reserved + sum(
+            -(-slots // group.block_size)
+            for group in self.config.groups
+            if group.kind != "mamba_align"
+        )
+
+    def _admission_chunk(self, live: LiveRequest, hit: int, budget: int) -> _Chunk | None:
+        """The chunk of a request admitted from the waiting queue, `hit`
+        tokens past its computed ones. With drafts, vLLM's Scheduler pads a
+        chunk of one token to a whole speculative step (1 + K rows, the K
+        placeholder drafts rejected) unless a running request ran a prefill
+        chunk this step, or it is a first admission with nothing computed
+        and no running request scheduled, or the rows would pass
+        max_model_len; it admits nothing more when the budget cannot take
+        the padded step, and drops the padding when the align-mode split
+        cuts it. None: nothing to run (the scan stops)."""
+        request = live.request
+        computed = request.num_computed_tokens + hit
+        padded = 1 + self.spec
+        if (
+            self.spec
+            and request.num_tokens - computed == 1
+            and not self._prefill_scheduled
+            and (self._running_scheduled or computed > 0)
+            and computed + padded + 1 <= self.config.max_model_len
+        ):
+            if padded > budget:
+                return None
+            offered = chunk_offer(self.config, padded, budget, self.num_eligible)
+            if chunk_tokens(self.config, request, offered, hit) == padded:
+                return "auto", padded, self.spec
+        return self._chunk(request, hit, budget)
+
+    def reported_loads(self) -> tuple[list[str], list[str]]:
+        """The async loads the worker reports in this engine step's output,
+        each `delay` steps after the step that started it: (finished,
+        failed)."""
+        loaded: list[str] = []
+        failed: list[str] = []
+        # Under `fail` vLLM's Scheduler frees each failed request's blocks in
+        # the order of the worker's set of finished receives, which no model
+        # can know: the worker reports one failure a step (a later one waits).
+        one_failure = self.config.kv_load_failure_policy == "fail"
+        for live in self.holding:
+            remote = live.remote
+            if (
+                live.loading
+                and not live.reported
+                and remote is not None
+                and self.engine_step - live.load_started >= remote.delay
+                and not (remote.fails and one_failure and failed)
+            ):
+                live.reported = True
+                live.failed_reported = remote.fails
+                (failed if remote.fails else loaded).append(live.name)
+        return loaded, failed
+
+    def _chunk(self, request: Request, hit: int, budget: int) -> _Chunk | None:
+        """The next prefill chunk within `budget`: (as written, tokens run,
+        padding rows), or None when the split leaves nothing to run this step."""
+        remaining = request.num_tokens - request.num_computed_tokens - hit
+        offered = chunk_offer(self.config, remaining, budget, self.num_eligible)
+        tokens = chunk_tokens(self.config, request, offered, hit)
+        if tokens <= 0:
+            return None
+        # `auto` is the replayer's chunk: the full budget, the threshold by the
+        # trace's live requests. Written only when it is this chunk.
+        most = self.config.max_num_scheduled_tokens
+        full = chunk_offer(self.config, remaining, most, self.num_eligible)
+        replayed = chunk_offer(self.config, remaining, most, self.writer.oracle.num_live())
+        auto = offered == full and chunk_tokens(self.config, request, replayed, hit) == tokens
+        return ("auto" if auto else tokens), tokens, 0
+
+    def _allocate(self, live: LiveRequest, chunk: _Chunk, hit: int = 0) -> Callable[[], bool]:
+        written, tokens, pad = chunk
+        request = live.request
+        # The chunk that computes every token samples the step's output token.
+        sample = int(request.num_computed_tokens + hit + tokens - pad >= request.num_tokens)
+        # Written only when padded: a trace without padding reads as before.
+        padding = {"pad": pad} if pad else {}
+
+        def run() -> bool:
+            result = self.writer.run(
+                "allocate",
+                req=live.name,
+                tokens=written,
+                lookahead=self.spec,
+                sample=sample,
+                **padding,
+            )
+            return bool(result["ok"])
+
+        return run
+
+    def _decode(self, live: LiveRequest, drafts: int) -> Callable[[], bool]:
+        # Written only when the budget cut the drafts short.
+        lookahead = self.spec if drafts < self.spec else 0
+
+        def run() -> bool:
+            result = self.writer.run("decode1", req=live.name, spec=drafts, lookahead=lookahead)
+            return bool(result["ok"])
+
+        return run
