@@ -23,6 +23,7 @@ sys.path.insert(0, str(ROOT))
 import argparse  # noqa: E402
 
 from kvgate import cli  # noqa: E402
+from kvgate.errors import EXIT_CODES, EXIT_PRECEDENCE  # noqa: E402
 from kvgate.invariants.catalogue import CATALOGUE, LEMMAS  # noqa: E402
 
 CHECKED_BY = {
@@ -90,8 +91,16 @@ def commands_reference() -> str:
     return "\n\n".join(parts)
 
 
+def exit_codes_table() -> str:
+    rows = ["| exit code | meaning |", "| --- | --- |"]
+    rows += [f"| `{code}` | {_cell(meaning)} |" for code, meaning in EXIT_CODES]
+    order = ", ".join(str(code) for code in EXIT_PRECEDENCE)
+    return "\n".join(rows) + f"\n\nWhen several apply, the first of {order} is the exit code."
+
+
 # page (relative to the checkout) -> part name -> its generator
 GENERATED: dict[str, dict[str, Callable[[], str]]] = {
+    "README.md": {"exit-codes": exit_codes_table},
     "docs/reference/commands.md": {"commands": commands_reference},
     "docs/explanation/invariants-and-proofs.md": {
         "invariants": invariants_table,
