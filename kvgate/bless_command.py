@@ -11,6 +11,7 @@ the blessed trace is also replayed on vLLM in lockstep with the model, and a
 trace where vLLM disagrees is refused: nothing is written for it. Each file
 is replaced whole (a temporary file renamed over it), never half-written.
 With `--check` nothing is written: the command says which files would change.
+With `-q`, traces already up to date go unmentioned.
 
 Exit codes: 0 done (or, with `--check`, nothing would change); 1 vLLM
 disagreed on some trace, or with `--check` some file would change; 2 invalid
@@ -32,6 +33,7 @@ from kvgate.conformance.replay import LEVELS, Level, ModelBug, TargetFactory, re
 from kvgate.conformance.report import show_pair
 from kvgate.conformance.trace import Trace, TraceError, check_unique_names, load_trace
 from kvgate.errors import EXIT_DIVERGED, EXIT_INPUT, EXIT_KVGATE_BUG, InputError, printable
+from kvgate.output import QUIET
 from kvgate.targets import LOCKSTEP_MODEL, build_target, plugin_factory, target_factory
 
 
@@ -111,7 +113,8 @@ def run(args: argparse.Namespace) -> int:
     for blessing in blessings:
         name = printable(str(blessing.trace.path))
         if not blessing.changes:
-            print(f"{name}: up to date ({blessing.kept} values)")
+            if args.verbosity > QUIET:
+                print(f"{name}: up to date ({blessing.kept} values)")
         elif args.check:
             print(f"{name}: would change: {blessing.account()}")
             status = max(status, EXIT_DIVERGED)

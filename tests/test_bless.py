@@ -110,6 +110,7 @@ def test_blessing_twice_changes_nothing(tmp_path: Path, capsys: pytest.CaptureFi
     assert (code, out) == (0, f"{path}: up to date (10 values)\n")
     assert path.read_text() == once
     assert bless(capsys, str(path), "--check")[0] == 0
+    assert bless(capsys, str(path), "-q") == (0, "", "")
 
 
 def test_a_stale_value_is_refreshed_and_nothing_else_moves(
@@ -247,3 +248,34 @@ def test_vllm_disagreeing_refuses_the_trace_and_writes_nothing(
     )
     assert err.count("\n") == 1
     assert path.read_text() == NEW_TRACE
+
+
+def test_a_ref_check_is_refreshed_number_by_number(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    text = NEW_TRACE.replace(
+        "    holds: {}\n", "    holds: {}\n    ref: {A1: {1: {136: 3}, 0: {8: 2}}}  # A0's tail\n"
+    )
+    path = write(tmp_path, text)
+    assert bless(capsys, str(path))[0] == 0
+    # The burst evicted A0's tail state (null: nothing keyed there); A1's
+    # first attention block waits in the free queue (ref count 0).
+    assert "    ref: {A1: {1: {136: null}, 0: {8: 0}}}  # A0's tail\n" in path.read_text()
+    assert cli.main(["replay", str(path), "--target", "model"]) == 0
+
+
+def test_values_shared_through_a_yaml_alias_are_refused_by_name(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    text = NEW_TRACE.replace(
+        "  - {op: prefill, req: A0, lookahead: 3}",
+        "  - {op: prefill, req: A0, lookahead: 3, expect: &hit {hit: 1}}",
+    ).replace("    req: A2\n", "    req: A2\n    expect: *hit\n")
+    path = write(tmp_path, text)
+    code, out, err = bless(capsys, str(path))
+    assert (code, out) == (2, "")
+    assert err == (
+        f"kvgate: error: {path}: yaml: two of the values to bless share one place in the "
+        "text (a YAML alias); write them out to bless them\n"
+    )
+    assert path.read_text() == text
