@@ -104,7 +104,7 @@ SECTIONS = (
         "mutate",
         "The fault campaign",
         "about 5 minutes",
-        (f"{PY} -m kvgate mutate --target vllm",),
+        (f"{PY} -m kvgate mutate --target vllm --timeout 1800",),
         render_whole,
         "One realistic one-line fault at a time injected into the installed vLLM's "
         "KV-cache manager, and the gate run against each: a row per fault (caught or not, "
@@ -115,7 +115,7 @@ SECTIONS = (
         "kill-rates",
         "Kill rates by stage",
         "about 15 minutes",
-        (f"{PY} -m kvgate mutate --target vllm --explore-every-fault --jobs 2",),
+        (f"{PY} -m kvgate mutate --target vllm --explore-every-fault --timeout 1800",),
         render_summary,
         "The same faults, with the differential exploration run against every fault too, "
         "so each stage's kill rate is known alone: the corpus (traces at strict level plus "
@@ -151,7 +151,7 @@ SECTIONS = (
         "Other vLLM releases",
         "about 10 minutes, plus downloading two vLLM wheels the first time",
         ('KVGATE_SKIP_SETUP=1 KVGATE_MATRIX_RUNS="gate overlay" bash scripts/vllm-matrix.sh',),
-        render_tail(5),
+        render_tail(6),
         "The gate, without and with the hold overlay, on each vLLM release a user may "
         "deploy (each in its own environment sharing the pinned dependencies). The fault "
         "campaign and vLLM's own tests per release are left out here; "
@@ -193,7 +193,9 @@ def run_section(section: Section) -> str:
             command, shell=True, cwd=ROOT, env=env, capture_output=True, text=True
         )
         seconds += time.perf_counter() - clock
-        outputs.append(done.stdout + done.stderr + f"\nexit {done.returncode}\n")
+        # vLLM's own log lines go to stderr: shown only when the command failed.
+        errors = done.stderr.strip().splitlines()[-5:] if done.returncode else []
+        outputs.append("\n".join([done.stdout.rstrip(), *errors, f"exit {done.returncode}"]))
     commands = "\n".join(f"    {c.replace(PY, 'python')}" for c in section.commands)
     return (
         f"## {section.title}\n\n{section.about}\n\n"
