@@ -74,7 +74,8 @@ def register(subparsers: Any) -> None:
     cmd.add_argument(
         "--retired",
         choices=("on", "off"),
-        help="the production fork's retention of retired states (default off)",
+        help="the retained-state retention: the newest state leaving a request's table "
+        "stays held (default off)",
     )
     cmd.add_argument("--profile", default="dev", choices=sorted(PROFILES))
     cmd.add_argument(
