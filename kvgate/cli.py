@@ -58,6 +58,8 @@ from kvgate.conformance.trace import (
     Trace,
     TraceError,
     bundled_corpus,
+    bundled_scheduler_corpus,
+    check_unique_names,
     read_corpus,
     read_traces,
 )
@@ -82,7 +84,14 @@ from kvgate.errors import (
     exit_code_table,
     printable,
 )
-from kvgate.targets import LOCKSTEP_MODEL, TARGETS, build_target, target_factory
+from kvgate.targets import (
+    LOCKSTEP_MODEL,
+    TARGETS,
+    build_target,
+    run_scheduler_trace,
+    scheduler_factories,
+    target_factory,
+)
 
 # Further commands, each a module with `register(subparsers)` that adds its
 # parser and sets `handler(args) -> exit code` on it. A handler raises
@@ -112,7 +121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "replay":
             traces, invalid = read_traces(args.traces, limits)
         else:
-            traces, invalid = read_corpus(args.corpus or bundled_corpus(), limits)
+            traces, invalid = _read_gate_corpus(args.corpus, limits)
             traces = _select(traces, args)
             if args.list:
                 return list_traces(traces, invalid)
@@ -164,6 +173,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return EXIT_KVGATE_BUG
+
+
+def _read_gate_corpus(corpus: Path | None, limits: Limits) -> tuple[list[Trace], list[TraceError]]:
+    """`--corpus DIR`, or the bundled corpora: the manager-level one and the
+    scheduler-level one beside it, named with their counts on one line."""
+    if corpus is not None:
+        return read_corpus(corpus, limits)
+    traces, invalid = read_corpus(bundled_corpus(), limits)
+    engine, engine_invalid = read_corpus(bundled_scheduler_corpus(), limits)
+    print(
+        f"corpora: manager-level {len(traces) + len(invalid)} traces, "
+        f"scheduler-level {len(engine) + len(engine_invalid)} traces (kvgate's bundled corpora)"
+    )
+    check = [*traces, *engine]
+    check_unique_names(check)
+    return check, [*invalid, *engine_invalid]
 
 
 def _limits(assignments: Sequence[str] | None) -> Limits:
@@ -319,9 +344,17 @@ def run_traces(
     for error in invalid:
         print(f"kvgate: error: {printable(str(error))}", file=sys.stderr)
         report.add_invalid(error)
+    engine = None
+    if any(trace.scheduler_level for trace in traces):
+        engine = scheduler_factories(target_name, plugin)
     for trace in traces:
         excluded: list[str] = []
-        result = _run_one(trace, factory, model, level, target_name == LOCKSTEP_MODEL, excluded)
+        if trace.scheduler_level:
+            assert engine is not None
+            result = run_scheduler_trace(trace, *engine, level)
+        else:
+            is_model = target_name == LOCKSTEP_MODEL
+            result = _run_one(trace, factory, model, level, is_model, excluded)
         report.exclusions(trace.name, excluded)
         if isinstance(result, TraceRunError) and not result.config_refused:
             kind = "internal error" if result.bug else "error"
