@@ -24,12 +24,11 @@ imports vLLM.
 from __future__ import annotations
 
 import argparse
-import functools
 import importlib
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn, cast
 
@@ -53,7 +52,7 @@ from kvgate.conformance.selection import (
     SelectionError,
     describe,
 )
-from kvgate.conformance.target import Capabilities, Target
+from kvgate.conformance.target import Capabilities
 from kvgate.conformance.trace import (
     Trace,
     TraceError,
@@ -84,10 +83,12 @@ from kvgate.errors import (
     exit_code_table,
     printable,
 )
+from kvgate.output import QUIET, VllmLogs, vllm_logs
 from kvgate.targets import (
     LOCKSTEP_MODEL,
     TARGETS,
     build_target,
+    plugin_factory,
     run_scheduler_trace,
     scheduler_factories,
     target_factory,
@@ -101,6 +102,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "kvgate.workload.command",
     "kvgate.mutate.command",
     "kvgate.invariants.z3.command",
+    "kvgate.bless_command",
 )
 
 
@@ -114,29 +116,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     args: argparse.Namespace | None = None
     try:
         args = _parser().parse_args(argv)
-        handler = getattr(args, "handler", None)
-        if handler is not None:
-            return cast(int, handler(args))
-        limits = _limits(args.limit)
-        if args.command == "replay":
-            traces, invalid = read_traces(args.traces, limits)
-        else:
-            traces, invalid = _read_gate_corpus(args.corpus, limits)
-            traces = _select(traces, args)
-            if args.list:
-                return list_traces(traces, invalid)
-            if not traces and not invalid:
-                raise InputError("no trace selected (-k, --arm, --family): nothing to gate")
-        return run_traces(
-            traces,
-            args.target,
-            args.level,
-            args.plugin,
-            args.junit_xml,
-            _required(args.require),
-            explain_lacking=args.command == "replay",
-            invalid=invalid,
-        )
+        with vllm_logs(args.verbosity) as logs:
+            args.vllm_logs = logs
+            handler = getattr(args, "handler", None)
+            if handler is not None:
+                # Lines no smaller unit claims count as the command's own.
+                with logs.unit(f"kvgate {args.command}"):
+                    code = cast(int, handler(args))
+                logs.print_summary()
+                return code
+            limits = _limits(args.limit)
+            if args.command == "replay":
+                traces, invalid = read_traces(args.traces, limits)
+            else:
+                traces, invalid = _read_gate_corpus(args.corpus, limits)
+                traces = _select(traces, args)
+                if args.list:
+                    return list_traces(traces, invalid)
+                if not traces and not invalid:
+                    raise InputError("no trace selected (-k, --arm, --family): nothing to gate")
+            return run_traces(
+                traces,
+                args.target,
+                args.level,
+                args.plugin,
+                args.junit_xml,
+                _required(args.require),
+                explain_lacking=args.command == "replay",
+                invalid=invalid,
+                logs=logs,
+            )
     except _NothingValid as nothing:
         for error in nothing.invalid:
             print(f"kvgate: error: {printable(str(error))}", file=sys.stderr)
@@ -177,15 +186,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _read_gate_corpus(corpus: Path | None, limits: Limits) -> tuple[list[Trace], list[TraceError]]:
     """`--corpus DIR`, or the bundled corpora: the manager-level one and the
-    scheduler-level one beside it, named with their counts on one line."""
+    scheduler-level one beside it."""
     if corpus is not None:
         return read_corpus(corpus, limits)
     traces, invalid = read_corpus(bundled_corpus(), limits)
     engine, engine_invalid = read_corpus(bundled_scheduler_corpus(), limits)
-    print(
-        f"corpora: manager-level {len(traces) + len(invalid)} traces, "
-        f"scheduler-level {len(engine) + len(engine_invalid)} traces (kvgate's bundled corpora)"
-    )
     check = [*traces, *engine]
     check_unique_names(check)
     return check, [*invalid, *engine_invalid]
@@ -312,7 +317,32 @@ def _parser() -> argparse.ArgumentParser:
         )
     for module in COMMAND_MODULES:
         importlib.import_module(module).register(commands)
+    for command in commands.choices.values():
+        add_verbosity(command)
     return parser
+
+
+def add_verbosity(parser: argparse.ArgumentParser) -> None:
+    """-q / -v / -vv, the same on every command (see kvgate/output.py)."""
+    levels = parser.add_argument_group("output")
+    levels.add_argument(
+        "-v",
+        "--verbose",
+        dest="verbosity",
+        action="count",
+        default=0,
+        help="-v: also show vLLM's warnings as they happen; -vv: also its info "
+        "and debug lines (default: vLLM's lines are kept per trace and shown "
+        "only with a failure, and counted in the summary)",
+    )
+    levels.add_argument(
+        "-q",
+        "--quiet",
+        dest="verbosity",
+        action="store_const",
+        const=QUIET,
+        help="print only failures, errors and the summary",
+    )
 
 
 def run_traces(
@@ -324,23 +354,23 @@ def run_traces(
     required: Sequence[str] = DEFAULT_REQUIRED,
     explain_lacking: bool = False,
     invalid: Sequence[TraceError] = (),
+    logs: VllmLogs | None = None,
 ) -> int:
     """Run `traces` and report each one's verdict, with every `invalid`
     trace's error listed and counted; the exit code (`errors.EXIT_CODES`).
     `_NothingValid` when there is nothing to run: only errors to tell."""
     if not traces and invalid:
         raise _NothingValid(invalid)
-    if plugin is not None and target_name != "vllm":
-        raise InputError("--plugin: only --target vllm loads plugins")
-    factory = target_factory(target_name)
-    if plugin is not None:
-        # VllmTarget(config, plugin=...): the one target that loads plugins.
-        factory = functools.partial(cast(Callable[..., Target], factory), plugin=plugin)
+    logs = logs or VllmLogs()
+    factory = plugin_factory(target_name, plugin)
     model = None if target_name == LOCKSTEP_MODEL else target_factory(LOCKSTEP_MODEL)
 
-    report = TerminalReport(sys.stdout, required, explain_lacking)
+    report = TerminalReport(sys.stdout, required, explain_lacking, quiet=logs.verbosity <= QUIET)
     if traces:
         report.target(_header_capabilities(factory, traces), target_name)
+        scheduler_level = sum(trace.scheduler_level for trace in traces)
+        if scheduler_level:
+            report.corpora(len(traces) - scheduler_level, scheduler_level)
     for error in invalid:
         print(f"kvgate: error: {printable(str(error))}", file=sys.stderr)
         report.add_invalid(error)
@@ -349,17 +379,21 @@ def run_traces(
         engine = scheduler_factories(target_name, plugin)
     for trace in traces:
         excluded: list[str] = []
-        if trace.scheduler_level:
-            assert engine is not None
-            result = run_scheduler_trace(trace, *engine, level)
-        else:
-            is_model = target_name == LOCKSTEP_MODEL
-            result = _run_one(trace, factory, model, level, is_model, excluded)
+        kind = "refusal traces" if trace.expect_refused is not None else "traces"
+        with logs.unit(kind) as captured:
+            if trace.scheduler_level:
+                assert engine is not None
+                result = run_scheduler_trace(trace, *engine, level)
+            else:
+                is_model = target_name == LOCKSTEP_MODEL
+                result = _run_one(trace, factory, model, level, is_model, excluded)
         report.exclusions(trace.name, excluded)
         if isinstance(result, TraceRunError) and not result.config_refused:
             kind = "internal error" if result.bug else "error"
             print(f"kvgate: {kind}: {printable(result.message)}", file=sys.stderr)
         report.add(result)
+        if not result.passed:
+            logs.show(captured, f"trace {trace.name}")
     code = exit_code(report.results, required, len(invalid))
     if report.results and all(verdict(r) is Verdict.NOT_APPLICABLE for r in report.results):
         # Nothing was checked: each refusal is the input's error.
@@ -367,6 +401,7 @@ def run_traces(
             assert isinstance(result, TraceRunError)
             print(f"kvgate: error: {printable(result.message)}", file=sys.stderr)
     report.finish(f"verdict: exit {code}: {dict(EXIT_CODES)[code]}")
+    logs.print_summary()
 
     if junit_xml is not None:
         unloaded = [(str(error.path), str(error)) for error in invalid]

@@ -9,6 +9,7 @@ the `OpDriver` interface, not only a `Target`'s.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import time
@@ -80,6 +81,18 @@ def scheduler_factories(
         return factory(config, spec_tokens=spec, max_num_seqs=max_num_seqs, plugin=plugin)
 
     return model, build
+
+
+def plugin_factory(name: str, plugin: str | None) -> TargetFactory:
+    """`target_factory(name)` with `--plugin` bound to it: a vLLM plugin
+    module, or 'entry-points' for vLLM's own loader (only `vllm` loads one)."""
+    if plugin is not None and name != "vllm":
+        raise InputError("--plugin: only --target vllm loads plugins")
+    factory = target_factory(name)
+    if plugin is None:
+        return factory
+    # VllmTarget(config, plugin=...): the one target that loads plugins.
+    return functools.partial(cast(Callable[..., Target], factory), plugin=plugin)
 
 
 def build_target(factory: TargetFactory, trace: Trace) -> Target:

@@ -66,7 +66,7 @@ def overlay() -> Iterator[Any]:
 
     _vllm_api.load()
     was_installed = hold_overlay.is_registered()
-    hold_overlay.register()
+    hold_overlay.install()
     yield hold_overlay
     if not was_installed:
         hold_overlay.unregister()
@@ -79,4 +79,4 @@ def upstream(overlay: Any) -> Iterator[None]:
     try:
         yield
     finally:
-        overlay.register()
+        overlay.install()

@@ -141,7 +141,7 @@ def test_switched_off_the_overlay_changes_nothing(overlay: Any) -> None:
             assert result.steps_run == installed.steps_run
             assert len(snaps) > 10 and snaps == installed_snaps, trace.name
     finally:
-        overlay.register()
+        overlay.install()
 
 
 # -- beyond the corpus's own expectations ----------------------------------------
@@ -196,7 +196,7 @@ def test_register_is_idempotent_and_unregister_restores(overlay: Any) -> None:
 
     names = ("__init__", "get_num_blocks_to_allocate", "allocate_new_blocks")
     patched = [MambaManager.__dict__[n] for n in names] + [KVCacheCoordinator.__dict__["free"]]
-    overlay.register()
+    overlay.install()
     again = [MambaManager.__dict__[n] for n in names] + [KVCacheCoordinator.__dict__["free"]]
     assert again == patched
     assert all(f.__module__ == PLUGIN for f in patched)
@@ -205,7 +205,7 @@ def test_register_is_idempotent_and_unregister_restores(overlay: Any) -> None:
         assert all(MambaManager.__dict__[n].__module__.startswith("vllm.") for n in names)
         assert KVCacheCoordinator.__dict__["free"].__module__.startswith("vllm.")
     finally:
-        overlay.register()
+        overlay.install()
 
 
 def test_the_switch_is_read_per_manager(overlay: Any) -> None:

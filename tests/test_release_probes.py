@@ -32,7 +32,7 @@ def test_the_overlay_refuses_a_build_lacking_what_it_wraps(
         "KVCacheCoordinator.no_such_method",
         "MambaManager._no_attr",
     ]
-    hold_overlay.register()
+    hold_overlay.install()
     try:
         assert not hold_overlay.is_registered()
     finally:

@@ -12,9 +12,10 @@ from __future__ import annotations
 import functools
 import importlib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
+from typing import Any, cast
 
 # The environment switch of the patched vLLM builds that hold a request's
 # newest hashed Mamba state (MambaManager._retained_checkpoints).
@@ -157,7 +158,9 @@ def register_plugin(name: str) -> ModuleType | None:
 
     A plugin is an ordinary importable module; `register()` (optional, no
     arguments) may patch vLLM classes, e.g. to overlay a hold on an upstream
-    build. A plugin may set `HOLD_SOURCE` (str) to name the hold it provides.
+    build. Naming a plugin opts in to it: its `install()` runs instead when
+    it has one (an entry point's `register()` may install only on request).
+    A plugin may set `HOLD_SOURCE` (str) to name the hold it provides.
     `ENTRY_POINTS` runs vLLM's own loader (`vllm.plugins.load_general_plugins`:
     the `vllm.general_plugins` entry points, filtered by `VLLM_PLUGINS`), as a
     vLLM engine does at startup; no single module is named then (None).
@@ -170,8 +173,8 @@ def register_plugin(name: str) -> ModuleType | None:
     if name in _registered:
         loaded = _registered[name]
         is_registered = getattr(loaded, "is_registered", None)
-        register = getattr(loaded, "register", None)
-        if callable(is_registered) and callable(register) and not is_registered():
+        register = _installer(loaded)
+        if callable(is_registered) and register is not None and not is_registered():
             register()
         return loaded
     module: ModuleType | None
@@ -182,11 +185,20 @@ def register_plugin(name: str) -> ModuleType | None:
         module = None
     else:
         module = importlib.import_module(name)
-        register = getattr(module, "register", None)
-        if callable(register):
+        register = _installer(module)
+        if register is not None:
             register()
     _registered[name] = module
     return module
+
+
+def _installer(module: ModuleType | None) -> Callable[[], object] | None:
+    """What installs a plugin named explicitly: `install`, else `register`."""
+    for attribute in ("install", "register"):
+        function = getattr(module, attribute, None)
+        if callable(function):
+            return cast(Callable[[], object], function)
+    return None
 
 
 def load_with_hold(

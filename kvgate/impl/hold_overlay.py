@@ -1,9 +1,15 @@
 """The partial-tail checkpoint hold, overlaid at run time on upstream vLLM.
 
 A vLLM general plugin (entry point group `vllm.general_plugins`, name
-`kvgate_hold`): `register()` wraps a few methods of vLLM's `MambaManager` and
+`kvgate_hold`): `install()` wraps a few methods of vLLM's `MambaManager` and
 `KVCacheCoordinator` classes in this process; the installed package is never
-modified on disk. What the wrappers add is the behaviour kvgate's model
+modified on disk. vLLM calls the entry point, `register()`, in every process
+of the environment kvgate is installed in, production serving included: it
+installs nothing unless the user opted in, with the hold switch
+(`VLLM_E2_MAMBA_RETAIN_CHECKPOINT=1`) or `KVGATE_HOLD_OVERLAY=1` set when
+the process starts. Naming the plugin (`kvgate gate --plugin
+kvgate.impl.hold_overlay`, `pytest -p kvgate.impl.hold_overlay_pytest`) is
+opting in: it calls `install()`. What the wrappers add is the behaviour kvgate's model
 specifies in `kvgate/model/hold.py`, called where `kvgate/model/mamba.py` and
 `kvgate/model/coordinator.py` call it:
 
@@ -53,7 +59,15 @@ from typing import Any
 
 from kvgate.impl._vllm_api import HOLD_ATTR, RETAIN_SWITCH, RETIRE_ATTR, RETIRE_SWITCH
 
-__all__ = ["HOLD_SOURCE", "is_registered", "register", "stats", "unregister"]
+__all__ = [
+    "HOLD_SOURCE",
+    "OPT_IN_SWITCH",
+    "install",
+    "is_registered",
+    "register",
+    "stats",
+    "unregister",
+]
 
 # What a kvgate gate report shows as the hold implementation.
 HOLD_SOURCE = "kvgate overlay (kvgate.impl.hold_overlay)"
@@ -118,8 +132,21 @@ def is_registered() -> bool:
     return bool(_originals)
 
 
+# Set to 1, it installs the overlay from the entry point with the hold switch
+# off (managers then run vLLM's own code until one is built with it on).
+OPT_IN_SWITCH = "KVGATE_HOLD_OVERLAY"
+
+
 def register() -> None:
-    """Install the overlay in this process (idempotent; the plugin entry point).
+    """The entry point, which vLLM calls in every process: install the
+    overlay only if the user opted in (the hold switch or `OPT_IN_SWITCH`
+    on), so that installing kvgate changes no serving process by itself."""
+    if switch_on(RETAIN_SWITCH) or switch_on(OPT_IN_SWITCH):
+        install()
+
+
+def install() -> None:
+    """Install the overlay in this process (idempotent).
 
     A vLLM build that already has the switch (a patched build) is left alone:
     its own hold runs, and overlaying a second one would double every ref.

@@ -4,8 +4,9 @@
 
 Used by `scripts/vllm-own-tests.sh --overlay` to run vLLM's own tests on
 upstream vLLM plus the overlay. At session start it calls
-`hold_overlay.register()`; whether managers hold is the environment switch
-(`VLLM_E2_MAMBA_RETAIN_CHECKPOINT`), which the script sets to 1. The report
+`hold_overlay.install()` (naming the plugin opts in); whether managers hold
+is the environment switch (`VLLM_E2_MAMBA_RETAIN_CHECKPOINT`), which the
+script sets to 1. The report
 header says both, and the summary counts what the overlay did, so a run that
 never exercised the hold shows it.
 """
@@ -22,7 +23,7 @@ from kvgate.impl._vllm_api import RETAIN_SWITCH
 
 def pytest_configure(config: pytest.Config) -> None:
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    hold_overlay.register()
+    hold_overlay.install()
 
 
 def pytest_report_header(config: pytest.Config) -> str:
