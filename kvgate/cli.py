@@ -24,17 +24,14 @@ imports vLLM.
 from __future__ import annotations
 
 import argparse
-import functools
 import importlib
 import os
 import sys
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn, cast
 
 from kvgate.conformance.limits import DEFAULT_LIMITS, Limits
-from kvgate.conformance.refusal import judge_refusal
 from kvgate.conformance.replay import (
     LEVELS,
     Level,
@@ -43,7 +40,6 @@ from kvgate.conformance.replay import (
     TargetFactory,
     TraceRunError,
     one_line,
-    replay,
 )
 from kvgate.conformance.report import TerminalReport, write_junit
 from kvgate.conformance.selection import (
@@ -53,7 +49,7 @@ from kvgate.conformance.selection import (
     SelectionError,
     describe,
 )
-from kvgate.conformance.target import Capabilities, Target
+from kvgate.conformance.target import Capabilities
 from kvgate.conformance.trace import (
     Trace,
     TraceError,
@@ -82,7 +78,7 @@ from kvgate.errors import (
     exit_code_table,
     printable,
 )
-from kvgate.targets import LOCKSTEP_MODEL, TARGETS, build_target, target_factory
+from kvgate.targets import LOCKSTEP_MODEL, TARGETS, build_target, gate_factories, run_trace
 
 # Further commands, each a module with `register(subparsers)` that adds its
 # parser and sets `handler(args) -> exit code` on it. A handler raises
@@ -305,13 +301,7 @@ def run_traces(
     `_NothingValid` when there is nothing to run: only errors to tell."""
     if not traces and invalid:
         raise _NothingValid(invalid)
-    if plugin is not None and target_name != "vllm":
-        raise InputError("--plugin: only --target vllm loads plugins")
-    factory = target_factory(target_name)
-    if plugin is not None:
-        # VllmTarget(config, plugin=...): the one target that loads plugins.
-        factory = functools.partial(cast(Callable[..., Target], factory), plugin=plugin)
-    model = None if target_name == LOCKSTEP_MODEL else target_factory(LOCKSTEP_MODEL)
+    factory, model = gate_factories(target_name, plugin)
 
     report = TerminalReport(sys.stdout, required, explain_lacking)
     if traces:
@@ -321,7 +311,7 @@ def run_traces(
         report.add_invalid(error)
     for trace in traces:
         excluded: list[str] = []
-        result = _run_one(trace, factory, model, level, target_name == LOCKSTEP_MODEL, excluded)
+        result = run_trace(trace, factory, model, level, target_name == LOCKSTEP_MODEL, excluded)
         report.exclusions(trace.name, excluded)
         if isinstance(result, TraceRunError) and not result.config_refused:
             kind = "internal error" if result.bug else "error"
@@ -362,39 +352,6 @@ def exit_code(results: Sequence[Outcome], required: Sequence[str], invalid: int 
         EXIT_OK: True,
     }
     return next(code for code in EXIT_PRECEDENCE if applies[code])
-
-
-def _run_one(
-    trace: Trace,
-    factory: TargetFactory,
-    model: TargetFactory | None,
-    level: Level,
-    target_is_model: bool,
-    excluded: list[str] | None = None,
-) -> Outcome:
-    """One trace's verdict, or the error that kept it from getting one;
-    `excluded` gets the strict-view exclusions that hid the target's raw state."""
-    started = time.perf_counter()
-    if trace.expect_refused is not None:
-        return judge_refusal(trace, factory, level)
-    try:
-        target = build_target(factory, trace)
-    except TraceError as error:
-        # The target will not run this config at all: not applicable to it.
-        seconds = time.perf_counter() - started
-        return TraceRunError(trace, str(error), bug=False, seconds=seconds, config_refused=True)
-    try:
-        try:
-            result = replay(trace, target, model, level, target_is_model=target_is_model)
-            if excluded is not None:
-                excluded.extend(getattr(target, "exclusions_applied", ()))
-            return result
-        finally:
-            target.close()
-    except TraceError as error:
-        return TraceRunError(trace, str(error), bug=False, seconds=time.perf_counter() - started)
-    except ModelBug as bug:
-        return TraceRunError(trace, str(bug), bug=True, seconds=time.perf_counter() - started)
 
 
 def _write_junit(
