@@ -78,6 +78,7 @@ from kvgate.errors import (
     exit_code_table,
     printable,
 )
+from kvgate.output import QUIET, VllmLogs, vllm_logs
 from kvgate.targets import LOCKSTEP_MODEL, TARGETS, build_target, gate_factories, run_trace
 
 # Further commands, each a module with `register(subparsers)` that adds its
@@ -88,6 +89,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "kvgate.workload.command",
     "kvgate.mutate.command",
     "kvgate.invariants.z3.command",
+    "kvgate.bless_command",
 )
 
 
@@ -101,29 +103,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     args: argparse.Namespace | None = None
     try:
         args = _parser().parse_args(argv)
-        handler = getattr(args, "handler", None)
-        if handler is not None:
-            return cast(int, handler(args))
-        limits = _limits(args.limit)
-        if args.command == "replay":
-            traces, invalid = read_traces(args.traces, limits)
-        else:
-            traces, invalid = read_corpus(args.corpus or bundled_corpus(), limits)
-            traces = _select(traces, args)
-            if args.list:
-                return list_traces(traces, invalid)
-            if not traces and not invalid:
-                raise InputError("no trace selected (-k, --arm, --family): nothing to gate")
-        return run_traces(
-            traces,
-            args.target,
-            args.level,
-            args.plugin,
-            args.junit_xml,
-            _required(args.require),
-            explain_lacking=args.command == "replay",
-            invalid=invalid,
-        )
+        with vllm_logs(args.verbosity) as logs:
+            args.vllm_logs = logs
+            handler = getattr(args, "handler", None)
+            if handler is not None:
+                # Lines no smaller unit claims count as the command's own.
+                with logs.unit(f"kvgate {args.command}"):
+                    code = cast(int, handler(args))
+                logs.print_summary()
+                return code
+            limits = _limits(args.limit)
+            if args.command == "replay":
+                traces, invalid = read_traces(args.traces, limits)
+            else:
+                traces, invalid = read_corpus(args.corpus or bundled_corpus(), limits)
+                traces = _select(traces, args)
+                if args.list:
+                    return list_traces(traces, invalid)
+                if not traces and not invalid:
+                    raise InputError("no trace selected (-k, --arm, --family): nothing to gate")
+            return run_traces(
+                traces,
+                args.target,
+                args.level,
+                args.plugin,
+                args.junit_xml,
+                _required(args.require),
+                explain_lacking=args.command == "replay",
+                invalid=invalid,
+                logs=logs,
+            )
     except _NothingValid as nothing:
         for error in nothing.invalid:
             print(f"kvgate: error: {printable(str(error))}", file=sys.stderr)
@@ -283,7 +292,32 @@ def _parser() -> argparse.ArgumentParser:
         )
     for module in COMMAND_MODULES:
         importlib.import_module(module).register(commands)
+    for command in commands.choices.values():
+        add_verbosity(command)
     return parser
+
+
+def add_verbosity(parser: argparse.ArgumentParser) -> None:
+    """-q / -v / -vv, the same on every command (see kvgate/output.py)."""
+    levels = parser.add_argument_group("output")
+    levels.add_argument(
+        "-v",
+        "--verbose",
+        dest="verbosity",
+        action="count",
+        default=0,
+        help="-v: also show vLLM's warnings as they happen; -vv: also its info "
+        "and debug lines (default: vLLM's lines are kept per trace and shown "
+        "only with a failure, and counted in the summary)",
+    )
+    levels.add_argument(
+        "-q",
+        "--quiet",
+        dest="verbosity",
+        action="store_const",
+        const=QUIET,
+        help="print only failures, errors and the summary",
+    )
 
 
 def run_traces(
@@ -295,15 +329,17 @@ def run_traces(
     required: Sequence[str] = DEFAULT_REQUIRED,
     explain_lacking: bool = False,
     invalid: Sequence[TraceError] = (),
+    logs: VllmLogs | None = None,
 ) -> int:
     """Run `traces` and report each one's verdict, with every `invalid`
     trace's error listed and counted; the exit code (`errors.EXIT_CODES`).
     `_NothingValid` when there is nothing to run: only errors to tell."""
     if not traces and invalid:
         raise _NothingValid(invalid)
+    logs = logs or VllmLogs()
     factory, model = gate_factories(target_name, plugin)
 
-    report = TerminalReport(sys.stdout, required, explain_lacking)
+    report = TerminalReport(sys.stdout, required, explain_lacking, quiet=logs.verbosity <= QUIET)
     if traces:
         report.target(_header_capabilities(factory, traces), target_name)
     for error in invalid:
@@ -311,12 +347,18 @@ def run_traces(
         report.add_invalid(error)
     for trace in traces:
         excluded: list[str] = []
-        result = run_trace(trace, factory, model, level, target_name == LOCKSTEP_MODEL, excluded)
+        kind = "refusal traces" if trace.expect_refused is not None else "traces"
+        with logs.unit(kind) as captured:
+            result = run_trace(
+                trace, factory, model, level, target_name == LOCKSTEP_MODEL, excluded
+            )
         report.exclusions(trace.name, excluded)
         if isinstance(result, TraceRunError) and not result.config_refused:
             kind = "internal error" if result.bug else "error"
             print(f"kvgate: {kind}: {printable(result.message)}", file=sys.stderr)
         report.add(result)
+        if not result.passed:
+            logs.show(captured, f"trace {trace.name}")
     code = exit_code(report.results, required, len(invalid))
     if report.results and all(verdict(r) is Verdict.NOT_APPLICABLE for r in report.results):
         # Nothing was checked: each refusal is the input's error.
@@ -324,6 +366,7 @@ def run_traces(
             assert isinstance(result, TraceRunError)
             print(f"kvgate: error: {printable(result.message)}", file=sys.stderr)
     report.finish(f"verdict: exit {code}: {dict(EXIT_CODES)[code]}")
+    logs.print_summary()
 
     if junit_xml is not None:
         unloaded = [(str(error.path), str(error)) for error in invalid]

@@ -59,6 +59,18 @@ def target_factory(name: str) -> TargetFactory:
     return cast(TargetFactory, factory)
 
 
+def plugin_factory(name: str, plugin: str | None) -> TargetFactory:
+    """`target_factory(name)` with `--plugin` bound to it: a vLLM plugin
+    module, or 'entry-points' for vLLM's own loader (only `vllm` loads one)."""
+    if plugin is not None and name != "vllm":
+        raise InputError("--plugin: only --target vllm loads plugins")
+    factory = target_factory(name)
+    if plugin is None:
+        return factory
+    # VllmTarget(config, plugin=...): the one target that loads plugins.
+    return functools.partial(cast(Callable[..., Target], factory), plugin=plugin)
+
+
 def build_target(factory: TargetFactory, trace: Trace) -> Target:
     """A target for `trace`'s config; a config it cannot run is the trace's error."""
     try:
@@ -70,15 +82,9 @@ def build_target(factory: TargetFactory, trace: Trace) -> Target:
 def gate_factories(
     target_name: str, plugin: str | None = None
 ) -> tuple[TargetFactory, TargetFactory | None]:
-    """The factory of the target a gate runs (with `plugin` bound: only the
-    vLLM target loads plugins), and the lockstep model's (None when the
-    target is the model itself)."""
-    if plugin is not None and target_name != "vllm":
-        raise InputError("--plugin: only --target vllm loads plugins")
-    factory = target_factory(target_name)
-    if plugin is not None:
-        # VllmTarget(config, plugin=...): the one target that loads plugins.
-        factory = functools.partial(cast(Callable[..., Target], factory), plugin=plugin)
+    """The factory of the target a gate runs (`plugin_factory`), and the
+    lockstep model's (None when the target is the model itself)."""
+    factory = plugin_factory(target_name, plugin)
     model = None if target_name == LOCKSTEP_MODEL else target_factory(LOCKSTEP_MODEL)
     return factory, model
 

@@ -52,9 +52,16 @@ class TerminalReport:
     """Writes the report while the run goes, so a long gate shows progress."""
 
     def __init__(
-        self, out: TextIO, required: Sequence[str] = DEFAULT_REQUIRED, explain_lacking: bool = False
+        self,
+        out: TextIO,
+        required: Sequence[str] = DEFAULT_REQUIRED,
+        explain_lacking: bool = False,
+        quiet: bool = False,
     ) -> None:
         self.out = out
+        # Quiet: no header and no line per passing trace; failures, errors
+        # and the summary still print.
+        self.quiet = quiet
         self.required = tuple(required)
         self.invalid = 0  # traces that could not be read
         # Whether a trace that lacks a capability shows its misses in full
@@ -72,6 +79,8 @@ class TerminalReport:
 
     def target(self, capabilities: Capabilities | None, name: str = "") -> None:
         """The header; None when no trace's config could be built on target `name`."""
+        if self.quiet:
+            return
         if capabilities is None:
             self._line(f"target: {name} (no trace's config could be built on it)")
         else:
@@ -79,7 +88,8 @@ class TerminalReport:
 
     def add(self, result: Outcome) -> None:
         self.results.append(result)
-        self._line(trace_line(result))
+        if not (self.quiet and result.passed):
+            self._line(trace_line(result))
 
     def add_invalid(self, error: TraceError) -> None:
         """A trace that could not be read: its line, and a count in the summary."""

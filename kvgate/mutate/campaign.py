@@ -44,6 +44,7 @@ from kvgate.conformance.trace import Trace, load_corpus
 from kvgate.invariants.predicates import check_snapshot
 from kvgate.mutate.faults import Fault
 from kvgate.mutate.inject import Edit, NotApplicable, apply
+from kvgate.output import VllmLogs, installed
 
 Verdict = Literal["caught", "missed", "not applicable", "hung", "error"]
 
@@ -422,13 +423,18 @@ def scheduler_stage() -> SchedulerOutcome:
 def _child(
     fault: Fault | None, settings: Settings, baseline: Baseline | None, conn: Connection
 ) -> None:
+    # vLLM's lines in this child are counted here and the counts sent back.
+    logs = installed() or VllmLogs().install()
+    logs.restart_count()
     try:
-        run = gate_run(fault, settings, baseline, conn)
+        with logs.unit("the baseline run" if fault is None else "fault runs"):
+            run = gate_run(fault, settings, baseline, conn)
     except BaseException as error:  # reported to the parent, never lost
         name = None if fault is None else fault.name
         frame = traceback.extract_tb(error.__traceback__)[-1]
         where = f"{os.path.basename(frame.filename)}:{frame.lineno}"
         run = GateRun(name, None, "", (), None, error=f"{one_line(error)} (at {where})")
+    conn.send(("vllm_logs", logs.counted))
     conn.send(("done", run))
     conn.close()
 
@@ -486,6 +492,10 @@ def _collect(running: list[_Running], timeout: float) -> list[tuple[_Running, Ga
                     continue
                 if kind == "trace":
                     child.current = payload
+                elif kind == "vllm_logs":
+                    parent_logs = installed()
+                    if parent_logs is not None:
+                        parent_logs.merge(payload)
                 else:
                     child.process.join()
                     finished.append((child, payload, ""))
