@@ -12,11 +12,21 @@ from __future__ import annotations
 import functools
 import importlib
 import os
+import time
 from collections.abc import Callable
 from typing import cast
 
 from kvgate.conformance.config import UnsupportedConfig
-from kvgate.conformance.replay import TargetFactory, one_line
+from kvgate.conformance.refusal import judge_refusal
+from kvgate.conformance.replay import (
+    Level,
+    ModelBug,
+    Outcome,
+    TargetFactory,
+    TraceRunError,
+    one_line,
+    replay,
+)
 from kvgate.conformance.target import Target
 from kvgate.conformance.trace import Trace, TraceError
 from kvgate.errors import InputError
@@ -67,3 +77,46 @@ def build_target(factory: TargetFactory, trace: Trace) -> Target:
         return factory(trace.config)
     except UnsupportedConfig as error:
         raise TraceError.unsupported(trace.path, error) from None
+
+
+def gate_factories(
+    target_name: str, plugin: str | None = None
+) -> tuple[TargetFactory, TargetFactory | None]:
+    """The factory of the target a gate runs (`plugin_factory`), and the
+    lockstep model's (None when the target is the model itself)."""
+    factory = plugin_factory(target_name, plugin)
+    model = None if target_name == LOCKSTEP_MODEL else target_factory(LOCKSTEP_MODEL)
+    return factory, model
+
+
+def run_trace(
+    trace: Trace,
+    factory: TargetFactory,
+    model: TargetFactory | None,
+    level: Level,
+    target_is_model: bool,
+    excluded: list[str] | None = None,
+) -> Outcome:
+    """One trace's verdict, or the error that kept it from getting one;
+    `excluded` gets the strict-view exclusions that hid the target's raw state."""
+    started = time.perf_counter()
+    if trace.expect_refused is not None:
+        return judge_refusal(trace, factory, level)
+    try:
+        target = build_target(factory, trace)
+    except TraceError as error:
+        # The target will not run this config at all: not applicable to it.
+        seconds = time.perf_counter() - started
+        return TraceRunError(trace, str(error), bug=False, seconds=seconds, config_refused=True)
+    try:
+        try:
+            result = replay(trace, target, model, level, target_is_model=target_is_model)
+            if excluded is not None:
+                excluded.extend(getattr(target, "exclusions_applied", ()))
+            return result
+        finally:
+            target.close()
+    except TraceError as error:
+        return TraceRunError(trace, str(error), bug=False, seconds=time.perf_counter() - started)
+    except ModelBug as bug:
+        return TraceRunError(trace, str(bug), bug=True, seconds=time.perf_counter() - started)
