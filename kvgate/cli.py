@@ -27,13 +27,11 @@ import argparse
 import importlib
 import os
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn, cast
 
 from kvgate.conformance.limits import DEFAULT_LIMITS, Limits
-from kvgate.conformance.refusal import judge_refusal
 from kvgate.conformance.replay import (
     LEVELS,
     Level,
@@ -42,7 +40,6 @@ from kvgate.conformance.replay import (
     TargetFactory,
     TraceRunError,
     one_line,
-    replay,
 )
 from kvgate.conformance.report import TerminalReport, write_junit
 from kvgate.conformance.selection import (
@@ -88,10 +85,10 @@ from kvgate.targets import (
     LOCKSTEP_MODEL,
     TARGETS,
     build_target,
-    plugin_factory,
+    gate_factories,
     run_scheduler_trace,
+    run_trace,
     scheduler_factories,
-    target_factory,
 )
 
 # Further commands, each a module with `register(subparsers)` that adds its
@@ -362,8 +359,7 @@ def run_traces(
     if not traces and invalid:
         raise _NothingValid(invalid)
     logs = logs or VllmLogs()
-    factory = plugin_factory(target_name, plugin)
-    model = None if target_name == LOCKSTEP_MODEL else target_factory(LOCKSTEP_MODEL)
+    factory, model = gate_factories(target_name, plugin)
 
     report = TerminalReport(sys.stdout, required, explain_lacking, quiet=logs.verbosity <= QUIET)
     if traces:
@@ -386,7 +382,7 @@ def run_traces(
                 result = run_scheduler_trace(trace, *engine, level)
             else:
                 is_model = target_name == LOCKSTEP_MODEL
-                result = _run_one(trace, factory, model, level, is_model, excluded)
+                result = run_trace(trace, factory, model, level, is_model, excluded)
         report.exclusions(trace.name, excluded)
         if isinstance(result, TraceRunError) and not result.config_refused:
             kind = "internal error" if result.bug else "error"
@@ -430,39 +426,6 @@ def exit_code(results: Sequence[Outcome], required: Sequence[str], invalid: int 
         EXIT_OK: True,
     }
     return next(code for code in EXIT_PRECEDENCE if applies[code])
-
-
-def _run_one(
-    trace: Trace,
-    factory: TargetFactory,
-    model: TargetFactory | None,
-    level: Level,
-    target_is_model: bool,
-    excluded: list[str] | None = None,
-) -> Outcome:
-    """One trace's verdict, or the error that kept it from getting one;
-    `excluded` gets the strict-view exclusions that hid the target's raw state."""
-    started = time.perf_counter()
-    if trace.expect_refused is not None:
-        return judge_refusal(trace, factory, level)
-    try:
-        target = build_target(factory, trace)
-    except TraceError as error:
-        # The target will not run this config at all: not applicable to it.
-        seconds = time.perf_counter() - started
-        return TraceRunError(trace, str(error), bug=False, seconds=seconds, config_refused=True)
-    try:
-        try:
-            result = replay(trace, target, model, level, target_is_model=target_is_model)
-            if excluded is not None:
-                excluded.extend(getattr(target, "exclusions_applied", ()))
-            return result
-        finally:
-            target.close()
-    except TraceError as error:
-        return TraceRunError(trace, str(error), bug=False, seconds=time.perf_counter() - started)
-    except ModelBug as bug:
-        return TraceRunError(trace, str(bug), bug=True, seconds=time.perf_counter() - started)
 
 
 def _write_junit(
