@@ -1,9 +1,13 @@
 """kvgate's command line: replay traces on a target, or gate a target on a corpus.
 
-    kvgate replay TRACE... --target {model,vllm} [--level api|strict]
-    kvgate gate [--target vllm|model] [--corpus DIR] [--level api|strict]
-                [--junit-xml PATH] [--plugin MODULE|entry-points]
-    (both) [--require hold|retention|none ...] [--limit NAME=N ...]
+    kvgate replay TRACE... [--target vllm|model] [--level strict|api]
+    kvgate gate [--target vllm|model] [--corpus DIR] [--level strict|api]
+    (both) [--junit-xml PATH] [--overlay | --plugin MODULE|entry-points]
+           [--require hold|retention|none ...] [--limit NAME=N ...] [-q | -v | -vv]
+
+The options every command shares (target, overlay, level, hold, seed,
+profile, budget, output directory, verbosity) are spelled once, in
+`kvgate/options.py`.
 
 Each trace gets a verdict by cause (`conformance.verdict`): conforms,
 diverges, lacks a capability (the build lacks what the trace's config asks
@@ -33,6 +37,7 @@ from pathlib import Path
 from typing import NoReturn, cast
 
 import kvgate
+from kvgate import options
 from kvgate.conformance.limits import DEFAULT_LIMITS, Limits
 from kvgate.conformance.replay import (
     LEVELS,
@@ -56,6 +61,8 @@ from kvgate.conformance.trace import (
     Trace,
     TraceError,
     bundled_corpus,
+    bundled_scheduler_corpus,
+    check_unique_names,
     read_corpus,
     read_traces,
 )
@@ -81,7 +88,15 @@ from kvgate.errors import (
     printable,
 )
 from kvgate.output import QUIET, VllmLogs, vllm_logs
-from kvgate.targets import LOCKSTEP_MODEL, TARGETS, build_target, gate_factories, run_trace
+from kvgate.targets import (
+    LOCKSTEP_MODEL,
+    TARGETS,
+    build_target,
+    gate_factories,
+    run_scheduler_trace,
+    run_trace,
+    scheduler_factories,
+)
 
 # Further commands, each a module with `register(subparsers)` that adds its
 # parser and sets `handler(args) -> exit code` on it. A handler raises
@@ -93,6 +108,9 @@ COMMAND_MODULES: tuple[str, ...] = (
     "kvgate.invariants.z3.command",
     "kvgate.bless_command",
 )
+
+
+TARGET_HELP = "model: kvgate's model alone; vllm: the installed vLLM, the model in lockstep"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -118,7 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.command == "replay":
                 traces, invalid = read_traces(args.traces, limits)
             else:
-                traces, invalid = read_corpus(args.corpus or bundled_corpus(), limits)
+                traces, invalid = _read_gate_corpus(args.corpus, limits)
                 traces = _select(traces, args)
                 if args.list:
                     return list_traces(traces, invalid)
@@ -128,7 +146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 traces,
                 args.target,
                 args.level,
-                args.plugin,
+                options.plugin_of(args),
                 args.junit_xml,
                 _required(args.require),
                 explain_lacking=args.command == "replay",
@@ -171,6 +189,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return EXIT_KVGATE_BUG
+
+
+def _read_gate_corpus(corpus: Path | None, limits: Limits) -> tuple[list[Trace], list[TraceError]]:
+    """`--corpus DIR`, or the bundled corpora: the manager-level one and the
+    scheduler-level one beside it."""
+    if corpus is not None:
+        return read_corpus(corpus, limits)
+    traces, invalid = read_corpus(bundled_corpus(), limits)
+    engine, engine_invalid = read_corpus(bundled_scheduler_corpus(), limits)
+    check = [*traces, *engine]
+    check_unique_names(check)
+    return check, [*invalid, *engine_invalid]
 
 
 def _limits(assignments: Sequence[str] | None) -> Limits:
@@ -239,7 +269,7 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     replay_cmd.add_argument("traces", nargs="+", type=Path, metavar="TRACE")
-    replay_cmd.add_argument("--target", required=True, choices=sorted(TARGETS))
+    options.add_target(replay_cmd, sorted(TARGETS), "vllm", TARGET_HELP)
 
     gate_cmd = commands.add_parser(
         "gate",
@@ -247,7 +277,7 @@ def _parser() -> argparse.ArgumentParser:
         epilog=exit_code_table(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    gate_cmd.add_argument("--target", default="vllm", choices=sorted(TARGETS))
+    options.add_target(gate_cmd, sorted(TARGETS), "vllm", TARGET_HELP)
     gate_cmd.add_argument(
         "--corpus", type=Path, metavar="DIR", help="default: the corpus kvgate ships"
     )
@@ -282,14 +312,12 @@ def _parser() -> argparse.ArgumentParser:
     )
 
     for command in (replay_cmd, gate_cmd):
-        command.add_argument("--level", default="strict", choices=LEVELS)
-        command.add_argument("--junit-xml", type=Path, metavar="PATH")
+        options.add_level(command, LEVELS, "strict")
         command.add_argument(
-            "--plugin",
-            metavar="MODULE",
-            help="a vLLM plugin module for --target vllm (e.g. kvgate.impl.hold_overlay), "
-            "or 'entry-points' to run vLLM's own vllm.general_plugins loader",
+            "--junit-xml", type=Path, metavar="PATH", help="also write a JUnit XML report there"
         )
+        options.add_overlay(command)
+        options.add_plugin(command)
         command.add_argument(
             "--require",
             action="append",
@@ -309,31 +337,14 @@ def _parser() -> argparse.ArgumentParser:
     for module in COMMAND_MODULES:
         importlib.import_module(module).register(commands)
     for command in commands.choices.values():
-        add_verbosity(command)
+        options.add_verbosity(command)
+        options.finish(command)
     return parser
 
 
-def add_verbosity(parser: argparse.ArgumentParser) -> None:
-    """-q / -v / -vv, the same on every command (see kvgate/output.py)."""
-    levels = parser.add_argument_group("output")
-    levels.add_argument(
-        "-v",
-        "--verbose",
-        dest="verbosity",
-        action="count",
-        default=0,
-        help="-v: also show vLLM's warnings as they happen; -vv: also its info "
-        "and debug lines (default: vLLM's lines are kept per trace and shown "
-        "only with a failure, and counted in the summary)",
-    )
-    levels.add_argument(
-        "-q",
-        "--quiet",
-        dest="verbosity",
-        action="store_const",
-        const=QUIET,
-        help="print only failures, errors and the summary",
-    )
+def build_parser() -> argparse.ArgumentParser:
+    """Every command's parser (the docs' command reference reads them)."""
+    return _parser()
 
 
 def run_traces(
@@ -358,22 +369,33 @@ def run_traces(
     report = TerminalReport(sys.stdout, required, explain_lacking, quiet=logs.verbosity <= QUIET)
     if traces:
         report.target(_header_capabilities(factory, traces), target_name)
+        scheduler_level = sum(trace.scheduler_level for trace in traces)
+        if scheduler_level:
+            report.corpora(len(traces) - scheduler_level, scheduler_level)
     for error in invalid:
         print(f"kvgate: error: {printable(str(error))}", file=sys.stderr)
         report.add_invalid(error)
+    engine = None
+    if any(trace.scheduler_level for trace in traces):
+        engine = scheduler_factories(target_name, plugin)
     for trace in traces:
         excluded: list[str] = []
         kind = "refusal traces" if trace.expect_refused is not None else "traces"
         with logs.unit(kind) as captured:
-            result = run_trace(
-                trace, factory, model, level, target_name == LOCKSTEP_MODEL, excluded
-            )
+            if trace.scheduler_level:
+                assert engine is not None
+                result = run_scheduler_trace(trace, *engine, level)
+            else:
+                is_model = target_name == LOCKSTEP_MODEL
+                result = run_trace(trace, factory, model, level, is_model, excluded)
         report.exclusions(trace.name, excluded)
         if isinstance(result, TraceRunError) and not result.config_refused:
             kind = "internal error" if result.bug else "error"
             print(f"kvgate: {kind}: {printable(result.message)}", file=sys.stderr)
         report.add(result)
-        if not result.passed:
+        if verdict(result) in (Verdict.DIVERGES, Verdict.ERROR, Verdict.BUG):
+            # Only a failure's: a trace the build lacks a capability for
+            # conforms as far as it goes.
             logs.show(captured, f"trace {trace.name}")
     code = exit_code(report.results, required, len(invalid))
     if report.results and all(verdict(r) is Verdict.NOT_APPLICABLE for r in report.results):

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from typing import cast
 
-from kvgate.conformance.config import UnsupportedConfig
+from kvgate.conformance.config import Config, UnsupportedConfig
 from kvgate.conformance.refusal import judge_refusal
 from kvgate.conformance.replay import (
     Level,
@@ -27,6 +27,8 @@ from kvgate.conformance.replay import (
     one_line,
     replay,
 )
+from kvgate.conformance.scheduler_replay import SchedulerModelFactory, replay_scheduler
+from kvgate.conformance.scheduling import SchedulerTarget
 from kvgate.conformance.target import Target
 from kvgate.conformance.trace import Trace, TraceError
 from kvgate.errors import InputError
@@ -43,6 +45,10 @@ LOCKSTEP_MODEL = "model"
 SCHEDULER_TARGETS: dict[str, str] = {
     "vllm-scheduler": "kvgate.impl.vllm_scheduler:VllmScheduler",
 }
+# kvgate's scheduler model, which scheduler-level traces replay in lockstep.
+SCHEDULER_MODEL = "kvgate.model.scheduler:SchedulerModel"
+# The scheduler each manager target's scheduler-level traces replay on.
+SCHEDULER_OF = {"vllm": "vllm-scheduler"}
 
 
 def target_factory(name: str) -> TargetFactory:
@@ -120,3 +126,55 @@ def run_trace(
         return TraceRunError(trace, str(error), bug=False, seconds=time.perf_counter() - started)
     except ModelBug as bug:
         return TraceRunError(trace, str(bug), bug=True, seconds=time.perf_counter() - started)
+
+
+def scheduler_factories(
+    target_name: str, plugin: str | None
+) -> tuple[SchedulerModelFactory, Callable[[Config, int, int], SchedulerTarget] | None]:
+    """For scheduler-level traces on `target_name`: kvgate's scheduler model
+    and the real scheduler's factory, (config, spec, max_num_seqs) each
+    (None on the model: the model is the target), `plugin` loaded by the
+    real one as `--plugin` asks."""
+    module_name, _, attribute = SCHEDULER_MODEL.partition(":")
+    model = cast(SchedulerModelFactory, getattr(importlib.import_module(module_name), attribute))
+    scheduler = SCHEDULER_OF.get(target_name)
+    if scheduler is None:
+        return model, None
+    factory = cast(Callable[..., SchedulerTarget], target_factory(scheduler))
+
+    def build(config: Config, spec: int, max_num_seqs: int) -> SchedulerTarget:
+        return factory(config, spec_tokens=spec, max_num_seqs=max_num_seqs, plugin=plugin)
+
+    return model, build
+
+
+def run_scheduler_trace(
+    trace: Trace,
+    model: SchedulerModelFactory,
+    real: Callable[[Config, int, int], SchedulerTarget] | None,
+    level: Level,
+) -> Outcome:
+    """A scheduler-level trace's verdict (`scheduler_replay`), on the real
+    scheduler `real` builds in lockstep with the model, or on the model
+    alone; the error that kept it from one otherwise."""
+    started = time.perf_counter()
+    assert trace.scheduler is not None
+    target = None
+    try:
+        if real is not None:
+            try:
+                target = real(trace.config, trace.scheduler.spec, trace.scheduler.max_num_seqs)
+            except UnsupportedConfig as error:
+                seconds = time.perf_counter() - started
+                message = str(TraceError.unsupported(trace.path, error))
+                return TraceRunError(
+                    trace, message, bug=False, seconds=seconds, config_refused=True
+                )
+        return replay_scheduler(trace, model, target, level)
+    except TraceError as error:
+        return TraceRunError(trace, str(error), bug=False, seconds=time.perf_counter() - started)
+    except ModelBug as bug:
+        return TraceRunError(trace, str(bug), bug=True, seconds=time.perf_counter() - started)
+    finally:
+        if target is not None:
+            target.close()
