@@ -35,10 +35,18 @@ from kvgate.mutate.campaign import (
     run_campaign,
     scheduler_stage,
 )
-from kvgate.mutate.faults import BY_NAME, FAULTS, Fault, Port, select
+from kvgate.mutate.faults import (
+    BY_NAME,
+    FAULT_ENV,
+    FAULTS,
+    NOT_APPLICABLE_EXIT,
+    REPORT_ENV,
+    Fault,
+    Port,
+    select,
+)
 from kvgate.mutate.inject import NotApplicable, apply, at_site, find_edit, injected, locate
 from kvgate.mutate.own_suite import SuiteRun, judge_suite
-from kvgate.mutate.pytest_plugin import FAULT_ENV, NOT_APPLICABLE_EXIT, REPORT_ENV
 
 # A fast subset: one fault per area, each with the trace that catches it.
 FAST = {
