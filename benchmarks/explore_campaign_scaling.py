@@ -96,6 +96,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--examples", type=int, default=30, help="per cell")
     parser.add_argument("--ray", default="local:2", help="Ray address (default local:2)")
     parser.add_argument("--no-ray", action="store_true")
+    parser.add_argument(
+        "--busy-seconds",
+        type=float,
+        default=2.0,
+        help="how long the busy loops that measure the cores given run",
+    )
     args = parser.parse_args(argv)
     cells = tuple(
         campaign.Cell(tuple(s.items()), "on", "model")
@@ -115,7 +121,7 @@ def main(argv: list[str]) -> int:
         f"plan: {len(cells)} cells x {args.shards} shards, {args.examples} examples per cell "
         "(model, hold on)"
     )
-    one, two = cores_given(1), cores_given(2)
+    one, two = cores_given(1, args.busy_seconds), cores_given(2, args.busy_seconds)
     print(
         f"this machine now gives 1 busy loop {one:.2f} cores, 2 busy loops {two:.2f} cores "
         f"(the most any engine here can use: {two / one:.2f}x one process)"

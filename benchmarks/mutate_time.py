@@ -10,6 +10,7 @@ used, read from the parent's children usage): wall time grows on a loaded
 machine, CPU time does not.
 
     python benchmarks/mutate_time.py [--faults NAME...] [--jobs N] [--explore N]
+                                     [--corpus DIR] [--no-scheduler-stage]
 """
 
 from __future__ import annotations
@@ -17,19 +18,26 @@ from __future__ import annotations
 import argparse
 import os
 import resource
+import sys
 import time
+from collections.abc import Sequence
+from pathlib import Path
 
 from kvgate.conformance.trace import bundled_corpus
 from kvgate.mutate.campaign import Baseline, FaultResult, Settings, run_campaign, warm_up
 from kvgate.mutate.faults import select
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--faults", nargs="+", metavar="NAME")
     parser.add_argument("--jobs", type=int, default=1)
     parser.add_argument("--explore", type=int, default=20, metavar="N")
-    args = parser.parse_args()
+    parser.add_argument("--corpus", type=Path, metavar="DIR", help="default: the bundled corpus")
+    parser.add_argument(
+        "--no-scheduler-stage", action="store_true", help="leave out the real-Scheduler stage"
+    )
+    args = parser.parse_args(argv)
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     faults = select(args.faults)
 
@@ -51,7 +59,11 @@ def main() -> None:
         cpu.append(cpu_seen[-1] - cpu_seen[-2])
         print(f"{r.fault.name:<38} {r.verdict:<8} {r.seconds:7.2f} {cpu[-1]:7.2f}", flush=True)
 
-    settings = Settings(corpus=bundled_corpus(), explore_examples=args.explore)
+    settings = Settings(
+        corpus=args.corpus or bundled_corpus(),
+        explore_examples=args.explore,
+        scheduler_stage=not args.no_scheduler_stage,
+    )
     campaign = run_campaign(faults, settings, args.jobs, on_baseline=baseline, on_result=row)
     times = [r.seconds for r in campaign.results]
     slowest = max(campaign.results, key=lambda r: r.seconds)
@@ -64,6 +76,7 @@ def main() -> None:
         f"campaign: {campaign.seconds:.1f}s for {len(faults)} faults with {args.jobs} job(s); "
         f"with the import {time.perf_counter() - started:.1f}s"
     )
+    return 0
 
 
 def _children_cpu() -> float:
@@ -72,4 +85,4 @@ def _children_cpu() -> float:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

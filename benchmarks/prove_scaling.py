@@ -11,28 +11,38 @@ whatever else the machine runs; with more jobs only wall time is measured
 (the CPU column is then the parent's alone).
 
     python benchmarks/prove_scaling.py [--jobs 1] [--blocks 8 16 32]
+                                       [--props NAME...] [--ops OP...]
+
+`--props` and `--ops` narrow the table (a smoke run); default: all of it.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from collections.abc import Sequence
 
 from kvgate.invariants.z3.checker import prove
+from kvgate.invariants.z3.transitions import ENCODED_OPS
 from kvgate.invariants.z3.unbounded_proof import prove_unbounded
 from kvgate.invariants.z3.vocabulary import Bounds
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=1)
     parser.add_argument("--blocks", type=int, nargs="+", default=[8, 16, 32])
     parser.add_argument("--requests", type=int, default=Bounds().requests)
     parser.add_argument("--groups", type=int, default=Bounds().groups)
-    args = parser.parse_args()
+    parser.add_argument("--props", nargs="+", metavar="NAME", help="default: every property")
+    parser.add_argument(
+        "--ops", nargs="+", metavar="OP", default=list(ENCODED_OPS), help="default: every op"
+    )
+    args = parser.parse_args(argv)
 
     started, cpu = time.perf_counter(), time.process_time()
-    unbounded = prove_unbounded(args.groups, jobs=args.jobs)
+    unbounded = prove_unbounded(args.groups, props=args.props, ops=args.ops, jobs=args.jobs)
     unbounded_wall = time.perf_counter() - started
     unbounded_cpu = time.process_time() - cpu
     failed = [(r.prop, r.op) for r in unbounded if not r.proved]
@@ -45,7 +55,7 @@ def main() -> None:
     for blocks in args.blocks:
         bounds = Bounds(blocks, args.requests, args.groups)
         started, cpu = time.perf_counter(), time.process_time()
-        results = prove(bounds, jobs=args.jobs)
+        results = prove(bounds, props=args.props, ops=args.ops, jobs=args.jobs)
         wall = time.perf_counter() - started
         used = time.process_time() - cpu
         failed = [(r.prop, r.op) for r in results if not r.proved]
@@ -73,6 +83,7 @@ def main() -> None:
         1.0,
     )
     print(f"({args.requests} requests bounded, {args.groups} groups, {args.jobs} jobs)")
+    return 0
 
 
 def _row(label: str, cells: int, wall: float, cpu: float, slowest: str, ratio: float) -> None:
@@ -83,4 +94,4 @@ def _row(label: str, cells: int, wall: float, cpu: float, slowest: str, ratio: f
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -4,16 +4,20 @@ Each target replays the whole bundled corpus on its own (no lockstep), once
 as calls only and once taking a strict snapshot after every step, several rounds,
 interleaved so both see the same machine state. Prints the best round of
 each and the ratio model / vLLM: below 1 means the model is faster.
+Refusal traces are left out: nothing of them replays (vLLM refuses their
+config, as they expect).
 
-    python benchmarks/replay_speed.py [--rounds 5]
+    python benchmarks/replay_speed.py [--rounds 5] [--corpus DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from kvgate.conformance.config import Config
 from kvgate.conformance.ops import Step
@@ -42,14 +46,15 @@ def corpus_seconds(
     return time.perf_counter() - started
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
-    args = parser.parse_args()
+    parser.add_argument("--corpus", type=Path, metavar="DIR", help="default: the bundled corpus")
+    args = parser.parse_args(argv)
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     from kvgate.impl.vllm_target import VllmTarget
 
-    traces = load_corpus(bundled_corpus())
+    traces = [t for t in load_corpus(args.corpus or bundled_corpus()) if t.expect_refused is None]
     steps = sum(len(t.primitives) for t in traces)
     print(f"corpus: {len(traces)} traces, {steps} written steps; best of {args.rounds} rounds")
     corpus_seconds(traces, VllmTarget, False)  # warm up: vLLM's import, caches
@@ -63,7 +68,8 @@ def main() -> None:
             f"{label:>10}: model {model_ms:8.1f} ms   vllm {vllm_ms:8.1f} ms"
             f"   model/vllm {model_ms / vllm_ms:.2f}"
         )
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -24,12 +24,11 @@ imports vLLM.
 from __future__ import annotations
 
 import argparse
-import functools
 import importlib
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn, cast
 
@@ -53,7 +52,7 @@ from kvgate.conformance.selection import (
     SelectionError,
     describe,
 )
-from kvgate.conformance.target import Capabilities, Target
+from kvgate.conformance.target import Capabilities
 from kvgate.conformance.trace import (
     Trace,
     TraceError,
@@ -83,7 +82,7 @@ from kvgate.errors import (
     printable,
 )
 from kvgate.output import QUIET, VllmLogs, vllm_logs
-from kvgate.targets import LOCKSTEP_MODEL, TARGETS, build_target, target_factory
+from kvgate.targets import LOCKSTEP_MODEL, TARGETS, build_target, plugin_factory, target_factory
 
 # Further commands, each a module with `register(subparsers)` that adds its
 # parser and sets `handler(args) -> exit code` on it. A handler raises
@@ -93,6 +92,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "kvgate.workload.command",
     "kvgate.mutate.command",
     "kvgate.invariants.z3.command",
+    "kvgate.bless_command",
 )
 
 
@@ -340,12 +340,7 @@ def run_traces(
     if not traces and invalid:
         raise _NothingValid(invalid)
     logs = logs or VllmLogs()
-    if plugin is not None and target_name != "vllm":
-        raise InputError("--plugin: only --target vllm loads plugins")
-    factory = target_factory(target_name)
-    if plugin is not None:
-        # VllmTarget(config, plugin=...): the one target that loads plugins.
-        factory = functools.partial(cast(Callable[..., Target], factory), plugin=plugin)
+    factory = plugin_factory(target_name, plugin)
     model = None if target_name == LOCKSTEP_MODEL else target_factory(LOCKSTEP_MODEL)
 
     report = TerminalReport(sys.stdout, required, explain_lacking, quiet=logs.verbosity <= QUIET)

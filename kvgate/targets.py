@@ -9,8 +9,10 @@ the `OpDriver` interface, not only a `Target`'s.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
+from collections.abc import Callable
 from typing import cast
 
 from kvgate.conformance.config import UnsupportedConfig
@@ -45,6 +47,18 @@ def target_factory(name: str) -> TargetFactory:
     except (ImportError, AttributeError) as error:
         raise InputError(f"--target {name}: not available here ({one_line(error)})") from None
     return cast(TargetFactory, factory)
+
+
+def plugin_factory(name: str, plugin: str | None) -> TargetFactory:
+    """`target_factory(name)` with `--plugin` bound to it: a vLLM plugin
+    module, or 'entry-points' for vLLM's own loader (only `vllm` loads one)."""
+    if plugin is not None and name != "vllm":
+        raise InputError("--plugin: only --target vllm loads plugins")
+    factory = target_factory(name)
+    if plugin is None:
+        return factory
+    # VllmTarget(config, plugin=...): the one target that loads plugins.
+    return functools.partial(cast(Callable[..., Target], factory), plugin=plugin)
 
 
 def build_target(factory: TargetFactory, trace: Trace) -> Target:

@@ -10,7 +10,8 @@
 # KVGATE_VENV names the venv (default .venv; KVGATE_SKIP_SETUP=1 passes on to
 # scripts/vllm-own-tests.sh for a venv set up already). KVGATE_OWN_COVERAGE
 # names an earlier run's OUT_DIR/.coverage.vllm-tests to reuse instead of
-# running vLLM's tests again (about an hour under coverage on 2 busy cores).
+# running vLLM's tests again (about an hour under coverage on 2 busy cores);
+# KVGATE_OWN_TESTS=skip leaves that column out.
 # Each column's unreached lines and branch exits go to
 # OUT_DIR/missing-<column>.txt, for finding what is still unreached.
 #
@@ -73,20 +74,22 @@ cp "$out/.coverage.explore" "$out/.coverage.kvgate.explore" 2>/dev/null || true
 
 echo "== vLLM 0.33.0's own tests" >&2
 own_tests=(tests/v1/core/prefix_cache tests/v1/core/test_prefix_caching.py)
-if [ -n "${KVGATE_OWN_COVERAGE:-}" ]; then
+if [ "${KVGATE_OWN_TESTS:-}" = skip ]; then
+  :
+elif [ -n "${KVGATE_OWN_COVERAGE:-}" ]; then
   # Their column does not change with kvgate: reuse a data file recorded by
   # an earlier run of this script (its OUT_DIR/.coverage.vllm-tests).
   cp "$KVGATE_OWN_COVERAGE" "$out/.coverage.vllm-tests"
 elif [ -f scripts/vllm-own-tests.sh ] && [ "${KVGATE_OWN_TESTS:-}" != fallback ]; then
   run_covered vllm-tests bash scripts/vllm-own-tests.sh "${own_tests[@]}" -q
 fi
-if [ ! -s "$out/.coverage.vllm-tests" ]; then
+if [ "${KVGATE_OWN_TESTS:-}" != skip ] && [ ! -s "$out/.coverage.vllm-tests" ]; then
   # No wrapper (or it recorded nothing): fetch the tests and run them here.
   tests="$(realpath "$(bash scripts/fetch-vllm-tests.sh)")"
   run_covered vllm-tests bash -c "cd '$tests' && '$py' -m pytest -q -p no:cacheprovider \
     ${own_tests[*]}"
 fi
 
-"$py" -m kvgate.explore.coverage --missing "$out" \
-  "kvgate (gate + explore ci)=$out/.coverage.kvgate" \
-  "vLLM's own manager tests=$out/.coverage.vllm-tests" | tee "$out/coverage.txt"
+columns=("kvgate (gate + explore ci)=$out/.coverage.kvgate")
+[ "${KVGATE_OWN_TESTS:-}" = skip ] || columns+=("vLLM's own manager tests=$out/.coverage.vllm-tests")
+"$py" -m kvgate.explore.coverage --missing "$out" "${columns[@]}" | tee "$out/coverage.txt"

@@ -390,3 +390,21 @@ def test_the_shrinker_replays_every_field_of_a_step() -> None:
     # Every replayed field is set away from its default above.
     assert all(getattr(step, name) != getattr(defaults, name) for name in REPLAYED_FIELDS)
     assert Step("allocate", 3, **replayed_fields(step)) == step
+
+
+def test_explore_on_vllm_defaults_to_hold_off(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Upstream vLLM has no hold: `--target vllm` alone runs the hold-off
+    arm (it used to stop at once on `--hold on`, its default)."""
+    from kvgate.errors import InputError
+    from kvgate.explore import command
+
+    def reached(*_: object, **__: object) -> None:
+        raise InputError("stopped by the test where exploration starts")
+
+    monkeypatch.setattr(command, "explore", reached)
+    assert cli.main(["explore", "--target", "vllm", "--budget", "1", "--out", str(tmp_path)]) == 2
+    out, err = capsys.readouterr()
+    assert "explore: target vllm, hold off" in out
+    assert "stopped by the test where exploration starts" in err

@@ -96,3 +96,30 @@ def test_only_main_imports_the_command_line() -> None:
 def test_the_table_names_no_unit_that_does_not_exist() -> None:
     for unit in declared_layers():
         assert (PACKAGE / unit.rstrip("/")).exists(), unit
+
+
+def architecture_files() -> set[str]:
+    """The files ARCHITECTURE.md gives a line: `- `path` — what it is`."""
+    text = (ROOT / "ARCHITECTURE.md").read_text()
+    return set(re.findall(r"^- `((?:kvgate|tests)/[^`]+)` — ", text, re.M))
+
+
+def files_needing_a_line() -> set[str]:
+    code = {
+        str(p.relative_to(ROOT))
+        for p in PACKAGE.rglob("*")
+        if p.is_file()
+        and p.suffix in (".py", ".yaml")
+        and p.name != "__init__.py"
+        and "corpus" not in p.parts
+        and "__pycache__" not in p.parts
+    }
+    tests = {str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("*.py")}
+    return code | tests
+
+
+def test_every_file_and_test_module_has_a_line_in_the_architecture() -> None:
+    listed, present = architecture_files(), files_needing_a_line()
+    missing, stale = sorted(present - listed), sorted(listed - present)
+    assert not missing, f"add a line to ARCHITECTURE.md's Files or Tests for: {missing}"
+    assert not stale, f"ARCHITECTURE.md lists files that do not exist: {stale}"

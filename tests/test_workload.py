@@ -12,6 +12,7 @@ import importlib.util
 import io
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -316,15 +317,60 @@ def test_no_arm_the_target_can_run_is_an_error_not_a_pass(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The fork's arms need retired-state retention, which vLLM 0.33.0 lacks
-    without the overlay: nothing replays, so the command fails in one line."""
+    without the overlay: nothing can replay, so the command fails in one
+    line, before it writes a single trace."""
     argv = ["workload", "--target", "vllm", "--scale", "64", "--units", "4096", "--hold", "off"]
-    argv += ["--sessions", "2", "--turns", "2", "--out", str(tmp_path)]
+    argv += ["--sessions", "2", "--turns", "2", "--out", str(tmp_path), "--build", "fork"]
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
-    # After the progress lines, one error line.
     errors = [line for line in err.splitlines() if line.startswith("kvgate: error:")]
     assert len(errors) == 1 and "keeps no retired state" in errors[0]
     assert err.rstrip().endswith(errors[0]) and "Traceback" not in err
+    # Refused before generation: no trace, no progress line of one.
+    assert not list(tmp_path.glob("*.yaml"))
+    assert "generate" not in err
+
+
+@pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed")
+@pytest.mark.parametrize("build", [None, "fork"])
+def test_workload_on_vllm_runs_or_refuses_before_generating(
+    build: str | None,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`kvgate workload --target vllm` with no other flags: the build
+    follows the target (upstream: vLLM keeps no retired state), so it gets
+    as far as generating; with `--build fork` it is refused before that."""
+    from kvgate.workload import command
+    from kvgate.workload.generator import WorkloadStuck
+
+    generated: list[str] = []
+
+    def generation_stands_in(_workload: Any, deployment: Any, *_: Any) -> list[Path]:
+        generated.append(deployment.build)
+        raise WorkloadStuck("stopped here by the test, at generation")
+
+    monkeypatch.setattr(command, "write_traces", generation_stands_in)
+    argv = ["workload", "--target", "vllm", "--out", str(tmp_path)]
+    argv += [] if build is None else ["--build", build]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    if build is None:
+        assert generated == ["upstream"]
+        assert "stopped here by the test" in err
+    else:
+        assert generated == []
+        assert "no arm can run: vllm 0.33.0 keeps no retired state" in err
+
+
+def test_the_build_follows_the_target() -> None:
+    from kvgate.workload.command import default_build
+
+    assert default_build("model", None) == "fork"
+    assert default_build("vllm", None) == "upstream"
+    assert default_build("vllm-scheduler", None) == "upstream"
+    assert default_build("vllm", "kvgate.impl.hold_overlay") == "fork"
 
 
 def test_a_turn_that_outgrows_the_pool_alone_is_stuck_not_a_livelock() -> None:

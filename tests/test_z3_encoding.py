@@ -18,7 +18,7 @@ import z3
 from kvgate import cli
 from kvgate.conformance.ops import PRIMITIVE_OPS
 from kvgate.conformance.trace import load_trace
-from kvgate.invariants.z3.checker import check_op, prove
+from kvgate.invariants.z3.checker import INIT, check_op, prove
 from kvgate.invariants.z3.properties import INVARIANTS, LEMMAS, PROPERTIES, PROPERTY_BY_NAME
 from kvgate.invariants.z3.transitions import (
     ENCODED_OPS,
@@ -138,3 +138,44 @@ def test_prove_command_bad_input_is_one_line(args: list[str]) -> None:
     code, out, err = prove_cli(*args)
     assert code == 2 and out == ""
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_prove_command_prints_rows_before_searching_and_times_a_search_out(
+    tmp_path: Path,
+) -> None:
+    code, out, _ = prove_cli(
+        *("--blocks", "5", "--requests", "1", "--groups", "2", "--jobs", "1"),
+        *("--mutation", "abort_keeps_hold", "--out", str(tmp_path)),
+        *("--search-timeout", "0.001"),
+    )
+    assert code == 1
+    lines = out.splitlines()
+    decided = lines.index(next(line for line in lines if "counterexample search follows" in line))
+    searching = lines.index(
+        next(line for line in lines if line.startswith("searching for a counterexample to "))
+    )
+    # Every cell's row came before the first search, the failed one included.
+    assert decided < searching
+    assert sum(line.endswith(tuple("0123456789")) for line in lines[:searching]) == len(
+        PROPERTIES
+    ) * (1 + len(ENCODED_OPS))
+    timed_out = [line for line in lines[searching:] if line.startswith("no_leak ")]
+    assert timed_out and "timed out: no counterexample within 0.001s" in timed_out[0]
+    assert not (tmp_path / "abort_keeps_hold.no_leak.yaml").exists()
+
+
+def test_proof_table_hands_over_each_op_as_it_is_decided() -> None:
+    decided: list[list[str]] = []
+    rows = prove(
+        SMALL,
+        "clean",
+        props=["no_leak"],
+        decided=lambda cells: decided.append([c.op for c in cells]),
+    )
+    assert decided == [[op] for op in (INIT, *ENCODED_OPS)]
+    assert len(rows) == 1 + len(ENCODED_OPS)
+
+
+def test_prove_command_refuses_a_search_timeout_of_zero() -> None:
+    code, out, err = prove_cli("--search-timeout", "0")
+    assert code == 2 and out == "" and "--search-timeout" in err

@@ -46,6 +46,9 @@ LEVELS: tuple[Level, ...] = ("api", "strict")
 DivergenceLevel = Literal["expect", "api", "strict"]
 
 TargetFactory = Callable[[Config], Target]
+# Told each primitive step's observation and each `check` step's values, as
+# the target reported them (`kvgate bless` writes them into the trace).
+Observer = Callable[[Step, Mapping[str, Any]], None]
 
 HOLD_NOTE = (
     "target lacks the hold: lockstep model runs with the hold off; "
@@ -87,6 +90,8 @@ class ReplayResult:
     # Later failures (expectations missed after the first failure, or the
     # lockstep divergence that ended a replay that had already missed one).
     also: tuple[Divergence, ...] = ()
+    # The divergence that ended the replay early (None: every step ran).
+    stopped: Divergence | None = None
 
     @property
     def passed(self) -> bool:
@@ -105,6 +110,7 @@ def replay(
     level: Level,
     *,
     target_is_model: bool = False,
+    observe: Observer | None = None,
 ) -> ReplayResult:
     """Replay `trace` on `target`, with a lockstep model built by `model` if given.
 
@@ -117,6 +123,7 @@ def replay(
     refused step, a `check` key the target cannot observe) or the model
     refuses its config, and `ModelBug` when the model raises (with
     `target_is_model`, the target is the model: its exceptions are that too).
+    `observe`, if given, is told what the target reported at every step.
     """
     started = time.perf_counter()
     notes: list[str] = []
@@ -133,12 +140,14 @@ def replay(
             lockstep = model(config)
         except UnsupportedConfig as error:
             raise TraceError.unsupported(trace.path, error) from None
-    run = _Lockstep(trace, target, lockstep, level, target_is_model)
+    run = _Lockstep(trace, target, lockstep, level, target_is_model, observe)
     failures: list[Divergence] = run.missed
+    stopped: Divergence | None = None
     try:
         run.all_steps()
     except _Diverged as diverged:
-        failures = [*run.missed, diverged.divergence]
+        stopped = diverged.divergence
+        failures = [*run.missed, stopped]
     finally:
         if lockstep is not None:
             lockstep.close()
@@ -151,6 +160,7 @@ def replay(
         divergence=failures[0] if failures else None,
         notes=tuple(notes),
         also=tuple(failures[1:]),
+        stopped=stopped,
     )
 
 
@@ -209,8 +219,10 @@ class _Lockstep:
         model: Target | None,
         level: Level,
         target_is_model: bool = False,
+        observe: Observer | None = None,
     ) -> None:
         self.trace = trace
+        self.observe = observe
         self.target_is_model = target_is_model
         self.target = target
         self.model = model
@@ -252,6 +264,8 @@ class _Lockstep:
         self.steps_run += 1
         modeled = None if self.model is None else self.apply(self.model, "model", step)
         observed = self.apply(self.target, "target", step)
+        if self.observe is not None:
+            self.observe(step, observed)
         for key, want in step.expect.items():
             got = observed.get(key, NOT_REPORTED)
             if not same(want, got):
@@ -356,6 +370,8 @@ class _Lockstep:
     def check(self, step: Step) -> None:
         self.steps_run += 1
         values = self.guarded(step, "target", lambda: self.target.check_values(step.check))
+        if self.observe is not None:
+            self.observe(step, values)
         for key, want in step.check.items():
             if key not in values:
                 raise TraceError(

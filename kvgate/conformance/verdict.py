@@ -62,10 +62,11 @@ CAPABILITIES: tuple[Capability, ...] = (
     ),
     Capability(
         name="retention",
-        what="the production fork's retention of retired Mamba states",
+        what="the retained-state retention (a request keeps the newest Mamba state "
+        "leaving its table)",
         asked=lambda config: config.hold_retired,
         offered=lambda capabilities: capabilities.retire,
-        remedy="the production fork's build, or --plugin kvgate.impl.hold_overlay",
+        remedy="a vLLM build with that retention, or --plugin kvgate.impl.hold_overlay",
     ),
 )
 CAPABILITY_NAMES: tuple[str, ...] = tuple(c.name for c in CAPABILITIES)

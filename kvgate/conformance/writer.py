@@ -50,7 +50,7 @@ def segment_dict(segment: Segment) -> dict[str, Any]:
 def step_dict(step: Step) -> dict[str, Any]:
     """One step as written in a trace (macros keep their own fields)."""
     if step.op == "check":
-        return {"op": "check", **_plain(step.check)}
+        return {"op": "check", **plain(step.check)}
     action = ACTIONS[step.op]
     out: dict[str, Any] = {"op": step.op}
     for field in (*action.required, *action.optional):
@@ -63,7 +63,7 @@ def step_dict(step: Step) -> dict[str, Any]:
             continue
         out[field] = value
     if step.expect:
-        out["expect"] = _plain(step.expect)
+        out["expect"] = plain(step.expect)
     return out
 
 
@@ -100,12 +100,12 @@ def save_trace(
     return path
 
 
-def _plain(value: Any) -> Any:
+def plain(value: Any) -> Any:
     """Tuples to lists and mappings to dicts, so YAML writes plain flow."""
     if isinstance(value, Mapping):
-        return {k: _plain(v) for k, v in value.items()}
+        return {k: plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
+        return [plain(v) for v in value]
     return value
 
 

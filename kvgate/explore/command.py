@@ -66,11 +66,16 @@ def register(subparsers: Any) -> None:
         choices=("model", "vllm", "vllm+overlay"),
         help="default: model (a campaign: every available)",
     )
-    cmd.add_argument("--hold", choices=("on", "off"), help="default: on (a campaign: both)")
+    cmd.add_argument(
+        "--hold",
+        choices=("on", "off"),
+        help="default: off for --target vllm, on otherwise (a campaign: both)",
+    )
     cmd.add_argument(
         "--retired",
         choices=("on", "off"),
-        help="the production fork's retention of retired states (default off)",
+        help="the retained-state retention: the newest state leaving a request's table "
+        "stays held (default off)",
     )
     cmd.add_argument("--profile", default="dev", choices=sorted(PROFILES))
     cmd.add_argument(
@@ -115,7 +120,8 @@ def handle(args: argparse.Namespace) -> int:
     if args.shards is not None:
         raise InputError("--shards: only for a campaign (--jobs, --ray or --matrix)")
     args.target = args.target or "model"
-    args.hold = args.hold or "on"
+    # The hold arm follows the target: upstream vLLM has no hold.
+    args.hold = args.hold or ("off" if args.target == "vllm" else "on")
     args.retired = args.retired or "off"
     examples, seconds = parse_budget(args.budget)
     if not 0 <= args.seed < 2**63:

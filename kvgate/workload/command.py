@@ -11,10 +11,12 @@ Writes one trace per unit x hold arm into DIR, replays each on the target
 (with the model in lockstep against vLLM), prints the table, and writes
 `<stem>.png` (the plot) and `<stem>.json` (the numbers) next to the traces.
 Exit 0 when every arm that ran replayed without a divergence, 1 otherwise, 2
-for bad input or when no arm can run on the target. An arm the target cannot
-run (a hold-on arm without the hold, a `--build fork` arm without retired-state
-retention) is not run, and the table says so: pass `--plugin
-kvgate.impl.hold_overlay` for vLLM.
+for bad input or when no arm can run on the target (told before any trace
+is written). An arm the target cannot run (a hold-on arm without the hold,
+a `--build fork` arm without retired-state retention) is not run, and the
+table says so: pass `--plugin kvgate.impl.hold_overlay` for vLLM. `--build`
+follows the target unless given: upstream for vLLM without a plugin, fork
+otherwise.
 """
 
 from __future__ import annotations
@@ -23,13 +25,16 @@ import argparse
 import functools
 import importlib.util
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
-from kvgate.conformance.config import KV_LOAD_FAILURE_POLICIES
+from kvgate.conformance.config import KV_LOAD_FAILURE_POLICIES, Config, UnsupportedConfig
 from kvgate.conformance.replay import LEVELS, Level
 from kvgate.conformance.report import capabilities_line
+from kvgate.conformance.scheduling import SchedulerTarget
 from kvgate.conformance.schema import config_default
+from kvgate.conformance.target import Target
 from kvgate.errors import InputError
 from kvgate.targets import SCHEDULER_TARGETS
 from kvgate.workload import report
@@ -38,7 +43,14 @@ from kvgate.workload.generator import WorkloadStuck
 from kvgate.workload.lockstep import SchedulerFactory, scheduler_arm
 from kvgate.workload.plan import Workload
 from kvgate.workload.progress import Progress
-from kvgate.workload.runner import Arm, ArmResult, factories, replay_arm, write_traces
+from kvgate.workload.runner import (
+    Arm,
+    ArmResult,
+    factories,
+    lacking_capability,
+    replay_arm,
+    write_traces,
+)
 
 DEFAULT_UNITS = "64,256,512,1024,4096"
 DEFAULT_OUT = Path("out/workload")
@@ -62,10 +74,10 @@ def add_workload_arguments(parser: argparse.ArgumentParser, scale: int, units: s
     parser.add_argument("--units", default=units, help=f"default {units}")
     parser.add_argument(
         "--build",
-        default="fork",
         choices=BUILDS,
-        help="fork (default): the production build, which retains retired states; "
-        "upstream: vLLM 0.33.0 as released",
+        help="fork: the production build, which retains retired states; upstream: vLLM "
+        "0.33.0 as released (default: follows the target: upstream for a vLLM target "
+        "without --plugin, which keeps no retired state, fork otherwise)",
     )
     parser.add_argument(
         "--kv-connector",
@@ -116,8 +128,17 @@ def add_workload_arguments(parser: argparse.ArgumentParser, scale: int, units: s
     )
 
 
+def default_build(target: str, plugin: str | None) -> str:
+    """The build `--build` defaults to: the fork's retained retired states
+    need retention, which vLLM has only with a plugin (the hold overlay)."""
+    return "upstream" if target.startswith("vllm") and plugin is None else "fork"
+
+
 def workload_of(args: argparse.Namespace) -> tuple[Workload, Deployment]:
-    """The workload and the (scaled) deployment the shared flags describe."""
+    """The workload and the (scaled) deployment the shared flags describe;
+    sets `args.build` when it was left to follow the target."""
+    if args.build is None:
+        args.build = default_build(getattr(args, "target", "model"), getattr(args, "plugin", None))
     workload = Workload(
         sessions=args.sessions, turns=args.turns, seed=args.seed, tenants=args.tenants
     )
@@ -219,6 +240,15 @@ def run(args: argparse.Namespace) -> int:
         scheduler = cast(SchedulerFactory, target_factory(args.target))
         if args.plugin is not None:
             scheduler = functools.partial(scheduler, plugin=args.plugin)
+        _check_some_arm_runs(
+            args.target,
+            arms,
+            lambda config: scheduler(
+                config, spec_tokens=deployment.spec_tokens, max_num_seqs=deployment.max_num_seqs
+            ),
+            deployment,
+            workload,
+        )
         try:
             results = [
                 scheduler_arm(workload, deployment, arm, scheduler, args.out, level, progress)
@@ -230,6 +260,7 @@ def run(args: argparse.Namespace) -> int:
             raise InputError(f"--out: cannot write in {args.out}: {error.strerror}") from None
     else:
         factory, model = factories(target_factory, args.target, args.plugin, LOCKSTEP_MODEL)
+        _check_some_arm_runs(args.target, arms, factory, deployment, workload)
         try:
             paths = write_traces(workload, deployment, arms, args.out, progress)
         except WorkloadStuck as error:
@@ -307,6 +338,36 @@ def run(args: argparse.Namespace) -> int:
     )
     print(f"wrote {', '.join(map(str, written))}", file=sys.stderr)
     return 0 if all(_passed(r) for r in results) else 1
+
+
+def _check_some_arm_runs(
+    target: str,
+    arms: list[Arm],
+    build: Callable[[Config], Target | SchedulerTarget],
+    deployment: Deployment,
+    workload: Workload,
+) -> None:
+    """Before any generation: build the target once per hold arm (the same
+    capabilities at every unit) and refuse, in one line, when it can run
+    none of the arms (e.g. the fork's retained states on vLLM without the
+    overlay), rather than after minutes of writing traces."""
+    reasons: list[str] = []
+    for hold in sorted({arm.hold for arm in arms}):
+        config = deployment.config(arms[0].unit, hold, workload.sessions)
+        try:
+            built = build(config)
+        except UnsupportedConfig as error:
+            raise InputError(
+                f"--target {target}: cannot run config.{error.field}: {error.message}"
+            ) from None
+        try:
+            lacking = lacking_capability(config, built.capabilities)
+        finally:
+            built.close()
+        if not lacking:
+            return
+        reasons.append(f"{built.capabilities.implementation} {lacking}")
+    raise InputError(f"--target {target}: no arm can run: {reasons[0]}")
 
 
 def _passed(result: ArmResult) -> bool:

@@ -249,7 +249,7 @@ class Deployment:
             + (f"; every token count / {self.scale}" if self.scale > 1 else ""),
             f"build: {self.build} ("
             + (
-                "retired states retained in both arms; hold on = patch 0093"
+                "retired states retained in both arms; hold on = the partial-tail hold added"
                 if self.build == "fork"
                 else "vLLM 0.33.0: no retired state retained; hold on = the partial-tail hold alone"
             )

@@ -27,7 +27,7 @@ from __future__ import annotations
 import multiprocessing
 import time
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Protocol, TypeVar
@@ -89,11 +89,13 @@ def prove(
     ops: Sequence[str] = ENCODED_OPS,
     jobs: int = 1,
     minimize_cores: bool = False,
+    decided: Callable[[list[Result]], None] | None = None,
 ) -> list[Result]:
-    """The whole table: `init` and every op, for every property (or `props`)."""
+    """The whole table: `init` and every op, for every property (or `props`);
+    `decided` gets each op's cells as soon as they are decided."""
     names = tuple(props) if props is not None else tuple(p.name for p in PROPERTIES)
     return proof_table(
-        partial(_check_task, bounds, mutation, names, minimize_cores), names, ops, jobs
+        partial(_check_task, bounds, mutation, names, minimize_cores), names, ops, jobs, decided
     )
 
 
@@ -111,20 +113,32 @@ CellT = TypeVar("CellT", bound=Cell)
 
 
 def proof_table(
-    check: Callable[[str], list[CellT]], names: Sequence[str], ops: Sequence[str], jobs: int
+    check: Callable[[str], list[CellT]],
+    names: Sequence[str],
+    ops: Sequence[str],
+    jobs: int,
+    decided: Callable[[list[CellT]], None] | None = None,
 ) -> list[CellT]:
     """Both encodings' proof loop: `check(op)` (the cells of one op, or of
     `init`) for `init` and every op, on `jobs` worker processes, sorted by
-    property (in `names`' order), then op."""
+    property (in `names`' order), then op. `decided` gets each op's cells
+    as they come (in the order they finish), so a caller can show them."""
     columns = (INIT, *ops)
+    chunks: list[list[CellT]] = []
     if jobs <= 1:
-        chunks = [check(op) for op in columns]
+        for op in columns:
+            chunks.append(check(op))
+            if decided is not None:
+                decided(chunks[-1])
     else:
         # Spawned, not forked: a forked child would inherit Z3's state
         # (and the caller's threads) mid-flight.
         spawn = multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(max_workers=jobs, mp_context=spawn) as pool:
-            chunks = list(pool.map(check, columns))
+            for future in as_completed([pool.submit(check, op) for op in columns]):
+                chunks.append(future.result())
+                if decided is not None:
+                    decided(chunks[-1])
     order = {op: i for i, op in enumerate(columns)}
     rows = [r for chunk in chunks for r in chunk]
     return sorted(rows, key=lambda r: (list(names).index(r.prop), order[r.op]))

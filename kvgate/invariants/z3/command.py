@@ -1,15 +1,19 @@
 """`kvgate prove`: the manager's invariants, proved by induction with Z3.
 
     kvgate prove [--blocks N] [--requests R] [--groups G] [--mutation NAME]
-                 [--jobs J] [--out DIR] [--depth K] [--unbounded] [--cores]
+                 [--jobs J] [--out DIR] [--depth K] [--search-timeout SECONDS]
+                 [--unbounded] [--cores]
 
 Prints one row per property (invariants, then the lemmas they need) and per
-`init` or op: proved, or the path of a counterexample trace (bounded model
-checking from `init`, written as a version-1 trace under `--out`), and the
-seconds the check took. `--mutation` checks a deliberately broken
-transition relation instead (see `kvgate.model.mutations`); its target
-invariant's counterexample is written even when the induction failure is
-in a lemma.
+`init` or op as soon as it is decided: proved, or not inductive. Then, for
+each property that failed, a counterexample search (bounded model checking
+from `init`, written as a version-1 trace under `--out`) that says how long
+it has run while it runs, and a row per failed cell with the trace's path
+or why there is none ("timed out: no counterexample within N s" when the
+search hit `--search-timeout`); each row ends with the seconds it took.
+`--mutation` checks a deliberately broken transition relation instead
+(see `kvgate.model.mutations`); its target invariant's counterexample is
+written even when the induction failure is in a lemma.
 
 `--unbounded` proves the same invariants for every pool size and number of
 requests (`unbounded_proof.py`: quantified formulas over uninterpreted
@@ -28,25 +32,31 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, TextIO
 
 from kvgate.errors import InputError
-from kvgate.invariants.z3.checker import Result, prove
+from kvgate.invariants.z3.checker import INIT, Result, prove
 from kvgate.invariants.z3.counterexample import Found, find
-from kvgate.invariants.z3.properties import PROPERTY_BY_NAME
-from kvgate.invariants.z3.transitions import MUTATIONS
-from kvgate.invariants.z3.unbounded_proof import UResult, prove_unbounded
+from kvgate.invariants.z3.properties import PROPERTIES, PROPERTY_BY_NAME
+from kvgate.invariants.z3.transitions import ENCODED_OPS, MUTATIONS
+from kvgate.invariants.z3.unbounded_proof import UPROPERTIES, UResult, prove_unbounded
 from kvgate.invariants.z3.vocabulary import BadBounds, Bounds
 from kvgate.model.mutations import MUTATIONS as MODEL_MUTATIONS
 
 DEFAULT_OUT = Path("out/prove")  # beside out/workload; git ignores out/
 DEFAULT_DEPTH = 10
+# One counterexample search's time limit: on a 2-core machine the searches
+# the mutations need take from under a second to about half a minute.
+DEFAULT_SEARCH_TIMEOUT = 60.0
+# While a search runs, a line saying so at most this often (seconds).
+SEARCH_PROGRESS_EVERY = 10.0
 # The flags' upper bounds: the encoding grows with blocks x requests x
 # groups, and past these a proof takes hours or exhausts memory (16 blocks:
 # 13 s; 100,000 blocks: Z3 out of memory) rather than saying anything new.
 MAX_FLAGS = {"blocks": 32, "requests": 8, "groups": 6, "depth": 64, "jobs": 64}
+MAX_SECONDS = 86_400.0  # a day
 
 
 def register(subparsers: Any) -> None:
@@ -69,6 +79,13 @@ def register(subparsers: Any) -> None:
         "--depth", type=int, default=DEFAULT_DEPTH, help="counterexample search depth"
     )
     parser.add_argument(
+        "--search-timeout",
+        type=float,
+        default=DEFAULT_SEARCH_TIMEOUT,
+        metavar="SECONDS",
+        help="time limit of each counterexample search",
+    )
+    parser.add_argument(
         "--unbounded",
         action="store_true",
         help="prove for every pool size and request count (quantified encoding)",
@@ -89,9 +106,19 @@ def handle(args: argparse.Namespace) -> int:
         raise InputError(str(error)) from None
     if args.jobs < 1 or args.depth < 1:
         raise InputError("--jobs and --depth must be at least 1")
+    if not 0 < args.search_timeout <= MAX_SECONDS:
+        raise InputError(f"--search-timeout: must be above 0 and at most {MAX_SECONDS:g} seconds")
     mutation = args.mutation or "clean"
     return run(
-        bounds, mutation, args.jobs, args.out, args.depth, sys.stdout, args.cores, args.unbounded
+        bounds,
+        mutation,
+        args.jobs,
+        args.out,
+        args.depth,
+        sys.stdout,
+        args.cores,
+        args.unbounded,
+        args.search_timeout,
     )
 
 
@@ -104,10 +131,13 @@ def run(
     stream: TextIO,
     cores: bool = False,
     unbounded: bool = False,
+    search_timeout: float = DEFAULT_SEARCH_TIMEOUT,
 ) -> int:
     """The table, bounded or (`unbounded`) for every pool size: prove every
-    cell, search a trace for each failed property the bounded search knows
-    and for a mutation's target, print a row per cell and the count; exit 0
+    cell, printing each op's rows as they are decided; then search a trace
+    for each failed property the bounded search knows and for a mutation's
+    target, each search limited to `search_timeout` seconds, and print a
+    row per failed cell with what its search found; then the count. Exit 0
     only when every cell is proved.
 
     With `unbounded`, a failed cell's counterexample to induction is a
@@ -122,23 +152,41 @@ def run(
         title = f"kvgate prove: {bounds}"
     title += "" if mutation == "clean" else f", mutation {mutation}"
     print(title, file=stream, flush=True)
+    table = _Table(stream)
+    table.row("invariant", "op", "result", "seconds")
+
+    def decided(cells: Sequence[Result | UResult]) -> None:
+        for row in cells:
+            if row.proved:
+                cell = "proved"
+            elif row.prop in PROPERTY_BY_NAME:
+                cell = "not inductive: counterexample search follows"
+            else:
+                cell = _cell(row, {})
+            table.row(_name(row), row.op, cell, f"{row.seconds:.2f}")
+
     rows: Sequence[Result | UResult] = (
-        prove_unbounded(bounds.groups, mutation, jobs=jobs)
+        prove_unbounded(bounds.groups, mutation, jobs=jobs, decided=decided)
         if unbounded
-        else prove(bounds, mutation, jobs=jobs)
+        else prove(bounds, mutation, jobs=jobs, decided=decided)
     )
     target = MODEL_MUTATIONS[mutation].target if mutation != "clean" else ""
     searchable = [r.prop for r in rows if not r.proved and r.prop in PROPERTY_BY_NAME]
+    searches = list(dict.fromkeys([*searchable, *([target] if target else [])]))
     found: dict[str, Found] = {}
-    for prop in dict.fromkeys([*searchable, *([target] if target else [])]):
-        found[prop] = _search(bounds, mutation, prop, out, depth)
-
-    table = [("invariant", "op", "result", "seconds")]
-    for row in rows:
-        name = row.prop if row.kind == "invariant" else f"{row.prop} (lemma)"
-        cell = _unbounded_result(row, found) if isinstance(row, UResult) else _result(row, found)
-        table.append((name, row.op, cell, f"{row.seconds:.2f}"))
-    _print_table(table, stream)
+    for number, prop in enumerate(searches, 1):
+        print(
+            f"searching for a counterexample to {prop} ({number} of {len(searches)}, "
+            f"at most {search_timeout:g}s)",
+            file=stream,
+            flush=True,
+        )
+        search_started = time.perf_counter()
+        found[prop] = _search(bounds, mutation, prop, out, depth, search_timeout, stream)
+        seconds = f"{time.perf_counter() - search_started:.2f}"
+        for row in rows:
+            if row.prop == prop and not row.proved:
+                table.row(_name(row), row.op, _cell(row, found), seconds)
     if cores:
         _print_cores([(r.prop, r.op, r.used) for r in rows if r.proved], stream)
     failed = [r for r in rows if not r.proved]
@@ -154,6 +202,14 @@ def run(
         file=stream,
     )
     return 0 if not failed else 1
+
+
+def _name(row: Result | UResult) -> str:
+    return row.prop if row.kind == "invariant" else f"{row.prop} (lemma)"
+
+
+def _cell(row: Result | UResult, found: dict[str, Found]) -> str:
+    return _unbounded_result(row, found) if isinstance(row, UResult) else _result(row, found)
 
 
 def _unbounded_result(row: UResult, found: dict[str, Found]) -> str:
@@ -176,15 +232,62 @@ def _print_cores(cells: list[tuple[str, str, tuple[str, ...]]], stream: TextIO) 
         print(f"  {prop} {op}: {', '.join(used)}", file=stream)
 
 
-def _search(bounds: Bounds, mutation: str, prop: str, out: Path, depth: int) -> Found:
+def _search(
+    bounds: Bounds,
+    mutation: str,
+    prop: str,
+    out: Path,
+    depth: int,
+    timeout: float,
+    stream: TextIO,
+) -> Found:
     """`find` in a fresh process: Z3's search follows the order its terms were
-    created in, and one run after the proofs' terms can take minutes."""
+    created in, and one run after the proofs' terms can take minutes. A line
+    every `SEARCH_PROGRESS_EVERY` seconds says it still runs; past `timeout`
+    the process is stopped and the search has timed out."""
     spawn = multiprocessing.get_context("spawn")
+    receive, send = spawn.Pipe(duplex=False)
+    process = spawn.Process(
+        target=_find_in_child, args=(bounds, mutation, prop, out, depth, send), daemon=True
+    )
+    process.start()
+    send.close()  # the child's end: EOF here once the child is gone
+    started = time.perf_counter()
     try:
-        with ProcessPoolExecutor(max_workers=1, mp_context=spawn) as pool:
-            return pool.submit(find, bounds, mutation, prop, out, depth).result()
+        while True:
+            left = timeout - (time.perf_counter() - started)
+            if left <= 0:
+                return Found(prop, None, f"timed out: no counterexample within {timeout:g}s")
+            if receive.poll(min(SEARCH_PROGRESS_EVERY, left)):
+                try:
+                    kind, payload = receive.recv()
+                except EOFError:
+                    process.join()
+                    return Found(prop, None, f"the search stopped (exit {process.exitcode})")
+                if kind == "unwritable":
+                    raise InputError(f"--out: cannot write {out}: {payload}")
+                assert isinstance(payload, Found)
+                return payload
+            elapsed = time.perf_counter() - started
+            if elapsed < timeout:
+                print(
+                    f"  still searching ({elapsed:.0f}s of {timeout:g}s)", file=stream, flush=True
+                )
+    finally:
+        if process.is_alive():
+            process.kill()
+        process.join()
+        receive.close()
+
+
+def _find_in_child(
+    bounds: Bounds, mutation: str, prop: str, out: Path, depth: int, conn: Connection
+) -> None:
+    try:
+        conn.send(("found", find(bounds, mutation, prop, out, depth)))
     except OSError as error:
-        raise InputError(f"--out: cannot write {out}: {error.strerror}") from None
+        conn.send(("unwritable", error.strerror))
+    conn.close()
 
 
 def _result(row: Result, found: dict[str, Found]) -> str:
@@ -194,6 +297,8 @@ def _result(row: Result, found: dict[str, Found]) -> str:
     where = ", ".join(row.violated[:2])
     if example is not None and example.file is not None:
         return f"{example.file} ({where})"
+    if example is not None and example.note.startswith("timed out"):
+        return f"{example.note} (not inductive: {where})"
     # The search's full story is long (every path tried); the first reason will do.
     why = example.note.split("; ")[0] if example else "no search"
     return f"not inductive ({where}); no trace: {_shorten(why, 70)}"
@@ -203,8 +308,20 @@ def _shorten(text: str, width: int) -> str:
     return text if len(text) <= width else text[: width - 3] + "..."
 
 
-def _print_table(table: list[tuple[str, str, str, str]], stream: TextIO) -> None:
-    widths = [max(len(row[i]) for row in table) for i in range(3)]
-    for row in table:
-        cells = [row[i].ljust(widths[i]) for i in range(3)]
-        print(f"{cells[0]}  {cells[1]}  {cells[2]}  {row[3].rjust(7)}", file=stream)
+class _Table:
+    """The proof table, a row at a time: the columns are as wide as the
+    longest name and op there can be, so rows printed apart still line up."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+        props = {p.name for p in PROPERTIES} | {p.name for p in UPROPERTIES}
+        names = [*props, *(f"{name} (lemma)" for name in props)]
+        self.widths = (max(map(len, names)), max(len(op) for op in (INIT, *ENCODED_OPS)), 9)
+
+    def row(self, name: str, op: str, result: str, seconds: str) -> None:
+        cells = [
+            text.ljust(width) for text, width in zip((name, op, result), self.widths, strict=True)
+        ]
+        print(
+            f"{cells[0]}  {cells[1]}  {cells[2]}  {seconds.rjust(7)}", file=self.stream, flush=True
+        )

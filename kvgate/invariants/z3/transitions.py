@@ -285,7 +285,7 @@ class Encoding:
             return z3.IntVal(0)
         upstream = z3.If(z3.And(tx.s.hold_on, partial_hit, z3.Not(holding)), 1, 0)
         fork = tx.int("fork_extra")
-        tx.require("the fork's extra is 0 or 1", z3.And(fork >= 0, fork <= 1))
+        tx.require("the retained-state admission extra is 0 or 1", z3.And(fork >= 0, fork <= 1))
         return z3.If(tx.s.retire_on, fork, upstream)
 
     def or_more(self, tx: Tx, m: int, rule: Any, *widened: Any) -> Any:

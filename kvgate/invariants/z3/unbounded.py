@@ -106,7 +106,7 @@ REQ_BLOCK = ("req", "block")
 
 UFIELDS: tuple[UField, ...] = (
     UField("hold_on", (), "bool", "", False, "the hold switch; never changes"),
-    UField("retire_on", (), "bool", "", False, "the fork's retention; never changes"),
+    UField("retire_on", (), "bool", "", False, "the retained-state retention; never changes"),
     UField("free", ("block",), "bool", "", False, "in the free queue"),
     UField("keyed", ("block",), "bool", "", False, "carries a prefix key"),
     UField("tail_keyed", ("block",), "bool", "", False, "carries a mid-block key"),
@@ -444,7 +444,7 @@ class UEncoding:
             return z3.IntVal(0)
         upstream = z3.If(z3.And(tx.s["hold_on"], partial_hit, z3.Not(holding)), 1, 0)
         fork = tx.fresh("fork_extra", out=z3.IntSort())
-        tx.require("the fork's extra is 0 or 1", z3.And(fork >= 0, fork <= 1))
+        tx.require("the retained-state admission extra is 0 or 1", z3.And(fork >= 0, fork <= 1))
         return z3.If(tx.s["retire_on"], fork, upstream)
 
     def supersede(self, tx: UTx, m: int, old: Fn, do_hold: Any) -> Fn:

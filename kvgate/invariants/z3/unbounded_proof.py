@@ -507,7 +507,9 @@ def prove_unbounded(
     props: Sequence[str] | None = None,
     ops: Sequence[str] = ENCODED_OPS,
     jobs: int = 1,
+    decided: Callable[[list[UResult]], None] | None = None,
 ) -> list[UResult]:
-    """The whole table for every pool size: `init` and every op, every property."""
+    """The whole table for every pool size: `init` and every op, every
+    property; `decided` gets each op's cells as soon as they are decided."""
     names = tuple(props) if props is not None else tuple(p.name for p in UPROPERTIES)
-    return proof_table(partial(_task, groups, mutation, names), names, ops, jobs)
+    return proof_table(partial(_task, groups, mutation, names), names, ops, jobs, decided)

@@ -182,7 +182,9 @@ class Field(NamedTuple):
 
 FIELDS: tuple[Field, ...] = (
     Field("hold_on", "bool", (), False, "the hold switch (config.hold); never changes"),
-    Field("retire_on", "bool", (), False, "the fork's retention (hold_retired); never changes"),
+    Field(
+        "retire_on", "bool", (), False, "the retained-state retention (hold_retired); never changes"
+    ),
     Field("ref", "int", ("block",), False, "the block's ref count"),
     Field("free", "bool", ("block",), False, "the block is in the free queue"),
     Field("keyed", "bool", ("block",), False, "the block carries a prefix key"),

@@ -1,0 +1,251 @@
+"""Regenerate docs/results.md: every number the docs publish, produced by the code.
+
+    python benchmarks/results.py [SECTION ...]      (default: every section)
+    python benchmarks/results.py --list
+
+Each section runs the project's own commands against the installed vLLM and
+replaces its part of docs/results.md (between `<!-- results: NAME -->` and
+`<!-- end: NAME -->`), stamped with the date, the exact commands and the
+machine; the other sections are kept as they were. Some sections take many
+minutes (see --list), so regenerate one at a time when only one changed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGE = ROOT / "docs" / "results.md"
+PY = sys.executable
+
+HEADER = """# Results
+
+Every number on this page was printed by the command shown above it, on the
+machine named there; none is typed by hand. To regenerate the whole page run
+`python benchmarks/results.py`, or one section with
+`python benchmarks/results.py SECTION` (`--list` names them and says how long
+each takes). Timings depend on the machine and its load; counts and verdicts
+do not.
+"""
+
+
+@dataclass(frozen=True)
+class Section:
+    name: str
+    title: str
+    cost: str  # how long it takes on a 2-core machine, for --list
+    commands: tuple[str, ...]  # shell commands, run from the checkout
+    render: Callable[[list[str]], str]  # outputs -> markdown body
+    about: str  # one paragraph saying what the numbers are
+
+
+def summary_lines(output: str) -> list[str]:
+    """The lines of a gate run a reader needs: target, capabilities, verdict, counts."""
+    keep = re.compile(r"^(target:|difference |lacks |verdict:|\d+ passed|exit )")
+    return [line for line in output.splitlines() if keep.match(line)]
+
+
+def fenced(lines: Sequence[str]) -> str:
+    return "```text\n" + "\n".join(lines).rstrip() + "\n```\n"
+
+
+def render_gate(outputs: list[str]) -> str:
+    return "\n".join(fenced(summary_lines(output)) for output in outputs)
+
+
+def render_tail(lines: int) -> Callable[[list[str]], str]:
+    def render(outputs: list[str]) -> str:
+        return "\n".join(fenced(o.rstrip().splitlines()[-lines:]) for o in outputs)
+
+    return render
+
+
+def render_whole(outputs: list[str]) -> str:
+    return "\n".join(fenced(o.rstrip().splitlines()) for o in outputs)
+
+
+def render_summary(outputs: list[str]) -> str:
+    """A fault campaign's summary: its baseline and the lines after the table."""
+    lines = outputs[0].rstrip().splitlines()
+    baseline = [
+        line for line in lines if line.startswith(("baseline", "  ")) and "caught" not in line
+    ]
+    start = next((i for i, line in enumerate(lines) if line.startswith("kill rate")), len(lines))
+    return fenced(baseline + [""] + lines[start:])
+
+
+SECTIONS = (
+    Section(
+        "gate",
+        "The gate on the bundled corpus",
+        "about 1 minute",
+        (
+            f"{PY} -m kvgate gate --target vllm",
+            f"{PY} -m kvgate gate --target vllm --plugin kvgate.impl.hold_overlay",
+        ),
+        render_gate,
+        "The installed vLLM gated on the bundled corpus at strict level, first as it is, "
+        "then with kvgate's hold overlay loaded. Upstream vLLM lacks the hold, so a trace "
+        "that asks for it gets the verdict LACKS there; the second run shows what the "
+        "hold changes.",
+    ),
+    Section(
+        "mutate",
+        "The fault campaign",
+        "about 5 minutes",
+        (f"{PY} -m kvgate mutate --target vllm --timeout 1800",),
+        render_whole,
+        "One realistic one-line fault at a time injected into the installed vLLM's "
+        "KV-cache manager, and the gate run against each: a row per fault (caught or not, "
+        "by what), then the kill rate, the share of applicable faults the gate catches. "
+        "`kvgate mutate --list` says what each fault edits and why it is realistic.",
+    ),
+    Section(
+        "kill-rates",
+        "Kill rates by stage",
+        "about 15 minutes",
+        (f"{PY} -m kvgate mutate --target vllm --explore-every-fault --timeout 1800",),
+        render_summary,
+        "The same faults, with the differential exploration run against every fault too, "
+        "so each stage's kill rate is known alone: the corpus (traces at strict level plus "
+        "the invariants) and the exploration without any trace.",
+    ),
+    Section(
+        "coverage",
+        "Reach into vLLM's manager",
+        "about 5 minutes (vLLM's own tests left out)",
+        ("KVGATE_OWN_TESTS=skip bash scripts/coverage-report.sh out/results-coverage",),
+        render_tail(8),
+        "Line and branch coverage of vLLM's block pool, KV-cache manager, coordinator and "
+        "Mamba manager reached by the corpus gate at strict level plus the differential "
+        "exploration (ci profile). The column for vLLM's own manager tests takes about an "
+        "hour and is left out here; `scripts/coverage-report.sh` without "
+        "`KVGATE_OWN_TESTS=skip` adds it.",
+    ),
+    Section(
+        "benchmarks",
+        "Benchmark ratios",
+        "about 3 minutes",
+        (
+            f"{PY} benchmarks/replay_speed.py --rounds 3",
+            f"{PY} benchmarks/workload.py --scale 16",
+        ),
+        render_whole,
+        "Ratios measured within one run, so the machine's speed cancels out: the corpus "
+        "replayed on the model against vLLM (below 1: the model is faster), and the "
+        "production workload on each target alone (time and peak memory).",
+    ),
+    Section(
+        "matrix",
+        "Other vLLM releases",
+        "about 10 minutes, plus downloading two vLLM wheels the first time",
+        ('KVGATE_SKIP_SETUP=1 KVGATE_MATRIX_RUNS="gate overlay" bash scripts/vllm-matrix.sh',),
+        render_tail(6),
+        "The gate, without and with the hold overlay, on each vLLM release a user may "
+        "deploy (each in its own environment sharing the pinned dependencies). The fault "
+        "campaign and vLLM's own tests per release are left out here; "
+        "`scripts/vllm-matrix.sh` runs them by default.",
+    ),
+)
+
+
+def machine() -> str:
+    def vllm_version() -> str:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            return version("vllm")
+        except PackageNotFoundError:
+            return "not installed"
+
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
+    load = os.getloadavg()[0]
+    return (
+        f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs "
+        f"(load average {load:.1f} at the start), Python {platform.python_version()}, "
+        f"vLLM {vllm_version()}, kvgate at commit {commit or 'unknown'}"
+    )
+
+
+def run_section(section: Section) -> str:
+    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", PYTHONPATH=str(ROOT))
+    started = datetime.now(timezone.utc)
+    where = machine()
+    outputs: list[str] = []
+    seconds = 0.0
+    for command in section.commands:
+        print(f"results: {section.name}: {command}", file=sys.stderr, flush=True)
+        clock = time.perf_counter()
+        done = subprocess.run(
+            command, shell=True, cwd=ROOT, env=env, capture_output=True, text=True
+        )
+        seconds += time.perf_counter() - clock
+        # vLLM's own log lines go to stderr: shown only when the command failed.
+        errors = done.stderr.strip().splitlines()[-5:] if done.returncode else []
+        outputs.append("\n".join([done.stdout.rstrip(), *errors, f"exit {done.returncode}"]))
+    commands = "\n".join(f"    {c.replace(PY, 'python')}" for c in section.commands)
+    return (
+        f"## {section.title}\n\n{section.about}\n\n"
+        f"Generated {started:%Y-%m-%d %H:%M} UTC in {seconds:.0f} s on {where}, by:\n\n"
+        f"{commands}\n\n{section.render(outputs)}"
+    )
+
+
+BLOCK = re.compile(r"<!-- results: (\S+) -->\n(.*?)\n<!-- end: \1 -->", re.S)
+
+
+def page_sections(page: str) -> dict[str, str]:
+    """The sections docs/results.md holds: name -> generated markdown."""
+    return {m.group(1): m.group(2) for m in BLOCK.finditer(page)}
+
+
+def assemble(bodies: dict[str, str]) -> str:
+    """The page: the header, then each generated section in SECTIONS' order."""
+    blocks = [
+        f"<!-- results: {s.name} -->\n{bodies[s.name].rstrip()}\n<!-- end: {s.name} -->"
+        for s in SECTIONS
+        if s.name in bodies
+    ]
+    return "\n\n".join([HEADER.rstrip(), *blocks]) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("sections", nargs="*", metavar="SECTION")
+    parser.add_argument("--list", action="store_true", help="name the sections and their cost")
+    args = parser.parse_args(argv)
+    by_name = {s.name: s for s in SECTIONS}
+    if args.list:
+        for s in SECTIONS:
+            print(f"{s.name:<12} {s.title} ({s.cost})")
+        return 0
+    unknown = [n for n in args.sections if n not in by_name]
+    if unknown:
+        print(f"results: unknown section {unknown[0]!r}; known: {', '.join(by_name)}")
+        return 2
+    chosen = [by_name[n] for n in args.sections] if args.sections else list(SECTIONS)
+    bodies = page_sections(PAGE.read_text(encoding="utf-8")) if PAGE.exists() else {}
+    for section in chosen:
+        bodies[section.name] = run_section(section)
+        # Written after each section, so a long run keeps what it finished.
+        with tempfile.NamedTemporaryFile("w", dir=PAGE.parent, delete=False) as tmp:
+            tmp.write(assemble(bodies))
+        Path(tmp.name).replace(PAGE)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

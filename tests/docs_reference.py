@@ -1,0 +1,154 @@
+"""The parts of the docs generated from the code, and the command that
+regenerates them.
+
+    python tests/docs_reference.py      (from the checkout, kvgate importable)
+
+Each generated part sits in a page between `<!-- generated: NAME -->` and
+`<!-- end generated: NAME -->`; `tests/test_docs.py` fails when a part no
+longer matches what its generator produces, so a change to the code that
+the docs describe shows up as a failing test naming the command above.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import argparse  # noqa: E402
+
+from kvgate import cli  # noqa: E402
+from kvgate.conformance.schema import config_fields_table, group_fields_table  # noqa: E402
+from kvgate.errors import EXIT_CODES, EXIT_PRECEDENCE  # noqa: E402
+from kvgate.explore.knobs import knobs_by_field  # noqa: E402
+from kvgate.invariants.catalogue import CATALOGUE, LEMMAS  # noqa: E402
+
+CHECKED_BY = {
+    "snapshot": "every step's snapshot",
+    "model": "inside the model",
+    "lifecycle": "over a request's life",
+    "z3": "proved",
+}
+
+
+def invariants_table() -> str:
+    rows = ["| invariant | meaning | checked |", "| --- | --- | --- |"]
+    for invariant in CATALOGUE:
+        where = ", ".join(CHECKED_BY[c] for c in invariant.checked_by)
+        rows.append(f"| `{invariant.name}` | {invariant.meaning} | {where} |")
+    return "\n".join(rows)
+
+
+def lemmas_table() -> str:
+    rows = ["| lemma | meaning |", "| --- | --- |"]
+    rows += [f"| `{lemma.name}` | {lemma.meaning} |" for lemma in LEMMAS]
+    return "\n".join(rows)
+
+
+def _cell(text: str) -> str:
+    return " ".join(text.split()).replace("|", "\\|")
+
+
+def _flag(action: argparse.Action) -> str:
+    if not action.option_strings:
+        return f"`{action.metavar or action.dest}`" + (" ..." if action.nargs in ("+", "*") else "")
+    names = ", ".join(f"`{o}`" for o in action.option_strings)
+    if action.nargs == 0:
+        return names
+    if action.choices is not None:
+        return names + " " + "\\|".join(f"`{c}`" for c in action.choices)
+    metavar = action.metavar or action.dest.upper()
+    value = " ".join(metavar) if isinstance(metavar, tuple) else metavar
+    # A pipe would end the table cell: such a metavar is written plain.
+    return names + (" " + _cell(value) if "|" in value else f" `{value}`")
+
+
+def _default(action: argparse.Action) -> str:
+    if action.required:
+        return "required"
+    if action.nargs == 0 or action.default in (None, argparse.SUPPRESS, False):
+        return ""
+    return f"`{action.default}`"
+
+
+def commands_reference() -> str:
+    """A section per command: what it does, then a row per argument, all read
+    from the parsers `kvgate` itself builds."""
+    parser = cli._parser()
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    helps = {c.dest: c.help or "" for c in subparsers._choices_actions}
+    parts = []
+    for name, command in subparsers.choices.items():
+        rows = ["| argument | default | meaning |", "| --- | --- | --- |"]
+        for action in command._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            rows.append(f"| {_flag(action)} | {_default(action)} | {_cell(action.help or '')} |")
+        parts.append(f"## `kvgate {name}`\n\n{_cell(helps.get(name, ''))}.\n\n" + "\n".join(rows))
+    return "\n\n".join(parts)
+
+
+def exit_codes_table() -> str:
+    rows = ["| exit code | meaning |", "| --- | --- |"]
+    rows += [f"| `{code}` | {_cell(meaning)} |" for code, meaning in EXIT_CODES]
+    order = ", ".join(str(code) for code in EXIT_PRECEDENCE)
+    return "\n".join(rows) + f"\n\nWhen several apply, the first of {order} is the exit code."
+
+
+# page (relative to the checkout) -> part name -> its generator
+GENERATED: dict[str, dict[str, Callable[[], str]]] = {
+    "README.md": {"exit-codes": exit_codes_table},
+    "docs/reference/commands.md": {"commands": commands_reference},
+    "docs/reference/knobs.md": {
+        "config-fields": lambda: config_fields_table(knobs_by_field()),
+        "group-fields": group_fields_table,
+    },
+    "docs/explanation/invariants-and-proofs.md": {
+        "invariants": invariants_table,
+        "lemmas": lemmas_table,
+    },
+}
+
+
+def part_pattern(name: str) -> re.Pattern[str]:
+    marker = re.escape(name)
+    return re.compile(
+        rf"(<!-- generated: {marker} -->\n)(.*?)(<!-- end generated: {marker} -->)", re.S
+    )
+
+
+def stale_parts() -> list[str]:
+    """`page: part` for every generated part that differs from its generator."""
+    stale = []
+    for page, parts in GENERATED.items():
+        text = (ROOT / page).read_text(encoding="utf-8")
+        for name, generate in parts.items():
+            found = part_pattern(name).search(text)
+            if found is None or found.group(2) != generate() + "\n":
+                stale.append(f"{page}: {name}")
+    return stale
+
+
+def _fill(body: str, found: re.Match[str]) -> str:
+    return found.group(1) + body + found.group(3)
+
+
+def regenerate() -> None:
+    for page, parts in GENERATED.items():
+        path = ROOT / page
+        text = path.read_text(encoding="utf-8")
+        for name, generate in parts.items():
+            filled = functools.partial(_fill, generate() + "\n")
+            text, count = part_pattern(name).subn(filled, text)
+            if count != 1:
+                raise SystemExit(f"{page}: no '<!-- generated: {name} -->' part to fill")
+        path.write_text(text, encoding="utf-8")
+
+
+if __name__ == "__main__":
+    regenerate()
