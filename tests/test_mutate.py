@@ -413,4 +413,9 @@ def test_the_exploration_stage_runs_every_family_against_vllm() -> None:
 
 def test_a_bad_exploration_seed_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["mutate", "--explore-seed", "-1"]) == 2
-    assert capsys.readouterr().err.startswith("kvgate: error: --explore-seed")
+    # The old spelling still works, with a notice naming the new one.
+    err = capsys.readouterr().err
+    assert err.startswith("kvgate: deprecated: --explore-seed is now spelled --seed")
+    assert err.splitlines()[1].startswith("kvgate: error: --seed")
+    assert cli.main(["mutate", "--seed", "-1"]) == 2
+    assert capsys.readouterr().err.startswith("kvgate: error: --seed")
