@@ -29,12 +29,14 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn, cast
 
+import kvgate
 from kvgate import options
 from kvgate.conformance.limits import DEFAULT_LIMITS, Limits
 from kvgate.conformance.replay import (
@@ -237,12 +239,26 @@ def _required(values: Sequence[str] | None) -> tuple[str, ...]:
         raise InputError(f"--require: {error}") from None
 
 
+def _installed_vllm() -> str:
+    """The installed vLLM's version, from its metadata (vLLM is not imported)."""
+    try:
+        return f"vLLM {importlib.metadata.version('vllm')}"
+    except importlib.metadata.PackageNotFoundError:
+        return "no vLLM"
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="kvgate",
         description="Conformance gate for vLLM's KV-cache manager.",
         epilog=exit_code_table(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"kvgate {kvgate.__version__} "
+        f"(checked on vLLM {', '.join(kvgate.CHECKED_VLLM)}; installed: {_installed_vllm()})",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 

@@ -37,6 +37,7 @@ from kvgate.conformance.trace import bundled_corpus
 from kvgate.errors import InputError
 from kvgate.mutate.campaign import (
     EXPLORE_EXAMPLES,
+    STAGES,
     Baseline,
     Campaign,
     CampaignError,
@@ -306,12 +307,35 @@ def summary_lines(campaign: Campaign) -> list[str]:
         )
         missed = [r.fault.name for r in campaign.applicable if r.explored is False]
         lines.append("not caught by exploration alone: " + (", ".join(missed) or "none"))
+    lines.extend(stage_table(campaign))
     per_fault = [r.seconds for r in campaign.results]
     mean = sum(per_fault) / len(per_fault) if per_fault else 0.0
     lines.append(
         f"time: {campaign.seconds:.1f}s in all, baseline {campaign.baseline.seconds:.1f}s, "
         f"{mean:.1f}s per fault on average"
     )
+    return lines
+
+
+def stage_table(campaign: Campaign) -> list[str]:
+    """How many faults each stage ran on and caught, how many it was the
+    first to catch, and each fault's first catching stage. A later stage
+    runs only on what the earlier ones missed (unless --explore-every-fault),
+    so 'caught' counts what it saw."""
+    judged = [r for r in campaign.results if r.verdict in ("caught", "missed")]
+    width = max(len(s) for s in STAGES) + 2
+    lines = ["", f"{'per stage':<{width}} {'ran on':>7} {'caught':>7} {'first':>7}"]
+    for stage in STAGES:
+        said = [r.stages_caught()[stage] for r in judged]
+        ran = sum(s is not None for s in said)
+        caught = sum(bool(s) for s in said)
+        first = sum(r.first_stage == stage for r in judged)
+        lines.append(f"  {stage:<{width - 2}} {ran:>7} {caught:>7} {first:>7}")
+    missed = sum(not r.first_stage for r in judged)
+    lines.append(f"  {'caught by no stage':<{width - 2}} {'':>7} {'':>7} {missed:>7}")
+    lines.append("first stage to catch each fault:")
+    for result in judged:
+        lines.append(f"  {result.fault.name:<38} {result.first_stage or 'none'}")
     return lines
 
 
