@@ -27,13 +27,11 @@ import argparse
 import importlib
 import os
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn, cast
 
 from kvgate.conformance.limits import DEFAULT_LIMITS, Limits
-from kvgate.conformance.refusal import judge_refusal
 from kvgate.conformance.replay import (
     LEVELS,
     Level,
@@ -42,7 +40,6 @@ from kvgate.conformance.replay import (
     TargetFactory,
     TraceRunError,
     one_line,
-    replay,
 )
 from kvgate.conformance.report import TerminalReport, write_junit
 from kvgate.conformance.selection import (
@@ -57,6 +54,8 @@ from kvgate.conformance.trace import (
     Trace,
     TraceError,
     bundled_corpus,
+    bundled_scheduler_corpus,
+    check_unique_names,
     read_corpus,
     read_traces,
 )
@@ -82,7 +81,15 @@ from kvgate.errors import (
     printable,
 )
 from kvgate.output import QUIET, VllmLogs, vllm_logs
-from kvgate.targets import LOCKSTEP_MODEL, TARGETS, build_target, plugin_factory, target_factory
+from kvgate.targets import (
+    LOCKSTEP_MODEL,
+    TARGETS,
+    build_target,
+    gate_factories,
+    run_scheduler_trace,
+    run_trace,
+    scheduler_factories,
+)
 
 # Further commands, each a module with `register(subparsers)` that adds its
 # parser and sets `handler(args) -> exit code` on it. A handler raises
@@ -119,7 +126,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.command == "replay":
                 traces, invalid = read_traces(args.traces, limits)
             else:
-                traces, invalid = read_corpus(args.corpus or bundled_corpus(), limits)
+                traces, invalid = _read_gate_corpus(args.corpus, limits)
                 traces = _select(traces, args)
                 if args.list:
                     return list_traces(traces, invalid)
@@ -172,6 +179,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return EXIT_KVGATE_BUG
+
+
+def _read_gate_corpus(corpus: Path | None, limits: Limits) -> tuple[list[Trace], list[TraceError]]:
+    """`--corpus DIR`, or the bundled corpora: the manager-level one and the
+    scheduler-level one beside it."""
+    if corpus is not None:
+        return read_corpus(corpus, limits)
+    traces, invalid = read_corpus(bundled_corpus(), limits)
+    engine, engine_invalid = read_corpus(bundled_scheduler_corpus(), limits)
+    check = [*traces, *engine]
+    check_unique_names(check)
+    return check, [*invalid, *engine_invalid]
 
 
 def _limits(assignments: Sequence[str] | None) -> Limits:
@@ -340,20 +359,30 @@ def run_traces(
     if not traces and invalid:
         raise _NothingValid(invalid)
     logs = logs or VllmLogs()
-    factory = plugin_factory(target_name, plugin)
-    model = None if target_name == LOCKSTEP_MODEL else target_factory(LOCKSTEP_MODEL)
+    factory, model = gate_factories(target_name, plugin)
 
     report = TerminalReport(sys.stdout, required, explain_lacking, quiet=logs.verbosity <= QUIET)
     if traces:
         report.target(_header_capabilities(factory, traces), target_name)
+        scheduler_level = sum(trace.scheduler_level for trace in traces)
+        if scheduler_level:
+            report.corpora(len(traces) - scheduler_level, scheduler_level)
     for error in invalid:
         print(f"kvgate: error: {printable(str(error))}", file=sys.stderr)
         report.add_invalid(error)
+    engine = None
+    if any(trace.scheduler_level for trace in traces):
+        engine = scheduler_factories(target_name, plugin)
     for trace in traces:
         excluded: list[str] = []
         kind = "refusal traces" if trace.expect_refused is not None else "traces"
         with logs.unit(kind) as captured:
-            result = _run_one(trace, factory, model, level, target_name == LOCKSTEP_MODEL, excluded)
+            if trace.scheduler_level:
+                assert engine is not None
+                result = run_scheduler_trace(trace, *engine, level)
+            else:
+                is_model = target_name == LOCKSTEP_MODEL
+                result = run_trace(trace, factory, model, level, is_model, excluded)
         report.exclusions(trace.name, excluded)
         if isinstance(result, TraceRunError) and not result.config_refused:
             kind = "internal error" if result.bug else "error"
@@ -397,39 +426,6 @@ def exit_code(results: Sequence[Outcome], required: Sequence[str], invalid: int 
         EXIT_OK: True,
     }
     return next(code for code in EXIT_PRECEDENCE if applies[code])
-
-
-def _run_one(
-    trace: Trace,
-    factory: TargetFactory,
-    model: TargetFactory | None,
-    level: Level,
-    target_is_model: bool,
-    excluded: list[str] | None = None,
-) -> Outcome:
-    """One trace's verdict, or the error that kept it from getting one;
-    `excluded` gets the strict-view exclusions that hid the target's raw state."""
-    started = time.perf_counter()
-    if trace.expect_refused is not None:
-        return judge_refusal(trace, factory, level)
-    try:
-        target = build_target(factory, trace)
-    except TraceError as error:
-        # The target will not run this config at all: not applicable to it.
-        seconds = time.perf_counter() - started
-        return TraceRunError(trace, str(error), bug=False, seconds=seconds, config_refused=True)
-    try:
-        try:
-            result = replay(trace, target, model, level, target_is_model=target_is_model)
-            if excluded is not None:
-                excluded.extend(getattr(target, "exclusions_applied", ()))
-            return result
-        finally:
-            target.close()
-    except TraceError as error:
-        return TraceRunError(trace, str(error), bug=False, seconds=time.perf_counter() - started)
-    except ModelBug as bug:
-        return TraceRunError(trace, str(bug), bug=True, seconds=time.perf_counter() - started)
 
 
 def _write_junit(

@@ -12,11 +12,23 @@ from __future__ import annotations
 import functools
 import importlib
 import os
+import time
 from collections.abc import Callable
 from typing import cast
 
-from kvgate.conformance.config import UnsupportedConfig
-from kvgate.conformance.replay import TargetFactory, one_line
+from kvgate.conformance.config import Config, UnsupportedConfig
+from kvgate.conformance.refusal import judge_refusal
+from kvgate.conformance.replay import (
+    Level,
+    ModelBug,
+    Outcome,
+    TargetFactory,
+    TraceRunError,
+    one_line,
+    replay,
+)
+from kvgate.conformance.scheduler_replay import SchedulerModelFactory, replay_scheduler
+from kvgate.conformance.scheduling import SchedulerTarget
 from kvgate.conformance.target import Target
 from kvgate.conformance.trace import Trace, TraceError
 from kvgate.errors import InputError
@@ -33,6 +45,10 @@ LOCKSTEP_MODEL = "model"
 SCHEDULER_TARGETS: dict[str, str] = {
     "vllm-scheduler": "kvgate.impl.vllm_scheduler:VllmScheduler",
 }
+# kvgate's scheduler model, which scheduler-level traces replay in lockstep.
+SCHEDULER_MODEL = "kvgate.model.scheduler:SchedulerModel"
+# The scheduler each manager target's scheduler-level traces replay on.
+SCHEDULER_OF = {"vllm": "vllm-scheduler"}
 
 
 def target_factory(name: str) -> TargetFactory:
@@ -67,3 +83,98 @@ def build_target(factory: TargetFactory, trace: Trace) -> Target:
         return factory(trace.config)
     except UnsupportedConfig as error:
         raise TraceError.unsupported(trace.path, error) from None
+
+
+def gate_factories(
+    target_name: str, plugin: str | None = None
+) -> tuple[TargetFactory, TargetFactory | None]:
+    """The factory of the target a gate runs (`plugin_factory`), and the
+    lockstep model's (None when the target is the model itself)."""
+    factory = plugin_factory(target_name, plugin)
+    model = None if target_name == LOCKSTEP_MODEL else target_factory(LOCKSTEP_MODEL)
+    return factory, model
+
+
+def run_trace(
+    trace: Trace,
+    factory: TargetFactory,
+    model: TargetFactory | None,
+    level: Level,
+    target_is_model: bool,
+    excluded: list[str] | None = None,
+) -> Outcome:
+    """One trace's verdict, or the error that kept it from getting one;
+    `excluded` gets the strict-view exclusions that hid the target's raw state."""
+    started = time.perf_counter()
+    if trace.expect_refused is not None:
+        return judge_refusal(trace, factory, level)
+    try:
+        target = build_target(factory, trace)
+    except TraceError as error:
+        # The target will not run this config at all: not applicable to it.
+        seconds = time.perf_counter() - started
+        return TraceRunError(trace, str(error), bug=False, seconds=seconds, config_refused=True)
+    try:
+        try:
+            result = replay(trace, target, model, level, target_is_model=target_is_model)
+            if excluded is not None:
+                excluded.extend(getattr(target, "exclusions_applied", ()))
+            return result
+        finally:
+            target.close()
+    except TraceError as error:
+        return TraceRunError(trace, str(error), bug=False, seconds=time.perf_counter() - started)
+    except ModelBug as bug:
+        return TraceRunError(trace, str(bug), bug=True, seconds=time.perf_counter() - started)
+
+
+def scheduler_factories(
+    target_name: str, plugin: str | None
+) -> tuple[SchedulerModelFactory, Callable[[Config, int, int], SchedulerTarget] | None]:
+    """For scheduler-level traces on `target_name`: kvgate's scheduler model
+    and the real scheduler's factory, (config, spec, max_num_seqs) each
+    (None on the model: the model is the target), `plugin` loaded by the
+    real one as `--plugin` asks."""
+    module_name, _, attribute = SCHEDULER_MODEL.partition(":")
+    model = cast(SchedulerModelFactory, getattr(importlib.import_module(module_name), attribute))
+    scheduler = SCHEDULER_OF.get(target_name)
+    if scheduler is None:
+        return model, None
+    factory = cast(Callable[..., SchedulerTarget], target_factory(scheduler))
+
+    def build(config: Config, spec: int, max_num_seqs: int) -> SchedulerTarget:
+        return factory(config, spec_tokens=spec, max_num_seqs=max_num_seqs, plugin=plugin)
+
+    return model, build
+
+
+def run_scheduler_trace(
+    trace: Trace,
+    model: SchedulerModelFactory,
+    real: Callable[[Config, int, int], SchedulerTarget] | None,
+    level: Level,
+) -> Outcome:
+    """A scheduler-level trace's verdict (`scheduler_replay`), on the real
+    scheduler `real` builds in lockstep with the model, or on the model
+    alone; the error that kept it from one otherwise."""
+    started = time.perf_counter()
+    assert trace.scheduler is not None
+    target = None
+    try:
+        if real is not None:
+            try:
+                target = real(trace.config, trace.scheduler.spec, trace.scheduler.max_num_seqs)
+            except UnsupportedConfig as error:
+                seconds = time.perf_counter() - started
+                message = str(TraceError.unsupported(trace.path, error))
+                return TraceRunError(
+                    trace, message, bug=False, seconds=seconds, config_refused=True
+                )
+        return replay_scheduler(trace, model, target, level)
+    except TraceError as error:
+        return TraceRunError(trace, str(error), bug=False, seconds=time.perf_counter() - started)
+    except ModelBug as bug:
+        return TraceRunError(trace, str(bug), bug=True, seconds=time.perf_counter() - started)
+    finally:
+        if target is not None:
+            target.close()

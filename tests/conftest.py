@@ -8,6 +8,7 @@ import io
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -55,3 +56,27 @@ def hold_overlay_plugin() -> Iterator[str]:
             # A later `plugin=` target installs it again (the adapter asks
             # the plugin whether it is installed).
             hold_overlay.unregister()
+
+
+@pytest.fixture(scope="module")
+def overlay() -> Iterator[Any]:
+    """The hold overlay, installed through the adapter for a test module;
+    uninstalled afterwards if it was not installed before the module ran."""
+    from kvgate.impl import _vllm_api, hold_overlay
+
+    _vllm_api.load()
+    was_installed = hold_overlay.is_registered()
+    hold_overlay.install()
+    yield hold_overlay
+    if not was_installed:
+        hold_overlay.unregister()
+
+
+@pytest.fixture
+def upstream(overlay: Any) -> Iterator[None]:
+    """vLLM's own methods for the test's duration, the overlay back after."""
+    overlay.unregister()
+    try:
+        yield
+    finally:
+        overlay.install()

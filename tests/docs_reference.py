@@ -23,10 +23,15 @@ sys.path.insert(0, str(ROOT))
 import argparse  # noqa: E402
 
 from kvgate import cli  # noqa: E402
+from kvgate.conformance.limits import DEFAULT_LIMITS, Limits  # noqa: E402
 from kvgate.conformance.schema import config_fields_table, group_fields_table  # noqa: E402
 from kvgate.errors import EXIT_CODES, EXIT_PRECEDENCE  # noqa: E402
+from kvgate.explore import command as explore_command  # noqa: E402
 from kvgate.explore.knobs import knobs_by_field  # noqa: E402
 from kvgate.invariants.catalogue import CATALOGUE, LEMMAS  # noqa: E402
+from kvgate.invariants.z3 import command as prove_command  # noqa: E402
+from kvgate.mutate import command as mutate_command  # noqa: E402
+from kvgate.workload import command as workload_command  # noqa: E402
 
 CHECKED_BY = {
     "snapshot": "every step's snapshot",
@@ -100,6 +105,38 @@ def exit_codes_table() -> str:
     return "\n".join(rows) + f"\n\nWhen several apply, the first of {order} is the exit code."
 
 
+def trace_limits_table() -> str:
+    rows = ["| limit | default |", "| --- | --- |"]
+    rows += [f"| `{name}` | {getattr(DEFAULT_LIMITS, name):,} |" for name in Limits.names()]
+    return "\n".join(rows)
+
+
+def _seconds(seconds: float) -> str:
+    return "a day" if seconds == 86_400 else f"{seconds:g} s"
+
+
+def flag_ranges_table() -> str:
+    """The range of every bounded flag, read from the constants each command checks."""
+    rows = ["| command | flag | range |", "| --- | --- | --- |"]
+    for flag, (low, high) in workload_command.FLAG_RANGES.items():
+        rows.append(f"| `kvgate workload` | `--{flag}` | {low} to {high:,} |")
+    rows.append(f"| `kvgate workload` | `--units` | each at most {workload_command.MAX_UNIT:,} |")
+    for flag, high in prove_command.MAX_FLAGS.items():
+        rows.append(f"| `kvgate prove` | `--{flag}` | at most {high} |")
+    rows.append(
+        f"| `kvgate prove` | `--search-timeout` | at most {_seconds(prove_command.MAX_SECONDS)} |"
+    )
+    rows.append(
+        f"| `kvgate explore` | `--budget` | at most {explore_command.MAX_EXAMPLES:,} examples, "
+        f"or {_seconds(explore_command.MAX_SECONDS)} |"
+    )
+    rows.append(f"| `kvgate mutate` | `--jobs` | 1 to {mutate_command.MAX_JOBS} |")
+    rows.append(
+        f"| `kvgate mutate` | `--timeout` | at most {_seconds(mutate_command.MAX_TIMEOUT)} |"
+    )
+    return "\n".join(rows)
+
+
 # page (relative to the checkout) -> part name -> its generator
 GENERATED: dict[str, dict[str, Callable[[], str]]] = {
     "README.md": {"exit-codes": exit_codes_table},
@@ -107,6 +144,10 @@ GENERATED: dict[str, dict[str, Callable[[], str]]] = {
     "docs/reference/knobs.md": {
         "config-fields": lambda: config_fields_table(knobs_by_field()),
         "group-fields": group_fields_table,
+    },
+    "docs/reference/limits.md": {
+        "trace-limits": trace_limits_table,
+        "flag-ranges": flag_ranges_table,
     },
     "docs/explanation/invariants-and-proofs.md": {
         "invariants": invariants_table,

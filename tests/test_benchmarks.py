@@ -49,6 +49,9 @@ SMOKE: dict[str, tuple[list[str], str, bool]] = {
         "unbounded ",
         False,
     ),
+    # It regenerates the docs' results page from the commands (minutes):
+    # the smoke run lists its sections.
+    "results.py": (["--list"], "benchmarks   Benchmark ratios (about ", False),
     "workload.py": (
         ["--scale", "64", "--units", "4096", "--sessions", "1", "--turns", "2"],
         "ratio ",

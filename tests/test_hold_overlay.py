@@ -12,7 +12,6 @@ import importlib.metadata
 import importlib.util
 import logging
 import shutil
-from collections.abc import Iterator
 from contextlib import closing
 from dataclasses import replace
 from pathlib import Path
@@ -56,30 +55,6 @@ class Records(logging.Handler):
 
 def ids(traces: list[Trace]) -> list[str]:
     return [t.name for t in traces]
-
-
-@pytest.fixture(scope="module")
-def overlay() -> Iterator[Any]:
-    """The overlay, installed through the adapter; uninstalled afterwards if
-    it was not installed before this module ran."""
-    from kvgate.impl import _vllm_api, hold_overlay
-
-    _vllm_api.load()
-    was_installed = hold_overlay.is_registered()
-    hold_overlay.install()
-    yield hold_overlay
-    if not was_installed:
-        hold_overlay.unregister()
-
-
-@pytest.fixture
-def upstream(overlay: Any) -> Iterator[None]:
-    """vLLM's own methods for the test's duration, the overlay back after."""
-    overlay.unregister()
-    try:
-        yield
-    finally:
-        overlay.install()
 
 
 def run(trace: Trace, plugin: str | None, record: list[Snapshot] | None = None) -> ReplayResult:

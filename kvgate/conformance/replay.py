@@ -125,6 +125,15 @@ def replay(
     `target_is_model`, the target is the model: its exceptions are that too).
     `observe`, if given, is told what the target reported at every step.
     """
+    if trace.scheduler_level:
+        # Its engine steps are no manager calls: replaying none would pass it.
+        raise TraceError(
+            trace.path,
+            None,
+            "engine",
+            "a scheduler-level trace replays on a whole scheduler (kvgate gate, kvgate replay), "
+            "not on a manager target",
+        )
     started = time.perf_counter()
     notes: list[str] = []
     lockstep: Target | None = None

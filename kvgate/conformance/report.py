@@ -86,6 +86,14 @@ class TerminalReport:
         else:
             self._line(capabilities_line(capabilities))
 
+    def corpora(self, manager_level: int, scheduler_level: int) -> None:
+        """The header's second line: how many traces of each kind run."""
+        if not self.quiet:
+            self._line(
+                f"corpora: manager-level {manager_level} traces, "
+                f"scheduler-level {scheduler_level} traces"
+            )
+
     def add(self, result: Outcome) -> None:
         self.results.append(result)
         if not (self.quiet and result.passed):

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
+from kvgate.conformance.ops import Segment
 from kvgate.conformance.snapshot import Snapshot
 from kvgate.conformance.target import Capabilities
 from kvgate.conformance.tokens import NO_INPUTS, HashInputs
@@ -43,6 +44,113 @@ class ScheduledStep:
     # taken, external tokens, an asynchronous load's).
     connector_queries: list[tuple[str, int, int, bool]] = field(default_factory=list)
     taken: list[tuple[str, int, int, bool]] = field(default_factory=list)
+
+
+def step_differences(
+    expected: ScheduledStep, actual: ScheduledStep
+) -> list[tuple[str, object, object]]:
+    """What differs between two sides' `schedule()` of one engine step:
+    (what, expected, actual), in the order a report names them."""
+    pairs: tuple[tuple[str, object, object], ...] = (
+        ("lookups (request, hit)", expected.lookups, actual.lookups),
+        ("attention_cached before a follow-up's lookup", expected.checked, actual.checked),
+        ("preempted", sorted(expected.preempted), actual.preempted),
+        ("scheduled (request, tokens)", expected.scheduled, actual.scheduled),
+        ("admitted (request, hit)", expected.admitted, actual.admitted),
+        ("copies", expected.copies, actual.copies),
+        (
+            "KV connector queries (request, presented, answered, async)",
+            expected.connector_queries,
+            actual.connector_queries,
+        ),
+        (
+            "waiting-queue allocations (request, local hit, external, async load)",
+            expected.taken,
+            actual.taken,
+        ),
+    )
+    return [(what, e, a) for what, e, a in pairs if e != a]
+
+
+# A request's prefill stats as the Scheduler reports them with its first
+# output (`EngineCoreOutput.prefill_stats`): (num_cached_tokens, the tokens
+# its prefill wrote to the prefix cache, num_cache_creation_tokens).
+PrefillStats = tuple[int, int]
+
+# The engine ops of a scheduler-level trace (its `engine` list), each with
+# its required and optional fields.
+ENGINE_OPS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "arrive": (("req", "prompt", "max_tokens"), ("cache_salt", "follows")),
+    "step": ((), ("steps",)),
+    "abort": (("req",), ()),
+}
+# What an engine `step` may expect, each optional.
+ENGINE_EXPECT_KEYS: tuple[str, ...] = ("scheduled", "preempted", "cached_tokens", "finished")
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """A scheduler-level trace's engine besides its config: the draft tokens
+    the drafter proposes each step (`spec`, vLLM's num_speculative_tokens)
+    and the running cap (`max_num_seqs`)."""
+
+    spec: int = 0
+    max_num_seqs: int = 16
+
+
+@dataclass(frozen=True)
+class EngineStep:
+    """One step of a scheduler-level trace: a request arriving (its prompt
+    in the format's segments, its output length, its cache salt, the request
+    it follows), one engine step (`schedule()`, the model runner's output,
+    `update`) with what it expects, or a request aborted by its client."""
+
+    op: str
+    index: int
+    req: str | None = None
+    prompt: tuple[Segment, ...] = ()
+    max_tokens: int = 0
+    cache_salt: str = ""
+    follows: str | None = None
+    expect: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class EngineOutcome(ScheduledStep):
+    """One engine step of kvgate's scheduler model: its `schedule()` as
+    `ScheduledStep`, then the model runner's output and the update."""
+
+    # Output tokens each scheduled request gained this step (the model's ids).
+    sampled: dict[str, list[int]] = field(default_factory=dict)
+    finished: list[str] = field(default_factory=list)
+    # Each request whose first output this step carried: its prefill stats.
+    prefill_stats: dict[str, PrefillStats] = field(default_factory=dict)
+
+
+class SchedulerModelRun(Protocol):
+    """What a scheduler-level replay needs of kvgate's scheduler model."""
+
+    @property
+    def capabilities(self) -> Capabilities: ...
+
+    def arrive(
+        self,
+        name: str,
+        prompt: tuple[Segment, ...],
+        max_tokens: int,
+        follows: str | None = None,
+        cache_salt: str = "",
+    ) -> Any: ...
+
+    def prompt_tokens(self, name: str) -> tuple[list[int], HashInputs]:
+        """An arrived request's prompt token ids and hash inputs."""
+        ...
+
+    def step(self) -> EngineOutcome: ...
+
+    def abort(self, name: str) -> None: ...
+
+    def snapshot(self) -> Snapshot: ...
 
 
 class SchedulerTarget(Protocol):
@@ -82,6 +190,15 @@ class SchedulerTarget(Protocol):
     def script_external(self, name: str, tokens: int, load_async: bool) -> None:
         """With a KV connector: the external store holds the first `tokens`
         tokens of request `name`, loaded asynchronously when `load_async`."""
+        ...
+
+    def abort(self, name: str) -> None:
+        """The client aborts request `name` (between engine steps)."""
+        ...
+
+    def take_prefill_stats(self) -> dict[str, PrefillStats]:
+        """Each request whose first output the last `update` carried: its
+        prefill stats as the Scheduler reported them."""
         ...
 
     def take_evictions(self) -> list[int]:

@@ -67,6 +67,12 @@ from kvgate.conformance.ops import (
     next_phase,
     out_of_phase,
 )
+from kvgate.conformance.scheduling import (
+    ENGINE_EXPECT_KEYS,
+    ENGINE_OPS,
+    EngineSettings,
+    EngineStep,
+)
 from kvgate.conformance.schema import (
     CONFIG_FIELDS,
     CONFIG_KEYS,
@@ -80,6 +86,10 @@ from kvgate.errors import printable
 
 _REQUIRED_KEYS = ("format", "name", "config", "steps")
 _OPTIONAL_KEYS = ("about", "expect_refused", "tags")
+# A scheduler-level trace: engine steps instead of manager steps.
+_ENGINE_REQUIRED_KEYS = ("format", "name", "config", "engine")
+_ENGINE_OPTIONAL_KEYS = ("about", "tags", "scheduler")
+_SCHEDULER_KEYS = ("spec", "max_num_seqs")
 
 # The config keys as errors list them: the required ones first.
 _CONFIG_KEYS = REQUIRED_KEYS + tuple(k for k in CONFIG_KEYS if k not in REQUIRED_KEYS)
@@ -147,6 +157,15 @@ class Trace:
     expect_refused: str | None = None
     # Words `-k` selects by besides the name (optional field `tags`).
     tags: tuple[str, ...] = ()
+    # A scheduler-level trace (`engine` instead of `steps`): its engine
+    # steps and settings; `steps` and `primitives` are then empty.
+    engine: tuple[EngineStep, ...] = ()
+    scheduler: EngineSettings | None = None
+
+    @property
+    def scheduler_level(self) -> bool:
+        """Replayed on a whole scheduler, not on a manager."""
+        return self.scheduler is not None
 
 
 def load_trace(path: str | Path, limits: Limits = DEFAULT_LIMITS) -> Trace:
@@ -234,6 +253,12 @@ def _check_new_name(trace: Trace, first_path: dict[str, Path]) -> None:
 def bundled_corpus() -> Path:
     """The corpus shipped inside the package (package data)."""
     return Path(__file__).with_name("corpus")
+
+
+def bundled_scheduler_corpus() -> Path:
+    """The scheduler-level corpus shipped inside the package, beside the
+    manager-level one (`kvgate gate` runs both by default)."""
+    return bundled_corpus() / "scheduler"
 
 
 _MERGE_TAG = "tag:yaml.org,2002:merge"
@@ -374,27 +399,14 @@ class _Reader:
                 "format",
                 f"{_got(doc['format'])} is not supported (this reader reads {FORMAT})",
             )
+        if "engine" in doc:
+            return self.engine_trace(doc)
         self.unknown_keys(None, "", doc, _REQUIRED_KEYS + _OPTIONAL_KEYS, "top-level key")
         refused = self.expect_refused(doc)
         self.missing_keys(
             None, "", doc, tuple(k for k in _REQUIRED_KEYS if refused is None or k != "steps")
         )
-        name = doc["name"]
-        if not isinstance(name, str) or not name.strip():
-            raise self.error(None, "name", f"must be a non-empty string, got {_got(name)}")
-        if not name.isprintable() or len(name) > NAME_WIDTH:
-            # It heads a report line: a newline in it would print a line of its own.
-            raise self.error(
-                None,
-                "name",
-                f"must be one line of at most {NAME_WIDTH} printable characters, got {_got(name)}",
-            )
-        if name.split(" ", 1)[0] in VERDICT_WORDS:
-            # A failing trace's report block starts with its name: this one
-            # would start a line a CI parser reads as a verdict.
-            raise self.error(
-                None, "name", f"may not start with a verdict word ({', '.join(VERDICT_WORDS)})"
-            )
+        name = self.name(doc["name"])
         about = doc.get("about", "")
         if not isinstance(about, str):
             raise self.error(None, "about", f"must be a string, got {_got(about)}")
@@ -418,6 +430,193 @@ class _Reader:
             path=self.path,
             tags=tags,
         )
+
+    def name(self, name: object) -> str:
+        if not isinstance(name, str) or not name.strip():
+            raise self.error(None, "name", f"must be a non-empty string, got {_got(name)}")
+        if not name.isprintable() or len(name) > NAME_WIDTH:
+            # It heads a report line: a newline in it would print a line of its own.
+            raise self.error(
+                None,
+                "name",
+                f"must be one line of at most {NAME_WIDTH} printable characters, got {_got(name)}",
+            )
+        if name.split(" ", 1)[0] in VERDICT_WORDS:
+            # A failing trace's report block starts with its name: this one
+            # would start a line a CI parser reads as a verdict.
+            raise self.error(
+                None, "name", f"may not start with a verdict word ({', '.join(VERDICT_WORDS)})"
+            )
+        return name
+
+    # -- scheduler-level traces -------------------------------------------
+
+    def engine_trace(self, doc: Mapping[Any, Any]) -> Trace:
+        """A scheduler-level trace: `engine` steps replayed on a whole
+        scheduler (docs/scheduler-traces.md)."""
+        self.unknown_keys(
+            None, "", doc, _ENGINE_REQUIRED_KEYS + _ENGINE_OPTIONAL_KEYS, "top-level key"
+        )
+        self.missing_keys(None, "", doc, _ENGINE_REQUIRED_KEYS)
+        name = self.name(doc["name"])
+        about = doc.get("about", "")
+        if not isinstance(about, str):
+            raise self.error(None, "about", f"must be a string, got {_got(about)}")
+        tags = self.tags(doc.get("tags", []))
+        self.config = self.read_config(doc["config"])
+        settings = self.engine_settings(doc.get("scheduler", {}))
+        self._budget = TraceBudget(self.limits, self.config.max_model_len)
+        raw_steps = doc["engine"]
+        if not isinstance(raw_steps, list) or not raw_steps:
+            raise self.error(None, "engine", f"must be a non-empty list, got {_got(raw_steps)}")
+        if len(raw_steps) > self.limits.steps:
+            raise self.error(None, "engine", over("steps", len(raw_steps), self.limits))
+        engine = tuple(e for i, raw in enumerate(raw_steps) for e in self.engine_step(i, raw))
+        return Trace(
+            name=name,
+            about=about,
+            config=self.config,
+            steps=(),
+            primitives=(),
+            path=self.path,
+            tags=tags,
+            engine=engine,
+            scheduler=settings,
+        )
+
+    def engine_settings(self, raw: object) -> EngineSettings:
+        if not isinstance(raw, dict):
+            raise self.error(None, "scheduler", f"must be a mapping, got {_got(raw)}")
+        self.unknown_keys(None, "scheduler.", raw, _SCHEDULER_KEYS, "scheduler key")
+        spec = raw.get("spec", 0)
+        if not _is_count(spec) or spec > self.limits.spec:
+            raise self.error(
+                None,
+                "scheduler.spec",
+                f"must be an integer 0..{self.limits.spec}, got {_got(spec)}",
+            )
+        seqs = raw.get("max_num_seqs", EngineSettings.max_num_seqs)
+        if not _is_count(seqs) or seqs == 0:
+            raise self.error(
+                None, "scheduler.max_num_seqs", f"must be an integer >= 1, got {_got(seqs)}"
+            )
+        assert self.config is not None
+        if self.config.eagle and spec == 0:
+            raise self.error(
+                None, "scheduler.spec", "config.eagle drops blocks for drafts: give spec >= 1"
+            )
+        return EngineSettings(spec, seqs)
+
+    def engine_step(self, index: int, raw: object) -> list[EngineStep]:
+        """One `engine` entry; `step` with `steps: N` is N engine steps."""
+        raw, op = self.op_of(index, raw, tuple(ENGINE_OPS), "engine op")
+        required, optional = ENGINE_OPS[op]
+        allowed = ("op", *required, *optional, *(("expect",) if op == "step" else ()))
+        self.unknown_keys(index, "", raw, allowed, f"field of engine op {op}")
+        self.missing_keys(index, "", raw, required)
+        try:
+            self.budget.add_steps(1, "engine")
+        except LimitError as error:
+            raise self.error(index, error.field, error.message) from None
+        if op == "arrive":
+            return [self.engine_arrival(index, raw)]
+        if op == "abort":
+            req = self.arrived(index, "req", raw["req"])
+            if self.requests[req][0] == "ended":
+                raise self.error(index, "req", f"{req!r} was {self.requests[req][1]}")
+            self.requests[req] = ("ended", f"aborted at step {index}")
+            return [EngineStep("abort", index, req=req)]
+        repeats = raw.get("steps", 1)
+        if not _is_count(repeats) or repeats == 0:
+            raise self.error(index, "steps", f"must be an integer >= 1, got {_got(repeats)}")
+        if "expect" in raw and repeats != 1:
+            raise self.error(index, "expect", "applies to one engine step: write steps: 1")
+        try:
+            self.budget.add_steps(repeats - 1, "steps")
+        except LimitError as error:
+            raise self.error(index, error.field, error.message) from None
+        expect = self.engine_expect(index, raw.get("expect", {}))
+        return [EngineStep("step", index, expect=expect) for _ in range(repeats)]
+
+    def engine_arrival(self, index: int, raw: Mapping[Any, Any]) -> EngineStep:
+        req = raw["req"]
+        if not isinstance(req, str) or not req:
+            raise self.error(index, "req", f"must be a request name (a string), got {_got(req)}")
+        if req in self.requests:
+            raise self.error(index, "req", f"{req!r} already {self.requests[req][1]}")
+        prompt = self.prompt(index, raw["prompt"])
+        max_tokens = raw["max_tokens"]
+        if not _is_count(max_tokens) or max_tokens == 0:
+            raise self.error(
+                index, "max_tokens", f"must be an integer >= 1, got {_got(max_tokens)}"
+            )
+        try:
+            self.budget.arrive(req, prompt)
+        except LimitError as error:
+            raise self.error(index, error.field, error.message) from None
+        assert self.config is not None
+        least = self.budget.prompt_least[req]
+        if least + max_tokens > self.config.max_model_len:
+            raise self.error(
+                index,
+                "max_tokens",
+                f"{least:,} prompt + {max_tokens:,} output tokens, more than config.max_model_len "
+                f"{self.config.max_model_len:,} (vLLM refuses the request)",
+            )
+        # A follow-up's `all_of` holds at most the whole output.
+        self.budget.output_most[req] = max_tokens
+        salt = self.text(index, "cache_salt", raw["cache_salt"]) if "cache_salt" in raw else ""
+        follows = raw.get("follows")
+        if follows is not None:
+            follows = self.arrived(index, "follows", follows)
+        self.requests[req] = ("waiting", f"arrived at step {index}")
+        return EngineStep(
+            "arrive",
+            index,
+            req=req,
+            prompt=prompt,
+            max_tokens=max_tokens,
+            cache_salt=salt,
+            follows=follows,
+        )
+
+    def arrived(self, index: int, field: str, value: object) -> str:
+        """`value` names a request that has arrived."""
+        if not isinstance(value, str) or value not in self.requests:
+            raise self.error(index, field, f"names no request that has arrived: {_got(value)}")
+        return value
+
+    def engine_expect(self, index: int, raw: object) -> dict[str, Any]:
+        if not isinstance(raw, dict):
+            raise self.error(index, "expect", f"must be a mapping, got {_got(raw)}")
+        self.unknown_keys(index, "expect.", raw, ENGINE_EXPECT_KEYS, "expect key of engine op step")
+        expect: dict[str, Any] = {}
+        for key, value in raw.items():
+            field = f"expect.{key}"
+            if key == "scheduled":
+                if not isinstance(value, list) or not all(
+                    isinstance(p, list) and len(p) == 2 and _is_count(p[1]) and p[1] > 0
+                    for p in value
+                ):
+                    raise self.error(
+                        index, field, f"must be a list of [request, tokens >= 1], got {_got(value)}"
+                    )
+                expect[key] = [(self.arrived(index, field, r), n) for r, n in value]
+            elif key in ("preempted", "finished"):
+                if not isinstance(value, list):
+                    raise self.error(
+                        index, field, f"must be a list of request names, got {_got(value)}"
+                    )
+                expect[key] = [self.arrived(index, field, r) for r in value]
+            else:
+                if not isinstance(value, dict) or not all(_is_count(n) for n in value.values()):
+                    raise self.error(
+                        index,
+                        field,
+                        f"must map request names to token counts >= 0, got {_got(value)}",
+                    )
+                expect[key] = {self.arrived(index, field, r): n for r, n in value.items()}
+        return expect
 
     def tags(self, raw: object) -> tuple[str, ...]:
         if not isinstance(raw, list):
@@ -574,16 +773,23 @@ class _Reader:
 
     # -- steps ------------------------------------------------------------
 
-    def step(self, index: int, raw: object) -> Step:
+    def op_of(
+        self, index: int, raw: object, known: tuple[str, ...], what: str
+    ) -> tuple[dict[Any, Any], str]:
+        """A step's mapping and its `op`, one of `known`."""
         if not isinstance(raw, dict):
             raise self.error(index, "step", f"must be a mapping with an `op`, got {_got(raw)}")
         op = raw.get("op")
         if op is None:
             raise self.error(index, "op", "missing")
-        if not isinstance(op, str) or op not in ACTIONS:
+        if not isinstance(op, str) or op not in known:
             raise self.error(
-                index, "op", f"unknown op {_got(op)} (expected one of {', '.join(ACTIONS)})"
+                index, "op", f"unknown {what} {_got(op)} (expected one of {', '.join(known)})"
             )
+        return raw, op
+
+    def step(self, index: int, raw: object) -> Step:
+        raw, op = self.op_of(index, raw, tuple(ACTIONS), "op")
         action = ACTIONS[op]
         if op == "check":
             return self.check_step(index, raw)

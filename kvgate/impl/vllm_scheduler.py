@@ -45,7 +45,7 @@ from kvgate.conformance.config import (
     NotModelled,
     UnsupportedConfig,
 )
-from kvgate.conformance.scheduling import ScheduledStep
+from kvgate.conformance.scheduling import PrefillStats, ScheduledStep
 from kvgate.conformance.snapshot import Snapshot
 from kvgate.conformance.target import Capabilities, StepRefused
 from kvgate.conformance.tokens import NO_INPUTS, HashInputs
@@ -460,6 +460,8 @@ class VllmScheduler:
         self._output: Any = None
         # The reuse gaps of each eviction event the stats drained, not yet taken.
         self._evictions: list[int] = []
+        # The prefill stats the last update's outputs carried, not yet taken.
+        self._prefill_stats: dict[str, PrefillStats] = {}
         self._step = ScheduledStep()
         # The admission's own local lookup: with a connector that restores
         # lagging Mamba states, the per-group one (which may fall back to, and
@@ -612,6 +614,13 @@ class VllmScheduler:
         )
         outputs = self._scheduler.update_from_output(output, runner_output)
         for engine_output in outputs.values():
+            for output_of_request in engine_output.outputs:
+                reported = output_of_request.prefill_stats
+                if reported is not None:
+                    self._prefill_stats[str(output_of_request.request_id)] = (
+                        int(reported.num_cached_tokens),
+                        int(reported.num_cache_creation_tokens),
+                    )
             stats = engine_output.scheduler_stats
             if stats is not None:
                 self._evictions += [
@@ -628,6 +637,15 @@ class VllmScheduler:
         for r in ids:
             self._view.touched(r)
         return finished
+
+    def abort(self, name: str) -> None:
+        from vllm.v1.request import RequestStatus
+
+        self._scheduler.finish_requests(name, RequestStatus.FINISHED_ABORTED)
+
+    def take_prefill_stats(self) -> dict[str, PrefillStats]:
+        stats, self._prefill_stats = self._prefill_stats, {}
+        return stats
 
     def take_evictions(self) -> list[int]:
         evictions, self._evictions = self._evictions, []

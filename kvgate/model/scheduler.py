@@ -51,7 +51,10 @@ from typing import Any, Literal
 from kvgate.conformance.config import Config
 from kvgate.conformance.driver import chunk_offer
 from kvgate.conformance.ops import ACTIONS, Segment, Step
-from kvgate.conformance.scheduling import ScheduledStep
+from kvgate.conformance.scheduling import EngineOutcome
+from kvgate.conformance.snapshot import Snapshot
+from kvgate.conformance.target import Capabilities
+from kvgate.conformance.tokens import HashInputs
 from kvgate.model.request import Request
 from kvgate.model.split import chunk_tokens
 from kvgate.model.target import ModelTarget
@@ -123,6 +126,12 @@ class LiveRequest:
     failed_reported: bool = False  # the worker reported its load failed
     retried_load: bool = False  # a load of it failed; it was looked up again
     holds_blocks: bool = False
+    # Its prefill stats as the Scheduler sets them at its first admission
+    # (the local and external tokens it was admitted with), then reports
+    # with its first output, the prefix cache's estimate then added.
+    cached_at_admission: int | None = None
+    cache_estimate: int = 0
+    stats_reported: bool = False
 
 
 @dataclass
@@ -148,15 +157,12 @@ class StepWriter:
 
 
 @dataclass
-class StepDecisions(ScheduledStep):
+class StepDecisions(EngineOutcome):
     """What the scheduler model did in one engine step: what vLLM's
     `Scheduler` shows of a step (comparable step for step with the real one;
-    running requests are scheduled first, then admissions), and what the
-    model runner and the finish check then did."""
+    running requests are scheduled first, then admissions), what the model
+    runner and the finish check then did, and the connector's reports."""
 
-    # Output tokens each scheduled request gained this step (the model's ids).
-    sampled: dict[str, list[int]] = field(default_factory=dict)
-    finished: list[str] = field(default_factory=list)
     # Async KV loads the worker reports finished (or failed) in this step's output.
     loaded: list[str] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
@@ -188,6 +194,10 @@ class SchedulerModel:
     def oracle(self) -> ModelTarget:
         return self.writer.oracle
 
+    @property
+    def capabilities(self) -> Capabilities:
+        return self.oracle.capabilities
+
     def arrive(
         self,
         name: str,
@@ -217,9 +227,13 @@ class SchedulerModel:
         decisions.loaded, decisions.failed = self.reported_loads()
         writer.run("step")
         decisions.copies = writer.run("drain")["copies"]
+        by_name = {live.name: live for live in (*self.running, *self.waiting, *self.holding)}
         for name, _ in decisions.scheduled:
-            request = self.oracle.requests[name].request
-            decisions.sampled[name] = list(request.output[outputs[name] :])
+            live = by_name[name]
+            decisions.sampled[name] = list(live.request.output[outputs[name] :])
+            if decisions.sampled[name] and not live.stats_reported:
+                live.stats_reported = True
+                decisions.prefill_stats[name] = self._prefill_stats(live)
         # Under `fail`, a failed load ends its request with an error once
         # the step's finishes are freed (vLLM frees its blocks with the
         # worker's report).
@@ -239,6 +253,32 @@ class SchedulerModel:
             decisions.errored.append(live.name)
         self.engine_step += 1
         return decisions
+
+    def _prefill_stats(self, live: LiveRequest) -> tuple[int, int]:
+        """A request's prefill stats as its first output reports them: the
+        tokens it was admitted with, and what its prefill added to the
+        prefix cache (the cache's estimate past them, within its prompt)."""
+        cached = live.cached_at_admission or 0
+        estimate = min(live.cache_estimate, live.request.num_prompt_tokens)
+        return cached, max(0, estimate - cached)
+
+    def abort(self, name: str) -> None:
+        """The client aborts `name` between engine steps (`free abort`);
+        a request that already finished is left alone."""
+        for queue in (self.running, self.waiting, self.holding):
+            for live in queue:
+                if live.name == name:
+                    queue.remove(live)
+                    self.writer.run("free", req=name, how="abort")
+                    return
+        # Already finished: vLLM's Scheduler ignores the abort, and so does it.
+
+    def prompt_tokens(self, name: str) -> tuple[list[int], HashInputs]:
+        request = self.oracle.requests[name].request
+        return list(request.all_token_ids), request.inputs
+
+    def snapshot(self) -> Snapshot:
+        return self.oracle.snapshot()
 
     def loading(self) -> bool:
         """An async KV load is in flight (progress even when nothing runs)."""
@@ -395,18 +435,26 @@ class SchedulerModel:
                 if not result["ok"]:
                     return None
                 decisions.taken.append((live.name, hit, external, True))
+                self._set_prefill_stats(live, hit + external)
                 live.loading, live.reported, live.holds_blocks = True, False, True
                 live.load_started = self.engine_step
                 return "loading"
             chunk = self._admission_chunk(live, hit + external, budget)
             if chunk is None or not self._allocate(live, chunk, hit + external)():
                 return None
+            self._set_prefill_stats(live, hit + external)
             if self.config.kv_connector:
                 decisions.taken.append((live.name, hit, external, False))
             cost = chunk[1]
         decisions.scheduled.append((live.name, cost))
         decisions.admitted.append((live.name, hit))
         return cost
+
+    def _set_prefill_stats(self, live: LiveRequest, cached: int) -> None:
+        """vLLM's Scheduler sets a request's prefill stats when it first
+        admits it, a preempted one's not again."""
+        if live.request.num_preemptions == 0:
+            live.cached_at_admission = cached
 
     def _lookup(
         self, live: LiveRequest, decisions: StepDecisions, load_failed: bool = False
@@ -566,6 +614,8 @@ class SchedulerModel:
                 sample=sample,
                 **padding,
             )
+            if "cached_tokens" in result:  # the chunk completed the request's tokens
+                live.cache_estimate = int(result["cached_tokens"])
             return bool(result["ok"])
 
         return run

@@ -34,7 +34,7 @@ from pathlib import Path
 from kvgate.conformance.config import Config, UnsupportedConfig
 from kvgate.conformance.ops import Step
 from kvgate.conformance.replay import Divergence, Level, ReplayResult, one_line
-from kvgate.conformance.scheduling import ScheduledStep, SchedulerTarget
+from kvgate.conformance.scheduling import ScheduledStep, SchedulerTarget, step_differences
 from kvgate.conformance.target import StepRefused
 from kvgate.conformance.tokens import NO_INPUTS, HashInputs
 from kvgate.conformance.trace import TraceError, load_trace
@@ -148,27 +148,8 @@ class _Lockstep:
                 raise _Diverged(last, "strict", what, expected, actual)
 
     def _compare(self, model: StepDecisions, real: ScheduledStep, last: Step) -> None:
-        pairs: tuple[tuple[str, object, object], ...] = (
-            ("lookups (request, hit)", model.lookups, real.lookups),
-            ("attention_cached before a follow-up's lookup", model.checked, real.checked),
-            ("preempted", sorted(model.preempted), real.preempted),
-            ("scheduled (request, tokens)", model.scheduled, real.scheduled),
-            ("admitted (request, hit)", model.admitted, real.admitted),
-            ("copies", model.copies, real.copies),
-            (
-                "KV connector queries (request, presented, answered, async)",
-                model.connector_queries,
-                real.connector_queries,
-            ),
-            (
-                "waiting-queue allocations (request, local hit, external, async load)",
-                model.taken,
-                real.taken,
-            ),
-        )
-        for what, expected, actual in pairs:
-            if expected != actual:
-                raise _Diverged(last, "api", what, expected, actual)
+        for what, expected, actual in step_differences(model, real):
+            raise _Diverged(last, "api", what, expected, actual)
 
     def _record(self, real: ScheduledStep) -> None:
         self._checked.update(real.checked)

@@ -1,0 +1,253 @@
+"""Replay a scheduler-level trace: engine steps on a whole scheduler.
+
+`replay_scheduler` walks a trace's `engine` steps on kvgate's scheduler
+model (built by `model_factory`, over the model manager) and, when given,
+on a real scheduler (`SchedulerTarget`: vLLM's own `Scheduler` owning its
+`KVCacheManager`) in strict lockstep:
+
+- `arrive`: the request is added to both (the real one gets the token ids
+  the model resolved the prompt's segments to, and its hash inputs);
+- `abort`: both finish it as aborted;
+- `step`: one engine step. The model schedules and runs it (each request
+  that completes its prompt or decodes samples one token, drafts all
+  rejected); the real scheduler runs one `schedule()`, then one `update()`
+  with the tokens the model sampled. The target's observations (the real
+  scheduler's, or the model's own on `--target model`) are checked against
+  the step's `expect` (recorded, the replay goes on), then compared with the
+  model's at level `api`: lookups, attention checks, preemptions, what was
+  scheduled in order, admissions, copies, connector questions, which
+  requests finished, each first output's prefill stats (cached tokens and
+  the prefix-cache writes); at level `strict` also the owned manager's
+  whole snapshot. The first difference ends the replay as a `Divergence`.
+
+A request the real scheduler refuses, or a config it cannot build, is the
+trace's `TraceError`; an exception inside the model is a `ModelBug`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from kvgate.conformance.config import Config, UnsupportedConfig
+from kvgate.conformance.ops import Step
+from kvgate.conformance.replay import (
+    HOLD_NOTE,
+    RETIRE_NOTE,
+    Divergence,
+    DivergenceLevel,
+    Level,
+    ModelBug,
+    ReplayResult,
+    one_line,
+)
+from kvgate.conformance.scheduling import (
+    EngineOutcome,
+    EngineStep,
+    PrefillStats,
+    SchedulerModelRun,
+    SchedulerTarget,
+    step_differences,
+)
+from kvgate.conformance.target import Capabilities, StepRefused
+from kvgate.conformance.trace import Trace, TraceError
+
+# Builds kvgate's scheduler model: (config, spec, max_num_seqs).
+SchedulerModelFactory = Callable[[Config, int, int], SchedulerModelRun]
+
+NOT_REPORTED = "not reported"
+
+
+class _Diverged(Exception):
+    def __init__(self, divergence: Divergence) -> None:
+        super().__init__(divergence.what)
+        self.divergence = divergence
+
+
+def model_config(trace: Trace, capabilities: Capabilities | None) -> tuple[Config, list[str]]:
+    """The config the lockstep model runs: the hold (or the retired-state
+    retention) off when the real scheduler lacks it, with the note saying so."""
+    config, notes = trace.config, []
+    if capabilities is not None and config.hold and not capabilities.hold:
+        config = replace(config, hold=False)
+        notes.append(HOLD_NOTE)
+    if capabilities is not None and config.hold_retired and not capabilities.retire:
+        config = replace(config, hold_retired=False)
+        notes.append(RETIRE_NOTE)
+    return config, notes
+
+
+def replay_scheduler(
+    trace: Trace,
+    model_factory: SchedulerModelFactory,
+    real: SchedulerTarget | None,
+    level: Level,
+) -> ReplayResult:
+    """Replay scheduler-level `trace` (see the module's docstring); the caller
+    owns `real`. Without `real` the model is the target, judged by the
+    trace's expectations alone."""
+    assert trace.scheduler is not None, "a scheduler-level trace"
+    started = time.perf_counter()
+    config, notes = model_config(trace, None if real is None else real.capabilities)
+    try:
+        model = model_factory(config, trace.scheduler.spec, trace.scheduler.max_num_seqs)
+    except UnsupportedConfig as error:
+        raise TraceError.unsupported(trace.path, error) from None
+    run = _EngineLockstep(trace, model, real, level)
+    failures = run.missed
+    try:
+        for event in trace.engine:
+            run.engine_step(event)
+    except _Diverged as diverged:
+        failures = [*run.missed, diverged.divergence]
+    return ReplayResult(
+        trace=trace,
+        level=level,
+        capabilities=model.capabilities if real is None else real.capabilities,
+        steps_run=run.steps_run,
+        seconds=time.perf_counter() - started,
+        divergence=failures[0] if failures else None,
+        notes=tuple(notes),
+        also=tuple(failures[1:]),
+    )
+
+
+class _EngineLockstep:
+    def __init__(
+        self, trace: Trace, model: SchedulerModelRun, real: SchedulerTarget | None, level: Level
+    ) -> None:
+        self.trace = trace
+        self.model = model
+        self.real = real
+        self.level = level
+        self.steps_run = 0
+        self.engine_steps = 0
+        self.missed: list[Divergence] = []
+
+    def divergence(
+        self, step: Step, level: DivergenceLevel, what: str, expected: object, actual: object
+    ) -> Divergence:
+        return Divergence(self.trace.name, self.trace.path, step, level, what, expected, actual)
+
+    def on_model(self, step: Step, call: Callable[[], Any]) -> Any:
+        try:
+            return call()
+        except StepRefused as refusal:
+            raise TraceError(self.trace.path, step.index, refusal.field, refusal.message) from None
+        except Exception as error:
+            raise ModelBug(self.trace, step, error) from error
+
+    def on_real(self, step: Step, what: str, call: Callable[[], Any]) -> Any:
+        try:
+            return call()
+        except (TraceError, _Diverged):
+            raise
+        except Exception as error:
+            raise _Diverged(
+                self.divergence(step, "api", f"{what} raised", "no exception", one_line(error))
+            ) from error
+
+    def engine_step(self, event: EngineStep) -> None:
+        self.steps_run += 1
+        step = Step(event.op, event.index, req=event.req)
+        if event.op == "arrive":
+            self.arrive(event, step)
+        elif event.op == "abort":
+            assert event.req is not None
+            name = event.req
+            self.on_model(step, lambda: self.model.abort(name))
+            if self.real is not None:
+                real = self.real
+                self.on_real(step, "abort", lambda: real.abort(name))
+        else:
+            self.engine_steps += 1
+            self.step(event, step)
+
+    def arrive(self, event: EngineStep, step: Step) -> None:
+        assert event.req is not None
+        name = event.req
+        self.on_model(
+            step,
+            lambda: self.model.arrive(
+                name, event.prompt, event.max_tokens, event.follows, event.cache_salt
+            ),
+        )
+        if self.real is None:
+            return
+        tokens, inputs = self.model.prompt_tokens(name)
+        real = self.real
+        try:
+            real.add_request(name, tokens, event.max_tokens, event.follows, inputs)
+        except StepRefused as refusal:
+            raise TraceError(
+                self.trace.path,
+                event.index,
+                refusal.field,
+                f"vLLM's Scheduler refuses it: {refusal.message}",
+            ) from None
+        except UnsupportedConfig as error:
+            raise TraceError(self.trace.path, event.index, error.field, error.message) from None
+        except Exception as error:
+            raise _Diverged(
+                self.divergence(step, "api", "add_request raised", "no exception", one_line(error))
+            ) from error
+
+    def step(self, event: EngineStep, step: Step) -> None:
+        modelled: EngineOutcome = self.on_model(step, self.model.step)
+        where = f"engine step {self.engine_steps}"
+        if self.real is None:
+            observed, finished, stats = modelled, modelled.finished, modelled.prefill_stats
+        else:
+            real = self.real
+            observed = self.on_real(step, "schedule()", real.schedule)
+            finished = self.on_real(
+                step, "update_from_output()", lambda: real.update(modelled.sampled)
+            )
+            stats = real.take_prefill_stats()
+        self.expectations(event, step, observed.scheduled, observed.preempted, finished, stats)
+        if self.real is None:
+            return
+        pairs: list[tuple[str, object, object]] = [
+            *step_differences(modelled, observed),
+            ("finished", modelled.finished, finished),
+            (
+                "prefill stats at a first output (request: [cached tokens, prefix-cache writes])",
+                modelled.prefill_stats,
+                stats,
+            ),
+        ]
+        for what, expected, actual in pairs:
+            if expected != actual:
+                raise _Diverged(self.divergence(step, "api", f"{where}: {what}", expected, actual))
+        if self.level == "strict":
+            for what, expected, actual in self.model.snapshot().differences(real.snapshot()):
+                raise _Diverged(
+                    self.divergence(step, "strict", f"{where}: {what}", expected, actual)
+                )
+
+    def expectations(
+        self,
+        event: EngineStep,
+        step: Step,
+        scheduled: list[tuple[str, int]],
+        preempted: list[str],
+        finished: list[str],
+        stats: dict[str, PrefillStats],
+    ) -> None:
+        observed: dict[str, object] = {
+            "scheduled": scheduled,
+            "preempted": sorted(preempted),
+            "finished": finished,
+        }
+        for key, want in event.expect.items():
+            if key == "cached_tokens":
+                got: object = {r: stats[r][0] if r in stats else NOT_REPORTED for r in want}
+            elif key == "preempted":
+                want = sorted(want)
+                got = observed[key]
+            else:
+                got = observed[key]
+            if want != got:
+                self.missed.append(self.divergence(step, "expect", key, want, got))

@@ -1,0 +1,166 @@
+"""`pytest --kvgate`: kvgate's traces as pytest items; and exploration's state
+machine in a user's own suite, as docs/gate.md shows it."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import textwrap
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+from configs import needs_vllm
+from fake_target import fake_trace_text
+
+pytest_plugins = ("pytester",)
+
+PLUGIN = ("-p", "kvgate.pytest_plugin", "-p", "no:cacheprovider")
+DOCS = Path(__file__).parents[1] / "docs" / "gate.md"
+PLAIN = """\
+- {op: arrive, req: A, prompt: [{fresh: 40}]}
+- {op: prefill, req: A}
+- {op: free, req: A, how: finish}
+"""
+
+
+def test_without_kvgate_the_plugin_is_inert(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_own="def test_own():\n    assert True\n")
+    result = pytester.runpytest(*PLUGIN, "-q")
+    result.assert_outcomes(passed=1)
+    assert "kvgate" not in result.stdout.str()
+
+
+def test_k_selects_traces_and_junit_classes_are_family_and_arm(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_own="def test_own_seed1():\n    assert True\n")
+    junit = pytester.path / "out.xml"
+    result = pytester.runpytest(
+        *PLUGIN, "--kvgate", "--kvgate-target", "model", "-k", "seed1", f"--junit-xml={junit}"
+    )
+    # The traces only: the test file in the directory is not collected.
+    result.assert_outcomes(passed=4, deselected=161)
+    assert "kvgate: corpus " in result.stdout.str()
+    result.stdout.fnmatch_lines(["collected 165 items / 161 deselected / 4 selected"])
+    cases = ET.parse(junit).getroot().iter("testcase")
+    assert sorted((c.get("classname"), c.get("name")) for c in cases) == [
+        ("kvgate.gdn-triton.fork", "seed1-next-turn-after-burst.fork.hold-off"),
+        ("kvgate.gdn-triton.fork", "seed1-next-turn-after-burst.fork.hold-on"),
+        ("kvgate.gdn-triton.hold-off", "seed1-next-turn-after-burst.hold-off"),
+        ("kvgate.gdn-triton.hold-on", "seed1-next-turn-after-burst.hold-on"),
+    ]
+    # Tags are keywords; a test path named runs beside the traces.
+    # (No trace's name holds "multi-turn": only the seed1 traces' tags do both.)
+    tagged = pytester.runpytest(
+        *PLUGIN, "--kvgate", "--kvgate-target", "model", "-k", "multi-turn and seed and not fork"
+    )
+    tagged.assert_outcomes(passed=2, deselected=163)
+    named = pytester.runpytest(
+        *PLUGIN, "--kvgate", "--kvgate-target", "model", "-k", "seed1", "test_own.py"
+    )
+    named.assert_outcomes(passed=5, deselected=161)
+
+
+def test_x_stops_at_the_first_failure_and_an_invalid_trace_fails_in_one_line(
+    pytester: pytest.Pytester,
+) -> None:
+    corpus = pytester.path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.yaml").write_text(fake_trace_text(PLAIN, "a").replace("num_blocks: 96", "x: 1"))
+    (corpus / "b.yaml").write_text(fake_trace_text(PLAIN, "b"))
+    result = pytester.runpytest(
+        *PLUGIN, "--kvgate", "--kvgate-target", "model", "--kvgate-corpus", str(corpus)
+    )
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*invalid trace: *a.yaml: config.x: unknown config key*"])
+    stopped = pytester.runpytest(
+        *PLUGIN, "--kvgate", "--kvgate-target", "model", "--kvgate-corpus", str(corpus), "-x"
+    )
+    stopped.assert_outcomes(passed=1, failed=1)
+    shutil.copy(corpus / "a.yaml", corpus / "c.yaml")
+    stopped = pytester.runpytest(
+        *PLUGIN, "--kvgate", "--kvgate-target", "model", "--kvgate-corpus", str(corpus), "-x"
+    )
+    stopped.assert_outcomes(passed=1, failed=1)  # the second invalid trace never ran
+
+
+@pytest.fixture(scope="module")
+def vllm_imported() -> None:
+    """vLLM (and torch) imported before `pytester` records the modules it
+    drops after each test: torch cannot be imported twice in one process."""
+    from kvgate.impl import _vllm_api
+
+    _vllm_api.load()
+
+
+@needs_vllm
+def test_a_missing_hold_fails_when_required_and_is_skipped_when_not(
+    vllm_imported: None, pytester: pytest.Pytester
+) -> None:
+    selection = ("--kvgate", "-k", "seed1 and hold-on and not fork")
+    required = pytester.runpytest(*PLUGIN, *selection)
+    required.assert_outcomes(failed=1, deselected=164)
+    required.stdout.fnmatch_lines(
+        ["LACKS seed1-next-turn-after-burst.hold-on (hold: *", "lacks hold: 1 traces need *"]
+    )
+    assert "--kvgate-plugin kvgate.impl.hold_overlay" in required.stdout.str()
+    optional = pytester.runpytest(*PLUGIN, *selection, "--kvgate-require", "none")
+    optional.assert_outcomes(skipped=1, deselected=164)
+
+
+def test_a_bad_option_is_a_usage_error(pytester: pytest.Pytester) -> None:
+    result = pytester.runpytest(*PLUGIN, "--kvgate", "--kvgate-require", "speed")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--kvgate-require: unknown capability 'speed'*"])
+    missing = pytester.runpytest(*PLUGIN, "--kvgate", "--kvgate-corpus", "nowhere")
+    assert missing.ret == pytest.ExitCode.USAGE_ERROR
+
+
+def docs_example() -> str:
+    """The state machine example of docs/gate.md (its first python block after
+    the heading)."""
+    text = DOCS.read_text()
+    section = text[text.index("## Hypothesis state machines") :]
+    found = re.search(r"```python\n(.*?)```", section, re.DOTALL)
+    assert found is not None
+    return found.group(1)
+
+
+@needs_vllm
+def test_the_docs_state_machine_example_runs(
+    vllm_imported: None, pytester: pytest.Pytester
+) -> None:
+    example = docs_example()
+    assert len(example.strip().splitlines()) <= 10
+    # The docs' settings, with fewer examples: the same code, in seconds.
+    quick = example.replace('profile("ci")', 'profile("dev", max_examples=5)')
+    quick = quick.replace("max_examples=20", "max_examples=3")
+    assert quick.count("max_examples=") == 2
+    pytester.makepyfile(test_kv=quick)
+    result = pytester.runpytest("-p", "no:cacheprovider", "-q")
+    result.assert_outcomes(passed=2)
+
+
+def test_a_state_machine_failure_fails_the_users_test(pytester: pytest.Pytester) -> None:
+    # The model with a fault the invariants catch: the user's test fails.
+    pytester.makepyfile(
+        test_kv=textwrap.dedent(
+            """\
+            import pytest
+            from hypothesis import Phase
+            from kvgate.explore import KVManagerMachine, profile
+            from kvgate.model.pool import BlockPool
+
+            @pytest.fixture(autouse=True)
+            def leaky_free(monkeypatch):
+                monkeypatch.setattr(BlockPool, "free_blocks", lambda self, blocks: None)
+
+            # No shrinking: that the test fails is the point, in seconds.
+            KVManagerMachine.TestCase.settings = profile(
+                "dev", max_examples=25, phases=[Phase.generate]
+            )
+            TestKVManager = KVManagerMachine.TestCase
+            """
+        )
+    )
+    result = pytester.runpytest("-p", "no:cacheprovider", "-q")
+    result.assert_outcomes(failed=1)

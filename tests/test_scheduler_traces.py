@@ -1,0 +1,357 @@
+"""Scheduler-level traces: the reader's validation, the bundled corpus on
+the model and on vLLM's real `Scheduler`, and drifts the replay catches."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from configs import needs_vllm
+
+from kvgate.conformance.replay import HOLD_NOTE, ReplayResult
+from kvgate.conformance.scheduler_replay import replay_scheduler
+from kvgate.conformance.scheduling import SchedulerTarget
+from kvgate.conformance.trace import (
+    Trace,
+    TraceError,
+    bundled_scheduler_corpus,
+    load_corpus,
+    parse_trace,
+)
+from kvgate.model.scheduler import SchedulerModel
+
+CORPUS = load_corpus(bundled_scheduler_corpus())
+PLUGIN = "kvgate.impl.hold_overlay"
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def ids(traces: list[Trace]) -> list[str]:
+    return [t.name for t in traces]
+
+
+def by_name(name: str) -> Trace:
+    [trace] = [t for t in CORPUS if t.name == name]
+    return trace
+
+
+# -- the reader ---------------------------------------------------------------
+
+VALID = """
+format: kvgate-trace/1
+name: small
+config:
+  num_blocks: 64
+  hash_unit: 8
+  eagle: false
+  retention_interval: 0
+  max_model_len: 512
+  groups:
+    - {kind: full_attention, block_size: 8}
+    - {kind: mamba_align, block_size: 32}
+scheduler: {spec: 0, max_num_seqs: 4}
+engine:
+  - {op: arrive, req: A, prompt: [{fresh: 40}], max_tokens: 2}
+  - {op: step, expect: {scheduled: [[A, 32]]}}
+  - {op: arrive, req: B, prompt: [{all_of: A}, {fresh: 8}], max_tokens: 1, follows: A}
+  - {op: step, steps: 3}
+  - {op: abort, req: B}
+"""
+
+
+def malformed(edit: Callable[[dict[str, Any]], None]) -> str:
+    doc = yaml.safe_load(VALID)
+    edit(doc)
+    return str(yaml.safe_dump(doc, sort_keys=False))
+
+
+def engine(index: int, **fields: Any) -> Callable[[dict[str, Any]], None]:
+    """An edit of engine step `index`: each field set (None: removed)."""
+
+    def edit(doc: dict[str, Any]) -> None:
+        for key, value in fields.items():
+            if value is None:
+                del doc["engine"][index][key]
+            else:
+                doc["engine"][index][key] = value
+
+    return edit
+
+
+def top(**fields: Any) -> Callable[[dict[str, Any]], None]:
+    def edit(doc: dict[str, Any]) -> None:
+        doc.update(fields)
+
+    return edit
+
+
+# (an edit of the valid trace, the step it names (None: the document), the field)
+MALFORMED: dict[str, tuple[Callable[[dict[str, Any]], None], int | None, str]] = {
+    "engine not a list": (top(engine={"op": "step"}), None, "engine"),
+    "steps beside engine": (top(steps=[{"op": "step"}]), None, "steps"),
+    "unknown scheduler key": (top(scheduler={"spec": 0, "seqs": 4}), None, "scheduler.seqs"),
+    "spec not a count": (top(scheduler={"spec": -1}), None, "scheduler.spec"),
+    "max_num_seqs zero": (top(scheduler={"max_num_seqs": 0}), None, "scheduler.max_num_seqs"),
+    "unknown engine op": (engine(1, op="decode"), 1, "op"),
+    "unknown field": (engine(0, lookahead=3), 0, "lookahead"),
+    "missing max_tokens": (engine(0, max_tokens=None), 0, "max_tokens"),
+    "max_tokens zero": (engine(0, max_tokens=0), 0, "max_tokens"),
+    "past max_model_len": (engine(0, max_tokens=500), 0, "max_tokens"),
+    "prompt of no request": (engine(2, prompt=[{"all_of": "Z"}]), 2, "prompt[0].all_of"),
+    "follows no request": (engine(2, follows="Z"), 2, "follows"),
+    "arrives twice": (engine(2, req="A"), 2, "req"),
+    "bad cache salt": (engine(0, cache_salt="a b"), 0, "cache_salt"),
+    "steps zero": (engine(3, steps=0), 3, "steps"),
+    "expect over repeats": (engine(3, expect={"finished": ["A"]}), 3, "expect"),
+    "unknown expect key": (engine(1, expect={"hits": 3}), 1, "expect.hits"),
+    "scheduled malformed": (engine(1, expect={"scheduled": [["A"]]}), 1, "expect.scheduled"),
+    "scheduled unknown request": (
+        engine(1, expect={"scheduled": [["Z", 4]]}),
+        1,
+        "expect.scheduled",
+    ),
+    "preempted not a list": (engine(1, expect={"preempted": "A"}), 1, "expect.preempted"),
+    "cached_tokens not counts": (
+        engine(1, expect={"cached_tokens": {"A": "x"}}),
+        1,
+        "expect.cached_tokens",
+    ),
+    "abort of no request": (engine(4, req="Z"), 4, "req"),
+}
+
+
+@pytest.mark.parametrize("case", list(MALFORMED), ids=list(MALFORMED))
+def test_a_malformed_scheduler_trace_is_one_error_naming_step_and_field(case: str) -> None:
+    edit, step, field = MALFORMED[case]
+    with pytest.raises(TraceError) as raised:
+        parse_trace(malformed(edit), "bad.yaml")
+    error = raised.value
+    assert (error.step_index, error.field) == (step, field), str(error)
+    line = str(error)
+    assert "\n" not in line and line.startswith("bad.yaml: ")
+
+
+def test_an_abort_after_an_abort_and_eagle_without_drafts_are_refused() -> None:
+    twice = VALID + "  - {op: abort, req: B}\n"
+    with pytest.raises(TraceError, match=r"step 5: req: 'B' was aborted at step 4"):
+        parse_trace(twice)
+    eagle = VALID.replace("eagle: false", "eagle: true")
+    with pytest.raises(TraceError, match=r"scheduler.spec: config.eagle"):
+        parse_trace(eagle)
+
+
+def test_the_valid_trace_reads_as_engine_steps() -> None:
+    trace = parse_trace(VALID)
+    assert trace.scheduler_level and not trace.steps
+    assert [(e.op, e.index) for e in trace.engine] == [
+        ("arrive", 0),
+        ("step", 1),
+        ("arrive", 2),
+        ("step", 3),
+        ("step", 3),
+        ("step", 3),
+        ("abort", 4),
+    ]
+    assert trace.engine[2].follows == "A"
+
+
+def test_the_command_line_reports_a_malformed_trace_in_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(malformed(engine(1, expect={"hits": 3})))
+    done = subprocess.run(
+        [sys.executable, "-m", "kvgate", "replay", str(path), "--target", "model"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        f"kvgate: error: {path}: step 1: expect.hits: unknown expect key of engine op step "
+        "(expected one of scheduled, preempted, cached_tokens, finished)"
+    ]
+    assert "Traceback" not in done.stderr
+
+
+# -- the bundled corpus on the model ------------------------------------------
+
+
+def test_the_corpus_covers_the_families_both_arms_and_the_scheduler_paths() -> None:
+    names = set(ids(CORPUS))
+    for family in ("gdn-triton", "gdn-flashinfer", "mamba2"):
+        for arm in ("on", "off"):
+            assert f"sched-{family}-next-turn-after-burst.hold-{arm}" in names
+    assert {
+        "sched-preempt-under-pressure-and-resume",
+        "sched-abort-mid-prefill",
+        "sched-long-prefill-threshold",
+    } <= names
+    preempted = by_name("sched-preempt-under-pressure-and-resume")
+    assert any(e.expect.get("preempted") for e in preempted.engine)
+
+
+def run_model(trace: Trace) -> ReplayResult:
+    return replay_scheduler(trace, SchedulerModel, None, "strict")
+
+
+@pytest.mark.parametrize("trace", CORPUS, ids=ids(CORPUS))
+def test_every_scheduler_trace_conforms_on_the_model(trace: Trace) -> None:
+    result = run_model(trace)
+    assert result.passed, result.divergence
+
+
+def test_each_hold_on_trace_shows_the_hold() -> None:
+    """Its follow-up A2 has cached tokens with the hold, none without."""
+    for trace in CORPUS:
+        if not trace.config.hold:
+            continue
+        off = by_name(trace.name.replace(".hold-on", ".hold-off"))
+        with_hold = [
+            e.expect["cached_tokens"]["A2"]
+            for e in trace.engine
+            if "A2" in e.expect.get("cached_tokens", {})
+        ]
+        without = [
+            e.expect["cached_tokens"]["A2"]
+            for e in off.engine
+            if "A2" in e.expect.get("cached_tokens", {})
+        ]
+        assert with_hold[0] > 0 and without == [0], trace.name
+
+
+def test_a_model_that_reports_cached_tokens_wrongly_misses_the_expectation(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    reported = SchedulerModel._prefill_stats
+    monkeypatch.setattr(
+        SchedulerModel,
+        "_prefill_stats",
+        lambda self, live: (reported(self, live)[0] + 8, reported(self, live)[1]),
+    )
+    trace = by_name("sched-gdn-triton-next-turn-after-burst.hold-on")
+    result = run_model(trace)
+    divergence = result.divergence
+    assert divergence is not None
+    first = next(e for e in trace.engine if "cached_tokens" in e.expect)
+    assert (divergence.step.index, divergence.level, divergence.what) == (
+        first.index,
+        "expect",
+        "cached_tokens",
+    )
+
+
+# -- on vLLM's real Scheduler ---------------------------------------------------
+
+
+def run_vllm(trace: Trace, wrap: Callable[[Any], SchedulerTarget] | None = None) -> ReplayResult:
+    from kvgate.impl.vllm_scheduler import VllmScheduler
+
+    assert trace.scheduler is not None
+    real = VllmScheduler(
+        trace.config,
+        spec_tokens=trace.scheduler.spec,
+        max_num_seqs=trace.scheduler.max_num_seqs,
+        plugin=PLUGIN if trace.config.hold else None,
+    )
+    try:
+        return replay_scheduler(
+            trace, SchedulerModel, real if wrap is None else wrap(real), "strict"
+        )
+    finally:
+        real.close()
+
+
+@needs_vllm
+@pytest.mark.parametrize("trace", CORPUS, ids=ids(CORPUS))
+def test_every_scheduler_trace_conforms_on_vllm_at_strict_level(overlay: Any, trace: Trace) -> None:
+    result = run_vllm(trace)
+    assert not result.notes  # the hold where the trace asks for it
+    assert result.passed, result.divergence
+
+
+class _WrongCachedTokens:
+    """vLLM's Scheduler, reporting each first output's cached tokens one block high."""
+
+    def __init__(self, real: Any) -> None:
+        self.real = real
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+    def take_prefill_stats(self) -> dict[str, tuple[int, int]]:
+        stats = self.real.take_prefill_stats()
+        return {r: (cached + 8, written) for r, (cached, written) in stats.items()}
+
+
+@needs_vllm
+def test_a_scheduler_that_reports_cached_tokens_wrongly_diverges(overlay: Any) -> None:
+    trace = by_name("sched-gdn-triton-next-turn-after-burst.hold-off")
+    result = run_vllm(trace, _WrongCachedTokens)
+    first = next(e for e in trace.engine if "cached_tokens" in e.expect)
+    divergence = result.divergence
+    assert divergence is not None
+    assert (divergence.step.index, divergence.level, divergence.what) == (
+        first.index,
+        "expect",
+        "cached_tokens",
+    )
+    # And the lockstep with the model names it too, at the same step.
+    [lockstep] = [d for d in result.also if d.level == "api"]
+    assert lockstep.step.index == first.index
+    assert "prefill stats" in lockstep.what
+
+
+@needs_vllm
+def test_a_scheduler_that_frees_in_another_order_diverges_at_strict_level(
+    overlay: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's manager freeing a finished request's blocks head first (it
+    frees them tail first, so the tail is evicted first): the free queue
+    differs from the model's at the step the first request finishes."""
+    from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
+
+    def free_head_first(self: Any, request_id: str) -> None:
+        self.block_pool.free_blocks(self.pop_blocks_for_free(request_id))
+
+    monkeypatch.setattr(SingleTypeKVCacheManager, "free", free_head_first)
+    trace = by_name("sched-long-prefill-threshold")
+    result = run_vllm(trace)
+    divergence = result.divergence
+    assert divergence is not None
+    first_finish = next(e for e in trace.engine if e.expect.get("finished"))
+    assert (divergence.step.index, divergence.level) == (first_finish.index, "strict")
+    assert "free queue" in divergence.what
+
+
+@needs_vllm
+@pytest.mark.usefixtures("upstream")
+def test_a_hold_on_trace_fails_its_expectations_on_upstream_vllm() -> None:
+    """Without the hold the lockstep model runs with it off (and says so):
+    the two schedulers agree, and the trace's own expectations (A2's cached
+    tokens) fail."""
+    from kvgate.impl.vllm_scheduler import VllmScheduler
+
+    trace = by_name("sched-gdn-triton-next-turn-after-burst.hold-on")
+    assert trace.scheduler is not None
+    real = VllmScheduler(trace.config, spec_tokens=trace.scheduler.spec, max_num_seqs=8)
+    try:
+        result = replay_scheduler(trace, SchedulerModel, real, "strict")
+    finally:
+        real.close()
+    assert result.notes == (HOLD_NOTE,)
+    assert result.failures and all(d.level == "expect" for d in result.failures)
+    assert "cached_tokens" in {d.what for d in result.failures}
+
+
+def test_a_manager_replay_refuses_a_scheduler_level_trace() -> None:
+    """Its engine steps are no manager calls: replayed as a manager-level
+    trace it would run nothing and pass."""
+    from kvgate.conformance.replay import replay
+    from kvgate.model import ModelTarget
+
+    trace = CORPUS[0]
+    with pytest.raises(TraceError, match="engine: a scheduler-level trace replays on a whole"):
+        replay(trace, ModelTarget(trace.config), None, "strict")
