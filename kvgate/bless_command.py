@@ -28,6 +28,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from kvgate import options
 from kvgate.conformance.bless import Blessing, bless, check_blessable
 from kvgate.conformance.replay import LEVELS, Level, ModelBug, TargetFactory, replay
 from kvgate.conformance.report import show_pair
@@ -43,30 +44,20 @@ def register(subparsers: Any) -> None:
         help="fill or refresh traces' expect/check values from the model",
         description="Fill or refresh each trace's expect and check values from the model, "
         "editing only those values in the file (docs/bless.md).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     cmd.add_argument(
         "traces", nargs="+", type=Path, metavar="TRACE", help="trace files, edited in place"
     )
-    cmd.add_argument(
-        "--target",
-        default="model",
-        choices=("model", "vllm"),
-        help="vllm: also replay each blessed trace on vLLM in lockstep, and refuse "
+    options.add_target(
+        cmd,
+        ("model", "vllm"),
+        "model",
+        "vllm: also replay each blessed trace on vLLM in lockstep, and refuse "
         "a trace where vLLM disagrees with the model",
     )
-    cmd.add_argument(
-        "--plugin",
-        metavar="MODULE",
-        help="a vLLM plugin module for --target vllm (e.g. kvgate.impl.hold_overlay), "
-        "or 'entry-points' to run vLLM's own vllm.general_plugins loader",
-    )
-    cmd.add_argument(
-        "--level",
-        default="strict",
-        choices=LEVELS,
-        help="how closely vLLM must follow the model (--target vllm)",
-    )
+    options.add_overlay(cmd)
+    options.add_plugin(cmd)
+    options.add_level(cmd, LEVELS, "strict")
     cmd.add_argument(
         "--check",
         action="store_true",
@@ -82,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     for trace in traces:
         check_blessable(trace)
     model = target_factory(LOCKSTEP_MODEL)
-    chosen = plugin_factory(args.target, args.plugin)
+    chosen = plugin_factory(args.target, options.plugin_of(args))
     vllm = None if args.target == LOCKSTEP_MODEL else chosen
 
     status = 0

@@ -1,9 +1,13 @@
 """kvgate's command line: replay traces on a target, or gate a target on a corpus.
 
-    kvgate replay TRACE... --target {model,vllm} [--level api|strict]
-    kvgate gate [--target vllm|model] [--corpus DIR] [--level api|strict]
-                [--junit-xml PATH] [--plugin MODULE|entry-points]
-    (both) [--require hold|retention|none ...] [--limit NAME=N ...]
+    kvgate replay TRACE... [--target vllm|model] [--level strict|api]
+    kvgate gate [--target vllm|model] [--corpus DIR] [--level strict|api]
+    (both) [--junit-xml PATH] [--overlay | --plugin MODULE|entry-points]
+           [--require hold|retention|none ...] [--limit NAME=N ...] [-q | -v | -vv]
+
+The options every command shares (target, overlay, level, hold, seed,
+profile, budget, output directory, verbosity) are spelled once, in
+`kvgate/options.py`.
 
 Each trace gets a verdict by cause (`conformance.verdict`): conforms,
 diverges, lacks a capability (the build lacks what the trace's config asks
@@ -25,12 +29,15 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn, cast
 
+import kvgate
+from kvgate import options
 from kvgate.conformance.limits import DEFAULT_LIMITS, Limits
 from kvgate.conformance.replay import (
     LEVELS,
@@ -103,6 +110,9 @@ COMMAND_MODULES: tuple[str, ...] = (
 )
 
 
+TARGET_HELP = "model: kvgate's model alone; vllm: the installed vLLM, the model in lockstep"
+
+
 class _Parser(argparse.ArgumentParser):
     # argparse prints usage and exits on a bad argument; we want one line.
     def error(self, message: str) -> NoReturn:
@@ -136,7 +146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 traces,
                 args.target,
                 args.level,
-                args.plugin,
+                options.plugin_of(args),
                 args.junit_xml,
                 _required(args.require),
                 explain_lacking=args.command == "replay",
@@ -229,12 +239,26 @@ def _required(values: Sequence[str] | None) -> tuple[str, ...]:
         raise InputError(f"--require: {error}") from None
 
 
+def _installed_vllm() -> str:
+    """The installed vLLM's version, from its metadata (vLLM is not imported)."""
+    try:
+        return f"vLLM {importlib.metadata.version('vllm')}"
+    except importlib.metadata.PackageNotFoundError:
+        return "no vLLM"
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="kvgate",
         description="Conformance gate for vLLM's KV-cache manager.",
         epilog=exit_code_table(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"kvgate {kvgate.__version__} "
+        f"(checked on vLLM {', '.join(kvgate.CHECKED_VLLM)}; installed: {_installed_vllm()})",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -245,7 +269,7 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     replay_cmd.add_argument("traces", nargs="+", type=Path, metavar="TRACE")
-    replay_cmd.add_argument("--target", required=True, choices=sorted(TARGETS))
+    options.add_target(replay_cmd, sorted(TARGETS), "vllm", TARGET_HELP)
 
     gate_cmd = commands.add_parser(
         "gate",
@@ -253,7 +277,7 @@ def _parser() -> argparse.ArgumentParser:
         epilog=exit_code_table(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    gate_cmd.add_argument("--target", default="vllm", choices=sorted(TARGETS))
+    options.add_target(gate_cmd, sorted(TARGETS), "vllm", TARGET_HELP)
     gate_cmd.add_argument(
         "--corpus", type=Path, metavar="DIR", help="default: the corpus kvgate ships"
     )
@@ -288,14 +312,12 @@ def _parser() -> argparse.ArgumentParser:
     )
 
     for command in (replay_cmd, gate_cmd):
-        command.add_argument("--level", default="strict", choices=LEVELS)
-        command.add_argument("--junit-xml", type=Path, metavar="PATH")
+        options.add_level(command, LEVELS, "strict")
         command.add_argument(
-            "--plugin",
-            metavar="MODULE",
-            help="a vLLM plugin module for --target vllm (e.g. kvgate.impl.hold_overlay), "
-            "or 'entry-points' to run vLLM's own vllm.general_plugins loader",
+            "--junit-xml", type=Path, metavar="PATH", help="also write a JUnit XML report there"
         )
+        options.add_overlay(command)
+        options.add_plugin(command)
         command.add_argument(
             "--require",
             action="append",
@@ -315,31 +337,14 @@ def _parser() -> argparse.ArgumentParser:
     for module in COMMAND_MODULES:
         importlib.import_module(module).register(commands)
     for command in commands.choices.values():
-        add_verbosity(command)
+        options.add_verbosity(command)
+        options.finish(command)
     return parser
 
 
-def add_verbosity(parser: argparse.ArgumentParser) -> None:
-    """-q / -v / -vv, the same on every command (see kvgate/output.py)."""
-    levels = parser.add_argument_group("output")
-    levels.add_argument(
-        "-v",
-        "--verbose",
-        dest="verbosity",
-        action="count",
-        default=0,
-        help="-v: also show vLLM's warnings as they happen; -vv: also its info "
-        "and debug lines (default: vLLM's lines are kept per trace and shown "
-        "only with a failure, and counted in the summary)",
-    )
-    levels.add_argument(
-        "-q",
-        "--quiet",
-        dest="verbosity",
-        action="store_const",
-        const=QUIET,
-        help="print only failures, errors and the summary",
-    )
+def build_parser() -> argparse.ArgumentParser:
+    """Every command's parser (the docs' command reference reads them)."""
+    return _parser()
 
 
 def run_traces(
@@ -388,7 +393,9 @@ def run_traces(
             kind = "internal error" if result.bug else "error"
             print(f"kvgate: {kind}: {printable(result.message)}", file=sys.stderr)
         report.add(result)
-        if not result.passed:
+        if verdict(result) in (Verdict.DIVERGES, Verdict.ERROR, Verdict.BUG):
+            # Only a failure's: a trace the build lacks a capability for
+            # conforms as far as it goes.
             logs.show(captured, f"trace {trace.name}")
     code = exit_code(report.results, required, len(invalid))
     if report.results and all(verdict(r) is Verdict.NOT_APPLICABLE for r in report.results):

@@ -76,7 +76,9 @@ def _flag(action: argparse.Action) -> str:
 def _default(action: argparse.Action) -> str:
     if action.required:
         return "required"
-    if action.nargs == 0 or action.default in (None, argparse.SUPPRESS, False):
+    # `is`, not `in`: a default of 0 equals False but is a default to show.
+    unset = action.default is None or action.default is False
+    if action.nargs == 0 or unset or action.default == argparse.SUPPRESS:
         return ""
     return f"`{action.default}`"
 

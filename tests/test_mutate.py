@@ -10,6 +10,7 @@ from __future__ import annotations
 import inspect
 import json
 import shutil
+import textwrap
 import xml.etree.ElementTree as ET
 from dataclasses import replace
 from pathlib import Path
@@ -21,6 +22,7 @@ from configs import needs_vllm
 from kvgate import cli
 from kvgate.conformance.trace import bundled_corpus
 from kvgate.mutate.campaign import (
+    STAGES,
     Baseline,
     ExploreOutcome,
     GateRun,
@@ -33,10 +35,18 @@ from kvgate.mutate.campaign import (
     run_campaign,
     scheduler_stage,
 )
-from kvgate.mutate.faults import BY_NAME, FAULTS, Fault, Port, select
+from kvgate.mutate.faults import (
+    BY_NAME,
+    FAULT_ENV,
+    FAULTS,
+    NOT_APPLICABLE_EXIT,
+    REPORT_ENV,
+    Fault,
+    Port,
+    select,
+)
 from kvgate.mutate.inject import NotApplicable, apply, at_site, find_edit, injected, locate
 from kvgate.mutate.own_suite import SuiteRun, judge_suite
-from kvgate.mutate.pytest_plugin import FAULT_ENV, NOT_APPLICABLE_EXIT, REPORT_ENV
 
 # A fast subset: one fault per area, each with the trace that catches it.
 FAST = {
@@ -93,8 +103,11 @@ def test_each_fault_changes_exactly_the_one_anchored_line(fault: Fault) -> None:
     source = Path(edit.filename).read_text(encoding="utf-8").splitlines()
     # The edit names the installed file's own line, and only that line changes.
     assert source[edit.lineno - 1].strip() == edit.before
-    assert fault.anchor in edit.before
-    assert edit.after == edit.before.replace(fault.anchor, fault.replacement)
+    # An anchor may keep its indentation, to tell apart lines that differ only
+    # by depth; the edit's lines are shown stripped.
+    anchor, replacement = fault.anchor.strip(), fault.replacement.strip()
+    assert anchor in edit.before
+    assert edit.after == edit.before.replace(anchor, replacement)
     owner, attribute, original, function = locate(fault)
     with injected(fault) as applied:
         now = vars(owner)[attribute]
@@ -104,7 +117,7 @@ def test_each_fault_changes_exactly_the_one_anchored_line(fault: Fault) -> None:
         assert edited.__code__.co_firstlineno == function.__code__.co_firstlineno
         assert edited.__qualname__ == function.__qualname__
         assert applied.edit == edit
-        lines = inspect.getsource(function).splitlines()
+        lines = textwrap.dedent(inspect.getsource(function)).splitlines()
         assert sum(fault.anchor in line for line in lines) == 1
     assert vars(owner)[attribute] is original
 
@@ -270,6 +283,46 @@ def test_exploration_alone_is_counted_beside_the_corpus() -> None:
     assert Campaign(baseline, [both, skipped]).exploration_kill_rate() is None
 
 
+def test_the_stage_table_counts_each_stage_and_names_the_first_catch() -> None:
+    """Per stage: the faults it ran on, caught, and caught first; per fault,
+    the first stage that caught it (none for a miss)."""
+    from kvgate.mutate.campaign import Campaign
+    from kvgate.mutate.command import stage_table
+
+    clean = ExploreOutcome(True, "", 20, 1.0)
+    found = ExploreOutcome(True, "divergence api hit", 20, 1.0)
+    in_lockstep = SchedulerOutcome(True, "", 1.0)
+    diverged = SchedulerOutcome(True, "engine step 3: scheduled differ", 1.0)
+    baseline = Baseline(
+        replace(_baseline(_outcome("a"), exploration=clean).run, scheduler=in_lockstep), 1.0
+    )
+
+    def run(name: str, passed: bool, explore: ExploreOutcome | None,
+            workload: SchedulerOutcome | None) -> GateRun:  # fmt: skip
+        return GateRun(name, None, "", (_outcome("a", passed),), explore, scheduler=workload)
+
+    by_corpus = judge(FAULTS[0], run("w", False, None, None), "", baseline, 1.0)
+    by_exploration = judge(FAULTS[1], run("x", True, found, None), "", baseline, 1.0)
+    by_workload = judge(FAULTS[2], run("y", True, clean, diverged), "", baseline, 1.0)
+    by_none = judge(FAULTS[3], run("z", True, clean, in_lockstep), "", baseline, 1.0)
+    assert [r.first_stage for r in (by_corpus, by_exploration, by_workload, by_none)] == [
+        *STAGES,
+        "",
+    ]
+    lines = stage_table(Campaign(baseline, [by_corpus, by_exploration, by_workload, by_none]))
+    rows = {line.split("  ")[1].strip(): line.split()[-3:] for line in lines[2:5]}
+    # The corpus ran on all four; the exploration on the three it missed; the
+    # workload on the two both missed.
+    assert rows == {
+        STAGES[0]: ["4", "1", "1"],
+        STAGES[1]: ["3", "1", "1"],
+        STAGES[2]: ["2", "1", "1"],
+    }
+    assert lines[5].split()[-1] == "1"  # caught by no stage
+    assert f"  {FAULTS[3].name:<38} none" in lines
+    assert f"  {FAULTS[2].name:<38} {STAGES[2]}" in lines
+
+
 def test_a_hung_or_dead_child_is_not_a_catch() -> None:
     fault = FAULTS[0]
     assert judge(fault, None, "hung in x: no verdict", _baseline(), 5.0).verdict == "hung"
@@ -413,4 +466,9 @@ def test_the_exploration_stage_runs_every_family_against_vllm() -> None:
 
 def test_a_bad_exploration_seed_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["mutate", "--explore-seed", "-1"]) == 2
-    assert capsys.readouterr().err.startswith("kvgate: error: --explore-seed")
+    # The old spelling still works, with a notice naming the new one.
+    err = capsys.readouterr().err
+    assert err.startswith("kvgate: deprecated: --explore-seed is now spelled --seed")
+    assert err.splitlines()[1].startswith("kvgate: error: --seed")
+    assert cli.main(["mutate", "--seed", "-1"]) == 2
+    assert capsys.readouterr().err.startswith("kvgate: error: --seed")

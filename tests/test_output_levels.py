@@ -72,6 +72,19 @@ def test_a_failing_trace_shows_the_vllm_lines_it_caused(
 
 
 @needs_vllm
+def test_a_trace_lacking_a_capability_does_not_show_vllms_lines(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Upstream vLLM lacks the hold: the hold-on trace is reported as lacking
+    it, not as failing, so its vLLM lines stay counted, not shown."""
+    corpus = _corpus(tmp_path, LOGGING_TRACE.replace("hold-off", "hold-on"))
+    assert cli.main(["gate", "--target", "vllm", "--corpus", str(corpus)]) == 4
+    out, err = capsys.readouterr()
+    assert "vLLM logged during" not in err and VLLM_LINE not in err
+    assert "vLLM logged 1 warning (all from traces); -v shows them" in out
+
+
+@needs_vllm
 def test_quiet_prints_no_passing_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     corpus = _corpus(tmp_path, QUIET_TRACE)
     assert cli.main(["gate", "--target", "vllm", "--corpus", str(corpus), "-q"]) == 0

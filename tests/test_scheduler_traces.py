@@ -34,6 +34,13 @@ def ids(traces: list[Trace]) -> list[str]:
     return [t.name for t in traces]
 
 
+def first_failure(result: ReplayResult) -> tuple[int, str, str]:
+    """Where a replay first failed: (engine entry, level, what)."""
+    divergence = result.divergence
+    assert divergence is not None
+    return divergence.step.index, divergence.level, divergence.what
+
+
 def by_name(name: str) -> Trace:
     [trace] = [t for t in CORPUS if t.name == name]
     return trace
@@ -121,6 +128,18 @@ MALFORMED: dict[str, tuple[Callable[[dict[str, Any]], None], int | None, str]] =
         "expect.cached_tokens",
     ),
     "abort of no request": (engine(4, req="Z"), 4, "req"),
+    "reset running not a flag": (engine(4, op="reset", req=None, running="yes"), 4, "running"),
+    "reset expects a step's key": (
+        engine(4, op="reset", req=None, expect={"finished": []}),
+        4,
+        "expect.finished",
+    ),
+    "reset ok not a flag": (engine(4, op="reset", req=None, expect={"ok": 1}), 4, "expect.ok"),
+    "reset waiting unknown": (
+        engine(4, op="reset", req=None, expect={"waiting": ["Z"]}),
+        4,
+        "expect.waiting",
+    ),
 }
 
 
@@ -188,6 +207,7 @@ def test_the_corpus_covers_the_families_both_arms_and_the_scheduler_paths() -> N
         "sched-preempt-under-pressure-and-resume",
         "sched-abort-mid-prefill",
         "sched-long-prefill-threshold",
+        "sched-prefix-cache-reset-with-running",
     } <= names
     preempted = by_name("sched-preempt-under-pressure-and-resume")
     assert any(e.expect.get("preempted") for e in preempted.engine)
@@ -233,14 +253,8 @@ def test_a_model_that_reports_cached_tokens_wrongly_misses_the_expectation(
     )
     trace = by_name("sched-gdn-triton-next-turn-after-burst.hold-on")
     result = run_model(trace)
-    divergence = result.divergence
-    assert divergence is not None
     first = next(e for e in trace.engine if "cached_tokens" in e.expect)
-    assert (divergence.step.index, divergence.level, divergence.what) == (
-        first.index,
-        "expect",
-        "cached_tokens",
-    )
+    assert first_failure(result) == (first.index, "expect", "cached_tokens")
 
 
 # -- on vLLM's real Scheduler ---------------------------------------------------
@@ -291,13 +305,7 @@ def test_a_scheduler_that_reports_cached_tokens_wrongly_diverges(overlay: Any) -
     trace = by_name("sched-gdn-triton-next-turn-after-burst.hold-off")
     result = run_vllm(trace, _WrongCachedTokens)
     first = next(e for e in trace.engine if "cached_tokens" in e.expect)
-    divergence = result.divergence
-    assert divergence is not None
-    assert (divergence.step.index, divergence.level, divergence.what) == (
-        first.index,
-        "expect",
-        "cached_tokens",
-    )
+    assert first_failure(result) == (first.index, "expect", "cached_tokens")
     # And the lockstep with the model names it too, at the same step.
     [lockstep] = [d for d in result.also if d.level == "api"]
     assert lockstep.step.index == first.index
@@ -355,3 +363,19 @@ def test_a_manager_replay_refuses_a_scheduler_level_trace() -> None:
     trace = CORPUS[0]
     with pytest.raises(TraceError, match="engine: a scheduler-level trace replays on a whole"):
         replay(trace, ModelTarget(trace.config), None, "strict")
+
+
+def test_a_model_that_requeues_in_another_order_after_a_reset_misses_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    reset = SchedulerModel.reset_prefix_cache
+
+    def reversed_queue(self: SchedulerModel, running: bool) -> tuple[bool, list[str]]:
+        ok, waiting = reset(self, running)
+        return ok, waiting[::-1]
+
+    monkeypatch.setattr(SchedulerModel, "reset_prefix_cache", reversed_queue)
+    trace = by_name("sched-prefix-cache-reset-with-running")
+    result = run_model(trace)
+    [reset_with_running] = [e for e in trace.engine if e.op == "reset" and e.running]
+    assert first_failure(result) == (reset_with_running.index, "expect", "waiting")

@@ -267,7 +267,7 @@ def test_command_writes_traces_table_and_plot(
     [
         (["--units", "100"], "--units: 100 is not a positive multiple of --scale 64"),
         (["--units", "a"], "--units: 'a' is not a comma-separated list"),
-        (["--hold", "maybe"], "--hold: 'maybe' is not on, off or on,off"),
+        (["--hold", "maybe"], "--hold: 'maybe' is not on, off or both"),
         (["--plugin", "x"], "--plugin: only the vLLM targets load plugins"),
         (["--units", "192"], "unit 3 does not divide the Mamba block 64"),
     ],

@@ -8,6 +8,9 @@ on a real scheduler (`SchedulerTarget`: vLLM's own `Scheduler` owning its
 - `arrive`: the request is added to both (the real one gets the token ids
   the model resolved the prompt's segments to, and its hash inputs);
 - `abort`: both finish it as aborted;
+- `reset`: both reset the prefix cache (`running`: preempting every
+  running request first); whether it reset and the waiting queue after are
+  checked against `expect`, then compared (api), then the views (strict);
 - `step`: one engine step. The model schedules and runs it (each request
   that completes its prompt or decodes samples one token, drafts all
   rejected); the real scheduler runs one `schedule()`, then one `update()`
@@ -161,9 +164,35 @@ class _EngineLockstep:
             if self.real is not None:
                 real = self.real
                 self.on_real(step, "abort", lambda: real.abort(name))
+        elif event.op == "reset":
+            self.reset(event, step)
         else:
             self.engine_steps += 1
             self.step(event, step)
+
+    def reset(self, event: EngineStep, step: Step) -> None:
+        running = event.running
+        modelled = self.on_model(step, lambda: self.model.reset_prefix_cache(running))
+        observed = modelled
+        if self.real is not None:
+            real = self.real
+            observed = self.on_real(
+                step, "reset_prefix_cache()", lambda: real.reset_prefix_cache(running)
+            )
+        got = {"ok": observed[0], "waiting": observed[1]}
+        for key, want in event.expect.items():
+            if want != got[key]:
+                self.missed.append(self.divergence(step, "expect", key, want, got[key]))
+        if self.real is None:
+            return
+        pairs = (
+            ("reset_prefix_cache() reset it", modelled[0], observed[0]),
+            ("waiting queue after the reset", modelled[1], observed[1]),
+        )
+        for what, expected, actual in pairs:
+            if expected != actual:
+                raise _Diverged(self.divergence(step, "api", what, expected, actual))
+        self.strict(step, "after the reset")
 
     def arrive(self, event: EngineStep, step: Step) -> None:
         assert event.req is not None
@@ -221,11 +250,14 @@ class _EngineLockstep:
         for what, expected, actual in pairs:
             if expected != actual:
                 raise _Diverged(self.divergence(step, "api", f"{where}: {what}", expected, actual))
-        if self.level == "strict":
-            for what, expected, actual in self.model.snapshot().differences(real.snapshot()):
-                raise _Diverged(
-                    self.divergence(step, "strict", f"{where}: {what}", expected, actual)
-                )
+        self.strict(step, where)
+
+    def strict(self, step: Step, where: str) -> None:
+        """At level strict, the owned manager's whole view against the model's."""
+        if self.level != "strict" or self.real is None:
+            return
+        for what, expected, actual in self.model.snapshot().differences(self.real.snapshot()):
+            raise _Diverged(self.divergence(step, "strict", f"{where}: {what}", expected, actual))
 
     def expectations(
         self,

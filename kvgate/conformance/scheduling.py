@@ -83,9 +83,12 @@ ENGINE_OPS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "arrive": (("req", "prompt", "max_tokens"), ("cache_salt", "follows")),
     "step": ((), ("steps",)),
     "abort": (("req",), ()),
+    "reset": ((), ("running",)),
 }
 # What an engine `step` may expect, each optional.
 ENGINE_EXPECT_KEYS: tuple[str, ...] = ("scheduled", "preempted", "cached_tokens", "finished")
+# What a prefix-cache `reset` may expect: whether it reset, the waiting queue after.
+RESET_EXPECT_KEYS: tuple[str, ...] = ("ok", "waiting")
 
 
 @dataclass(frozen=True)
@@ -103,7 +106,8 @@ class EngineStep:
     """One step of a scheduler-level trace: a request arriving (its prompt
     in the format's segments, its output length, its cache salt, the request
     it follows), one engine step (`schedule()`, the model runner's output,
-    `update`) with what it expects, or a request aborted by its client."""
+    `update`) with what it expects, a request aborted by its client, or a
+    prefix-cache reset between steps."""
 
     op: str
     index: int
@@ -112,6 +116,8 @@ class EngineStep:
     max_tokens: int = 0
     cache_salt: str = ""
     follows: str | None = None
+    # reset: running requests are preempted first (`reset_running_requests`)
+    running: bool = False
     expect: dict[str, Any] = field(default_factory=dict)
 
 
@@ -149,6 +155,11 @@ class SchedulerModelRun(Protocol):
     def step(self) -> EngineOutcome: ...
 
     def abort(self, name: str) -> None: ...
+
+    def reset_prefix_cache(self, running: bool) -> tuple[bool, list[str]]:
+        """Reset the prefix cache, preempting every running request first
+        when `running`: (whether it reset, the waiting queue after)."""
+        ...
 
     def snapshot(self) -> Snapshot: ...
 
@@ -194,6 +205,10 @@ class SchedulerTarget(Protocol):
 
     def abort(self, name: str) -> None:
         """The client aborts request `name` (between engine steps)."""
+        ...
+
+    def reset_prefix_cache(self, running: bool) -> tuple[bool, list[str]]:
+        """As `SchedulerModelRun.reset_prefix_cache`."""
         ...
 
     def take_prefill_stats(self) -> dict[str, PrefillStats]:

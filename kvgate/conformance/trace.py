@@ -70,6 +70,7 @@ from kvgate.conformance.ops import (
 from kvgate.conformance.scheduling import (
     ENGINE_EXPECT_KEYS,
     ENGINE_OPS,
+    RESET_EXPECT_KEYS,
     EngineSettings,
     EngineStep,
 )
@@ -511,7 +512,7 @@ class _Reader:
         """One `engine` entry; `step` with `steps: N` is N engine steps."""
         raw, op = self.op_of(index, raw, tuple(ENGINE_OPS), "engine op")
         required, optional = ENGINE_OPS[op]
-        allowed = ("op", *required, *optional, *(("expect",) if op == "step" else ()))
+        allowed = ("op", *required, *optional, *(("expect",) if op in ("step", "reset") else ()))
         self.unknown_keys(index, "", raw, allowed, f"field of engine op {op}")
         self.missing_keys(index, "", raw, required)
         try:
@@ -526,6 +527,13 @@ class _Reader:
                 raise self.error(index, "req", f"{req!r} was {self.requests[req][1]}")
             self.requests[req] = ("ended", f"aborted at step {index}")
             return [EngineStep("abort", index, req=req)]
+        if op == "reset":
+            running = raw.get("running", False)
+            if not isinstance(running, bool):
+                raise self.error(index, "running", f"must be true or false, got {_got(running)}")
+            return [
+                EngineStep("reset", index, running=running, expect=self.reset_expect(index, raw))
+            ]
         repeats = raw.get("steps", 1)
         if not _is_count(repeats) or repeats == 0:
             raise self.error(index, "steps", f"must be an integer >= 1, got {_got(repeats)}")
@@ -585,6 +593,26 @@ class _Reader:
         if not isinstance(value, str) or value not in self.requests:
             raise self.error(index, field, f"names no request that has arrived: {_got(value)}")
         return value
+
+    def reset_expect(self, index: int, raw: Mapping[Any, Any]) -> dict[str, Any]:
+        expect = raw.get("expect", {})
+        if not isinstance(expect, dict):
+            raise self.error(index, "expect", f"must be a mapping, got {_got(expect)}")
+        self.unknown_keys(index, "expect.", expect, RESET_EXPECT_KEYS, "expect key of reset")
+        if "ok" in expect and not isinstance(expect["ok"], bool):
+            raise self.error(index, "expect.ok", f"must be true or false, got {_got(expect['ok'])}")
+        checked = dict(expect)
+        if "waiting" in expect:
+            if not isinstance(expect["waiting"], list):
+                raise self.error(
+                    index,
+                    "expect.waiting",
+                    f"must be a list of request names, got {_got(expect['waiting'])}",
+                )
+            checked["waiting"] = [
+                self.arrived(index, "expect.waiting", r) for r in expect["waiting"]
+            ]
+        return checked
 
     def engine_expect(self, index: int, raw: object) -> dict[str, Any]:
         if not isinstance(raw, dict):

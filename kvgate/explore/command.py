@@ -1,20 +1,21 @@
 """`kvgate explore`: the state machine outside pytest.
 
-    kvgate explore [--target model|vllm|vllm+overlay] [--hold on|off] [--retired on|off]
+    kvgate explore [--target model|vllm [--overlay]] [--hold on|off] [--retired on|off]
                    [--profile dev|ci|nightly]
-                   [--budget N | --budget 90s | --budget 5m] [--seed N] --out DIR
+                   [--budget N | --budget 90s | --budget 5m] [--seed N] [--out DIR]
     kvgate explore --jobs N | --ray ADDRESS | --matrix  [--target T] [--hold H]
-                   [--retired R] [--shards K] [--profile P] [--budget N] [--seed N] --out DIR
+                   [--retired R] [--shards K] [--profile P] [--budget N] [--seed N] [--out DIR]
 
 `--target model` explores the model alone, checking every invariant;
 `--target vllm` drives the model and vLLM 0.33.0 in lockstep at strict level
-(hold off: upstream has none); `--target vllm+overlay` does the same with
-kvgate's hold overlay on vLLM, hold on. `--retired on` (the model, the
-overlay) adds the production fork's retention of retired states
-(`retain_retired`). A budget
+(hold off: upstream has none); `--target vllm --overlay` does the same with
+kvgate's hold overlay on vLLM, hold on (once spelled `--target vllm+overlay`).
+`--retired on` (the model, the overlay) adds the production fork's retention
+of retired states (`retain_retired`). A budget
 of N runs N examples; a duration runs rounds of the profile's examples, one
 seed after another, until it is spent. The first failure is shrunk and
-saved in DIR as a version-1 trace that `kvgate replay` shows failing. Exit 0:
+saved in DIR (default out/explore; nothing is written when nothing fails) as a
+version-1 trace that `kvgate replay` shows failing. Exit 0:
 nothing found; 1: a failure was saved; 2: bad input.
 
 With `--jobs N`, `--ray ADDRESS` or `--matrix` it runs a campaign
@@ -38,6 +39,7 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
+from kvgate import options
 from kvgate.conformance.ops import FREE_HOW, PRIMITIVE_OPS
 from kvgate.errors import InputError
 from kvgate.explore.machine import Mode, Stats
@@ -45,6 +47,7 @@ from kvgate.explore.profiles import PROFILES, profile
 from kvgate.explore.runner import Outcome, explore, model_mode
 
 BAR_WIDTH = 30
+DEFAULT_OUT = Path("out/explore")  # beside out/workload; git ignores out/
 # The largest budget: this many examples, or this many seconds (a day).
 MAX_EXAMPLES = 10**7
 MAX_SECONDS = 86_400.0
@@ -63,13 +66,14 @@ def register(subparsers: Any) -> None:
     )
     cmd.add_argument(
         "--target",
-        choices=("model", "vllm", "vllm+overlay"),
-        help="default: model (a campaign: every available)",
+        choices=("model", "vllm", "vllm+overlay"),  # the last one deprecated
+        metavar="{model,vllm}",
+        help="model: the model alone; vllm: the model and vLLM in lockstep (default: model; "
+        "a campaign: every target available)",
     )
-    cmd.add_argument(
-        "--hold",
-        choices=("on", "off"),
-        help="default: off for --target vllm, on otherwise (a campaign: both)",
+    options.add_overlay(cmd)
+    options.add_hold(
+        cmd, None, "default: off for --target vllm, on otherwise (a campaign: both)", both=False
     )
     cmd.add_argument(
         "--retired",
@@ -77,14 +81,25 @@ def register(subparsers: Any) -> None:
         help="the retained-state retention: the newest state leaving a request's table "
         "stays held (default off)",
     )
-    cmd.add_argument("--profile", default="dev", choices=sorted(PROFILES))
+    cmd.add_argument(
+        "--profile",
+        default="dev",
+        choices=sorted(PROFILES),
+        help="examples per run: "
+        + ", ".join(f"{name} {PROFILES[name].max_examples}" for name in PROFILES),
+    )
     cmd.add_argument(
         "--budget",
         metavar="N|DURATION",
         help="N examples, or a duration (90s, 5m, 1h); default: the profile's examples",
     )
-    cmd.add_argument("--seed", type=int, default=0, help="first round's seed (default 0)")
-    cmd.add_argument("--out", type=Path, required=True, metavar="DIR", help="where to save traces")
+    options.add_seed(cmd, 0, "first round's seed")
+    options.add_out(
+        cmd,
+        DEFAULT_OUT,
+        "where a failing example's trace is saved (nothing is written when none fails); "
+        "a campaign keeps its log there too",
+    )
     campaign = cmd.add_argument_group("campaigns")
     campaign.add_argument("--jobs", type=int, metavar="N", help="a campaign on N processes")
     campaign.add_argument(
@@ -114,7 +129,20 @@ def parse_budget(text: str | None) -> tuple[int | None, float | None]:
     return None, seconds
 
 
+def _resolve_target(args: argparse.Namespace) -> None:
+    """`--target vllm --overlay` is the overlay target, named `vllm+overlay`
+    inside (the old spelling of the flag, still accepted)."""
+    if args.target == "vllm+overlay":
+        options.deprecated("--target vllm+overlay", "--target vllm --overlay")
+        args.target, args.overlay = "vllm", True
+    if args.overlay:
+        if args.target not in (None, "vllm"):
+            raise InputError(f"--overlay: loads into vLLM; --target {args.target} has no vLLM")
+        args.target = "vllm+overlay"
+
+
 def handle(args: argparse.Namespace) -> int:
+    _resolve_target(args)
     if args.jobs is not None or args.ray is not None or args.matrix:
         return handle_campaign(args)
     if args.shards is not None:
@@ -130,12 +158,12 @@ def handle(args: argparse.Namespace) -> int:
         if args.hold == "on":
             raise InputError(
                 "--hold on: vLLM 0.33.0 has no hold; --target vllm runs hold off "
-                "(--target vllm+overlay runs it with the hold)"
+                "(--target vllm --overlay runs it with the hold)"
             )
         if args.retired == "on":
             raise InputError(
                 "--retired on: vLLM 0.33.0 retains no retired state; "
-                "--target vllm+overlay (or model) runs it"
+                "--target vllm --overlay (or model) runs it"
             )
         from kvgate.explore.differential import differential_mode
 

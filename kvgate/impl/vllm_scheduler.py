@@ -643,6 +643,10 @@ class VllmScheduler:
 
         self._scheduler.finish_requests(name, RequestStatus.FINISHED_ABORTED)
 
+    def reset_prefix_cache(self, running: bool) -> tuple[bool, list[str]]:
+        ok = bool(self._scheduler.reset_prefix_cache(reset_running_requests=running))
+        return ok, [str(r.request_id) for r in self._scheduler.waiting]
+
     def take_prefill_stats(self) -> dict[str, PrefillStats]:
         stats, self._prefill_stats = self._prefill_stats, {}
         return stats

@@ -187,6 +187,9 @@ class SchedulerModel:
         self.holding: deque[LiveRequest] = deque()
         self.engine_step = 0
         self.num_eligible = 0  # waiting + running when this step began
+        # Requests a prefix-cache reset preempted between steps: vLLM's
+        # Scheduler reports them with the next step's preemptions.
+        self._reset_preempted: list[str] = []
         self._running_scheduled = False
         self._prefill_scheduled = False
 
@@ -273,6 +276,21 @@ class SchedulerModel:
                     return
         # Already finished: vLLM's Scheduler ignores the abort, and so does it.
 
+    def reset_prefix_cache(self, running: bool) -> tuple[bool, list[str]]:
+        """The Scheduler's prefix-cache reset between steps (`reset`): with
+        `running`, every running request preempted first, the last first, so
+        they wait in their running order, and the next step reports them
+        preempted; (whether it reset, the waiting queue after)."""
+        if running:
+            while self.running:
+                live = self.running.pop()
+                self.writer.run("free", req=live.name, how="preempt")
+                self.waiting.appendleft(live)
+                live.decoding = False
+                self._reset_preempted.append(live.name)
+        ok = bool(self.writer.run("reset")["ok"])
+        return ok, [live.name for live in self.waiting]
+
     def prompt_tokens(self, name: str) -> tuple[list[int], HashInputs]:
         request = self.oracle.requests[name].request
         return list(request.all_token_ids), request.inputs
@@ -290,6 +308,8 @@ class SchedulerModel:
         budget = self.config.max_num_scheduled_tokens
         finished: list[LiveRequest] = []
         preempted = False
+        decisions.preempted.extend(self._reset_preempted)
+        self._reset_preempted.clear()
         # What vLLM's Scheduler counts, once per step, to decide whether
         # `long_prefill_token_threshold` applies: its own queues. The oracle's
         # live requests may also hold requests never scheduled (a shared

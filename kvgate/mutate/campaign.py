@@ -48,6 +48,11 @@ from kvgate.output import VllmLogs, installed
 
 Verdict = Literal["caught", "missed", "not applicable", "hung", "error"]
 
+# The campaign's stages, in the order each fault meets them: the corpus
+# replayed with the snapshot invariants (what `kvgate gate` runs), the
+# differential exploration, the workload on vLLM's real Scheduler.
+STAGES = ("manager-level gate", "exploration", "real-Scheduler workload")
+
 # The exploration's budget per fault (`--explore`): examples, split evenly
 # between the deployment families of `explore.differential.FAMILIES` (50
 # each), each of `EXPLORE_STEPS` rules: about 20 s of CPU per fault on this
@@ -181,6 +186,23 @@ class FaultResult:
     # What the exploration alone said (None: it did not run on this fault).
     explored: bool | None = None
     corpus_caught: bool = False  # a trace or an invariant on one caught it
+    # What the real-Scheduler workload said (None: it did not run on this fault).
+    workload: bool | None = None
+
+    def stages_caught(self) -> dict[str, bool | None]:
+        """Each stage's word on this fault, in the order the gate runs them:
+        True caught, False ran and missed, None did not run."""
+        ran = self.verdict in ("caught", "missed")
+        return {
+            STAGES[0]: self.corpus_caught if ran else None,
+            STAGES[1]: self.explored,
+            STAGES[2]: self.workload,
+        }
+
+    @property
+    def first_stage(self) -> str:
+        """The first stage that caught it ("" when none did)."""
+        return next((stage for stage, said in self.stages_caught().items() if said), "")
 
 
 @dataclass
@@ -599,7 +621,11 @@ def judge(
         assert run.exploration is not None
         catch = Catch("exploration", "exploration", run.exploration.failure)
     scheduler = run.scheduler
-    if catch is None and scheduler is not None and scheduler.failure and baseline.scheduler_usable:
+    workload = None
+    if scheduler is not None and scheduler.ran and baseline.scheduler_usable:
+        workload = bool(scheduler.failure)
+    if catch is None and workload:
+        assert scheduler is not None
         catch = Catch("scheduler", "real Scheduler, prefix caching off", scheduler.failure)
     if catch is None and fault.equivalent_under:
         # Its only effect is state the strict view leaves out as unobservable.
@@ -621,4 +647,5 @@ def judge(
         invariants=invariants,
         explored=explored,
         corpus_caught=bool(diverged or violated),
+        workload=workload,
     )

@@ -2,8 +2,7 @@
 
     kvgate mutate [--target vllm] [--faults NAME...] [--suite gate|vllm-own|both]
                   [--corpus DIR] [--level api|strict] [--explore N] [--explore-every-fault]
-                  [--explore-seed N]
-                  [--jobs N]
+                  [--seed N] [--jobs N]
                   [--timeout SECONDS] [--tests-dir DIR] [--junit-xml PATH] [--list]
 
 `--suite gate` (the default) injects each fault of `faults.FAULTS` into the
@@ -32,11 +31,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
+from kvgate import options
 from kvgate.conformance.replay import LEVELS
 from kvgate.conformance.trace import bundled_corpus
 from kvgate.errors import InputError
 from kvgate.mutate.campaign import (
     EXPLORE_EXAMPLES,
+    STAGES,
     Baseline,
     Campaign,
     CampaignError,
@@ -46,7 +47,7 @@ from kvgate.mutate.campaign import (
     Settings,
     run_campaign,
 )
-from kvgate.mutate.faults import Fault, select
+from kvgate.mutate.faults import BY_NAME, Fault, select
 from kvgate.mutate.own_suite import (
     SELECTION_ROOT,
     Suite,
@@ -73,10 +74,16 @@ def register(subparsers: Any) -> None:
         "mutate", help="inject realistic faults into vLLM's block manager; count what is caught"
     )
     cmd.add_argument("--target", default="vllm", choices=("vllm",))
-    cmd.add_argument("--faults", nargs="+", metavar="NAME", help="default: every fault")
+    cmd.add_argument(
+        "--faults",
+        nargs="+",
+        metavar="NAME",
+        type=options.name_argument(list(BY_NAME), "--faults"),
+        help="default: every fault (--list names them)",
+    )
     cmd.add_argument("--suite", default="gate", choices=SUITES)
     cmd.add_argument("--corpus", type=Path, metavar="DIR", help="default: the bundled corpus")
-    cmd.add_argument("--level", default="strict", choices=LEVELS)
+    options.add_level(cmd, LEVELS, "strict")
     cmd.add_argument(
         "--explore",
         type=int,
@@ -90,13 +97,13 @@ def register(subparsers: Any) -> None:
         help="run the exploration against every fault too, and report its kill rate alone "
         "(no corpus) next to the corpus's",
     )
-    cmd.add_argument(
-        "--explore-seed",
-        type=int,
-        metavar="N",
-        help="random exploration examples from seed N (default: derandomized, the same "
+    options.add_seed(
+        cmd,
+        None,
+        "random exploration examples from seed N (default: derandomized, the same "
         "examples every run)",
     )
+    options.add_deprecated_flag(cmd, "--explore-seed", "--seed", dest="seed", type=int)
     cmd.add_argument(
         "--jobs", type=int, default=min(2, os.cpu_count() or 1), help="faults run at once"
     )
@@ -113,7 +120,9 @@ def register(subparsers: Any) -> None:
         metavar="DIR",
         help=f"vLLM's own tests (holding tests/), default {DEFAULT_TESTS_DIR}",
     )
-    cmd.add_argument("--junit-xml", type=Path, metavar="PATH")
+    cmd.add_argument(
+        "--junit-xml", type=Path, metavar="PATH", help="also write a JUnit XML report there"
+    )
     cmd.add_argument("--list", action="store_true", help="describe the faults and exit")
     cmd.set_defaults(handler=handle)
 
@@ -130,8 +139,8 @@ def handle(args: argparse.Namespace) -> int:
         raise InputError(f"--jobs: must be between 1 and {MAX_JOBS}")
     if not 0 <= args.explore <= MAX_EXPLORE:
         raise InputError(f"--explore: must be between 0 and {MAX_EXPLORE:,}")
-    if args.explore_seed is not None and not 0 <= args.explore_seed < 2**32:
-        raise InputError(f"--explore-seed: {args.explore_seed} is outside 0..2**32-1")
+    if args.seed is not None and not 0 <= args.seed < 2**32:
+        raise InputError(f"--seed: {args.seed} is outside 0..2**32-1")
     if args.timeout is not None and not 0 < args.timeout <= MAX_TIMEOUT:
         # `not 0 < t` also refuses nan.
         raise InputError(f"--timeout: must be more than 0 and at most {MAX_TIMEOUT:g} seconds")
@@ -146,7 +155,7 @@ def handle(args: argparse.Namespace) -> int:
             level=args.level,
             explore_examples=args.explore,
             explore_every_fault=args.explore_every_fault,
-            explore_seed=args.explore_seed,
+            explore_seed=args.seed,
             timeout=args.timeout or 300.0,
         )
         campaign = gate_campaign(out, faults, settings, args.jobs)
@@ -298,12 +307,35 @@ def summary_lines(campaign: Campaign) -> list[str]:
         )
         missed = [r.fault.name for r in campaign.applicable if r.explored is False]
         lines.append("not caught by exploration alone: " + (", ".join(missed) or "none"))
+    lines.extend(stage_table(campaign))
     per_fault = [r.seconds for r in campaign.results]
     mean = sum(per_fault) / len(per_fault) if per_fault else 0.0
     lines.append(
         f"time: {campaign.seconds:.1f}s in all, baseline {campaign.baseline.seconds:.1f}s, "
         f"{mean:.1f}s per fault on average"
     )
+    return lines
+
+
+def stage_table(campaign: Campaign) -> list[str]:
+    """How many faults each stage ran on and caught, how many it was the
+    first to catch, and each fault's first catching stage. A later stage
+    runs only on what the earlier ones missed (unless --explore-every-fault),
+    so 'caught' counts what it saw."""
+    judged = [r for r in campaign.results if r.verdict in ("caught", "missed")]
+    width = max(len(s) for s in STAGES) + 2
+    lines = ["", f"{'per stage':<{width}} {'ran on':>7} {'caught':>7} {'first':>7}"]
+    for stage in STAGES:
+        said = [r.stages_caught()[stage] for r in judged]
+        ran = sum(s is not None for s in said)
+        caught = sum(bool(s) for s in said)
+        first = sum(r.first_stage == stage for r in judged)
+        lines.append(f"  {stage:<{width - 2}} {ran:>7} {caught:>7} {first:>7}")
+    missed = sum(not r.first_stage for r in judged)
+    lines.append(f"  {'caught by no stage':<{width - 2}} {'':>7} {'':>7} {missed:>7}")
+    lines.append("first stage to catch each fault:")
+    for result in judged:
+        lines.append(f"  {result.fault.name:<38} {result.first_stage or 'none'}")
     return lines
 
 

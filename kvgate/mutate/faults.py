@@ -30,6 +30,7 @@ MODULES: dict[str, str] = {
     "single": "vllm.v1.core.single_type_kv_cache_manager",
     "coordinator": "vllm.v1.core.kv_cache_coordinator",
     "manager": "vllm.v1.core.kv_cache_manager",
+    "scheduler": "vllm.v1.core.sched.scheduler",
 }
 
 
@@ -68,6 +69,14 @@ class Fault:
         own = Port(self.module, self.qualname, self.anchor, self.replacement, "")
         return (own, *self.ports)
 
+
+# How a fault reaches the pytest process that runs vLLM's own tests under it
+# (`pytest_plugin.py`), and how that process reports back: set here, where
+# both sides read them, so the parent need not import pytest.
+FAULT_ENV = "KVGATE_FAULT"
+REPORT_ENV = "KVGATE_FAULT_REPORT"
+# Not one of pytest's own exit codes (0-5).
+NOT_APPLICABLE_EXIT = 17
 
 _FAULT_KEYS = ("name", "area", "module", "function", "anchor", "replacement", "what", "why")
 _PORT_KEYS = ("module", "function", "anchor", "replacement", "where")

@@ -25,8 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from kvgate.mutate.faults import Fault
-from kvgate.mutate.pytest_plugin import FAULT_ENV, NOT_APPLICABLE_EXIT, REPORT_ENV
+from kvgate.mutate.faults import FAULT_ENV, NOT_APPLICABLE_EXIT, REPORT_ENV, Fault
 
 # vLLM's own tests of the block manager: 592 tests in 0.33.0.
 SELECTION_ROOT = "tests/v1/core/"

@@ -21,13 +21,8 @@ from typing import Any
 
 import pytest
 
-from kvgate.mutate.faults import BY_NAME
+from kvgate.mutate.faults import BY_NAME, FAULT_ENV, NOT_APPLICABLE_EXIT, REPORT_ENV
 from kvgate.mutate.inject import Applied, NotApplicable, apply
-
-FAULT_ENV = "KVGATE_FAULT"
-REPORT_ENV = "KVGATE_FAULT_REPORT"
-# Not one of pytest's own exit codes (0-5).
-NOT_APPLICABLE_EXIT = 17
 
 _report: dict[str, Any] = {}
 # The fault in effect, reverted when the session ends (a session run inside

@@ -1,11 +1,12 @@
 """`kvgate workload`: the production measurement, reproduced on a target.
 
-    kvgate workload --target {model,vllm} [--units 64,256,512,1024,4096]
-                    [--hold on,off] [--build fork|upstream] [--no-enable-prefix-caching]
+    kvgate workload [--target vllm|model|vllm-scheduler] [--units 64,256,512,1024,4096]
+                    [--hold both|on|off] [--build fork|upstream] [--no-enable-prefix-caching]
                     [--kv-connector [--kv-connector-divergent-hits]
                      [--kv-load-failure-policy recompute|fail]]
                     [--sessions N] [--turns T] [--seed S]
-                    [--scale K] [--out DIR] [--level api|strict] [--plugin MODULE]
+                    [--scale K] [--out DIR] [--level api|strict]
+                    [--overlay | --plugin MODULE]
 
 Writes one trace per unit x hold arm into DIR, replays each on the target
 (with the model in lockstep against vLLM), prints the table, and writes
@@ -14,7 +15,7 @@ Exit 0 when every arm that ran replayed without a divergence, 1 otherwise, 2
 for bad input or when no arm can run on the target (told before any trace
 is written). An arm the target cannot run (a hold-on arm without the hold,
 a `--build fork` arm without retired-state retention) is not run, and the
-table says so: pass `--plugin kvgate.impl.hold_overlay` for vLLM. `--build`
+table says so: pass `--overlay` for vLLM. `--build`
 follows the target unless given: upstream for vLLM without a plugin, fork
 otherwise.
 """
@@ -29,6 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
+from kvgate import options
 from kvgate.conformance.config import KV_LOAD_FAILURE_POLICIES, Config, UnsupportedConfig
 from kvgate.conformance.replay import LEVELS, Level
 from kvgate.conformance.report import capabilities_line
@@ -110,7 +112,7 @@ def add_workload_arguments(parser: argparse.ArgumentParser, scale: int, units: s
     )
     parser.add_argument("--sessions", type=int, default=defaults.sessions)
     parser.add_argument("--turns", type=int, default=defaults.turns)
-    parser.add_argument("--seed", type=int, default=defaults.seed)
+    options.add_seed(parser, defaults.seed, "sessions are drawn from seed N")
     parser.add_argument(
         "--tenants",
         type=int,
@@ -165,20 +167,19 @@ def register(subparsers: Any) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    cmd.add_argument(
-        "--target",
-        required=True,
-        choices=("model", "vllm", *SCHEDULER_TARGETS),
-        help="model; vllm: vLLM's KVCacheManager replaying the traces; vllm-scheduler: "
+    options.add_target(
+        cmd,
+        ("model", "vllm", *SCHEDULER_TARGETS),
+        "vllm",
+        "model; vllm: vLLM's KVCacheManager replaying the traces; vllm-scheduler: "
         "vLLM's real Scheduler run beside kvgate's scheduler model",
     )
     add_workload_arguments(cmd, scale=1, units=DEFAULT_UNITS)
-    cmd.add_argument("--hold", default="on,off", help="arms to run: on, off or on,off")
-    cmd.add_argument("--out", type=Path, default=DEFAULT_OUT, metavar="DIR")
-    cmd.add_argument(
-        "--level", default="api", choices=LEVELS, help="lockstep comparison level (default api)"
-    )
-    cmd.add_argument("--plugin", metavar="MODULE", help="a vLLM plugin module for the vLLM targets")
+    options.add_hold(cmd, "both", "the arms to run")
+    options.add_out(cmd, DEFAULT_OUT, "where the traces, the plot and the numbers go")
+    options.add_level(cmd, LEVELS, "api")
+    options.add_overlay(cmd)
+    options.add_plugin(cmd)
     cmd.set_defaults(handler=run)
 
 
@@ -209,16 +210,10 @@ def _check_out(out: Path) -> None:
         raise InputError(f"--out: cannot write in {out}: {error.strerror}") from None
 
 
-def _holds(text: str) -> list[bool]:
-    names = text.split(",")
-    if not names or any(n not in ("on", "off") for n in names):
-        raise InputError(f"--hold: {text!r} is not on, off or on,off")
-    return sorted({n == "on" for n in names})  # off first
-
-
 def run(args: argparse.Namespace) -> int:
     from kvgate.targets import LOCKSTEP_MODEL, target_factory
 
+    args.plugin = options.plugin_of(args)
     if args.plugin is not None and not args.target.startswith("vllm"):
         raise InputError("--plugin: only the vLLM targets load plugins")
     level: Level = args.level
@@ -230,7 +225,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         workload, deployment = workload_of(args)
         units = _units(args.units, args.scale)
-        arms = [Arm(u, h) for u in units for h in _holds(args.hold)]
+        arms = [Arm(u, h) for u in units for h in options.hold_values(args.hold)]
         for arm in arms:
             deployment.config(arm.unit, arm.hold, workload.sessions)
     except ValueError as error:

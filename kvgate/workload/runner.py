@@ -141,11 +141,9 @@ def lacking_capability(config: Config, capabilities: Capabilities) -> str:
     if config.hold and not capabilities.hold:
         if not config.prefix_caching:
             return "holds nothing without prefix caching (the hold-off arm is the same run)"
-        return "has no hold (pass --plugin kvgate.impl.hold_overlay)"
+        return "has no hold (pass --overlay)"
     if config.hold_retired and not capabilities.retire:
-        return (
-            "keeps no retired state (pass --plugin kvgate.impl.hold_overlay, or --build upstream)"
-        )
+        return "keeps no retired state (pass --overlay, or --build upstream)"
     return ""
 
 

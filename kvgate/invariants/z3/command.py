@@ -36,6 +36,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, TextIO
 
+from kvgate import options
 from kvgate.errors import InputError
 from kvgate.invariants.z3.checker import INIT, Result, prove
 from kvgate.invariants.z3.counterexample import Found, find
@@ -72,9 +73,16 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--groups", type=int, default=defaults.groups, help="KV-cache groups: attention + Mamba"
     )
-    parser.add_argument("--mutation", choices=MUTATIONS, help="check a broken transition relation")
+    parser.add_argument(
+        "--mutation",
+        type=options.name_argument(MUTATIONS, "--mutation"),
+        metavar="NAME",
+        help="check a broken transition relation: "
+        + ", ".join(options.kebab(name) for name in MUTATIONS)
+        + " (default: none, the manager as it is)",
+    )
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, metavar="DIR")
+    options.add_out(parser, DEFAULT_OUT, "where counterexample traces are written")
     parser.add_argument(
         "--depth", type=int, default=DEFAULT_DEPTH, help="counterexample search depth"
     )
@@ -108,6 +116,9 @@ def handle(args: argparse.Namespace) -> int:
         raise InputError("--jobs and --depth must be at least 1")
     if not 0 < args.search_timeout <= MAX_SECONDS:
         raise InputError(f"--search-timeout: must be above 0 and at most {MAX_SECONDS:g} seconds")
+    if args.mutation is not None and args.mutation not in MUTATIONS:
+        names = ", ".join(options.kebab(name) for name in MUTATIONS)
+        raise InputError(f"--mutation: no mutation {args.mutation!r} (mutations: {names})")
     mutation = args.mutation or "clean"
     return run(
         bounds,
@@ -150,7 +161,7 @@ def run(
         title += f"{bounds.groups} groups"
     else:
         title = f"kvgate prove: {bounds}"
-    title += "" if mutation == "clean" else f", mutation {mutation}"
+    title += "" if mutation == "clean" else f", mutation {options.kebab(mutation)}"
     print(title, file=stream, flush=True)
     table = _Table(stream)
     table.row("invariant", "op", "result", "seconds")
