@@ -403,8 +403,8 @@ def run_traces(
         for result in report.results:
             assert isinstance(result, TraceRunError)
             print(f"kvgate: error: {printable(result.message)}", file=sys.stderr)
-    report.finish(f"verdict: exit {code}: {dict(EXIT_CODES)[code]}")
-    logs.print_summary()
+    logged = logs.summary() if logs.verbosity > QUIET else None
+    report.finish(f"verdict: exit {code}: {dict(EXIT_CODES)[code]}", [logged] if logged else [])
 
     if junit_xml is not None:
         unloaded = [(str(error.path), str(error)) for error in invalid]

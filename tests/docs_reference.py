@@ -24,8 +24,10 @@ import argparse  # noqa: E402
 
 from kvgate import cli  # noqa: E402
 from kvgate.conformance.limits import DEFAULT_LIMITS, Limits  # noqa: E402
+from kvgate.conformance.schema import config_fields_table, group_fields_table  # noqa: E402
 from kvgate.errors import EXIT_CODES, EXIT_PRECEDENCE  # noqa: E402
 from kvgate.explore import command as explore_command  # noqa: E402
+from kvgate.explore.knobs import knobs_by_field  # noqa: E402
 from kvgate.invariants.catalogue import CATALOGUE, LEMMAS  # noqa: E402
 from kvgate.invariants.z3 import command as prove_command  # noqa: E402
 from kvgate.mutate import command as mutate_command  # noqa: E402
@@ -141,6 +143,10 @@ def flag_ranges_table() -> str:
 GENERATED: dict[str, dict[str, Callable[[], str]]] = {
     "README.md": {"exit-codes": exit_codes_table},
     "docs/reference/commands.md": {"commands": commands_reference},
+    "docs/reference/knobs.md": {
+        "config-fields": lambda: config_fields_table(knobs_by_field()),
+        "group-fields": group_fields_table,
+    },
     "docs/reference/limits.md": {
         "trace-limits": trace_limits_table,
         "flag-ranges": flag_ranges_table,

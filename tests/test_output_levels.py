@@ -42,6 +42,8 @@ def test_gate_on_vllm_keeps_vllms_lines_and_counts_them(
     assert "vllm WARNING" not in out + err
     assert "PASS mamba2-residency-metrics.hold-off" in out
     assert "vLLM logged 1 warning (all from traces); -v shows them" in out
+    # The counts stay the last line, for CI parsers.
+    assert out.splitlines()[-1] == "2 passed, 0 failed"
 
 
 @needs_vllm

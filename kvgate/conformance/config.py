@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 GroupKind = Literal["full_attention", "mamba_align"]
+GROUP_KINDS: tuple[GroupKind, ...] = get_args(GroupKind)
 # vLLM 0.33.0's `MambaCacheMode`: the modes its CacheConfig accepts.
-MAMBA_CACHE_MODES = ("align", "none")
+MambaCacheMode = Literal["align", "none"]
+MAMBA_CACHE_MODES: tuple[MambaCacheMode, ...] = get_args(MambaCacheMode)
 # vLLM's `kv_load_failure_policy` values (KVTransferConfig): `recompute`
 # (its default) recomputes what a failed load lost; `fail` ends the request.
-KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
+KvLoadFailurePolicy = Literal["recompute", "fail"]
+KV_LOAD_FAILURE_POLICIES: tuple[KvLoadFailurePolicy, ...] = get_args(KvLoadFailurePolicy)
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,9 @@ class GroupConfig:
 
 @dataclass(frozen=True)
 class Config:
+    """A trace's config; `schema.CONFIG_FIELDS` maps each trace field onto an
+    attribute (and states its default, vLLM setting and documentation)."""
+
     num_blocks: int
     hash_unit: int
     groups: tuple[GroupConfig, ...]
@@ -84,7 +90,7 @@ class Config:
     # caching; `none` (what the engine config sets without prefix caching)
     # gives a request one running state block plus its speculative blocks,
     # sized like attention's and freed below the last computed token.
-    mamba_cache_mode: str = "align"
+    mamba_cache_mode: MambaCacheMode = "align"
     # The Scheduler has a KV connector (trace field `kv_connector`): each
     # lookup runs its connector branch of admission (external tokens,
     # truncation of a local sub-block tail, async loads).
@@ -96,7 +102,7 @@ class Config:
     # The connector's `kv_load_failure_policy` (trace field of that name):
     # `recompute` retries or truncates a failed load, `fail` fails the
     # request (and evicts a failed sync load's blocks from the prefix cache).
-    kv_load_failure_policy: str = "recompute"
+    kv_load_failure_policy: KvLoadFailurePolicy = "recompute"
     # vLLM's `--kv-cache-metrics` (ObservabilityConfig.kv_cache_metrics): the
     # pool reports block residencies to a metrics collector, whose eviction
     # events the `residency` op drains; and its sample rate

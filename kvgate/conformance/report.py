@@ -104,9 +104,10 @@ class TerminalReport:
         self.invalid += 1
         self._line(f"ERROR {error}")
 
-    def finish(self, verdict_text: str = "") -> None:
-        """The details and the summary; `verdict_text` (what the exit code
-        means) goes on the line before the counts."""
+    def finish(self, verdict_text: str = "", notes: Sequence[str] = ()) -> None:
+        """The details and the summary; `notes` (e.g. how much vLLM logged)
+        and `verdict_text` (what the exit code means) go before the counts,
+        which stay the last line for CI parsers."""
         shown = {Verdict.DIVERGES, Verdict.LACKS} if self.explain_lacking else {Verdict.DIVERGES}
         diverged = [r for r in self.results if isinstance(r, ReplayResult) and verdict(r) in shown]
         for result in diverged:
@@ -119,6 +120,8 @@ class TerminalReport:
             self._line(line)
         for line in capability_lines(self.results, self.required):
             self._line(line)
+        for note in notes:
+            self._line(note)
         if verdict_text:
             self._line(verdict_text)
         self._line(summary_line(self.results, self.invalid))

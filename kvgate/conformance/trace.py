@@ -6,14 +6,10 @@ Everything is checked before anything is replayed, and every problem is a
 
 Choices the format leaves to the reader, fixed here:
 
-- `config`: `eagle`, `retain_checkpoint` and `retain_retired` default to false,
-  `hash_lookahead_tokens` to 0, `prefix_caching` to true;
-  `retention_interval` must be written (`null` = unset), because null and 0
-  are different modes and a silent default would hide which one a trace
-  tests; `scheduler_block_size` defaults to the largest `mamba_align` block
-  size; `max_model_len` and `max_num_scheduled_tokens` default to 8192;
-  `long_prefill_token_threshold` defaults to 0 (no cap), and its
-  `long_prefill_token_threshold_adaptive` to false.
+- `config`: each field's default is its row's in `schema.CONFIG_FIELDS`
+  (docs/reference/knobs.md lists them). `retention_interval` must be
+  written (`null` = unset), because null and 0 are different modes and a
+  silent default would hide which one a trace tests.
 - Step indices count from 0: `step 3` is `steps[3]`.
 - A `check` step's keys are fields of the step: `{op: check, free_blocks: 3}`.
   Its `holds` is the whole holds map (requests with `{}` count as holding
@@ -39,6 +35,7 @@ import yaml
 from yaml.nodes import MappingNode
 
 from kvgate.conformance.config import (
+    GROUP_KINDS,
     Config,
     GroupConfig,
     GroupKind,
@@ -77,10 +74,16 @@ from kvgate.conformance.scheduling import (
     EngineSettings,
     EngineStep,
 )
+from kvgate.conformance.schema import (
+    CONFIG_FIELDS,
+    CONFIG_KEYS,
+    FORMAT,
+    GROUP_KEYS,
+    REQUIRED_KEYS,
+    ConfigField,
+)
 from kvgate.conformance.tokens import MmItem
 from kvgate.errors import printable
-
-FORMAT = "kvgate-trace/1"
 
 _REQUIRED_KEYS = ("format", "name", "config", "steps")
 _OPTIONAL_KEYS = ("about", "expect_refused", "tags")
@@ -89,38 +92,8 @@ _ENGINE_REQUIRED_KEYS = ("format", "name", "config", "engine")
 _ENGINE_OPTIONAL_KEYS = ("about", "tags", "scheduler")
 _SCHEDULER_KEYS = ("spec", "max_num_seqs")
 
-_CONFIG_REQUIRED = ("num_blocks", "hash_unit", "retention_interval", "groups")
-_CONFIG_OPTIONAL = (
-    "scheduler_block_size",
-    "max_model_len",
-    "max_num_scheduled_tokens",
-    "eagle",
-    "hash_lookahead_tokens",
-    "retain_checkpoint",
-    "retain_retired",
-    "long_prefill_token_threshold",
-    "long_prefill_token_threshold_adaptive",
-    "shared_prefix_checkpoint",
-    "kv_events",
-    "kv_events_full",
-    "reserve_full_sequence",
-    "disable_log_stats",
-    "prefix_caching",
-    "mamba_cache_mode",
-    "kv_connector",
-    "kv_connector_divergent_hits",
-    "kv_load_failure_policy",
-    "kv_cache_metrics",
-    "kv_cache_metrics_sample",
-)
-_GROUP_KEYS = (
-    "kind",
-    "block_size",
-    "speculative_blocks",
-    "prefill_checkpoint_blocks",
-    "prefill_checkpoint_alignment",
-)
-_GROUP_KINDS = ("full_attention", "mamba_align")
+# The config keys as errors list them: the required ones first.
+_CONFIG_KEYS = REQUIRED_KEYS + tuple(k for k in CONFIG_KEYS if k not in REQUIRED_KEYS)
 _SEGMENT_KINDS = ("fresh", "all_of", "prompt_of", "tokens")
 
 # How much of a field (a key path, perhaps a hostile key) an error line shows.
@@ -696,7 +669,7 @@ class _Reader:
         if "expect_refused" not in doc:
             return None
         field = doc["expect_refused"]
-        keys = _CONFIG_REQUIRED + _CONFIG_OPTIONAL
+        keys = _CONFIG_KEYS
         if not isinstance(field, str) or field not in keys:
             raise self.error(
                 None, "expect_refused", f"{_got(field)} is not a config key ({', '.join(keys)})"
@@ -735,76 +708,15 @@ class _Reader:
     def read_config(self, raw: object, refused: str | None = None) -> Config:
         if not isinstance(raw, dict):
             raise self.error(None, "config", f"must be a mapping, got {_got(raw)}")
-        self.unknown_keys(None, "config.", raw, _CONFIG_REQUIRED + _CONFIG_OPTIONAL, "config key")
-        self.missing_keys(None, "config.", raw, _CONFIG_REQUIRED)
+        self.unknown_keys(None, "config.", raw, _CONFIG_KEYS, "config key")
+        self.missing_keys(None, "config.", raw, REQUIRED_KEYS)
 
-        def count(key: str, default: int | None = None) -> int:
-            value = raw.get(key, default)
-            if not _is_count(value):
-                raise self.error(
-                    None, f"config.{key}", f"must be an integer >= 0, got {_got(value)}"
-                )
-            return value
-
-        def flag(key: str, default: bool = False) -> bool:
-            value = raw.get(key, default)
-            if not isinstance(value, bool):
-                raise self.error(None, f"config.{key}", f"must be true or false, got {_got(value)}")
-            return value
-
-        def word(key: str, default: str) -> str:
-            # Any string reads: one outside the modelled set is refused by name.
-            value = raw.get(key, default)
-            if not isinstance(value, str):
-                raise self.error(None, f"config.{key}", f"must be a string, got {_got(value)}")
-            return value
-
-        def rate(key: str) -> float:
-            # Any number reads: one outside (0, 1] is vLLM's to refuse.
-            value = raw.get(key, 1.0)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise self.error(None, f"config.{key}", f"must be a number, got {_got(value)}")
-            return float(value)
-
-        retention = raw["retention_interval"]
-        # Any integer reads: a negative one is vLLM's to refuse (`validate`).
-        if retention is not None and type(retention) is not int:
-            raise self.error(
-                None,
-                "config.retention_interval",
-                f"must be null or an integer, got {_got(retention)}",
-            )
         groups = self.read_groups(raw["groups"])
-        mamba_sizes = [g.block_size for g in groups if g.kind == "mamba_align"]
-        # Without a mamba group `validate` refuses the config; any default will do.
-        default_scheduler = max(mamba_sizes or [g.block_size for g in groups] or [1])
-        config = Config(
-            num_blocks=count("num_blocks"),
-            hash_unit=count("hash_unit"),
-            groups=groups,
-            eagle=flag("eagle"),
-            hash_lookahead_tokens=count("hash_lookahead_tokens", 0),
-            retention_interval=retention,
-            hold=flag("retain_checkpoint"),
-            hold_retired=flag("retain_retired"),
-            shared_prefix_checkpoint=flag("shared_prefix_checkpoint"),
-            kv_events=flag("kv_events"),
-            kv_events_full=flag("kv_events_full"),
-            reserve_full_sequence=flag("reserve_full_sequence"),
-            disable_log_stats=flag("disable_log_stats"),
-            prefix_caching=flag("prefix_caching", True),
-            mamba_cache_mode=word("mamba_cache_mode", "align"),
-            kv_connector=flag("kv_connector"),
-            kv_connector_divergent_hits=flag("kv_connector_divergent_hits"),
-            kv_load_failure_policy=word("kv_load_failure_policy", "recompute"),
-            kv_cache_metrics=flag("kv_cache_metrics"),
-            kv_cache_metrics_sample=rate("kv_cache_metrics_sample"),
-            scheduler_block_size=count("scheduler_block_size", default_scheduler),
-            max_model_len=count("max_model_len", 8192),
-            max_num_scheduled_tokens=count("max_num_scheduled_tokens", 8192),
-            long_prefill_token_threshold=count("long_prefill_token_threshold", 0),
-            long_prefill_token_threshold_adaptive=flag("long_prefill_token_threshold_adaptive"),
-        )
+        values: dict[str, Any] = {"groups": groups}
+        for field in CONFIG_FIELDS:
+            if field.read_as != "groups":
+                values[field.attribute] = self.config_value(raw, field, groups)
+        config = Config(**values)
         try:
             # A refusal trace's config is the verdict's to refuse, by which
             # field (`refusal.py`), not the reader's.
@@ -818,6 +730,34 @@ class _Reader:
             )
         return config
 
+    def config_value(
+        self, raw: Mapping[Any, Any], field: ConfigField, groups: tuple[GroupConfig, ...]
+    ) -> Any:
+        """One config field's value, as its row says to read it."""
+        if field.key in raw:
+            value = raw[field.key]
+        elif field.derive_default is not None:
+            value = field.derive_default(groups)
+        else:
+            value = field.default
+        where = f"config.{field.key}"
+        if field.read_as == "count" and not _is_count(value):
+            raise self.error(None, where, f"must be an integer >= 0, got {_got(value)}")
+        if field.read_as == "flag" and not isinstance(value, bool):
+            raise self.error(None, where, f"must be true or false, got {_got(value)}")
+        if field.read_as == "word" and not isinstance(value, str):
+            # Any string reads: one outside `choices` is refused by name (`validate`).
+            raise self.error(None, where, f"must be a string, got {_got(value)}")
+        if field.read_as == "rate":
+            # Any number reads: one outside (0, 1] is vLLM's to refuse.
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise self.error(None, where, f"must be a number, got {_got(value)}")
+            return float(value)
+        # Any integer reads: a negative one is vLLM's to refuse (`validate`).
+        if field.read_as == "interval" and value is not None and type(value) is not int:
+            raise self.error(None, where, f"must be null or an integer, got {_got(value)}")
+        return value
+
     def read_groups(self, raw: object) -> tuple[GroupConfig, ...]:
         if not isinstance(raw, list):
             raise self.error(None, "config.groups", f"must be a list, got {_got(raw)}")
@@ -826,12 +766,12 @@ class _Reader:
             where = f"config.groups[{i}]"
             if not isinstance(group, dict):
                 raise self.error(None, where, f"must be a mapping, got {_got(group)}")
-            self.unknown_keys(None, f"{where}.", group, _GROUP_KEYS, "group key")
+            self.unknown_keys(None, f"{where}.", group, GROUP_KEYS, "group key")
             self.missing_keys(None, f"{where}.", group, ("kind", "block_size"))
             kind = group["kind"]
-            if kind not in _GROUP_KINDS:
+            if kind not in GROUP_KINDS:
                 raise self.error(
-                    None, f"{where}.kind", f"{_got(kind)} is not one of {', '.join(_GROUP_KINDS)}"
+                    None, f"{where}.kind", f"{_got(kind)} is not one of {', '.join(GROUP_KINDS)}"
                 )
             sizes: list[int] = []
             for key in ("block_size", "speculative_blocks", "prefill_checkpoint_blocks"):

@@ -11,63 +11,20 @@ import yaml
 
 from kvgate.conformance.config import Config, GroupConfig
 from kvgate.conformance.ops import ACTIONS, Segment, Step
-
-FORMAT = "kvgate-trace/1"
+from kvgate.conformance.schema import CONFIG_FIELDS, FORMAT
 
 
 def config_dict(config: Config) -> dict[str, Any]:
-    return {
-        "num_blocks": config.num_blocks,
-        "hash_unit": config.hash_unit,
-        "scheduler_block_size": config.scheduler_block_size,
-        "max_model_len": config.max_model_len,
-        "max_num_scheduled_tokens": config.max_num_scheduled_tokens,
-        "eagle": config.eagle,
-        **(
-            {"hash_lookahead_tokens": config.hash_lookahead_tokens}
-            if config.hash_lookahead_tokens
-            else {}
-        ),
-        "retention_interval": config.retention_interval,
-        "retain_checkpoint": config.hold,
-        # Additive: written only when on, so older traces read back unchanged.
-        **({"retain_retired": True} if config.hold_retired else {}),
-        **(
-            {"long_prefill_token_threshold": config.long_prefill_token_threshold}
-            if config.long_prefill_token_threshold
-            else {}
-        ),
-        **(
-            {"long_prefill_token_threshold_adaptive": True}
-            if config.long_prefill_token_threshold_adaptive
-            else {}
-        ),
-        **({"shared_prefix_checkpoint": True} if config.shared_prefix_checkpoint else {}),
-        **({"kv_events": True} if config.kv_events else {}),
-        **({"kv_events_full": True} if config.kv_events_full else {}),
-        **({"reserve_full_sequence": True} if config.reserve_full_sequence else {}),
-        **({"disable_log_stats": True} if config.disable_log_stats else {}),
-        **({"prefix_caching": False} if not config.prefix_caching else {}),
-        **(
-            {"mamba_cache_mode": config.mamba_cache_mode}
-            if config.mamba_cache_mode != "align"
-            else {}
-        ),
-        **({"kv_connector": True} if config.kv_connector else {}),
-        **({"kv_connector_divergent_hits": True} if config.kv_connector_divergent_hits else {}),
-        **(
-            {"kv_load_failure_policy": config.kv_load_failure_policy}
-            if config.kv_load_failure_policy != "recompute"
-            else {}
-        ),
-        **({"kv_cache_metrics": True} if config.kv_cache_metrics else {}),
-        **(
-            {"kv_cache_metrics_sample": config.kv_cache_metrics_sample}
-            if config.kv_cache_metrics_sample != 1.0
-            else {}
-        ),
-        "groups": [group_dict(g) for g in config.groups],
-    }
+    """A config as a trace's `config` mapping: each field as its row in
+    `schema.CONFIG_FIELDS` says to write it."""
+    out: dict[str, Any] = {}
+    for field in CONFIG_FIELDS:
+        value = getattr(config, field.attribute)
+        if field.read_as == "groups":
+            out[field.key] = [group_dict(g) for g in value]
+        elif field.write == "always" or value != field.default:
+            out[field.key] = value
+    return out
 
 
 def group_dict(group: GroupConfig) -> dict[str, Any]:

@@ -8,8 +8,11 @@ is the seed's, so a drawn config shrinks toward the seed's.
 
 To add a knob: append a `Knob` to `KNOBS` (its `set` returns the config
 with that feature set; knobs apply in order, so one that reads another's
-effect comes after it). `stratum=True` makes it an axis of the campaign
-matrix (`kvgate explore --jobs`): give it few values.
+effect comes after it), naming in `fields` the trace config fields it sets
+(`field_knob` builds one that sets a single field to each value).
+`stratum=True` makes it an axis of the campaign matrix (`kvgate explore
+--jobs`): give it few values. Every config field is either set by a knob or
+says in its schema row why it is not explored (`tests/test_config_schema.py`).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import Any
 from hypothesis import strategies as st
 
 from kvgate.conformance.config import Config, GroupConfig
+from kvgate.conformance.schema import BY_KEY
 
 HASH_UNIT = 8
 
@@ -94,6 +98,8 @@ class Knob:
     name: str
     values: tuple[Any, ...]
     set: Callable[[Config, Any], Config]
+    # The trace config fields (`schema.CONFIG_FIELDS` keys) it sets.
+    fields: tuple[str, ...] = ()
     # An axis of the campaign matrix (else drawn inside every stratum).
     stratum: bool = False
     # Drawn from this instead of `values` when the knob is on (a range);
@@ -114,6 +120,12 @@ class Knob:
 
     def draw_from(self) -> st.SearchStrategy[Any]:
         return self.strategy if self.strategy is not None else st.sampled_from(self.values)
+
+
+def field_knob(key: str, values: tuple[Any, ...], **options: Any) -> Knob:
+    """A knob that sets one config field (named by its trace key) to each value."""
+    attribute = BY_KEY[key].attribute
+    return Knob(key, values, lambda c, v: replace(c, **{attribute: v}), fields=(key,), **options)
 
 
 def _prefill_checkpoint(config: Config, value: tuple[int, int | None]) -> Config:
@@ -150,13 +162,16 @@ def _kv_connector(config: Config, value: str) -> Config:
     )
 
 
+# The knobs that reshape the groups.
+_GROUPS = ("groups",)
+
 KNOBS: tuple[Knob, ...] = (
-    Knob("mamba_groups", (1, 2), _mamba_groups, stratum=True),
-    Knob("mamba_block", (32, 64), _mamba_block),
-    Knob("attention_block", (8, 16), _attention_block),
-    Knob("speculative_blocks", (3, 0, 1), _speculative, stratum=True),
-    Knob("eagle", (True, False), lambda c, v: replace(c, eagle=v), stratum=True),
-    Knob("retention_interval", (0, None, 2, 4, 1), _retention),
+    Knob("mamba_groups", (1, 2), _mamba_groups, fields=_GROUPS, stratum=True),
+    Knob("mamba_block", (32, 64), _mamba_block, fields=(*_GROUPS, "scheduler_block_size")),
+    Knob("attention_block", (8, 16), _attention_block, fields=_GROUPS),
+    Knob("speculative_blocks", (3, 0, 1), _speculative, fields=_GROUPS, stratum=True),
+    field_knob("eagle", (True, False), stratum=True),
+    Knob("retention_interval", (0, None, 2, 4, 1), _retention, fields=("retention_interval",)),
     # Prefill checkpoint blocks as deployments set them: none (GDN on
     # Triton), one on the 64-token grid (GDN on FlashInfer), one at
     # alignment 1 (Mamba2 layers); a grid of two hash units besides.
@@ -164,64 +179,63 @@ KNOBS: tuple[Knob, ...] = (
         "prefill_checkpoint",
         ((0, None), (1, 64), (1, 1), (1, 2 * HASH_UNIT)),
         _prefill_checkpoint,
+        fields=_GROUPS,
     ),
+    field_knob("shared_prefix_checkpoint", (False, True)),
     Knob(
-        "shared_prefix_checkpoint",
-        (False, True),
-        lambda c, v: replace(c, shared_prefix_checkpoint=v),
+        "long_prefill_token_threshold",
+        (0, 48, None),
+        _long_prefill,
+        fields=("long_prefill_token_threshold",),
     ),
-    Knob("long_prefill_token_threshold", (0, 48, None), _long_prefill),
     # Acts only with a threshold (as in vLLM): the cap's fair-share floor.
-    Knob(
-        "long_prefill_token_threshold_adaptive",
-        (False, True),
-        lambda c, v: replace(c, long_prefill_token_threshold_adaptive=v),
-    ),
-    Knob(
-        "num_blocks",
-        (32, 64, 128),
-        lambda c, v: replace(c, num_blocks=v),
-        strategy=st.integers(32, 128),
-    ),
-    Knob(
-        "max_num_scheduled_tokens",
-        (8192, 64, 32),
-        lambda c, v: replace(c, max_num_scheduled_tokens=v),
-    ),
+    field_knob("long_prefill_token_threshold_adaptive", (False, True)),
+    field_knob("num_blocks", (32, 64, 128), strategy=st.integers(32, 128)),
+    field_knob("max_num_scheduled_tokens", (8192, 64, 32)),
     # KV-cache events queued for the `events` op; "full": every request also
     # asks for kv_cache_report_mode full (its hits reported as BlockStored).
     Knob(
         "kv_events",
         (False, True, "full"),
         lambda c, v: replace(c, kv_events=bool(v), kv_events_full=v == "full"),
+        fields=("kv_events", "kv_events_full"),
     ),
     # The scheduler's full-sequence admission gate (`scheduler_reserve_full_isl`).
-    Knob(
-        "reserve_full_sequence",
-        (False, True),
-        lambda c, v: replace(c, reserve_full_sequence=v),
-    ),
+    field_knob("reserve_full_sequence", (False, True)),
     # vLLM's default for an EAGLE/MTP drafter: lookahead block hashes (L = 1)
     # instead of the trailing-block drop; only with eagle (else 0).
     Knob(
         "hash_lookahead_tokens",
         (0, 1),
         lambda c, v: replace(c, hash_lookahead_tokens=v if c.eagle else 0),
+        fields=("hash_lookahead_tokens",),
     ),
     # A single group, no attention (the unitary coordinator); after the
     # Mamba block size it reads.
-    Knob("pure_mamba", (False, True), _pure_mamba, only_with=(("mamba_groups", 1),)),
+    Knob(
+        "pure_mamba",
+        (False, True),
+        _pure_mamba,
+        fields=(*_GROUPS, "hash_unit", "scheduler_block_size"),
+        only_with=(("mamba_groups", 1),),
+    ),
     # vLLM's `enable_prefix_caching` off: the no-prefix-cache coordinator,
     # with Mamba in cache mode none, as the engine config then sets it.
     Knob(
         "prefix_caching",
         (True, False),
         lambda c, v: replace(c, prefix_caching=v, mamba_cache_mode="align" if v else "none"),
+        fields=("prefix_caching", "mamba_cache_mode"),
     ),
     # A KV connector: none, one reading the agreed local hit (LMCache-like),
     # or one taking per-group hits (NIXL-like); the machine's connector rule
     # then scripts what it holds.
-    Knob("kv_connector", ("off", "on", "divergent_hits"), _kv_connector),
+    Knob(
+        "kv_connector",
+        ("off", "on", "divergent_hits"),
+        _kv_connector,
+        fields=("kv_connector", "kv_connector_divergent_hits"),
+    ),
     # The connector's kv_load_failure_policy (after the connector, which it
     # needs): a failed load retried (`recompute`, vLLM's default) or failing
     # its request (`fail`).
@@ -229,11 +243,12 @@ KNOBS: tuple[Knob, ...] = (
         "kv_load_failure_policy",
         ("recompute", "fail"),
         lambda c, v: replace(c, kv_load_failure_policy=v if c.kv_connector else "recompute"),
+        fields=("kv_load_failure_policy",),
         only_with=(("kv_connector", frozenset({"on", "divergent_hits"})),),
     ),
     # vLLM's --kv-cache-metrics (every block sampled): the residency
     # metrics' eviction events, drained by the `residency` op.
-    Knob("kv_cache_metrics", (False, True), lambda c, v: replace(c, kv_cache_metrics=v)),
+    field_knob("kv_cache_metrics", (False, True)),
 )
 KNOB_NAMES = tuple(k.name for k in KNOBS)
 
@@ -363,3 +378,12 @@ def configs(
         which = zlib.crc32(repr(config).encode())
         config = broken(config, BREAKABLE[which % len(BREAKABLE)], which // len(BREAKABLE))
     return config
+
+
+def knobs_by_field() -> dict[str, list[str]]:
+    """The knobs that vary each config field (by trace key)."""
+    found: dict[str, list[str]] = {}
+    for knob in KNOBS:
+        for key in knob.fields:
+            found.setdefault(key, []).append(knob.name)
+    return found

@@ -37,9 +37,14 @@ import tempfile
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
-from kvgate.conformance.config import Config, NotModelled, UnsupportedConfig
+from kvgate.conformance.config import (
+    Config,
+    KvLoadFailurePolicy,
+    NotModelled,
+    UnsupportedConfig,
+)
 from kvgate.conformance.scheduling import PrefillStats, ScheduledStep
 from kvgate.conformance.snapshot import Snapshot
 from kvgate.conformance.target import Capabilities, StepRefused
@@ -100,7 +105,7 @@ class ConnectorSettings:
     role: Literal["kv_both", "kv_consumer", "kv_producer"] = "kv_both"
     # vLLM's kv_load_failure_policy: "recompute" reloads or recomputes what a
     # failed load lost; "fail" ends the request with an error.
-    load_failure_policy: Literal["recompute", "fail"] = "recompute"
+    load_failure_policy: KvLoadFailurePolicy = "recompute"
     # vLLM's `supports_divergent_local_hybrid_hits` (trace config
     # `kv_connector_divergent_hits`).
     divergent_hits: bool = False
@@ -393,9 +398,7 @@ class VllmScheduler:
             raise UnsupportedConfig("eagle", "the eagle drop needs draft tokens (spec > 0)")
         if connector is None and config.kv_connector:
             connector = ConnectorSettings(
-                load_failure_policy=cast(
-                    Literal["recompute", "fail"], config.kv_load_failure_policy
-                ),
+                load_failure_policy=config.kv_load_failure_policy,
                 divergent_hits=config.kv_connector_divergent_hits,
             )
         if connector is not None and config.hash_lookahead_tokens:

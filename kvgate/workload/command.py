@@ -35,6 +35,7 @@ from kvgate.conformance.config import KV_LOAD_FAILURE_POLICIES, Config, Unsuppor
 from kvgate.conformance.replay import LEVELS, Level
 from kvgate.conformance.report import capabilities_line
 from kvgate.conformance.scheduling import SchedulerTarget
+from kvgate.conformance.schema import config_default
 from kvgate.conformance.target import Target
 from kvgate.errors import InputError
 from kvgate.targets import SCHEDULER_TARGETS
@@ -96,7 +97,7 @@ def add_workload_arguments(parser: argparse.ArgumentParser, scale: int, units: s
     )
     parser.add_argument(
         "--kv-load-failure-policy",
-        default="recompute",
+        default=config_default("kv_load_failure_policy"),
         choices=KV_LOAD_FAILURE_POLICIES,
         help="with --kv-connector, as vLLM's flag: recompute (default) looks a request up again "
         "after its async load failed; fail ends it with an error (the session's next turn "
@@ -145,7 +146,9 @@ def workload_of(args: argparse.Namespace) -> tuple[Workload, Deployment]:
     )
     if args.kv_connector_divergent_hits and not args.kv_connector:
         raise InputError("--kv-connector-divergent-hits: needs --kv-connector")
-    if args.kv_load_failure_policy != "recompute" and not args.kv_connector:
+    if args.kv_load_failure_policy != config_default("kv_load_failure_policy") and not (
+        args.kv_connector
+    ):
         raise InputError("--kv-load-failure-policy: needs --kv-connector")
     deployment = Deployment(
         build=args.build,
@@ -273,7 +276,11 @@ def run(args: argparse.Namespace) -> int:
         f"workload-{workload.sessions}x{workload.turns}-seed{workload.seed}{scale}-{args.build}"
         + ("-kv-connector" if args.kv_connector else "")
         + ("-divergent" if args.kv_connector_divergent_hits else "")
-        + (f"-{args.kv_load_failure_policy}" if args.kv_load_failure_policy != "recompute" else "")
+        + (
+            f"-{args.kv_load_failure_policy}"
+            if args.kv_load_failure_policy != config_default("kv_load_failure_policy")
+            else ""
+        )
         + ("-no-prefix-caching" if args.no_enable_prefix_caching else "")
     )
     # The header names the hold implementation when a hold-on arm ran.

@@ -28,7 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from kvgate.conformance.config import Config, GroupConfig, validate
+from kvgate.conformance.config import Config, GroupConfig, KvLoadFailurePolicy, validate
+from kvgate.conformance.schema import config_default
 
 GIB = 1 << 30
 
@@ -85,23 +86,18 @@ class Deployment:
     max_num_seqs: int = 16
     max_model_len: int = 131072
     build: Build = "fork"
-    # A KV connector (an offloading store) beside the prefix cache: each
-    # request's external hit drawn (sync or async), every lookup running the
-    # Scheduler's connector branch. Off: the workload as measured.
-    kv_connector: bool = False
-    # ... one that restores lagging Mamba states (vLLM's
-    # `supports_divergent_local_hybrid_hits`, as NIXL's): the Scheduler's local
-    # lookup is then per group.
-    kv_connector_divergent_hits: bool = False
-    # ... and its load-failure policy (vLLM's `--kv-load-failure-policy`):
-    # `recompute` looks a request up again after its async load failed,
-    # `fail` ends it with an error (trace config `kv_load_failure_policy`).
-    kv_load_failure_policy: str = "recompute"
-    # vLLM's `enable_prefix_caching`. Off (`--no-enable-prefix-caching`), the
-    # engine config runs every Mamba layer in cache mode `none` with its block
-    # `max_model_len` long (its only size there), and the scheduler block is
-    # the groups' lcm: `config()` sets all three, as vLLM resolves them.
-    prefix_caching: bool = True
+    # The deployment's settings that are trace config fields of the same
+    # name (docs/reference/knobs.md says what each is), at the config's
+    # defaults. A KV connector here is an offloading store beside the prefix
+    # cache: each request's external hit is drawn (sync or async). Without
+    # prefix caching, the engine config runs every Mamba layer in cache mode
+    # `none` with its block `max_model_len` long (its only size there), and
+    # the scheduler block is the groups' lcm: `config()` sets all three, as
+    # vLLM resolves them.
+    kv_connector: bool = config_default("kv_connector")
+    kv_connector_divergent_hits: bool = config_default("kv_connector_divergent_hits")
+    kv_load_failure_policy: KvLoadFailurePolicy = config_default("kv_load_failure_policy")
+    prefix_caching: bool = config_default("prefix_caching")
     # Every token quantity below is divided by this (see `scaled`).
     scale: int = 1
 

@@ -20,6 +20,7 @@ from typing import cast
 from kvgate.conformance.config import Config
 from kvgate.conformance.driver import OpDriver
 from kvgate.conformance.replay import Level, ReplayResult, TargetFactory, replay
+from kvgate.conformance.schema import config_default
 from kvgate.conformance.target import Capabilities, Target
 from kvgate.conformance.trace import Trace, TraceError, load_trace
 from kvgate.conformance.writer import save_trace
@@ -64,7 +65,7 @@ def trace_name(workload: Workload, deployment: Deployment, arm: Arm) -> str:
         + ("-divergent" if deployment.kv_connector_divergent_hits else "")
         + (
             f"-{deployment.kv_load_failure_policy}"
-            if deployment.kv_load_failure_policy != "recompute"
+            if deployment.kv_load_failure_policy != config_default("kv_load_failure_policy")
             else ""
         )
         + f".hold-{hold}"
