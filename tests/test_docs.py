@@ -6,6 +6,7 @@ tutorial says."""
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import os
 import re
@@ -13,6 +14,7 @@ import subprocess
 import sys
 from contextlib import redirect_stdout
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 from docs_reference import stale_parts
@@ -114,3 +116,29 @@ def test_the_tutorial_trace_replays_as_the_tutorial_says(
     )
     code, printed = run_kvgate(["replay", str(hold_off), "--target", "model"], monkeypatch)
     assert code == 0, printed
+
+
+def load_results_module() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("results", ROOT / "benchmarks" / "results.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["results"] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+STAMP = r"^Generated \d{4}-\d\d-\d\d \d\d:\d\d UTC in \d+ s on .+, by:$"
+
+
+def test_the_results_page_is_generated() -> None:
+    """Every section of docs/results.md is one benchmarks/results.py writes,
+    stamped with when, where and by which commands it was made."""
+    results = load_results_module()
+    sections = results.page_sections((DOCS / "results.md").read_text(encoding="utf-8"))
+    known = {s.name: s for s in results.SECTIONS}
+    assert sections, "docs/results.md has no generated section"
+    for name, body in sections.items():
+        assert name in known, f"docs/results.md: section {name!r} is not one results.py writes"
+        assert re.search(STAMP, body, re.M), f"docs/results.md: section {name!r} is unstamped"
+        for command in known[name].commands:
+            assert f"    {command.replace(results.PY, 'python')}\n" in body, (name, command)

@@ -201,8 +201,8 @@ def test_the_command_line_reports_a_malformed_trace_in_one_line(tmp_path: Path) 
 def test_the_corpus_covers_the_families_both_arms_and_the_scheduler_paths() -> None:
     names = set(ids(CORPUS))
     for family in ("gdn-triton", "gdn-flashinfer", "mamba2"):
-        for arm in ("on", "off"):
-            assert f"sched-{family}-next-turn-after-burst.hold-{arm}" in names
+        for arm in ("hold-on", "hold-off", "fork.hold-on", "fork.hold-off"):
+            assert f"sched-{family}-next-turn-after-burst.{arm}" in names
     assert {
         "sched-preempt-under-pressure-and-resume",
         "sched-abort-mid-prefill",
@@ -223,23 +223,35 @@ def test_every_scheduler_trace_conforms_on_the_model(trace: Trace) -> None:
     assert result.passed, result.divergence
 
 
+def cached_a2(trace: Trace) -> list[int]:
+    """The follow-up A2's expected cached tokens."""
+    return [
+        e.expect["cached_tokens"]["A2"]
+        for e in trace.engine
+        if "A2" in e.expect.get("cached_tokens", {})
+    ]
+
+
 def test_each_hold_on_trace_shows_the_hold() -> None:
     """Its follow-up A2 has cached tokens with the hold, none without."""
     for trace in CORPUS:
-        if not trace.config.hold:
+        if not trace.config.hold or trace.config.hold_retired:
             continue
         off = by_name(trace.name.replace(".hold-on", ".hold-off"))
-        with_hold = [
-            e.expect["cached_tokens"]["A2"]
-            for e in trace.engine
-            if "A2" in e.expect.get("cached_tokens", {})
-        ]
-        without = [
-            e.expect["cached_tokens"]["A2"]
-            for e in off.engine
-            if "A2" in e.expect.get("cached_tokens", {})
-        ]
+        with_hold = cached_a2(trace)
+        without = cached_a2(off)
         assert with_hold[0] > 0 and without == [0], trace.name
+
+
+def test_the_forks_retention_alone_resumes_where_prefill_checkpoints_export_the_tail() -> None:
+    """Without the hold, the fork's retention resumes A2 at A1's tail on
+    Mamba2 and GDN on FlashInfer (as the hold does), and not on Triton."""
+    for family, resumes in (("mamba2", True), ("gdn-flashinfer", True), ("gdn-triton", False)):
+        name = f"sched-{family}-next-turn-after-burst"
+        with_hold = cached_a2(by_name(f"{name}.hold-on"))
+        assert cached_a2(by_name(f"{name}.fork.hold-on")) == with_hold
+        fork_alone = cached_a2(by_name(f"{name}.fork.hold-off"))
+        assert fork_alone == (with_hold if resumes else [0]), name
 
 
 def test_a_model_that_reports_cached_tokens_wrongly_misses_the_expectation(
@@ -268,7 +280,7 @@ def run_vllm(trace: Trace, wrap: Callable[[Any], SchedulerTarget] | None = None)
         trace.config,
         spec_tokens=trace.scheduler.spec,
         max_num_seqs=trace.scheduler.max_num_seqs,
-        plugin=PLUGIN if trace.config.hold else None,
+        plugin=PLUGIN if trace.config.hold or trace.config.hold_retired else None,
     )
     try:
         return replay_scheduler(
@@ -352,6 +364,29 @@ def test_a_hold_on_trace_fails_its_expectations_on_upstream_vllm() -> None:
     assert result.notes == (HOLD_NOTE,)
     assert result.failures and all(d.level == "expect" for d in result.failures)
     assert "cached_tokens" in {d.what for d in result.failures}
+
+
+@needs_vllm
+@pytest.mark.usefixtures("upstream")
+def test_a_fork_trace_lacks_the_retention_on_upstream_vllm() -> None:
+    """Without the retention the lockstep model runs with it off (and says
+    so): only the trace's own expectations fail, so the verdict is LACKS."""
+    from kvgate.conformance.replay import RETIRE_NOTE
+    from kvgate.conformance.verdict import Verdict, verdict
+    from kvgate.impl.vllm_scheduler import VllmScheduler
+
+    trace = by_name("sched-mamba2-next-turn-after-burst.fork.hold-off")
+    assert trace.scheduler is not None
+    real = VllmScheduler(
+        trace.config, spec_tokens=trace.scheduler.spec, max_num_seqs=trace.scheduler.max_num_seqs
+    )
+    try:
+        result = replay_scheduler(trace, SchedulerModel, real, "strict")
+    finally:
+        real.close()
+    assert result.notes == (RETIRE_NOTE,)
+    assert "cached_tokens" in {d.what for d in result.failures}
+    assert verdict(result) is Verdict.LACKS
 
 
 def test_a_manager_replay_refuses_a_scheduler_level_trace() -> None:
