@@ -306,21 +306,53 @@ def test_the_stage_table_counts_each_stage_and_names_the_first_catch() -> None:
     by_workload = judge(FAULTS[2], run("y", True, clean, diverged), "", baseline, 1.0)
     by_none = judge(FAULTS[3], run("z", True, clean, in_lockstep), "", baseline, 1.0)
     assert [r.first_stage for r in (by_corpus, by_exploration, by_workload, by_none)] == [
-        *STAGES,
+        STAGES[0],
+        STAGES[2],
+        STAGES[3],
         "",
     ]
     lines = stage_table(Campaign(baseline, [by_corpus, by_exploration, by_workload, by_none]))
-    rows = {line.split("  ")[1].strip(): line.split()[-3:] for line in lines[2:5]}
-    # The corpus ran on all four; the exploration on the three it missed; the
-    # workload on the two both missed.
+    rows = {line.split("  ")[1].strip(): line.split()[-3:] for line in lines[2:6]}
+    # The corpus ran on all four; no scheduler-level trace counts here; the
+    # exploration ran on the three the corpus missed; the workload on the
+    # two both missed.
     assert rows == {
         STAGES[0]: ["4", "1", "1"],
-        STAGES[1]: ["3", "1", "1"],
-        STAGES[2]: ["2", "1", "1"],
+        STAGES[1]: ["0", "0", "0"],
+        STAGES[2]: ["3", "1", "1"],
+        STAGES[3]: ["2", "1", "1"],
     }
-    assert lines[5].split()[-1] == "1"  # caught by no stage
+    assert lines[6].split()[-1] == "1"  # caught by no stage
     assert f"  {FAULTS[3].name:<38} none" in lines
-    assert f"  {FAULTS[2].name:<38} {STAGES[2]}" in lines
+    assert f"  {FAULTS[2].name:<38} {STAGES[3]}" in lines
+    # A scheduler-level trace that passes unmutated and diverges with the
+    # fault catches it, after the manager-level corpus and before the rest.
+    passes, diverges = _outcome("s"), _outcome("s", False)
+    with_traces = Baseline(replace(baseline.run, scheduler_traces=(passes,)), 1.0)
+    caught = judge(
+        FAULTS[4], replace(run("v", True, None, None), scheduler_traces=(diverges,)), "",
+        with_traces, 1.0,
+    )  # fmt: skip
+    assert caught.catch is not None and caught.catch.stage == "scheduler trace"
+    assert caught.first_stage == STAGES[1]
+
+
+@needs_vllm
+def test_the_scheduler_level_corpus_catches_a_scheduler_fault_the_manager_corpus_cannot() -> None:
+    """Preempting the oldest running request instead of the newest: a trace
+    of preemption under pressure passes on stock vLLM and diverges with it."""
+    from kvgate.mutate.campaign import _replay_on_scheduler, _scheduler_corpus
+
+    [trace] = [
+        t
+        for t in _scheduler_corpus(bundled_corpus())
+        if t.name == "sched-preempt-under-pressure-and-resume"
+    ]
+    stock = _replay_on_scheduler(trace, "strict")
+    assert stock.passed, stock.failure
+    with injected(BY_NAME["sched-preempts-oldest"]):
+        mutated = _replay_on_scheduler(trace, "strict")
+    assert not mutated.passed and mutated.failure
 
 
 def test_a_hung_or_dead_child_is_not_a_catch() -> None:

@@ -68,6 +68,23 @@ def configs(draw: st.DrawFn) -> Config:
     )
 
 
+@dataclass(frozen=True)
+class AbstractStep:
+    op: str
+    r: int | None
+    pre: Values
+    post: Values
+
+
+def _with_ghosts(ghosts: Values, observed: Values) -> Values:
+    """Every field: the observed values, the carried ghosts for the rest
+    (`block_group` is partly observed, as `Drift.step` merges it)."""
+    out = {name: dict(values) for name, values in ghosts.items()}
+    for name, values in observed.items():
+        out[name] = {**out.get(name, {}), **values}
+    return out
+
+
 @dataclass
 class Run:
     config: Config
@@ -78,10 +95,15 @@ class Run:
     seen: set[str] = field(default_factory=set)  # what the run exercised
     tails: dict[tuple[int, int], int] = field(default_factory=dict)  # keyed this life
     in_hypothesis: bool = True  # report what the run exercised as Hypothesis events
+    # Each admitted step in the bounded vocabulary, ghosts included (as the
+    # bounded transition that admitted it chose them).
+    abstract_steps: list[AbstractStep] = field(default_factory=list)
+
+    requests: int = MAX_REQUESTS  # the encoding's request slots
 
     def __post_init__(self) -> None:
         self.model = ModelTarget(self.config)
-        self.bounds = bounds_of(self.config, MAX_REQUESTS)
+        self.bounds = bounds_of(self.config, self.requests)
         self.drift = Drift(self.bounds)
 
     def names_for(self, step: Step) -> dict[str, int]:
@@ -100,7 +122,16 @@ class Run:
             return None
         self.steps.append(step)
         after = observe(self.model, names, self.bounds)
+        ghosts = self.drift.ghosts
         verdict = self.drift.step(step.op, acting(step.op, step.req, names), before, after)
+        self.abstract_steps.append(
+            AbstractStep(
+                step.op,
+                acting(step.op, step.req, names),
+                _with_ghosts(ghosts, before),
+                _with_ghosts(self.drift.ghosts, after),
+            )
+        )
         assert not verdict.not_admitted, self.report(f"not admitted: {verdict.not_admitted}")
         assert not verdict.violated, self.report(f"properties violated: {verdict.violated}")
         moved = step.op in ("allocate", "decode1") and any(

@@ -27,7 +27,17 @@ hold's) if newer than the request's hold, which it then supersedes.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from kvgate.model.pool import Block, BlockPool
+
+
+class Held(NamedTuple):
+    """A request's hold in one Mamba group: the held block and the token
+    position of the state it keeps (a newer position supersedes it)."""
+
+    position: int
+    block: Block
 
 
 class Holds:
@@ -35,10 +45,10 @@ class Holds:
         self.pool = pool
         self.enabled = enabled
         self.retire_enabled = retire_enabled
-        # group id -> request id -> (token position, held block)
-        self.by_group: dict[int, dict[str, tuple[int, Block]]] = {}
+        # group id -> request id -> its hold there
+        self.by_group: dict[int, dict[str, Held]] = {}
 
-    def held(self, group_id: int, request_id: str) -> tuple[int, Block] | None:
+    def held(self, group_id: int, request_id: str) -> Held | None:
         return self.by_group.get(group_id, {}).get(request_id)
 
     def hold(self, group_id: int, request_id: str, block: Block) -> bool:
@@ -49,12 +59,12 @@ class Holds:
         position = block.hash_tokens
         holds = self.by_group.setdefault(group_id, {})
         current = holds.get(request_id)
-        if current is not None and (current[1] is block or current[0] >= position):
+        if current is not None and (current.block is block or current.position >= position):
             return False
         self.pool.touch([block])
-        holds[request_id] = (position, block)
+        holds[request_id] = Held(position, block)
         if current is not None:
-            self.pool.free_blocks([current[1]])
+            self.pool.free_blocks([current.block])
         return True
 
     def retire(
@@ -77,11 +87,11 @@ class Holds:
             return retired
         holds = self.by_group.setdefault(group_id, {})
         current = holds.get(request_id)
-        if current is not None and current[0] >= newest.hash_tokens:
+        if current is not None and current.position >= newest.hash_tokens:
             return retired
-        holds[request_id] = (newest.hash_tokens, newest)  # the table's ref, now the hold's
+        holds[request_id] = Held(newest.hash_tokens, newest)  # the table's ref, now the hold's
         rest = [block for block in retired if block is not newest]
-        return rest + ([current[1]] if current is not None else [])
+        return rest + ([current.block] if current is not None else [])
 
     def follow_moved_keys(self, group_id: int, owner: str, source: Block, copy: Block) -> None:
         """Other requests holding `source` now hold `copy`, where its keys went."""
@@ -89,7 +99,7 @@ class Holds:
         for request_id, (position, block) in list(holds.items()):
             if request_id != owner and block is source:
                 self.pool.touch([copy])
-                holds[request_id] = (position, copy)
+                holds[request_id] = Held(position, copy)
                 self.pool.free_blocks([source])
 
     def release(self, request_id: str) -> list[Block]:
@@ -98,7 +108,7 @@ class Holds:
         for group_id in sorted(self.by_group):
             entry = self.by_group[group_id].pop(request_id, None)
             if entry is not None:
-                released.append(entry[1])
+                released.append(entry.block)
         return released
 
     def admission_extra(
@@ -141,6 +151,6 @@ class Holds:
         """{request: {group: (position, block id)}}."""
         out: dict[str, dict[int, tuple[int, int]]] = {}
         for group_id in sorted(self.by_group):
-            for request_id, (position, block) in self.by_group[group_id].items():
-                out.setdefault(request_id, {})[group_id] = (position, block.block_id)
+            for request_id, held in self.by_group[group_id].items():
+                out.setdefault(request_id, {})[group_id] = (held.position, held.block.block_id)
         return out

@@ -113,8 +113,8 @@ def _superseded_hold_kept() -> list[Patch]:
         current = self.held(group_id, request_id)
         took = hold(self, group_id, request_id, block)
         if took and current is not None:
-            self.pool.touch([current[1]])  # the superseded hold keeps its ref
-            superseded_holds(self).setdefault((group_id, request_id), []).append(current[1])
+            self.pool.touch([current.block])  # the superseded hold keeps its ref
+            superseded_holds(self).setdefault((group_id, request_id), []).append(current.block)
         return took
 
     def release_(self: Holds, request_id: str) -> list[Block]:

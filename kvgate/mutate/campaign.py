@@ -37,7 +37,7 @@ from typing import Literal, cast
 
 from kvgate.conformance.ops import Step
 from kvgate.conformance.refusal import judge_refusal
-from kvgate.conformance.replay import Level, one_line, replay
+from kvgate.conformance.replay import Level, ReplayResult, one_line, replay
 from kvgate.conformance.report import divergence_summary
 from kvgate.conformance.target import Target, WatchedTarget
 from kvgate.conformance.trace import Trace, load_corpus
@@ -49,9 +49,15 @@ from kvgate.output import VllmLogs, installed
 Verdict = Literal["caught", "missed", "not applicable", "hung", "error"]
 
 # The campaign's stages, in the order each fault meets them: the corpus
-# replayed with the snapshot invariants (what `kvgate gate` runs), the
-# differential exploration, the workload on vLLM's real Scheduler.
-STAGES = ("manager-level gate", "exploration", "real-Scheduler workload")
+# replayed with the snapshot invariants and the scheduler-level corpus on
+# vLLM's real Scheduler (both what `kvgate gate` runs), the differential
+# exploration, the workload on vLLM's real Scheduler.
+STAGES = (
+    "manager-level gate",
+    "Scheduler-level gate",
+    "exploration",
+    "real-Scheduler workload",
+)
 
 # The exploration's budget per fault (`--explore`): examples, split evenly
 # between the deployment families of `explore.differential.FAMILIES` (50
@@ -140,6 +146,8 @@ class GateRun:
     exploration: ExploreOutcome | None
     error: str = ""  # the child itself failed (not the gate)
     scheduler: SchedulerOutcome | None = None
+    # The scheduler-level corpus, on vLLM's real Scheduler in lockstep.
+    scheduler_traces: tuple[TraceOutcome, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -151,6 +159,11 @@ class Baseline:
     def passing(self) -> frozenset[str]:
         """Traces that pass on the unmutated build: the only ones that count."""
         return frozenset(t.trace for t in self.run.traces if t.passed)
+
+    @property
+    def scheduler_passing(self) -> frozenset[str]:
+        """Scheduler-level traces that pass on the unmutated build."""
+        return frozenset(t.trace for t in self.run.scheduler_traces if t.passed)
 
     @property
     def invariant_clean(self) -> frozenset[str]:
@@ -168,7 +181,7 @@ class Baseline:
 
 @dataclass(frozen=True)
 class Catch:
-    stage: Literal["trace", "invariant", "exploration", "scheduler"]
+    stage: Literal["trace", "invariant", "scheduler trace", "exploration", "scheduler"]
     source: str  # the trace, invariant or "exploration"
     detail: str
 
@@ -188,6 +201,8 @@ class FaultResult:
     corpus_caught: bool = False  # a trace or an invariant on one caught it
     # What the real-Scheduler workload said (None: it did not run on this fault).
     workload: bool | None = None
+    # What the scheduler-level corpus said (None: none of it counts here).
+    scheduler_gate: bool | None = None
 
     def stages_caught(self) -> dict[str, bool | None]:
         """Each stage's word on this fault, in the order the gate runs them:
@@ -195,8 +210,9 @@ class FaultResult:
         ran = self.verdict in ("caught", "missed")
         return {
             STAGES[0]: self.corpus_caught if ran else None,
-            STAGES[1]: self.explored,
-            STAGES[2]: self.workload,
+            STAGES[1]: self.scheduler_gate,
+            STAGES[2]: self.explored,
+            STAGES[3]: self.workload,
         }
 
     @property
@@ -264,8 +280,17 @@ def gate_run(
         if progress is not None:
             progress.send(("trace", trace.name))
         outcomes.append(_replay_with_invariants(trace, settings.level))
+    scheduler_traces = []
+    for trace in _scheduler_corpus(settings.corpus):
+        if baseline is not None and trace.name not in baseline.scheduler_passing:
+            continue
+        if progress is not None:
+            progress.send(("trace", trace.name))
+        scheduler_traces.append(_replay_on_scheduler(trace, settings.level))
     exploration = None
-    caught = baseline is not None and any(_counts(o, baseline) for o in outcomes)
+    caught = baseline is not None and (
+        any(_counts(o, baseline) for o in outcomes) or any(not o.passed for o in scheduler_traces)
+    )
     explore_wanted = settings.explore_examples > 0 and (
         baseline is None
         or (baseline.exploration_usable and (settings.explore_every_fault or not caught))
@@ -289,7 +314,29 @@ def gate_run(
         tuple(outcomes),
         exploration,
         scheduler=scheduler,
+        scheduler_traces=tuple(scheduler_traces),
     )
+
+
+def _scheduler_corpus(corpus: Path) -> list[Trace]:
+    """The scheduler-level traces beside `corpus` (its `scheduler/` folder)."""
+    folder = corpus / "scheduler"
+    if not folder.is_dir():
+        return []
+    return [t for t in load_corpus(folder) if t.scheduler is not None]
+
+
+def _replay_on_scheduler(trace: Trace, level: Level) -> TraceOutcome:
+    """One scheduler-level trace on vLLM's real Scheduler in lockstep with
+    kvgate's scheduler model, as `kvgate gate` replays it."""
+    from kvgate.targets import run_scheduler_trace, scheduler_factories
+
+    model, real = scheduler_factories("vllm", None)
+    outcome = run_scheduler_trace(trace, model, real, level)
+    if isinstance(outcome, ReplayResult):
+        failure = "" if outcome.divergence is None else divergence_summary(outcome.divergence)
+        return TraceOutcome(trace.name, outcome.passed, failure, "", "", outcome.seconds)
+    return TraceOutcome(trace.name, False, outcome.message, "", "", outcome.seconds)
 
 
 def _counts(outcome: TraceOutcome, baseline: Baseline) -> bool:
@@ -607,6 +654,8 @@ def judge(
     diverged = [t for t in run.traces if not t.passed and t.trace in baseline.passing]
     violated = [t for t in run.traces if t.invariant and t.trace in baseline.invariant_clean]
     invariants = tuple(dict.fromkeys(t.invariant for t in violated))
+    counted = [t for t in run.scheduler_traces if t.trace in baseline.scheduler_passing]
+    scheduler_diverged = [t for t in counted if not t.passed]
     catch = None
     if diverged:
         first = diverged[0]
@@ -614,6 +663,9 @@ def judge(
     elif violated:
         first = violated[0]
         catch = Catch("invariant", first.invariant, f"{first.trace}: {first.violation}")
+    elif scheduler_diverged:
+        first = scheduler_diverged[0]
+        catch = Catch("scheduler trace", first.trace, first.failure)
     explored = None
     if run.exploration is not None and run.exploration.ran and baseline.exploration_usable:
         explored = bool(run.exploration.failure)
@@ -648,4 +700,5 @@ def judge(
         explored=explored,
         corpus_caught=bool(diverged or violated),
         workload=workload,
+        scheduler_gate=bool(scheduler_diverged) if counted else None,
     )

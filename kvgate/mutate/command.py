@@ -228,6 +228,12 @@ def describe_baseline(baseline: Baseline) -> list[str]:
     ]
     if failing:
         lines.append(f"  left out: {', '.join(failing)}")
+    scheduler_traces = run.scheduler_traces
+    if scheduler_traces:
+        lines.append(
+            f"  scheduler-level traces on the real Scheduler: {len(baseline.scheduler_passing)} "
+            f"of {len(scheduler_traces)} pass and count"
+        )
     examples = run.exploration.examples if run.exploration else 0
     lines.append(_stage_line("exploration", run.exploration, f"{examples} examples pass unmutated"))
     lines.append(

@@ -81,7 +81,7 @@ def observe(target: ModelTarget, names: Mapping[str, int], bounds: Bounds) -> Va
                 (blk.block_id, manager.group_id) for blk in table if not blk.is_null
             )
     for group_id, by_request in coordinator.holds.by_group.items():
-        out["block_group"].update((blk.block_id, group_id) for _, blk in by_request.values())
+        out["block_group"].update((h.block.block_id, group_id) for h in by_request.values())
     for b in bounds.block_ids:
         block = pool.blocks[b]
         out["ref"][b] = block.ref
@@ -128,7 +128,7 @@ def observe(target: ModelTarget, names: Mapping[str, int], bounds: Bounds) -> Va
             mamba = managers[m]
             tail = mamba.partial_hits.get(rid) if isinstance(mamba, MambaManager) else None
             held = coordinator.holds.held(m, rid)
-            holding = {held[1].block_id} if held is not None else set()
+            holding = {held.block.block_id} if held is not None else set()
             # A mutated model may keep holds outside the map (see there).
             holding |= {
                 blk.block_id for blk in superseded_holds(coordinator.holds).get((m, rid), [])

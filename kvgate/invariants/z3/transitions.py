@@ -91,6 +91,7 @@ from typing import Any
 import z3
 
 from kvgate.conformance.ops import ACTIONS, PRIMITIVE_OPS
+from kvgate.invariants.z3.hooks import Hooks
 from kvgate.invariants.z3.vocabulary import (
     ABORT,
     ATTENTION,
@@ -186,7 +187,7 @@ class Tx:
         return out
 
 
-class Encoding:
+class Encoding(Hooks[Tx]):
     """The clean manager. `realizable` adds the constraints bounded model
     checking uses to keep counterexamples concrete (see `checker.bmc`)."""
 

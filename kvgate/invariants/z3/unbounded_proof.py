@@ -43,11 +43,11 @@ from kvgate.invariants.catalogue import LEMMA_NAMES, Z3_INVARIANT_NAMES
 from kvgate.invariants.z3.checker import INIT, proof_table, track
 from kvgate.invariants.z3.properties import STEP_COPY
 from kvgate.invariants.z3.transitions import ENCODED_OPS, acts_on_request
-from kvgate.invariants.z3.unbounded import (
+from kvgate.invariants.z3.unbounded import UEncoding
+from kvgate.invariants.z3.unbounded_vocabulary import (
     BLOCK,
     COPY,
     REQ,
-    UEncoding,
     UState,
     at_most_one,
     exists,
