@@ -254,6 +254,24 @@ def test_the_forks_retention_alone_resumes_where_prefill_checkpoints_export_the_
         assert fork_alone == (with_hold if resumes else [0]), name
 
 
+def test_without_drafts_the_lookahead_trace_runs_both_prompts_at_once() -> None:
+    """The draft slots are what keep B0 waiting: with no drafts the model
+    schedules A0 and B0 in the first step, against the trace's expectation."""
+    name = "sched-mamba2-spec-lookahead-holds-admission"
+    text = (bundled_scheduler_corpus() / f"{name}.yaml").read_text()
+    no_drafts = (
+        text.replace("spec: 3,", "spec: 0,")
+        .replace("eagle: true", "eagle: false")
+        .replace(", speculative_blocks: 3", "")
+    )
+    trace = parse_trace(no_drafts, name)
+    result = run_model(trace)
+    first_step = next(e for e in trace.engine if e.op == "step")
+    assert first_failure(result) == (first_step.index, "expect", "scheduled")
+    divergence = result.divergence
+    assert divergence is not None and divergence.actual == [("A0", 60), ("B0", 60)]
+
+
 def test_a_model_that_reports_cached_tokens_wrongly_misses_the_expectation(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
