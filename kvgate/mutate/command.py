@@ -71,7 +71,9 @@ DETAIL_WIDTH = 96
 
 def register(subparsers: Any) -> None:
     cmd = subparsers.add_parser(
-        "mutate", help="inject realistic faults into vLLM's block manager; count what is caught"
+        "mutate",
+        help="inject realistic faults into vLLM's KV-cache manager and Scheduler; "
+        "count what is caught",
     )
     cmd.add_argument("--target", default="vllm", choices=("vllm",))
     cmd.add_argument(
