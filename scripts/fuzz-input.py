@@ -100,7 +100,8 @@ def main() -> int:
         counts["other contract breaks"] += bool(other)
         if outcome.problems and len(examples) < 20:
             examples.append(
-                f"#{number} {variant.kind} {variant.argv}: {outcome.problems} {outcome.err[-300:]!r}"
+                f"#{number} {variant.kind} {variant.argv}: "
+                f"{outcome.problems} {outcome.err[-300:]!r}"
             )
         if outcome.seconds > slowest[0]:
             slowest = (outcome.seconds, f"#{number} {variant.kind}")
