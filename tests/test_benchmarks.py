@@ -87,11 +87,15 @@ def _load(name: str) -> ModuleType:
 
 @pytest.mark.parametrize("name", sorted(SMOKE))
 def test_the_benchmark_runs_at_a_smoke_size(
-    name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], request: pytest.FixtureRequest
 ) -> None:
     argv, result_line, needs_vllm = SMOKE[name]
     if needs_vllm and not HAS_VLLM:
         pytest.skip("vLLM is not installed")
+    if needs_vllm:
+        # A benchmark may load the hold overlay into this process: put vLLM
+        # back afterwards, or later tests would gate an overlaid vLLM.
+        request.getfixturevalue("hold_overlay_plugin")
     for trace in CORPUS_SAMPLE:
         shutil.copy(bundled_corpus() / trace, tmp_path / trace)
     argv = [arg.replace("{corpus}", str(tmp_path)) for arg in argv]
