@@ -591,6 +591,8 @@ def judge(
         line
         for line in verdict_lines
         if any(line.split(" ", 1)[1].startswith(n + " ") for n in variant.names)
+        # An invalid trace's line names its file (one of this variant's).
+        or line.startswith(f"ERROR {workdir}/")
     ]
     forged = max(len(verdict_lines) - len(owned), len(verdict_lines) - len(variant.names))
     if forged > 0:

@@ -88,7 +88,10 @@ def test_list_prints_the_selection_and_runs_nothing(capsys: pytest.CaptureFixtur
     assert out[-1] == "3 traces selected"
     cli.main(["gate", "--list", "--family", "mamba2", "--arm", "fork"])
     listed = capsys.readouterr().out.splitlines()
-    assert listed[-1] == "3 traces selected"
+    # Three manager-level traces and two scheduler-level ones (on Triton the
+    # retention alone changes nothing, so that family has no fork-only one).
+    assert listed[-1] == "5 traces selected"
+    assert sum(line.startswith("sched-mamba2-") for line in listed) == 2
     assert all("(kvgate.mamba2.fork" in line for line in listed[:-1])
 
 

@@ -201,13 +201,15 @@ def test_a_request_the_scheduler_refuses_is_one_line_naming_the_step(
 def test_a_config_the_scheduler_cannot_run_is_one_line(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    # The eagle drop without draft tokens: vLLM has no such configuration.
+    # The eagle drop without draft tokens: vLLM has no such configuration;
+    # refused before any unit is generated.
     code, err = _workload_command(monkeypatch, capsys, tmp_path, spec_tokens=0)
     assert code == 2
     assert err.splitlines()[-1] == (
-        "kvgate: error: unit 2 hold off: vLLM's Scheduler cannot run config.eagle: "
+        "kvgate: error: --target vllm-scheduler: cannot run config.eagle: "
         "the eagle drop needs draft tokens (spec > 0)"
     )
+    assert not list(tmp_path.glob("**/*.yaml"))
     assert "Traceback" not in err
 
 
