@@ -15,7 +15,7 @@ from configs import needs_vllm
 
 from kvgate.conformance.replay import HOLD_NOTE, ReplayResult
 from kvgate.conformance.scheduler_replay import replay_scheduler
-from kvgate.conformance.scheduling import RemoteHit, SchedulerTarget
+from kvgate.conformance.scheduling import EngineSettings, RemoteHit, SchedulerTarget
 from kvgate.conformance.trace import (
     Trace,
     TraceError,
@@ -23,6 +23,7 @@ from kvgate.conformance.trace import (
     load_corpus,
     parse_trace,
 )
+from kvgate.conformance.writer import dump_engine_trace
 from kvgate.model.scheduler import SchedulerModel
 
 CORPUS = load_corpus(bundled_scheduler_corpus())
@@ -461,3 +462,30 @@ def test_a_model_that_requeues_in_another_order_after_a_reset_misses_it(
     result = run_model(trace)
     [reset_with_running] = [e for e in trace.engine if e.op == "reset" and e.running]
     assert first_failure(result) == (reset_with_running.index, "expect", "waiting")
+
+
+def _engine_fields(trace: Trace) -> list[tuple[object, ...]]:
+    return [
+        (
+            e.op,
+            e.req,
+            e.prompt,
+            e.max_tokens,
+            e.cache_salt,
+            e.follows,
+            e.remote,
+            e.running,
+            e.expect,
+        )
+        for e in trace.engine
+    ]
+
+
+@pytest.mark.parametrize("trace", CORPUS, ids=ids(CORPUS))
+def test_the_writer_writes_every_bundled_trace_back_as_read(trace: Trace) -> None:
+    text = dump_engine_trace(
+        trace.name, trace.config, trace.scheduler or EngineSettings(), trace.engine, trace.about
+    )
+    back = parse_trace(text)
+    assert back.config == trace.config and back.scheduler == trace.scheduler
+    assert _engine_fields(back) == _engine_fields(trace)
