@@ -117,6 +117,26 @@ def replay_scheduler(
     )
 
 
+class SchedulerLockstep:
+    """The same lockstep fed one engine step at a time, for exploration,
+    which decides each step from the state the last one left: `apply`
+    returns the first divergence (None while both agree). A refusal is the
+    `TraceError`, an exception inside the model the `ModelBug`, as in a
+    replay."""
+
+    def __init__(
+        self, trace: Trace, model: SchedulerModelRun, real: SchedulerTarget, level: Level
+    ) -> None:
+        self._run = _EngineLockstep(trace, model, real, level)
+
+    def apply(self, event: EngineStep) -> Divergence | None:
+        try:
+            self._run.engine_step(event)
+        except _Diverged as diverged:
+            return diverged.divergence
+        return None
+
+
 class _EngineLockstep:
     def __init__(
         self, trace: Trace, model: SchedulerModelRun, real: SchedulerTarget | None, level: Level

@@ -1,5 +1,6 @@
 """Write traces: what Hypothesis runs, Z3 counterexamples and the workload
-generator produce, in the format people write by hand (version 1)."""
+generator produce, in the format people write by hand (version 1); the
+scheduler-level exploration's histories as scheduler-level traces."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import yaml
 
 from kvgate.conformance.config import Config, GroupConfig
 from kvgate.conformance.ops import ACTIONS, Segment, Step
+from kvgate.conformance.scheduling import ENGINE_OPS, EngineSettings, EngineStep
 from kvgate.conformance.schema import CONFIG_FIELDS, FORMAT
 
 
@@ -94,10 +96,74 @@ def save_trace(
     about: str | None = None,
     expect_refused: str | None = None,
 ) -> Path:
+    return _save(directory, name, dump_trace(name, config, steps, about, expect_refused))
+
+
+def _save(directory: Path, name: str, text: str) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{name}.yaml"
-    path.write_text(dump_trace(name, config, steps, about, expect_refused))
+    path.write_text(text)
     return path
+
+
+def engine_step_dict(event: EngineStep) -> dict[str, Any]:
+    """One entry of a scheduler-level trace's `engine` list."""
+    required, optional = ENGINE_OPS[event.op]
+    out: dict[str, Any] = {"op": event.op}
+    for field in (*required, *optional):
+        if field == "steps":
+            continue
+        value = getattr(event, field)
+        if field == "prompt":
+            value = [segment_dict(s) for s in value]
+        if field in optional and not value:  # "", none, false
+            continue
+        out[field] = value
+    if event.expect:
+        out["expect"] = plain(event.expect)
+    return out
+
+
+def engine_entries(events: Iterable[EngineStep]) -> list[dict[str, Any]]:
+    """The `engine` list: a run of engine steps without expectations is
+    written as one `{op: step, steps: N}`."""
+    entries: list[dict[str, Any]] = []
+    for event in events:
+        entry = engine_step_dict(event)
+        last = entries[-1] if entries else {}
+        if entry == {"op": "step"} and last.get("op") == "step" and set(last) <= {"op", "steps"}:
+            last["steps"] = last.get("steps", 1) + 1
+            continue
+        entries.append(entry)
+    return entries
+
+
+def dump_engine_trace(
+    name: str,
+    config: Config,
+    settings: EngineSettings,
+    events: Iterable[EngineStep],
+    about: str | None = None,
+) -> str:
+    """A scheduler-level trace's text (docs/scheduler-traces.md)."""
+    doc: dict[str, Any] = {"format": FORMAT, "name": name}
+    if about:
+        doc["about"] = " ".join(about.split())
+    doc["config"] = config_dict(config)
+    doc["scheduler"] = {"spec": settings.spec, "max_num_seqs": settings.max_num_seqs}
+    doc["engine"] = engine_entries(events)
+    return _Dumper.dump(doc)
+
+
+def save_engine_trace(
+    directory: Path,
+    name: str,
+    config: Config,
+    settings: EngineSettings,
+    events: Iterable[EngineStep],
+    about: str | None = None,
+) -> Path:
+    return _save(directory, name, dump_engine_trace(name, config, settings, events, about))
 
 
 def plain(value: Any) -> Any:
@@ -118,12 +184,13 @@ class _Dumper:
 
     @classmethod
     def dump(cls, doc: dict[str, Any]) -> str:
-        head = {k: v for k, v in doc.items() if k != "steps"}
+        listed = "engine" if "engine" in doc else "steps"
+        head = {k: v for k, v in doc.items() if k != listed}
         text = cls._dump(head, default_flow_style=None, width=100)
-        if "steps" not in doc:  # a refusal trace
+        if listed not in doc:  # a refusal trace
             return text
-        lines = [text.rstrip("\n"), "steps:"]
-        for step in doc["steps"]:
+        lines = [text.rstrip("\n"), f"{listed}:"]
+        for step in doc[listed]:
             flow = cls._dump(step, default_flow_style=True, width=10_000)
             lines.append(f"  - {flow.strip()}")
         return "\n".join(lines) + "\n"
