@@ -355,6 +355,75 @@ def test_the_scheduler_level_corpus_catches_a_scheduler_fault_the_manager_corpus
     assert not mutated.passed and mutated.failure
 
 
+def test_a_target_the_fault_keeps_from_being_built_is_not_a_catch() -> None:
+    """A fault under which a stage's target is not built (built unmutated) is
+    reported as "not built", never as caught; another stage's catch stands."""
+    fault = FAULTS[0]
+    in_lockstep = SchedulerOutcome(True, "", 1.0)
+    unbuilt = SchedulerOutcome(True, "Scheduler not built: x", 1.0, built=False)
+    passes = _outcome("s")
+    refused = replace(_outcome("s", False), failure="config refused", built=False)
+    baseline = Baseline(
+        replace(_baseline(_outcome("a")).run, scheduler=in_lockstep, scheduler_traces=(passes,)),
+        1.0,
+    )
+    runs = {
+        "real-Scheduler stage": GateRun(fault.name, None, "", (_outcome("a"),), None,
+                                        scheduler=unbuilt),
+        "scheduler-level trace": GateRun(fault.name, None, "", (_outcome("a"),), None,
+                                         scheduler_traces=(refused,)),
+        "manager-level trace": GateRun(
+            fault.name, None, "",
+            (replace(_outcome("a", False), failure="target not built: y", built=False),), None,
+        ),
+    }  # fmt: skip
+    for stage, run in runs.items():
+        result = judge(fault, run, "", baseline, 1.0)
+        assert (result.verdict, result.catch) == ("not built", None), stage
+        assert "not built" in result.note or "config refused" in result.note, stage
+    # Caught by a trace that was built, beside one that was not: caught.
+    both = replace(runs["manager-level trace"], traces=(
+        replace(_outcome("a", False), failure="target not built: y", built=False),
+        _outcome("b", False),
+    ))  # fmt: skip
+    with_b = Baseline(replace(baseline.run, traces=(_outcome("a"), _outcome("b"))), 1.0)
+    assert judge(fault, both, "", with_b, 1.0).verdict == "caught"
+
+
+@needs_vllm
+def test_a_fault_that_breaks_the_schedulers_construction_is_reported_not_built() -> None:
+    """A fault raising in `Scheduler.__init__`: the real-Scheduler stage and a
+    scheduler-level trace both say not built, and the verdict says so."""
+    from kvgate.mutate.campaign import _replay_on_scheduler, _scheduler_corpus
+
+    broken = replace(
+        BY_NAME["sched-preempts-oldest"],
+        name="scheduler-construction-broken",
+        qualname="Scheduler.__init__",
+        anchor="self.max_num_running_reqs = self.scheduler_config.max_num_seqs",
+        replacement='raise ValueError("construction broken on purpose")',
+    )
+    [trace] = [
+        t for t in _scheduler_corpus(bundled_corpus()) if t.name == "sched-abort-mid-prefill"
+    ]
+    stock_trace, stock_stage = _replay_on_scheduler(trace, "strict"), scheduler_stage()
+    assert stock_trace.passed and stock_stage.passed and stock_stage.built
+    with injected(broken):
+        mutated_trace, mutated_stage = _replay_on_scheduler(trace, "strict"), scheduler_stage()
+    assert not mutated_trace.built and "broken on purpose" in mutated_trace.failure
+    assert not mutated_stage.built and "broken on purpose" in mutated_stage.failure
+    baseline = Baseline(
+        GateRun(None, None, "", (_outcome("a"),), None, scheduler=stock_stage,
+                scheduler_traces=(stock_trace,)),
+        1.0,
+    )  # fmt: skip
+    run = GateRun(broken.name, None, "", (_outcome("a"),), None, scheduler=mutated_stage,
+                  scheduler_traces=(mutated_trace,))  # fmt: skip
+    result = judge(broken, run, "", baseline, 1.0)
+    assert result.verdict == "not built" and result.catch is None
+    assert "broken on purpose" in result.note
+
+
 def test_a_hung_or_dead_child_is_not_a_catch() -> None:
     fault = FAULTS[0]
     assert judge(fault, None, "hung in x: no verdict", _baseline(), 5.0).verdict == "hung"

@@ -1,6 +1,6 @@
-"""Write traces: what Hypothesis runs, Z3 counterexamples and the workload
-generator produce, in the format people write by hand (version 1); the
-scheduler-level exploration's histories as scheduler-level traces."""
+"""Write traces: what Hypothesis runs, Z3 counterexamples, the workload
+generator and the shrinker produce, in the format people write by hand
+(version 1): manager-level `steps`, or a scheduler-level trace's `engine`."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import yaml
 
 from kvgate.conformance.config import Config, GroupConfig
 from kvgate.conformance.ops import ACTIONS, Segment, Step
-from kvgate.conformance.scheduling import ENGINE_OPS, EngineSettings, EngineStep
+from kvgate.conformance.scheduling import EngineSettings, EngineStep
 from kvgate.conformance.schema import CONFIG_FIELDS, FORMAT
 
 
@@ -88,6 +88,63 @@ def dump_trace(
     return _Dumper.dump(doc)
 
 
+def engine_step_dicts(engine: Iterable[EngineStep]) -> list[dict[str, Any]]:
+    """Engine steps as written in a scheduler-level trace: a run of engine
+    steps that expect nothing as one `{op: step, steps: N}`."""
+    out: list[dict[str, Any]] = []
+    for event in engine:
+        if event.op == "step" and not event.expect:
+            last = out[-1] if out else {}
+            if last.get("op") == "step" and "expect" not in last:
+                last["steps"] = last.get("steps", 1) + 1
+            else:
+                out.append({"op": "step"})
+            continue
+        entry: dict[str, Any] = {"op": event.op}
+        if event.op in ("arrive", "abort"):
+            entry["req"] = event.req
+        if event.op == "arrive":
+            entry["prompt"] = [segment_dict(s) for s in event.prompt]
+            entry["max_tokens"] = event.max_tokens
+            if event.cache_salt:
+                entry["cache_salt"] = event.cache_salt
+            if event.follows is not None:
+                entry["follows"] = event.follows
+            remote = event.remote
+            if remote is not None:
+                entry["remote_hit"] = remote.tokens
+                if remote.load_async:
+                    entry["remote_async"] = True
+                if remote.delay:
+                    entry["remote_delay"] = remote.delay
+        if event.op == "reset" and event.running:
+            entry["running"] = True
+        if event.expect:
+            entry["expect"] = plain(event.expect)
+        out.append(entry)
+    return out
+
+
+def dump_engine_trace(
+    name: str,
+    config: Config,
+    settings: EngineSettings,
+    engine: Iterable[EngineStep],
+    about: str | None = None,
+    tags: Iterable[str] = (),
+) -> str:
+    """A scheduler-level trace's text (docs/scheduler-traces.md)."""
+    doc: dict[str, Any] = {"format": FORMAT, "name": name}
+    if about:
+        doc["about"] = " ".join(about.split())
+    if tags:
+        doc["tags"] = list(tags)
+    doc["config"] = config_dict(config)
+    doc["scheduler"] = {"spec": settings.spec, "max_num_seqs": settings.max_num_seqs}
+    doc["engine"] = engine_step_dicts(engine)
+    return _Dumper.dump(doc)
+
+
 def save_trace(
     directory: Path,
     name: str,
@@ -99,71 +156,22 @@ def save_trace(
     return _save(directory, name, dump_trace(name, config, steps, about, expect_refused))
 
 
-def _save(directory: Path, name: str, text: str) -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"{name}.yaml"
-    path.write_text(text)
-    return path
-
-
-def engine_step_dict(event: EngineStep) -> dict[str, Any]:
-    """One entry of a scheduler-level trace's `engine` list."""
-    required, optional = ENGINE_OPS[event.op]
-    out: dict[str, Any] = {"op": event.op}
-    for field in (*required, *optional):
-        if field == "steps":
-            continue
-        value = getattr(event, field)
-        if field == "prompt":
-            value = [segment_dict(s) for s in value]
-        if field in optional and not value:  # "", none, false
-            continue
-        out[field] = value
-    if event.expect:
-        out["expect"] = plain(event.expect)
-    return out
-
-
-def engine_entries(events: Iterable[EngineStep]) -> list[dict[str, Any]]:
-    """The `engine` list: a run of engine steps without expectations is
-    written as one `{op: step, steps: N}`."""
-    entries: list[dict[str, Any]] = []
-    for event in events:
-        entry = engine_step_dict(event)
-        last = entries[-1] if entries else {}
-        if entry == {"op": "step"} and last.get("op") == "step" and set(last) <= {"op", "steps"}:
-            last["steps"] = last.get("steps", 1) + 1
-            continue
-        entries.append(entry)
-    return entries
-
-
-def dump_engine_trace(
-    name: str,
-    config: Config,
-    settings: EngineSettings,
-    events: Iterable[EngineStep],
-    about: str | None = None,
-) -> str:
-    """A scheduler-level trace's text (docs/scheduler-traces.md)."""
-    doc: dict[str, Any] = {"format": FORMAT, "name": name}
-    if about:
-        doc["about"] = " ".join(about.split())
-    doc["config"] = config_dict(config)
-    doc["scheduler"] = {"spec": settings.spec, "max_num_seqs": settings.max_num_seqs}
-    doc["engine"] = engine_entries(events)
-    return _Dumper.dump(doc)
-
-
 def save_engine_trace(
     directory: Path,
     name: str,
     config: Config,
     settings: EngineSettings,
-    events: Iterable[EngineStep],
+    engine: Iterable[EngineStep],
     about: str | None = None,
 ) -> Path:
-    return _save(directory, name, dump_engine_trace(name, config, settings, events, about))
+    return _save(directory, name, dump_engine_trace(name, config, settings, engine, about))
+
+
+def _save(directory: Path, name: str, text: str) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{name}.yaml"
+    path.write_text(text)
+    return path
 
 
 def plain(value: Any) -> Any:
@@ -184,13 +192,13 @@ class _Dumper:
 
     @classmethod
     def dump(cls, doc: dict[str, Any]) -> str:
-        listed = "engine" if "engine" in doc else "steps"
-        head = {k: v for k, v in doc.items() if k != listed}
+        body = "engine" if "engine" in doc else "steps"
+        head = {k: v for k, v in doc.items() if k != body}
         text = cls._dump(head, default_flow_style=None, width=100)
-        if listed not in doc:  # a refusal trace
+        if body not in doc:  # a refusal trace
             return text
-        lines = [text.rstrip("\n"), f"{listed}:"]
-        for step in doc[listed]:
+        lines = [text.rstrip("\n"), f"{body}:"]
+        for step in doc[body]:
             flow = cls._dump(step, default_flow_style=True, width=10_000)
             lines.append(f"  - {flow.strip()}")
         return "\n".join(lines) + "\n"

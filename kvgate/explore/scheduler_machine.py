@@ -48,7 +48,7 @@ from kvgate.conformance.replay import Divergence, ModelBug
 from kvgate.conformance.scheduler_replay import SchedulerLockstep, model_config
 from kvgate.conformance.scheduling import EngineSettings, EngineStep, SchedulerTarget
 from kvgate.conformance.trace import Trace, TraceError
-from kvgate.conformance.writer import dump_engine_trace, engine_entries, save_engine_trace
+from kvgate.conformance.writer import dump_engine_trace, engine_step_dicts, save_engine_trace
 from kvgate.explore import knobs
 from kvgate.explore.differential import FAMILIES, HOLD_OVERLAY
 from kvgate.explore.profiles import draws_from_the_seed_alone
@@ -187,7 +187,7 @@ class SchedulerExploreFailure(AssertionError):
         return body[body.index("engine:") :].rstrip("\n").splitlines()
 
     def entries(self) -> int:
-        return len(engine_entries(self.events))
+        return len(engine_step_dicts(self.events))
 
 
 def engine_configs(family: dict[str, Any]) -> st.SearchStrategy[Config]:

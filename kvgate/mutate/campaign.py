@@ -17,7 +17,9 @@ already imported vLLM, which makes a child cost what its replays cost. A
 fault counts as caught only by a trace whose replay passes on the unmutated
 build, by an invariant that holds on that trace there, or by an exploration
 that passes there: anything the baseline already fails says nothing about
-the fault.
+the fault. A target the fault keeps from being built (vLLM's manager or
+Scheduler, built unmutated) is no catch either: such a fault's verdict is
+"not built".
 """
 
 from __future__ import annotations
@@ -46,7 +48,11 @@ from kvgate.mutate.faults import Fault
 from kvgate.mutate.inject import Edit, NotApplicable, apply
 from kvgate.output import VllmLogs, installed
 
-Verdict = Literal["caught", "missed", "not applicable", "hung", "error"]
+# "not built": no stage caught the fault, and some stage's target (vLLM's
+# manager or its Scheduler), built unmutated, could not be built with it in
+# effect: the fault breaks construction, which says nothing of what the gate
+# checks, so it is reported as such, never as a catch.
+Verdict = Literal["caught", "missed", "not applicable", "hung", "error", "not built"]
 
 # The campaign's stages, in the order each fault meets them: the corpus
 # replayed with the snapshot invariants and the scheduler-level corpus on
@@ -108,6 +114,9 @@ class TraceOutcome:
     invariant: str  # the first invariant violated after some step ("" if none)
     violation: str  # where and how it was violated, one line
     seconds: float
+    # False: the target was not built for this trace (`failure` says why),
+    # so the trace neither passed nor diverged.
+    built: bool = True
 
 
 @dataclass(frozen=True)
@@ -129,6 +138,8 @@ class SchedulerOutcome:
     failure: str  # one line ("" when in lockstep)
     seconds: float
     note: str = ""  # why it did not run
+    # False: vLLM's Scheduler was not built (`failure` says why): no lockstep ran.
+    built: bool = True
 
     @property
     def passed(self) -> bool:
@@ -289,7 +300,8 @@ def gate_run(
         scheduler_traces.append(_replay_on_scheduler(trace, settings.level))
     exploration = None
     caught = baseline is not None and (
-        any(_counts(o, baseline) for o in outcomes) or any(not o.passed for o in scheduler_traces)
+        any(_counts(o, baseline) for o in outcomes)
+        or any(o.built and not o.passed for o in scheduler_traces)
     )
     explore_wanted = settings.explore_examples > 0 and (
         baseline is None
@@ -336,10 +348,21 @@ def _replay_on_scheduler(trace: Trace, level: Level) -> TraceOutcome:
     if isinstance(outcome, ReplayResult):
         failure = "" if outcome.divergence is None else divergence_summary(outcome.divergence)
         return TraceOutcome(trace.name, outcome.passed, failure, "", "", outcome.seconds)
-    return TraceOutcome(trace.name, False, outcome.message, "", "", outcome.seconds)
+    # A config refused here is a Scheduler vLLM would not build.
+    return TraceOutcome(
+        trace.name,
+        False,
+        outcome.message,
+        "",
+        "",
+        outcome.seconds,
+        built=not outcome.config_refused,
+    )
 
 
 def _counts(outcome: TraceOutcome, baseline: Baseline) -> bool:
+    if not outcome.built:
+        return False
     return (not outcome.passed and outcome.trace in baseline.passing) or bool(
         outcome.invariant and outcome.trace in baseline.invariant_clean
     )
@@ -373,7 +396,8 @@ def _replay_with_invariants(trace: Trace, level: Level) -> TraceOutcome:
     try:
         inner = target_factory("vllm")(trace.config)
     except Exception as error:
-        return TraceOutcome(trace.name, False, f"target not built: {one_line(error)}", "", "", 0.0)
+        failure = f"target not built: {one_line(error)}"
+        return TraceOutcome(trace.name, False, failure, "", "", 0.0, built=False)
     with closing(WatchedTarget(inner, after_step)) as target:
         result = replay(trace, target, target_factory(LOCKSTEP_MODEL), level)
     invariant, violation = violated[0] if violated else ("", "")
@@ -466,7 +490,10 @@ def scheduler_stage() -> SchedulerOutcome:
         )
     except Exception as error:
         return SchedulerOutcome(
-            True, f"Scheduler not built: {one_line(error)}", time.perf_counter() - started
+            True,
+            f"Scheduler not built: {one_line(error)}",
+            time.perf_counter() - started,
+            built=False,
         )
     try:
         with tempfile.TemporaryDirectory(prefix="kvgate-mutate-") as out:
@@ -651,11 +678,18 @@ def judge(
         return FaultResult(fault, "error", None, seconds, run.edit, note=run.error)
     if run.not_applicable:
         return FaultResult(fault, "not applicable", None, seconds, note=run.not_applicable)
-    diverged = [t for t in run.traces if not t.passed and t.trace in baseline.passing]
-    violated = [t for t in run.traces if t.invariant and t.trace in baseline.invariant_clean]
+    built = [t for t in run.traces if t.built]
+    diverged = [t for t in built if not t.passed and t.trace in baseline.passing]
+    violated = [t for t in built if t.invariant and t.trace in baseline.invariant_clean]
     invariants = tuple(dict.fromkeys(t.invariant for t in violated))
     counted = [t for t in run.scheduler_traces if t.trace in baseline.scheduler_passing]
-    scheduler_diverged = [t for t in counted if not t.passed]
+    scheduler_diverged = [t for t in counted if t.built and not t.passed]
+    # What the fault kept from being built, where the baseline built it.
+    not_built = [
+        f"{t.trace}: {t.failure}"
+        for t in (*(t for t in run.traces if t.trace in baseline.passing), *counted)
+        if not t.built
+    ]
     catch = None
     if diverged:
         first = diverged[0]
@@ -675,10 +709,22 @@ def judge(
     scheduler = run.scheduler
     workload = None
     if scheduler is not None and scheduler.ran and baseline.scheduler_usable:
-        workload = bool(scheduler.failure)
+        if scheduler.built:
+            workload = bool(scheduler.failure)
+        else:
+            not_built.append(f"real Scheduler, prefix caching off: {scheduler.failure}")
     if catch is None and workload:
         assert scheduler is not None
         catch = Catch("scheduler", "real Scheduler, prefix caching off", scheduler.failure)
+    if catch is None and not_built:
+        return FaultResult(
+            fault,
+            "not built",
+            None,
+            seconds,
+            run.edit,
+            note=not_built[0],
+        )
     if catch is None and fault.equivalent_under:
         # Its only effect is state the strict view leaves out as unobservable.
         return FaultResult(
