@@ -6,7 +6,8 @@ on a real scheduler (`SchedulerTarget`: vLLM's own `Scheduler` owning its
 `KVCacheManager`) in strict lockstep:
 
 - `arrive`: the request is added to both (the real one gets the token ids
-  the model resolved the prompt's segments to, and its hash inputs);
+  the model resolved the prompt's segments to, and its hash inputs; with a
+  KV connector, what its external store holds is scripted on both first);
 - `abort`: both finish it as aborted;
 - `reset`: both reset the prefix cache (`running`: preempting every
   running request first); whether it reset and the waiting queue after are
@@ -14,7 +15,8 @@ on a real scheduler (`SchedulerTarget`: vLLM's own `Scheduler` owning its
 - `step`: one engine step. The model schedules and runs it (each request
   that completes its prompt or decodes samples one token, drafts all
   rejected); the real scheduler runs one `schedule()`, then one `update()`
-  with the tokens the model sampled. The target's observations (the real
+  with the tokens the model sampled (and the async KV loads the model's
+  worker reports done in it). The target's observations (the real
   scheduler's, or the model's own on `--target model`) are checked against
   the step's `expect` (recorded, the replay goes on), then compared with the
   model's at level `api`: lookups, attention checks, preemptions, what was
@@ -195,14 +197,17 @@ class _EngineLockstep:
         self.on_model(
             step,
             lambda: self.model.arrive(
-                name, event.prompt, event.max_tokens, event.follows, event.cache_salt
+                name, event.prompt, event.max_tokens, event.follows, event.cache_salt, event.remote
             ),
         )
         if self.real is None:
             return
         tokens, inputs = self.model.prompt_tokens(name)
         real = self.real
+        remote = event.remote
         try:
+            if remote is not None:
+                real.script_external(name, remote.tokens, remote.load_async)
             real.add_request(name, tokens, event.max_tokens, event.follows, inputs)
         except StepRefused as refusal:
             raise TraceError(
@@ -227,7 +232,11 @@ class _EngineLockstep:
             real = self.real
             observed = self.on_real(step, "schedule()", real.schedule)
             finished = self.on_real(
-                step, "update_from_output()", lambda: real.update(modelled.sampled)
+                step,
+                "update_from_output()",
+                lambda: real.update(
+                    modelled.sampled, loaded=modelled.loaded, failed=modelled.failed
+                ),
             )
             stats = real.take_prefill_stats()
         self.expectations(event, step, observed.scheduled, observed.preempted, finished, stats)

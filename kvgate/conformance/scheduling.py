@@ -72,6 +72,21 @@ def step_differences(
     return [(what, e, a) for what, e, a in pairs if e != a]
 
 
+@dataclass(frozen=True)
+class RemoteHit:
+    """What a KV connector's external store holds of a request: its first
+    `tokens` tokens, loaded asynchronously when `load_async`; such a load is
+    reported finished by the worker `delay` engine steps after the step that
+    started it (0: in that step's own output)."""
+
+    tokens: int
+    load_async: bool
+    delay: int
+    # The async load fails (the worker reports `failed_recving`): the
+    # Scheduler frees its blocks and looks the request up again.
+    fails: bool = False
+
+
 # A request's prefill stats as the Scheduler reports them with its first
 # output (`EngineCoreOutput.prefill_stats`): (num_cached_tokens, the tokens
 # its prefill wrote to the prefix cache, num_cache_creation_tokens).
@@ -80,7 +95,10 @@ PrefillStats = tuple[int, int]
 # The engine ops of a scheduler-level trace (its `engine` list), each with
 # its required and optional fields.
 ENGINE_OPS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "arrive": (("req", "prompt", "max_tokens"), ("cache_salt", "follows")),
+    "arrive": (
+        ("req", "prompt", "max_tokens"),
+        ("cache_salt", "follows", "remote_hit", "remote_async", "remote_delay"),
+    ),
     "step": ((), ("steps",)),
     "abort": (("req",), ()),
     "reset": ((), ("running",)),
@@ -116,6 +134,8 @@ class EngineStep:
     max_tokens: int = 0
     cache_salt: str = ""
     follows: str | None = None
+    # arrive, with a KV connector: what its external store holds of the request.
+    remote: RemoteHit | None = None
     # reset: running requests are preempted first (`reset_running_requests`)
     running: bool = False
     expect: dict[str, Any] = field(default_factory=dict)
@@ -131,6 +151,9 @@ class EngineOutcome(ScheduledStep):
     finished: list[str] = field(default_factory=list)
     # Each request whose first output this step carried: its prefill stats.
     prefill_stats: dict[str, PrefillStats] = field(default_factory=dict)
+    # Async KV loads the worker reports finished (or failed) in this step's output.
+    loaded: list[str] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
 
 
 class SchedulerModelRun(Protocol):
@@ -146,6 +169,7 @@ class SchedulerModelRun(Protocol):
         max_tokens: int,
         follows: str | None = None,
         cache_salt: str = "",
+        remote: RemoteHit | None = None,
     ) -> Any: ...
 
     def prompt_tokens(self, name: str) -> tuple[list[int], HashInputs]:

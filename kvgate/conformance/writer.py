@@ -1,5 +1,6 @@
-"""Write traces: what Hypothesis runs, Z3 counterexamples and the workload
-generator produce, in the format people write by hand (version 1)."""
+"""Write traces: what Hypothesis runs, Z3 counterexamples, the workload
+generator and the shrinker produce, in the format people write by hand
+(version 1): manager-level `steps`, or a scheduler-level trace's `engine`."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import yaml
 
 from kvgate.conformance.config import Config, GroupConfig
 from kvgate.conformance.ops import ACTIONS, Segment, Step
+from kvgate.conformance.scheduling import EngineSettings, EngineStep
 from kvgate.conformance.schema import CONFIG_FIELDS, FORMAT
 
 
@@ -86,6 +88,63 @@ def dump_trace(
     return _Dumper.dump(doc)
 
 
+def engine_step_dicts(engine: Iterable[EngineStep]) -> list[dict[str, Any]]:
+    """Engine steps as written in a scheduler-level trace: a run of engine
+    steps that expect nothing as one `{op: step, steps: N}`."""
+    out: list[dict[str, Any]] = []
+    for event in engine:
+        if event.op == "step" and not event.expect:
+            last = out[-1] if out else {}
+            if last.get("op") == "step" and "expect" not in last:
+                last["steps"] = last.get("steps", 1) + 1
+            else:
+                out.append({"op": "step"})
+            continue
+        entry: dict[str, Any] = {"op": event.op}
+        if event.op in ("arrive", "abort"):
+            entry["req"] = event.req
+        if event.op == "arrive":
+            entry["prompt"] = [segment_dict(s) for s in event.prompt]
+            entry["max_tokens"] = event.max_tokens
+            if event.cache_salt:
+                entry["cache_salt"] = event.cache_salt
+            if event.follows is not None:
+                entry["follows"] = event.follows
+            remote = event.remote
+            if remote is not None:
+                entry["remote_hit"] = remote.tokens
+                if remote.load_async:
+                    entry["remote_async"] = True
+                if remote.delay:
+                    entry["remote_delay"] = remote.delay
+        if event.op == "reset" and event.running:
+            entry["running"] = True
+        if event.expect:
+            entry["expect"] = plain(event.expect)
+        out.append(entry)
+    return out
+
+
+def dump_engine_trace(
+    name: str,
+    config: Config,
+    settings: EngineSettings,
+    engine: Iterable[EngineStep],
+    about: str | None = None,
+    tags: Iterable[str] = (),
+) -> str:
+    """A scheduler-level trace's text (docs/scheduler-traces.md)."""
+    doc: dict[str, Any] = {"format": FORMAT, "name": name}
+    if about:
+        doc["about"] = " ".join(about.split())
+    if tags:
+        doc["tags"] = list(tags)
+    doc["config"] = config_dict(config)
+    doc["scheduler"] = {"spec": settings.spec, "max_num_seqs": settings.max_num_seqs}
+    doc["engine"] = engine_step_dicts(engine)
+    return _Dumper.dump(doc)
+
+
 def save_trace(
     directory: Path,
     name: str,
@@ -118,12 +177,13 @@ class _Dumper:
 
     @classmethod
     def dump(cls, doc: dict[str, Any]) -> str:
-        head = {k: v for k, v in doc.items() if k != "steps"}
+        body = "engine" if "engine" in doc else "steps"
+        head = {k: v for k, v in doc.items() if k != body}
         text = cls._dump(head, default_flow_style=None, width=100)
-        if "steps" not in doc:  # a refusal trace
+        if body not in doc:  # a refusal trace
             return text
-        lines = [text.rstrip("\n"), "steps:"]
-        for step in doc["steps"]:
+        lines = [text.rstrip("\n"), f"{body}:"]
+        for step in doc[body]:
             flow = cls._dump(step, default_flow_style=True, width=10_000)
             lines.append(f"  - {flow.strip()}")
         return "\n".join(lines) + "\n"

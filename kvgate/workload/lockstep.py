@@ -34,13 +34,18 @@ from pathlib import Path
 from kvgate.conformance.config import Config, UnsupportedConfig
 from kvgate.conformance.ops import Step
 from kvgate.conformance.replay import Divergence, Level, ReplayResult, one_line
-from kvgate.conformance.scheduling import ScheduledStep, SchedulerTarget, step_differences
+from kvgate.conformance.scheduling import (
+    RemoteHit,
+    ScheduledStep,
+    SchedulerTarget,
+    step_differences,
+)
 from kvgate.conformance.target import StepRefused
 from kvgate.conformance.tokens import NO_INPUTS, HashInputs
 from kvgate.conformance.trace import TraceError, load_trace
 from kvgate.conformance.writer import save_trace
 from kvgate.errors import InputError
-from kvgate.model.scheduler import RemoteHit, StepDecisions
+from kvgate.model.scheduler import StepDecisions
 from kvgate.workload.deployment import Deployment, Serving
 from kvgate.workload.generator import SessionRun
 from kvgate.workload.measure import ArmCounts, Seen, count_seen
