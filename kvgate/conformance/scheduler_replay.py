@@ -129,7 +129,7 @@ class SchedulerLockstep:
     def apply(self, event: EngineStep) -> Divergence | None:
         try:
             self._run.engine_step(event)
-        except _Diverged as diverged:
+        except Diverged as diverged:
             return diverged.divergence
         return None
 
