@@ -42,6 +42,7 @@ from kvgate.conformance.ops import Step
 from kvgate.conformance.replay import (
     HOLD_NOTE,
     RETIRE_NOTE,
+    Diverged,
     Divergence,
     DivergenceLevel,
     Level,
@@ -65,12 +66,6 @@ from kvgate.conformance.trace import Trace, TraceError
 SchedulerModelFactory = Callable[[Config, int, int], SchedulerModelRun]
 
 NOT_REPORTED = "not reported"
-
-
-class _Diverged(Exception):
-    def __init__(self, divergence: Divergence) -> None:
-        super().__init__(divergence.what)
-        self.divergence = divergence
 
 
 def model_config(trace: Trace, capabilities: Capabilities | None) -> tuple[Config, list[str]]:
@@ -107,7 +102,7 @@ def replay_scheduler(
     try:
         for event in trace.engine:
             run.engine_step(event)
-    except _Diverged as diverged:
+    except Diverged as diverged:
         failures = [*run.missed, diverged.divergence]
     return ReplayResult(
         trace=trace,
@@ -119,6 +114,26 @@ def replay_scheduler(
         notes=tuple(notes),
         also=tuple(failures[1:]),
     )
+
+
+class SchedulerLockstep:
+    """The same lockstep fed one engine step at a time, for exploration,
+    which decides each step from the state the last one left: `apply`
+    returns the first divergence (None while both agree). A refusal is the
+    `TraceError`, an exception inside the model the `ModelBug`, as in a
+    replay."""
+
+    def __init__(
+        self, trace: Trace, model: SchedulerModelRun, real: SchedulerTarget, level: Level
+    ) -> None:
+        self._run = _EngineLockstep(trace, model, real, level)
+
+    def apply(self, event: EngineStep) -> Divergence | None:
+        try:
+            self._run.engine_step(event)
+        except Diverged as diverged:
+            return diverged.divergence
+        return None
 
 
 class _EngineLockstep:
@@ -149,10 +164,10 @@ class _EngineLockstep:
     def on_real(self, step: Step, what: str, call: Callable[[], Any]) -> Any:
         try:
             return call()
-        except (TraceError, _Diverged):
+        except (TraceError, Diverged):
             raise
         except Exception as error:
-            raise _Diverged(
+            raise Diverged(
                 self.divergence(step, "api", f"{what} raised", "no exception", one_line(error))
             ) from error
 
@@ -195,7 +210,7 @@ class _EngineLockstep:
         )
         for what, expected, actual in pairs:
             if expected != actual:
-                raise _Diverged(self.divergence(step, "api", what, expected, actual))
+                raise Diverged(self.divergence(step, "api", what, expected, actual))
         self.strict(step, "after the reset")
 
     def arrive(self, event: EngineStep, step: Step) -> None:
@@ -226,7 +241,7 @@ class _EngineLockstep:
         except UnsupportedConfig as error:
             raise TraceError(self.trace.path, event.index, error.field, error.message) from None
         except Exception as error:
-            raise _Diverged(
+            raise Diverged(
                 self.divergence(step, "api", "add_request raised", "no exception", one_line(error))
             ) from error
 
@@ -271,7 +286,7 @@ class _EngineLockstep:
             )
         for what, expected, actual in pairs:
             if expected != actual:
-                raise _Diverged(self.divergence(step, "api", f"{where}: {what}", expected, actual))
+                raise Diverged(self.divergence(step, "api", f"{where}: {what}", expected, actual))
         self.strict(step, where)
 
     def strict(self, step: Step, where: str) -> None:
@@ -279,7 +294,7 @@ class _EngineLockstep:
         if self.level != "strict" or self.real is None:
             return
         for what, expected, actual in self.model.snapshot().differences(self.real.snapshot()):
-            raise _Diverged(self.divergence(step, "strict", f"{where}: {what}", expected, actual))
+            raise Diverged(self.divergence(step, "strict", f"{where}: {what}", expected, actual))
 
     def expectations(
         self,

@@ -84,7 +84,7 @@ from kvgate.conformance.schema import (
     ConfigField,
 )
 from kvgate.conformance.tokens import MmItem
-from kvgate.errors import printable
+from kvgate.errors import KvgateError, printable
 
 _REQUIRED_KEYS = ("format", "name", "config", "steps")
 _OPTIONAL_KEYS = ("about", "expect_refused", "tags")
@@ -109,7 +109,7 @@ MAX_TAGS = 32
 VERDICT_WORDS = ("PASS", "FAIL", "LACKS", "SKIP", "ERROR")
 
 
-class TraceError(ValueError):
+class TraceError(KvgateError, ValueError):
     """An invalid trace: one line, `<file>: step <i>: <field>: <message>`.
 
     `step_index` is None for document-level problems (the `step <i>` part is

@@ -153,9 +153,24 @@ def save_trace(
     about: str | None = None,
     expect_refused: str | None = None,
 ) -> Path:
+    return _save(directory, name, dump_trace(name, config, steps, about, expect_refused))
+
+
+def save_engine_trace(
+    directory: Path,
+    name: str,
+    config: Config,
+    settings: EngineSettings,
+    engine: Iterable[EngineStep],
+    about: str | None = None,
+) -> Path:
+    return _save(directory, name, dump_engine_trace(name, config, settings, engine, about))
+
+
+def _save(directory: Path, name: str, text: str) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{name}.yaml"
-    path.write_text(dump_trace(name, config, steps, about, expect_refused))
+    path.write_text(text)
     return path
 
 

@@ -43,6 +43,7 @@ from kvgate.conformance.replay import Level, ReplayResult, one_line, replay
 from kvgate.conformance.report import divergence_summary
 from kvgate.conformance.target import Target, WatchedTarget
 from kvgate.conformance.trace import Trace, load_corpus
+from kvgate.errors import KvgateError
 from kvgate.invariants.predicates import check_snapshot
 from kvgate.mutate.faults import Fault
 from kvgate.mutate.inject import Edit, NotApplicable, apply
@@ -262,7 +263,7 @@ class Campaign:
         return sum(bool(r.explored) for r in ran), len(ran)
 
 
-class CampaignError(Exception):
+class CampaignError(KvgateError):
     """The campaign cannot say anything (the baseline itself did not run)."""
 
 

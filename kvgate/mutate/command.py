@@ -40,7 +40,6 @@ from kvgate.mutate.campaign import (
     STAGES,
     Baseline,
     Campaign,
-    CampaignError,
     ExploreOutcome,
     FaultResult,
     SchedulerOutcome,
@@ -51,7 +50,6 @@ from kvgate.mutate.faults import BY_NAME, Fault, select
 from kvgate.mutate.own_suite import (
     SELECTION_ROOT,
     Suite,
-    SuiteError,
     SuiteResult,
     SuiteRun,
     run_suite_campaign,
@@ -204,16 +202,14 @@ def gate_campaign(out: TextIO, faults: Sequence[Fault], settings: Settings, jobs
         + (" + the real Scheduler without prefix caching" if settings.scheduler_stage else "")
         + f"; {jobs} job(s)",
     )
-    try:
-        campaign = run_campaign(
-            faults,
-            settings,
-            jobs,
-            on_baseline=baseline_lines,
-            on_result=lambda r: _line(out, result_row(r)),
-        )
-    except CampaignError as error:
-        raise InputError(str(error)) from None
+    # A CampaignError (a KvgateError) reaches the command line as one line, exit 2.
+    campaign = run_campaign(
+        faults,
+        settings,
+        jobs,
+        on_baseline=baseline_lines,
+        on_result=lambda r: _line(out, result_row(r)),
+    )
     for line in summary_lines(campaign):
         _line(out, line)
     return campaign
@@ -376,20 +372,17 @@ def own_campaign(
         header = f"{'fault':<38} {'verdict':<14} {'secs':>6}"
         _line(out, f"{header}  first failing test (under {SELECTION_ROOT})")
 
-    try:
-        _, results = run_suite_campaign(
-            faults,
-            suite,
-            args.jobs,
-            on_baseline=baseline_lines,
-            on_result=lambda r: _line(
-                out,
-                f"{r.fault.name:<38} {r.verdict:<14} {r.seconds:6.0f}  "
-                + _cut(r.by.removeprefix(SELECTION_ROOT) or "-"),
-            ),
-        )
-    except SuiteError as error:
-        raise InputError(str(error)) from None
+    _, results = run_suite_campaign(
+        faults,
+        suite,
+        args.jobs,
+        on_baseline=baseline_lines,
+        on_result=lambda r: _line(
+            out,
+            f"{r.fault.name:<38} {r.verdict:<14} {r.seconds:6.0f}  "
+            + _cut(r.by.removeprefix(SELECTION_ROOT) or "-"),
+        ),
+    )
     applicable = [r for r in results if r.verdict != "not applicable"]
     caught = [r for r in applicable if r.verdict == "caught"]
     rate = f"{100.0 * len(caught) / len(applicable):.1f}%" if applicable else "-"
