@@ -360,6 +360,40 @@ class _WrongCachedTokens:
         return {r: (cached + 8, written) for r, (cached, written) in stats.items()}
 
 
+class _LocalHitsCountExternal:
+    """vLLM's Scheduler, its prefix-cache stats counting a KV connector's
+    tokens as local hits (as if it recorded the whole hit)."""
+
+    def __init__(self, real: Any) -> None:
+        self.real = real
+        self.external = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+    def schedule(self) -> Any:
+        step = self.real.schedule()
+        self.external += sum(external for _, _, external, _ in step.taken)
+        return step
+
+    def take_prefix_cache_stats(self) -> dict[str, int | bool] | None:
+        stats: dict[str, int | bool] | None = self.real.take_prefix_cache_stats()
+        if stats is not None:
+            stats = {**stats, "hits": int(stats["hits"]) + self.external}
+            self.external = 0
+        return stats
+
+
+@needs_vllm
+def test_a_scheduler_whose_prefix_cache_stats_count_external_hits_diverges() -> None:
+    trace = by_name("sched-connector-sync-hit-cached-tokens")
+    assert run_vllm(trace).passed
+    index, level, what = first_failure(run_vllm(trace, _LocalHitsCountExternal))
+    assert level == "api" and what.endswith("prefix-cache stats"), what
+    [admission] = [e for e in trace.engine if e.op == "step"][3:4]
+    assert index == admission.index
+
+
 @needs_vllm
 def test_a_scheduler_that_reports_cached_tokens_wrongly_diverges(overlay: Any) -> None:
     trace = by_name("sched-gdn-triton-next-turn-after-burst.hold-off")

@@ -22,7 +22,8 @@ on a real scheduler (`SchedulerTarget`: vLLM's own `Scheduler` owning its
   model's at level `api`: lookups, attention checks, preemptions, what was
   scheduled in order, admissions, copies, connector questions, which
   requests finished, each first output's prefill stats (cached tokens and
-  the prefix-cache writes); at level `strict` also the owned manager's
+  the prefix-cache writes), the step's prefix-cache stats (when the real
+  scheduler logs stats); at level `strict` also the owned manager's
   whole snapshot. The first difference ends the replay as a `Divergence`.
 
 A request the real scheduler refuses, or a config it cannot build, is the
@@ -50,6 +51,7 @@ from kvgate.conformance.replay import (
     one_line,
 )
 from kvgate.conformance.scheduling import (
+    PREFIX_CACHE_STATS_KEYS,
     EngineOutcome,
     EngineStep,
     PrefillStats,
@@ -259,6 +261,9 @@ class _EngineLockstep:
                 ),
             )
             stats = real.take_prefill_stats()
+        # Drained every step, as the Scheduler's update drains them.
+        modelled_cache_stats = self.model.take_prefix_cache_stats()
+        observed_cache_stats = None if self.real is None else self.real.take_prefix_cache_stats()
         self.expectations(event, step, observed.scheduled, observed.preempted, finished, stats)
         if self.real is None:
             return
@@ -271,6 +276,14 @@ class _EngineLockstep:
                 stats,
             ),
         ]
+        if observed_cache_stats is not None:
+            pairs.append(
+                (
+                    "prefix-cache stats",
+                    {k: modelled_cache_stats.get(k) for k in PREFIX_CACHE_STATS_KEYS},
+                    observed_cache_stats,
+                )
+            )
         for what, expected, actual in pairs:
             if expected != actual:
                 raise Diverged(self.divergence(step, "api", f"{where}: {what}", expected, actual))

@@ -14,7 +14,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from kvgate.conformance.ops import Segment
+from kvgate.conformance.ops import STATS_KEYS, Segment
 from kvgate.conformance.snapshot import Snapshot
 from kvgate.conformance.target import Capabilities
 from kvgate.conformance.tokens import NO_INPUTS, HashInputs
@@ -91,6 +91,11 @@ class RemoteHit:
 # output (`EngineCoreOutput.prefill_stats`): (num_cached_tokens, the tokens
 # its prefill wrote to the prefix cache, num_cache_creation_tokens).
 PrefillStats = tuple[int, int]
+
+# The prefix-cache stats a Scheduler logging stats reports with each update
+# (vLLM's `PrefixCacheStats`, drained by `make_stats`): the `stats` op's keys.
+PREFIX_CACHE_STATS_KEYS = STATS_KEYS
+PrefixCacheStats = dict[str, int | bool]
 
 # The engine ops of a scheduler-level trace (its `engine` list), each with
 # its required and optional fields.
@@ -185,6 +190,11 @@ class SchedulerModelRun(Protocol):
         when `running`: (whether it reset, the waiting queue after)."""
         ...
 
+    def take_prefix_cache_stats(self) -> PrefixCacheStats:
+        """The prefix-cache stats since the last call (`PREFIX_CACHE_STATS_KEYS`;
+        empty when stats are not logged)."""
+        ...
+
     def snapshot(self) -> Snapshot: ...
 
 
@@ -238,6 +248,12 @@ class SchedulerTarget(Protocol):
     def take_prefill_stats(self) -> dict[str, PrefillStats]:
         """Each request whose first output the last `update` carried: its
         prefill stats as the Scheduler reported them."""
+        ...
+
+    def take_prefix_cache_stats(self) -> PrefixCacheStats | None:
+        """The prefix-cache stats the last `update` reported
+        (`PREFIX_CACHE_STATS_KEYS`), or None when it reported none (stats not
+        logged)."""
         ...
 
     def take_evictions(self) -> list[int]:

@@ -51,7 +51,7 @@ from typing import Any, Literal
 from kvgate.conformance.config import Config
 from kvgate.conformance.driver import chunk_offer
 from kvgate.conformance.ops import ACTIONS, Segment, Step
-from kvgate.conformance.scheduling import EngineOutcome, RemoteHit
+from kvgate.conformance.scheduling import EngineOutcome, PrefixCacheStats, RemoteHit
 from kvgate.conformance.snapshot import Snapshot
 from kvgate.conformance.target import Capabilities
 from kvgate.conformance.tokens import HashInputs
@@ -276,6 +276,11 @@ class SchedulerModel:
                 self._reset_preempted.append(live.name)
         ok = bool(self.writer.run("reset")["ok"])
         return ok, [live.name for live in self.waiting]
+
+    def take_prefix_cache_stats(self) -> PrefixCacheStats:
+        """The manager's prefix-cache stats since the last call, as the
+        Scheduler's update drains them (empty when stats are not logged)."""
+        return self.oracle.manager.make_prefix_cache_stats()
 
     def prompt_tokens(self, name: str) -> tuple[list[int], HashInputs]:
         request = self.oracle.requests[name].request
