@@ -42,7 +42,6 @@ from kvgate.conformance.limits import DEFAULT_LIMITS, Limits
 from kvgate.conformance.replay import (
     LEVELS,
     Level,
-    ModelBug,
     Outcome,
     TargetFactory,
     TraceRunError,
@@ -84,6 +83,7 @@ from kvgate.errors import (
     EXIT_OK,
     EXIT_PRECEDENCE,
     InputError,
+    KvgateError,
     exit_code_table,
     printable,
 )
@@ -164,8 +164,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             except InputError as unwritable:
                 print(f"kvgate: error: {printable(str(unwritable))}", file=sys.stderr)
         return EXIT_INPUT
-    except (TraceError, InputError) as error:
-        print(f"kvgate: error: {printable(str(error))}", file=sys.stderr)
+    except KvgateError as error:
+        kind = "internal error" if error.exit_code == EXIT_KVGATE_BUG else "error"
+        print(f"kvgate: {kind}: {printable(str(error))}", file=sys.stderr)
         junit_xml: Path | None = getattr(args, "junit_xml", None)
         if isinstance(error, TraceError) and junit_xml is not None:
             # Nothing ran; CI still gets a file that says why.
@@ -173,11 +174,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 _write_junit([], junit_xml, [(str(error.path), str(error))])
             except InputError as unwritable:
                 print(f"kvgate: error: {printable(str(unwritable))}", file=sys.stderr)
-        return EXIT_INPUT
-    except ModelBug as bug:
-        # From a command that replays outside `run_traces` (the workload).
-        print(f"kvgate: internal error: {printable(str(bug))}", file=sys.stderr)
-        return EXIT_KVGATE_BUG
+        return error.exit_code
     except Exception as error:
         # Whatever else escapes is kvgate's own bug, not the input's: one
         # line and exit 3; KVGATE_TRACEBACK=1 shows the traceback to debug it.

@@ -73,6 +73,7 @@ from kvgate.conformance.scheduling import (
     RESET_EXPECT_KEYS,
     EngineSettings,
     EngineStep,
+    RemoteHit,
 )
 from kvgate.conformance.schema import (
     CONFIG_FIELDS,
@@ -83,7 +84,7 @@ from kvgate.conformance.schema import (
     ConfigField,
 )
 from kvgate.conformance.tokens import MmItem
-from kvgate.errors import printable
+from kvgate.errors import KvgateError, printable
 
 _REQUIRED_KEYS = ("format", "name", "config", "steps")
 _OPTIONAL_KEYS = ("about", "expect_refused", "tags")
@@ -115,7 +116,7 @@ MAX_TAGS = 32
 VERDICT_WORDS = ("PASS", "FAIL", "LACKS", "SKIP", "ERROR")
 
 
-class TraceError(ValueError):
+class TraceError(KvgateError, ValueError):
     """An invalid trace: one line, `<file>: step <i>: <field>: <message>`.
 
     `step_index` is None for document-level problems (the `step <i>` part is
@@ -697,6 +698,7 @@ class _Reader:
         follows = raw.get("follows")
         if follows is not None:
             follows = self.arrived(index, "follows", follows)
+        remote = self.engine_remote(index, raw, least)
         self.requests[req] = ("waiting", f"arrived at step {index}")
         return EngineStep(
             "arrive",
@@ -706,7 +708,47 @@ class _Reader:
             max_tokens=max_tokens,
             cache_salt=salt,
             follows=follows,
+            remote=remote,
         )
+
+    def engine_remote(
+        self, index: int, raw: Mapping[Any, Any], prompt_tokens: int
+    ) -> RemoteHit | None:
+        """An arrival's `remote_hit`, `remote_async`, `remote_delay`: what the
+        KV connector's external store holds of the request (None: nothing)."""
+        given = [k for k in ("remote_hit", "remote_async", "remote_delay") if k in raw]
+        if not given:
+            return None
+        assert self.config is not None
+        if not self.config.kv_connector:
+            raise self.error(index, given[0], "needs config.kv_connector: true")
+        tokens = raw.get("remote_hit", 0)
+        load_async = raw.get("remote_async", False)
+        delay = raw.get("remote_delay", 0)
+        if not isinstance(load_async, bool):
+            raise self.error(
+                index, "remote_async", f"must be true or false, got {_got(load_async)}"
+            )
+        # A real connector leaves the last prompt token to compute unless it
+        # loads asynchronously.
+        most = prompt_tokens if load_async else prompt_tokens - 1
+        if not _is_count(tokens) or tokens > most:
+            raise self.error(
+                index,
+                "remote_hit",
+                f"must be an integer 0..{most} (its prompt holds at least {prompt_tokens} tokens"
+                + ("" if load_async else ", less the one a sync load leaves to compute")
+                + f"), got {_got(tokens)}",
+            )
+        if not _is_count(delay) or delay > self.limits.steps:
+            raise self.error(
+                index,
+                "remote_delay",
+                f"must be an integer 0..{self.limits.steps} (engine steps), got {_got(delay)}",
+            )
+        if delay and not load_async:
+            raise self.error(index, "remote_delay", "applies to an async load: remote_async: true")
+        return RemoteHit(tokens, load_async, delay)
 
     def arrived(self, index: int, field: str, value: object) -> str:
         """`value` names a request that has arrived."""

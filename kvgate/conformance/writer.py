@@ -1,5 +1,6 @@
-"""Write traces: what Hypothesis runs, Z3 counterexamples and the workload
-generator produce, in the format people write by hand (version 1)."""
+"""Write traces: what Hypothesis runs, Z3 counterexamples, the workload
+generator and the shrinker produce, in the format people write by hand
+(version 1): manager-level `steps`, or a scheduler-level trace's `engine`."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import yaml
 
 from kvgate.conformance.config import Config, GroupConfig
 from kvgate.conformance.ops import ACTIONS, Segment, Step
-from kvgate.conformance.scheduling import EngineSettings
+from kvgate.conformance.scheduling import EngineSettings, EngineStep
 from kvgate.conformance.schema import CONFIG_FIELDS, FORMAT
 
 
@@ -88,6 +89,75 @@ def dump_trace(
     return _Dumper.dump(doc)
 
 
+def engine_step_dicts(engine: Iterable[EngineStep]) -> list[dict[str, Any]]:
+    """Engine steps as written in a scheduler-level trace: a run of engine
+    steps that expect nothing as one `{op: step, steps: N}`."""
+    out: list[dict[str, Any]] = []
+    for event in engine:
+        if event.op == "step" and not event.expect:
+            last = out[-1] if out else {}
+            if last.get("op") == "step" and "expect" not in last:
+                last["steps"] = last.get("steps", 1) + 1
+            else:
+                out.append({"op": "step"})
+            continue
+        entry: dict[str, Any] = {"op": event.op}
+        if event.op in ("arrive", "abort"):
+            entry["req"] = event.req
+        if event.op == "arrive":
+            entry["prompt"] = [segment_dict(s) for s in event.prompt]
+            entry["max_tokens"] = event.max_tokens
+            if event.cache_salt:
+                entry["cache_salt"] = event.cache_salt
+            if event.follows is not None:
+                entry["follows"] = event.follows
+            remote = event.remote
+            if remote is not None:
+                entry["remote_hit"] = remote.tokens
+                if remote.load_async:
+                    entry["remote_async"] = True
+                if remote.delay:
+                    entry["remote_delay"] = remote.delay
+        if event.op == "reset" and event.running:
+            entry["running"] = True
+        if event.expect:
+            entry["expect"] = plain(event.expect)
+        out.append(entry)
+    return out
+
+
+def dump_engine_trace(
+    name: str,
+    config: Config,
+    settings: EngineSettings,
+    engine: Iterable[EngineStep],
+    about: str | None = None,
+    tags: Iterable[str] = (),
+) -> str:
+    """A scheduler-level trace's text (docs/scheduler-traces.md)."""
+    doc = _engine_head(name, config, settings, about, tags)
+    doc["engine"] = engine_step_dicts(engine)
+    return _Dumper.dump(doc)
+
+
+def _engine_head(
+    name: str,
+    config: Config,
+    settings: EngineSettings,
+    about: str | None,
+    tags: Iterable[str],
+) -> dict[str, Any]:
+    """A scheduler-level trace's keys before its `engine` list."""
+    doc: dict[str, Any] = {"format": FORMAT, "name": name}
+    if about:
+        doc["about"] = " ".join(about.split())
+    if tags:
+        doc["tags"] = list(tags)
+    doc["config"] = config_dict(config)
+    doc["scheduler"] = {"spec": settings.spec, "max_num_seqs": settings.max_num_seqs}
+    return doc
+
+
 def save_trace(
     directory: Path,
     name: str,
@@ -96,9 +166,24 @@ def save_trace(
     about: str | None = None,
     expect_refused: str | None = None,
 ) -> Path:
+    return _save(directory, name, dump_trace(name, config, steps, about, expect_refused))
+
+
+def save_engine_trace(
+    directory: Path,
+    name: str,
+    config: Config,
+    settings: EngineSettings,
+    engine: Iterable[EngineStep],
+    about: str | None = None,
+) -> Path:
+    return _save(directory, name, dump_engine_trace(name, config, settings, engine, about))
+
+
+def _save(directory: Path, name: str, text: str) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{name}.yaml"
-    path.write_text(dump_trace(name, config, steps, about, expect_refused))
+    path.write_text(text)
     return path
 
 
@@ -111,15 +196,8 @@ def recording_head(
 ) -> str:
     """A recording's text up to its `engine:` line: the entries follow one a
     line (`recording_entry`), then its end line (`recording_end`)."""
-    doc: dict[str, Any] = {
-        "format": FORMAT,
-        "name": name,
-        "about": about,
-        "tags": ["recorded"],
-        "recording": dict(recording),
-        "config": config_dict(config),
-        "scheduler": {"spec": settings.spec, "max_num_seqs": settings.max_num_seqs},
-    }
+    doc = _engine_head(name, config, settings, about, ["recorded"])
+    doc["recording"] = dict(recording)
     return _Dumper._dump(doc, default_flow_style=None, width=100) + "engine:\n"
 
 
@@ -179,12 +257,13 @@ class _Dumper:
 
     @classmethod
     def dump(cls, doc: dict[str, Any]) -> str:
-        head = {k: v for k, v in doc.items() if k != "steps"}
+        body = "engine" if "engine" in doc else "steps"
+        head = {k: v for k, v in doc.items() if k != body}
         text = cls._dump(head, default_flow_style=None, width=100)
-        if "steps" not in doc:  # a refusal trace
+        if body not in doc:  # a refusal trace
             return text
-        lines = [text.rstrip("\n"), "steps:"]
-        for step in doc["steps"]:
+        lines = [text.rstrip("\n"), f"{body}:"]
+        for step in doc[body]:
             flow = cls._dump(step, default_flow_style=True, width=10_000)
             lines.append(f"  - {flow.strip()}")
         return "\n".join(lines) + "\n"

@@ -17,7 +17,9 @@ already imported vLLM, which makes a child cost what its replays cost. A
 fault counts as caught only by a trace whose replay passes on the unmutated
 build, by an invariant that holds on that trace there, or by an exploration
 that passes there: anything the baseline already fails says nothing about
-the fault.
+the fault. A target the fault keeps from being built (vLLM's manager or
+Scheduler, built unmutated) is no catch either: such a fault's verdict is
+"not built".
 """
 
 from __future__ import annotations
@@ -41,21 +43,28 @@ from kvgate.conformance.replay import Level, ReplayResult, one_line, replay
 from kvgate.conformance.report import divergence_summary
 from kvgate.conformance.target import Target, WatchedTarget
 from kvgate.conformance.trace import Trace, load_corpus
+from kvgate.errors import KvgateError
 from kvgate.invariants.predicates import check_snapshot
 from kvgate.mutate.faults import Fault
 from kvgate.mutate.inject import Edit, NotApplicable, apply
 from kvgate.output import VllmLogs, installed
 
-Verdict = Literal["caught", "missed", "not applicable", "hung", "error"]
+# "not built": no stage caught the fault, and some stage's target (vLLM's
+# manager or its Scheduler), built unmutated, could not be built with it in
+# effect: the fault breaks construction, which says nothing of what the gate
+# checks, so it is reported as such, never as a catch.
+Verdict = Literal["caught", "missed", "not applicable", "hung", "error", "not built"]
 
 # The campaign's stages, in the order each fault meets them: the corpus
 # replayed with the snapshot invariants and the scheduler-level corpus on
 # vLLM's real Scheduler (both what `kvgate gate` runs), the differential
-# exploration, the workload on vLLM's real Scheduler.
+# exploration, the Scheduler-level exploration (engine steps on vLLM's real
+# Scheduler), the workload on vLLM's real Scheduler.
 STAGES = (
     "manager-level gate",
     "Scheduler-level gate",
     "exploration",
+    "Scheduler-level exploration",
     "real-Scheduler workload",
 )
 
@@ -77,6 +86,12 @@ EXPLORE_EXAMPLES = 450
 # two keys, a stale record) to meet what another rule does later (a burst,
 # a re-admission).
 EXPLORE_STEPS = 50
+# The Scheduler-level exploration's budget per fault: its ci profile's
+# examples (derandomized, not shrunk), a few seconds in a child. It runs on
+# every fault in the Scheduler's own code (area `scheduler`), so each of
+# their rows says whether it caught them, and on any other fault the stages
+# before it missed.
+SCHEDULER_EXPLORE_EXAMPLES = 40
 
 
 @dataclass(frozen=True)
@@ -98,6 +113,8 @@ class Settings:
     timeout: float = 300.0  # seconds one child may take before it counts as hung
     # The real-Scheduler stage for a fault the corpus and the exploration miss.
     scheduler_stage: bool = True
+    # Examples of the Scheduler-level exploration; 0 switches the stage off.
+    scheduler_explore_examples: int = SCHEDULER_EXPLORE_EXAMPLES
 
 
 @dataclass(frozen=True)
@@ -108,6 +125,9 @@ class TraceOutcome:
     invariant: str  # the first invariant violated after some step ("" if none)
     violation: str  # where and how it was violated, one line
     seconds: float
+    # False: the target was not built for this trace (`failure` says why),
+    # so the trace neither passed nor diverged.
+    built: bool = True
 
 
 @dataclass(frozen=True)
@@ -129,6 +149,8 @@ class SchedulerOutcome:
     failure: str  # one line ("" when in lockstep)
     seconds: float
     note: str = ""  # why it did not run
+    # False: vLLM's Scheduler was not built (`failure` says why): no lockstep ran.
+    built: bool = True
 
     @property
     def passed(self) -> bool:
@@ -148,6 +170,8 @@ class GateRun:
     scheduler: SchedulerOutcome | None = None
     # The scheduler-level corpus, on vLLM's real Scheduler in lockstep.
     scheduler_traces: tuple[TraceOutcome, ...] = ()
+    # The Scheduler-level exploration (None: it did not run).
+    scheduler_exploration: ExploreOutcome | None = None
 
 
 @dataclass(frozen=True)
@@ -178,10 +202,17 @@ class Baseline:
     def scheduler_usable(self) -> bool:
         return self.run.scheduler is not None and self.run.scheduler.passed
 
+    @property
+    def scheduler_exploration_usable(self) -> bool:
+        found = self.run.scheduler_exploration
+        return found is not None and found.passed
+
 
 @dataclass(frozen=True)
 class Catch:
-    stage: Literal["trace", "invariant", "scheduler trace", "exploration", "scheduler"]
+    stage: Literal[
+        "trace", "invariant", "scheduler trace", "exploration", "scheduler exploration", "scheduler"
+    ]
     source: str  # the trace, invariant or "exploration"
     detail: str
 
@@ -203,6 +234,8 @@ class FaultResult:
     workload: bool | None = None
     # What the scheduler-level corpus said (None: none of it counts here).
     scheduler_gate: bool | None = None
+    # What the Scheduler-level exploration said (None: it did not run on this fault).
+    scheduler_explored: bool | None = None
 
     def stages_caught(self) -> dict[str, bool | None]:
         """Each stage's word on this fault, in the order the gate runs them:
@@ -212,7 +245,8 @@ class FaultResult:
             STAGES[0]: self.corpus_caught if ran else None,
             STAGES[1]: self.scheduler_gate,
             STAGES[2]: self.explored,
-            STAGES[3]: self.workload,
+            STAGES[3]: self.scheduler_explored,
+            STAGES[4]: self.workload,
         }
 
     @property
@@ -251,7 +285,7 @@ class Campaign:
         return sum(bool(r.explored) for r in ran), len(ran)
 
 
-class CampaignError(Exception):
+class CampaignError(KvgateError):
     """The campaign cannot say anything (the baseline itself did not run)."""
 
 
@@ -289,7 +323,8 @@ def gate_run(
         scheduler_traces.append(_replay_on_scheduler(trace, settings.level))
     exploration = None
     caught = baseline is not None and (
-        any(_counts(o, baseline) for o in outcomes) or any(not o.passed for o in scheduler_traces)
+        any(_counts(o, baseline) for o in outcomes)
+        or any(o.built and not o.passed for o in scheduler_traces)
     )
     explore_wanted = settings.explore_examples > 0 and (
         baseline is None
@@ -300,6 +335,23 @@ def gate_run(
             progress.send(("trace", "(exploration)"))
         exploration = explore_stage(settings.explore_examples, settings.explore_seed)
     explored = exploration is not None and bool(exploration.failure)
+    scheduler_exploration = None
+    in_scheduler = fault is not None and fault.area == "scheduler"
+    if settings.scheduler_explore_examples > 0 and (
+        baseline is None
+        or (
+            baseline.scheduler_exploration_usable
+            and (settings.explore_every_fault or in_scheduler or not (caught or explored))
+        )
+    ):
+        if progress is not None:
+            progress.send(("trace", "(Scheduler-level exploration)"))
+        scheduler_exploration = scheduler_explore_stage(
+            settings.scheduler_explore_examples, settings.explore_seed
+        )
+    explored = explored or (
+        scheduler_exploration is not None and bool(scheduler_exploration.failure)
+    )
     scheduler = None
     if settings.scheduler_stage and (
         baseline is None or (baseline.scheduler_usable and not caught and not explored)
@@ -315,6 +367,7 @@ def gate_run(
         exploration,
         scheduler=scheduler,
         scheduler_traces=tuple(scheduler_traces),
+        scheduler_exploration=scheduler_exploration,
     )
 
 
@@ -336,10 +389,21 @@ def _replay_on_scheduler(trace: Trace, level: Level) -> TraceOutcome:
     if isinstance(outcome, ReplayResult):
         failure = "" if outcome.divergence is None else divergence_summary(outcome.divergence)
         return TraceOutcome(trace.name, outcome.passed, failure, "", "", outcome.seconds)
-    return TraceOutcome(trace.name, False, outcome.message, "", "", outcome.seconds)
+    # A config refused here is a Scheduler vLLM would not build.
+    return TraceOutcome(
+        trace.name,
+        False,
+        outcome.message,
+        "",
+        "",
+        outcome.seconds,
+        built=not outcome.config_refused,
+    )
 
 
 def _counts(outcome: TraceOutcome, baseline: Baseline) -> bool:
+    if not outcome.built:
+        return False
     return (not outcome.passed and outcome.trace in baseline.passing) or bool(
         outcome.invariant and outcome.trace in baseline.invariant_clean
     )
@@ -373,7 +437,8 @@ def _replay_with_invariants(trace: Trace, level: Level) -> TraceOutcome:
     try:
         inner = target_factory("vllm")(trace.config)
     except Exception as error:
-        return TraceOutcome(trace.name, False, f"target not built: {one_line(error)}", "", "", 0.0)
+        failure = f"target not built: {one_line(error)}"
+        return TraceOutcome(trace.name, False, failure, "", "", 0.0, built=False)
     with closing(WatchedTarget(inner, after_step)) as target:
         result = replay(trace, target, target_factory(LOCKSTEP_MODEL), level)
     invariant, violation = violated[0] if violated else ("", "")
@@ -426,6 +491,34 @@ def explore_stage(examples: int, seed: int | None = None) -> ExploreOutcome:
     return ExploreOutcome(True, found, examples, time.perf_counter() - started)
 
 
+def scheduler_explore_stage(examples: int, seed: int | None = None) -> ExploreOutcome:
+    """The Scheduler-level exploration (`kvgate explore --scope scheduler`'s
+    ci profile, `examples` of them) against the vLLM in this process, hold
+    off, derandomized (or seeded with `seed`), not shrunk."""
+    started = time.perf_counter()
+    try:
+        from hypothesis import Phase
+
+        from kvgate.explore.profiles import profile
+        from kvgate.explore.scheduler_machine import SchedulerMode, explore_scheduler
+    except ImportError as missing:
+        return ExploreOutcome(False, "", 0, 0.0, f"kvgate.explore not available ({missing})")
+    settings = profile(
+        "ci",
+        "scheduler",
+        max_examples=examples,
+        derandomize=seed is None,
+        phases=(Phase.explicit, Phase.generate),
+    )
+    try:
+        outcome = explore_scheduler(SchedulerMode(), settings, seed=seed)
+    except Exception as error:  # a failure the machine did not wrap
+        return ExploreOutcome(True, one_line(error), examples, time.perf_counter() - started)
+    failure = outcome.failure
+    found = "" if failure is None else f"{failure.kind}: {failure.message}"
+    return ExploreOutcome(True, found, examples, time.perf_counter() - started)
+
+
 # The real-Scheduler stage's workload: every token count / 32, 4 sessions x 3
 # turns, without prefix caching at the align deployment's Mamba block (4096
 # tokens, finer than max_model_len), where mode none's split, counts and
@@ -466,7 +559,10 @@ def scheduler_stage() -> SchedulerOutcome:
         )
     except Exception as error:
         return SchedulerOutcome(
-            True, f"Scheduler not built: {one_line(error)}", time.perf_counter() - started
+            True,
+            f"Scheduler not built: {one_line(error)}",
+            time.perf_counter() - started,
+            built=False,
         )
     try:
         with tempfile.TemporaryDirectory(prefix="kvgate-mutate-") as out:
@@ -651,11 +747,18 @@ def judge(
         return FaultResult(fault, "error", None, seconds, run.edit, note=run.error)
     if run.not_applicable:
         return FaultResult(fault, "not applicable", None, seconds, note=run.not_applicable)
-    diverged = [t for t in run.traces if not t.passed and t.trace in baseline.passing]
-    violated = [t for t in run.traces if t.invariant and t.trace in baseline.invariant_clean]
+    built = [t for t in run.traces if t.built]
+    diverged = [t for t in built if not t.passed and t.trace in baseline.passing]
+    violated = [t for t in built if t.invariant and t.trace in baseline.invariant_clean]
     invariants = tuple(dict.fromkeys(t.invariant for t in violated))
     counted = [t for t in run.scheduler_traces if t.trace in baseline.scheduler_passing]
-    scheduler_diverged = [t for t in counted if not t.passed]
+    scheduler_diverged = [t for t in counted if t.built and not t.passed]
+    # What the fault kept from being built, where the baseline built it.
+    not_built = [
+        f"{t.trace}: {t.failure}"
+        for t in (*(t for t in run.traces if t.trace in baseline.passing), *counted)
+        if not t.built
+    ]
     catch = None
     if diverged:
         first = diverged[0]
@@ -672,13 +775,32 @@ def judge(
     if catch is None and explored:
         assert run.exploration is not None
         catch = Catch("exploration", "exploration", run.exploration.failure)
+    scheduler_explored = None
+    found = run.scheduler_exploration
+    if found is not None and found.ran and baseline.scheduler_exploration_usable:
+        scheduler_explored = bool(found.failure)
+    if catch is None and scheduler_explored:
+        assert found is not None
+        catch = Catch("scheduler exploration", "Scheduler-level exploration", found.failure)
     scheduler = run.scheduler
     workload = None
     if scheduler is not None and scheduler.ran and baseline.scheduler_usable:
-        workload = bool(scheduler.failure)
+        if scheduler.built:
+            workload = bool(scheduler.failure)
+        else:
+            not_built.append(f"real Scheduler, prefix caching off: {scheduler.failure}")
     if catch is None and workload:
         assert scheduler is not None
         catch = Catch("scheduler", "real Scheduler, prefix caching off", scheduler.failure)
+    if catch is None and not_built:
+        return FaultResult(
+            fault,
+            "not built",
+            None,
+            seconds,
+            run.edit,
+            note=not_built[0],
+        )
     if catch is None and fault.equivalent_under:
         # Its only effect is state the strict view leaves out as unobservable.
         return FaultResult(
@@ -701,4 +823,5 @@ def judge(
         corpus_caught=bool(diverged or violated),
         workload=workload,
         scheduler_gate=bool(scheduler_diverged) if counted else None,
+        scheduler_explored=scheduler_explored,
     )
