@@ -139,15 +139,18 @@ SECTIONS = (
     Section(
         "benchmarks",
         "Benchmark ratios",
-        "about 3 minutes",
+        "about 5 minutes",
         (
             f"{PY} benchmarks/replay_speed.py --rounds 3",
             f"{PY} benchmarks/workload.py --scale 16",
+            f"{PY} benchmarks/recorder_overhead.py",
         ),
         render_whole,
         "Ratios measured within one run, so the machine's speed cancels out: the corpus "
-        "replayed on the model against vLLM (below 1: the model is faster), and the "
-        "production workload on each target alone (time and peak memory).",
+        "replayed on the model against vLLM (below 1: the model is faster), the "
+        "production workload on each target alone (time and peak memory), and the "
+        "recorder's overhead: the time inside vLLM's Scheduler calls with the recorder on "
+        "against off, replaying one recorded workload.",
     ),
     Section(
         "matrix",

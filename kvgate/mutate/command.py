@@ -37,6 +37,7 @@ from kvgate.conformance.trace import bundled_corpus
 from kvgate.errors import InputError
 from kvgate.mutate.campaign import (
     EXPLORE_EXAMPLES,
+    SCHEDULER_EXPLORE_EXAMPLES,
     STAGES,
     Baseline,
     Campaign,
@@ -92,6 +93,15 @@ def register(subparsers: Any) -> None:
         help="examples of differential exploration for a fault the corpus misses (0: off)",
     )
     cmd.add_argument(
+        "--scheduler-explore",
+        type=int,
+        default=SCHEDULER_EXPLORE_EXAMPLES,
+        metavar="N",
+        help="examples of the Scheduler-level exploration (engine steps on vLLM's real "
+        "Scheduler) for every fault in the Scheduler's code and any other the stages before "
+        "it miss (0: off)",
+    )
+    cmd.add_argument(
         "--explore-every-fault",
         action="store_true",
         help="run the exploration against every fault too, and report its kill rate alone "
@@ -139,6 +149,8 @@ def handle(args: argparse.Namespace) -> int:
         raise InputError(f"--jobs: must be between 1 and {MAX_JOBS}")
     if not 0 <= args.explore <= MAX_EXPLORE:
         raise InputError(f"--explore: must be between 0 and {MAX_EXPLORE:,}")
+    if not 0 <= args.scheduler_explore <= MAX_EXPLORE:
+        raise InputError(f"--scheduler-explore: must be between 0 and {MAX_EXPLORE:,}")
     if args.seed is not None and not 0 <= args.seed < 2**32:
         raise InputError(f"--seed: {args.seed} is outside 0..2**32-1")
     if args.timeout is not None and not 0 < args.timeout <= MAX_TIMEOUT:
@@ -155,6 +167,7 @@ def handle(args: argparse.Namespace) -> int:
             level=args.level,
             explore_examples=args.explore,
             explore_every_fault=args.explore_every_fault,
+            scheduler_explore_examples=args.scheduler_explore,
             explore_seed=args.seed,
             timeout=args.timeout or 300.0,
         )
@@ -197,6 +210,11 @@ def gate_campaign(out: TextIO, faults: Sequence[Fault], settings: Settings, jobs
                 else f"seed {settings.explore_seed})"
             )
             if settings.explore_examples
+            else ""
+        )
+        + (
+            f" + Scheduler-level exploration ({settings.scheduler_explore_examples} examples)"
+            if settings.scheduler_explore_examples
             else ""
         )
         + (" + the real Scheduler without prefix caching" if settings.scheduler_stage else "")
@@ -295,6 +313,14 @@ def summary_lines(campaign: Campaign) -> list[str]:
     if by_exploration:
         lines.append(
             "caught by exploration only: " + ", ".join(r.fault.name for r in by_exploration)
+        )
+    by_engine_steps = [
+        r for r in campaign.caught if r.catch and r.catch.stage == "scheduler exploration"
+    ]
+    if by_engine_steps:
+        lines.append(
+            "caught by the Scheduler-level exploration only: "
+            + ", ".join(r.fault.name for r in by_engine_steps)
         )
     by_scheduler = [r for r in campaign.caught if r.catch and r.catch.stage == "scheduler"]
     if by_scheduler:
