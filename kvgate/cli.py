@@ -134,9 +134,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return code
             limits = _limits(args.limit)
             if args.command == "replay":
-                traces, invalid = read_traces(args.traces, limits)
+                traces, invalid = read_traces(args.traces, limits, args.partial)
             else:
-                traces, invalid = _read_gate_corpus(args.corpus, limits)
+                traces, invalid = _read_gate_corpus(args.corpus, limits, args.partial)
                 traces = _select(traces, args)
                 if args.list:
                     return list_traces(traces, invalid)
@@ -188,11 +188,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_KVGATE_BUG
 
 
-def _read_gate_corpus(corpus: Path | None, limits: Limits) -> tuple[list[Trace], list[TraceError]]:
+def _read_gate_corpus(
+    corpus: Path | None, limits: Limits, partial: bool = False
+) -> tuple[list[Trace], list[TraceError]]:
     """`--corpus DIR`, or the bundled corpora: the manager-level one and the
     scheduler-level one beside it."""
     if corpus is not None:
-        return read_corpus(corpus, limits)
+        return read_corpus(corpus, limits, partial)
     traces, invalid = read_corpus(bundled_corpus(), limits)
     engine, engine_invalid = read_corpus(bundled_scheduler_corpus(), limits)
     check = [*traces, *engine]
@@ -330,6 +332,13 @@ def _parser() -> argparse.ArgumentParser:
             metavar="NAME=N",
             help="raise one of a trace's limits (docs/trace-format.md, Limits): "
             + ", ".join(Limits.names()),
+        )
+        command.add_argument(
+            "--partial",
+            action="store_true",
+            help="a recording cut short (a truncated file, an entry cut mid-write, an entry this "
+            "kvgate does not know) replays the entries recorded before the cut, with a note, "
+            "instead of being refused (docs/how-to/record-and-replay.md)",
         )
     for module in COMMAND_MODULES:
         importlib.import_module(module).register(commands)

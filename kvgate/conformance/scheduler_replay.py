@@ -93,6 +93,8 @@ def replay_scheduler(
     assert trace.scheduler is not None, "a scheduler-level trace"
     started = time.perf_counter()
     config, notes = model_config(trace, None if real is None else real.capabilities)
+    if trace.cut:
+        notes.append(f"a recording cut short, replayed up to the cut ({trace.cut})")
     try:
         model = model_factory(config, trace.scheduler.spec, trace.scheduler.max_num_seqs)
     except UnsupportedConfig as error:
