@@ -42,7 +42,6 @@ from kvgate.conformance.limits import DEFAULT_LIMITS, Limits
 from kvgate.conformance.replay import (
     LEVELS,
     Level,
-    ModelBug,
     Outcome,
     TargetFactory,
     TraceRunError,
@@ -84,6 +83,7 @@ from kvgate.errors import (
     EXIT_OK,
     EXIT_PRECEDENCE,
     InputError,
+    KvgateError,
     exit_code_table,
     printable,
 )
@@ -135,9 +135,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return code
             limits = _limits(args.limit)
             if args.command == "replay":
-                traces, invalid = read_traces(args.traces, limits)
+                traces, invalid = read_traces(args.traces, limits, args.partial)
             else:
-                traces, invalid = _read_gate_corpus(args.corpus, limits)
+                traces, invalid = _read_gate_corpus(args.corpus, limits, args.partial)
                 traces = _select(traces, args)
                 if args.list:
                     return list_traces(traces, invalid)
@@ -165,8 +165,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             except InputError as unwritable:
                 print(f"kvgate: error: {printable(str(unwritable))}", file=sys.stderr)
         return EXIT_INPUT
-    except (TraceError, InputError) as error:
-        print(f"kvgate: error: {printable(str(error))}", file=sys.stderr)
+    except KvgateError as error:
+        kind = "internal error" if error.exit_code == EXIT_KVGATE_BUG else "error"
+        print(f"kvgate: {kind}: {printable(str(error))}", file=sys.stderr)
         junit_xml: Path | None = getattr(args, "junit_xml", None)
         if isinstance(error, TraceError) and junit_xml is not None:
             # Nothing ran; CI still gets a file that says why.
@@ -174,11 +175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 _write_junit([], junit_xml, [(str(error.path), str(error))])
             except InputError as unwritable:
                 print(f"kvgate: error: {printable(str(unwritable))}", file=sys.stderr)
-        return EXIT_INPUT
-    except ModelBug as bug:
-        # From a command that replays outside `run_traces` (the workload).
-        print(f"kvgate: internal error: {printable(str(bug))}", file=sys.stderr)
-        return EXIT_KVGATE_BUG
+        return error.exit_code
     except Exception as error:
         # Whatever else escapes is kvgate's own bug, not the input's: one
         # line and exit 3; KVGATE_TRACEBACK=1 shows the traceback to debug it.
@@ -192,11 +189,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_KVGATE_BUG
 
 
-def _read_gate_corpus(corpus: Path | None, limits: Limits) -> tuple[list[Trace], list[TraceError]]:
+def _read_gate_corpus(
+    corpus: Path | None, limits: Limits, partial: bool = False
+) -> tuple[list[Trace], list[TraceError]]:
     """`--corpus DIR`, or the bundled corpora: the manager-level one and the
     scheduler-level one beside it."""
     if corpus is not None:
-        return read_corpus(corpus, limits)
+        return read_corpus(corpus, limits, partial)
     traces, invalid = read_corpus(bundled_corpus(), limits)
     engine, engine_invalid = read_corpus(bundled_scheduler_corpus(), limits)
     check = [*traces, *engine]
@@ -334,6 +333,13 @@ def _parser() -> argparse.ArgumentParser:
             metavar="NAME=N",
             help="raise one of a trace's limits (docs/trace-format.md, Limits): "
             + ", ".join(Limits.names()),
+        )
+        command.add_argument(
+            "--partial",
+            action="store_true",
+            help="a recording cut short (a truncated file, an entry cut mid-write, an entry this "
+            "kvgate does not know) replays the entries recorded before the cut, with a note, "
+            "instead of being refused (docs/how-to/record-and-replay.md)",
         )
     for module in COMMAND_MODULES:
         importlib.import_module(module).register(commands)

@@ -1,5 +1,6 @@
-"""The one error every command turns into exit 2 with a single line, and the
-text every error and report line is made of.
+"""The root of kvgate's errors (`KvgateError`: each kind carries the exit
+code the command line turns it into, after a single line), the exit code
+table, and the text every error and report line is made of.
 
 Trace names, request names, YAML keys and paths come from input; printed
 raw, a newline in one forges a report line (`PASS ...`), an escape sequence
@@ -9,10 +10,7 @@ Everything an error or a report shows goes through `printable` first.
 
 from __future__ import annotations
 
-
-class InputError(Exception):
-    """Bad input that is not a trace's fault (arguments, targets); exit 2."""
-
+from typing import ClassVar
 
 _ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
@@ -83,3 +81,14 @@ def exit_code_table() -> str:
     lines = [f"  {code}  {meaning}" for code, meaning in EXIT_CODES]
     order = ", ".join(str(code) for code in EXIT_PRECEDENCE)
     return "exit codes:\n" + "\n".join(lines) + f"\nwhen several apply, the first of {order}"
+
+
+class KvgateError(Exception):
+    """The root of every error a command reports in one line instead of a
+    traceback; `exit_code` is the exit code the command line turns it into."""
+
+    exit_code: ClassVar[int] = EXIT_INPUT
+
+
+class InputError(KvgateError):
+    """Bad input that is not a trace's fault (arguments, targets); exit 2."""

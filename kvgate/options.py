@@ -1,7 +1,7 @@
 """The command-line grammar every kvgate command shares, written once.
 
 The same idea has the same flag on every command: `--target`, `--overlay`
-(kvgate's hold overlay loaded into vLLM), `--plugin`, `--level`, `--hold`,
+(kvgate's hold overlay loaded into vLLM), `--plugin`, `--level`, `--scope`, `--hold`,
 `--seed`, `--profile`/`--budget`, `--out` and `-q`/`-v`. Each command adds
 them through these functions, with its own default and help, and `finish`
 makes every `--help` show every default. Fault and mutation names are
@@ -30,6 +30,7 @@ SHARED: dict[str, str] = {
     "overlay": "--overlay",
     "plugin": "--plugin",
     "level": "--level",
+    "scope": "--scope",
     "hold": "--hold",
     "seed": "--seed",
     "profile": "--profile",
@@ -127,6 +128,15 @@ def add_level(parser: argparse.ArgumentParser, levels: Sequence[str], default: s
         help="how closely the target must follow the model: api (what a caller sees) or "
         "strict (also the manager's state)",
     )
+
+
+# What a run drives: kvgate's model of the Scheduler issuing manager calls
+# (`manager`), or whole engine steps on the Scheduler itself (`scheduler`).
+SCOPES = ("manager", "scheduler")
+
+
+def add_scope(parser: argparse.ArgumentParser, default: str, help: str) -> None:
+    parser.add_argument("--scope", default=default, choices=SCOPES, help=help)
 
 
 HOLD_ARMS = ("on", "off", "both")

@@ -43,6 +43,11 @@ SMOKE: dict[str, tuple[list[str], str, bool]] = {
         "per fault: wall mean ",
         True,
     ),
+    "recorder_overhead.py": (
+        ["--scale", "64", "--sessions", "1", "--turns", "2", "--rounds", "1"],
+        "recorder overhead ratio: ",
+        True,
+    ),
     "prove_scaling.py": (
         ["--blocks", "4", "--requests", "1", "--groups", "2"]
         + ["--props", "no_leak", "--ops", "arrive"],

@@ -308,23 +308,24 @@ def test_the_stage_table_counts_each_stage_and_names_the_first_catch() -> None:
     assert [r.first_stage for r in (by_corpus, by_exploration, by_workload, by_none)] == [
         STAGES[0],
         STAGES[2],
-        STAGES[3],
+        STAGES[4],
         "",
     ]
     lines = stage_table(Campaign(baseline, [by_corpus, by_exploration, by_workload, by_none]))
-    rows = {line.split("  ")[1].strip(): line.split()[-3:] for line in lines[2:6]}
+    rows = {line.split("  ")[1].strip(): line.split()[-3:] for line in lines[2:7]}
     # The corpus ran on all four; no scheduler-level trace counts here; the
-    # exploration ran on the three the corpus missed; the workload on the
-    # two both missed.
+    # exploration ran on the three the corpus missed; the Scheduler-level
+    # exploration did not run here; the workload ran on the two both missed.
     assert rows == {
         STAGES[0]: ["4", "1", "1"],
         STAGES[1]: ["0", "0", "0"],
         STAGES[2]: ["3", "1", "1"],
-        STAGES[3]: ["2", "1", "1"],
+        STAGES[3]: ["0", "0", "0"],
+        STAGES[4]: ["2", "1", "1"],
     }
-    assert lines[6].split()[-1] == "1"  # caught by no stage
+    assert lines[7].split()[-1] == "1"  # caught by no stage
     assert f"  {FAULTS[3].name:<38} none" in lines
-    assert f"  {FAULTS[2].name:<38} {STAGES[3]}" in lines
+    assert f"  {FAULTS[2].name:<38} {STAGES[4]}" in lines
     # A scheduler-level trace that passes unmutated and diverges with the
     # fault catches it, after the manager-level corpus and before the rest.
     passes, diverges = _outcome("s"), _outcome("s", False)
@@ -335,6 +336,42 @@ def test_the_stage_table_counts_each_stage_and_names_the_first_catch() -> None:
     )  # fmt: skip
     assert caught.catch is not None and caught.catch.stage == "scheduler trace"
     assert caught.first_stage == STAGES[1]
+    # The Scheduler-level exploration, clean unmutated, finding a divergence
+    # with the fault: its own row says so, after the manager-level exploration.
+    engine = Baseline(replace(baseline.run, scheduler_exploration=clean), 1.0)
+    by_engine_steps = judge(
+        FAULTS[5],
+        replace(run("u", True, clean, None), scheduler_exploration=found),
+        "",
+        engine,
+        1.0,
+    )
+    assert by_engine_steps.catch is not None
+    assert by_engine_steps.catch.stage == "scheduler exploration"
+    assert by_engine_steps.first_stage == STAGES[3]
+    assert by_engine_steps.stages_caught()[STAGES[3]] is True
+    # Not counted where it failed unmutated.
+    broken = Baseline(replace(baseline.run, scheduler_exploration=found), 1.0)
+    uncounted = judge(
+        FAULTS[5],
+        replace(run("u", True, clean, None), scheduler_exploration=found),
+        "",
+        broken,
+        1.0,
+    )
+    assert uncounted.stages_caught()[STAGES[3]] is None and uncounted.verdict == "missed"
+
+
+@needs_vllm
+def test_the_scheduler_level_exploration_stage_catches_a_scheduler_fault() -> None:
+    """The stage as a fault's child runs it: the fault in effect, vLLM's
+    real Scheduler explored in lockstep; it finds the planted divergence."""
+    from kvgate.mutate.campaign import SCHEDULER_EXPLORE_EXAMPLES, scheduler_explore_stage
+
+    with injected(BY_NAME["sched-split-aligns-last-chunk"]):
+        outcome = scheduler_explore_stage(SCHEDULER_EXPLORE_EXAMPLES)
+    assert outcome.ran and outcome.failure.startswith("divergence: ")
+    assert "vLLM's Scheduler" in outcome.failure
 
 
 @needs_vllm
@@ -478,6 +515,7 @@ def test_fast_subset_is_caught_by_the_expected_traces(
     # In this process: the campaign forks its children from it (vLLM loaded once).
     code = cli.main(
         ["mutate", "--faults", *FAST, "--corpus", str(corpus), "--explore", "0"]
+        + ["--scheduler-explore", "0"]
         + ["--junit-xml", str(junit)]
     )
     out = capsys.readouterr().out
@@ -507,7 +545,13 @@ def test_a_fault_that_hangs_the_gate_is_hung_not_caught(tmp_path: Path) -> None:
         anchor="return self.free_block_queue.num_free_blocks",
         replacement="while True: pass",
     )
-    settings = Settings(corpus=corpus, explore_examples=0, timeout=5.0, scheduler_stage=False)
+    settings = Settings(
+        corpus=corpus,
+        explore_examples=0,
+        timeout=5.0,
+        scheduler_stage=False,
+        scheduler_explore_examples=0,
+    )
     campaign = run_campaign([looping], settings, jobs=1)
     [result] = campaign.results
     assert result.verdict == "hung" and result.catch is None

@@ -15,7 +15,7 @@ from configs import needs_vllm
 
 from kvgate.conformance.replay import HOLD_NOTE, ReplayResult
 from kvgate.conformance.scheduler_replay import replay_scheduler
-from kvgate.conformance.scheduling import EngineSettings, SchedulerTarget
+from kvgate.conformance.scheduling import EngineSettings, RemoteHit, SchedulerTarget
 from kvgate.conformance.trace import (
     Trace,
     TraceError,
@@ -97,6 +97,16 @@ def top(**fields: Any) -> Callable[[dict[str, Any]], None]:
     return edit
 
 
+def with_connector(index: int, **fields: Any) -> Callable[[dict[str, Any]], None]:
+    """`engine(index, **fields)` on the valid trace with a KV connector."""
+
+    def edit(doc: dict[str, Any]) -> None:
+        doc["config"]["kv_connector"] = True
+        engine(index, **fields)(doc)
+
+    return edit
+
+
 # (an edit of the valid trace, the step it names (None: the document), the field)
 MALFORMED: dict[str, tuple[Callable[[dict[str, Any]], None], int | None, str]] = {
     "engine not a list": (top(engine={"op": "step"}), None, "engine"),
@@ -128,6 +138,17 @@ MALFORMED: dict[str, tuple[Callable[[dict[str, Any]], None], int | None, str]] =
         1,
         "expect.cached_tokens",
     ),
+    "remote hit without a connector": (engine(0, remote_hit=8), 0, "remote_hit"),
+    "remote hit not a count": (with_connector(0, remote_hit=-1), 0, "remote_hit"),
+    # A sync load leaves the last of the prompt's 40 tokens to compute.
+    "sync remote hit of the whole prompt": (with_connector(0, remote_hit=40), 0, "remote_hit"),
+    "async remote hit past the prompt": (
+        with_connector(0, remote_hit=41, remote_async=True),
+        0,
+        "remote_hit",
+    ),
+    "remote async not a flag": (with_connector(0, remote_async="yes"), 0, "remote_async"),
+    "remote delay of a sync load": (with_connector(0, remote_delay=1), 0, "remote_delay"),
     "abort of no request": (engine(4, req="Z"), 4, "req"),
     "reset running not a flag": (engine(4, op="reset", req=None, running="yes"), 4, "running"),
     "reset expects a step's key": (
@@ -153,6 +174,14 @@ def test_a_malformed_scheduler_trace_is_one_error_naming_step_and_field(case: st
     assert (error.step_index, error.field) == (step, field), str(error)
     line = str(error)
     assert "\n" not in line and line.startswith("bad.yaml: ")
+
+
+def test_an_arrivals_remote_hit_reads_as_the_connectors_answer() -> None:
+    doc = yaml.safe_load(VALID)
+    with_connector(0, remote_hit=40, remote_async=True, remote_delay=2)(doc)
+    trace = parse_trace(yaml.safe_dump(doc))
+    assert trace.engine[0].remote == RemoteHit(40, True, 2)
+    assert trace.engine[2].remote is None
 
 
 def test_an_abort_after_an_abort_and_eagle_without_drafts_are_refused() -> None:
@@ -331,6 +360,40 @@ class _WrongCachedTokens:
         return {r: (cached + 8, written) for r, (cached, written) in stats.items()}
 
 
+class _LocalHitsCountExternal:
+    """vLLM's Scheduler, its prefix-cache stats counting a KV connector's
+    tokens as local hits (as if it recorded the whole hit)."""
+
+    def __init__(self, real: Any) -> None:
+        self.real = real
+        self.external = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+    def schedule(self) -> Any:
+        step = self.real.schedule()
+        self.external += sum(external for _, _, external, _ in step.taken)
+        return step
+
+    def take_prefix_cache_stats(self) -> dict[str, int | bool] | None:
+        stats: dict[str, int | bool] | None = self.real.take_prefix_cache_stats()
+        if stats is not None:
+            stats = {**stats, "hits": int(stats["hits"]) + self.external}
+            self.external = 0
+        return stats
+
+
+@needs_vllm
+def test_a_scheduler_whose_prefix_cache_stats_count_external_hits_diverges() -> None:
+    trace = by_name("sched-connector-sync-hit-cached-tokens")
+    assert run_vllm(trace).passed
+    index, level, what = first_failure(run_vllm(trace, _LocalHitsCountExternal))
+    assert level == "api" and what.endswith("prefix-cache stats"), what
+    [admission] = [e for e in trace.engine if e.op == "step"][3:4]
+    assert index == admission.index
+
+
 @needs_vllm
 def test_a_scheduler_that_reports_cached_tokens_wrongly_diverges(overlay: Any) -> None:
     trace = by_name("sched-gdn-triton-next-turn-after-burst.hold-off")
@@ -437,7 +500,17 @@ def test_a_model_that_requeues_in_another_order_after_a_reset_misses_it(
 
 def _engine_fields(trace: Trace) -> list[tuple[object, ...]]:
     return [
-        (e.op, e.req, e.prompt, e.max_tokens, e.cache_salt, e.follows, e.running, e.expect)
+        (
+            e.op,
+            e.req,
+            e.prompt,
+            e.max_tokens,
+            e.cache_salt,
+            e.follows,
+            e.remote,
+            e.running,
+            e.expect,
+        )
         for e in trace.engine
     ]
 

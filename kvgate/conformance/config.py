@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, get_args
 
+from kvgate.errors import KvgateError
+
 GroupKind = Literal["full_attention", "mamba_align"]
 GROUP_KINDS: tuple[GroupKind, ...] = get_args(GroupKind)
 # vLLM 0.33.0's `MambaCacheMode`: the modes its CacheConfig accepts.
@@ -178,7 +180,7 @@ class Config:
         )
 
 
-class UnsupportedConfig(ValueError):
+class UnsupportedConfig(KvgateError, ValueError):
     """A config outside what a target (or the model) can run.
 
     `field` names the config key, so the error reads as one line. Two kinds

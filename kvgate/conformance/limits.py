@@ -25,6 +25,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from kvgate.conformance.ops import Segment
+from kvgate.errors import KvgateError
 
 # Token ids are int64 in vLLM and in the prefix keys' digest input.
 TOKEN_ID_BOUND = 2**63
@@ -69,7 +70,7 @@ class Limits:
 DEFAULT_LIMITS = Limits()
 
 
-class LimitError(ValueError):
+class LimitError(KvgateError, ValueError):
     """A trace beyond a limit: `field` names where, the message says which limit."""
 
     def __init__(self, field: str, message: str) -> None:

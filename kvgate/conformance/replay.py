@@ -39,6 +39,7 @@ from kvgate.conformance.macros import prefill_steps
 from kvgate.conformance.ops import Step
 from kvgate.conformance.target import Capabilities, StepRefused, Target
 from kvgate.conformance.trace import Trace, TraceError
+from kvgate.errors import EXIT_KVGATE_BUG, KvgateError
 
 Level = Literal["api", "strict"]
 LEVELS: tuple[Level, ...] = ("api", "strict")
@@ -154,7 +155,7 @@ def replay(
     stopped: Divergence | None = None
     try:
         run.all_steps()
-    except _Diverged as diverged:
+    except Diverged as diverged:
         stopped = diverged.divergence
         failures = [*run.missed, stopped]
     finally:
@@ -173,9 +174,11 @@ def replay(
     )
 
 
-class ModelBug(Exception):
+class ModelBug(KvgateError):
     """The model raised while replaying a step: a bug in kvgate, not in the
     target and not in the trace (which was validated before it ran)."""
+
+    exit_code = EXIT_KVGATE_BUG
 
     def __init__(self, trace: Trace, step: Step, error: BaseException) -> None:
         self.trace = trace
@@ -209,7 +212,7 @@ class TraceRunError:
 Outcome = ReplayResult | TraceRunError
 
 
-class _Diverged(Exception):
+class Diverged(Exception):
     """Unwinds a replay from wherever the first divergence is found."""
 
     def __init__(self, divergence: Divergence) -> None:
@@ -261,8 +264,8 @@ class _Lockstep:
         expected: object,
         actual: object,
         note: str = "",
-    ) -> _Diverged:
-        return _Diverged(
+    ) -> Diverged:
+        return Diverged(
             Divergence(self.trace.name, self.trace.path, step, level, what, expected, actual, note)
         )
 
@@ -366,7 +369,7 @@ class _Lockstep:
             self.primitive(steps.send(done))  # step
             self.primitive(next(steps))  # drain
 
-    def stalled(self, allocate: Step, observed: Mapping[str, Any]) -> _Diverged:
+    def stalled(self, allocate: Step, observed: Mapping[str, Any]) -> Diverged:
         return self.diverged(
             allocate,
             "expect",

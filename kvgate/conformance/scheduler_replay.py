@@ -6,7 +6,8 @@ on a real scheduler (`SchedulerTarget`: vLLM's own `Scheduler` owning its
 `KVCacheManager`) in strict lockstep:
 
 - `arrive`: the request is added to both (the real one gets the token ids
-  the model resolved the prompt's segments to, and its hash inputs);
+  the model resolved the prompt's segments to, and its hash inputs; with a
+  KV connector, what its external store holds is scripted on both first);
 - `abort`: both finish it as aborted;
 - `reset`: both reset the prefix cache (`running`: preempting every
   running request first); whether it reset and the waiting queue after are
@@ -14,13 +15,15 @@ on a real scheduler (`SchedulerTarget`: vLLM's own `Scheduler` owning its
 - `step`: one engine step. The model schedules and runs it (each request
   that completes its prompt or decodes samples one token, drafts all
   rejected); the real scheduler runs one `schedule()`, then one `update()`
-  with the tokens the model sampled. The target's observations (the real
+  with the tokens the model sampled (and the async KV loads the model's
+  worker reports done in it). The target's observations (the real
   scheduler's, or the model's own on `--target model`) are checked against
   the step's `expect` (recorded, the replay goes on), then compared with the
   model's at level `api`: lookups, attention checks, preemptions, what was
   scheduled in order, admissions, copies, connector questions, which
   requests finished, each first output's prefill stats (cached tokens and
-  the prefix-cache writes); at level `strict` also the owned manager's
+  the prefix-cache writes), the step's prefix-cache stats (when the real
+  scheduler logs stats); at level `strict` also the owned manager's
   whole snapshot. The first difference ends the replay as a `Divergence`.
 
 A request the real scheduler refuses, or a config it cannot build, is the
@@ -39,6 +42,7 @@ from kvgate.conformance.ops import Step
 from kvgate.conformance.replay import (
     HOLD_NOTE,
     RETIRE_NOTE,
+    Diverged,
     Divergence,
     DivergenceLevel,
     Level,
@@ -47,6 +51,7 @@ from kvgate.conformance.replay import (
     one_line,
 )
 from kvgate.conformance.scheduling import (
+    PREFIX_CACHE_STATS_KEYS,
     EngineOutcome,
     EngineStep,
     PrefillStats,
@@ -61,12 +66,6 @@ from kvgate.conformance.trace import Trace, TraceError
 SchedulerModelFactory = Callable[[Config, int, int], SchedulerModelRun]
 
 NOT_REPORTED = "not reported"
-
-
-class _Diverged(Exception):
-    def __init__(self, divergence: Divergence) -> None:
-        super().__init__(divergence.what)
-        self.divergence = divergence
 
 
 def model_config(trace: Trace, capabilities: Capabilities | None) -> tuple[Config, list[str]]:
@@ -94,6 +93,8 @@ def replay_scheduler(
     assert trace.scheduler is not None, "a scheduler-level trace"
     started = time.perf_counter()
     config, notes = model_config(trace, None if real is None else real.capabilities)
+    if trace.cut:
+        notes.append(f"a recording cut short, replayed up to the cut ({trace.cut})")
     try:
         model = model_factory(config, trace.scheduler.spec, trace.scheduler.max_num_seqs)
     except UnsupportedConfig as error:
@@ -103,7 +104,7 @@ def replay_scheduler(
     try:
         for event in trace.engine:
             run.engine_step(event)
-    except _Diverged as diverged:
+    except Diverged as diverged:
         failures = [*run.missed, diverged.divergence]
     return ReplayResult(
         trace=trace,
@@ -115,6 +116,26 @@ def replay_scheduler(
         notes=tuple(notes),
         also=tuple(failures[1:]),
     )
+
+
+class SchedulerLockstep:
+    """The same lockstep fed one engine step at a time, for exploration,
+    which decides each step from the state the last one left: `apply`
+    returns the first divergence (None while both agree). A refusal is the
+    `TraceError`, an exception inside the model the `ModelBug`, as in a
+    replay."""
+
+    def __init__(
+        self, trace: Trace, model: SchedulerModelRun, real: SchedulerTarget, level: Level
+    ) -> None:
+        self._run = _EngineLockstep(trace, model, real, level)
+
+    def apply(self, event: EngineStep) -> Divergence | None:
+        try:
+            self._run.engine_step(event)
+        except Diverged as diverged:
+            return diverged.divergence
+        return None
 
 
 class _EngineLockstep:
@@ -145,10 +166,10 @@ class _EngineLockstep:
     def on_real(self, step: Step, what: str, call: Callable[[], Any]) -> Any:
         try:
             return call()
-        except (TraceError, _Diverged):
+        except (TraceError, Diverged):
             raise
         except Exception as error:
-            raise _Diverged(
+            raise Diverged(
                 self.divergence(step, "api", f"{what} raised", "no exception", one_line(error))
             ) from error
 
@@ -191,7 +212,7 @@ class _EngineLockstep:
         )
         for what, expected, actual in pairs:
             if expected != actual:
-                raise _Diverged(self.divergence(step, "api", what, expected, actual))
+                raise Diverged(self.divergence(step, "api", what, expected, actual))
         self.strict(step, "after the reset")
 
     def arrive(self, event: EngineStep, step: Step) -> None:
@@ -200,14 +221,17 @@ class _EngineLockstep:
         self.on_model(
             step,
             lambda: self.model.arrive(
-                name, event.prompt, event.max_tokens, event.follows, event.cache_salt
+                name, event.prompt, event.max_tokens, event.follows, event.cache_salt, event.remote
             ),
         )
         if self.real is None:
             return
         tokens, inputs = self.model.prompt_tokens(name)
         real = self.real
+        remote = event.remote
         try:
+            if remote is not None:
+                real.script_external(name, remote.tokens, remote.load_async)
             real.add_request(name, tokens, event.max_tokens, event.follows, inputs)
         except StepRefused as refusal:
             raise TraceError(
@@ -219,7 +243,7 @@ class _EngineLockstep:
         except UnsupportedConfig as error:
             raise TraceError(self.trace.path, event.index, error.field, error.message) from None
         except Exception as error:
-            raise _Diverged(
+            raise Diverged(
                 self.divergence(step, "api", "add_request raised", "no exception", one_line(error))
             ) from error
 
@@ -232,9 +256,16 @@ class _EngineLockstep:
             real = self.real
             observed = self.on_real(step, "schedule()", real.schedule)
             finished = self.on_real(
-                step, "update_from_output()", lambda: real.update(modelled.sampled)
+                step,
+                "update_from_output()",
+                lambda: real.update(
+                    modelled.sampled, loaded=modelled.loaded, failed=modelled.failed
+                ),
             )
             stats = real.take_prefill_stats()
+        # Drained every step, as the Scheduler's update drains them.
+        modelled_cache_stats = self.model.take_prefix_cache_stats()
+        observed_cache_stats = None if self.real is None else self.real.take_prefix_cache_stats()
         self.expectations(event, step, observed.scheduled, observed.preempted, finished, stats)
         if self.real is None:
             return
@@ -247,9 +278,17 @@ class _EngineLockstep:
                 stats,
             ),
         ]
+        if observed_cache_stats is not None:
+            pairs.append(
+                (
+                    "prefix-cache stats",
+                    {k: modelled_cache_stats.get(k) for k in PREFIX_CACHE_STATS_KEYS},
+                    observed_cache_stats,
+                )
+            )
         for what, expected, actual in pairs:
             if expected != actual:
-                raise _Diverged(self.divergence(step, "api", f"{where}: {what}", expected, actual))
+                raise Diverged(self.divergence(step, "api", f"{where}: {what}", expected, actual))
         self.strict(step, where)
 
     def strict(self, step: Step, where: str) -> None:
@@ -257,7 +296,7 @@ class _EngineLockstep:
         if self.level != "strict" or self.real is None:
             return
         for what, expected, actual in self.model.snapshot().differences(self.real.snapshot()):
-            raise _Diverged(self.divergence(step, "strict", f"{where}: {what}", expected, actual))
+            raise Diverged(self.divergence(step, "strict", f"{where}: {what}", expected, actual))
 
     def expectations(
         self,

@@ -14,7 +14,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from kvgate.conformance.ops import Segment
+from kvgate.conformance.ops import STATS_KEYS, Segment
 from kvgate.conformance.snapshot import Snapshot
 from kvgate.conformance.target import Capabilities
 from kvgate.conformance.tokens import NO_INPUTS, HashInputs
@@ -72,15 +72,38 @@ def step_differences(
     return [(what, e, a) for what, e, a in pairs if e != a]
 
 
+@dataclass(frozen=True)
+class RemoteHit:
+    """What a KV connector's external store holds of a request: its first
+    `tokens` tokens, loaded asynchronously when `load_async`; such a load is
+    reported finished by the worker `delay` engine steps after the step that
+    started it (0: in that step's own output)."""
+
+    tokens: int
+    load_async: bool
+    delay: int
+    # The async load fails (the worker reports `failed_recving`): the
+    # Scheduler frees its blocks and looks the request up again.
+    fails: bool = False
+
+
 # A request's prefill stats as the Scheduler reports them with its first
 # output (`EngineCoreOutput.prefill_stats`): (num_cached_tokens, the tokens
 # its prefill wrote to the prefix cache, num_cache_creation_tokens).
 PrefillStats = tuple[int, int]
 
+# The prefix-cache stats a Scheduler logging stats reports with each update
+# (vLLM's `PrefixCacheStats`, drained by `make_stats`): the `stats` op's keys.
+PREFIX_CACHE_STATS_KEYS = STATS_KEYS
+PrefixCacheStats = dict[str, int | bool]
+
 # The engine ops of a scheduler-level trace (its `engine` list), each with
 # its required and optional fields.
 ENGINE_OPS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "arrive": (("req", "prompt", "max_tokens"), ("cache_salt", "follows")),
+    "arrive": (
+        ("req", "prompt", "max_tokens"),
+        ("cache_salt", "follows", "remote_hit", "remote_async", "remote_delay"),
+    ),
     "step": ((), ("steps",)),
     "abort": (("req",), ()),
     "reset": ((), ("running",)),
@@ -116,6 +139,8 @@ class EngineStep:
     max_tokens: int = 0
     cache_salt: str = ""
     follows: str | None = None
+    # arrive, with a KV connector: what its external store holds of the request.
+    remote: RemoteHit | None = None
     # reset: running requests are preempted first (`reset_running_requests`)
     running: bool = False
     expect: dict[str, Any] = field(default_factory=dict)
@@ -131,6 +156,9 @@ class EngineOutcome(ScheduledStep):
     finished: list[str] = field(default_factory=list)
     # Each request whose first output this step carried: its prefill stats.
     prefill_stats: dict[str, PrefillStats] = field(default_factory=dict)
+    # Async KV loads the worker reports finished (or failed) in this step's output.
+    loaded: list[str] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
 
 
 class SchedulerModelRun(Protocol):
@@ -146,6 +174,7 @@ class SchedulerModelRun(Protocol):
         max_tokens: int,
         follows: str | None = None,
         cache_salt: str = "",
+        remote: RemoteHit | None = None,
     ) -> Any: ...
 
     def prompt_tokens(self, name: str) -> tuple[list[int], HashInputs]:
@@ -159,6 +188,11 @@ class SchedulerModelRun(Protocol):
     def reset_prefix_cache(self, running: bool) -> tuple[bool, list[str]]:
         """Reset the prefix cache, preempting every running request first
         when `running`: (whether it reset, the waiting queue after)."""
+        ...
+
+    def take_prefix_cache_stats(self) -> PrefixCacheStats:
+        """The prefix-cache stats since the last call (`PREFIX_CACHE_STATS_KEYS`;
+        empty when stats are not logged)."""
         ...
 
     def snapshot(self) -> Snapshot: ...
@@ -214,6 +248,12 @@ class SchedulerTarget(Protocol):
     def take_prefill_stats(self) -> dict[str, PrefillStats]:
         """Each request whose first output the last `update` carried: its
         prefill stats as the Scheduler reported them."""
+        ...
+
+    def take_prefix_cache_stats(self) -> PrefixCacheStats | None:
+        """The prefix-cache stats the last `update` reported
+        (`PREFIX_CACHE_STATS_KEYS`), or None when it reported none (stats not
+        logged)."""
         ...
 
     def take_evictions(self) -> list[int]:

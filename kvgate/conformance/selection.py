@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from kvgate.conformance.config import Config
 from kvgate.conformance.trace import Trace
+from kvgate.errors import KvgateError
 
 ARMS: tuple[str, ...] = ("hold-off", "hold-on", "fork")
 FAMILIES: tuple[str, ...] = ("gdn-triton", "gdn-flashinfer", "mamba2")
@@ -61,7 +62,7 @@ def keywords(trace: Trace) -> tuple[str, ...]:
     return (trace.name, *trace.tags, *((found,) if found else ()), arm(trace.config))
 
 
-class SelectionError(ValueError):
+class SelectionError(KvgateError, ValueError):
     """A selection that cannot be read (`-k`'s syntax); one line."""
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Hashable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeGuard, cast
 
@@ -73,6 +73,7 @@ from kvgate.conformance.scheduling import (
     RESET_EXPECT_KEYS,
     EngineSettings,
     EngineStep,
+    RemoteHit,
 )
 from kvgate.conformance.schema import (
     CONFIG_FIELDS,
@@ -83,14 +84,21 @@ from kvgate.conformance.schema import (
     ConfigField,
 )
 from kvgate.conformance.tokens import MmItem
-from kvgate.errors import printable
+from kvgate.errors import KvgateError, printable
 
 _REQUIRED_KEYS = ("format", "name", "config", "steps")
 _OPTIONAL_KEYS = ("about", "expect_refused", "tags")
 # A scheduler-level trace: engine steps instead of manager steps.
 _ENGINE_REQUIRED_KEYS = ("format", "name", "config", "engine")
-_ENGINE_OPTIONAL_KEYS = ("about", "tags", "scheduler")
+_ENGINE_OPTIONAL_KEYS = ("about", "tags", "scheduler", "recording", "end")
 _SCHEDULER_KEYS = ("spec", "max_num_seqs")
+# A recording (kvgate's recorder wrote it): where it came from, and its last
+# line, `end`, which counts its `engine` entries so a cut file is detected.
+_RECORDING_KEYS = ("vllm", "part", "warm")
+_END_KEYS = ("entries",)
+# A recording's entry lines, as the recorder writes them: one flow mapping each.
+_ENTRY_PREFIX = "  - {"
+PARTIAL_HINT = "--partial replays the {n} entries recorded before it"
 
 # The config keys as errors list them: the required ones first.
 _CONFIG_KEYS = REQUIRED_KEYS + tuple(k for k in CONFIG_KEYS if k not in REQUIRED_KEYS)
@@ -108,7 +116,7 @@ MAX_TAGS = 32
 VERDICT_WORDS = ("PASS", "FAIL", "LACKS", "SKIP", "ERROR")
 
 
-class TraceError(ValueError):
+class TraceError(KvgateError, ValueError):
     """An invalid trace: one line, `<file>: step <i>: <field>: <message>`.
 
     `step_index` is None for document-level problems (the `step <i>` part is
@@ -162,6 +170,9 @@ class Trace:
     # steps and settings; `steps` and `primitives` are then empty.
     engine: tuple[EngineStep, ...] = ()
     scheduler: EngineSettings | None = None
+    # A recording read with `partial`: what cut it short (its entries before
+    # the cut are `engine`); empty for a whole trace.
+    cut: str = ""
 
     @property
     def scheduler_level(self) -> bool:
@@ -169,9 +180,10 @@ class Trace:
         return self.scheduler is not None
 
 
-def load_trace(path: str | Path, limits: Limits = DEFAULT_LIMITS) -> Trace:
+def load_trace(path: str | Path, limits: Limits = DEFAULT_LIMITS, partial: bool = False) -> Trace:
     """Read and validate the trace in file `path` (a regular file within the
-    limits: a FIFO or a device is refused without being read)."""
+    limits: a FIFO or a device is refused without being read); `partial`: a
+    recording cut short is read up to the cut (`parse_trace`)."""
     path = Path(path)
     try:
         text = read_bounded(path, limits).decode("utf-8")
@@ -179,12 +191,76 @@ def load_trace(path: str | Path, limits: Limits = DEFAULT_LIMITS) -> Trace:
         raise TraceError(path, None, "file", "is not UTF-8 text") from None
     except LimitError as error:
         raise TraceError(path, None, error.field, error.message) from None
-    return parse_trace(text, path, limits)
+    return parse_trace(text, path, limits, partial)
 
 
-def parse_trace(text: str, path: str | Path = "<string>", limits: Limits = DEFAULT_LIMITS) -> Trace:
-    """Parse a trace from YAML text; `path` is only used to name errors."""
-    return _Reader(Path(path), limits).trace(_load_yaml(text, Path(path), limits))
+def parse_trace(
+    text: str,
+    path: str | Path = "<string>",
+    limits: Limits = DEFAULT_LIMITS,
+    partial: bool = False,
+) -> Trace:
+    """Parse a trace from YAML text; `path` is only used to name errors.
+
+    A recording (a scheduler-level trace with `recording:`) is written one
+    entry a line and ends with its `end` line, so a file cut short (by a
+    crash, a full disk, a copy) is one error naming the entry where it was
+    cut: a line that does not parse, an entry this reader does not know, or
+    no `end` line. With `partial` the entries before the cut are read
+    instead, and `Trace.cut` says what cut it."""
+    path = Path(path)
+    try:
+        return _Reader(path, limits).trace(_load_yaml(text, path, limits))
+    except TraceError as error:
+        if not _RECORDING_HEAD.search(text):
+            raise
+        head, lines, cut = _recording_lines(text)
+        if error.field == "yaml":
+            if cut is None:  # the head itself is broken
+                raise
+            error = TraceError(
+                path,
+                cut,
+                "engine",
+                f"the recording is cut at entry {cut} (line {head.count(chr(10)) + cut + 1} "
+                "does not parse)",
+            )
+        if error.step_index is None:
+            raise
+        at = error.step_index
+        if not partial or at == 0:
+            hint = PARTIAL_HINT.format(n=at) if at else "nothing was recorded before it"
+            raise TraceError(path, at, error.field, f"{error.message}; {hint}") from None
+        trace = _Reader(path, limits, partial=True).trace(
+            _load_yaml(head + "".join(lines[:at]), path, limits)
+        )
+        return replace(trace, cut=f"entry {at}: {error.field}: {error.message}")
+
+
+# A recording's head has a top-level `recording:` mapping.
+_RECORDING_HEAD = re.compile(r"^recording:", re.MULTILINE)
+
+
+def _recording_lines(text: str) -> tuple[str, list[str], int | None]:
+    """A recording's head (up to its `engine:` line), its entry lines, and
+    the index of the first entry line cut short (None: none is)."""
+    lines = text.splitlines(keepends=True)
+    try:
+        start = lines.index("engine:\n") + 1
+    except ValueError:
+        return text, [], None
+    head, entries = "".join(lines[:start]), lines[start:]
+    for index, line in enumerate(entries):
+        last = line.startswith("end:")
+        if not line.startswith("end: {" if last else _ENTRY_PREFIX) or not line.endswith("}\n"):
+            return head, entries[:index], index
+        try:
+            yaml.load(line[4:], Loader=_StrictCLoader if yaml.__with_libyaml__ else _StrictLoader)
+        except yaml.YAMLError:
+            return head, entries[:index], index
+        if last:
+            return head, entries[:index], None
+    return head, entries, None
 
 
 def load_corpus(directory: str | Path, limits: Limits = DEFAULT_LIMITS) -> list[Trace]:
@@ -200,7 +276,7 @@ def load_corpus(directory: str | Path, limits: Limits = DEFAULT_LIMITS) -> list[
 
 
 def read_corpus(
-    directory: str | Path, limits: Limits = DEFAULT_LIMITS
+    directory: str | Path, limits: Limits = DEFAULT_LIMITS, partial: bool = False
 ) -> tuple[list[Trace], list[TraceError]]:
     """Every `*.yaml` trace in `directory`, sorted by file name, and each
     invalid one's error (a second trace of a name already read is one).
@@ -213,19 +289,20 @@ def read_corpus(
     paths = sorted(directory.glob("*.yaml"))
     if not paths:
         raise TraceError(directory, None, "corpus", "holds no *.yaml traces")
-    return read_traces(paths, limits)
+    return read_traces(paths, limits, partial)
 
 
 def read_traces(
-    paths: Sequence[str | Path], limits: Limits = DEFAULT_LIMITS
+    paths: Sequence[str | Path], limits: Limits = DEFAULT_LIMITS, partial: bool = False
 ) -> tuple[list[Trace], list[TraceError]]:
-    """The traces in `paths` that are valid, and each other one's error."""
+    """The traces in `paths` that are valid, and each other one's error
+    (`partial`: recordings cut short are read up to the cut)."""
     traces: list[Trace] = []
     invalid: list[TraceError] = []
     first_path: dict[str, Path] = {}
     for path in paths:
         try:
-            trace = load_trace(path, limits)
+            trace = load_trace(path, limits, partial)
             _check_new_name(trace, first_path)
         except TraceError as error:
             invalid.append(error)
@@ -372,9 +449,11 @@ def _load_with_libyaml(text: str) -> list[object] | None:
 class _Reader:
     """Validates one trace document, step by step, tracking each request's life."""
 
-    def __init__(self, path: Path, limits: Limits) -> None:
+    def __init__(self, path: Path, limits: Limits, partial: bool = False) -> None:
         self.path = path
         self.limits = limits
+        # A recording's entries before a cut: no `end` line to check.
+        self.partial = partial
         self.requests: dict[str, tuple[Phase, str]] = {}  # name -> (phase, since when)
         self.config: Config | None = None
         self._budget: TraceBudget | None = None
@@ -473,6 +552,7 @@ class _Reader:
         if len(raw_steps) > self.limits.steps:
             raise self.error(None, "engine", over("steps", len(raw_steps), self.limits))
         engine = tuple(e for i, raw in enumerate(raw_steps) for e in self.engine_step(i, raw))
+        self.recording(doc, len(raw_steps))
         return Trace(
             name=name,
             about=about,
@@ -484,6 +564,47 @@ class _Reader:
             engine=engine,
             scheduler=settings,
         )
+
+    def recording(self, doc: Mapping[Any, Any], entries: int) -> None:
+        """A recording's `recording` header and its `end` line."""
+        if "recording" not in doc:
+            if "end" in doc:
+                raise self.error(
+                    None, "end", "only a recording (with `recording:`) has an end line"
+                )
+            return
+        raw = doc["recording"]
+        if not isinstance(raw, dict):
+            raise self.error(None, "recording", f"must be a mapping, got {_got(raw)}")
+        self.unknown_keys(None, "recording.", raw, _RECORDING_KEYS, "recording key")
+        if not isinstance(raw.get("vllm", ""), str):
+            raise self.error(None, "recording.vllm", f"must be a string, got {_got(raw['vllm'])}")
+        part = raw.get("part", 1)
+        if not _is_count(part) or part == 0:
+            raise self.error(None, "recording.part", f"must be an integer >= 1, got {_got(part)}")
+        if not isinstance(raw.get("warm", False), bool):
+            raise self.error(
+                None, "recording.warm", f"must be true or false, got {_got(raw['warm'])}"
+            )
+        if self.partial:
+            return
+        end = doc.get("end")
+        if end is None:
+            raise self.error(
+                entries,
+                "end",
+                f"missing: the recording was cut after {entries} entries "
+                "(the file ends without its end line)",
+            )
+        if not isinstance(end, dict):
+            raise self.error(None, "end", f"must be a mapping, got {_got(end)}")
+        self.unknown_keys(None, "end.", end, _END_KEYS, "end key")
+        if end.get("entries") != entries:
+            raise self.error(
+                min(entries, end["entries"]) if _is_count(end.get("entries")) else None,
+                "end.entries",
+                f"says {_got(end.get('entries'))} entries, the file holds {entries}",
+            )
 
     def engine_settings(self, raw: object) -> EngineSettings:
         if not isinstance(raw, dict):
@@ -577,6 +698,7 @@ class _Reader:
         follows = raw.get("follows")
         if follows is not None:
             follows = self.arrived(index, "follows", follows)
+        remote = self.engine_remote(index, raw, least)
         self.requests[req] = ("waiting", f"arrived at step {index}")
         return EngineStep(
             "arrive",
@@ -586,7 +708,47 @@ class _Reader:
             max_tokens=max_tokens,
             cache_salt=salt,
             follows=follows,
+            remote=remote,
         )
+
+    def engine_remote(
+        self, index: int, raw: Mapping[Any, Any], prompt_tokens: int
+    ) -> RemoteHit | None:
+        """An arrival's `remote_hit`, `remote_async`, `remote_delay`: what the
+        KV connector's external store holds of the request (None: nothing)."""
+        given = [k for k in ("remote_hit", "remote_async", "remote_delay") if k in raw]
+        if not given:
+            return None
+        assert self.config is not None
+        if not self.config.kv_connector:
+            raise self.error(index, given[0], "needs config.kv_connector: true")
+        tokens = raw.get("remote_hit", 0)
+        load_async = raw.get("remote_async", False)
+        delay = raw.get("remote_delay", 0)
+        if not isinstance(load_async, bool):
+            raise self.error(
+                index, "remote_async", f"must be true or false, got {_got(load_async)}"
+            )
+        # A real connector leaves the last prompt token to compute unless it
+        # loads asynchronously.
+        most = prompt_tokens if load_async else prompt_tokens - 1
+        if not _is_count(tokens) or tokens > most:
+            raise self.error(
+                index,
+                "remote_hit",
+                f"must be an integer 0..{most} (its prompt holds at least {prompt_tokens} tokens"
+                + ("" if load_async else ", less the one a sync load leaves to compute")
+                + f"), got {_got(tokens)}",
+            )
+        if not _is_count(delay) or delay > self.limits.steps:
+            raise self.error(
+                index,
+                "remote_delay",
+                f"must be an integer 0..{self.limits.steps} (engine steps), got {_got(delay)}",
+            )
+        if delay and not load_async:
+            raise self.error(index, "remote_delay", "applies to an async load: remote_async: true")
+        return RemoteHit(tokens, load_async, delay)
 
     def arrived(self, index: int, field: str, value: object) -> str:
         """`value` names a request that has arrived."""

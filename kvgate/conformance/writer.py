@@ -4,6 +4,7 @@ generator and the shrinker produce, in the format people write by hand
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -110,6 +111,13 @@ def engine_step_dicts(engine: Iterable[EngineStep]) -> list[dict[str, Any]]:
                 entry["cache_salt"] = event.cache_salt
             if event.follows is not None:
                 entry["follows"] = event.follows
+            remote = event.remote
+            if remote is not None:
+                entry["remote_hit"] = remote.tokens
+                if remote.load_async:
+                    entry["remote_async"] = True
+                if remote.delay:
+                    entry["remote_delay"] = remote.delay
         if event.op == "reset" and event.running:
             entry["running"] = True
         if event.expect:
@@ -127,6 +135,19 @@ def dump_engine_trace(
     tags: Iterable[str] = (),
 ) -> str:
     """A scheduler-level trace's text (docs/scheduler-traces.md)."""
+    doc = _engine_head(name, config, settings, about, tags)
+    doc["engine"] = engine_step_dicts(engine)
+    return _Dumper.dump(doc)
+
+
+def _engine_head(
+    name: str,
+    config: Config,
+    settings: EngineSettings,
+    about: str | None,
+    tags: Iterable[str],
+) -> dict[str, Any]:
+    """A scheduler-level trace's keys before its `engine` list."""
     doc: dict[str, Any] = {"format": FORMAT, "name": name}
     if about:
         doc["about"] = " ".join(about.split())
@@ -134,8 +155,7 @@ def dump_engine_trace(
         doc["tags"] = list(tags)
     doc["config"] = config_dict(config)
     doc["scheduler"] = {"spec": settings.spec, "max_num_seqs": settings.max_num_seqs}
-    doc["engine"] = engine_step_dicts(engine)
-    return _Dumper.dump(doc)
+    return doc
 
 
 def save_trace(
@@ -146,10 +166,77 @@ def save_trace(
     about: str | None = None,
     expect_refused: str | None = None,
 ) -> Path:
+    return _save(directory, name, dump_trace(name, config, steps, about, expect_refused))
+
+
+def save_engine_trace(
+    directory: Path,
+    name: str,
+    config: Config,
+    settings: EngineSettings,
+    engine: Iterable[EngineStep],
+    about: str | None = None,
+) -> Path:
+    return _save(directory, name, dump_engine_trace(name, config, settings, engine, about))
+
+
+def _save(directory: Path, name: str, text: str) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{name}.yaml"
-    path.write_text(dump_trace(name, config, steps, about, expect_refused))
+    path.write_text(text)
     return path
+
+
+def recording_head(
+    name: str,
+    config: Config,
+    settings: EngineSettings,
+    recording: Mapping[str, Any],
+    about: str,
+) -> str:
+    """A recording's text up to its `engine:` line: the entries follow one a
+    line (`recording_entry`), then its end line (`recording_end`)."""
+    doc = _engine_head(name, config, settings, about, ["recorded"])
+    doc["recording"] = dict(recording)
+    return _Dumper._dump(doc, default_flow_style=None, width=100) + "engine:\n"
+
+
+def recording_entry(entry: Mapping[str, Any]) -> str:
+    """One `engine` entry of a recording: one line, a flow mapping, so a
+    write cut inside it leaves a line the reader cannot parse."""
+    return f"  - {_flow(entry)}\n"
+
+
+# Strings written bare in a recording's entries (request names, hashed salts):
+# YAML reads them back as the same strings.
+_BARE = re.compile(r"[A-Za-z][A-Za-z0-9_-]*")
+
+
+def _flow(value: Any) -> str:
+    """`value` as YAML flow text. A recorder writes an entry per Scheduler
+    call: this is PyYAML's output for the values entries hold, several
+    times faster; anything else goes through PyYAML."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, str) and _BARE.fullmatch(value) and value.lower() not in _YAML_WORDS:
+        return value
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{_flow(k)}: {_flow(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_flow(v) for v in value) + "]"
+    text: str = yaml.dump(value, Dumper=_Dumper.safe_dumper, default_flow_style=True, width=1 << 30)
+    return text.strip().removesuffix("...").strip()
+
+
+# Bare words YAML reads as something other than a string.
+_YAML_WORDS = frozenset({"true", "false", "yes", "no", "on", "off", "null", "y", "n"})
+
+
+def recording_end(entries: int) -> str:
+    """A recording's last line: how many `engine` entries it holds."""
+    return f"end: {{entries: {entries}}}\n"
 
 
 def plain(value: Any) -> Any:

@@ -5,6 +5,8 @@
                    [--budget N | --budget 90s | --budget 5m] [--seed N] [--out DIR]
     kvgate explore --jobs N | --ray ADDRESS | --matrix  [--target T] [--hold H]
                    [--retired R] [--shards K] [--profile P] [--budget N] [--seed N] [--out DIR]
+    kvgate explore --scope scheduler [--target vllm [--overlay]] [--hold on|off]
+                   [--retired on|off] [--profile P] [--budget N] [--seed N] [--out DIR]
 
 `--target model` explores the model alone, checking every invariant;
 `--target vllm` drives the model and vLLM 0.33.0 in lockstep at strict level
@@ -28,6 +30,15 @@ for every worker), on N processes or a Ray cluster (`local:2` starts a local
 one). Every failure is saved under DIR/traces; one summary at the end. Run
 it again on the same DIR to continue a stopped campaign. Exit 0: nothing
 found; 1: a failure was found (or a shard broke); 2: bad input.
+
+With `--scope scheduler` the steps are engine steps (requests arriving,
+engine steps, aborts, prefix-cache resets) on kvgate's scheduler model and
+vLLM's real `Scheduler`, in the strict lockstep the gate replays
+scheduler-level traces with (`kvgate.explore.scheduler_machine`), over the
+hybrid deployment families; `--profile` then names the Scheduler level's
+smaller profiles. The first divergence, shrunk, is printed as the engine
+steps that reproduce it and saved in DIR as a scheduler-level trace that
+`kvgate replay FILE --target vllm` shows diverging.
 """
 
 from __future__ import annotations
@@ -43,8 +54,15 @@ from kvgate import options
 from kvgate.conformance.ops import FREE_HOW, PRIMITIVE_OPS
 from kvgate.errors import InputError
 from kvgate.explore.machine import Mode, Stats
-from kvgate.explore.profiles import PROFILES, profile
+from kvgate.explore.profiles import PROFILES, SCHEDULER_PROFILES, profile
 from kvgate.explore.runner import Outcome, explore, model_mode
+from kvgate.explore.scheduler_machine import (
+    ABORT_PLACES,
+    SHAPES,
+    SchedulerMode,
+    SchedulerOutcome,
+    explore_scheduler,
+)
 
 BAR_WIDTH = 30
 DEFAULT_OUT = Path("out/explore")  # beside out/workload; git ignores out/
@@ -72,6 +90,13 @@ def register(subparsers: Any) -> None:
         "a campaign: every target available)",
     )
     options.add_overlay(cmd)
+    options.add_scope(
+        cmd,
+        "manager",
+        "manager: manager calls as kvgate's scheduler model issues them; scheduler: whole "
+        "engine steps on vLLM's real Scheduler in lockstep with kvgate's scheduler model "
+        "(--target vllm)",
+    )
     options.add_hold(
         cmd, None, "default: off for --target vllm, on otherwise (a campaign: both)", both=False
     )
@@ -86,7 +111,9 @@ def register(subparsers: Any) -> None:
         default="dev",
         choices=sorted(PROFILES),
         help="examples per run: "
-        + ", ".join(f"{name} {PROFILES[name].max_examples}" for name in PROFILES),
+        + ", ".join(f"{name} {PROFILES[name].max_examples}" for name in PROFILES)
+        + "; with --scope scheduler: "
+        + ", ".join(f"{name} {SCHEDULER_PROFILES[name].max_examples}" for name in PROFILES),
     )
     cmd.add_argument(
         "--budget",
@@ -143,6 +170,8 @@ def _resolve_target(args: argparse.Namespace) -> None:
 
 def handle(args: argparse.Namespace) -> int:
     _resolve_target(args)
+    if args.scope == "scheduler":
+        return handle_scheduler(args)
     if args.jobs is not None or args.ray is not None or args.matrix:
         return handle_campaign(args)
     if args.shards is not None:
@@ -392,3 +421,96 @@ def handle_campaign(args: argparse.Namespace) -> int:
         print(line)
     broken = any(r.error for r in outcome.results)
     return 1 if outcome.distinct() or broken else 0
+
+
+def handle_scheduler(args: argparse.Namespace) -> int:
+    """`--scope scheduler`: engine steps against vLLM's real Scheduler."""
+    for flag, value in (("--jobs", args.jobs), ("--ray", args.ray), ("--shards", args.shards)):
+        if value is not None:
+            raise InputError(f"{flag}: campaigns run at the manager level; leave out --scope")
+    if args.matrix:
+        raise InputError("--matrix: campaigns run at the manager level; leave out --scope")
+    target = args.target or "vllm"
+    if target == "model":
+        raise InputError(
+            "--target model: the Scheduler-level exploration runs kvgate's scheduler model "
+            "in lockstep with vLLM's Scheduler; give --target vllm"
+        )
+    overlay = target == "vllm+overlay"
+    hold = args.hold or ("on" if overlay else "off")
+    retired = args.retired or "off"
+    if not overlay and hold == "on":
+        raise InputError(
+            "--hold on: vLLM 0.33.0 has no hold; --target vllm --overlay runs it with the hold"
+        )
+    if not overlay and retired == "on":
+        raise InputError(
+            "--retired on: vLLM 0.33.0 retains no retired state; --target vllm --overlay runs it"
+        )
+    if overlay and hold == "off" and retired == "off":
+        raise InputError("--hold off: the overlay is the hold; --target vllm runs hold off")
+    if not 0 <= args.seed < 2**63:
+        raise InputError(f"--seed: {args.seed} is outside 0..2**63-1")
+    examples, seconds = parse_budget(args.budget)
+    overrides: dict[str, Any] = {} if examples is None else {"max_examples": examples}
+    settings = profile(args.profile, "scheduler", **overrides)
+    if seconds is not None and settings.derandomize:
+        raise InputError(f"--budget {args.budget}: profile {args.profile} is one fixed run")
+    mode = SchedulerMode(hold=hold == "on", retire=retired == "on")
+    print(
+        f"explore: scope scheduler, target {target}, hold {hold}, retired {retired}, "
+        f"profile {args.profile}, "
+        + (f"{seconds:g}s" if seconds is not None else f"{settings.max_examples} examples"),
+        flush=True,
+    )
+    outcome = explore_scheduler(mode, settings, out=args.out, seed=args.seed, seconds=seconds)
+    write_scheduler_summary(sys.stdout, outcome)
+    return 0 if outcome.passed else 1
+
+
+def write_scheduler_summary(out: TextIO, outcome: SchedulerOutcome) -> None:
+    """What a Scheduler-level run exercised, and its failure as runnable steps."""
+    stats = outcome.stats
+    print(
+        f"{stats.examples} examples, {stats.engine_steps} engine steps, "
+        f"{outcome.rounds} round(s), {outcome.seconds:.1f}s",
+        file=out,
+    )
+    ops = stats.ops
+    print("engine ops exercised:", file=out)
+    arrivals = ", ".join(f"{shape} {ops[f'arrive:{shape}']}" for shape in SHAPES)
+    print(
+        f"  arrive   {sum(ops[f'arrive:{s}'] for s in SHAPES):>7}  ({arrivals}; "
+        f"another tenant's salt {ops['arrive:salted']})",
+        file=out,
+    )
+    print(f"  step     {ops['step']:>7}  (preemptions {stats.preemptions})", file=out)
+    aborts = ", ".join(f"{where} {ops[f'abort:{where}']}" for where in ABORT_PLACES)
+    print(f"  abort    {sum(ops[f'abort:{w}'] for w in ABORT_PLACES):>7}  ({aborts})", file=out)
+    resets = [
+        f"{'preempting' if running else 'keeping'} running requests, {busy} "
+        f"{ops[f'reset:{key}:{busy}']}"
+        for running, key in ((True, "running"), (False, "kept"))
+        for busy in ("busy", "idle")
+    ]
+    total = sum(ops[k] for k in ops if k.startswith("reset:"))
+    print(f"  reset    {total:>7}  ({'; '.join(resets)})", file=out)
+    print("examples per deployment family:", file=out)
+    for family, count in sorted(stats.families.items()):
+        print(f"  {family}: {count}", file=out)
+    if stats.refused:
+        refused = ", ".join(f"{k} {v}" for k, v in sorted(stats.refused.items()))
+        print(f"examples dropped (config or request refused, by field): {refused}", file=out)
+    failure = outcome.failure
+    if failure is None:
+        print("no divergence found", file=out)
+        return
+    if stats.first_failure is not None:
+        print(f"first divergence after {stats.first_failure:.1f}s", file=out)
+    print(f"FAIL {failure.kind} ({failure.entries()} engine entries): {failure.message}", file=out)
+    print("steps that reproduce it:", file=out)
+    for line in failure.runnable():
+        print(f"  {line}", file=out)
+    if outcome.saved is not None:
+        print(f"saved: {outcome.saved}", file=out)
+        print(f"replay: {failure.mode.replay_command(outcome.saved)}", file=out)

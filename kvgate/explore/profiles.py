@@ -1,4 +1,5 @@
-"""Hypothesis settings for exploration: `dev`, `ci` and `nightly`.
+"""Hypothesis settings for exploration: `dev`, `ci` and `nightly`, at the
+manager level and (smaller) at the Scheduler level.
 
 Kept as settings objects rather than registered profiles: Hypothesis loads
 its own `ci` profile when the CI variable is set, and a run here must not
@@ -39,11 +40,26 @@ PROFILES: dict[str, settings] = {
 }
 
 
-def profile(name: str, **overrides: Any) -> settings:
-    """The named profile, with any setting overridden."""
-    if name not in PROFILES:
-        raise KeyError(f"no profile {name!r} (profiles: {', '.join(PROFILES)})")
-    return settings(PROFILES[name], **overrides)
+# The same names at the Scheduler level (`kvgate explore --scope scheduler`),
+# smaller: every example builds vLLM's `Scheduler`, and every engine step
+# runs a whole `schedule()` on both sides.
+SCHEDULER_PROFILES: dict[str, settings] = {
+    "dev": settings(_BASE, max_examples=10, stateful_step_count=15),
+    # The default test run: deterministic, seconds.
+    "ci": settings(_BASE, max_examples=40, stateful_step_count=25, derandomize=True),
+    "nightly": settings(_BASE, max_examples=1000, stateful_step_count=60),
+}
+
+# The profiles of each exploration scope.
+SCOPES: dict[str, dict[str, settings]] = {"manager": PROFILES, "scheduler": SCHEDULER_PROFILES}
+
+
+def profile(name: str, scope: str = "manager", **overrides: Any) -> settings:
+    """The named profile of `scope`, with any setting overridden."""
+    profiles = SCOPES[scope]
+    if name not in profiles:
+        raise KeyError(f"no profile {name!r} (profiles: {', '.join(profiles)})")
+    return settings(profiles[name], **overrides)
 
 
 @contextmanager

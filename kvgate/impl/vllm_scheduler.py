@@ -45,7 +45,12 @@ from kvgate.conformance.config import (
     NotModelled,
     UnsupportedConfig,
 )
-from kvgate.conformance.scheduling import PrefillStats, ScheduledStep
+from kvgate.conformance.scheduling import (
+    PREFIX_CACHE_STATS_KEYS,
+    PrefillStats,
+    PrefixCacheStats,
+    ScheduledStep,
+)
 from kvgate.conformance.snapshot import Snapshot
 from kvgate.conformance.target import Capabilities, StepRefused
 from kvgate.conformance.tokens import NO_INPUTS, HashInputs
@@ -423,10 +428,10 @@ class VllmScheduler:
                 structured_output_manager=StructuredOutputManager(vllm_config),
                 block_size=config.scheduler_block_size,
                 hash_block_size=hash_block,
-                # Stats are made (and the residency metrics drained) each
-                # update, as an engine logging stats does, when the metrics
-                # are on; otherwise as before (nothing reads them).
-                log_stats=config.kv_cache_metrics and not config.disable_log_stats,
+                # Stats are made each update (the prefix-cache stats, and
+                # the residency metrics drained when they are on), as an
+                # engine logging stats does.
+                log_stats=not config.disable_log_stats,
             )
         except UnsupportedConfig:
             raise
@@ -460,6 +465,8 @@ class VllmScheduler:
         self._output: Any = None
         # The reuse gaps of each eviction event the stats drained, not yet taken.
         self._evictions: list[int] = []
+        # The prefix-cache stats the last update reported, not yet taken.
+        self._prefix_cache_stats: PrefixCacheStats | None = None
         # The prefill stats the last update's outputs carried, not yet taken.
         self._prefill_stats: dict[str, PrefillStats] = {}
         self._step = ScheduledStep()
@@ -623,6 +630,10 @@ class VllmScheduler:
                     )
             stats = engine_output.scheduler_stats
             if stats is not None:
+                reported = stats.prefix_cache_stats
+                self._prefix_cache_stats = {
+                    key: getattr(reported, key) for key in PREFIX_CACHE_STATS_KEYS
+                }
                 self._evictions += [
                     len(e.reuse_gaps_seconds) for e in stats.kv_cache_eviction_events
                 ]
@@ -649,6 +660,10 @@ class VllmScheduler:
 
     def take_prefill_stats(self) -> dict[str, PrefillStats]:
         stats, self._prefill_stats = self._prefill_stats, {}
+        return stats
+
+    def take_prefix_cache_stats(self) -> PrefixCacheStats | None:
+        stats, self._prefix_cache_stats = self._prefix_cache_stats, None
         return stats
 
     def take_evictions(self) -> list[int]:

@@ -51,7 +51,7 @@ from typing import Any, Literal
 from kvgate.conformance.config import Config
 from kvgate.conformance.driver import chunk_offer
 from kvgate.conformance.ops import ACTIONS, Segment, Step
-from kvgate.conformance.scheduling import EngineOutcome
+from kvgate.conformance.scheduling import EngineOutcome, PrefixCacheStats, RemoteHit
 from kvgate.conformance.snapshot import Snapshot
 from kvgate.conformance.target import Capabilities
 from kvgate.conformance.tokens import HashInputs
@@ -82,21 +82,6 @@ def admission_fits(blocks: int, free_blocks: int) -> bool:
     `allocate` under `reserve_full_sequence`, to reach the manager's own
     refusal (`tests/test_scheduler_model.py` shows both refuse alike)."""
     return blocks <= free_blocks
-
-
-@dataclass(frozen=True)
-class RemoteHit:
-    """What a KV connector's external store holds of a request: its first
-    `tokens` tokens, loaded asynchronously when `load_async`; such a load is
-    reported finished by the worker `delay` engine steps after the step that
-    started it (0: in that step's own output)."""
-
-    tokens: int
-    load_async: bool
-    delay: int
-    # The async load fails (the worker reports `failed_recving`): the
-    # Scheduler frees its blocks and looks the request up again.
-    fails: bool = False
 
 
 @dataclass
@@ -163,9 +148,6 @@ class StepDecisions(EngineOutcome):
     running requests are scheduled first, then admissions), what the model
     runner and the finish check then did, and the connector's reports."""
 
-    # Async KV loads the worker reports finished (or failed) in this step's output.
-    loaded: list[str] = field(default_factory=list)
-    failed: list[str] = field(default_factory=list)
     # Requests ended with an error after their load failed (policy `fail`).
     errored: list[str] = field(default_factory=list)
 
@@ -208,10 +190,14 @@ class SchedulerModel:
         max_tokens: int,
         follows: str | None = None,
         cache_salt: str = "",
+        remote: RemoteHit | None = None,
     ) -> LiveRequest:
-        """A request arrives (`arrive`) and waits at the end of the queue."""
+        """A request arrives (`arrive`) and waits at the end of the queue;
+        `remote`: what a KV connector's external store holds of it."""
         self.writer.run("arrive", req=name, prompt=prompt, cache_salt=cache_salt)
-        live = LiveRequest(name, self.oracle.requests[name].request, max_tokens, follows)
+        live = LiveRequest(
+            name, self.oracle.requests[name].request, max_tokens, follows, remote=remote
+        )
         self.waiting.append(live)
         return live
 
@@ -290,6 +276,11 @@ class SchedulerModel:
                 self._reset_preempted.append(live.name)
         ok = bool(self.writer.run("reset")["ok"])
         return ok, [live.name for live in self.waiting]
+
+    def take_prefix_cache_stats(self) -> PrefixCacheStats:
+        """The manager's prefix-cache stats since the last call, as the
+        Scheduler's update drains them (empty when stats are not logged)."""
+        return self.oracle.manager.make_prefix_cache_stats()
 
     def prompt_tokens(self, name: str) -> tuple[list[int], HashInputs]:
         request = self.oracle.requests[name].request

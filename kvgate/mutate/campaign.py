@@ -43,6 +43,7 @@ from kvgate.conformance.replay import Level, ReplayResult, one_line, replay
 from kvgate.conformance.report import divergence_summary
 from kvgate.conformance.target import Target, WatchedTarget
 from kvgate.conformance.trace import Trace, load_corpus
+from kvgate.errors import KvgateError
 from kvgate.invariants.predicates import check_snapshot
 from kvgate.mutate.faults import Fault
 from kvgate.mutate.inject import Edit, NotApplicable, apply
@@ -57,11 +58,13 @@ Verdict = Literal["caught", "missed", "not applicable", "hung", "error", "not bu
 # The campaign's stages, in the order each fault meets them: the corpus
 # replayed with the snapshot invariants and the scheduler-level corpus on
 # vLLM's real Scheduler (both what `kvgate gate` runs), the differential
-# exploration, the workload on vLLM's real Scheduler.
+# exploration, the Scheduler-level exploration (engine steps on vLLM's real
+# Scheduler), the workload on vLLM's real Scheduler.
 STAGES = (
     "manager-level gate",
     "Scheduler-level gate",
     "exploration",
+    "Scheduler-level exploration",
     "real-Scheduler workload",
 )
 
@@ -83,6 +86,12 @@ EXPLORE_EXAMPLES = 450
 # two keys, a stale record) to meet what another rule does later (a burst,
 # a re-admission).
 EXPLORE_STEPS = 50
+# The Scheduler-level exploration's budget per fault: its ci profile's
+# examples (derandomized, not shrunk), a few seconds in a child. It runs on
+# every fault in the Scheduler's own code (area `scheduler`), so each of
+# their rows says whether it caught them, and on any other fault the stages
+# before it missed.
+SCHEDULER_EXPLORE_EXAMPLES = 40
 
 
 @dataclass(frozen=True)
@@ -104,6 +113,8 @@ class Settings:
     timeout: float = 300.0  # seconds one child may take before it counts as hung
     # The real-Scheduler stage for a fault the corpus and the exploration miss.
     scheduler_stage: bool = True
+    # Examples of the Scheduler-level exploration; 0 switches the stage off.
+    scheduler_explore_examples: int = SCHEDULER_EXPLORE_EXAMPLES
 
 
 @dataclass(frozen=True)
@@ -159,6 +170,8 @@ class GateRun:
     scheduler: SchedulerOutcome | None = None
     # The scheduler-level corpus, on vLLM's real Scheduler in lockstep.
     scheduler_traces: tuple[TraceOutcome, ...] = ()
+    # The Scheduler-level exploration (None: it did not run).
+    scheduler_exploration: ExploreOutcome | None = None
 
 
 @dataclass(frozen=True)
@@ -189,10 +202,17 @@ class Baseline:
     def scheduler_usable(self) -> bool:
         return self.run.scheduler is not None and self.run.scheduler.passed
 
+    @property
+    def scheduler_exploration_usable(self) -> bool:
+        found = self.run.scheduler_exploration
+        return found is not None and found.passed
+
 
 @dataclass(frozen=True)
 class Catch:
-    stage: Literal["trace", "invariant", "scheduler trace", "exploration", "scheduler"]
+    stage: Literal[
+        "trace", "invariant", "scheduler trace", "exploration", "scheduler exploration", "scheduler"
+    ]
     source: str  # the trace, invariant or "exploration"
     detail: str
 
@@ -214,6 +234,8 @@ class FaultResult:
     workload: bool | None = None
     # What the scheduler-level corpus said (None: none of it counts here).
     scheduler_gate: bool | None = None
+    # What the Scheduler-level exploration said (None: it did not run on this fault).
+    scheduler_explored: bool | None = None
 
     def stages_caught(self) -> dict[str, bool | None]:
         """Each stage's word on this fault, in the order the gate runs them:
@@ -223,7 +245,8 @@ class FaultResult:
             STAGES[0]: self.corpus_caught if ran else None,
             STAGES[1]: self.scheduler_gate,
             STAGES[2]: self.explored,
-            STAGES[3]: self.workload,
+            STAGES[3]: self.scheduler_explored,
+            STAGES[4]: self.workload,
         }
 
     @property
@@ -262,7 +285,7 @@ class Campaign:
         return sum(bool(r.explored) for r in ran), len(ran)
 
 
-class CampaignError(Exception):
+class CampaignError(KvgateError):
     """The campaign cannot say anything (the baseline itself did not run)."""
 
 
@@ -312,6 +335,23 @@ def gate_run(
             progress.send(("trace", "(exploration)"))
         exploration = explore_stage(settings.explore_examples, settings.explore_seed)
     explored = exploration is not None and bool(exploration.failure)
+    scheduler_exploration = None
+    in_scheduler = fault is not None and fault.area == "scheduler"
+    if settings.scheduler_explore_examples > 0 and (
+        baseline is None
+        or (
+            baseline.scheduler_exploration_usable
+            and (settings.explore_every_fault or in_scheduler or not (caught or explored))
+        )
+    ):
+        if progress is not None:
+            progress.send(("trace", "(Scheduler-level exploration)"))
+        scheduler_exploration = scheduler_explore_stage(
+            settings.scheduler_explore_examples, settings.explore_seed
+        )
+    explored = explored or (
+        scheduler_exploration is not None and bool(scheduler_exploration.failure)
+    )
     scheduler = None
     if settings.scheduler_stage and (
         baseline is None or (baseline.scheduler_usable and not caught and not explored)
@@ -327,6 +367,7 @@ def gate_run(
         exploration,
         scheduler=scheduler,
         scheduler_traces=tuple(scheduler_traces),
+        scheduler_exploration=scheduler_exploration,
     )
 
 
@@ -447,6 +488,34 @@ def explore_stage(examples: int, seed: int | None = None) -> ExploreOutcome:
         except Exception as error:  # a divergence the machine did not wrap
             return ExploreOutcome(True, one_line(error), examples, time.perf_counter() - started)
     found = "" if failure is None else " ".join(str(failure).splitlines()[0].split())
+    return ExploreOutcome(True, found, examples, time.perf_counter() - started)
+
+
+def scheduler_explore_stage(examples: int, seed: int | None = None) -> ExploreOutcome:
+    """The Scheduler-level exploration (`kvgate explore --scope scheduler`'s
+    ci profile, `examples` of them) against the vLLM in this process, hold
+    off, derandomized (or seeded with `seed`), not shrunk."""
+    started = time.perf_counter()
+    try:
+        from hypothesis import Phase
+
+        from kvgate.explore.profiles import profile
+        from kvgate.explore.scheduler_machine import SchedulerMode, explore_scheduler
+    except ImportError as missing:
+        return ExploreOutcome(False, "", 0, 0.0, f"kvgate.explore not available ({missing})")
+    settings = profile(
+        "ci",
+        "scheduler",
+        max_examples=examples,
+        derandomize=seed is None,
+        phases=(Phase.explicit, Phase.generate),
+    )
+    try:
+        outcome = explore_scheduler(SchedulerMode(), settings, seed=seed)
+    except Exception as error:  # a failure the machine did not wrap
+        return ExploreOutcome(True, one_line(error), examples, time.perf_counter() - started)
+    failure = outcome.failure
+    found = "" if failure is None else f"{failure.kind}: {failure.message}"
     return ExploreOutcome(True, found, examples, time.perf_counter() - started)
 
 
@@ -706,6 +775,13 @@ def judge(
     if catch is None and explored:
         assert run.exploration is not None
         catch = Catch("exploration", "exploration", run.exploration.failure)
+    scheduler_explored = None
+    found = run.scheduler_exploration
+    if found is not None and found.ran and baseline.scheduler_exploration_usable:
+        scheduler_explored = bool(found.failure)
+    if catch is None and scheduler_explored:
+        assert found is not None
+        catch = Catch("scheduler exploration", "Scheduler-level exploration", found.failure)
     scheduler = run.scheduler
     workload = None
     if scheduler is not None and scheduler.ran and baseline.scheduler_usable:
@@ -747,4 +823,5 @@ def judge(
         corpus_caught=bool(diverged or violated),
         workload=workload,
         scheduler_gate=bool(scheduler_diverged) if counted else None,
+        scheduler_explored=scheduler_explored,
     )

@@ -37,10 +37,10 @@ from kvgate.conformance.trace import bundled_corpus
 from kvgate.errors import InputError
 from kvgate.mutate.campaign import (
     EXPLORE_EXAMPLES,
+    SCHEDULER_EXPLORE_EXAMPLES,
     STAGES,
     Baseline,
     Campaign,
-    CampaignError,
     ExploreOutcome,
     FaultResult,
     SchedulerOutcome,
@@ -51,7 +51,6 @@ from kvgate.mutate.faults import BY_NAME, Fault, select
 from kvgate.mutate.own_suite import (
     SELECTION_ROOT,
     Suite,
-    SuiteError,
     SuiteResult,
     SuiteRun,
     run_suite_campaign,
@@ -92,6 +91,15 @@ def register(subparsers: Any) -> None:
         default=EXPLORE_EXAMPLES,
         metavar="N",
         help="examples of differential exploration for a fault the corpus misses (0: off)",
+    )
+    cmd.add_argument(
+        "--scheduler-explore",
+        type=int,
+        default=SCHEDULER_EXPLORE_EXAMPLES,
+        metavar="N",
+        help="examples of the Scheduler-level exploration (engine steps on vLLM's real "
+        "Scheduler) for every fault in the Scheduler's code and any other the stages before "
+        "it miss (0: off)",
     )
     cmd.add_argument(
         "--explore-every-fault",
@@ -141,6 +149,8 @@ def handle(args: argparse.Namespace) -> int:
         raise InputError(f"--jobs: must be between 1 and {MAX_JOBS}")
     if not 0 <= args.explore <= MAX_EXPLORE:
         raise InputError(f"--explore: must be between 0 and {MAX_EXPLORE:,}")
+    if not 0 <= args.scheduler_explore <= MAX_EXPLORE:
+        raise InputError(f"--scheduler-explore: must be between 0 and {MAX_EXPLORE:,}")
     if args.seed is not None and not 0 <= args.seed < 2**32:
         raise InputError(f"--seed: {args.seed} is outside 0..2**32-1")
     if args.timeout is not None and not 0 < args.timeout <= MAX_TIMEOUT:
@@ -157,6 +167,7 @@ def handle(args: argparse.Namespace) -> int:
             level=args.level,
             explore_examples=args.explore,
             explore_every_fault=args.explore_every_fault,
+            scheduler_explore_examples=args.scheduler_explore,
             explore_seed=args.seed,
             timeout=args.timeout or 300.0,
         )
@@ -201,19 +212,22 @@ def gate_campaign(out: TextIO, faults: Sequence[Fault], settings: Settings, jobs
             if settings.explore_examples
             else ""
         )
+        + (
+            f" + Scheduler-level exploration ({settings.scheduler_explore_examples} examples)"
+            if settings.scheduler_explore_examples
+            else ""
+        )
         + (" + the real Scheduler without prefix caching" if settings.scheduler_stage else "")
         + f"; {jobs} job(s)",
     )
-    try:
-        campaign = run_campaign(
-            faults,
-            settings,
-            jobs,
-            on_baseline=baseline_lines,
-            on_result=lambda r: _line(out, result_row(r)),
-        )
-    except CampaignError as error:
-        raise InputError(str(error)) from None
+    # A CampaignError (a KvgateError) reaches the command line as one line, exit 2.
+    campaign = run_campaign(
+        faults,
+        settings,
+        jobs,
+        on_baseline=baseline_lines,
+        on_result=lambda r: _line(out, result_row(r)),
+    )
     for line in summary_lines(campaign):
         _line(out, line)
     return campaign
@@ -300,6 +314,14 @@ def summary_lines(campaign: Campaign) -> list[str]:
         lines.append(
             "caught by exploration only: " + ", ".join(r.fault.name for r in by_exploration)
         )
+    by_engine_steps = [
+        r for r in campaign.caught if r.catch and r.catch.stage == "scheduler exploration"
+    ]
+    if by_engine_steps:
+        lines.append(
+            "caught by the Scheduler-level exploration only: "
+            + ", ".join(r.fault.name for r in by_engine_steps)
+        )
     by_scheduler = [r for r in campaign.caught if r.catch and r.catch.stage == "scheduler"]
     if by_scheduler:
         lines.append(
@@ -376,20 +398,17 @@ def own_campaign(
         header = f"{'fault':<38} {'verdict':<14} {'secs':>6}"
         _line(out, f"{header}  first failing test (under {SELECTION_ROOT})")
 
-    try:
-        _, results = run_suite_campaign(
-            faults,
-            suite,
-            args.jobs,
-            on_baseline=baseline_lines,
-            on_result=lambda r: _line(
-                out,
-                f"{r.fault.name:<38} {r.verdict:<14} {r.seconds:6.0f}  "
-                + _cut(r.by.removeprefix(SELECTION_ROOT) or "-"),
-            ),
-        )
-    except SuiteError as error:
-        raise InputError(str(error)) from None
+    _, results = run_suite_campaign(
+        faults,
+        suite,
+        args.jobs,
+        on_baseline=baseline_lines,
+        on_result=lambda r: _line(
+            out,
+            f"{r.fault.name:<38} {r.verdict:<14} {r.seconds:6.0f}  "
+            + _cut(r.by.removeprefix(SELECTION_ROOT) or "-"),
+        ),
+    )
     applicable = [r for r in results if r.verdict != "not applicable"]
     caught = [r for r in applicable if r.verdict == "caught"]
     rate = f"{100.0 * len(caught) / len(applicable):.1f}%" if applicable else "-"

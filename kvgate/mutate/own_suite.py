@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from kvgate.errors import KvgateError
 from kvgate.mutate.faults import FAULT_ENV, NOT_APPLICABLE_EXIT, REPORT_ENV, Fault
 
 # vLLM's own tests of the block manager: 592 tests in 0.33.0.
@@ -131,7 +132,7 @@ class Suite:
         return SuiteRun(code, report, seconds, tail)
 
 
-class SuiteError(Exception):
+class SuiteError(KvgateError):
     """vLLM's tests could not run unmutated: nothing to compare."""
 
 

@@ -34,11 +34,11 @@ from typing import Protocol
 
 from kvgate.conformance.config import Config
 from kvgate.conformance.ops import Segment, Step
+from kvgate.conformance.scheduling import RemoteHit
 from kvgate.conformance.tokens import NO_INPUTS, HashInputs
 from kvgate.model import ModelTarget
 from kvgate.model.scheduler import (
     LiveRequest,
-    RemoteHit,
     SchedulerModel,
     SchedulerStuck,
     StepDecisions,

@@ -34,13 +34,18 @@ from pathlib import Path
 from kvgate.conformance.config import Config, UnsupportedConfig
 from kvgate.conformance.ops import Step
 from kvgate.conformance.replay import Divergence, Level, ReplayResult, one_line
-from kvgate.conformance.scheduling import ScheduledStep, SchedulerTarget, step_differences
+from kvgate.conformance.scheduling import (
+    RemoteHit,
+    ScheduledStep,
+    SchedulerTarget,
+    step_differences,
+)
 from kvgate.conformance.target import StepRefused
 from kvgate.conformance.tokens import NO_INPUTS, HashInputs
 from kvgate.conformance.trace import TraceError, load_trace
 from kvgate.conformance.writer import save_trace
 from kvgate.errors import InputError
-from kvgate.model.scheduler import RemoteHit, StepDecisions
+from kvgate.model.scheduler import StepDecisions
 from kvgate.workload.deployment import Deployment, Serving
 from kvgate.workload.generator import SessionRun
 from kvgate.workload.measure import ArmCounts, Seen, count_seen
@@ -58,7 +63,7 @@ from kvgate.workload.runner import (
 NOTE = "vLLM's Scheduler vs kvgate's scheduler model, in lockstep"
 
 
-class _Diverged(Exception):
+class _WorkloadDiverged(Exception):
     def __init__(self, step: Step, level: str, what: str, expected: object, actual: object) -> None:
         super().__init__(what)
         self.step = step
@@ -109,14 +114,16 @@ class _Lockstep:
             unmodelled = StepRefused(error.field, error.message)
             raise _Refused(step.index, unmodelled, "vLLM's Scheduler") from None
         except Exception as error:
-            raise _Diverged(step, "api", "exception", "no exception", one_line(error)) from error
+            raise _WorkloadDiverged(
+                step, "api", "exception", "no exception", one_line(error)
+            ) from error
 
     def stepped(self, decisions: StepDecisions, last: Step) -> None:
         self.engine_steps += 1
         try:
             real = self.real.schedule()
         except Exception as error:
-            raise _Diverged(
+            raise _WorkloadDiverged(
                 last, "api", "schedule() raised", "no exception", one_line(error)
             ) from error
         self._compare(decisions, real, last)
@@ -125,18 +132,18 @@ class _Lockstep:
                 decisions.sampled, loaded=decisions.loaded, failed=decisions.failed
             )
         except Exception as error:
-            raise _Diverged(
+            raise _WorkloadDiverged(
                 last, "api", "update_from_output() raised", "no exception", one_line(error)
             ) from error
         if finished != decisions.finished:
-            raise _Diverged(last, "api", "finished", decisions.finished, finished)
+            raise _WorkloadDiverged(last, "api", "finished", decisions.finished, finished)
         # The residency metrics the real update's stats drained, against
         # the model's (the oracle's own collector; none without the metrics).
         drained = self.run.oracle.stats_evictions() or []
         modelled = [e.reuse_gaps for e in drained]
         evictions = self.real.take_evictions()
         if evictions != modelled:
-            raise _Diverged(
+            raise _WorkloadDiverged(
                 last, "api", "residency eviction events (reuse gaps each)", modelled, evictions
             )
         self.evictions_compared += len(evictions)
@@ -145,11 +152,11 @@ class _Lockstep:
             model_view = self.run.oracle.snapshot()
             real_view = self.real.snapshot()
             for what, expected, actual in model_view.differences(real_view):
-                raise _Diverged(last, "strict", what, expected, actual)
+                raise _WorkloadDiverged(last, "strict", what, expected, actual)
 
     def _compare(self, model: StepDecisions, real: ScheduledStep, last: Step) -> None:
         for what, expected, actual in step_differences(model, real):
-            raise _Diverged(last, "api", what, expected, actual)
+            raise _WorkloadDiverged(last, "api", what, expected, actual)
 
     def _record(self, real: ScheduledStep) -> None:
         self._checked.update(real.checked)
@@ -193,11 +200,11 @@ def run_on_scheduler(
     run = SessionRun(config, sessions, serving, progress=progress)
     lockstep = _Lockstep(real, run, level)
     run.observer = lockstep
-    diverged: _Diverged | None = None
+    diverged: _WorkloadDiverged | None = None
     refused: _Refused | None = None
     try:
         run.run()
-    except _Diverged as error:
+    except _WorkloadDiverged as error:
         diverged = error
     except _Refused as error:
         refused = error

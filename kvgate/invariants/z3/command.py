@@ -43,7 +43,7 @@ from kvgate.invariants.z3.counterexample import Found, find
 from kvgate.invariants.z3.properties import PROPERTIES, PROPERTY_BY_NAME
 from kvgate.invariants.z3.transitions import ENCODED_OPS, MUTATIONS
 from kvgate.invariants.z3.unbounded_proof import UPROPERTIES, UResult, prove_unbounded
-from kvgate.invariants.z3.vocabulary import BadBounds, Bounds
+from kvgate.invariants.z3.vocabulary import Bounds
 from kvgate.model.mutations import MUTATIONS as MODEL_MUTATIONS
 
 DEFAULT_OUT = Path("out/prove")  # beside out/workload; git ignores out/
@@ -108,10 +108,7 @@ def handle(args: argparse.Namespace) -> int:
     for flag, most in MAX_FLAGS.items():
         if getattr(args, flag) > most:
             raise InputError(f"--{flag}: {getattr(args, flag)} is more than {most}")
-    try:
-        bounds = Bounds(args.blocks, args.requests, args.groups)
-    except BadBounds as error:
-        raise InputError(str(error)) from None
+    bounds = Bounds(args.blocks, args.requests, args.groups)  # BadBounds: one line, exit 2
     if args.jobs < 1 or args.depth < 1:
         raise InputError("--jobs and --depth must be at least 1")
     if not 0 < args.search_timeout <= MAX_SECONDS:

@@ -67,6 +67,7 @@ from typing import Any, Literal, NamedTuple
 import z3
 
 from kvgate.conformance.ops import ACTIONS, FREE_HOW, PHASES, Phase, next_phase
+from kvgate.errors import KvgateError
 
 # Request phases: the action table's, with `decoding` folded into `running`
 # (the encoding does not track whether a prompt is computed).
@@ -110,7 +111,7 @@ Key = Any  # () for a scalar, an int for one axis, a tuple for several
 Values = dict[str, dict[Key, int | bool]]  # a concrete state in this vocabulary
 
 
-class BadBounds(ValueError):
+class BadBounds(KvgateError, ValueError):
     """Bounds outside what the encoding covers (one line, names the field)."""
 
 

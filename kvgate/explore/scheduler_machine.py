@@ -1,0 +1,491 @@
+"""Exploration at the Scheduler level: engine steps, kvgate's scheduler model
+and vLLM's real `Scheduler` in strict lockstep.
+
+The manager-level machine (`machine.py`) issues manager calls as kvgate's
+model of the Scheduler would; this one plays the engine instead: requests
+arrive (fresh prompts, prompts sharing an earlier request's prompt, follow-up
+turns extending an earlier request's whole sequence; with a cache salt or
+not), the engine steps, clients abort requests waiting, mid-prefill or
+mid-decode, and the prefix cache is reset with or without preempting the
+running requests. Every step goes through the scheduler-level lockstep the
+gate replays traces with (`conformance.scheduler_replay.SchedulerLockstep`),
+so what it compares is what the gate compares, and every history is a
+scheduler-level trace: the first divergence is shrunk by Hypothesis and saved
+as one, which `kvgate replay FILE --target vllm` shows diverging.
+
+Configs come from the deployment families the manager-level differential
+exploration splits its budget over (`differential.FAMILIES`), hybrid ones
+only (the Scheduler target runs a hybrid model), every other knob drawn, and
+reduced to what a scheduler-level trace carries: no KV connector, no KV
+events, no residency metrics (the format has no ops for them yet).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, ClassVar
+
+from hypothesis import reject
+from hypothesis import settings as Settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    get_state_machine_test,
+    initialize,
+    precondition,
+    rule,
+)
+
+from kvgate.conformance.config import Config, UnsupportedConfig
+from kvgate.conformance.ops import Segment
+from kvgate.conformance.replay import Divergence, ModelBug
+from kvgate.conformance.scheduler_replay import SchedulerLockstep, model_config
+from kvgate.conformance.scheduling import EngineSettings, EngineStep, SchedulerTarget
+from kvgate.conformance.trace import Trace, TraceError
+from kvgate.conformance.writer import dump_engine_trace, engine_step_dicts, save_engine_trace
+from kvgate.explore import knobs
+from kvgate.explore.differential import FAMILIES, HOLD_OVERLAY
+from kvgate.explore.profiles import draws_from_the_seed_alone
+from kvgate.model.scheduler import SchedulerModel, SchedulerStuck
+from kvgate.targets import scheduler_factories
+
+# Every explored request's prompt and output fit in this (a multiple of
+# every Mamba block the knobs draw, so it is also the Mamba block without
+# prefix caching).
+MAX_MODEL_LEN = 512
+# Requests one example may send, and the drafts per step it may draw.
+MAX_REQUESTS = 8
+MAX_SPEC = 3
+MAX_SEQS = 4
+# How a request's prompt is drawn: new tokens, an earlier request's prompt
+# and more (a shared prefix), or an earlier request's whole sequence and
+# more, as the next turn of its conversation (`follows`).
+SHAPES = ("fresh", "shared", "next_turn")
+# Where a request is when its client aborts it.
+ABORT_PLACES = ("waiting", "prefill", "decode")
+# The second tenant's cache salt (the first sends none).
+OTHER_TENANT = "tenant-b"
+# The config switches no scheduler-level op reads, kept off, and a hybrid
+# model always.
+ENGINE_ONLY = {
+    "kv_connector": "off",
+    "kv_events": False,
+    "kv_cache_metrics": False,
+    "pure_mamba": False,
+}
+
+# The hybrid deployment families (a pure Mamba model is another model than
+# the Scheduler target's), by a short name for the summary.
+HYBRID_FAMILIES: tuple[dict[str, Any], ...] = tuple(f for f in FAMILIES if not f.get("pure_mamba"))
+
+
+def family_name(family: dict[str, Any]) -> str:
+    """A deployment family as the summary names it."""
+    if not family.get("prefix_caching", True):
+        return "prefix caching off"
+    drafter = (
+        "no drafter"
+        if not family.get("eagle")
+        else "drafter, lookahead hashes"
+        if family.get("hash_lookahead_tokens")
+        else "drafter, block drop"
+    )
+    checkpoint = family.get("prefill_checkpoint", (0, None))[0]
+    shapes = (
+        "prefill checkpoints (Mamba2)" if checkpoint else "no prefill checkpoint (GDN on Triton)"
+    )
+    return f"{drafter}; {shapes}"
+
+
+@dataclass(frozen=True)
+class SchedulerMode:
+    """The arm explored: vLLM's Scheduler as installed (hold off), or with
+    kvgate's hold overlay (hold on; `retire`: the fork's retention too)."""
+
+    hold: bool = False
+    retire: bool = False
+
+    @property
+    def plugin(self) -> str | None:
+        return HOLD_OVERLAY if self.hold or self.retire else None
+
+    def replay_command(self, path: Path) -> str:
+        plugin = f" --plugin {self.plugin}" if self.plugin else ""
+        return f"kvgate replay {path} --target vllm{plugin}"
+
+
+@dataclass
+class SchedulerStats:
+    """What one run exercised."""
+
+    examples: int = 0
+    engine_steps: int = 0
+    ops: Counter[str] = field(default_factory=Counter)
+    families: Counter[str] = field(default_factory=Counter)
+    # Configs or requests the real Scheduler refused (examples dropped), by field.
+    refused: Counter[str] = field(default_factory=Counter)
+    preemptions: int = 0
+    first_failure: float | None = None
+    started: float = field(default_factory=time.perf_counter)
+
+
+class SchedulerExploreFailure(AssertionError):
+    """The lockstep diverged (or the model raised) after `events`."""
+
+    def __init__(
+        self,
+        kind: str,
+        message: str,
+        config: Config,
+        settings: EngineSettings,
+        events: list[EngineStep],
+        mode: SchedulerMode,
+    ) -> None:
+        self.kind = kind
+        self.message = message
+        self.config = config
+        self.settings = settings
+        self.events = tuple(events)  # the diverging one last
+        self.mode = mode
+        super().__init__(f"{kind}: {message}")
+
+    def __str__(self) -> str:
+        # Built on demand: Hypothesis raises many of these while it shrinks.
+        return f"{self.kind} after {len(self.events)} engine entries: {self.message}\n" + (
+            "\n".join(self.runnable())
+        )
+
+    @property
+    def name(self) -> str:
+        body = dump_engine_trace("explore", self.config, self.settings, self.events)
+        return f"explore-sched-{hashlib.blake2b(body.encode(), digest_size=4).hexdigest()}"
+
+    def about(self) -> str:
+        hold = "on" if self.config.hold else "off"
+        return (
+            f"Found by kvgate explore --scope scheduler (hold {hold}) against vLLM's "
+            f"Scheduler: {self.kind}: {self.message}"
+        )
+
+    def yaml(self) -> str:
+        return dump_engine_trace(self.name, self.config, self.settings, self.events, self.about())
+
+    def save(self, directory: Path) -> Path:
+        return save_engine_trace(
+            directory, self.name, self.config, self.settings, self.events, self.about()
+        )
+
+    def runnable(self) -> list[str]:
+        """The history as the trace's engine entries, one a line, in order."""
+        body = dump_engine_trace("x", self.config, self.settings, self.events)
+        return body[body.index("engine:") :].rstrip("\n").splitlines()
+
+    def entries(self) -> int:
+        return len(engine_step_dicts(self.events))
+
+
+def engine_configs(family: dict[str, Any]) -> st.SearchStrategy[Config]:
+    """The family's configs, every other knob drawn, as the Scheduler target
+    runs them."""
+    return knobs.configs(stratum={**family, **ENGINE_ONLY}).map(engine_config)
+
+
+def engine_config(config: Config) -> Config:
+    """`config` at `MAX_MODEL_LEN`; without prefix caching, the Mamba block
+    (and so the scheduler block) `MAX_MODEL_LEN` long, as vLLM's engine
+    resolves mode `none`."""
+    config = replace(config, max_model_len=MAX_MODEL_LEN)
+    if config.prefix_caching:
+        return config
+    groups = tuple(
+        replace(g, block_size=MAX_MODEL_LEN) if g.kind == "mamba_align" else g
+        for g in config.groups
+    )
+    return replace(config, groups=groups, scheduler_block_size=MAX_MODEL_LEN)
+
+
+def request_cap(config: Config, spec: int) -> int:
+    """The longest sequence (prompt and output) a request is drawn with: one
+    that alone takes at most half the pool, so that no request outgrows it
+    (kvgate's model then stops: it would preempt itself for ever)."""
+    attention = min(g.block_size for g in config.groups if g.kind == "full_attention")
+    mamba_blocks = sum(
+        3 + g.speculative_blocks + g.prefill_checkpoint_blocks
+        for g in config.groups
+        if g.kind == "mamba_align"
+    )
+    blocks = (config.num_blocks - 1 - mamba_blocks) // 2 - math.ceil(spec / attention) - 1
+    return max(0, min(config.max_model_len, blocks * attention))
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    """Engine steps on kvgate's scheduler model and vLLM's `Scheduler`."""
+
+    mode: ClassVar[SchedulerMode]
+    stats: ClassVar[SchedulerStats]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[EngineStep] = []
+        self.names: list[str] = []
+        self.salts: dict[str, str] = {}
+        self.real: SchedulerTarget | None = None
+        self.model: SchedulerModel | None = None
+        self.lockstep: SchedulerLockstep | None = None
+        self.config: Config | None = None
+        self.settings = EngineSettings()
+        self.cap = 0
+        self.stats.examples += 1
+
+    # -- setup ----------------------------------------------------------------
+
+    @initialize(
+        drawn=st.sampled_from(HYBRID_FAMILIES).flatmap(
+            lambda family: st.tuples(st.just(family), engine_configs(family))
+        ),
+        spec=st.integers(0, MAX_SPEC),
+        max_num_seqs=st.integers(1, MAX_SEQS),
+    )
+    def start(self, drawn: tuple[dict[str, Any], Config], spec: int, max_num_seqs: int) -> None:
+        family, config = drawn
+        config = replace(config, hold=self.mode.hold, hold_retired=self.mode.retire)
+        if config.eagle:
+            spec = max(spec, 1)  # the eagle drop is for a drafter's blocks
+        self.settings = EngineSettings(spec, max_num_seqs)
+        self.cap = request_cap(config, spec)
+        if self.cap < 2:
+            self.stats.refused["num_blocks"] += 1
+            reject()
+        model_factory, real_factory = scheduler_factories("vllm", self.mode.plugin)
+        assert real_factory is not None
+        try:
+            self.real = real_factory(config, spec, max_num_seqs)
+        except UnsupportedConfig as error:
+            self.stats.refused[error.field] += 1
+            reject()
+        trace = Trace(
+            name="explore",
+            about="",
+            config=config,
+            steps=(),
+            primitives=(),
+            path=Path("<explored>"),
+            engine=(),
+            scheduler=self.settings,
+        )
+        modelled, _ = model_config(trace, self.real.capabilities)
+        try:
+            model = model_factory(modelled, spec, max_num_seqs)
+        except UnsupportedConfig as error:
+            self.stats.refused[error.field] += 1
+            reject()
+        assert isinstance(model, SchedulerModel)
+        self.model = model
+        self.config = config
+        self.lockstep = SchedulerLockstep(trace, model, self.real, "strict")
+        self.stats.families[family_name(family)] += 1
+
+    def teardown(self) -> None:
+        if self.model is not None:
+            self.stats.preemptions += sum(
+                r.request.num_preemptions for r in self.model.oracle.requests.values()
+            )
+        if self.real is not None:
+            self.real.close()
+
+    # -- the engine's side ----------------------------------------------------
+
+    def live(self) -> list[str]:
+        """Requests arrived and not yet finished or aborted, in arrival order."""
+        assert self.model is not None
+        queued = {r.name for r in (*self.model.running, *self.model.waiting, *self.model.holding)}
+        return [name for name in self.names if name in queued]
+
+    def sequence_length(self, name: str, whole: bool) -> int:
+        assert self.model is not None
+        request = self.model.oracle.requests[name].request
+        return len(request.all_token_ids) if whole else request.num_prompt_tokens
+
+    def apply(self, event: EngineStep) -> None:
+        assert self.lockstep is not None and self.config is not None
+        event = replace(event, index=len(self.events))
+        self.events.append(event)
+        try:
+            divergence = self.lockstep.apply(event)
+        except TraceError as error:
+            # A request the real Scheduler refused: not one the machine
+            # means to draw; counted and dropped.
+            self.stats.refused[error.field or "request"] += 1
+            reject()
+        except ModelBug as bug:
+            if isinstance(bug.__cause__, SchedulerStuck):
+                self.stats.refused["stuck"] += 1
+                reject()
+            self.fail("crash", str(bug))
+        if divergence is not None:
+            self.fail("divergence", describe(divergence))
+
+    def fail(self, kind: str, message: str) -> None:
+        assert self.config is not None
+        if self.stats.first_failure is None:
+            self.stats.first_failure = time.perf_counter() - self.stats.started
+        raise SchedulerExploreFailure(
+            kind, message, self.config, self.settings, self.events, self.mode
+        )
+
+    @precondition(lambda self: self.lockstep is not None and len(self.names) < MAX_REQUESTS)
+    @rule(
+        shape=st.sampled_from(SHAPES),
+        pick=st.integers(0, MAX_REQUESTS - 1),
+        fresh=st.integers(0, 96),
+        max_tokens=st.integers(1, 12),
+        other_tenant=st.booleans(),
+    )
+    def arrive(
+        self, shape: str, pick: int, fresh: int, max_tokens: int, other_tenant: bool
+    ) -> None:
+        name = f"R{len(self.names)}"
+        max_tokens = min(max_tokens, self.cap - 1)
+        room = self.cap - max_tokens
+        if not self.names:
+            shape = "fresh"
+        base: str | None = None
+        base_length = 0
+        if shape != "fresh":
+            # A next turn prefers a conversation whose last turn finished.
+            live = set(self.live())
+            pool = [n for n in self.names if n not in live] if shape == "next_turn" else []
+            pool = pool or self.names
+            base = pool[pick % len(pool)]
+            base_length = self.sequence_length(base, whole=shape == "next_turn")
+            if base_length >= room:
+                shape, base, base_length = "fresh", None, 0
+        fresh = min(fresh, room - base_length)
+        prompt: tuple[Segment, ...] = ()
+        follows = None
+        if base is not None:
+            turn = shape == "next_turn"
+            prompt = (Segment("all_of" if turn else "prompt_of", req=base),)
+            follows = base if shape == "next_turn" else None
+        if fresh or not prompt:
+            prompt = (*prompt, Segment("fresh", count=max(fresh, 1)))
+        # A conversation keeps its tenant unless drawn otherwise.
+        salt = self.salts.get(base, "") if base is not None else ""
+        if other_tenant:
+            salt = OTHER_TENANT if salt == "" else ""
+        self.names.append(name)
+        self.salts[name] = salt
+        self.stats.ops[f"arrive:{shape}"] += 1
+        if salt:
+            self.stats.ops["arrive:salted"] += 1
+        self.apply(
+            EngineStep(
+                "arrive",
+                0,
+                req=name,
+                prompt=prompt,
+                max_tokens=max_tokens,
+                cache_salt=salt,
+                follows=follows,
+            )
+        )
+
+    @precondition(lambda self: self.lockstep is not None)
+    @rule(steps=st.integers(1, 6))
+    def step(self, steps: int) -> None:
+        for _ in range(steps):
+            self.stats.engine_steps += 1
+            self.stats.ops["step"] += 1
+            self.apply(EngineStep("step", 0))
+
+    @precondition(lambda self: self.lockstep is not None and bool(self.live()))
+    @rule(pick=st.integers(0, MAX_REQUESTS - 1))
+    def abort(self, pick: int) -> None:
+        assert self.model is not None
+        live = self.live()
+        name = live[pick % len(live)]
+        running = {r.name: r for r in self.model.running}
+        where = "waiting"
+        if name in running:
+            where = "decode" if running[name].decoding else "prefill"
+        self.stats.ops[f"abort:{where}"] += 1
+        self.apply(EngineStep("abort", 0, req=name))
+
+    @precondition(lambda self: self.lockstep is not None and bool(self.names))
+    @rule(running=st.booleans())
+    def reset(self, running: bool) -> None:
+        assert self.model is not None
+        busy = "busy" if self.model.running else "idle"
+        self.stats.ops[f"reset:{'running' if running else 'kept'}:{busy}"] += 1
+        self.apply(EngineStep("reset", 0, running=running))
+
+
+def describe(divergence: Divergence) -> str:
+    """A divergence in one line: where, what, the model's and vLLM's value."""
+    return (
+        f"{divergence.step.where()}: {divergence.what}: kvgate's model "
+        f"{divergence.expected!r}, vLLM's Scheduler {divergence.actual!r}"
+    )
+
+
+@dataclass
+class SchedulerOutcome:
+    failure: SchedulerExploreFailure | None
+    saved: Path | None
+    stats: SchedulerStats
+    seconds: float
+    rounds: int
+
+    @property
+    def passed(self) -> bool:
+        return self.failure is None
+
+
+def machine_class(mode: SchedulerMode, stats: SchedulerStats) -> type[SchedulerMachine]:
+    """The machine for `mode` (a subclass: Hypothesis runs classes)."""
+    hold = "HoldOn" if mode.hold else "HoldOff"
+    attributes = {"mode": mode, "stats": stats}
+    return type(f"SchedulerLockstep{hold}", (SchedulerMachine,), attributes)
+
+
+def explore_scheduler(
+    mode: SchedulerMode,
+    settings: Settings,
+    *,
+    out: Path | None = None,
+    seed: int | None = None,
+    seconds: float | None = None,
+    on_round: Callable[[SchedulerStats], None] | None = None,
+) -> SchedulerOutcome:
+    """Rounds of `settings.max_examples` examples until one fails or, with
+    `seconds`, the time is spent (one round otherwise); round k uses seed
+    `seed + k` (a derandomized profile ignores it). The first failure,
+    shrunk by Hypothesis, is saved in `out` as a scheduler-level trace."""
+    stats = SchedulerStats()
+    machine = machine_class(mode, stats)
+    failure: SchedulerExploreFailure | None = None
+    rounds = 0
+    while failure is None:
+        test = get_state_machine_test(machine, settings=settings)
+        if seed is not None:
+            # What @seed does: get_state_machine_test returns the @given test.
+            test._hypothesis_internal_use_seed = seed + rounds  # type: ignore[attr-defined]
+        try:
+            with draws_from_the_seed_alone():
+                test()
+        except SchedulerExploreFailure as found:
+            failure = found
+        rounds += 1
+        if on_round is not None:
+            on_round(stats)
+        spent = time.perf_counter() - stats.started
+        if seconds is None or spent >= seconds or settings.derandomize:
+            break
+    saved = failure.save(out) if failure is not None and out is not None else None
+    return SchedulerOutcome(failure, saved, stats, time.perf_counter() - stats.started, rounds)

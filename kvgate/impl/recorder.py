@@ -1,0 +1,643 @@
+"""Record what vLLM's `Scheduler` does as scheduler-level traces.
+
+A vLLM general plugin (entry point group `vllm.general_plugins`, name
+`kvgate_record`). vLLM calls `register()` in every process of the
+environment; it wraps nothing unless `KVGATE_RECORD=DIR` is set when the
+process starts. Then `install()` wraps the entry points of vLLM's
+`Scheduler` class (its constructor, `add_request`, `schedule`,
+`update_from_output`, `finish_requests`, `reset_prefix_cache`) and each
+`Scheduler` built afterwards writes its history to `DIR` as scheduler-level
+traces (docs/scheduler-traces.md): the config read from the engine's own
+KV-cache and scheduler settings, then one `engine` entry per call, with what
+the real Scheduler did as each step's expectations.
+
+What is written (docs/how-to/record-and-replay.md is the user's page):
+
+- token ids are renamed: position i of a prompt becomes the id of the
+  prefix-trie node of the prompt's first i + 1 tokens, so two prompts share
+  renamed ids exactly as far as they share a prefix, and nothing else of the
+  tokens survives; a prompt that continues a finished request's whole
+  sequence (its prompt and output) is written as `all_of` that request, then
+  the renamed rest. Request ids are renamed in arrival order, cache salts
+  are hashed;
+- each file ends with an `end` line counting its entries, so a file cut
+  short is detected by the reader (`kvgate replay --partial` replays the
+  entries before the cut);
+- bounded: a file is closed at a size or an entry limit, and the next one
+  starts when the Scheduler holds no request; after the last file allowed
+  recording stops. A write that fails (disk full, permissions) logs one line
+  and stops recording; a call the format cannot express (a stop string, an
+  accepted draft, a KV connector, ...) ends the file before it, logs one
+  line and stops recording. Nothing the recorder does raises into the
+  engine: every wrapper calls vLLM's own method whatever happens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from kvgate.conformance.config import Config, GroupConfig, UnsupportedConfig, validate
+from kvgate.conformance.scheduling import EngineSettings
+from kvgate.conformance.writer import recording_end, recording_entry, recording_head
+
+__all__ = [
+    "RECORD_SWITCH",
+    "RecordLimits",
+    "install",
+    "is_installed",
+    "register",
+    "uninstall",
+]
+
+# The opt-in: the directory recordings are written to.
+RECORD_SWITCH = "KVGATE_RECORD"
+# The knobs bounding what one engine process writes.
+MAX_BYTES_SWITCH = "KVGATE_RECORD_MAX_BYTES"
+MAX_ENTRIES_SWITCH = "KVGATE_RECORD_MAX_STEPS"
+MAX_FILES_SWITCH = "KVGATE_RECORD_MAX_FILES"
+# vLLM logs under the "vllm" logger tree; a child gets its handler.
+LOGGER_NAME = "vllm.plugins.kvgate_record"
+# Renamed token ids start here, far above the ids kvgate's model hands out
+# for sampled tokens when a recording is replayed, so the two never meet.
+RENAMED_BASE = 1 << 32
+# The per-instance attribute holding a Scheduler's recording.
+ATTR = "_kvgate_recording"
+# The Scheduler methods wrapped, in the order a step calls them.
+WRAPPED = (
+    "__init__",
+    "add_request",
+    "schedule",
+    "update_from_output",
+    "finish_requests",
+    "reset_prefix_cache",
+)
+
+_logger = logging.getLogger(LOGGER_NAME)
+_lock = threading.Lock()
+_originals: dict[str, Callable[..., Any]] = {}
+_scheduler_count = 0
+
+
+@dataclass(frozen=True)
+class RecordLimits:
+    """How much one Scheduler may write: bytes and entries per file, files in all."""
+
+    max_bytes: int = 4 * 2**20  # below the reader's 8 MiB file limit
+    max_entries: int = 50_000
+    max_files: int = 16
+
+    @classmethod
+    def from_environment(cls) -> RecordLimits:
+        def number(name: str, default: int) -> int:
+            text = os.environ.get(name, "").strip()
+            if not text:
+                return default
+            if not text.isdigit() or int(text) < 1:
+                _logger.warning(
+                    "kvgate recorder: %s=%r is not a number >= 1; using %d",
+                    name,
+                    text[:40],
+                    default,
+                )
+                return default
+            return int(text)
+
+        return cls(
+            number(MAX_BYTES_SWITCH, cls.max_bytes),
+            number(MAX_ENTRIES_SWITCH, cls.max_entries),
+            number(MAX_FILES_SWITCH, cls.max_files),
+        )
+
+
+class NotExpressible(Exception):
+    """What the Scheduler did that a scheduler-level trace cannot say."""
+
+
+def register() -> None:
+    """The entry point, which vLLM calls in every process: record only if
+    the user opted in (`KVGATE_RECORD=DIR`)."""
+    directory = os.environ.get(RECORD_SWITCH, "").strip()
+    if directory:
+        install(Path(directory), RecordLimits.from_environment())
+
+
+def is_installed() -> bool:
+    return bool(_originals)
+
+
+def install(
+    directory: Path,
+    limits: RecordLimits | None = None,
+    opener: Callable[[Path], IO[str]] | None = None,
+) -> None:
+    """Wrap the `Scheduler` class's entry points in this process (idempotent):
+    each Scheduler built from now on records into `directory`. `opener`
+    opens a file to write (tests pass one that fails)."""
+    with _lock:
+        if _originals:
+            return
+        from vllm.v1.core.sched.scheduler import Scheduler
+
+        settings = _Settings(directory, limits or RecordLimits(), opener or _open)
+        for name in WRAPPED:
+            original = Scheduler.__dict__[name]
+            wrapper = (
+                _wrap_init(original, settings) if name == "__init__" else _wrap(name, original)
+            )
+            functools.update_wrapper(
+                wrapper, original, assigned=("__name__", "__qualname__", "__doc__")
+            )
+            wrapper.__module__ = __name__
+            _originals[name] = original
+            setattr(Scheduler, name, wrapper)
+
+
+def uninstall() -> None:
+    """Put vLLM's own methods back; recordings in progress are closed."""
+    with _lock:
+        if not _originals:
+            return
+        from vllm.v1.core.sched.scheduler import Scheduler
+
+        for name, original in _originals.items():
+            setattr(Scheduler, name, original)
+        _originals.clear()
+        for recording in list(_Recording.open_ones):
+            recording.close()
+
+
+def _open(path: Path) -> IO[str]:
+    return path.open("x", encoding="utf-8")
+
+
+@dataclass(frozen=True)
+class _Settings:
+    directory: Path
+    limits: RecordLimits
+    opener: Callable[[Path], IO[str]]
+
+
+def _wrap_init(original: Callable[..., Any], settings: _Settings) -> Callable[..., Any]:
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        global _scheduler_count
+        try:
+            with _lock:
+                _scheduler_count += 1
+                number = _scheduler_count
+            setattr(self, ATTR, _Recording(self, settings, number))
+        except Exception as error:  # never into the engine
+            _logger.warning("kvgate recorder: not recording this Scheduler: %s", error)
+
+    return __init__
+
+
+def _wrap(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        recording: _Recording | None = getattr(self, ATTR, None)
+        if recording is None or recording.stopped or recording.depth:
+            # Not recording, or a call the Scheduler makes from inside one
+            # that is recorded (an abort inside add_request, say).
+            return original(self, *args, **kwargs)
+        before = recording.guarded(lambda: recording.before(name, args, kwargs))
+        recording.depth += 1
+        try:
+            result = original(self, *args, **kwargs)
+        except BaseException:
+            recording.depth -= 1
+            recording.guarded(lambda: recording.stop(f"vLLM's {name} raised"))
+            raise
+        recording.depth -= 1
+        recording.guarded(lambda: recording.after(name, args, kwargs, before, result))
+        return result
+
+    return wrapper
+
+
+# ---------------------------------------------------------------- the config
+
+
+def engine_config(scheduler: Any) -> tuple[Config, EngineSettings]:
+    """The trace config and engine settings of a built `Scheduler`, read from
+    its own KV-cache config and settings. Raises `NotExpressible`."""
+    from kvgate.impl import _vllm_api
+    from kvgate.impl.vllm_probe import holds_partial_tails, is_mamba, retains_retired
+
+    api = _vllm_api.load()
+    if getattr(scheduler, "connector", None) is not None:
+        raise NotExpressible("a KV connector (its answers are not in scheduler-level traces)")
+    manager = scheduler.kv_cache_manager
+    managers = list(manager.coordinator.single_type_managers)
+    groups: list[GroupConfig] = []
+    modes: set[str] = set()
+    for index, group in enumerate(scheduler.kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        if type(spec) is api.FullAttentionSpec:
+            groups.append(GroupConfig("full_attention", int(spec.block_size)))
+        elif type(spec) is api.MambaSpec:
+            alignment = getattr(spec, "prefill_checkpoint_alignment", None)
+            groups.append(
+                GroupConfig(
+                    "mamba_align",
+                    int(spec.block_size),
+                    speculative_blocks=int(spec.num_speculative_blocks),
+                    prefill_checkpoint_blocks=int(
+                        getattr(spec, "num_prefill_checkpoint_blocks", 0) or 0
+                    ),
+                    prefill_checkpoint_alignment=None if alignment is None else int(alignment),
+                )
+            )
+            modes.add(str(spec.mamba_cache_mode))
+        else:
+            raise NotExpressible(f"KV-cache group {index} is a {type(spec).__name__}")
+    if len(modes) > 1:
+        raise NotExpressible(f"Mamba groups in several cache modes: {sorted(modes)}")
+    cache = scheduler.cache_config
+    caching = bool(cache.enable_prefix_caching)
+    lookahead = int(getattr(scheduler, "num_hash_lookahead_tokens", 0))
+    attention = [g.block_size for g in groups if g.kind == "full_attention"]
+    switch = os.environ.get(_vllm_api.RETAIN_SWITCH, "0").strip() == "1"
+    config = Config(
+        num_blocks=int(manager.block_pool.num_gpu_blocks),
+        # Without prefix caching nothing is hashed: the unit sizes nothing
+        # compared, and the attention block stands in for it.
+        hash_unit=int(scheduler.hash_block_size) if caching else min(attention or [1]),
+        groups=tuple(groups),
+        eagle=bool(getattr(scheduler, "use_eagle_block_drop", False)) or lookahead > 0,
+        retention_interval=getattr(scheduler.kv_cache_config, "prefix_cache_retention_interval", 0),
+        hold=holds_partial_tails(api, managers, switch),
+        hold_retired=retains_retired(api, managers),
+        scheduler_block_size=int(scheduler.block_size),
+        max_model_len=int(scheduler.max_model_len),
+        max_num_scheduled_tokens=int(scheduler.max_num_scheduled_tokens),
+        long_prefill_token_threshold=int(scheduler.scheduler_config.long_prefill_token_threshold),
+        long_prefill_token_threshold_adaptive=bool(
+            getattr(scheduler, "adaptive_long_prefill_threshold", False)
+        ),
+        shared_prefix_checkpoint=bool(
+            getattr(cache, "enable_mamba_shared_prefix_checkpoint", False)
+        ),
+        hash_lookahead_tokens=lookahead,
+        prefix_caching=caching,
+        mamba_cache_mode="none" if "none" in modes else "align",
+    )
+    if not any(is_mamba(api, m) for m in managers):
+        raise NotExpressible("no Mamba group (kvgate models hybrid and Mamba models)")
+    try:
+        validate(config)
+    except UnsupportedConfig as error:
+        raise NotExpressible(f"config.{error.field}: {error.message}") from None
+    settings = EngineSettings(
+        spec=int(getattr(scheduler, "num_spec_tokens", 0)),
+        max_num_seqs=int(scheduler.max_num_running_reqs),
+    )
+    return config, settings
+
+
+# ------------------------------------------------------------- the recording
+
+
+@dataclass
+class _Renamer:
+    """Token ids renamed to prefix-trie nodes; finished sequences remembered
+    so a prompt continuing one is written as `all_of` it."""
+
+    # (parent node, token) -> node; node 0 is the empty prefix.
+    nodes: dict[tuple[int, int], int] = field(default_factory=dict)
+    # A request's prompt: (its length, the node it ends at).
+    prompts: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # Finished sequences by length, then by hash: (name, sequence, end node).
+    finished_by_length: dict[int, dict[int, tuple[str, tuple[int, ...], int]]] = field(
+        default_factory=dict
+    )
+
+    def walk(self, tokens: Iterable[int], node: int = 0) -> list[int]:
+        """The node of each prefix of `tokens` after `node` (added when new)."""
+        path: list[int] = []
+        nodes = self.nodes
+        for token in tokens:
+            key = (node, token)
+            found = nodes.get(key)
+            if found is None:
+                found = nodes[key] = len(nodes) + 1
+            node = found
+            path.append(node)
+        return path
+
+    def continued(self, tokens: list[int]) -> tuple[str, int, int] | None:
+        """The longest finished sequence `tokens` starts with: (its request,
+        its length, its end node)."""
+        for length in sorted(self.finished_by_length, reverse=True):
+            if length > len(tokens):
+                continue
+            head = tuple(tokens[:length])
+            found = self.finished_by_length[length].get(hash(head))
+            if found is not None and found[1] == head:
+                return found[0], length, found[2]
+        return None
+
+    def prompt(self, name: str, tokens: list[int]) -> tuple[list[dict[str, Any]], str | None]:
+        """Request `name`'s prompt as segments, and the finished request it continues."""
+        continued = self.continued(tokens)
+        follows, start, node = continued if continued is not None else (None, 0, 0)
+        path = self.walk(tokens[start:], node)
+        self.prompts[name] = (len(tokens), path[-1] if path else node)
+        segments: list[dict[str, Any]] = []
+        if follows is not None:
+            segments.append({"all_of": follows})
+        if path:
+            segments.append({"tokens": [RENAMED_BASE + n for n in path]})
+        return segments, follows
+
+    def finished(self, name: str, sequence: list[int]) -> None:
+        """Request `name` finished with this whole sequence (prompt and output)."""
+        prompt_length, node = self.prompts.pop(name)
+        path = self.walk(sequence[prompt_length:], node)
+        whole = tuple(sequence)
+        by_hash = self.finished_by_length.setdefault(len(whole), {})
+        by_hash[hash(whole)] = (name, whole, path[-1] if path else node)
+
+
+def _salt(salt: str) -> str:
+    return "salt-" + hashlib.sha256(salt.encode()).hexdigest()[:16]
+
+
+class _Recording:
+    """One Scheduler's history, written as it happens."""
+
+    open_ones: set[_Recording] = set()
+
+    def __init__(self, scheduler: Any, settings: _Settings, number: int) -> None:
+        self.scheduler = scheduler
+        self.settings = settings
+        self.stem = f"rec-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}-{number}"
+        self.depth = 0
+        self.stopped = False
+        self.part = 0
+        self.file: IO[str] | None = None
+        self.bytes = 0
+        self.entries = 0
+        # Waiting for the Scheduler to hold no request before the next file.
+        self.between_parts = False
+        self.config, self.engine = engine_config(scheduler)
+        import vllm
+
+        self.vllm_version = str(getattr(vllm, "__version__", "unknown"))
+        self.names: dict[str, str] = {}
+        self.requests: dict[str, Any] = {}
+        self.renamer = _Renamer()
+        self.pending: dict[str, Any] | None = None
+        self.deferred: list[dict[str, Any]] = []
+        self.open_part()
+
+    # -- control ----------------------------------------------------------
+
+    def guarded(self, call: Callable[[], Any]) -> Any:
+        """Run part of the recording; whatever it raises stops recording."""
+        if self.stopped:
+            return None
+        try:
+            return call()
+        except NotExpressible as reason:
+            self.stop(f"{reason} is not expressible in a scheduler-level trace")
+        except OSError as error:
+            self.stop(f"writing failed ({error})", wrote=False)
+        except Exception as error:
+            self.stop(f"internal error ({type(error).__name__}: {error})")
+        return None
+
+    def stop(self, why: str, wrote: bool = True) -> None:
+        if self.stopped:
+            return
+        self.stopped = True
+        _logger.warning(
+            "kvgate recorder: stopped recording %s after %d files: %s",
+            self.stem,
+            self.part,
+            why,
+        )
+        self.close(wrote)
+
+    def close(self, write_end: bool = True) -> None:
+        file, self.file = self.file, None
+        _Recording.open_ones.discard(self)
+        if file is None:
+            return
+        with contextlib.suppress(OSError):
+            try:
+                if write_end and self.entries:
+                    file.write(recording_end(self.entries))
+            finally:
+                file.close()
+        if not self.entries:
+            # Nothing recorded: no file (a recording needs one entry).
+            with contextlib.suppress(OSError):
+                self.path.unlink()
+
+    @property
+    def path(self) -> Path:
+        return self.settings.directory / f"{self.stem}.{self.part:03d}.yaml"
+
+    def open_part(self) -> None:
+        if self.part >= self.settings.limits.max_files:
+            self.stop(f"the file limit ({self.settings.limits.max_files}) is reached")
+            return
+        self.part += 1
+        self.names.clear()
+        self.renamer = _Renamer()
+        self.entries = 0
+        self.between_parts = False
+        try:
+            self.settings.directory.mkdir(parents=True, exist_ok=True)
+            self.file = self.settings.opener(self.path)
+            _Recording.open_ones.add(self)
+            head = recording_head(
+                self.path.stem,
+                self.config,
+                self.engine,
+                {"vllm": self.vllm_version, "part": self.part, "warm": self.part > 1},
+                about=f"Recorded from vLLM {self.vllm_version}'s Scheduler, file {self.part}"
+                + (" (started with a warm prefix cache: no expectations)" if self.part > 1 else ""),
+            )
+            self.bytes = len(head.encode())
+            self.file.write(head)
+            self.file.flush()
+        except OSError as error:
+            self.stop(f"writing failed ({error})", wrote=False)
+
+    def write(self, entry: dict[str, Any]) -> None:
+        if self.file is None:
+            return
+        if self.part > 1:
+            entry.pop("expect", None)
+        line = recording_entry(entry)
+        # Not flushed: the buffer is written as it fills; a crash cuts the
+        # file short, which the reader detects (`kvgate replay --partial`).
+        self.file.write(line)
+        self.bytes += len(line.encode())
+        self.entries += 1
+        limits = self.settings.limits
+        if self.bytes >= limits.max_bytes or self.entries >= limits.max_entries:
+            self.close()
+            # The next file starts from an empty Scheduler (`before`).
+            self.requests.clear()
+            self.between_parts = True
+
+    def name(self, request_id: str) -> str:
+        name = self.names.get(request_id)
+        if name is None:
+            raise NotExpressible(f"a request that arrived before the recording ({request_id!r})")
+        return name
+
+    # -- the calls --------------------------------------------------------
+
+    def before(self, call: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        # After a file's limit, the next file starts when the Scheduler holds no request.
+        if (
+            self.between_parts
+            and call in ("add_request", "reset_prefix_cache")
+            and not self.requests
+            and not self.scheduler.requests
+        ):
+            self.open_part()
+        if self.file is None:
+            return None
+        if call == "finish_requests":
+            if self.pending is not None:
+                raise NotExpressible("an abort between schedule() and its update")
+            ids = kwargs.get("request_ids", args[0] if args else None)
+            if isinstance(ids, str):
+                ids = (ids,)
+            elif ids is not None:
+                ids = set(ids)
+            else:
+                ids = list(self.scheduler.requests)
+            return [r for r in ids if r in self.requests and not self.requests[r].is_finished()]
+        if call == "reset_prefix_cache" and self.pending is not None:
+            raise NotExpressible("a prefix-cache reset between schedule() and its update")
+        if call == "schedule" and self.pending is not None:
+            raise NotExpressible("two schedule() calls before an update (async scheduling)")
+        return None
+
+    def after(
+        self, call: str, args: tuple[Any, ...], kwargs: dict[str, Any], before: Any, result: Any
+    ) -> None:
+        if self.file is None:
+            return
+        if call == "add_request":
+            self.arrived(args[0] if args else kwargs["request"])
+        elif call == "schedule":
+            self.scheduled(result)
+        elif call == "update_from_output":
+            self.updated(result)
+        elif call == "finish_requests":
+            for request_id in before or ():
+                self.write({"op": "abort", "req": self.name(request_id)})
+                self.forget(request_id)
+        elif call == "reset_prefix_cache":
+            running = bool(kwargs.get("reset_running_requests", args[0] if args else False))
+            waiting = [self.name(r.request_id) for r in self.scheduler.waiting]
+            entry: dict[str, Any] = {"op": "reset"}
+            if running:
+                entry["running"] = True
+            entry["expect"] = {"ok": bool(result), "waiting": waiting}
+            self.write(entry)
+
+    def arrived(self, request: Any) -> None:
+        request_id = str(request.request_id)
+        if request_id in self.names:
+            raise NotExpressible("a streaming-input request")
+        if getattr(request, "lora_request", None) is not None:
+            raise NotExpressible("a LoRA adapter (not modelled at the scheduler level)")
+        if getattr(request, "mm_features", None):
+            raise NotExpressible("a multimodal input (not modelled at the scheduler level)")
+        tokens = getattr(request, "prompt_token_ids", None)
+        if not tokens:
+            raise NotExpressible("a prompt given as embeddings")
+        name = f"r{len(self.names)}"
+        segments, follows = self.renamer.prompt(name, list(tokens))
+        self.names[request_id] = name
+        self.requests[request_id] = request
+        entry: dict[str, Any] = {
+            "op": "arrive",
+            "req": name,
+            "prompt": segments,
+            "max_tokens": int(request.max_tokens),
+        }
+        salt = getattr(request, "cache_salt", None)
+        if salt:
+            entry["cache_salt"] = _salt(str(salt))
+        if follows is not None:
+            entry["follows"] = follows
+        if self.pending is not None:
+            self.deferred.append(entry)
+        else:
+            self.write(entry)
+
+    def scheduled(self, output: Any) -> None:
+        scheduled = [[self.name(str(r)), int(n)] for r, n in output.num_scheduled_tokens.items()]
+        preempted = sorted(self.name(str(r)) for r in output.preempted_req_ids)
+        ids = [str(r) for r in output.num_scheduled_tokens]
+        self.pending = {
+            "scheduled": scheduled,
+            "preempted": preempted,
+            "ids": ids,
+            "outputs": [len(self.requests[r].output_token_ids) for r in ids],
+        }
+
+    def updated(self, outputs: Any) -> None:
+        pending, self.pending = self.pending, None
+        if pending is None:
+            raise NotExpressible("an update without a schedule() before it")
+        cached: dict[str, int] = {}
+        for engine_output in outputs.values():
+            for output in engine_output.outputs:
+                stats = getattr(output, "prefill_stats", None)
+                if stats is not None:
+                    cached[self.name(str(output.request_id))] = int(stats.num_cached_tokens)
+        from vllm.v1.request import RequestStatus
+
+        finished: list[str] = []
+        for request_id, before in zip(pending["ids"], pending["outputs"], strict=True):
+            request = self.requests[request_id]
+            # The format's step samples at most one token a request: more is
+            # an accepted draft.
+            if len(request.output_token_ids) - before > 1:
+                raise NotExpressible("an accepted draft (several tokens in one step)")
+            if request.is_finished():
+                if request.status != RequestStatus.FINISHED_LENGTH_CAPPED:
+                    raise NotExpressible(
+                        f"a request finished as {request.status.name}, not by its length"
+                    )
+                finished.append(self.name(request_id))
+        expect: dict[str, Any] = {"scheduled": pending["scheduled"]}
+        if pending["preempted"]:
+            expect["preempted"] = pending["preempted"]
+        if cached:
+            expect["cached_tokens"] = cached
+        if finished:
+            expect["finished"] = finished
+        for request_id in pending["ids"]:
+            request = self.requests[request_id]
+            if request.is_finished():
+                sequence = [*request.prompt_token_ids, *request.output_token_ids]
+                self.renamer.finished(self.name(request_id), sequence)
+                self.forget(request_id)
+        # Written last: at a file's limit the write closes it.
+        self.write({"op": "step", "expect": expect})
+        deferred, self.deferred = self.deferred, []
+        for entry in deferred:
+            self.write(entry)
+
+    def forget(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
