@@ -123,15 +123,18 @@ SECTIONS = (
     ),
     Section(
         "coverage",
-        "Reach into vLLM's manager",
-        "about 5 minutes (vLLM's own tests left out)",
+        "Reach into vLLM's manager and Scheduler",
+        "about 8 minutes (vLLM's own tests left out)",
         ("KVGATE_OWN_TESTS=skip bash scripts/coverage-report.sh out/results-coverage",),
         render_tail(8),
-        "Line and branch coverage of vLLM's block pool, KV-cache manager, coordinator and "
-        "Mamba manager reached by the corpus gate at strict level plus the differential "
-        "exploration (ci profile). The column for vLLM's own manager tests takes about an "
-        "hour and is left out here; `scripts/coverage-report.sh` without "
-        "`KVGATE_OWN_TESTS=skip` adds it.",
+        "Line and branch coverage of vLLM's block pool, KV-cache manager, coordinator, "
+        "Mamba manager and the Scheduler's KV paths (the methods of its `Scheduler` class "
+        "that touch the KV-cache manager or a request's computed or cached tokens; the last "
+        "line names them), reached by the corpus gate at strict level plus the differential "
+        "exploration (ci profile), by the Scheduler-level gate alone, and by the "
+        "Scheduler-level exploration (ci profile). The columns for vLLM's own manager and "
+        "scheduler tests take about an hour and are left out here; "
+        "`scripts/coverage-report.sh` without `KVGATE_OWN_TESTS=skip` adds them.",
     ),
     Section(
         "benchmarks",

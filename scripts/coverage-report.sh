@@ -1,17 +1,27 @@
 #!/usr/bin/env bash
 # Coverage (line and branch) of vLLM 0.33.0's block_pool.py,
-# kv_cache_manager.py, kv_cache_coordinator.py and the MambaManager class,
-# reached by kvgate (the corpus gate at strict level plus the differential
-# exploration, ci profile, combined) next to vLLM's own manager tests
-# (tests/v1/core/prefix_cache/ and test_prefix_caching.py).
+# kv_cache_manager.py, kv_cache_coordinator.py, the MambaManager class and
+# the Scheduler's KV paths (the methods of sched/scheduler.py's Scheduler
+# that touch the KV-cache manager or a request's computed or cached tokens:
+# kvgate/explore/coverage.py's `kv_paths` says which, and the table names
+# them), reached by kvgate (the corpus gate at strict level plus the
+# differential exploration, ci profile, combined), by the Scheduler-level
+# gate alone (the scheduler-level corpus at strict level), by the
+# Scheduler-level exploration (ci profile), next to vLLM's own manager tests
+# (tests/v1/core/prefix_cache/ and test_prefix_caching.py) and vLLM's own
+# scheduler tests (the files of tests/v1/core that build a Scheduler, below).
 #
 #   scripts/coverage-report.sh [OUT_DIR]     (default: out/coverage)
 #
 # KVGATE_VENV names the venv (default .venv; KVGATE_SKIP_SETUP=1 passes on to
 # scripts/vllm-own-tests.sh for a venv set up already). KVGATE_OWN_COVERAGE
 # names an earlier run's OUT_DIR/.coverage.vllm-tests to reuse instead of
-# running vLLM's tests again (about an hour under coverage on 2 busy cores);
-# KVGATE_OWN_TESTS=skip leaves that column out.
+# running vLLM's tests again (about an hour under coverage on 2 busy cores),
+# and KVGATE_OWN_SCHEDULER_COVERAGE likewise its .coverage.vllm-scheduler-tests;
+# KVGATE_OWN_TESTS=skip leaves both of vLLM's columns out (=fallback runs
+# them with plain pytest, not scripts/vllm-own-tests.sh); KVGATE_OWN_COLUMNS
+# names which of them to run ("manager scheduler" by default; "scheduler"
+# leaves out the manager tests, the long one).
 # Each column's unreached lines and branch exits go to
 # OUT_DIR/missing-<column>.txt, for finding what is still unreached.
 #
@@ -43,6 +53,7 @@ include =
     $core/kv_cache_manager.py
     $core/kv_cache_coordinator.py
     $core/single_type_kv_cache_manager.py
+    $core/sched/scheduler.py
 RC
   echo "$out/$1.rc"
 }
@@ -72,24 +83,60 @@ cp "$out/.coverage.explore" "$out/.coverage.kvgate.explore" 2>/dev/null || true
 "$py" -m coverage combine --rcfile="$(rcfile kvgate)" --data-file="$out/.coverage.kvgate" \
   "$out"/.coverage.kvgate.* >/dev/null 2>&1 || echo "coverage-report: no data for kvgate" >&2
 
-echo "== vLLM 0.33.0's own tests" >&2
-own_tests=(tests/v1/core/prefix_cache tests/v1/core/test_prefix_caching.py)
-if [ "${KVGATE_OWN_TESTS:-}" = skip ]; then
-  :
-elif [ -n "${KVGATE_OWN_COVERAGE:-}" ]; then
-  # Their column does not change with kvgate: reuse a data file recorded by
-  # an earlier run of this script (its OUT_DIR/.coverage.vllm-tests).
-  cp "$KVGATE_OWN_COVERAGE" "$out/.coverage.vllm-tests"
-elif [ -f scripts/vllm-own-tests.sh ] && [ "${KVGATE_OWN_TESTS:-}" != fallback ]; then
-  run_covered vllm-tests bash scripts/vllm-own-tests.sh "${own_tests[@]}" -q
+echo "== kvgate Scheduler-level gate (strict)" >&2
+scheduler_corpus="$("$py" -c 'from kvgate.conformance.trace import bundled_scheduler_corpus as c; print(c())')"
+run_covered sched-gate "$py" -m kvgate gate --target vllm --level strict \
+  --plugin kvgate.impl.hold_overlay --corpus "$scheduler_corpus"
+echo "== kvgate Scheduler-level exploration (ci profile)" >&2
+run_covered sched-explore "$py" -m kvgate explore --scope scheduler --target vllm --profile ci \
+  --out "$out/sched-explore-traces"
+
+own_column() {  # NAME REUSE_FILE TESTS...: a column of vLLM's own tests
+  local name="$1" reuse="$2"; shift 2
+  if [ -n "$reuse" ]; then
+    # Their column does not change with kvgate: reuse a data file recorded
+    # by an earlier run of this script (its OUT_DIR/.coverage.NAME).
+    cp "$reuse" "$out/.coverage.$name"
+  elif [ -f scripts/vllm-own-tests.sh ] && [ "${KVGATE_OWN_TESTS:-}" != fallback ]; then
+    run_covered "$name" bash scripts/vllm-own-tests.sh "$@" -q
+  fi
+  if [ ! -s "$out/.coverage.$name" ]; then
+    # No wrapper (or it recorded nothing): fetch the tests and run them here.
+    tests="$(realpath "$(bash scripts/fetch-vllm-tests.sh)")"
+    run_covered "$name" bash -c "cd '$tests' && '$py' -m pytest -q -p no:cacheprovider $*"
+  fi
+}
+# vLLM's scheduler tests: the files of tests/v1/core that build a Scheduler
+# (test_prefix_caching.py, which builds one too, is the manager column's),
+# and the align split's own tests.
+scheduler_tests=(
+  tests/v1/core/test_scheduler.py
+  tests/v1/core/test_async_scheduler.py
+  tests/v1/core/test_deferred_block_free.py
+  tests/v1/core/test_mamba_align_chunk_split.py
+  tests/v1/core/test_prefix_replay.py
+  tests/v1/core/test_priority_preemption_bug.py
+  tests/v1/core/test_priority_scheduler_random.py
+  tests/v1/core/test_swa_inflight_window_free.py
+  tests/v1/core/test_worker_slot_overflow.py
+)
+own_columns=" ${KVGATE_OWN_COLUMNS:-manager scheduler} "
+[ "${KVGATE_OWN_TESTS:-}" != skip ] || own_columns=" "
+columns=(
+  "kvgate (gate + explore ci)=$out/.coverage.kvgate"
+  "Scheduler-level gate=$out/.coverage.sched-gate"
+  "Scheduler-level explore ci=$out/.coverage.sched-explore"
+)
+if [[ "$own_columns" == *" manager "* ]]; then
+  echo "== vLLM 0.33.0's own manager tests" >&2
+  own_column vllm-tests "${KVGATE_OWN_COVERAGE:-}" \
+    tests/v1/core/prefix_cache tests/v1/core/test_prefix_caching.py
+  columns+=("vLLM's own manager tests=$out/.coverage.vllm-tests")
 fi
-if [ "${KVGATE_OWN_TESTS:-}" != skip ] && [ ! -s "$out/.coverage.vllm-tests" ]; then
-  # No wrapper (or it recorded nothing): fetch the tests and run them here.
-  tests="$(realpath "$(bash scripts/fetch-vllm-tests.sh)")"
-  run_covered vllm-tests bash -c "cd '$tests' && '$py' -m pytest -q -p no:cacheprovider \
-    ${own_tests[*]}"
+if [[ "$own_columns" == *" scheduler "* ]]; then
+  echo "== vLLM 0.33.0's own scheduler tests" >&2
+  own_column vllm-scheduler-tests "${KVGATE_OWN_SCHEDULER_COVERAGE:-}" "${scheduler_tests[@]}"
+  columns+=("vLLM's own scheduler tests=$out/.coverage.vllm-scheduler-tests")
 fi
 
-columns=("kvgate (gate + explore ci)=$out/.coverage.kvgate")
-[ "${KVGATE_OWN_TESTS:-}" = skip ] || columns+=("vLLM's own manager tests=$out/.coverage.vllm-tests")
 "$py" -m kvgate.explore.coverage --missing "$out" "${columns[@]}" | tee "$out/coverage.txt"

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import coverage
 
-from kvgate.explore.coverage import figures
+from kvgate.explore.coverage import figures, kv_paths
 
 # A condition split over lines (Python 3.11 reports it on a continuation
 # line) inside a class, then a function outside the class that never runs.
@@ -70,3 +70,41 @@ def test_a_whole_file_counts_what_coverage_report_counts(tmp_path: Path) -> None
     assert whole.lines == numbers.n_statements
     assert whole.lines - whole.lines_hit == numbers.n_missing
     assert whole.branches - whole.branches_hit == numbers.n_missing_branches
+
+
+SCHEDULER_SOURCE = """\
+class Scheduler:
+    def admit(self, request):
+        hit = self.kv_cache_manager.lookup(request)
+        request.num_computed_tokens = hit
+        return hit
+
+    def describe(self):
+        return "a scheduler"
+
+    def cached(self, request):
+        return request.num_cached_tokens
+
+
+def kv_cache_manager_helper(x):
+    return x.kv_cache_manager
+"""
+
+
+def test_the_schedulers_kv_paths_are_its_methods_that_touch_the_kv_state(
+    tmp_path: Path,
+) -> None:
+    """A method of the Scheduler class is a KV path when it names the
+    manager or a request's computed or cached tokens; a function outside
+    the class is not, whatever it names."""
+    source = tmp_path / "scheduler.py"
+    source.write_text(SCHEDULER_SOURCE, encoding="utf-8")
+    assert kv_paths(source) == [("admit", 2, 5), ("cached", 10, 11)]
+
+
+def test_figures_count_inside_several_spans(tmp_path: Path) -> None:
+    data, module = _record(tmp_path)
+    # The class's method and the uncalled function, nothing between them.
+    both = figures(data, module, ((2, 8), (11, 14)))
+    assert both.missing_lines == (8, 12, 13, 14)
+    assert (both.branches, both.branches_hit) == (4, 1)

@@ -479,9 +479,11 @@ def write_scheduler_summary(out: TextIO, outcome: SchedulerOutcome) -> None:
     ops = stats.ops
     print("engine ops exercised:", file=out)
     arrivals = ", ".join(f"{shape} {ops[f'arrive:{shape}']}" for shape in SHAPES)
+    arrived = sum(ops[f"arrive:{shape}"] for shape in SHAPES)
     print(
-        f"  arrive   {sum(ops[f'arrive:{s}'] for s in SHAPES):>7}  ({arrivals}; "
-        f"another tenant's salt {ops['arrive:salted']})",
+        f"  arrive   {arrived:>7}  ({arrivals}; another tenant's salt {ops['arrive:salted']}; "
+        f"a KV connector's hit, sync {ops['arrive:remote:sync']}, "
+        f"async {ops['arrive:remote:async']})",
         file=out,
     )
     print(f"  step     {ops['step']:>7}  (preemptions {stats.preemptions})", file=out)
@@ -493,7 +495,10 @@ def write_scheduler_summary(out: TextIO, outcome: SchedulerOutcome) -> None:
         for running, key in ((True, "running"), (False, "kept"))
         for busy in ("busy", "idle")
     ]
-    total = sum(ops[k] for k in ops if k.startswith("reset:"))
+    total = sum(ops[k] for k in ops if k.startswith("reset:") and k != "reset:skipped")
+    if ops["reset:skipped"]:
+        # Not sent: vLLM refuses it while a connector's load is in flight.
+        resets.append(f"not sent during a connector's load {ops['reset:skipped']}")
     print(f"  reset    {total:>7}  ({'; '.join(resets)})", file=out)
     print("examples per deployment family:", file=out)
     for family, count in sorted(stats.families.items()):

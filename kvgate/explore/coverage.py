@@ -3,11 +3,14 @@
     python -m kvgate.explore.coverage [--missing DIR] NAME=DATAFILE [NAME=DATAFILE ...]
 
 Each column is one coverage.py data file (recorded with --branch); rows are
-block_pool.py, kv_cache_manager.py, kv_cache_coordinator.py and the
-MambaManager class of single_type_kv_cache_manager.py. A file's figures are
-coverage.py's own analysis; the class's are counted inside its line range
-(from the source's syntax tree): statements and branch exits the parser
-finds there, against the lines and arcs the data file recorded.
+block_pool.py, kv_cache_manager.py, kv_cache_coordinator.py, the
+MambaManager class of single_type_kv_cache_manager.py, and the Scheduler's
+KV paths in sched/scheduler.py (`kv_paths`: every method of the `Scheduler`
+class that touches the KV-cache manager or a request's computed or cached
+tokens). A file's figures are coverage.py's own analysis; a class's or the
+KV paths' are counted inside their line ranges (from the source's syntax
+tree): statements and branch exits the parser finds there, against the
+lines and arcs the data file recorded.
 `--missing DIR` also writes, per column, the statements and branch exits
 it did not reach (DIR/missing-<column>.txt): where the gaps are.
 """
@@ -25,6 +28,14 @@ import coverage
 FILES = ("block_pool.py", "kv_cache_manager.py", "kv_cache_coordinator.py")
 CLASS_FILE = "single_type_kv_cache_manager.py"
 CLASS_NAME = "MambaManager"
+SCHEDULER_FILE = "sched/scheduler.py"
+SCHEDULER_CLASS = "Scheduler"
+# What makes a Scheduler method a KV path: it reads or writes one of these
+# attributes (the KV-cache manager it owns; a request's computed tokens,
+# cached tokens or prefill stats, what the manager's answers become).
+KV_PATH_ATTRIBUTES = frozenset(
+    {"kv_cache_manager", "num_computed_tokens", "num_cached_tokens", "prefill_stats"}
+)
 
 
 @dataclass(frozen=True)
@@ -66,9 +77,34 @@ def class_range(path: Path, name: str) -> tuple[int, int]:
     raise SystemExit(f"no class {name} in {path}")
 
 
-def figures(data_file: Path, path: Path, within: tuple[int, int] | None = None) -> Figures:
+def kv_paths(path: Path) -> list[tuple[str, int, int]]:
+    """The Scheduler's KV paths in `path`: (method, first line, last line) of
+    each method of the `Scheduler` class whose body names an attribute of
+    `KV_PATH_ATTRIBUTES`, in source order."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == SCHEDULER_CLASS:
+            paths = []
+            for method in node.body:
+                if not isinstance(method, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    continue
+                if any(
+                    isinstance(n, ast.Attribute) and n.attr in KV_PATH_ATTRIBUTES
+                    for n in ast.walk(method)
+                ):
+                    assert method.end_lineno is not None
+                    paths.append((method.name, method.lineno, method.end_lineno))
+            return paths
+    raise SystemExit(f"no class {SCHEDULER_CLASS} in {path}")
+
+
+Spans = tuple[tuple[int, int], ...]
+
+
+def figures(data_file: Path, path: Path, within: tuple[int, int] | Spans | None = None) -> Figures:
     """Lines and branch exits of `path` (optionally only those starting in
-    `within`), and how many of them the data file recorded.
+    `within`, one line range or several), and how many of them the data
+    file recorded.
 
     The counts are coverage.py's own analysis, so a whole file's figures
     equal `coverage report`'s. Its analysis maps what the tracer recorded
@@ -78,10 +114,15 @@ def figures(data_file: Path, path: Path, within: tuple[int, int] | None = None) 
     cov = coverage.Coverage(data_file=str(data_file), branch=True)
     cov.load()
     analysis = cov._analyze(str(path))
-    first, last = within if within is not None else (1, 10**9)
+    if within is None:
+        spans: Spans = ((1, 10**9),)
+    elif isinstance(within[0], int):
+        spans = (within,)
+    else:
+        spans = within
 
     def inside(line: int) -> bool:
-        return first <= line <= last
+        return any(first <= line <= last for first, last in spans)
 
     statements = {n for n in analysis.statements if inside(n)}
     executed = statements & set(analysis.executed)
@@ -116,6 +157,14 @@ def measure(columns: Sequence[tuple[str, Path]]) -> list[tuple[str, list[Figures
         (
             f"{CLASS_NAME} (lines {span[0]}-{span[1]})",
             [figures(data, core / CLASS_FILE, span) for _, data in columns],
+        )
+    )
+    methods = kv_paths(core / SCHEDULER_FILE)
+    spans = tuple((first, last) for _, first, last in methods)
+    rows.append(
+        (
+            f"Scheduler KV paths ({len(methods)} methods)",
+            [figures(data, core / SCHEDULER_FILE, spans) for _, data in columns],
         )
     )
     return rows
@@ -173,6 +222,8 @@ def main(argv: Sequence[str]) -> int:
         return 2
     rows = measure(columns)
     print(table(columns, rows))
+    names = ", ".join(name for name, _, _ in kv_paths(core_dir() / SCHEDULER_FILE))
+    print(f"Scheduler KV paths: {names}")
     if missing_dir is not None:
         missing_dir.mkdir(parents=True, exist_ok=True)
         for i, (title, _) in enumerate(columns):
