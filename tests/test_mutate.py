@@ -337,28 +337,18 @@ def test_the_stage_table_counts_each_stage_and_names_the_first_catch() -> None:
     assert caught.catch is not None and caught.catch.stage == "scheduler trace"
     assert caught.first_stage == STAGES[1]
     # The Scheduler-level exploration, clean unmutated, finding a divergence
-    # with the fault: its own row says so, after the manager-level exploration.
-    engine = Baseline(replace(baseline.run, scheduler_exploration=clean), 1.0)
-    by_engine_steps = judge(
-        FAULTS[5],
-        replace(run("u", True, clean, None), scheduler_exploration=found),
-        "",
-        engine,
-        1.0,
-    )
+    # with the fault: its own row says so, after the manager-level exploration;
+    # not counted where it failed unmutated.
+    with_found = replace(run("u", True, clean, None), scheduler_exploration=found)
+    by_engine_steps, uncounted = (
+        judge(FAULTS[5], with_found, "", Baseline(replace(base, scheduler_exploration=x), 1.0), 1.0)
+        for base in (baseline.run,)
+        for x in (clean, found)  # unmutated: clean, or failing already
+    )  # fmt: skip
     assert by_engine_steps.catch is not None
     assert by_engine_steps.catch.stage == "scheduler exploration"
     assert by_engine_steps.first_stage == STAGES[3]
     assert by_engine_steps.stages_caught()[STAGES[3]] is True
-    # Not counted where it failed unmutated.
-    broken = Baseline(replace(baseline.run, scheduler_exploration=found), 1.0)
-    uncounted = judge(
-        FAULTS[5],
-        replace(run("u", True, clean, None), scheduler_exploration=found),
-        "",
-        broken,
-        1.0,
-    )
     assert uncounted.stages_caught()[STAGES[3]] is None and uncounted.verdict == "missed"
 
 
