@@ -352,6 +352,23 @@ def test_the_stage_table_counts_each_stage_and_names_the_first_catch() -> None:
     assert uncounted.stages_caught()[STAGES[3]] is None and uncounted.verdict == "missed"
 
 
+def test_the_baseline_says_whether_the_scheduler_level_exploration_counts() -> None:
+    from kvgate.mutate.command import describe_baseline
+
+    def line(found: ExploreOutcome | None) -> str:
+        run = replace(_baseline().run, scheduler_exploration=found)
+        [said] = [x for x in describe_baseline(Baseline(run, 1.0)) if "Scheduler-level" in x]
+        return said
+
+    assert line(None) == "  Scheduler-level exploration: off"
+    clean = ExploreOutcome(True, "", 40, 2.5)
+    assert line(clean) == (
+        "  Scheduler-level exploration: 40 examples in lockstep unmutated (2.5s)"
+    )
+    failing = ExploreOutcome(True, "divergence: step 3", 40, 2.5)
+    assert "fails unmutated, left out (divergence: step 3)" in line(failing)
+
+
 @needs_vllm
 def test_the_scheduler_level_exploration_stage_catches_a_scheduler_fault() -> None:
     """The stage as a fault's child runs it: the fault in effect, vLLM's

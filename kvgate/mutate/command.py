@@ -252,6 +252,14 @@ def describe_baseline(baseline: Baseline) -> list[str]:
         )
     examples = run.exploration.examples if run.exploration else 0
     lines.append(_stage_line("exploration", run.exploration, f"{examples} examples pass unmutated"))
+    engine = run.scheduler_exploration
+    lines.append(
+        _stage_line(
+            "Scheduler-level exploration",
+            engine,
+            f"{engine.examples if engine else 0} examples in lockstep unmutated",
+        )
+    )
     lines.append(
         _stage_line("real Scheduler (prefix caching off)", run.scheduler, "in lockstep unmutated")
     )
