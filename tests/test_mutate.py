@@ -349,6 +349,14 @@ def test_the_stage_table_counts_each_stage_and_names_the_first_catch() -> None:
     assert by_engine_steps.catch.stage == "scheduler exploration"
     assert by_engine_steps.first_stage == STAGES[3]
     assert by_engine_steps.stages_caught()[STAGES[3]] is True
+    # A fault an earlier stage caught first still shows the later catch.
+    counting = Baseline(replace(baseline.run, scheduler_exploration=clean), 1.0)
+    caught_early = replace(with_found, traces=(_outcome("a", False),))
+    both = judge(FAULTS[6], caught_early, "", counting, 1.0)
+    assert both.first_stage == STAGES[0]
+    assert f"  {FAULTS[6].name:<38} {STAGES[0]} (also: {STAGES[3]})" in stage_table(
+        Campaign(baseline, [both])
+    )
     assert uncounted.stages_caught()[STAGES[3]] is None and uncounted.verdict == "missed"
 
 

@@ -371,9 +371,15 @@ def stage_table(campaign: Campaign) -> list[str]:
         lines.append(f"  {stage:<{width - 2}} {ran:>7} {caught:>7} {first:>7}")
     missed = sum(not r.first_stage for r in judged)
     lines.append(f"  {'caught by no stage':<{width - 2}} {'':>7} {'':>7} {missed:>7}")
-    lines.append("first stage to catch each fault:")
+    lines.append("first stage to catch each fault (and the later stages that caught it too):")
     for result in judged:
-        lines.append(f"  {result.fault.name:<38} {result.first_stage or 'none'}")
+        also = [
+            stage
+            for stage, said in result.stages_caught().items()
+            if said and stage != result.first_stage
+        ]
+        more = f" (also: {', '.join(also)})" if also else ""
+        lines.append(f"  {result.fault.name:<38} {result.first_stage or 'none'}{more}")
     return lines
 
 
