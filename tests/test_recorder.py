@@ -252,6 +252,63 @@ def test_a_recording_cut_short_is_one_error_and_replays_up_to_the_cut(
     assert f"PASS {how} ({before} steps" in out
 
 
+def serve_with_a_stop_token(recordings: Path) -> None:
+    """vLLM's Scheduler serves A, whose client asked for a stop token that A
+    samples as its 4th output token of 8, then B, which continues A's whole
+    conversation; recorded into `recordings`."""
+    from kvgate.impl.vllm_scheduler import VllmScheduler
+
+    stop_token = 7
+    config = load_trace(bundled_scheduler_corpus() / "sched-abort-mid-prefill.yaml").config
+    recorder.install(recordings)
+    try:
+        real = VllmScheduler(config, spec_tokens=0, max_num_seqs=4)
+        real.add_request("A", list(range(1000, 1100)), 8, None)
+        requests = real.scheduler.requests
+        requests["A"].sampling_params.stop_token_ids = [stop_token]
+        sequence_of_a: list[int] = []
+        for _ in range(40):
+            if not requests and not sequence_of_a:
+                sequence_of_a = [*range(1000, 1100), 5, 5, 5, stop_token]
+                real.add_request("B", [*sequence_of_a, 9, 9, 9], 2, "A")
+            if not requests:
+                break
+            scheduled = real.schedule().scheduled
+            sampled = {}
+            for name, _ in scheduled:
+                request = requests[name]
+                # A chunk that reaches the sequence's end samples a token.
+                if request.num_computed_tokens >= request.num_tokens:
+                    last = name == "A" and request.num_output_tokens == 3
+                    sampled[name] = [stop_token if last else 5]
+            real.update(sampled)
+        assert not requests, "both requests finished"
+        real.close()
+    finally:
+        recorder.uninstall()
+
+
+def test_a_request_ended_by_a_stop_token_is_recorded_and_replays(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    recordings = tmp_path / "recordings"
+    serve_with_a_stop_token(recordings)
+    [path] = sorted(recordings.iterdir())
+    trace = load_trace(path)
+    [stop_step] = [e for e in trace.engine if e.stop]
+    assert stop_step.stop == ("r0",) and stop_step.expect["finished"] == ["r0"]
+    follow_up = [e for e in trace.engine if e.op == "arrive"][1]
+    assert follow_up.follows == "r0" and follow_up.prompt[0].req == "r0"
+    assert cli.main(["replay", str(path), "--target", "model"]) == 0
+    assert cli.main(["replay", str(path), "--target", "vllm"]) == 0
+    # Without its stop, r0 runs on to its max_tokens: not what was recorded.
+    drifted = tmp_path / "drifted.yaml"
+    drifted.write_text(path.read_text().replace("stop: [r0], ", ""))
+    capsys.readouterr()
+    assert cli.main(["replay", str(drifted), "--target", "model"]) == 1
+    assert "finished" in capsys.readouterr().out
+
+
 class _FillsUp(io.StringIO):
     """A file on a disk that fills up after a few lines."""
 
