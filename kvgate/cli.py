@@ -107,6 +107,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "kvgate.mutate.command",
     "kvgate.invariants.z3.command",
     "kvgate.bless_command",
+    "kvgate.shrink_command",
 )
 
 

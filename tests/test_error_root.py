@@ -19,18 +19,21 @@ from kvgate.errors import EXIT_INPUT, EXIT_KVGATE_BUG, KvgateError
 # Exceptions that never reach a command's caller: each is caught where it is
 # raised, as a signal between two parts of kvgate (a replay unwinding at its
 # first divergence, a target refusing a step, a fault that does not fit the
-# installed code, an exploration draw to discard, a Hypothesis failure, a
-# test item's failure, a run Z3 found that does not concretize, the scheduler
-# model finding no way forward).
+# installed code, an exploration draw to discard, a Hypothesis failure at
+# either level, a test item's failure, a run Z3 found that does not
+# concretize, the scheduler model finding no way forward, a recorded step
+# no trace can say, which stops the recording).
 SIGNALS = {
     "Diverged",
     "StepRefused",
     "NotApplicable",
     "Unrealistic",
     "ExploreFailure",
+    "SchedulerExploreFailure",
     "TraceFailed",
     "NotConcretized",
     "SchedulerStuck",
+    "NotExpressible",
 }
 
 

@@ -252,6 +252,63 @@ def test_a_recording_cut_short_is_one_error_and_replays_up_to_the_cut(
     assert f"PASS {how} ({before} steps" in out
 
 
+def serve_with_a_stop_token(recordings: Path) -> None:
+    """vLLM's Scheduler serves A, whose client asked for a stop token that A
+    samples as its 4th output token of 8, then B, which continues A's whole
+    conversation; recorded into `recordings`."""
+    from kvgate.impl.vllm_scheduler import VllmScheduler
+
+    stop_token = 7
+    config = load_trace(bundled_scheduler_corpus() / "sched-abort-mid-prefill.yaml").config
+    recorder.install(recordings)
+    try:
+        real = VllmScheduler(config, spec_tokens=0, max_num_seqs=4)
+        real.add_request("A", list(range(1000, 1100)), 8, None)
+        requests = real.scheduler.requests
+        requests["A"].sampling_params.stop_token_ids = [stop_token]
+        sequence_of_a: list[int] = []
+        for _ in range(40):
+            if not requests and not sequence_of_a:
+                sequence_of_a = [*range(1000, 1100), 5, 5, 5, stop_token]
+                real.add_request("B", [*sequence_of_a, 9, 9, 9], 2, "A")
+            if not requests:
+                break
+            scheduled = real.schedule().scheduled
+            sampled = {}
+            for name, _ in scheduled:
+                request = requests[name]
+                # A chunk that reaches the sequence's end samples a token.
+                if request.num_computed_tokens >= request.num_tokens:
+                    last = name == "A" and request.num_output_tokens == 3
+                    sampled[name] = [stop_token if last else 5]
+            real.update(sampled)
+        assert not requests, "both requests finished"
+        real.close()
+    finally:
+        recorder.uninstall()
+
+
+def test_a_request_ended_by_a_stop_token_is_recorded_and_replays(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    recordings = tmp_path / "recordings"
+    serve_with_a_stop_token(recordings)
+    [path] = sorted(recordings.iterdir())
+    trace = load_trace(path)
+    [stop_step] = [e for e in trace.engine if e.stop]
+    assert stop_step.stop == ("r0",) and stop_step.expect["finished"] == ["r0"]
+    follow_up = [e for e in trace.engine if e.op == "arrive"][1]
+    assert follow_up.follows == "r0" and follow_up.prompt[0].req == "r0"
+    assert cli.main(["replay", str(path), "--target", "model"]) == 0
+    assert cli.main(["replay", str(path), "--target", "vllm"]) == 0
+    # Without its stop, r0 runs on to its max_tokens: not what was recorded.
+    drifted = tmp_path / "drifted.yaml"
+    drifted.write_text(path.read_text().replace("stop: [r0], ", ""))
+    capsys.readouterr()
+    assert cli.main(["replay", str(drifted), "--target", "model"]) == 1
+    assert "finished" in capsys.readouterr().out
+
+
 class _FillsUp(io.StringIO):
     """A file on a disk that fills up after a few lines."""
 
@@ -315,13 +372,21 @@ def test_files_are_bounded_and_the_next_starts_from_an_empty_scheduler(
     assert "2 passed" in capsys.readouterr().out
 
 
-@pytest.mark.skipif(
+needs_long = pytest.mark.skipif(
     not os.environ.get("KVGATE_LONG_RECORDING"), reason="set KVGATE_LONG_RECORDING=1"
 )
+
+
+@pytest.fixture(scope="module")
+def long_recorded(tmp_path_factory: pytest.TempPathFactory) -> tuple[ArmResult, Path]:
+    return record_workload(tmp_path_factory.mktemp("long"), Workload(sessions=10, turns=6), True)
+
+
+@needs_long
 def test_a_long_recording_replays_on_the_model_and_on_vllm(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    long_recorded: tuple[ArmResult, Path], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    result, path = record_workload(tmp_path, Workload(sessions=10, turns=6), True)
+    result, path = long_recorded
     assert result.replay is not None and result.replay.passed
     trace = load_trace(path)
     steps = sum(e.op == "step" for e in trace.engine)
@@ -329,3 +394,23 @@ def test_a_long_recording_replays_on_the_model_and_on_vllm(
     assert cli.main(["replay", str(path), "--target", "model"]) == 0
     assert cli.main(["replay", str(path), "--target", "vllm", "--plugin", PLUGIN]) == 0
     print(f"long recording: {steps} engine steps, {len(trace.engine)} entries", file=sys.stderr)
+
+
+@needs_long
+def test_the_long_recording_diverging_under_a_fault_shrinks_to_five_percent(
+    long_recorded: tuple[ArmResult, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Under the fault the long recording diverges, and `kvgate shrink` makes
+    it at most 5% of its engine steps, still diverging on vLLM."""
+    _, path = long_recorded
+    out = tmp_path / "small.yaml"
+    [fault] = select([FAULT])
+    shrink = ["shrink", str(path), "--target", "vllm", "--plugin", PLUGIN, "-o", str(out), "-q"]
+    with injected(fault):
+        assert cli.main(shrink) == 0
+        account = capsys.readouterr().out.strip().splitlines()[-1]
+        code = cli.main(["replay", str(out), "--target", "vllm", "--plugin", PLUGIN])
+    replayed = capsys.readouterr().out
+    assert code == 1 and "FAIL" in replayed, replayed
+    assert len(load_trace(out).engine) <= 0.05 * len(load_trace(path).engine), account
+    print(f"long recording shrunk: {account}", file=sys.stderr)

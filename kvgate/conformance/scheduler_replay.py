@@ -32,6 +32,7 @@ trace's `TraceError`; an exception inside the model is a `ModelBug`.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -75,8 +76,8 @@ def model_config(trace: Trace, capabilities: Capabilities | None) -> tuple[Confi
     if capabilities is not None and config.hold and not capabilities.hold:
         config = replace(config, hold=False)
         notes.append(HOLD_NOTE)
-    if capabilities is not None and config.hold_retired and not capabilities.retire:
-        config = replace(config, hold_retired=False)
+    if capabilities is not None and config.retain_retired and not capabilities.retain_retired:
+        config = replace(config, retain_retired=False)
         notes.append(RETIRE_NOTE)
     return config, notes
 
@@ -248,6 +249,8 @@ class _EngineLockstep:
             ) from error
 
     def step(self, event: EngineStep, step: Step) -> None:
+        for name in event.stop:
+            self.on_model(step, functools.partial(self.model.stop, name))
         modelled: EngineOutcome = self.on_model(step, self.model.step)
         where = f"engine step {self.engine_steps}"
         if self.real is None:
@@ -255,6 +258,8 @@ class _EngineLockstep:
         else:
             real = self.real
             observed = self.on_real(step, "schedule()", real.schedule)
+            for name in event.stop:
+                real.stop(name)
             finished = self.on_real(
                 step,
                 "update_from_output()",

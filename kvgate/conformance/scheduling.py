@@ -104,7 +104,7 @@ ENGINE_OPS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
         ("req", "prompt", "max_tokens"),
         ("cache_salt", "follows", "remote_hit", "remote_async", "remote_delay"),
     ),
-    "step": ((), ("steps",)),
+    "step": ((), ("steps", "stop")),
     "abort": (("req",), ()),
     "reset": ((), ("running",)),
 }
@@ -143,6 +143,9 @@ class EngineStep:
     remote: RemoteHit | None = None
     # reset: running requests are preempted first (`reset_running_requests`)
     running: bool = False
+    # step: requests a stop condition (an end-of-sequence or stop token, a
+    # stop string) finishes with the token they sample in this step
+    stop: tuple[str, ...] = ()
     expect: dict[str, Any] = field(default_factory=dict)
 
 
@@ -182,6 +185,11 @@ class SchedulerModelRun(Protocol):
         ...
 
     def step(self) -> EngineOutcome: ...
+
+    def stop(self, name: str) -> None:
+        """Request `name` finishes with the token it samples in the next
+        step, before its `max_tokens`: a stop condition the engine met."""
+        ...
 
     def abort(self, name: str) -> None: ...
 
@@ -230,6 +238,11 @@ class SchedulerTarget(Protocol):
         each scheduled request sampled (drafts all rejected), and the
         asynchronous KV loads its connector finished (`loaded`) or lost
         (`failed`). Returns the requests that finished, in order."""
+        ...
+
+    def stop(self, name: str) -> None:
+        """As `SchedulerModelRun.stop`, called between `schedule()` and the
+        `update()` of that step (the Scheduler cannot know it in advance)."""
         ...
 
     def script_external(self, name: str, tokens: int, load_async: bool) -> None:

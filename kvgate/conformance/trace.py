@@ -664,8 +664,20 @@ class _Reader:
             self.budget.add_steps(repeats - 1, "steps")
         except LimitError as error:
             raise self.error(index, error.field, error.message) from None
+        if "stop" in raw and repeats != 1:
+            raise self.error(index, "stop", "applies to one engine step: write steps: 1")
+        stop = self.stopped(index, raw.get("stop", []))
         expect = self.engine_expect(index, raw.get("expect", {}))
-        return [EngineStep("step", index, expect=expect) for _ in range(repeats)]
+        return [EngineStep("step", index, expect=expect, stop=stop) for _ in range(repeats)]
+
+    def stopped(self, index: int, raw: object) -> tuple[str, ...]:
+        """A step's `stop`: requests that have arrived, each named once."""
+        if not isinstance(raw, list):
+            raise self.error(index, "stop", f"must be a list of requests, got {_got(raw)}")
+        names = tuple(self.arrived(index, f"stop[{i}]", r) for i, r in enumerate(raw))
+        if len(set(names)) != len(names):
+            raise self.error(index, "stop", f"names a request twice: {_got(raw)}")
+        return names
 
     def engine_arrival(self, index: int, raw: Mapping[Any, Any]) -> EngineStep:
         req = raw["req"]

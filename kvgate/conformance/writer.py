@@ -94,7 +94,7 @@ def engine_step_dicts(engine: Iterable[EngineStep]) -> list[dict[str, Any]]:
     steps that expect nothing as one `{op: step, steps: N}`."""
     out: list[dict[str, Any]] = []
     for event in engine:
-        if event.op == "step" and not event.expect:
+        if event.op == "step" and not event.expect and not event.stop:
             last = out[-1] if out else {}
             if last.get("op") == "step" and "expect" not in last:
                 last["steps"] = last.get("steps", 1) + 1
@@ -120,6 +120,8 @@ def engine_step_dicts(engine: Iterable[EngineStep]) -> list[dict[str, Any]]:
                     entry["remote_delay"] = remote.delay
         if event.op == "reset" and event.running:
             entry["running"] = True
+        if event.stop:
+            entry["stop"] = list(event.stop)
         if event.expect:
             entry["expect"] = plain(event.expect)
         out.append(entry)

@@ -202,9 +202,9 @@ def handle(args: argparse.Namespace) -> int:
             raise InputError("--hold off: the overlay is the hold; --target vllm runs hold off")
         from kvgate.explore.differential import overlay_differential_mode
 
-        mode = overlay_differential_mode(retire=args.retired == "on", refusals=True)
+        mode = overlay_differential_mode(retain_retired=args.retired == "on", refusals=True)
     else:
-        mode = model_mode(hold=args.hold == "on", retire=args.retired == "on")
+        mode = model_mode(hold=args.hold == "on", retain_retired=args.retired == "on")
     overrides: dict[str, Any] = {}
     if examples is not None:
         overrides["max_examples"] = examples
@@ -357,7 +357,7 @@ def handle_campaign(args: argparse.Namespace) -> int:
         a.name
         for a in campaign.ARMS
         if (args.hold is None or a.hold == (args.hold == "on"))
-        and (args.retired is None or a.retire == (args.retired == "on"))
+        and (args.retired is None or a.retain_retired == (args.retired == "on"))
     ]
     if not arms:
         raise InputError("--retired on: needs the hold on")
@@ -456,7 +456,7 @@ def handle_scheduler(args: argparse.Namespace) -> int:
     settings = profile(args.profile, "scheduler", **overrides)
     if seconds is not None and settings.derandomize:
         raise InputError(f"--budget {args.budget}: profile {args.profile} is one fixed run")
-    mode = SchedulerMode(hold=hold == "on", retire=retired == "on")
+    mode = SchedulerMode(hold=hold == "on", retain_retired=retired == "on")
     print(
         f"explore: scope scheduler, target {target}, hold {hold}, retired {retired}, "
         f"profile {args.profile}, "
@@ -479,9 +479,11 @@ def write_scheduler_summary(out: TextIO, outcome: SchedulerOutcome) -> None:
     ops = stats.ops
     print("engine ops exercised:", file=out)
     arrivals = ", ".join(f"{shape} {ops[f'arrive:{shape}']}" for shape in SHAPES)
+    arrived = sum(ops[f"arrive:{shape}"] for shape in SHAPES)
     print(
-        f"  arrive   {sum(ops[f'arrive:{s}'] for s in SHAPES):>7}  ({arrivals}; "
-        f"another tenant's salt {ops['arrive:salted']})",
+        f"  arrive   {arrived:>7}  ({arrivals}; another tenant's salt {ops['arrive:salted']}; "
+        f"a KV connector's hit, sync {ops['arrive:remote:sync']}, "
+        f"async {ops['arrive:remote:async']})",
         file=out,
     )
     print(f"  step     {ops['step']:>7}  (preemptions {stats.preemptions})", file=out)
@@ -493,7 +495,10 @@ def write_scheduler_summary(out: TextIO, outcome: SchedulerOutcome) -> None:
         for running, key in ((True, "running"), (False, "kept"))
         for busy in ("busy", "idle")
     ]
-    total = sum(ops[k] for k in ops if k.startswith("reset:"))
+    total = sum(ops[k] for k in ops if k.startswith("reset:") and k != "reset:skipped")
+    if ops["reset:skipped"]:
+        # Not sent: vLLM refuses it while a connector's load is in flight.
+        resets.append(f"not sent during a connector's load {ops['reset:skipped']}")
     print(f"  reset    {total:>7}  ({'; '.join(resets)})", file=out)
     print("examples per deployment family:", file=out)
     for family, count in sorted(stats.families.items()):

@@ -16,8 +16,9 @@ as one, which `kvgate replay FILE --target vllm` shows diverging.
 Configs come from the deployment families the manager-level differential
 exploration splits its budget over (`differential.FAMILIES`), hybrid ones
 only (the Scheduler target runs a hybrid model), every other knob drawn, and
-reduced to what a scheduler-level trace carries: no KV connector, no KV
-events, no residency metrics (the format has no ops for them yet).
+reduced to what a scheduler-level trace carries: no KV events, no residency
+metrics (the format has no ops for them yet), a KV connector whose loads
+never fail.
 """
 
 from __future__ import annotations
@@ -46,7 +47,12 @@ from kvgate.conformance.config import Config, UnsupportedConfig
 from kvgate.conformance.ops import Segment
 from kvgate.conformance.replay import Divergence, ModelBug
 from kvgate.conformance.scheduler_replay import SchedulerLockstep, model_config
-from kvgate.conformance.scheduling import EngineSettings, EngineStep, SchedulerTarget
+from kvgate.conformance.scheduling import (
+    EngineSettings,
+    EngineStep,
+    RemoteHit,
+    SchedulerTarget,
+)
 from kvgate.conformance.trace import Trace, TraceError
 from kvgate.conformance.writer import dump_engine_trace, engine_step_dicts, save_engine_trace
 from kvgate.explore import knobs
@@ -72,13 +78,17 @@ ABORT_PLACES = ("waiting", "prefill", "decode")
 # The second tenant's cache salt (the first sends none).
 OTHER_TENANT = "tenant-b"
 # The config switches no scheduler-level op reads, kept off, and a hybrid
-# model always.
+# model always. A KV connector is drawn (each arrival's external hit is
+# then drawn too), its loads never failing: an arrival cannot script a
+# failure.
 ENGINE_ONLY = {
-    "kv_connector": "off",
     "kv_events": False,
     "kv_cache_metrics": False,
     "pure_mamba": False,
+    "kv_load_failure_policy": "recompute",
 }
+# A connector's hit, in quarters of the prompt (0: none, 4: the whole of it).
+REMOTE_QUARTERS = 4
 
 # The hybrid deployment families (a pure Mamba model is another model than
 # the Scheduler target's), by a short name for the summary.
@@ -109,11 +119,11 @@ class SchedulerMode:
     kvgate's hold overlay (hold on; `retire`: the fork's retention too)."""
 
     hold: bool = False
-    retire: bool = False
+    retain_retired: bool = False
 
     @property
     def plugin(self) -> str | None:
-        return HOLD_OVERLAY if self.hold or self.retire else None
+        return HOLD_OVERLAY if self.hold or self.retain_retired else None
 
     def replay_command(self, path: Path) -> str:
         plugin = f" --plugin {self.plugin}" if self.plugin else ""
@@ -190,10 +200,22 @@ class SchedulerExploreFailure(AssertionError):
         return len(engine_step_dicts(self.events))
 
 
+# The features the Scheduler's own KV paths branch on, each on in half the
+# examples (swarm drawing would turn each on in about a quarter): a KV
+# connector (its external hits go through the Scheduler's admission and
+# stats), the shared-prefix checkpoint (the junction the Scheduler records at
+# a lookup and splits at).
+SCHEDULER_FEATURES = st.fixed_dictionaries(
+    {"kv_connector": st.sampled_from(("off", "on")), "shared_prefix_checkpoint": st.booleans()}
+)
+
+
 def engine_configs(family: dict[str, Any]) -> st.SearchStrategy[Config]:
-    """The family's configs, every other knob drawn, as the Scheduler target
-    runs them."""
-    return knobs.configs(stratum={**family, **ENGINE_ONLY}).map(engine_config)
+    """The family's configs, the Scheduler's features drawn, every other knob
+    drawn by swarm, as the Scheduler target runs them."""
+    return SCHEDULER_FEATURES.flatmap(
+        lambda features: knobs.configs(stratum={**family, **ENGINE_ONLY, **features})
+    ).map(engine_config)
 
 
 def engine_config(config: Config) -> Config:
@@ -212,16 +234,17 @@ def engine_config(config: Config) -> Config:
 
 def request_cap(config: Config, spec: int) -> int:
     """The longest sequence (prompt and output) a request is drawn with: one
-    that alone takes at most half the pool, so that no request outgrows it
-    (kvgate's model then stops: it would preempt itself for ever)."""
+    that fits the pool alone with room to spare (kvgate's model stops on a
+    request that outgrows the pool: it would preempt itself for ever), and
+    long enough that a few together press on the pool."""
     attention = min(g.block_size for g in config.groups if g.kind == "full_attention")
     mamba_blocks = sum(
         3 + g.speculative_blocks + g.prefill_checkpoint_blocks
         for g in config.groups
         if g.kind == "mamba_align"
     )
-    blocks = (config.num_blocks - 1 - mamba_blocks) // 2 - math.ceil(spec / attention) - 1
-    return max(0, min(config.max_model_len, blocks * attention))
+    blocks = config.num_blocks - 1 - mamba_blocks - math.ceil(spec / attention) - 2
+    return max(0, min(config.max_model_len, blocks * attention * 3 // 4))
 
 
 class SchedulerMachine(RuleBasedStateMachine):
@@ -250,11 +273,12 @@ class SchedulerMachine(RuleBasedStateMachine):
             lambda family: st.tuples(st.just(family), engine_configs(family))
         ),
         spec=st.integers(0, MAX_SPEC),
-        max_num_seqs=st.integers(1, MAX_SEQS),
+        # Several running at once (pool pressure, preemption order) first.
+        max_num_seqs=st.sampled_from(tuple(range(MAX_SEQS, 0, -1))),
     )
     def start(self, drawn: tuple[dict[str, Any], Config], spec: int, max_num_seqs: int) -> None:
         family, config = drawn
-        config = replace(config, hold=self.mode.hold, hold_retired=self.mode.retire)
+        config = replace(config, hold=self.mode.hold, retain_retired=self.mode.retain_retired)
         if config.eagle:
             spec = max(spec, 1)  # the eagle drop is for a drafter's blocks
         self.settings = EngineSettings(spec, max_num_seqs)
@@ -344,11 +368,18 @@ class SchedulerMachine(RuleBasedStateMachine):
         shape=st.sampled_from(SHAPES),
         pick=st.integers(0, MAX_REQUESTS - 1),
         fresh=st.integers(0, 96),
-        max_tokens=st.integers(1, 12),
+        max_tokens=st.integers(1, 24),
         other_tenant=st.booleans(),
+        remote=st.tuples(st.integers(0, REMOTE_QUARTERS), st.booleans(), st.integers(0, 2)),
     )
     def arrive(
-        self, shape: str, pick: int, fresh: int, max_tokens: int, other_tenant: bool
+        self,
+        shape: str,
+        pick: int,
+        fresh: int,
+        max_tokens: int,
+        other_tenant: bool,
+        remote: tuple[int, bool, int],
     ) -> None:
         name = f"R{len(self.names)}"
         max_tokens = min(max_tokens, self.cap - 1)
@@ -393,8 +424,24 @@ class SchedulerMachine(RuleBasedStateMachine):
                 max_tokens=max_tokens,
                 cache_salt=salt,
                 follows=follows,
+                remote=self.remote_hit(base_length + max(fresh, 1 if base is None else 0), remote),
             )
         )
+
+    def remote_hit(self, prompt: int, drawn: tuple[int, bool, int]) -> RemoteHit | None:
+        """With a KV connector: what its store holds of a new request's prompt
+        (`drawn`: quarters of the prompt, whether the load is asynchronous,
+        the worker's delay), within what a real connector would load."""
+        assert self.config is not None
+        quarters, load_async, delay = drawn
+        if not self.config.kv_connector or quarters == 0:
+            return None
+        # A synchronous load leaves the last token to compute.
+        tokens = min(prompt * quarters // REMOTE_QUARTERS, prompt if load_async else prompt - 1)
+        if tokens <= 0:
+            return None
+        self.stats.ops[f"arrive:remote:{'async' if load_async else 'sync'}"] += 1
+        return RemoteHit(tokens, load_async, delay if load_async else 0)
 
     @precondition(lambda self: self.lockstep is not None)
     @rule(steps=st.integers(1, 6))
@@ -421,6 +468,12 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule(running=st.booleans())
     def reset(self, running: bool) -> None:
         assert self.model is not None
+        if running and self.model.holding:
+            # vLLM 0.33.0 refuses (raises) a reset that preempts running
+            # requests while a KV connector's load is in flight: "not
+            # supported yet". An engine does not ask for it; neither does this.
+            self.stats.ops["reset:skipped"] += 1
+            return
         busy = "busy" if self.model.running else "idle"
         self.stats.ops[f"reset:{'running' if running else 'kept'}:{busy}"] += 1
         self.apply(EngineStep("reset", 0, running=running))

@@ -276,7 +276,7 @@ def engine_config(scheduler: Any) -> tuple[Config, EngineSettings]:
         eagle=bool(getattr(scheduler, "use_eagle_block_drop", False)) or lookahead > 0,
         retention_interval=getattr(scheduler.kv_cache_config, "prefix_cache_retention_interval", 0),
         hold=holds_partial_tails(api, managers, switch),
-        hold_retired=retains_retired(api, managers),
+        retain_retired=retains_retired(api, managers),
         scheduler_block_size=int(scheduler.block_size),
         max_model_len=int(scheduler.max_model_len),
         max_num_scheduled_tokens=int(scheduler.max_num_scheduled_tokens),
@@ -608,6 +608,8 @@ class _Recording:
         from vllm.v1.request import RequestStatus
 
         finished: list[str] = []
+        # Finished by a stop condition (end of sequence, a stop token or string).
+        stopped: list[str] = []
         for request_id, before in zip(pending["ids"], pending["outputs"], strict=True):
             request = self.requests[request_id]
             # The format's step samples at most one token a request: more is
@@ -615,10 +617,10 @@ class _Recording:
             if len(request.output_token_ids) - before > 1:
                 raise NotExpressible("an accepted draft (several tokens in one step)")
             if request.is_finished():
-                if request.status != RequestStatus.FINISHED_LENGTH_CAPPED:
-                    raise NotExpressible(
-                        f"a request finished as {request.status.name}, not by its length"
-                    )
+                if request.status == RequestStatus.FINISHED_STOPPED:
+                    stopped.append(self.name(request_id))
+                elif request.status != RequestStatus.FINISHED_LENGTH_CAPPED:
+                    raise NotExpressible(f"a request finished as {request.status.name}")
                 finished.append(self.name(request_id))
         expect: dict[str, Any] = {"scheduled": pending["scheduled"]}
         if pending["preempted"]:
@@ -634,7 +636,11 @@ class _Recording:
                 self.renamer.finished(self.name(request_id), sequence)
                 self.forget(request_id)
         # Written last: at a file's limit the write closes it.
-        self.write({"op": "step", "expect": expect})
+        entry: dict[str, Any] = {"op": "step"}
+        if stopped:
+            entry["stop"] = stopped
+        entry["expect"] = expect
+        self.write(entry)
         deferred, self.deferred = self.deferred, []
         for entry in deferred:
             self.write(entry)

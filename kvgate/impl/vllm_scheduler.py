@@ -391,7 +391,7 @@ class VllmScheduler:
         config is refused by name."""
         self.config = config
         self.spec_tokens = spec_tokens
-        api, plugin_module = _vllm_api.load_with_hold(config.hold, config.hold_retired, plugin)
+        api, plugin_module = _vllm_api.load_with_hold(config.hold, config.retain_retired, plugin)
         self._api = api
         # Its model is a Qwen3-Next-class hybrid: a pure Mamba model would be
         # another model.
@@ -455,7 +455,7 @@ class VllmScheduler:
             partial_hits=bool(getattr(manager.coordinator, "enable_partial_hash_hits", False)),
             hold=hold,
             hold_source=hold_source(managers, plugin, plugin_module) if hold else "",
-            retire=retains_retired(api, managers),
+            retain_retired=retains_retired(api, managers),
         )
         # Every request ever added, by name (finished ones too: a follow-up's
         # check reads the turn it follows).
@@ -470,6 +470,8 @@ class VllmScheduler:
         # The prefill stats the last update's outputs carried, not yet taken.
         self._prefill_stats: dict[str, PrefillStats] = {}
         self._step = ScheduledStep()
+        # Requests a stop condition ends in the next update (`stop`).
+        self._stopping: set[str] = set()
         # The admission's own local lookup: with a connector that restores
         # lagging Mamba states, the per-group one (which may fall back to, and
         # be followed by a reconciling, `get_computed_blocks`: not lookups of
@@ -608,6 +610,11 @@ class VllmScheduler:
         if (loaded or failed) and self._script is None:
             raise RuntimeError("KV loads reported to a Scheduler without a connector")
         ids = [str(r) for r in output.num_scheduled_tokens]
+        for name in self._stopping:
+            # The token it samples now is its last: vLLM's stop check ends it.
+            request = self._requests[name]
+            request.max_tokens = request.num_output_tokens + 1
+        self._stopping.clear()
         kv_output = None
         if loaded or failed:
             kv_output = KVConnectorOutput(
@@ -648,6 +655,9 @@ class VllmScheduler:
         for r in ids:
             self._view.touched(r)
         return finished
+
+    def stop(self, name: str) -> None:
+        self._stopping.add(name)
 
     def abort(self, name: str) -> None:
         from vllm.v1.request import RequestStatus

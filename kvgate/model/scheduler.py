@@ -117,6 +117,8 @@ class LiveRequest:
     cached_at_admission: int | None = None
     cache_estimate: int = 0
     stats_reported: bool = False
+    # A stop condition ends it with the token it samples next (`stop`).
+    stopping: bool = False
 
 
 @dataclass
@@ -251,6 +253,14 @@ class SchedulerModel:
         estimate = min(live.cache_estimate, live.request.num_prompt_tokens)
         return cached, max(0, estimate - cached)
 
+    def stop(self, name: str) -> None:
+        """`name` finishes with the token it samples in the next step (a stop
+        condition); only its finish moves: the step schedules it as before."""
+        for queue in (self.running, self.waiting, self.holding):
+            for live in queue:
+                if live.name == name:
+                    live.stopping = True
+
     def abort(self, name: str) -> None:
         """The client aborts `name` between engine steps (`free abort`);
         a request that already finished is left alone."""
@@ -355,7 +365,7 @@ class SchedulerModel:
             decisions.scheduled.append((live.name, cost))
             prefill_scheduled |= prefilling
             live.decoding = len(request.output) > outputs  # it sampled
-            if len(request.output) >= live.max_tokens:
+            if len(request.output) >= live.max_tokens or (live.stopping and live.decoding):
                 finished.append(live)
         if preempted:
             return finished  # vLLM admits nothing in a step that preempted
@@ -386,7 +396,7 @@ class SchedulerModel:
             live.holds_blocks = False
             budget -= admitted
             live.decoding = len(live.request.output) > outputs  # it sampled
-            if len(live.request.output) >= live.max_tokens:
+            if len(live.request.output) >= live.max_tokens or (live.stopping and live.decoding):
                 finished.append(live)
         self.holding.extendleft(reversed(skipped))
         return finished

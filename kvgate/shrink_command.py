@@ -1,0 +1,156 @@
+"""`kvgate shrink`: make a diverging trace small enough to read.
+
+    kvgate shrink TRACE [--target vllm|model] [--keep first-divergence] [-o OUT]
+                  [--plugin MODULE] [--level api|strict]
+
+The trace, of either kind (manager-level or scheduler-level; written by
+hand, generated, explored or recorded), is replayed on the target the way
+the gate replays it, but without its own `expect` and `check` values, so
+that it fails only where the target and the model differ. That first
+divergence (its kind of step, level and field) is what the shrunk trace
+must keep; `conformance.shrink` then removes requests, steps, tokens and
+pool blocks while it does. Every candidate runs in this process (vLLM is
+imported once). On `--target model` there is no lockstep: the trace's own
+expectations are what the model fails, so candidates keep them.
+
+The result is written with the project's writer (default: beside TRACE,
+`NAME.shrunk.yaml`), readable by `kvgate replay`, and one line says what
+was done: `from 514 steps to 9, diverges on vllm at step 8 (allocate):
+free queue (strict)`.
+
+Exit codes: 0 shrunk and written; 2 bad input (an invalid trace, an
+unwritable output, or a trace that does not diverge on the target: there
+is nothing to shrink), one line each; 3 a bug in kvgate (the model raised
+on the trace itself).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+from kvgate import options
+from kvgate.conformance.replay import LEVELS, Level, Outcome, ReplayResult, TraceRunError
+from kvgate.conformance.shrink import Shrinker
+from kvgate.conformance.trace import Trace, load_trace
+from kvgate.errors import EXIT_KVGATE_BUG, EXIT_OK, InputError, printable
+from kvgate.output import VERBOSE, VllmLogs
+from kvgate.targets import (
+    LOCKSTEP_MODEL,
+    gate_factories,
+    run_scheduler_trace,
+    run_trace,
+    scheduler_factories,
+)
+
+KEEP = ("first-divergence",)
+
+
+def register(subparsers: Any) -> None:
+    cmd = subparsers.add_parser(
+        "shrink",
+        help="reduce a diverging trace to a small one that diverges at the same field",
+        description="Reduce a trace that diverges on the target to a small one that still "
+        "diverges there at the same kind of step and field: requests, then steps, then token "
+        "counts and the pool size (docs/how-to/shrink-a-divergence.md).",
+    )
+    cmd.add_argument("trace", type=Path, metavar="TRACE", help="the diverging trace, either kind")
+    options.add_target(
+        cmd,
+        ("vllm", "model"),
+        "vllm",
+        "vllm: the installed vLLM in lockstep with the model (the trace's expectations set "
+        "aside); model: the model against the trace's own expectations",
+    )
+    cmd.add_argument(
+        "--keep",
+        choices=KEEP,
+        default=KEEP[0],
+        help="what the shrunk trace keeps: its first divergence's kind of step, level and field",
+    )
+    cmd.add_argument(
+        "-o",
+        "--out",
+        type=Path,
+        metavar="OUT",
+        help="where to write the shrunk trace (default: NAME.shrunk.yaml beside TRACE)",
+    )
+    options.add_overlay(cmd)
+    options.add_plugin(cmd)
+    options.add_level(cmd, LEVELS, "strict")
+    cmd.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    path: Path = args.trace
+    trace = load_trace(path)
+    if trace.expect_refused is not None:
+        raise InputError(f"{path}: a refusal trace has no steps to shrink")
+    out: Path = args.out or path.with_name(f"{path.stem}.shrunk.yaml")
+    if out.resolve() == path.resolve():
+        raise InputError(f"{out}: the output would replace the trace being shrunk")
+    logs: VllmLogs | None = getattr(args, "vllm_logs", None)
+    outcome = _outcome(args.target, options.plugin_of(args), args.level)
+
+    def judge(candidate: Trace) -> ReplayResult | None:
+        # vLLM's log lines while candidates run are one unit of work, never shown.
+        with logs.unit("shrink candidates") if logs is not None else nullcontext():
+            result = outcome(candidate)
+        return result if isinstance(result, ReplayResult) else None
+
+    progress = None if args.verbosity < VERBOSE else _progress
+    shrinker = Shrinker(
+        trace, judge, keep_expectations=args.target == LOCKSTEP_MODEL, progress=progress
+    )
+    reference = shrinker.reference()
+    if reference is None:
+        return _no_verdict(shrinker.reference_trace(), outcome)
+    if reference.divergence is None:
+        aside = "" if args.target == LOCKSTEP_MODEL else " (its own expectations set aside)"
+        raise InputError(
+            f"{path}: does not diverge on --target {args.target}{aside}: nothing to shrink"
+        )
+    shrunk = shrinker.shrink()
+    name = f"{trace.name}.shrunk"
+    about = (
+        f"Shrunk by kvgate shrink from {trace.name} ({shrunk.steps_before} steps) to "
+        f"{shrunk.steps_after}; it diverges on {args.target} as the original does."
+    )
+    text = shrunk.renamed(shrinker, name, about)
+    try:
+        out.write_text(text)
+    except OSError as error:
+        raise InputError(f"{out}: cannot write: {error.strerror}") from None
+    print(f"{printable(str(out))}: {shrunk.account(args.target)}")
+    return EXIT_OK
+
+
+def _outcome(target: str, plugin: str | None, level: Level) -> Callable[[Trace], Outcome]:
+    """A trace's outcome on `target`, as the gate runs it."""
+    factory, model = gate_factories(target, plugin)
+    scheduler_model, real = scheduler_factories(target, plugin)
+
+    def outcome(trace: Trace) -> Outcome:
+        if trace.scheduler_level:
+            return run_scheduler_trace(trace, scheduler_model, real, level)
+        return run_trace(trace, factory, model, level, target_is_model=target == LOCKSTEP_MODEL)
+
+    return outcome
+
+
+def _no_verdict(trace: Trace, outcome: Callable[[Trace], Outcome]) -> int:
+    """The trace itself got no verdict: why, in one line."""
+    result = outcome(trace)
+    assert isinstance(result, TraceRunError)
+    if result.bug:
+        print(f"kvgate: internal error: {printable(result.message)}", file=sys.stderr)
+        return EXIT_KVGATE_BUG
+    raise InputError(result.message)
+
+
+def _progress(line: str) -> None:
+    print(printable(line), flush=True)

@@ -1,0 +1,246 @@
+"""`kvgate shrink`: a long trace that diverges under one of the fault
+campaign's faults shrinks to a small one that diverges at the same field,
+for both kinds of trace; delta debugging itself; bad input.
+
+The default run shrinks a generated trace of each kind of several hundred
+steps on small pools (a few seconds each once vLLM is imported);
+`KVGATE_SHRINK_LONG=1` shrinks harder ones instead: the manager-level
+workload on its full pool, and engine steps whose first divergence comes
+from a pool under pressure (about a minute each on two cores).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from configs import needs_vllm
+
+from kvgate import cli
+from kvgate.conformance.ops import Segment
+from kvgate.conformance.replay import ReplayResult
+from kvgate.conformance.scheduling import EngineSettings, EngineStep
+from kvgate.conformance.shrink import ddmin, step_count
+from kvgate.conformance.trace import (
+    Trace,
+    bundled_corpus,
+    bundled_scheduler_corpus,
+    load_trace,
+)
+from kvgate.conformance.writer import dump_engine_trace, dump_trace
+from kvgate.errors import EXIT_INPUT, EXIT_OK
+from kvgate.mutate.faults import Fault, load_faults
+from kvgate.mutate.inject import injected
+from kvgate.targets import gate_factories, run_scheduler_trace, run_trace, scheduler_factories
+from kvgate.workload.deployment import Deployment
+from kvgate.workload.generator import generate
+from kvgate.workload.plan import Workload, make_plan
+
+LONG = os.environ.get("KVGATE_SHRINK_LONG") == "1"
+# One fault of vLLM's block manager, one of its Scheduler (kvgate/mutate/faults.yaml).
+MANAGER_FAULT = "free-order-not-reversed"
+SCHEDULER_FAULT = "sched-lookup-drops-junction"
+# The shrunk trace has at most this share of the original's steps.
+MOST = 0.05
+
+
+def where_and_what(result: ReplayResult) -> tuple[str, str, str]:
+    """The first divergence's kind of step, level and field, numbers
+    (engine steps, block ids) left out: read here, not by the shrinker."""
+    d = result.divergence
+    assert d is not None
+    return d.step.op, d.level, re.sub(r"\d+", "#", d.what.split(": ")[-1])
+
+
+def fault(name: str) -> Fault:
+    [found] = [f for f in load_faults() if f.name == name]
+    return found
+
+
+def manager_trace(directory: Path) -> Path:
+    """A production-shaped agent workload, as `kvgate workload` generates it
+    (upstream vLLM's config, scaled down): 296 steps on a pool of 500
+    blocks, or when long 514 steps on the deployment's pool (2,910 blocks)."""
+    scale = 32 if LONG else 64
+    deployment = Deployment(build="upstream").scaled(scale)
+    workload = Workload(sessions=3, turns=3) if LONG else Workload(sessions=2, turns=2)
+    config = deployment.config(256 // scale, False, workload.sessions)
+    if not LONG:
+        config = replace(config, num_blocks=500)
+    steps = generate(config, make_plan(workload, scale), deployment.serving(workload.system_prompt))
+    path = directory / "agents.yaml"
+    path.write_text(dump_trace("agents", config, steps))
+    return path
+
+
+def engine_trace(directory: Path) -> Path:
+    """24 requests arriving at random engine steps, some sharing an earlier
+    prompt, in a pool of 60 blocks: 424 engine steps. Two thirds of them,
+    the first to arrive, have prompts of whole Mamba blocks (32 tokens),
+    except when long."""
+    requests, steps, num_blocks = 24, 400, 60
+    rng = random.Random(0)
+    base = load_trace(bundled_scheduler_corpus() / "sched-preempt-under-pressure-and-resume.yaml")
+    engine: list[EngineStep] = []
+    shared: list[str] = []  # requests with a prompt of their own, for others to share
+    now = 0
+    for i, at in enumerate(sorted(rng.randrange(steps * 2 // 3) for _ in range(requests))):
+        engine.extend(EngineStep("step", 0) for _ in range(at - now))
+        now = max(now, at)
+        name = f"r{i:02d}"
+        whole_blocks = not LONG and i < requests * 2 // 3
+        count = rng.randint(1, 6) * 32 if whole_blocks else rng.randint(20, 200)
+        prompt: tuple[Segment, ...] = (Segment("fresh", count=count),)
+        if shared and rng.random() < 0.5:
+            prompt = (Segment("prompt_of", req=rng.choice(shared)), *prompt)
+        else:
+            shared.append(name)
+        engine.append(
+            EngineStep("arrive", 0, req=name, prompt=prompt, max_tokens=rng.randint(4, 60))
+        )
+    engine.extend(EngineStep("step", 0) for _ in range(steps - now))
+    config = replace(base.config, num_blocks=num_blocks)
+    path = directory / "engine.yaml"
+    path.write_text(dump_engine_trace("engine", config, EngineSettings(0, 8), engine))
+    return path
+
+
+def on_vllm(trace: Trace) -> ReplayResult:
+    """The trace's replay on vLLM in lockstep with the model, as the gate runs it."""
+    if trace.scheduler_level:
+        model, real = scheduler_factories("vllm", None)
+        outcome = run_scheduler_trace(trace, model, real, "strict")
+    else:
+        factory, lockstep = gate_factories("vllm")
+        outcome = run_trace(trace, factory, lockstep, "strict", target_is_model=False)
+    assert isinstance(outcome, ReplayResult), outcome
+    return outcome
+
+
+# -- delta debugging ---------------------------------------------------------
+
+
+def test_ddmin_finds_the_two_items_that_matter() -> None:
+    tried: list[list[int]] = []
+
+    def passes(kept: list[int]) -> bool:
+        tried.append(kept)
+        return 13 in kept and 71 in kept
+
+    assert ddmin(list(range(100)), passes) == [13, 71]
+    assert len(tried) < 100  # far fewer than one candidate per subset size
+
+
+def test_ddmin_keeps_what_cannot_shrink() -> None:
+    assert ddmin([1, 2, 3], lambda kept: len(kept) == 3) == [1, 2, 3]
+
+
+# -- shrinking a fault's divergence on vLLM -----------------------------------
+
+
+@needs_vllm
+@pytest.mark.parametrize(
+    ("make", "fault_name"),
+    [(manager_trace, MANAGER_FAULT), (engine_trace, SCHEDULER_FAULT)],
+    ids=["manager-level", "scheduler-level"],
+)
+def test_a_long_diverging_trace_shrinks_to_a_few_steps_that_diverge_alike(
+    make: object,
+    fault_name: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert callable(make)
+    path: Path = make(tmp_path)
+    original = load_trace(path)
+    out = tmp_path / "shrunk.yaml"
+    with injected(fault(fault_name)):
+        before = on_vllm(original)
+        code = cli.main(["shrink", str(path), "--target", "vllm", "-o", str(out), "-q"])
+        shrunk = load_trace(out)
+        after = on_vllm(shrunk)
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert code == EXIT_OK
+    # The same kind of step, level and field, on a trace of at most 5% of the steps.
+    assert where_and_what(after) == where_and_what(before)
+    assert step_count(shrunk) <= MOST * step_count(original)
+    print(f"{fault_name}: {printed[-1]}", file=sys.stderr)  # the numbers, with -s
+    assert printed[-1].startswith(
+        f"{out}: from {step_count(original)} steps to {step_count(shrunk)}, diverges on vllm at "
+    )
+    # Without the fault, vLLM conforms on it: the divergence is the fault's.
+    assert on_vllm(shrunk).passed
+    # It is a trace like any other: `kvgate replay` reads and runs it.
+    assert cli.main(["replay", str(out), "--target", "model", "-q"]) == EXIT_OK
+
+
+# -- the model against a trace's own expectations -----------------------------
+
+
+def test_on_the_model_a_wrong_expectation_is_what_is_kept(tmp_path: Path) -> None:
+    source = (bundled_corpus() / "dense-retention-multiturn.hold-off.yaml").read_text()
+    wrong = source.replace("hit: 136", "hit: 135", 1)
+    assert wrong != source
+    path = tmp_path / "wrong.yaml"
+    path.write_text(wrong)
+    out = tmp_path / "small.yaml"
+    assert cli.main(["shrink", str(path), "--target", "model", "-o", str(out), "-q"]) == EXIT_OK
+    original, shrunk = load_trace(path), load_trace(out)
+    assert step_count(shrunk) < step_count(original)
+    factory, _ = gate_factories("model")
+    for trace in (original, shrunk):
+        result = run_trace(trace, factory, None, "strict", target_is_model=True)
+        assert isinstance(result, ReplayResult)
+        assert where_and_what(result) == ("lookup", "expect", "hit")
+
+
+# -- bad input ----------------------------------------------------------------
+
+
+def test_a_trace_that_does_not_diverge_is_told_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = bundled_corpus() / "dense-retention-multiturn.hold-off.yaml"
+    out = tmp_path / "out.yaml"
+    assert cli.main(["shrink", str(path), "--target", "model", "-o", str(out)]) == EXIT_INPUT
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line == (f"kvgate: error: {path}: does not diverge on --target model: nothing to shrink")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("format: kvgate-trace/1\nname: t\n", "{path}: config: missing"),
+        (
+            (bundled_corpus() / "dense-retention-multiturn.hold-off.yaml")
+            .read_text()
+            .replace("op: free, req: T2", "op: free, req: Z", 1),
+            "{path}: step ",
+        ),
+    ],
+    ids=["missing-config", "unknown-request"],
+)
+def test_an_invalid_trace_is_one_line_naming_file_step_and_field(
+    text: str, message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    assert cli.main(["shrink", str(path), "--target", "model"]) == EXIT_INPUT
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("kvgate: error: " + message.format(path=path)), line
+
+
+def test_the_output_may_not_replace_the_trace(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "t.yaml"
+    path.write_text((bundled_corpus() / "dense-retention-multiturn.hold-off.yaml").read_text())
+    assert cli.main(["shrink", str(path), "--target", "model", "-o", str(path)]) == EXIT_INPUT
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line == f"kvgate: error: {path}: the output would replace the trace being shrunk"
