@@ -11,7 +11,8 @@ replay up to the cut with `--partial`. A write that fails stops recording
 with one log line and leaves the engine serving.
 
 `KVGATE_LONG_RECORDING=1` also records a longer workload (several hundred
-engine steps) and replays it on both targets.
+engine steps), replays it on both targets, and shrinks its divergence under
+the fault to at most 5% of its entries (`kvgate shrink`).
 """
 
 from __future__ import annotations
@@ -283,6 +284,11 @@ def serve_with_a_stop_token(recordings: Path) -> None:
                     sampled[name] = [stop_token if last else 5]
             real.update(sampled)
         assert not requests, "both requests finished"
+        # Shutting the Scheduler down ends its file (the recorder is still on).
+        real.scheduler.shutdown()
+        [path] = sorted(recordings.iterdir())
+        entries = len(load_trace(path).engine)
+        assert path.read_text().endswith(f"end: {{entries: {entries}}}\n")
         real.close()
     finally:
         recorder.uninstall()
@@ -385,4 +391,28 @@ def test_a_long_recording_replays_on_the_model_and_on_vllm(
     assert steps >= 300
     assert cli.main(["replay", str(path), "--target", "model"]) == 0
     assert cli.main(["replay", str(path), "--target", "vllm", "--plugin", PLUGIN]) == 0
-    print(f"long recording: {steps} engine steps, {len(trace.engine)} entries", file=sys.stderr)
+    # Under a fault it diverges, and the shrinker brings it to at most 5% of
+    # its entries, diverging at the same field.
+    [fault] = select([FAULT])
+    shrunk = tmp_path / "shrunk.yaml"
+    capsys.readouterr()
+    with injected(fault):
+        code = cli.main(["replay", str(path), "--target", "vllm", "--plugin", PLUGIN])
+        first = capsys.readouterr().out
+        assert code == 1, first
+        assert (
+            cli.main(
+                ["shrink", str(path), "--target", "vllm", "--plugin", PLUGIN, "-o", str(shrunk)]
+            )
+            == 0
+        )
+        [shrink_line] = [
+            line for line in capsys.readouterr().out.splitlines() if " steps to " in line
+        ]
+    entries = len(load_trace(shrunk).engine)
+    assert entries <= len(trace.engine) * 0.05, shrink_line
+    print(
+        f"long recording: {steps} engine steps, {len(trace.engine)} entries; "
+        f"under {FAULT}: {shrink_line}",
+        file=sys.stderr,
+    )
