@@ -29,10 +29,10 @@ HOLD_ON = [t for t in CORPUS if t.config.hold]
 # hashed at its block) it has nothing to take, and
 # upstream runs such a hold-on trace exactly as the hold would.
 HOLD_ACTS = [t for t in HOLD_ON if t.config.partial_hits]
-HOLD_INERT = [t for t in HOLD_ON if not t.config.partial_hits and not t.config.hold_retired]
-RETIRED = [t for t in CORPUS if t.config.hold_retired]
+HOLD_INERT = [t for t in HOLD_ON if not t.config.partial_hits and not t.config.retain_retired]
+RETIRED = [t for t in CORPUS if t.config.retain_retired]
 # What upstream vLLM 0.33.0 runs as it is.
-HOLD_OFF = [t for t in CORPUS if not t.config.hold and not t.config.hold_retired]
+HOLD_OFF = [t for t in CORPUS if not t.config.hold and not t.config.retain_retired]
 
 
 def ids(traces: list[Trace]) -> list[str]:

@@ -350,7 +350,7 @@ def test_explore_runs_the_fork_retention_on_the_model(
     original = Session.__init__
 
     def recording(self: Session, config: Config, *args: Any, **kwargs: Any) -> None:
-        seen.append(config.hold_retired)
+        seen.append(config.retain_retired)
         original(self, config, *args, **kwargs)
 
     monkeypatch.setattr(Session, "__init__", recording)

@@ -35,8 +35,8 @@ PLUGIN = "kvgate.impl.hold_overlay"
 CORPUS = [t for t in load_corpus(bundled_corpus()) if t.expect_refused is None]
 # Traces that need what upstream lacks: the hold, or the fork's retention of
 # retired states (the overlay offers both); and those upstream runs as it is.
-HOLD_ON = [t for t in CORPUS if t.config.hold or t.config.hold_retired]
-HOLD_OFF = [t for t in CORPUS if not t.config.hold and not t.config.hold_retired]
+HOLD_ON = [t for t in CORPUS if t.config.hold or t.config.retain_retired]
+HOLD_OFF = [t for t in CORPUS if not t.config.hold and not t.config.retain_retired]
 # A Mamba block wider than the hash unit, used by no corpus trace, so this
 # module's startup line is not one an earlier build already logged.
 LOG_UNIT, LOG_BLOCK = 16, 64
@@ -80,7 +80,7 @@ def test_the_corpus_has_both_arms() -> None:
 def test_hold_on_trace_conforms_with_the_overlay(overlay: Any, trace: Trace) -> None:
     result = run(trace, PLUGIN)
     assert result.capabilities.hold is trace.config.hold
-    assert result.capabilities.retire is trace.config.hold_retired
+    assert result.capabilities.retain_retired is trace.config.retain_retired
     if trace.config.hold:
         assert result.capabilities.hold_source == overlay.HOLD_SOURCE
     assert not result.notes  # the lockstep model ran with all of it on
@@ -94,7 +94,7 @@ def test_without_the_overlay_vllm_runs_as_upstream(trace: Trace) -> None:
     assert result.capabilities.hold is False
     assert result.notes == (
         *([HOLD_NOTE] if trace.config.hold else []),
-        *([RETIRE_NOTE] if trace.config.hold_retired else []),
+        *([RETIRE_NOTE] if trace.config.retain_retired else []),
     )
     inert = not trace.config.partial_hits  # no sub-block state for the hold to take
     # The fork's traces whose next turn needs a retained state upstream drops.

@@ -337,29 +337,44 @@ def test_the_stage_table_counts_each_stage_and_names_the_first_catch() -> None:
     assert caught.catch is not None and caught.catch.stage == "scheduler trace"
     assert caught.first_stage == STAGES[1]
     # The Scheduler-level exploration, clean unmutated, finding a divergence
-    # with the fault: its own row says so, after the manager-level exploration.
-    engine = Baseline(replace(baseline.run, scheduler_exploration=clean), 1.0)
-    by_engine_steps = judge(
-        FAULTS[5],
-        replace(run("u", True, clean, None), scheduler_exploration=found),
-        "",
-        engine,
-        1.0,
-    )
+    # with the fault: its own row says so, after the manager-level exploration;
+    # not counted where it failed unmutated.
+    with_found = replace(run("u", True, clean, None), scheduler_exploration=found)
+    by_engine_steps, uncounted = (
+        judge(FAULTS[5], with_found, "", Baseline(replace(base, scheduler_exploration=x), 1.0), 1.0)
+        for base in (baseline.run,)
+        for x in (clean, found)  # unmutated: clean, or failing already
+    )  # fmt: skip
     assert by_engine_steps.catch is not None
     assert by_engine_steps.catch.stage == "scheduler exploration"
     assert by_engine_steps.first_stage == STAGES[3]
     assert by_engine_steps.stages_caught()[STAGES[3]] is True
-    # Not counted where it failed unmutated.
-    broken = Baseline(replace(baseline.run, scheduler_exploration=found), 1.0)
-    uncounted = judge(
-        FAULTS[5],
-        replace(run("u", True, clean, None), scheduler_exploration=found),
-        "",
-        broken,
-        1.0,
+    # A fault an earlier stage caught first still shows the later catch.
+    counting = Baseline(replace(baseline.run, scheduler_exploration=clean), 1.0)
+    caught_early = replace(with_found, traces=(_outcome("a", False),))
+    both = judge(FAULTS[6], caught_early, "", counting, 1.0)
+    assert both.first_stage == STAGES[0]
+    assert f"  {FAULTS[6].name:<38} {STAGES[0]} (also: {STAGES[3]})" in stage_table(
+        Campaign(baseline, [both])
     )
     assert uncounted.stages_caught()[STAGES[3]] is None and uncounted.verdict == "missed"
+
+
+def test_the_baseline_says_whether_the_scheduler_level_exploration_counts() -> None:
+    from kvgate.mutate.command import describe_baseline
+
+    def line(found: ExploreOutcome | None) -> str:
+        run = replace(_baseline().run, scheduler_exploration=found)
+        [said] = [x for x in describe_baseline(Baseline(run, 1.0)) if "Scheduler-level" in x]
+        return said
+
+    assert line(None) == "  Scheduler-level exploration: off"
+    clean = ExploreOutcome(True, "", 40, 2.5)
+    assert line(clean) == (
+        "  Scheduler-level exploration: 40 examples in lockstep unmutated (2.5s)"
+    )
+    failing = ExploreOutcome(True, "divergence: step 3", 40, 2.5)
+    assert "fails unmutated, left out (divergence: step 3)" in line(failing)
 
 
 @needs_vllm

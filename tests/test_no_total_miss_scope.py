@@ -45,7 +45,7 @@ def _decode(session: Session, req: str, steps: int) -> None:
 
 def _block_aligned_resume(hold: bool, retired: bool = False) -> int:
     """The follow-up's hit (raises ExploreFailure on a violation)."""
-    config = replace(SEED_CONFIG, hold=hold, hold_retired=retired)
+    config = replace(SEED_CONFIG, hold=hold, retain_retired=retired)
     with closing(Session(config, ALL_INVARIANTS)) as session:
         session.run("arrive", req="A", prompt=fresh(60))  # tail at 48: mid-block
         _prefill(session, "A")
@@ -140,7 +140,7 @@ def _superseded_by_a_retired_state() -> int:
     the fork's retention retires the whole-block state 32 and the hold takes
     it instead; a burst evicts 24. The follow-up (35 tokens) can reach 32
     only once attention caches 40 (eagle's drop): it resumes at 0."""
-    config = replace(SEED_CONFIG, hold=True, hold_retired=True, retention_interval=None)
+    config = replace(SEED_CONFIG, hold=True, retain_retired=True, retention_interval=None)
     with closing(Session(config, ALL_INVARIANTS)) as session:
         session.run("arrive", req="R0", prompt=fresh(32))
         _prefill(session, "R0")

@@ -182,7 +182,7 @@ def test_the_workload_command_runs_without_prefix_caching(
     assert sorted(c.hold for c in configs) == [False, True]
     # The fork's retention holds nothing without caching either: not asked.
     for config in configs:
-        assert (config.prefix_caching, config.mamba_cache_mode, config.hold_retired) == (
+        assert (config.prefix_caching, config.mamba_cache_mode, config.retain_retired) == (
             False,
             "none",
             False,

@@ -265,7 +265,7 @@ def cached_a2(trace: Trace) -> list[int]:
 def test_each_hold_on_trace_shows_the_hold() -> None:
     """Its follow-up A2 has cached tokens with the hold, none without."""
     for trace in CORPUS:
-        if not trace.config.hold or trace.config.hold_retired:
+        if not trace.config.hold or trace.config.retain_retired:
             continue
         off = by_name(trace.name.replace(".hold-on", ".hold-off"))
         with_hold = cached_a2(trace)
@@ -328,7 +328,7 @@ def run_vllm(trace: Trace, wrap: Callable[[Any], SchedulerTarget] | None = None)
         trace.config,
         spec_tokens=trace.scheduler.spec,
         max_num_seqs=trace.scheduler.max_num_seqs,
-        plugin=PLUGIN if trace.config.hold or trace.config.hold_retired else None,
+        plugin=PLUGIN if trace.config.hold or trace.config.retain_retired else None,
     )
     try:
         return replay_scheduler(

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import random
 import re
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -168,6 +169,7 @@ def test_a_long_diverging_trace_shrinks_to_a_few_steps_that_diverge_alike(
     # The same kind of step, level and field, on a trace of at most 5% of the steps.
     assert where_and_what(after) == where_and_what(before)
     assert step_count(shrunk) <= MOST * step_count(original)
+    print(f"{fault_name}: {printed[-1]}", file=sys.stderr)  # the numbers, with -s
     assert printed[-1].startswith(
         f"{out}: from {step_count(original)} steps to {step_count(shrunk)}, diverges on vllm at "
     )

@@ -86,7 +86,7 @@ def test_caching_off_lifts_the_hash_unit_check() -> None:
 
 def test_the_model_neither_hits_nor_keys_nor_holds_with_caching_off() -> None:
     trace = CORPUS["prefix-caching-off"]
-    config = replace(trace.config, hold=True, hold_retired=True)
+    config = replace(trace.config, hold=True, retain_retired=True)
     target = ModelTarget(config)
     assert [s.op for s in trace.steps[-2:]] == ["reset", "check"]
     # Up to the final reset (which would forget keys anyway).

@@ -245,7 +245,7 @@ def test_config_defaults() -> None:
     assert trace.config.max_num_scheduled_tokens == 8192
     assert trace.config.eagle is False
     assert trace.config.hold is False
-    assert trace.config.hold_retired is False
+    assert trace.config.retain_retired is False
     assert trace.config.groups[2].speculative_blocks == 0
 
 
@@ -253,7 +253,7 @@ def test_retain_retired_is_read_and_written_only_when_on() -> None:
     """An additive key: on, it round-trips; off, the writer leaves it out,
     so a trace written before it existed reads and writes back unchanged."""
     on = parse_trace(trace_text(ARRIVE, CONFIG + "  retain_retired: true\n"))
-    assert on.config.hold_retired is True
+    assert on.config.retain_retired is True
     assert "retain_retired: true" in dump_trace(on.name, on.config, on.steps)
     off = parse_trace(trace_text(ARRIVE))
     assert "retain_retired" not in dump_trace(off.name, off.config, off.steps)

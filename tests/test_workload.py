@@ -114,7 +114,7 @@ def test_trace_reads_back_as_written(traces: dict[str, list[Path]]) -> None:
     path = traces["fork"][0]
     trace = load_trace(path)
     assert trace.config == FORK.config(ARMS[0].unit, ARMS[0].hold, WORKLOAD.sessions)
-    assert trace.config.hold_retired and not UPSTREAM.config(8, False, 1).hold_retired
+    assert trace.config.retain_retired and not UPSTREAM.config(8, False, 1).retain_retired
     assert dump_trace(trace.name, trace.config, trace.steps, trace.about) == path.read_text()
     ops = {s.op for s in trace.steps}
     # Interleaved sessions: explicit and auto chunks, decodes, admissions, checks.

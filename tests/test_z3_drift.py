@@ -59,7 +59,7 @@ def configs(draw: st.DrawFn) -> Config:
         # Periodic retention (64) only changes which own blocks a chunk keys.
         retention_interval=draw(st.sampled_from([None, 0, 64])),
         hold=draw(st.sampled_from([True, True, False])),
-        hold_retired=draw(st.booleans()),  # the production fork's retention
+        retain_retired=draw(st.booleans()),  # the production fork's retention
         scheduler_block_size=32,
         max_num_scheduled_tokens=draw(st.sampled_from([16, 32, 8192])),
         # Prefix caching off (the no-prefix-cache coordinator): no lookup
@@ -157,7 +157,7 @@ class Run:
             ),
             (
                 "the tail hold takes a retired checkpoint",
-                not self.config.hold_retired
+                not self.config.retain_retired
                 and any(v and before["table"][k] for k, v in after["hold"].items()),
             ),
             ("two partial tails in one life", self._second_tail(before, after)),
@@ -305,7 +305,7 @@ def knob_configs(draw: st.DrawFn) -> Config:
         eagle=eagle,
         retention_interval=draw(st.sampled_from([None, 0, 64])),
         hold=draw(st.sampled_from([True, True, False])),
-        hold_retired=draw(st.booleans()),
+        retain_retired=draw(st.booleans()),
         scheduler_block_size=32,
         max_num_scheduled_tokens=draw(st.sampled_from([16, 32, 8192])),
         shared_prefix_checkpoint=draw(st.sampled_from([True, True, False])),
@@ -456,7 +456,7 @@ def test_prefix_caching_off_runs_are_transitions() -> None:
         witness_config(
             retention_interval=None,
             hold=True,
-            hold_retired=True,
+            retain_retired=True,
             prefix_caching=False,
         )
     )

@@ -97,7 +97,7 @@ def test_a_failed_check_names_the_clause_and_the_op() -> None:
     assert failed[0].violated and all(v.startswith("no_leak[b") for v in failed[0].violated)
     cti = failed[0].cti
     # Only a request that holds can leak so: the hold, or the fork's retention.
-    assert cti is not None and (cti["hold_on"][()] or cti["retire_on"][()])
+    assert cti is not None and (cti["hold_on"][()] or cti["retain_retired"][()])
 
 
 def prove_cli(*args: str) -> tuple[int, str, str]:

@@ -116,7 +116,7 @@ def test_the_hold_alone_takes_a_retired_checkpoint() -> None:
         solver.add(finite(sort, size, name)[1])
     solver.add(*[p.holds(s) for p in UPROPERTIES], *[c for _, c in tx.named()])
     t, kept = tx.view(), z3.Const("x.retired1", BLOCK)
-    solver.add(s["hold_on"], z3.Not(s["retire_on"]), s["more_partial_states1"])
+    solver.add(s["hold_on"], z3.Not(s["retain_retired"]), s["more_partial_states1"])
     solver.add(s["table1"](r, kept), s["tail_keyed"](kept), t["hold1"](r, kept))
     assert solver.check() == z3.sat
     # ... and only through the switch: without it the hold alone retires nothing.

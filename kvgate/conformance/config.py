@@ -50,7 +50,7 @@ class Config:
     # patch 0093, under the same switch as the hold): the newest keyed Mamba
     # state that leaves a request's table stays held by the request. Trace
     # field `retain_retired`.
-    hold_retired: bool = False
+    retain_retired: bool = False
     # The scheduler's `long_prefill_token_threshold` (0: no cap): a prefill
     # chunk's cap while another request waits or runs, and the width the
     # align-mode split may run sub-block below (see `allocate`'s `auto`).

@@ -143,8 +143,8 @@ def replay(
         if config.hold and not target.capabilities.hold:
             config = replace(config, hold=False)
             notes.append(HOLD_NOTE)
-        if config.hold_retired and not target.capabilities.retire:
-            config = replace(config, hold_retired=False)
+        if config.retain_retired and not target.capabilities.retain_retired:
+            config = replace(config, retain_retired=False)
             notes.append(RETIRE_NOTE)
         try:
             lockstep = model(config)

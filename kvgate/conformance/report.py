@@ -156,8 +156,8 @@ def capabilities_line(capabilities: Capabilities) -> str:
         hold += f" ({capabilities.hold_source})"
     partial = "yes" if capabilities.partial_hits else "no"
     # Named only when on: no trace but `retain_retired` ones asks for it.
-    retire = ", retired states: held" if capabilities.retire else ""
-    return f"target: {capabilities.implementation} (partial hits: {partial}, hold: {hold}{retire})"
+    retired = ", retired states: held" if capabilities.retain_retired else ""
+    return f"target: {capabilities.implementation} (partial hits: {partial}, hold: {hold}{retired})"
 
 
 # The word a trace's report line starts with, by its verdict.

@@ -76,8 +76,8 @@ def model_config(trace: Trace, capabilities: Capabilities | None) -> tuple[Confi
     if capabilities is not None and config.hold and not capabilities.hold:
         config = replace(config, hold=False)
         notes.append(HOLD_NOTE)
-    if capabilities is not None and config.hold_retired and not capabilities.retire:
-        config = replace(config, hold_retired=False)
+    if capabilities is not None and config.retain_retired and not capabilities.retain_retired:
+        config = replace(config, retain_retired=False)
         notes.append(RETIRE_NOTE)
     return config, notes
 

@@ -217,7 +217,7 @@ CONFIG_FIELDS: tuple[ConfigField, ...] = (
     ),
     ConfigField(
         "retain_retired",
-        "hold_retired",
+        "retain_retired",
         "flag",
         "not_default",
         (

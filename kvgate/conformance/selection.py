@@ -34,7 +34,7 @@ FLASHINFER_GRID = 64
 
 
 def arm(config: Config) -> str:
-    if config.hold_retired:
+    if config.retain_retired:
         return "fork"
     return "hold-on" if config.hold else "hold-off"
 

@@ -23,7 +23,7 @@ class Capabilities:
     partial_hits: bool  # sub-block (hash-unit) Mamba hits with CoW
     hold: bool  # the partial-tail checkpoint hold (trace field `retain_checkpoint`)
     hold_source: str = ""  # which hold implementation ran, when `hold`
-    retire: bool = False  # the fork's retention of retired states (`retain_retired`)
+    retain_retired: bool = False  # the fork's retention of retired states (`retain_retired`)
 
 
 class StepRefused(Exception):

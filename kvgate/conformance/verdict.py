@@ -64,8 +64,8 @@ CAPABILITIES: tuple[Capability, ...] = (
         name="retention",
         what="the retained-state retention (a request keeps the newest Mamba state "
         "leaving its table)",
-        asked=lambda config: config.hold_retired,
-        offered=lambda capabilities: capabilities.retire,
+        asked=lambda config: config.retain_retired,
+        offered=lambda capabilities: capabilities.retain_retired,
         remedy="a vLLM build with that retention, or --plugin kvgate.impl.hold_overlay",
     ),
 )

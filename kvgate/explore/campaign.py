@@ -51,7 +51,7 @@ class Arm:
 
     name: str
     hold: bool
-    retire: bool
+    retain_retired: bool
 
 
 ARMS = (Arm("off", False, False), Arm("on", True, False), Arm("on+retired", True, True))
@@ -206,11 +206,11 @@ def mode_for(cell: Cell) -> Mode:
     if cell.arm not in TARGET_ARMS[cell.target]:
         raise ValueError(f"{cell.name}: target {cell.target} does not run hold {cell.arm}")
     if cell.target == "model":
-        mode = model_mode(hold=hold.hold, retire=hold.retire)
+        mode = model_mode(hold=hold.hold, retain_retired=hold.retain_retired)
     else:
         from kvgate.explore.differential import differential_mode, overlay_differential_mode
 
-        mode = overlay_differential_mode(hold.retire) if hold.hold else differential_mode()
+        mode = overlay_differential_mode(hold.retain_retired) if hold.hold else differential_mode()
     mode.stratum = dict(cell.stratum)
     return mode
 

@@ -202,9 +202,9 @@ def handle(args: argparse.Namespace) -> int:
             raise InputError("--hold off: the overlay is the hold; --target vllm runs hold off")
         from kvgate.explore.differential import overlay_differential_mode
 
-        mode = overlay_differential_mode(retire=args.retired == "on", refusals=True)
+        mode = overlay_differential_mode(retain_retired=args.retired == "on", refusals=True)
     else:
-        mode = model_mode(hold=args.hold == "on", retire=args.retired == "on")
+        mode = model_mode(hold=args.hold == "on", retain_retired=args.retired == "on")
     overrides: dict[str, Any] = {}
     if examples is not None:
         overrides["max_examples"] = examples
@@ -357,7 +357,7 @@ def handle_campaign(args: argparse.Namespace) -> int:
         a.name
         for a in campaign.ARMS
         if (args.hold is None or a.hold == (args.hold == "on"))
-        and (args.retired is None or a.retire == (args.retired == "on"))
+        and (args.retired is None or a.retain_retired == (args.retired == "on"))
     ]
     if not arms:
         raise InputError("--retired on: needs the hold on")
@@ -456,7 +456,7 @@ def handle_scheduler(args: argparse.Namespace) -> int:
     settings = profile(args.profile, "scheduler", **overrides)
     if seconds is not None and settings.derandomize:
         raise InputError(f"--budget {args.budget}: profile {args.profile} is one fixed run")
-    mode = SchedulerMode(hold=hold == "on", retire=retired == "on")
+    mode = SchedulerMode(hold=hold == "on", retain_retired=retired == "on")
     print(
         f"explore: scope scheduler, target {target}, hold {hold}, retired {retired}, "
         f"profile {args.profile}, "

@@ -43,7 +43,7 @@ def differential_mode(refusals: bool = False) -> Mode:
     return Mode(hold=False, invariants=invariants, lockstep=vllm_target, refusals=refusals)
 
 
-def overlay_differential_mode(retire: bool = False, refusals: bool = False) -> Mode:
+def overlay_differential_mode(retain_retired: bool = False, refusals: bool = False) -> Mode:
     """Model vs vLLM 0.33.0 with the hold overlay, hold on, strict level:
     every invariant, the hold's included, and any divergence fails.
     `retire`: the overlay's retention of retired states on too (the fork);
@@ -52,7 +52,7 @@ def overlay_differential_mode(retire: bool = False, refusals: bool = False) -> M
         hold=True,
         invariants=ALL_INVARIANTS,
         lockstep=vllm_with_overlay,
-        retire=retire,
+        retain_retired=retain_retired,
         refusals=refusals,
     )
 

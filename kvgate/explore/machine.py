@@ -115,7 +115,7 @@ class Mode:
     invariants: tuple[str, ...]
     lockstep: Callable[[Config], OpDriver[Any]] | None = None
     stats: Stats = field(default_factory=Stats)
-    retire: bool = False  # the production fork's retention of retired states
+    retain_retired: bool = False  # the production fork's retention of retired states
     # Config features fixed for every example (a campaign's stratum).
     stratum: Stratum = field(default_factory=dict)
     # Swarm testing of config features: each example varies a random subset
@@ -131,7 +131,7 @@ class Mode:
         events are always queued, so every `events` step compares them (as
         the gate does on a trace with them)."""
         events = config.kv_events or self.lockstep is not None
-        return replace(config, hold=self.hold, hold_retired=self.retire, kv_events=events)
+        return replace(config, hold=self.hold, retain_retired=self.retain_retired, kv_events=events)
 
 
 def check_config_rules(mode: Mode) -> RefusalDivergence | None:

@@ -35,7 +35,7 @@ class Outcome:
         return self.failure is None
 
 
-def model_mode(hold: bool, check_hold_only: bool = True, retire: bool = False) -> Mode:
+def model_mode(hold: bool, check_hold_only: bool = True, retain_retired: bool = False) -> Mode:
     """The model alone; with the hold off the hold-only invariants are
     checked too (that is how the known total miss is found) unless told not
     to. `retire`: the fork's retention of retired states too."""
@@ -44,7 +44,7 @@ def model_mode(hold: bool, check_hold_only: bool = True, retire: bool = False) -
         if (hold or check_hold_only)
         else tuple(i for i in ALL_INVARIANTS if i not in HOLD_ONLY_INVARIANTS)
     )
-    return Mode(hold=hold, invariants=tuple(invariants), retire=retire)
+    return Mode(hold=hold, invariants=tuple(invariants), retain_retired=retain_retired)
 
 
 def run_once(mode: Mode, settings: Settings, seed: int | None = None) -> ExploreFailure | None:

@@ -119,11 +119,11 @@ class SchedulerMode:
     kvgate's hold overlay (hold on; `retire`: the fork's retention too)."""
 
     hold: bool = False
-    retire: bool = False
+    retain_retired: bool = False
 
     @property
     def plugin(self) -> str | None:
-        return HOLD_OVERLAY if self.hold or self.retire else None
+        return HOLD_OVERLAY if self.hold or self.retain_retired else None
 
     def replay_command(self, path: Path) -> str:
         plugin = f" --plugin {self.plugin}" if self.plugin else ""
@@ -278,7 +278,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     )
     def start(self, drawn: tuple[dict[str, Any], Config], spec: int, max_num_seqs: int) -> None:
         family, config = drawn
-        config = replace(config, hold=self.mode.hold, hold_retired=self.mode.retire)
+        config = replace(config, hold=self.mode.hold, retain_retired=self.mode.retain_retired)
         if config.eagle:
             spec = max(spec, 1)  # the eagle drop is for a drafter's blocks
         self.settings = EngineSettings(spec, max_num_seqs)

@@ -122,7 +122,7 @@ def load() -> VllmApi:
     )
 
 
-def set_retain_switch(on: bool, retire: bool = False) -> None:
+def set_retain_switch(on: bool, retain_retired: bool = False) -> None:
     """Set the hold switch (and the overlay's retired-state switch) for the
     next manager built in this process.
 
@@ -130,7 +130,7 @@ def set_retain_switch(on: bool, retire: bool = False) -> None:
     environment cache, when enabled, is dropped so the new value is seen).
     """
     os.environ[RETAIN_SWITCH] = "1" if on else "0"
-    os.environ[RETIRE_SWITCH] = "1" if retire else "0"
+    os.environ[RETIRE_SWITCH] = "1" if retain_retired else "0"
     clear_env_cache()
 
 
@@ -202,12 +202,12 @@ def _installer(module: ModuleType | None) -> Callable[[], object] | None:
 
 
 def load_with_hold(
-    hold: bool, hold_retired: bool, plugin: str | None
+    hold: bool, retain_retired: bool, plugin: str | None
 ) -> tuple[VllmApi, ModuleType | None]:
     """vLLM with the hold switch as a config asks (set before vLLM reads its
     environment, vLLM's env cache dropped after), `plugin` registered:
     (the API, the plugin's module or None)."""
-    set_retain_switch(hold, hold_retired)
+    set_retain_switch(hold, retain_retired)
     api = load()
     clear_env_cache()
     plugin_module = register_plugin(plugin) if plugin else None

@@ -388,8 +388,8 @@ def _admission_extra(
     tail coexist; with retired states
     retained, for a prompt that will retire one unless a hit brings it, and
     for a prompt within a block whose own tail the hold keeps."""
-    hold, retire = _enabled(manager), _retires(manager)
-    if not (hold or retire) or request_id in _holds(manager):
+    hold, retain_retired = _enabled(manager), _retires(manager)
+    if not (hold or retain_retired) or request_id in _holds(manager):
         return 0
     if hold and manager._has_partial_local_hit(hit, num_local_computed_tokens):
         return 1
@@ -402,7 +402,7 @@ def _admission_extra(
     )
     if hold and more_partial_states and sub_block:
         return 1
-    if not retire:
+    if not retain_retired:
         return 0
     if num_tokens <= block_size:
         return int(hold and int(manager.block_pool.hash_block_size) < block_size)

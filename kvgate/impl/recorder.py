@@ -290,7 +290,7 @@ def engine_config(scheduler: Any) -> tuple[Config, EngineSettings]:
         eagle=bool(getattr(scheduler, "use_eagle_block_drop", False)) or lookahead > 0,
         retention_interval=getattr(scheduler.kv_cache_config, "prefix_cache_retention_interval", 0),
         hold=holds_partial_tails(api, managers, switch),
-        hold_retired=retains_retired(api, managers),
+        retain_retired=retains_retired(api, managers),
         scheduler_block_size=int(scheduler.block_size),
         max_model_len=int(scheduler.max_model_len),
         max_num_scheduled_tokens=int(scheduler.max_num_scheduled_tokens),

@@ -391,7 +391,7 @@ class VllmScheduler:
         config is refused by name."""
         self.config = config
         self.spec_tokens = spec_tokens
-        api, plugin_module = _vllm_api.load_with_hold(config.hold, config.hold_retired, plugin)
+        api, plugin_module = _vllm_api.load_with_hold(config.hold, config.retain_retired, plugin)
         self._api = api
         # Its model is a Qwen3-Next-class hybrid: a pure Mamba model would be
         # another model.
@@ -455,7 +455,7 @@ class VllmScheduler:
             partial_hits=bool(getattr(manager.coordinator, "enable_partial_hash_hits", False)),
             hold=hold,
             hold_source=hold_source(managers, plugin, plugin_module) if hold else "",
-            retire=retains_retired(api, managers),
+            retain_retired=retains_retired(api, managers),
         )
         # Every request ever added, by name (finished ones too: a follow-up's
         # check reads the turn it follows).

@@ -52,7 +52,7 @@ class VllmTarget(OpDriver[Any]):
     def __init__(self, config: Config, plugin: str | None = None) -> None:
         super().__init__(config)
         self.plugin = plugin
-        api, plugin_module = _vllm_api.load_with_hold(config.hold, config.hold_retired, plugin)
+        api, plugin_module = _vllm_api.load_with_hold(config.hold, config.retain_retired, plugin)
         self._api: VllmApi = api
 
         # What vLLM refuses is left to vLLM's own objects; of what it builds,
@@ -75,7 +75,7 @@ class VllmTarget(OpDriver[Any]):
             partial_hits=partial,
             hold=hold,
             hold_source=hold_source(self.managers, plugin, plugin_module) if hold else "",
-            retire=retains_retired(api, self.managers),
+            retain_retired=retains_retired(api, self.managers),
         )
 
     # ---------------------------------------------------------------- extras

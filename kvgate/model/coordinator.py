@@ -55,7 +55,7 @@ class Coordinator:
         )
         # Without prefix caching no state is keyed, so nothing can be held.
         caching = config.prefix_caching
-        self.holds = Holds(self.pool, config.hold and caching, config.hold_retired and caching)
+        self.holds = Holds(self.pool, config.hold and caching, config.retain_retired and caching)
         self.scheduler_block = config.scheduler_block_size
         self.managers: list[GroupManagerT] = []
         for group_id, group in enumerate(config.groups):

@@ -41,10 +41,10 @@ class Held(NamedTuple):
 
 
 class Holds:
-    def __init__(self, pool: BlockPool, enabled: bool, retire_enabled: bool = False) -> None:
+    def __init__(self, pool: BlockPool, enabled: bool, retain_retired: bool = False) -> None:
         self.pool = pool
         self.enabled = enabled
-        self.retire_enabled = retire_enabled
+        self.retain_retired = retain_retired
         # group id -> request id -> its hold there
         self.by_group: dict[int, dict[str, Held]] = {}
 
@@ -74,12 +74,12 @@ class Holds:
         it is newer than the hold; return the blocks the caller frees (the
         rest, then a superseded hold). With the tail hold alone, only a
         partial tail (a sub-block position: a prefill checkpoint's) counts."""
-        if not (self.retire_enabled or self.enabled):
+        if not (self.retain_retired or self.enabled):
             return retired
         newest: Block | None = None
         for block in retired:
             position = block.hash_tokens
-            if position is None or (not self.retire_enabled and position % block_size == 0):
+            if position is None or (not self.retain_retired and position % block_size == 0):
                 continue
             if newest is None or position > (newest.hash_tokens or 0):
                 newest = block
@@ -141,7 +141,7 @@ class Holds:
             return 1
         if self.enabled and more_partial_states and self.pool.hash_unit < block_size:
             return 1
-        if not self.retire_enabled:
+        if not self.retain_retired:
             return 0
         if num_tokens <= block_size:
             return int(self.enabled and self.pool.hash_unit < block_size)

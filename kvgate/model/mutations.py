@@ -50,8 +50,8 @@ class Mutation:
 def _hold_off() -> list[Patch]:
     init = Holds.__init__
 
-    def __init__(self: Holds, pool: BlockPool, enabled: bool, retire: bool = False) -> None:
-        init(self, pool, enabled, retire)
+    def __init__(self: Holds, pool: BlockPool, enabled: bool, retain_retired: bool = False) -> None:
+        init(self, pool, enabled, retain_retired)
         self.enabled = False  # whatever the switch says: upstream 0.33.0
 
     return [(Holds, "__init__", __init__)]

@@ -39,7 +39,7 @@ class ModelTarget(OpDriver[Request]):
             partial_hits=config.partial_hits,
             hold=hold,
             hold_source="kvgate model" if hold else "",
-            retire=config.hold_retired,
+            retain_retired=config.retain_retired,
         )
 
     # -- requests -------------------------------------------------------------

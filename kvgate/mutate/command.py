@@ -252,6 +252,14 @@ def describe_baseline(baseline: Baseline) -> list[str]:
         )
     examples = run.exploration.examples if run.exploration else 0
     lines.append(_stage_line("exploration", run.exploration, f"{examples} examples pass unmutated"))
+    engine = run.scheduler_exploration
+    lines.append(
+        _stage_line(
+            "Scheduler-level exploration",
+            engine,
+            f"{engine.examples if engine else 0} examples in lockstep unmutated",
+        )
+    )
     lines.append(
         _stage_line("real Scheduler (prefix caching off)", run.scheduler, "in lockstep unmutated")
     )
@@ -363,9 +371,15 @@ def stage_table(campaign: Campaign) -> list[str]:
         lines.append(f"  {stage:<{width - 2}} {ran:>7} {caught:>7} {first:>7}")
     missed = sum(not r.first_stage for r in judged)
     lines.append(f"  {'caught by no stage':<{width - 2}} {'':>7} {'':>7} {missed:>7}")
-    lines.append("first stage to catch each fault:")
+    lines.append("first stage to catch each fault (and the later stages that caught it too):")
     for result in judged:
-        lines.append(f"  {result.fault.name:<38} {result.first_stage or 'none'}")
+        also = [
+            stage
+            for stage, said in result.stages_caught().items()
+            if said and stage != result.first_stage
+        ]
+        more = f" (also: {', '.join(also)})" if also else ""
+        lines.append(f"  {result.fault.name:<38} {result.first_stage or 'none'}{more}")
     return lines
 
 

@@ -182,7 +182,7 @@ class Deployment:
             retention_interval=self.retention_interval,
             hold=hold,
             # The fork's retention, like the hold, acts only with prefix caching.
-            hold_retired=self.build == "fork" and self.prefix_caching,
+            retain_retired=self.build == "fork" and self.prefix_caching,
             scheduler_block_size=block,
             max_model_len=self.tokens(self.max_model_len),
             max_num_scheduled_tokens=self.tokens(self.max_num_scheduled_tokens),

@@ -142,7 +142,7 @@ def lacking_capability(config: Config, capabilities: Capabilities) -> str:
         if not config.prefix_caching:
             return "holds nothing without prefix caching (the hold-off arm is the same run)"
         return "has no hold (pass --overlay)"
-    if config.hold_retired and not capabilities.retire:
+    if config.retain_retired and not capabilities.retain_retired:
         return "keeps no retired state (pass --overlay, or --build upstream)"
     return ""
 

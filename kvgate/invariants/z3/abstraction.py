@@ -58,7 +58,7 @@ def observe(target: ModelTarget, names: Mapping[str, int], bounds: Bounds) -> Va
     managers = coordinator.managers
     out: Values = {f.name: {} for f in FIELDS if not f.ghost}
     out["hold_on"][()] = target.config.hold
-    out["retire_on"][()] = target.config.hold_retired
+    out["retain_retired"][()] = target.config.retain_retired
     for m in bounds.mamba_ids:
         mamba = managers[m]
         out["more_partial_states"][m] = (

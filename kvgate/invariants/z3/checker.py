@@ -327,7 +327,7 @@ def bmc(
     # The traces it writes run without the fork's retention (and without the
     # knobs `more_partial_states` stands for: the realizable encoding leaves
     # that switch out).
-    solver.add(init(states[0]), states[0].hold_on == hold_on, z3.Not(states[0].retire_on))
+    solver.add(init(states[0]), states[0].hold_on == hold_on, z3.Not(states[0].retain_retired))
     selectors: list[dict[tuple[str, int | None], Any]] = []
     for k in range(1, depth + 1):
         pre, post = states[-1], State(bounds, f"s{k}")

@@ -74,7 +74,7 @@ def embed(read: Read, values: Values, bounds: Bounds, at: Instance) -> list[Any]
     `values` (every field of `vocabulary.FIELDS`) on the instance `at`."""
     out: list[Any] = []
     blocks, requests, copies = at.blocks, at.requests, at.copies
-    for name in ("hold_on", "retire_on"):
+    for name in ("hold_on", "retain_retired"):
         out.append(read(name) == values[name][()])
     for m, value in values["more_partial_states"].items():
         out.append(read(f"more_partial_states{m}") == value)

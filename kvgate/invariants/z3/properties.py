@@ -65,7 +65,7 @@ Lemmas (the strengthening; each is what some invariant's induction needs)
                             hold on, a running request reserved one
 
 Every property is proved with the hold switch (`hold_on`), the fork's
-retention (`retire_on`) and each Mamba group's `more_partial_states`
+retention (`retain_retired`) and each Mamba group's `more_partial_states`
 (prefill checkpoint blocks, the shared-prefix checkpoint) free, so for
 every setting at once; those about the hold say "with the hold on"
 themselves. `reservation_covers_tail_swap`
@@ -205,7 +205,7 @@ def reservation_covers_tail_swap(s: State, bounds: Bounds) -> list[Instance]:
     return [
         _inst(
             "reservation_covers_tail_swap",
-            z3.Implies(z3.Not(s.retire_on), s.peak[r, m] <= STEP_COPY + s.reserved[r, m]),
+            z3.Implies(z3.Not(s.retain_retired), s.peak[r, m] <= STEP_COPY + s.reserved[r, m]),
             r=r,
             g=m,
         )
@@ -343,7 +343,7 @@ def checkpoint_is_hold(s: State, bounds: Bounds) -> list[Instance]:
         lambda r, m, b: z3.If(
             s.hold_on,
             s.hold[r, m, b] == s.checkpoint[r, m, b],
-            z3.Implies(s.hold[r, m, b], s.retire_on),
+            z3.Implies(s.hold[r, m, b], s.retain_retired),
         ),
     )
 
@@ -373,14 +373,14 @@ def hold_reserved(s: State, bounds: Bounds) -> list[Instance]:
                 s.reserved[r, m] <= 1,
                 s.peak[r, m] >= 0,
                 z3.Implies(
-                    z3.And(z3.Not(s.retire_on), z3.Or(z3.Not(s.tailed[r, m]), awaiting)),
+                    z3.And(z3.Not(s.retain_retired), z3.Or(z3.Not(s.tailed[r, m]), awaiting)),
                     held <= s.reserved[r, m],
                 ),
                 # A group keeping more sub-block states reserves its extra
                 # block at admission, whatever the hit.
                 z3.Implies(
                     z3.And(
-                        z3.Not(s.retire_on),
+                        z3.Not(s.retain_retired),
                         s.hold_on,
                         s.more_partial_states[m],
                         s.phase[r] == RUNNING,

@@ -38,7 +38,7 @@ the model guarantees whatever the positions:
   run whose stale hit was retaken by another group is outside this
   encoding (the drift test's runs keep lookups fresh).
 
-- with `retain_retired` (the production fork's retention, `retire_on`),
+- with `retain_retired` (the production fork's retention, `retain_retired`),
   `remove_skipped` may keep one keyed block it drops as the request's hold
   (its table ref becomes the hold's), superseding the hold, which it frees
   with the rest; whether the dropped state is newer than the hold is a free
@@ -287,7 +287,7 @@ class Encoding(Hooks[Tx]):
         upstream = z3.If(z3.And(tx.s.hold_on, partial_hit, z3.Not(holding)), 1, 0)
         fork = tx.int("fork_extra")
         tx.require("the retained-state admission extra is 0 or 1", z3.And(fork >= 0, fork <= 1))
-        return z3.If(tx.s.retire_on, fork, upstream)
+        return z3.If(tx.s.retain_retired, fork, upstream)
 
     def or_more(self, tx: Tx, m: int, rule: Any, *widened: Any) -> Any:
         """`rule`, or with the group's `more_partial_states` switch on, `widened`.
@@ -451,7 +451,7 @@ class Encoding(Hooks[Tx]):
                 )
                 # The fork keeps any keyed state; the hold alone a sub-block
                 # one (a prefill checkpoint's, exported into a spare column).
-                by = self.or_more(tx, m, s.retire_on, self.hold_enabled(tx), s.tail_keyed[b])
+                by = self.or_more(tx, m, s.retain_retired, self.hold_enabled(tx), s.tail_keyed[b])
                 within.append(z3.Implies(keep[b], z3.And(drop, s.keyed[b], by)))
                 n["table"][r, m, b] = z3.And(s.table[r, m, b], z3.Not(drop))
                 n["own"][r, m, b] = z3.And(s.own[r, m, b], z3.Not(drop))
@@ -599,7 +599,7 @@ class Encoding(Hooks[Tx]):
         refuse = tx.bool(f"refuse[{m}]")
         tx.require(
             f"group {m}: only a retained hold refuses",
-            z3.Implies(refuse, z3.And(s.retire_on, any_of(old.values()))),
+            z3.Implies(refuse, z3.And(s.retain_retired, any_of(old.values()))),
         )
         takes = z3.And(
             z3.Or(cow_new, move),

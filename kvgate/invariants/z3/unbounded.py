@@ -312,7 +312,7 @@ class UEncoding(Hooks[UTx]):
         upstream = z3.If(z3.And(tx.s["hold_on"], partial_hit, z3.Not(holding)), 1, 0)
         fork = tx.fresh("fork_extra", out=z3.IntSort())
         tx.require("the retained-state admission extra is 0 or 1", z3.And(fork >= 0, fork <= 1))
-        return z3.If(tx.s["retire_on"], fork, upstream)
+        return z3.If(tx.s["retain_retired"], fork, upstream)
 
     def supersede(self, tx: UTx, m: int, old: Fn, do_hold: Any) -> Fn:
         """Release the superseded hold; returns which old blocks stay held."""
@@ -474,7 +474,7 @@ class UEncoding(Hooks[UTx]):
                         # The fork keeps any keyed state; the hold alone a
                         # sub-block one (an exported prefill checkpoint).
                         z3.Or(
-                            s["retire_on"],
+                            s["retain_retired"],
                             z3.And(
                                 self.hold_enabled(tx),
                                 s.field("more_partial_states", m),
@@ -695,7 +695,7 @@ class UEncoding(Hooks[UTx]):
         refuse = tx.fresh(f"refuse{m}")
         tx.require(
             f"group {m}: only a retained hold refuses",
-            z3.Implies(refuse, z3.And(s["retire_on"], holding)),
+            z3.Implies(refuse, z3.And(s["retain_retired"], holding)),
         )
         takes = z3.And(copies, tx.next["keyed"](target), z3.Not(refuse))
         do_hold = z3.And(self.hold_enabled(tx), takes)

@@ -152,7 +152,7 @@ def reservation_covers_tail_swap(s: UState) -> Any:
             forall(
                 (REQ,),
                 lambda r, m=m: z3.Implies(
-                    z3.Not(s["retire_on"]),
+                    z3.Not(s["retain_retired"]),
                     s.field("peak", m)(r) <= STEP_COPY + s.field("reserved", m)(r),
                 ),
             )
@@ -286,7 +286,7 @@ def pending_tail_shape(s: UState) -> Any:
 def checkpoint_is_hold(s: UState) -> Any:
     def each(r: Any, b: Any, m: int) -> Any:
         hold, checkpoint = s.field("hold", m)(r, b), s.field("checkpoint", m)(r, b)
-        return z3.If(s["hold_on"], hold == checkpoint, z3.Implies(hold, s["retire_on"]))
+        return z3.If(s["hold_on"], hold == checkpoint, z3.Implies(hold, s["retain_retired"]))
 
     return z3.And([forall((REQ, BLOCK), lambda r, b, m=m: each(r, b, m)) for m in s.mamba_ids])
 
@@ -303,7 +303,9 @@ def hold_reserved(s: UState) -> Any:
             peak >= 0,
             z3.Implies(
                 z3.And(
-                    z3.Not(s["retire_on"]), z3.Or(z3.Not(s.field("tailed", m)(r)), awaiting), held
+                    z3.Not(s["retain_retired"]),
+                    z3.Or(z3.Not(s.field("tailed", m)(r)), awaiting),
+                    held,
                 ),
                 reserved >= 1,
             ),
@@ -311,7 +313,7 @@ def hold_reserved(s: UState) -> Any:
             # at admission, whatever the hit.
             z3.Implies(
                 z3.And(
-                    z3.Not(s["retire_on"]),
+                    z3.Not(s["retain_retired"]),
                     s["hold_on"],
                     s.field("more_partial_states", m),
                     s["phase"](r) == RUNNING,

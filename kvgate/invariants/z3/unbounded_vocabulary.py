@@ -44,7 +44,7 @@ REQ_BLOCK = ("req", "block")
 
 UFIELDS: tuple[UField, ...] = (
     UField("hold_on", (), "bool", "", False, "the hold switch; never changes"),
-    UField("retire_on", (), "bool", "", False, "the retained-state retention; never changes"),
+    UField("retain_retired", (), "bool", "", False, "the retained-state retention; never changes"),
     UField("free", ("block",), "bool", "", False, "in the free queue"),
     UField("keyed", ("block",), "bool", "", False, "carries a prefix key"),
     UField("tail_keyed", ("block",), "bool", "", False, "carries a mid-block key"),

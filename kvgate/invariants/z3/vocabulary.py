@@ -23,7 +23,7 @@ What is kept, and what is abstracted away:
   junction; a Mamba hit on it is a partial hit). Which key, and at which
   token position, is abstracted away.
 - Configuration switches, fixed for a run and free in every proof: the hold
-  (`hold_on`), the fork's retention (`retire_on`), and per Mamba group
+  (`hold_on`), the fork's retention (`retain_retired`), and per Mamba group
   whether it keys sub-block states besides the prompt's tail
   (`more_partial_states`: prefill checkpoint blocks or the shared-prefix
   checkpoint, with a hash unit finer than its block).
@@ -184,7 +184,11 @@ class Field(NamedTuple):
 FIELDS: tuple[Field, ...] = (
     Field("hold_on", "bool", (), False, "the hold switch (config.hold); never changes"),
     Field(
-        "retire_on", "bool", (), False, "the retained-state retention (hold_retired); never changes"
+        "retain_retired",
+        "bool",
+        (),
+        False,
+        "the retained-state retention (retain_retired); never changes",
     ),
     Field("ref", "int", ("block",), False, "the block's ref count"),
     Field("free", "bool", ("block",), False, "the block is in the free queue"),
@@ -226,7 +230,7 @@ class State:
     """One state: a Z3 variable per field and index, named `<prefix>.<field>[index]`."""
 
     hold_on: Any
-    retire_on: Any
+    retain_retired: Any
     ref: dict[int, Any]
     free: dict[int, Any]
     keyed: dict[int, Any]
