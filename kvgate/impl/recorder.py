@@ -245,6 +245,7 @@ def engine_config(scheduler: Any) -> tuple[Config, EngineSettings]:
     """The trace config and engine settings of a built `Scheduler`, read from
     its own KV-cache config and settings. Raises `NotExpressible`."""
     from kvgate.impl import _vllm_api
+    from kvgate.impl.hold_overlay import switch_on
     from kvgate.impl.vllm_probe import holds_partial_tails, is_mamba, retains_retired
 
     api = _vllm_api.load()
@@ -280,7 +281,8 @@ def engine_config(scheduler: Any) -> tuple[Config, EngineSettings]:
     caching = bool(cache.enable_prefix_caching)
     lookahead = int(getattr(scheduler, "num_hash_lookahead_tokens", 0))
     attention = [g.block_size for g in groups if g.kind == "full_attention"]
-    switch = os.environ.get(_vllm_api.RETAIN_SWITCH, "0").strip() == "1"
+    # A patched build without the per-manager flag: its switch, as its managers read it.
+    switch = switch_on(_vllm_api.RETAIN_SWITCH)
     config = Config(
         num_blocks=int(manager.block_pool.num_gpu_blocks),
         # Without prefix caching nothing is hashed: the unit sizes nothing
