@@ -380,6 +380,7 @@ def test_a_driver_that_drifts_from_the_schedulers_connector_branch_diverges(
     case: Case,
     seen: str,
 ) -> None:
+    from kvgate.conformance import kv_loads
     from kvgate.conformance.driver import OpDriver
     from kvgate.model import scheduler as scheduler_model
 
@@ -391,11 +392,11 @@ def test_a_driver_that_drifts_from_the_schedulers_connector_branch_diverges(
         monkeypatch.setattr(OpDriver, "truncate_computed_blocks", lambda self, blocks, n: blocks)
     elif drift == "load_failed":
 
-        def keep_blocks(self: Any, pending: Any) -> None:
-            self.set_num_computed(pending.request, 0)
+        def keep_blocks(driver: Any, pending: Any) -> None:
+            driver.set_num_computed(pending.request, 0)
             pending.loading = pending.after_load = False
 
-        monkeypatch.setattr(OpDriver, "_fail_load", keep_blocks)
+        monkeypatch.setattr(kv_loads, "fail_load", keep_blocks)
     else:
         chunk = scheduler_model.SchedulerModel._chunk
         monkeypatch.setattr(

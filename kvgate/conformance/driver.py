@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar, cast
 
+from kvgate.conformance import kv_loads
 from kvgate.conformance.config import Config
 from kvgate.conformance.events import KvEvent, normalized
 from kvgate.conformance.ops import ACTIONS, LIVE, Phase, Segment, Step, next_phase, out_of_phase
@@ -313,20 +314,12 @@ class OpDriver(ABC, Generic[R]):
         self.requests[step.req] = pending
         return {}
 
-    def _refuse_while_loading(self, pending: Pending[R], step: Step, field: str = "req") -> None:
-        if pending.loading:
-            raise StepRefused(
-                field,
-                f"`{step.op}` of {step.req!r} while its KV load is in flight "
-                "(only allocate, which completes it, or free finish/abort)",
-            )
-
     def _op_lookup(self, step: Step) -> dict[str, Any]:
         pending = self._pending(step)
         request = pending.request
         if step.load_failed:
-            self._fail_load(pending)
-        self._refuse_while_loading(pending, step)
+            kv_loads.fail_load(self, pending)
+        kv_loads.refuse_while_loading(pending, step)
         external, load_async, diverged = 0, False, False
         if self.config.kv_connector and self.config.kv_connector_divergent_hits:
             blocks, hit, junction, diverged = self.lookup_for_connector(request)
@@ -334,8 +327,8 @@ class OpDriver(ABC, Generic[R]):
             blocks, hit, junction = self.lookup(request)
         local_hit = hit
         if self.config.kv_connector:
-            blocks, hit, junction, external, load_async = self._connector_branch(
-                step, pending, blocks, hit, junction, diverged
+            blocks, hit, junction, external, load_async = kv_loads.connector_answer(
+                self, step, pending, blocks, hit, junction, diverged
             )
         pending.hit_blocks, pending.hit, pending.has_hit = blocks, hit, True
         pending.external, pending.load_async = external, load_async
@@ -343,46 +336,6 @@ class OpDriver(ABC, Generic[R]):
         # and the Mamba groups' retention mask read it until the next lookup.
         self.set_junction(request, junction)
         return {"hit": hit, "junction": junction, "local_hit": local_hit, "external": external}
-
-    def _connector_branch(
-        self,
-        step: Step,
-        pending: Pending[R],
-        blocks: Any,
-        hit: int,
-        junction: int,
-        diverged: bool,
-    ) -> tuple[Any, int, int, int, bool]:
-        """What the Scheduler does with a KV connector after the local
-        lookup: it shows the connector the hit floored to whole scheduler
-        blocks; a remote hit strictly past the local hit's sub-block tail
-        replaces that tail (the hit is cut back to whole blocks, so no copy is
-        made); otherwise the tail stays and nothing is loaded. A per-group
-        hit deeper than some group, with nothing external, is looked up
-        again as every group agrees. Returns the blocks, hit, junction,
-        external tokens and whether the load is asynchronous."""
-        total = len(self.all_tokens(pending.request))
-        limit = total if step.remote_async else total - 1
-        if step.remote_hit > limit:
-            how = "an async load" if step.remote_async else "a sync load (the last token computes)"
-            raise StepRefused(
-                "remote_hit", f"{step.remote_hit:,} tokens, more than {limit:,} for {how}"
-            )
-        tail = hit % self.config.scheduler_block_size
-        aligned = hit - tail
-        # The connector's answer to get_num_new_matched_tokens(request, aligned).
-        offered, load_async = max(0, step.remote_hit - aligned), step.remote_async
-        if pending.skips_cache:
-            offered, load_async = 0, False
-        external = 0
-        if tail and offered > tail:
-            blocks = self.truncate_computed_blocks(blocks, aligned)
-            hit, external = aligned, offered
-        elif not tail:
-            external = offered
-        if diverged and external == 0:
-            blocks, hit, junction = self.lookup(pending.request)
-        return blocks, hit, junction, external, load_async and external > 0
 
     def _hit_for_allocation(self, pending: Pending[R]) -> tuple[Any, int, int]:
         """The pending lookup (hit blocks, hit, external tokens) applies to
@@ -399,61 +352,6 @@ class OpDriver(ABC, Generic[R]):
             "step_blocks": self.blocks_needed(pending.request, blocks, hit, False, external),
         }
 
-    def _fail_load(self, pending: Pending[R]) -> None:
-        """The connector reported the request's load failed as a whole
-        (`failed_recving`, the recompute policy: vLLM's for a model with
-        several KV-cache groups): nothing it loaded counts, so when the
-        Scheduler next reaches the request it frees its blocks
-        (`_update_waiting_for_remote_kv`) and admits it afresh, a lookup
-        first, in the same pass."""
-        if not pending.loading:
-            raise StepRefused("load_failed", "the request has no KV load in flight")
-        self.set_num_computed(pending.request, 0)
-        self.free(pending.request)
-        pending.loading = False
-
-    def _complete_load(self, pending: Pending[R]) -> None:
-        """The load finished (`_update_waiting_for_remote_kv`, which the
-        Scheduler runs right before re-admitting the request): key what it
-        loaded; a load of every token leaves the last one to compute."""
-        request = pending.request
-        computed = self.num_computed(request)
-        self.cache_blocks(request, computed)
-        if computed == len(self.all_tokens(request)):
-            self.set_num_computed(request, computed - 1)
-        pending.loading, pending.after_load = False, True
-
-    def _allocate_async_load(self, step: Step, pending: Pending[R], blocks: Any) -> dict[str, Any]:
-        """The admission of a request whose connector loads asynchronously:
-        blocks for the local hit and the external tokens, nothing to compute
-        and no lookahead yet, nothing keyed until the load completes, and the
-        loaded blocks not zeroed (the connector's loaded groups: every group)."""
-        if step.tokens != "auto":
-            raise StepRefused(
-                "tokens", "the allocation of an async KV load computes nothing: use auto"
-            )
-        request = pending.request
-        hit, external = pending.hit, pending.external
-        ok = self.allocate_slots(
-            request,
-            0,
-            hit,
-            blocks,
-            0,
-            full_sequence=self.config.reserve_full_sequence,
-            external=external,
-            delay_cache=True,
-            skip_zeroing=tuple(range(len(self.config.groups))),
-            reserved=step.reserved,
-        )
-        if ok:
-            self.record_prefix_cache_stats(request, hit)
-            self.set_num_computed(request, self.num_computed(request) + hit + external)
-            pending.load_hit = hit
-            pending.has_hit, pending.hit_blocks, pending.hit = False, None, 0
-            pending.external, pending.load_async, pending.loading = 0, False, True
-        return {"ok": ok, "tokens": 0, "prompt_done": False, "loading": ok}
-
     def _op_allocate(self, step: Step) -> dict[str, Any]:
         pending = self._pending(step)
         request = pending.request
@@ -462,13 +360,13 @@ class OpDriver(ABC, Generic[R]):
         sync_load, pending.sync_load = pending.sync_load, None
         if step.invalid_blocks and pending.loading:
             # Policy recompute: the load completes with its valid blocks only.
-            self._complete_partial_load(pending, step.invalid_blocks)
+            kv_loads.complete_partial_load(self, pending, step.invalid_blocks)
         elif step.invalid_blocks:
             # Policy recompute: the request is rescheduled from its last
             # valid block (`_update_requests_with_invalid_blocks`).
-            self._truncate_at_invalid(pending, sync_load, step.invalid_blocks)
+            kv_loads.truncate_at_invalid(self, pending, sync_load, step.invalid_blocks)
         if pending.loading:
-            self._complete_load(pending)
+            kv_loads.complete_load(self, pending)
             if step.complete_only:
                 # vLLM's scan reached the reported load and completed it, then
                 # had nothing to run for the request this step.
@@ -476,7 +374,7 @@ class OpDriver(ABC, Generic[R]):
         blocks, hit, external = self._hit_for_allocation(pending)
         admitting = pending.has_hit and not self.has_blocks(request)
         if admitting and pending.load_async:
-            return self._allocate_async_load(step, pending, blocks)
+            return kv_loads.allocate_async_load(self, step, pending, blocks)
         start = self.num_computed(request) + hit + external
         total = len(self.all_tokens(request))
         if step.tokens == "auto":
@@ -536,89 +434,10 @@ class OpDriver(ABC, Generic[R]):
             result["cached_tokens"] = self.estimate_cached_tokens(request)
         return result
 
-    def _invalid_block_start(
-        self, pending: Pending[R], hit: int, computed: int, invalid: tuple[int, ...]
-    ) -> tuple[int, list[int]]:
-        """The first invalid block's index in the request's table (the one
-        group's) and the table's ids, once the indices are checked: each
-        names a block the load filled (from the hit's end to the loaded
-        tokens' last block), shared with no other request. vLLM scans every
-        request for the failed ids (a later one sharing a block keeps it as
-        computed), but on a single group none can share one: a Mamba state
-        keyed in a step is adopted only from the next step on (the
-        same-step hit is deferred), after the step's output reported the
-        failure. A request holding one here was scheduled before the failure
-        was written: refused by name."""
-        size = self.config.scheduler_block_size
-        first_loaded, end = hit // size, -(-computed // size)
-        ids = self.block_ids(pending.request)
-        for index in invalid:
-            if not first_loaded <= index < min(end, len(ids)) or ids[index] == 0:
-                raise StepRefused(
-                    "invalid_blocks",
-                    f"block {index} is not one the KV load filled (blocks "
-                    f"{first_loaded}..{end - 1} of {len(ids)}, null ones excluded)",
-                )
-        failed = {ids[i] for i in invalid}
-        for name, other in self.requests.items():
-            if other is pending or other.phase not in LIVE or not self.has_blocks(other.request):
-                continue
-            if failed & set(self.block_ids(other.request)):
-                raise StepRefused(
-                    "invalid_blocks",
-                    f"a failed block is shared with {name!r}, which took it after the failed "
-                    "step (write the failure before that request is scheduled again)",
-                )
-        return invalid[0], ids
-
-    def _truncate_at_invalid(
-        self, pending: Pending[R], sync_load: tuple[int, int, bool] | None, invalid: tuple[int, ...]
-    ) -> list[int]:
-        """A sync load's blocks reported invalid in the output of the step
-        that loaded them: the request's computed tokens end at its first
-        invalid block. Returns the ids of that block and every later one."""
-        if sync_load is None:
-            raise StepRefused(
-                "invalid_blocks",
-                "the request's last scheduled step loaded no KV synchronously "
-                "(a sync load's admission, with external tokens)",
-            )
-        hit, before, sampled = sync_load
-        if sampled:
-            raise StepRefused(
-                "invalid_blocks",
-                "the failed step sampled (its allocate's sample): vLLM discards the output "
-                "of a request whose loaded blocks failed",
-            )
-        first, ids = self._invalid_block_start(pending, hit, before, invalid)
-        self.set_num_computed(pending.request, first * self.config.scheduler_block_size)
-        return ids[first:]
-
-    def _complete_partial_load(self, pending: Pending[R], invalid: tuple[int, ...]) -> None:
-        """An async load completed with some blocks invalid (policy
-        recompute): the computed tokens end at the first one, the valid
-        ones are keyed and the rest re-zeroed before they are recomputed
-        (`_update_waiting_for_remote_kv`); the request is then re-admitted."""
-        request = pending.request
-        first, _ = self._invalid_block_start(
-            pending, pending.load_hit, self.num_computed(request), invalid
-        )
-        valid = first * self.config.scheduler_block_size
-        if valid == 0:
-            raise StepRefused(
-                "invalid_blocks",
-                "the request's first block failed, so nothing valid is left: the Scheduler "
-                "frees it and looks it up again (write load_failed on a lookup)",
-            )
-        self.set_num_computed(request, valid)
-        self.cache_blocks(request, valid)
-        self.record_blocks_for_zeroing(request, valid)
-        pending.loading, pending.after_load = False, True
-
     def _op_decode1(self, step: Step) -> dict[str, Any]:
         pending = self._pending(step)
         pending.sync_load = None
-        self._refuse_while_loading(pending, step)
+        kv_loads.refuse_while_loading(pending, step)
         request = pending.request
         if self.num_computed(request) >= len(self.all_tokens(request)):
             # The token the last chunk sampled.
@@ -655,7 +474,7 @@ class OpDriver(ABC, Generic[R]):
         pending = self._pending(step)
         if step.how == "preempt":
             # Only a running request is preempted; a loading one waits.
-            self._refuse_while_loading(pending, step, "how")
+            kv_loads.refuse_while_loading(pending, step, "how")
         if step.load_failed and not pending.loading:
             # Policy fail: the Scheduler fails a request whose async load the
             # worker reported failed (`failed_recving`), and only such one.
@@ -663,15 +482,21 @@ class OpDriver(ABC, Generic[R]):
         sync_load, pending.sync_load = pending.sync_load, None
         if step.invalid_blocks and pending.loading:
             # Policy fail, an async load: not cached yet, so nothing to evict.
-            first, _ = self._invalid_block_start(
-                pending, pending.load_hit, self.num_computed(pending.request), step.invalid_blocks
+            first, _ = kv_loads.invalid_block_start(
+                self,
+                pending,
+                pending.load_hit,
+                self.num_computed(pending.request),
+                step.invalid_blocks,
             )
             self.set_num_computed(pending.request, first * self.config.scheduler_block_size)
         elif step.invalid_blocks:
             # Policy fail, a sync load: its blocks were keyed when allocated,
             # so the failed block and every later one of the request leave
             # the prefix cache (`evict_blocks`); they stay allocated.
-            self.evict_blocks(self._truncate_at_invalid(pending, sync_load, step.invalid_blocks))
+            self.evict_blocks(
+                kv_loads.truncate_at_invalid(self, pending, sync_load, step.invalid_blocks)
+            )
         # A request failed for its load ends as any ended request does: the
         # Scheduler's error finish (`finish_requests`) frees what it no longer
         # needs below its computed tokens (its hit and the external tokens:
