@@ -11,7 +11,8 @@ replay up to the cut with `--partial`. A write that fails stops recording
 with one log line and leaves the engine serving.
 
 `KVGATE_LONG_RECORDING=1` also records a longer workload (several hundred
-engine steps) and replays it on both targets.
+engine steps), replays it on both targets, and shrinks its divergence under
+the fault to at most 5% of its entries (`kvgate shrink`).
 """
 
 from __future__ import annotations
@@ -299,6 +300,11 @@ def serve_with_a_stop_token(recordings: Path) -> None:
                     sampled[name] = [stop_token if last else 5]
             real.update(sampled)
         assert not requests, "both requests finished"
+        # Shutting the Scheduler down ends its file (the recorder is still on).
+        real.scheduler.shutdown()
+        [path] = sorted(recordings.iterdir())
+        entries = len(load_trace(path).engine)
+        assert path.read_text().endswith(f"end: {{entries: {entries}}}\n")
         real.close()
     finally:
         recorder.uninstall()

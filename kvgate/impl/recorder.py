@@ -5,7 +5,7 @@ A vLLM general plugin (entry point group `vllm.general_plugins`, name
 environment; it wraps nothing unless `KVGATE_RECORD=DIR` is set when the
 process starts. Then `install()` wraps the entry points of vLLM's
 `Scheduler` class (its constructor, `add_request`, `schedule`,
-`update_from_output`, `finish_requests`, `reset_prefix_cache`) and each
+`update_from_output`, `finish_requests`, `reset_prefix_cache`, `shutdown`) and each
 `Scheduler` built afterwards writes its history to `DIR` as scheduler-level
 traces (docs/scheduler-traces.md): the config read from the engine's own
 KV-cache and scheduler settings, then one `engine` entry per call, with what
@@ -34,6 +34,7 @@ What is written (docs/how-to/record-and-replay.md is the user's page):
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import hashlib
@@ -80,6 +81,7 @@ WRAPPED = (
     "update_from_output",
     "finish_requests",
     "reset_prefix_cache",
+    "shutdown",
 )
 
 _logger = logging.getLogger(LOGGER_NAME)
@@ -160,6 +162,11 @@ def install(
             wrapper.__module__ = __name__
             _originals[name] = original
             setattr(Scheduler, name, wrapper)
+        if not _exit_registered:
+            # An engine that exits without shutting its Scheduler down still
+            # ends each file with its end line.
+            atexit.register(_close_all)
+            _exit_registered.append(True)
 
 
 def uninstall() -> None:
@@ -172,8 +179,15 @@ def uninstall() -> None:
         for name, original in _originals.items():
             setattr(Scheduler, name, original)
         _originals.clear()
-        for recording in list(_Recording.open_ones):
-            recording.close()
+        _close_all()
+
+
+_exit_registered: list[bool] = []
+
+
+def _close_all() -> None:
+    for recording in list(_Recording.open_ones):
+        recording.close()
 
 
 def _open(path: Path) -> IO[str]:
@@ -534,7 +548,9 @@ class _Recording:
     ) -> None:
         if self.file is None:
             return
-        if call == "add_request":
+        if call == "shutdown":
+            self.close()
+        elif call == "add_request":
             self.arrived(args[0] if args else kwargs["request"])
         elif call == "schedule":
             self.scheduled(result)
