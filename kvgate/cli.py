@@ -334,13 +334,7 @@ def _parser() -> argparse.ArgumentParser:
             help="raise one of a trace's limits (docs/trace-format.md, Limits): "
             + ", ".join(Limits.names()),
         )
-        command.add_argument(
-            "--partial",
-            action="store_true",
-            help="a recording cut short (a truncated file, an entry cut mid-write, an entry this "
-            "kvgate does not know) replays the entries recorded before the cut, with a note, "
-            "instead of being refused (docs/how-to/record-and-replay.md)",
-        )
+        options.add_partial(command)
     for module in COMMAND_MODULES:
         importlib.import_module(module).register(commands)
     for command in commands.choices.values():

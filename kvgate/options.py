@@ -120,6 +120,16 @@ def plugin_of(args: argparse.Namespace) -> str | None:
     return plugin
 
 
+def add_partial(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--partial",
+        action="store_true",
+        help="a recording cut short (a truncated file, an entry cut mid-write, an entry this "
+        "kvgate does not know) replays the entries recorded before the cut, with a note, "
+        "instead of being refused (docs/how-to/record-and-replay.md)",
+    )
+
+
 def add_level(parser: argparse.ArgumentParser, levels: Sequence[str], default: str) -> None:
     parser.add_argument(
         "--level",

@@ -1,7 +1,7 @@
 """`kvgate shrink`: make a diverging trace small enough to read.
 
     kvgate shrink TRACE [--target vllm|model] [--keep first-divergence] [-o OUT]
-                  [--plugin MODULE] [--level api|strict]
+                  [--plugin MODULE] [--level api|strict] [--partial]
 
 The trace, of either kind (manager-level or scheduler-level; written by
 hand, generated, explored or recorded), is replayed on the target the way
@@ -11,7 +11,9 @@ divergence (its kind of step, level and field) is what the shrunk trace
 must keep; `conformance.shrink` then removes requests, steps, tokens and
 pool blocks while it does. Every candidate runs in this process (vLLM is
 imported once). On `--target model` there is no lockstep: the trace's own
-expectations are what the model fails, so candidates keep them.
+expectations are what the model fails, so candidates keep them. A
+recording cut short is refused, as by `kvgate replay`, unless `--partial`
+asks to shrink the entries recorded before the cut.
 
 The result is written with the project's writer (default: beside TRACE,
 `NAME.shrunk.yaml`), readable by `kvgate replay`, and one line says what
@@ -82,12 +84,13 @@ def register(subparsers: Any) -> None:
     options.add_overlay(cmd)
     options.add_plugin(cmd)
     options.add_level(cmd, LEVELS, "strict")
+    options.add_partial(cmd)
     cmd.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
     path: Path = args.trace
-    trace = load_trace(path)
+    trace = load_trace(path, partial=args.partial)
     if trace.expect_refused is not None:
         raise InputError(f"{path}: a refusal trace has no steps to shrink")
     out: Path = args.out or path.with_name(f"{path.stem}.shrunk.yaml")

@@ -11,7 +11,8 @@ replay up to the cut with `--partial`. A write that fails stops recording
 with one log line and leaves the engine serving.
 
 `KVGATE_LONG_RECORDING=1` also records a longer workload (several hundred
-engine steps) and replays it on both targets.
+engine steps), replays it on both targets, and shrinks its divergence under
+the fault to at most 5% of its entries (`kvgate shrink`).
 """
 
 from __future__ import annotations
@@ -252,6 +253,22 @@ def test_a_recording_cut_short_is_one_error_and_replays_up_to_the_cut(
     assert f"PASS {how} ({before} steps" in out
 
 
+def test_shrink_refuses_a_recording_cut_short_unless_partial(
+    small_recording: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    file, before = cut_variants(small_recording, tmp_path / "cut")["truncated"]
+    shrink = ["shrink", str(file), "--target", "model", "-o", str(tmp_path / "out.yaml")]
+    assert cli.main(shrink) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"kvgate: error: {file}: step {before}: ")
+    assert "--partial replays" in line
+    # With --partial the entries before the cut are read: they conform on
+    # the model, so there is nothing to shrink.
+    assert cli.main([*shrink, "--partial"]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line == f"kvgate: error: {file}: does not diverge on --target model: nothing to shrink"
+
+
 def serve_with_a_stop_token(recordings: Path) -> None:
     """vLLM's Scheduler serves A, whose client asked for a stop token that A
     samples as its 4th output token of 8, then B, which continues A's whole
@@ -283,6 +300,11 @@ def serve_with_a_stop_token(recordings: Path) -> None:
                     sampled[name] = [stop_token if last else 5]
             real.update(sampled)
         assert not requests, "both requests finished"
+        # Shutting the Scheduler down ends its file (the recorder is still on).
+        real.scheduler.shutdown()
+        [path] = sorted(recordings.iterdir())
+        entries = len(load_trace(path).engine)
+        assert path.read_text().endswith(f"end: {{entries: {entries}}}\n")
         real.close()
     finally:
         recorder.uninstall()

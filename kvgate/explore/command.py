@@ -486,7 +486,11 @@ def write_scheduler_summary(out: TextIO, outcome: SchedulerOutcome) -> None:
         f"async {ops['arrive:remote:async']})",
         file=out,
     )
-    print(f"  step     {ops['step']:>7}  (preemptions {stats.preemptions})", file=out)
+    print(
+        f"  step     {ops['step']:>7}  (preemptions {stats.preemptions}; a stop condition "
+        f"ended a running request {ops['step:stop']})",
+        file=out,
+    )
     aborts = ", ".join(f"{where} {ops[f'abort:{where}']}" for where in ABORT_PLACES)
     print(f"  abort    {sum(ops[f'abort:{w}'] for w in ABORT_PLACES):>7}  ({aborts})", file=out)
     resets = [

@@ -444,12 +444,20 @@ class SchedulerMachine(RuleBasedStateMachine):
         return RemoteHit(tokens, load_async, delay if load_async else 0)
 
     @precondition(lambda self: self.lockstep is not None)
-    @rule(steps=st.integers(1, 6))
-    def step(self, steps: int) -> None:
-        for _ in range(steps):
+    @rule(steps=st.integers(1, 6), stop=st.integers(0, 2 * MAX_SEQS - 1))
+    def step(self, steps: int, stop: int) -> None:
+        """`steps` engine steps; in the first, a stop condition ends the
+        running request `stop` picks (in half the draws: none)."""
+        assert self.model is not None
+        running = [r.name for r in self.model.running]
+        stopped = (running[stop],) if stop < len(running) and stop < MAX_SEQS else ()
+        for position in range(steps):
             self.stats.engine_steps += 1
             self.stats.ops["step"] += 1
-            self.apply(EngineStep("step", 0))
+            first = position == 0 and stopped
+            if first:
+                self.stats.ops["step:stop"] += 1
+            self.apply(EngineStep("step", 0, stop=stopped if first else ()))
 
     @precondition(lambda self: self.lockstep is not None and bool(self.live()))
     @rule(pick=st.integers(0, MAX_REQUESTS - 1))

@@ -5,7 +5,7 @@ A vLLM general plugin (entry point group `vllm.general_plugins`, name
 environment; it wraps nothing unless `KVGATE_RECORD=DIR` is set when the
 process starts. Then `install()` wraps the entry points of vLLM's
 `Scheduler` class (its constructor, `add_request`, `schedule`,
-`update_from_output`, `finish_requests`, `reset_prefix_cache`) and each
+`update_from_output`, `finish_requests`, `reset_prefix_cache`, `shutdown`) and each
 `Scheduler` built afterwards writes its history to `DIR` as scheduler-level
 traces (docs/scheduler-traces.md): the config read from the engine's own
 KV-cache and scheduler settings, then one `engine` entry per call, with what
@@ -34,6 +34,7 @@ What is written (docs/how-to/record-and-replay.md is the user's page):
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import hashlib
@@ -80,6 +81,7 @@ WRAPPED = (
     "update_from_output",
     "finish_requests",
     "reset_prefix_cache",
+    "shutdown",
 )
 
 _logger = logging.getLogger(LOGGER_NAME)
@@ -160,6 +162,11 @@ def install(
             wrapper.__module__ = __name__
             _originals[name] = original
             setattr(Scheduler, name, wrapper)
+        if not _exit_registered:
+            # An engine that exits without shutting its Scheduler down still
+            # ends each file with its end line.
+            atexit.register(_close_all)
+            _exit_registered.append(True)
 
 
 def uninstall() -> None:
@@ -172,8 +179,15 @@ def uninstall() -> None:
         for name, original in _originals.items():
             setattr(Scheduler, name, original)
         _originals.clear()
-        for recording in list(_Recording.open_ones):
-            recording.close()
+        _close_all()
+
+
+_exit_registered: list[bool] = []
+
+
+def _close_all() -> None:
+    for recording in list(_Recording.open_ones):
+        recording.close()
 
 
 def _open(path: Path) -> IO[str]:
@@ -231,6 +245,7 @@ def engine_config(scheduler: Any) -> tuple[Config, EngineSettings]:
     """The trace config and engine settings of a built `Scheduler`, read from
     its own KV-cache config and settings. Raises `NotExpressible`."""
     from kvgate.impl import _vllm_api
+    from kvgate.impl.hold_overlay import switch_on
     from kvgate.impl.vllm_probe import holds_partial_tails, is_mamba, retains_retired
 
     api = _vllm_api.load()
@@ -266,7 +281,8 @@ def engine_config(scheduler: Any) -> tuple[Config, EngineSettings]:
     caching = bool(cache.enable_prefix_caching)
     lookahead = int(getattr(scheduler, "num_hash_lookahead_tokens", 0))
     attention = [g.block_size for g in groups if g.kind == "full_attention"]
-    switch = os.environ.get(_vllm_api.RETAIN_SWITCH, "0").strip() == "1"
+    # A patched build without the per-manager flag: its switch, as its managers read it.
+    switch = switch_on(_vllm_api.RETAIN_SWITCH)
     config = Config(
         num_blocks=int(manager.block_pool.num_gpu_blocks),
         # Without prefix caching nothing is hashed: the unit sizes nothing
@@ -534,7 +550,9 @@ class _Recording:
     ) -> None:
         if self.file is None:
             return
-        if call == "add_request":
+        if call == "shutdown":
+            self.close()
+        elif call == "add_request":
             self.arrived(args[0] if args else kwargs["request"])
         elif call == "schedule":
             self.scheduled(result)
