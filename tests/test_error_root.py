@@ -8,6 +8,7 @@ import argparse
 import importlib
 import inspect
 import pkgutil
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -102,3 +103,25 @@ def test_the_command_line_exits_with_the_class_code(
     assert len(err.splitlines()) == 1 and "what went wrong\\nsecond line" in err
     kind = "internal error" if error.exit_code == EXIT_KVGATE_BUG else "error"
     assert err.startswith(f"kvgate: {kind}: ")
+
+
+def test_a_request_the_pool_can_never_run_is_bad_input_not_a_kvgate_bug(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Alone in the pool, a request whose sequence outgrows it preempts
+    itself for ever (vLLM's Scheduler loops the same way): the trace's
+    config cannot run it, said in one line naming the step and the field."""
+    corpus = Path(kvgate.__file__).parent / "conformance" / "corpus" / "scheduler"
+    source = (corpus / "sched-preempt-under-pressure-and-resume.yaml").read_text()
+    header = source[: source.index("engine:")]
+    assert "num_blocks: 30" in header
+    trace = tmp_path / "too-long.yaml"
+    trace.write_text(
+        header
+        + "engine:\n"
+        + "  - {op: arrive, req: A, prompt: [{fresh: 100}], max_tokens: 400}\n"
+        + "  - {op: step, steps: 200}\n"
+    )
+    assert cli.main(["replay", str(trace), "--target", "model", "-q"]) == EXIT_INPUT
+    out = capsys.readouterr().out
+    assert f"{trace}: step 1: config.num_blocks: A cannot run on a pool of 30 blocks" in out

@@ -53,15 +53,19 @@ from kvgate.conformance.driver import chunk_offer
 from kvgate.conformance.ops import ACTIONS, Segment, Step
 from kvgate.conformance.scheduling import EngineOutcome, PrefixCacheStats, RemoteHit
 from kvgate.conformance.snapshot import Snapshot
-from kvgate.conformance.target import Capabilities
+from kvgate.conformance.target import Capabilities, StepRefused
 from kvgate.conformance.tokens import HashInputs
 from kvgate.model.request import Request
 from kvgate.model.split import chunk_tokens
 from kvgate.model.target import ModelTarget
 
 
-class SchedulerStuck(RuntimeError):
-    """The requests cannot run on this pool (a request never fits)."""
+class SchedulerStuck(StepRefused):
+    """The requests cannot run on this pool (a request never fits): the
+    trace's config cannot run it, as vLLM's Scheduler would loop for ever."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("config.num_blocks", message)
 
 
 # A prefill chunk as the scheduler writes it: (the `allocate`'s `tokens`, the
