@@ -111,7 +111,7 @@ def test_some_hold_on_traces_are_outside_the_holds_scope() -> None:
 
 @pytest.mark.parametrize("trace", RETIRED, ids=ids(RETIRED))
 def test_retired_state_traces_say_upstream_keeps_none(trace: Trace) -> None:
-    result = replay_on_upstream(trace, "retire")
+    result = replay_on_upstream(trace, "retain_retired")
     assert RETIRE_NOTE in result.notes
     failures = result.failures
     assert all(d.level == "expect" for d in failures)
