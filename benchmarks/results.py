@@ -144,13 +144,15 @@ SECTIONS = (
             f"{PY} benchmarks/replay_speed.py --rounds 3",
             f"{PY} benchmarks/workload.py --scale 16",
             f"{PY} benchmarks/recorder_overhead.py",
+            f"{PY} benchmarks/gate_cost.py",
         ),
         render_whole,
         "Ratios measured within one run, so the machine's speed cancels out: the corpus "
         "replayed on the model against vLLM (below 1: the model is faster), the "
         "production workload on each target alone (time and peak memory), and the "
         "recorder's overhead: the time inside vLLM's Scheduler calls with the recorder on "
-        "against off, replaying one recorded workload.",
+        "against off, replaying one recorded workload; and what each bundled corpus costs "
+        "a gate run (wall and CPU time, vLLM imported once).",
     ),
     Section(
         "matrix",

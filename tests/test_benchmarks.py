@@ -43,6 +43,11 @@ SMOKE: dict[str, tuple[list[str], str, bool]] = {
         "per fault: wall mean ",
         True,
     ),
+    "gate_cost.py": (
+        ["--rounds", "1", "--manager", "{corpus}", "--scheduler", "{corpus}"],
+        "scheduler-level / manager-level: ",
+        True,
+    ),
     "recorder_overhead.py": (
         ["--scale", "64", "--sessions", "1", "--turns", "2", "--rounds", "1"],
         "recorder overhead ratio: ",
