@@ -164,12 +164,19 @@ def _vllm_config(
     )
     speculative = None
     if spec_tokens:
+        # Legacy hashes (and, with eagle, the trailing-block drop) unless
+        # the trace asks for lookahead hashes, which vLLM then derives. A
+        # release without lookahead hashes has no switch for them: it keeps
+        # legacy hashes (asked for lookahead ones, it is refused below).
+        hashes: dict[str, bool] = {}
+        if config.hash_lookahead_tokens or "disable_lookahead_block_hashes" in getattr(
+            SpeculativeConfig, "__dataclass_fields__", {}
+        ):
+            hashes["disable_lookahead_block_hashes"] = not config.hash_lookahead_tokens
         speculative = SpeculativeConfig(
             method="mtp",
             num_speculative_tokens=spec_tokens,
-            # Legacy hashes (and, with eagle, the trailing-block drop) unless
-            # the trace asks for lookahead hashes, which vLLM then derives.
-            disable_lookahead_block_hashes=not config.hash_lookahead_tokens,
+            **hashes,
             disable_eagle_block_drop=not config.eagle,
             target_model_config=model,
             target_parallel_config=ParallelConfig(),
@@ -312,7 +319,8 @@ def _check_derived(scheduler: Any, config: Config, spec_tokens: int, hash_block:
         ("eagle", int(scheduler.num_lookahead_tokens), spec_tokens),
         (
             "hash_lookahead_tokens",
-            int(scheduler.num_hash_lookahead_tokens),
+            # A release without lookahead hashes (0.32.0) hashes none.
+            int(getattr(scheduler, "num_hash_lookahead_tokens", 0)),
             config.hash_lookahead_tokens,
         ),
         (
