@@ -203,7 +203,9 @@ def run_section(section: Section) -> str:
         seconds += time.perf_counter() - clock
         # vLLM's own log lines go to stderr: shown only when the command failed.
         errors = done.stderr.strip().splitlines()[-5:] if done.returncode else []
-        outputs.append("\n".join([done.stdout.rstrip(), *errors, f"exit {done.returncode}"]))
+        text = "\n".join([done.stdout.rstrip(), *errors, f"exit {done.returncode}"])
+        # Paths inside the checkout as a reader's checkout names them.
+        outputs.append(text.replace(f"{ROOT}/", ""))
     commands = "\n".join(f"    {c.replace(PY, 'python')}" for c in section.commands)
     return (
         f"## {section.title}\n\n{section.about}\n\n"
