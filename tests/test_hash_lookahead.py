@@ -4,6 +4,7 @@ the trailing-block drop, and the installed vLLM on the same traces."""
 
 from __future__ import annotations
 
+import contextlib
 from contextlib import closing
 from dataclasses import replace
 from pathlib import Path
@@ -164,24 +165,30 @@ def test_vllm_hashes_cover_the_lookahead_token() -> None:
         target.close()
 
 
-@needs_vllm
-def test_the_lookahead_fault_is_caught_by_the_sibling_trace() -> None:
-    """With the hasher's off-by-one in effect, the sibling that diverges right
-    at a block boundary no longer replays: its hash there is its sibling's."""
+def conforms_on_vllm(trace_name: str, fault: str = "") -> bool:
+    """The bundled manager-level trace replays on the installed vLLM in strict
+    lockstep with the model (with the named fault in effect, if any)."""
     from kvgate.impl.vllm_target import VllmTarget
     from kvgate.mutate.faults import BY_NAME
     from kvgate.mutate.inject import injected
 
-    trace = CORPUS["mtp-lookahead-sibling-diverges-at-boundary"]
+    trace = CORPUS[trace_name]
+    with contextlib.ExitStack() as stack:
+        if fault:
+            stack.enter_context(injected(BY_NAME[fault]))
+        target = stack.enter_context(closing(VllmTarget(trace.config)))
+        return replay(trace, target, ModelTarget, "strict").passed
 
-    def run() -> bool:
-        with closing(VllmTarget(trace.config)) as target:
-            return replay(trace, target, ModelTarget, "strict").passed
 
-    assert run()
-    with injected(BY_NAME["lookahead-hash-misses-next-token"]):
-        assert not run()
-    assert run()
+@needs_vllm
+def test_the_lookahead_fault_is_caught_by_the_sibling_trace() -> None:
+    """With the hasher's off-by-one in effect, the sibling that diverges right
+    at a block boundary no longer replays: its hash there is its sibling's."""
+    assert conforms_on_vllm("mtp-lookahead-sibling-diverges-at-boundary")
+    assert not conforms_on_vllm(
+        "mtp-lookahead-sibling-diverges-at-boundary", "lookahead-hash-misses-next-token"
+    )
+    assert conforms_on_vllm("mtp-lookahead-sibling-diverges-at-boundary")
 
 
 def test_attention_cached_stops_where_the_keys_do() -> None:
@@ -238,26 +245,13 @@ def test_the_real_scheduler_keeps_lockstep_with_lookahead_hashes(
 
 
 @needs_vllm
-@pytest.mark.parametrize(
-    "trace_name", ["mtp2-prompt-tail-stop", "mtp3-prompt-tail-stop"]
-)
+@pytest.mark.parametrize("trace_name", ["mtp2-prompt-tail-stop", "mtp3-prompt-tail-stop"])
 def test_the_tail_stop_that_ignores_the_lookahead_is_caught(trace_name: str) -> None:
     """The split's prompt-tail stop differs from one that ignores the
     lookahead only when it is wider than one token: the multi-module traces
     replay on stock vLLM and diverge with the fault in effect."""
-    from kvgate.impl.vllm_target import VllmTarget
-    from kvgate.mutate.faults import BY_NAME
-    from kvgate.mutate.inject import injected
-
-    trace = CORPUS[trace_name]
-
-    def run() -> bool:
-        with closing(VllmTarget(trace.config)) as target:
-            return replay(trace, target, ModelTarget, "strict").passed
-
-    assert run()
-    with injected(BY_NAME["sched-split-tail-ignores-lookahead"]):
-        assert not run()
+    assert conforms_on_vllm(trace_name)
+    assert not conforms_on_vllm(trace_name, "sched-split-tail-ignores-lookahead")
 
 
 @needs_vllm
@@ -338,7 +332,9 @@ def test_a_scheduler_model_without_the_prefill_reservation_misses_the_cut(
 
 
 @needs_vllm
-@pytest.mark.parametrize("trace_name", ["sched-mtp2-prompt-tail-stop", "sched-mtp3-prompt-tail-stop"])
+@pytest.mark.parametrize(
+    "trace_name", ["sched-mtp2-prompt-tail-stop", "sched-mtp3-prompt-tail-stop"]
+)
 def test_the_real_schedulers_tail_stop_that_ignores_the_lookahead_diverges(
     trace_name: str,
 ) -> None:
@@ -377,9 +373,8 @@ def test_a_release_without_lookahead_hashes_refuses_them_by_name(
 
     from kvgate.impl.vllm_scheduler import VllmScheduler
 
-    monkeypatch.setattr(
-        vllm.config, "SpeculativeConfig", type("SpeculativeConfig", (), {"__dataclass_fields__": {}})
-    )
+    without_switch = type("SpeculativeConfig", (), {"__dataclass_fields__": {}})
+    monkeypatch.setattr(vllm.config, "SpeculativeConfig", without_switch)
     trace = SCHEDULER_CORPUS["sched-mtp2-prompt-tail-stop"]
     with pytest.raises(UnsupportedConfig) as refused:
         VllmScheduler(trace.config, spec_tokens=2, max_num_seqs=4)

@@ -399,11 +399,7 @@ def vllm_rules(config: Config) -> None:
                 "scheduler_block_size",
                 f"{scheduler} is not a multiple of group {i}'s block_size {g.block_size}",
             )
-    if (
-        config.prefix_caching
-        and config.eagle_group_ids
-        and scheduler < config.prefill_lookahead
-    ):
+    if config.prefix_caching and config.eagle_group_ids and scheduler < config.prefill_lookahead:
         # The coordinator's own check: the tail a multi-module MTP drafter
         # reads ahead must fit in one scheduler block.
         raise RefusedByVllm(

@@ -632,9 +632,7 @@ class SchedulerModel:
                 (failed if remote.fails else loaded).append(live.name)
         return loaded, failed
 
-    def _chunk(
-        self, request: Request, hit: int, budget: int
-    ) -> _Chunk | Literal["skip"] | None:
+    def _chunk(self, request: Request, hit: int, budget: int) -> _Chunk | Literal["skip"] | None:
         """The next prefill chunk within `budget`: (as written, tokens run,
         padding rows); None when the split leaves nothing to run this step,
         `_SKIP` when the prefill lookahead does."""
@@ -652,8 +650,9 @@ class SchedulerModel:
         most = self.config.max_num_scheduled_tokens
         full = chunk_offer(self.config, remaining, most, self.num_eligible)
         replayed = chunk_offer(self.config, remaining, most, self.writer.oracle.num_live())
+        replayed_split = chunk_tokens(self.config, request, replayed, hit)
         replayed_tokens = reserve_prefill_lookahead(
-            self.config, request.num_tokens, start, chunk_tokens(self.config, request, replayed, hit)
+            self.config, request.num_tokens, start, replayed_split
         )
         auto = offered == full and replayed_tokens == tokens
         return ("auto" if auto else tokens), tokens, 0
