@@ -503,19 +503,7 @@ class OpDriver(ABC, Generic[R]):
         # under fail nothing resets them), hands the connector its blocks,
         # and frees them once the worker reports the load done, in the same
         # output; it counts nothing in the prefix-cache stats.
-        result: dict[str, Any] = {}
-        if step.how != "preempt":
-            # A request that ends hands a KV producer's connector its partial
-            # tails, then its computed blocks (`_connector_finished`).
-            result["partial_tail_offloads"] = self.finalize_partial_tail_offloads(pending.request)
-            if self.config.kv_connector:
-                # With a connector the Scheduler frees what the request no
-                # longer needs before handing the connector its blocks
-                # (`_connector_finished`); without one it frees them all at once.
-                self.remove_skipped_blocks(pending.request, self.num_computed(pending.request))
-            result["computed_block_ids"] = self.computed_block_ids(
-                pending.request, self.num_computed(pending.request)
-            )
+        result = {} if step.how == "preempt" else self._request_ends(pending)
         self.free(pending.request)
         if step.how == "preempt":
             # Back to waiting with nothing computed; the output stays.
@@ -526,11 +514,31 @@ class OpDriver(ABC, Generic[R]):
             self.mark(pending.request, "preempted")
         return result
 
+    def _request_ends(self, pending: Pending[R]) -> dict[str, Any]:
+        """What the Scheduler does for a request that ends, before its blocks
+        are freed or kept aside: hands a KV producer's connector its partial
+        tails, then its computed blocks (`_connector_finished`)."""
+        result: dict[str, Any] = {
+            "partial_tail_offloads": self.finalize_partial_tail_offloads(pending.request)
+        }
+        if self.config.kv_connector:
+            # With a connector the Scheduler frees what the request no
+            # longer needs before handing the connector its blocks
+            # (`_connector_finished`); without one it frees them all at once.
+            self.remove_skipped_blocks(pending.request, self.num_computed(pending.request))
+        result["computed_block_ids"] = self.computed_block_ids(
+            pending.request, self.num_computed(pending.request)
+        )
+        return result
+
     def _op_pop(self, step: Step) -> dict[str, Any]:
         pending = self._pending(step)
         assert step.req is not None
+        # vLLM's Scheduler defers a free only with a KV connector, for a
+        # request that ends, after what every ending does.
+        result = self._request_ends(pending) if self.config.kv_connector else {}
         self.popped[step.req] = self.pop_blocks_for_free(pending.request)
-        return {}
+        return result
 
     def _op_release(self, step: Step) -> dict[str, Any]:
         assert step.req is not None
