@@ -130,8 +130,9 @@ SECTIONS = (
         "Line and branch coverage of vLLM's block pool, KV-cache manager, coordinator, "
         "Mamba manager and the Scheduler's KV paths (the methods of its `Scheduler` class "
         "that touch the KV-cache manager or a request's computed or cached tokens; the last "
-        "line names them), reached by the corpus gate at strict level plus the differential "
-        "exploration (ci profile), by the Scheduler-level gate alone, and by the "
+        "line names them and those left out), reached by kvgate (the corpus gate at strict "
+        "level plus the manager-level and Scheduler-level explorations, ci profile), by the "
+        "Scheduler-level gate alone, and by the "
         "Scheduler-level exploration (ci profile). The columns for vLLM's own manager and "
         "scheduler tests take about an hour and are left out here; "
         "`scripts/coverage-report.sh` without `KVGATE_OWN_TESTS=skip` adds them.",

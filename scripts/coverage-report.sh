@@ -5,7 +5,8 @@
 # that touch the KV-cache manager or a request's computed or cached tokens:
 # kvgate/explore/coverage.py's `kv_paths` says which, and the table names
 # them), reached by kvgate (the corpus gate at strict level plus the
-# differential exploration, ci profile, combined), by the Scheduler-level
+# differential exploration and the Scheduler-level exploration, ci profile,
+# combined), by the Scheduler-level
 # gate alone (the scheduler-level corpus at strict level), by the
 # Scheduler-level exploration (ci profile), next to vLLM's own manager tests
 # (tests/v1/core/prefix_cache/ and test_prefix_caching.py) and vLLM's own
@@ -23,7 +24,8 @@
 # names which of them to run ("manager scheduler" by default; "scheduler"
 # leaves out the manager tests, the long one).
 # Each column's unreached lines and branch exits go to
-# OUT_DIR/missing-<column>.txt, for finding what is still unreached.
+# OUT_DIR/missing-<column>.txt (per file and per KV path), and the table per
+# KV path to OUT_DIR/kv-paths-by-method.txt, for finding what is still unreached.
 #
 # vLLM's own tests run through scripts/vllm-own-tests.sh when it exists
 # (it installs their extra test deps); otherwise they are fetched with
@@ -76,12 +78,6 @@ run_covered gate "$py" -m kvgate gate --target vllm --level strict
 echo "== kvgate differential exploration (ci profile)" >&2
 run_covered explore "$py" -m kvgate explore --target vllm --hold off --profile ci \
   --out "$out/explore-traces"
-# The kvgate column: both runs, combined into one data file.
-rm -f "$out/.coverage.kvgate"
-cp "$out/.coverage.gate" "$out/.coverage.kvgate.gate" 2>/dev/null || true
-cp "$out/.coverage.explore" "$out/.coverage.kvgate.explore" 2>/dev/null || true
-"$py" -m coverage combine --rcfile="$(rcfile kvgate)" --data-file="$out/.coverage.kvgate" \
-  "$out"/.coverage.kvgate.* >/dev/null 2>&1 || echo "coverage-report: no data for kvgate" >&2
 
 echo "== kvgate Scheduler-level gate (strict)" >&2
 scheduler_corpus="$("$py" -c 'from kvgate.conformance.trace import bundled_scheduler_corpus as c; print(c())')"
@@ -90,6 +86,15 @@ run_covered sched-gate "$py" -m kvgate gate --target vllm --level strict \
 echo "== kvgate Scheduler-level exploration (ci profile)" >&2
 run_covered sched-explore "$py" -m kvgate explore --scope scheduler --target vllm --profile ci \
   --out "$out/sched-explore-traces"
+
+# The kvgate column: everything kvgate runs (the gate, which replays both
+# corpora, and both explorations), combined into one data file.
+rm -f "$out/.coverage.kvgate" "$out"/.coverage.kvgate.*
+for part in gate explore sched-explore; do
+  cp "$out/.coverage.$part" "$out/.coverage.kvgate.$part" 2>/dev/null || true
+done
+"$py" -m coverage combine --rcfile="$(rcfile kvgate)" --data-file="$out/.coverage.kvgate" \
+  "$out"/.coverage.kvgate.* >/dev/null 2>&1 || echo "coverage-report: no data for kvgate" >&2
 
 own_column() {  # NAME REUSE_FILE TESTS...: a column of vLLM's own tests
   local name="$1" reuse="$2"; shift 2
@@ -123,7 +128,7 @@ scheduler_tests=(
 own_columns=" ${KVGATE_OWN_COLUMNS:-manager scheduler} "
 [ "${KVGATE_OWN_TESTS:-}" != skip ] || own_columns=" "
 columns=(
-  "kvgate (gate + explore ci)=$out/.coverage.kvgate"
+  "kvgate (gate + explorations ci)=$out/.coverage.kvgate"
   "Scheduler-level gate=$out/.coverage.sched-gate"
   "Scheduler-level explore ci=$out/.coverage.sched-explore"
 )

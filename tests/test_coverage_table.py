@@ -9,7 +9,15 @@ from pathlib import Path
 
 import coverage
 
-from kvgate.explore.coverage import figures, kv_paths
+from kvgate.explore.coverage import (
+    OUT_OF_SCOPE,
+    SCHEDULER_FILE,
+    Figures,
+    core_dir,
+    figures,
+    kv_paths,
+    missing_report,
+)
 
 # A condition split over lines (Python 3.11 reports it on a continuation
 # line) inside a class, then a function outside the class that never runs.
@@ -100,6 +108,29 @@ def test_the_schedulers_kv_paths_are_its_methods_that_touch_the_kv_state(
     source = tmp_path / "scheduler.py"
     source.write_text(SCHEDULER_SOURCE, encoding="utf-8")
     assert kv_paths(source) == [("admit", 2, 5), ("cached", 10, 11)]
+    # A method left out of scope is no KV path, whatever it names.
+    assert kv_paths(source, out_of_scope=("admit",)) == [("cached", 10, 11)]
+
+
+def test_what_is_left_out_of_scope_is_a_kv_path_of_the_installed_scheduler() -> None:
+    """Each method left out names a KV path of the installed vLLM's
+    Scheduler: a rename there would otherwise put it back unnoticed."""
+    source = core_dir() / SCHEDULER_FILE
+    every = {name for name, _, _ in kv_paths(source, out_of_scope=())}
+    kept = {name for name, _, _ in kv_paths(source)}
+    assert set(OUT_OF_SCOPE) <= every
+    assert every - kept == set(OUT_OF_SCOPE)
+
+
+def test_the_missing_report_names_each_gap_and_skips_what_was_reached() -> None:
+    reached = Figures(lines=2, lines_hit=2, branches=2, branches_hit=2)
+    gaps = Figures(4, 2, 2, 1, missing_lines=(7, 8, 9), missing_branches=((6, 9), (6, -3)))
+    rows = [("Scheduler.done (lines 1-3)", [reached]), ("Scheduler.gaps (lines 5-9)", [gaps])]
+    assert missing_report("kvgate", rows, 0) == (
+        "# kvgate\n"
+        "Scheduler.gaps (lines 5-9): lines 7-9\n"
+        "Scheduler.gaps (lines 5-9): branches 6->9, 6->exit\n"
+    )
 
 
 def test_figures_count_inside_several_spans(tmp_path: Path) -> None:

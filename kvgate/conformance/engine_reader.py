@@ -1,0 +1,236 @@
+"""A scheduler-level trace's `engine` entries and `scheduler` settings read:
+arrivals (with what a KV connector's store holds of them), aborts, resets
+and engine steps with their `expect`."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from kvgate.conformance.field_reader import FieldReader, got, is_count
+from kvgate.conformance.limits import LimitError
+from kvgate.conformance.scheduling import (
+    ENGINE_EXPECT_KEYS,
+    ENGINE_OPS,
+    RESET_EXPECT_KEYS,
+    EngineSettings,
+    EngineStep,
+    RemoteHit,
+)
+
+# The keys of a scheduler-level trace's `scheduler` settings.
+_SCHEDULER_KEYS = ("spec", "max_num_seqs")
+
+
+class EngineReader(FieldReader):
+    """Reads a scheduler-level trace's engine entries, one at a time, in order."""
+
+    def engine_settings(self, raw: object) -> EngineSettings:
+        if not isinstance(raw, dict):
+            raise self.error(None, "scheduler", f"must be a mapping, got {got(raw)}")
+        self.unknown_keys(None, "scheduler.", raw, _SCHEDULER_KEYS, "scheduler key")
+        spec = raw.get("spec", 0)
+        if not is_count(spec) or spec > self.limits.spec:
+            raise self.error(
+                None,
+                "scheduler.spec",
+                f"must be an integer 0..{self.limits.spec}, got {got(spec)}",
+            )
+        seqs = raw.get("max_num_seqs", EngineSettings.max_num_seqs)
+        if not is_count(seqs) or seqs == 0:
+            raise self.error(
+                None, "scheduler.max_num_seqs", f"must be an integer >= 1, got {got(seqs)}"
+            )
+        assert self.config is not None
+        if self.config.eagle and spec == 0:
+            raise self.error(
+                None, "scheduler.spec", "config.eagle drops blocks for drafts: give spec >= 1"
+            )
+        return EngineSettings(spec, seqs)
+
+    def engine_step(self, index: int, raw: object) -> list[EngineStep]:
+        """One `engine` entry; `step` with `steps: N` is N engine steps."""
+        raw, op = self.op_of(index, raw, tuple(ENGINE_OPS), "engine op")
+        required, optional = ENGINE_OPS[op]
+        allowed = ("op", *required, *optional, *(("expect",) if op in ("step", "reset") else ()))
+        self.unknown_keys(index, "", raw, allowed, f"field of engine op {op}")
+        self.missing_keys(index, "", raw, required)
+        try:
+            self.budget.add_steps(1, "engine")
+        except LimitError as error:
+            raise self.error(index, error.field, error.message) from None
+        if op == "arrive":
+            return [self.engine_arrival(index, raw)]
+        if op == "abort":
+            req = self.arrived(index, "req", raw["req"])
+            if self.requests[req][0] == "ended":
+                raise self.error(index, "req", f"{req!r} was {self.requests[req][1]}")
+            self.requests[req] = ("ended", f"aborted at step {index}")
+            return [EngineStep("abort", index, req=req)]
+        if op == "reset":
+            running = raw.get("running", False)
+            if not isinstance(running, bool):
+                raise self.error(index, "running", f"must be true or false, got {got(running)}")
+            return [
+                EngineStep("reset", index, running=running, expect=self.reset_expect(index, raw))
+            ]
+        repeats = raw.get("steps", 1)
+        if not is_count(repeats) or repeats == 0:
+            raise self.error(index, "steps", f"must be an integer >= 1, got {got(repeats)}")
+        if "expect" in raw and repeats != 1:
+            raise self.error(index, "expect", "applies to one engine step: write steps: 1")
+        try:
+            self.budget.add_steps(repeats - 1, "steps")
+        except LimitError as error:
+            raise self.error(index, error.field, error.message) from None
+        if "stop" in raw and repeats != 1:
+            raise self.error(index, "stop", "applies to one engine step: write steps: 1")
+        stop = self.stopped(index, raw.get("stop", []))
+        expect = self.engine_expect(index, raw.get("expect", {}))
+        return [EngineStep("step", index, expect=expect, stop=stop) for _ in range(repeats)]
+
+    def stopped(self, index: int, raw: object) -> tuple[str, ...]:
+        """A step's `stop`: requests that have arrived, each named once."""
+        if not isinstance(raw, list):
+            raise self.error(index, "stop", f"must be a list of requests, got {got(raw)}")
+        names = tuple(self.arrived(index, f"stop[{i}]", r) for i, r in enumerate(raw))
+        if len(set(names)) != len(names):
+            raise self.error(index, "stop", f"names a request twice: {got(raw)}")
+        return names
+
+    def engine_arrival(self, index: int, raw: Mapping[Any, Any]) -> EngineStep:
+        req = raw["req"]
+        if not isinstance(req, str) or not req:
+            raise self.error(index, "req", f"must be a request name (a string), got {got(req)}")
+        if req in self.requests:
+            raise self.error(index, "req", f"{req!r} already {self.requests[req][1]}")
+        prompt = self.prompt(index, raw["prompt"])
+        max_tokens = raw["max_tokens"]
+        if not is_count(max_tokens) or max_tokens == 0:
+            raise self.error(index, "max_tokens", f"must be an integer >= 1, got {got(max_tokens)}")
+        try:
+            self.budget.arrive(req, prompt)
+        except LimitError as error:
+            raise self.error(index, error.field, error.message) from None
+        assert self.config is not None
+        least = self.budget.prompt_least[req]
+        if least + max_tokens > self.config.max_model_len:
+            raise self.error(
+                index,
+                "max_tokens",
+                f"{least:,} prompt + {max_tokens:,} output tokens, more than config.max_model_len "
+                f"{self.config.max_model_len:,} (vLLM refuses the request)",
+            )
+        # A follow-up's `all_of` holds at most the whole output.
+        self.budget.output_most[req] = max_tokens
+        salt = self.text(index, "cache_salt", raw["cache_salt"]) if "cache_salt" in raw else ""
+        follows = raw.get("follows")
+        if follows is not None:
+            follows = self.arrived(index, "follows", follows)
+        remote = self.engine_remote(index, raw, least)
+        self.requests[req] = ("waiting", f"arrived at step {index}")
+        return EngineStep(
+            "arrive",
+            index,
+            req=req,
+            prompt=prompt,
+            max_tokens=max_tokens,
+            cache_salt=salt,
+            follows=follows,
+            remote=remote,
+        )
+
+    def engine_remote(
+        self, index: int, raw: Mapping[Any, Any], prompt_tokens: int
+    ) -> RemoteHit | None:
+        """An arrival's `remote_hit`, `remote_async`, `remote_delay`: what the
+        KV connector's external store holds of the request (None: nothing)."""
+        given = [k for k in ("remote_hit", "remote_async", "remote_delay") if k in raw]
+        if not given:
+            return None
+        assert self.config is not None
+        if not self.config.kv_connector:
+            raise self.error(index, given[0], "needs config.kv_connector: true")
+        tokens = raw.get("remote_hit", 0)
+        load_async = raw.get("remote_async", False)
+        delay = raw.get("remote_delay", 0)
+        if not isinstance(load_async, bool):
+            raise self.error(index, "remote_async", f"must be true or false, got {got(load_async)}")
+        # A real connector leaves the last prompt token to compute unless it
+        # loads asynchronously.
+        most = prompt_tokens if load_async else prompt_tokens - 1
+        if not is_count(tokens) or tokens > most:
+            raise self.error(
+                index,
+                "remote_hit",
+                f"must be an integer 0..{most} (its prompt holds at least {prompt_tokens} tokens"
+                + ("" if load_async else ", less the one a sync load leaves to compute")
+                + f"), got {got(tokens)}",
+            )
+        if not is_count(delay) or delay > self.limits.steps:
+            raise self.error(
+                index,
+                "remote_delay",
+                f"must be an integer 0..{self.limits.steps} (engine steps), got {got(delay)}",
+            )
+        if delay and not load_async:
+            raise self.error(index, "remote_delay", "applies to an async load: remote_async: true")
+        return RemoteHit(tokens, load_async, delay)
+
+    def arrived(self, index: int, field: str, value: object) -> str:
+        """`value` names a request that has arrived."""
+        if not isinstance(value, str) or value not in self.requests:
+            raise self.error(index, field, f"names no request that has arrived: {got(value)}")
+        return value
+
+    def reset_expect(self, index: int, raw: Mapping[Any, Any]) -> dict[str, Any]:
+        expect = raw.get("expect", {})
+        if not isinstance(expect, dict):
+            raise self.error(index, "expect", f"must be a mapping, got {got(expect)}")
+        self.unknown_keys(index, "expect.", expect, RESET_EXPECT_KEYS, "expect key of reset")
+        if "ok" in expect and not isinstance(expect["ok"], bool):
+            raise self.error(index, "expect.ok", f"must be true or false, got {got(expect['ok'])}")
+        checked = dict(expect)
+        if "waiting" in expect:
+            if not isinstance(expect["waiting"], list):
+                raise self.error(
+                    index,
+                    "expect.waiting",
+                    f"must be a list of request names, got {got(expect['waiting'])}",
+                )
+            checked["waiting"] = [
+                self.arrived(index, "expect.waiting", r) for r in expect["waiting"]
+            ]
+        return checked
+
+    def engine_expect(self, index: int, raw: object) -> dict[str, Any]:
+        if not isinstance(raw, dict):
+            raise self.error(index, "expect", f"must be a mapping, got {got(raw)}")
+        self.unknown_keys(index, "expect.", raw, ENGINE_EXPECT_KEYS, "expect key of engine op step")
+        expect: dict[str, Any] = {}
+        for key, value in raw.items():
+            field = f"expect.{key}"
+            if key == "scheduled":
+                if not isinstance(value, list) or not all(
+                    isinstance(p, list) and len(p) == 2 and is_count(p[1]) and p[1] > 0
+                    for p in value
+                ):
+                    raise self.error(
+                        index, field, f"must be a list of [request, tokens >= 1], got {got(value)}"
+                    )
+                expect[key] = [(self.arrived(index, field, r), n) for r, n in value]
+            elif key in ("preempted", "finished"):
+                if not isinstance(value, list):
+                    raise self.error(
+                        index, field, f"must be a list of request names, got {got(value)}"
+                    )
+                expect[key] = [self.arrived(index, field, r) for r in value]
+            else:
+                if not isinstance(value, dict) or not all(is_count(n) for n in value.values()):
+                    raise self.error(
+                        index,
+                        field,
+                        f"must map request names to token counts >= 0, got {got(value)}",
+                    )
+                expect[key] = {self.arrived(index, field, r): n for r, n in value.items()}
+        return expect

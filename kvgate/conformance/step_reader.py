@@ -1,0 +1,413 @@
+"""A manager-level trace's `steps` read: each op's fields as the action
+table (`ops.py`) declares them, its `expect`, and each request's life.
+
+- Step indices count from 0: `step 3` is `steps[3]`.
+- A `check` step's keys are fields of the step: `{op: check, free_blocks: 3}`.
+  Its `holds` is the whole holds map (requests with `{}` count as holding
+  nothing), and its group ids must be `mamba_align` groups.
+- A request's life: `arrive` once; `free` with `finish`/`abort` ends it; `pop`
+  leaves only `release`, which ends it. `all_of`/`prompt_of` may name any
+  request that has arrived, ended or not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from kvgate.conformance.field_reader import FieldReader, got, is_count
+from kvgate.conformance.limits import LimitError, over
+from kvgate.conformance.ops import (
+    ACTIONS,
+    CHECK_KEYS,
+    CONNECTOR_FIELDS,
+    EXPECT_TYPES,
+    FIELD_TYPES,
+    FREE_HOW,
+    Action,
+    Step,
+    next_phase,
+    out_of_phase,
+)
+from kvgate.conformance.tokens import MmItem
+
+# How the validator says when a request arrived, was popped or ended.
+_VERBS = {"arrive": "arrived", "pop": "popped", "release": "released"}
+_ENDED_BY = {"finish": "finished", "abort": "aborted"}
+
+
+class StepReader(FieldReader):
+    """Reads a manager-level trace's steps, one at a time, in order."""
+
+    def step(self, index: int, raw: object) -> Step:
+        raw, op = self.op_of(index, raw, tuple(ACTIONS), "op")
+        action = ACTIONS[op]
+        if op == "check":
+            return self.check_step(index, raw)
+        fields = ("op", *action.required, *action.optional)
+        self.unknown_keys(
+            index, "", raw, fields + (("expect",) if action.expect_keys else ()), f"field of {op}"
+        )
+        self.missing_keys(index, "", raw, action.required)
+        values = {
+            key: self.field(index, key, value)
+            for key, value in raw.items()
+            if key not in ("op", "expect")
+        }
+        assert self.config is not None
+        for key in CONNECTOR_FIELDS:
+            if key in values and not self.config.kv_connector:
+                raise self.error(index, key, "needs config.kv_connector: true")
+        if values.get("load_failed"):
+            self.load_failure(index, op, values)
+        if values.get("invalid_blocks"):
+            self.block_failure(index, op, values)
+        expect = self.expect(index, action, raw.get("expect", {}))
+        self.track_request(index, action, values)
+        self.count(index, op, values)
+        if values.get("mm"):
+            self.mm_inside_prompt(index, values["req"], values["mm"])
+        return Step(op, index, **values, expect=expect)
+
+    def load_failure(self, index: int, op: str, values: Mapping[str, Any]) -> None:
+        """A failed load is written where its policy puts it: under
+        `recompute` on the lookup that retries the request, under `fail` on
+        the `free` that ends it (as an abort: the Scheduler's error finish
+        frees the request the same way)."""
+        assert self.config is not None
+        policy = self.config.kv_load_failure_policy
+        if op == "free":
+            if policy != "fail":
+                raise self.error(
+                    index,
+                    "load_failed",
+                    f"a free for a failed load needs kv_load_failure_policy: fail (under "
+                    f"{policy} the scheduler retries: write load_failed on the lookup)",
+                )
+            if values.get("how") != "abort":
+                raise self.error(
+                    index,
+                    "load_failed",
+                    "a request failed by its KV load ends as an abort: write how: abort",
+                )
+        elif policy == "fail":
+            raise self.error(
+                index,
+                "load_failed",
+                f"under kv_load_failure_policy fail the request is not retried: write "
+                f"load_failed on its free (how: abort), not on a {op}",
+            )
+
+    def block_failure(self, index: int, op: str, values: Mapping[str, Any]) -> None:
+        """Failed blocks of a load, where its policy puts them (as a failed
+        load's): under `recompute` on the `allocate` that schedules the
+        request again, under `fail` on the `free` that ends it."""
+        assert self.config is not None
+        config = self.config
+        if not config.kv_connector:
+            raise self.error(index, "invalid_blocks", "needs config.kv_connector: true")
+        if len(config.groups) > 1:
+            # vLLM's own refusal: block ids are per group, so its Scheduler
+            # raises (RuntimeError in `_handle_invalid_blocks`) on a model
+            # with several KV-cache groups.
+            raise self.error(
+                index,
+                "invalid_blocks",
+                f"vLLM refuses block-level load failures on a model with several KV-cache "
+                f"groups ({len(config.groups)} here; its Scheduler raises RuntimeError): "
+                "a connector reports the load failed as a whole (load_failed)",
+            )
+        policy = config.kv_load_failure_policy
+        if op == "free":
+            if policy != "fail":
+                raise self.error(
+                    index,
+                    "invalid_blocks",
+                    f"failed blocks end the request only under kv_load_failure_policy: fail "
+                    f"(under {policy} write them on the request's next allocate)",
+                )
+            if values.get("how") != "abort" or values.get("load_failed"):
+                raise self.error(
+                    index,
+                    "invalid_blocks",
+                    "a request failed by failed blocks ends as an abort: write how: abort, "
+                    "without load_failed",
+                )
+        elif policy == "fail":
+            raise self.error(
+                index,
+                "invalid_blocks",
+                "under kv_load_failure_policy fail the request is not rescheduled: write "
+                "invalid_blocks on its free (how: abort), not on an allocate",
+            )
+
+    def mm_inside_prompt(self, index: int, req: str, items: tuple[MmItem, ...]) -> None:
+        """Every placeholder ends inside the prompt, as far as its length is
+        known here (a copied output's length is known at `arrive`, where the
+        driver checks it again)."""
+        most = self.budget.prompt_most[req]
+        for i, item in enumerate(items):
+            if item.end > most:
+                raise self.error(
+                    index,
+                    f"mm[{i}]",
+                    f"placeholder {item.offset}..{item.end} ends past the prompt "
+                    f"(at most {most:,} tokens)",
+                )
+
+    def count(self, index: int, op: str, values: Mapping[str, Any]) -> None:
+        """Charge the step to the trace's budget (before `decode` is expanded)."""
+        try:
+            if op == "arrive":
+                self.budget.arrive(values["req"], values["prompt"])
+            repeats = values["steps"] if op == "decode" else 1
+            self.budget.add_steps(3 * repeats if op == "decode" else 1, "steps")
+            if op in ("decode", "decode1"):
+                self.budget.decoded(values["req"], repeats)
+        except LimitError as error:
+            raise self.error(index, error.field, error.message) from None
+
+    def field(self, index: int, key: str, value: object) -> Any:
+        kind = FIELD_TYPES[key]
+        if kind == "req":
+            if not isinstance(value, str) or not value:
+                raise self.error(index, key, f"must be a request name (a string), got {got(value)}")
+            return value
+        if kind == "prompt":
+            return self.prompt(index, value)
+        if kind == "text":
+            return self.text(index, key, value)
+        if kind == "mm":
+            return self.mm(index, value)
+        if kind == "indices":
+            if (
+                not isinstance(value, list)
+                or not value
+                or not all(is_count(v) for v in value)
+                or any(a >= b for a, b in zip(value, value[1:], strict=False))
+            ):
+                raise self.error(
+                    index,
+                    key,
+                    f"must be a non-empty, increasing list of block indices >= 0, got {got(value)}",
+                )
+            return tuple(value)
+        if kind == "bool":
+            if not isinstance(value, bool):
+                raise self.error(index, key, f"must be true or false, got {got(value)}")
+            return value
+        if kind == "int":
+            if not is_count(value):
+                raise self.error(index, key, f"must be an integer >= 0, got {got(value)}")
+            if key in ("lookahead", "spec") and value > getattr(self.limits, key):
+                raise self.error(index, key, over(key, value, self.limits))
+            return value
+        assert self.config is not None
+        if kind == "int_or_auto":
+            if value != "auto" and not (is_count(value) and value != 0):
+                raise self.error(index, key, f"must be an integer >= 1 or auto, got {got(value)}")
+            if isinstance(value, int) and value > self.config.max_model_len:
+                raise self.error(
+                    index,
+                    key,
+                    f"{value:,} tokens in one allocation, more than config.max_model_len "
+                    f"{self.config.max_model_len:,}",
+                )
+            return value
+        if kind == "int_or_all":
+            if value != "all" and not is_count(value):
+                raise self.error(index, key, f"must be an integer >= 0 or all, got {got(value)}")
+            if isinstance(value, int) and value >= self.config.num_blocks:
+                raise self.error(
+                    index,
+                    key,
+                    f"{value:,} blocks, more than the pool's {self.config.num_blocks - 1:,} "
+                    "(config.num_blocks less the null block)",
+                )
+            return value
+        if value not in FREE_HOW:
+            raise self.error(index, key, f"{got(value)} is not one of {', '.join(FREE_HOW)}")
+        return value
+
+    def mm(self, index: int, raw: object) -> tuple[MmItem, ...]:
+        """Multimodal placeholders: sorted by offset, disjoint, each at least
+        one token (vLLM's hasher assumes the order)."""
+        if not isinstance(raw, list) or not raw:
+            raise self.error(
+                index, "mm", f"must be a non-empty list of {{offset, length, id}}, got {got(raw)}"
+            )
+        items: list[MmItem] = []
+        for i, entry in enumerate(raw):
+            where = f"mm[{i}]"
+            if not isinstance(entry, dict):
+                raise self.error(
+                    index, where, f"must be a mapping {{offset, length, id}}, got {got(entry)}"
+                )
+            self.unknown_keys(index, where + ".", entry, ("offset", "length", "id"), "key")
+            self.missing_keys(index, where + ".", entry, ("offset", "length", "id"))
+            offset, length = entry["offset"], entry["length"]
+            if not is_count(offset):
+                raise self.error(
+                    index, f"{where}.offset", f"must be an integer >= 0, got {got(offset)}"
+                )
+            if not is_count(length) or length == 0:
+                raise self.error(
+                    index, f"{where}.length", f"must be an integer >= 1, got {got(length)}"
+                )
+            identifier = self.text(index, f"{where}.id", entry["id"])
+            if items and offset < items[-1].end:
+                raise self.error(
+                    index,
+                    f"{where}.offset",
+                    f"{offset} is inside or before mm[{i - 1}] ({items[-1].offset}.."
+                    f"{items[-1].end}): placeholders must be sorted and disjoint",
+                )
+            items.append(MmItem(offset, length, identifier))
+        return tuple(items)
+
+    def expect(self, index: int, action: Action, raw: object) -> dict[str, Any]:
+        if not isinstance(raw, dict):
+            raise self.error(index, "expect", f"must be a mapping, got {got(raw)}")
+        self.unknown_keys(index, "expect.", raw, action.expect_keys, f"expect key of {action.name}")
+        expect: dict[str, Any] = {}
+        for key, value in raw.items():
+            kind = EXPECT_TYPES[key]
+            field = f"expect.{key}"
+            if kind == "int" and not is_count(value):
+                raise self.error(index, field, f"must be an integer >= 0, got {got(value)}")
+            if kind == "bool" and not isinstance(value, bool):
+                raise self.error(index, field, f"must be true or false, got {got(value)}")
+            if kind == "copies":
+                value = self.copies(index, field, value)
+            if kind == "events" and not (
+                isinstance(value, list) and all(isinstance(e, str) for e in value)
+            ):
+                raise self.error(index, field, f"must be a list of event lines, got {got(value)}")
+            if kind == "counts" and not (
+                isinstance(value, list) and all(is_count(n) for n in value)
+            ):
+                raise self.error(index, field, f"must be a list of integers >= 0, got {got(value)}")
+            expect[key] = value
+        return expect
+
+    def copies(self, index: int, field: str, raw: object) -> tuple[tuple[int, int], ...]:
+        pairs = raw if isinstance(raw, list) else None
+        if pairs is None or not all(
+            isinstance(p, list) and len(p) == 2 and all(is_count(i) for i in p) for p in pairs
+        ):
+            raise self.error(
+                index, field, f"must be a list of [src, dst] block-id pairs, got {got(raw)}"
+            )
+        return tuple((p[0], p[1]) for p in pairs)
+
+    def check_step(self, index: int, raw: dict[Any, Any]) -> Step:
+        keys = [k for k in raw if k != "op"]
+        self.unknown_keys(index, "", {k: None for k in keys}, CHECK_KEYS, "check key")
+        if not keys:
+            raise self.error(
+                index, "op", f"check compares nothing (give one of {', '.join(CHECK_KEYS)})"
+            )
+        check: dict[str, Any] = {}
+        for key in keys:
+            value = raw[key]
+            if key == "pool_clean" and not isinstance(value, bool):
+                raise self.error(index, key, f"must be true or false, got {got(value)}")
+            if key == "free_blocks" and not is_count(value):
+                raise self.error(index, key, f"must be an integer >= 0, got {got(value)}")
+            if key == "holds":
+                value = self.holds(index, value)
+            if key == "ref":
+                value = self.ref_check(index, value)
+            if key == "attention_cached":
+                value = self.requests_mapping(index, key, value)
+                for req, n in value.items():
+                    if not is_count(n):
+                        raise self.error(
+                            index, f"{key}.{req}", f"must be an integer >= 0, got {got(n)}"
+                        )
+            check[key] = value
+        return Step("check", index, check=check)
+
+    def ref_check(self, index: int, raw: object) -> dict[str, dict[int, dict[int, int | None]]]:
+        """`{R: {G: {P: N or null}}}`: ref counts of states keyed at R's prefix."""
+        out: dict[str, dict[int, dict[int, int | None]]] = {}
+        for req, groups in self.requests_mapping(index, "ref", raw).items():
+            if not isinstance(groups, dict) or not groups:
+                raise self.error(
+                    index, f"ref.{req}", f"must map group ids to positions, got {got(groups)}"
+                )
+            out[req] = {}
+            for group, positions in groups.items():
+                where = f"ref.{req}.{group}"
+                assert self.config is not None
+                if not is_count(group) or group >= len(self.config.groups):
+                    raise self.error(index, where, "names no group of the config")
+                if not isinstance(positions, dict) or not positions:
+                    raise self.error(
+                        index,
+                        where,
+                        f"must map token positions to ref counts, got {got(positions)}",
+                    )
+                for position, n in positions.items():
+                    if not is_count(position) or position == 0:
+                        raise self.error(
+                            index, f"{where}.{position}", "must be a token position > 0"
+                        )
+                    if n is not None and not is_count(n):
+                        raise self.error(
+                            index,
+                            f"{where}.{position}",
+                            f"must be a ref count >= 0 or null, got {got(n)}",
+                        )
+                out[req][group] = dict(positions)
+        return out
+
+    def requests_mapping(self, index: int, field: str, raw: object) -> dict[str, Any]:
+        """A mapping keyed by the names of requests that have arrived."""
+        if not isinstance(raw, dict):
+            raise self.error(index, field, f"must be a mapping of request names, got {got(raw)}")
+        for req in raw:
+            if not isinstance(req, str) or req not in self.requests:
+                raise self.error(index, f"{field}.{req}", "names no request that has arrived")
+        return dict(raw)
+
+    def holds(self, index: int, raw: object) -> dict[str, dict[int, int]]:
+        assert self.config is not None
+        mamba = self.config.mamba_group_ids
+        holds: dict[str, dict[int, int]] = {}
+        for req, by_group in self.requests_mapping(index, "holds", raw).items():
+            where = f"holds.{req}"
+            if not isinstance(by_group, dict):
+                raise self.error(
+                    index, where, f"must be a mapping {{group: position}}, got {got(by_group)}"
+                )
+            for group, position in by_group.items():
+                if group not in mamba or not is_count(group):
+                    raise self.error(
+                        index,
+                        f"{where}.{group}",
+                        f"is not a mamba_align group id (those are {', '.join(map(str, mamba))})",
+                    )
+                if not is_count(position):
+                    raise self.error(
+                        index,
+                        f"{where}.{group}",
+                        f"must be a token position >= 0, got {got(position)}",
+                    )
+            holds[req] = dict(by_group)
+        return holds
+
+    def track_request(self, index: int, action: Action, values: Mapping[str, object]) -> None:
+        """Enforce a request's life as the action table declares it."""
+        req = values.get("req")
+        if not isinstance(req, str) or not action.valid_in:
+            return
+        phase, since = self.requests.get(req, ("absent", ""))
+        if phase not in action.valid_in:
+            raise self.error(index, "req", out_of_phase(action.name, req, phase, since))
+        how = values.get("how")
+        after = next_phase(action.name, phase, how if isinstance(how, str) else None)
+        if after in ("popped", "ended") or phase == "absent":
+            verb = _ENDED_BY.get(str(how), "") if action.name == "free" else _VERBS[action.name]
+            since = f"{verb} at step {index}"
+        self.requests[req] = (after, since)
