@@ -105,8 +105,10 @@ PrefixCacheStats = dict[str, int | bool]
 ASYNC_BATCHES = 2
 
 # A deferred free as both sides show it: (the non-empty batch whose
-# processed output releases it, the request whose blocks wait).
+# processed output releases it, the request whose blocks wait, or
+# `COW_RETENTION` for copies' endpoints).
 DeferredFree = tuple[int, str]
+COW_RETENTION = "copy-on-write retention"
 
 # The engine ops of a scheduler-level trace (its `engine` list), each with
 # its required and optional fields.

@@ -32,9 +32,9 @@ from __future__ import annotations
 
 import atexit
 import functools
-from collections import deque
 import shutil
 import tempfile
+from collections import deque
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +48,7 @@ from kvgate.conformance.config import (
 )
 from kvgate.conformance.scheduling import (
     ASYNC_BATCHES,
+    COW_RETENTION,
     PREFIX_CACHE_STATS_KEYS,
     DeferredFree,
     PrefillStats,
@@ -65,9 +66,6 @@ from kvgate.impl.vllm_probe import hold_source, holds_partial_tails, retains_ret
 from kvgate.impl.vllm_view import ManagerView
 
 __all__ = ["ConnectorSettings", "VllmScheduler", "model_dir"]
-
-# How `deferred_frees` names a copy-on-write retention's blocks.
-COW_RETENTION = "copy-on-write retention"
 
 # The draft token ids handed back after each step: never verified (every
 # draft is rejected), so never part of a token sequence.

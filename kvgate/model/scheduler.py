@@ -53,6 +53,7 @@ from kvgate.conformance.driver import chunk_offer
 from kvgate.conformance.ops import ACTIONS, Segment, Step
 from kvgate.conformance.scheduling import (
     ASYNC_BATCHES,
+    COW_RETENTION,
     DeferredFree,
     EngineOutcome,
     PrefixCacheStats,
@@ -182,6 +183,7 @@ class AsyncNotModelled(StepRefused):
 class _Batch:
     """A scheduled batch whose output the engine has not processed yet."""
 
+    scheduled: list[tuple[str, int]]  # (request, tokens) it computes
     sampled: dict[str, list[int]]  # the tokens each request samples in it
     finished: list[LiveRequest]  # the requests it completes
     executed: bool  # it ran tokens (only such batches advance the fences)
@@ -299,7 +301,7 @@ class SchedulerModel:
                 if any(name == live.name for name, _ in decisions.scheduled):
                     live.last_batch = self.batches_scheduled
                     live.last_sched_seq = self.sched_seq
-            self.in_flight.append(_Batch(sampled, finished, executed))
+            self.in_flight.append(_Batch(decisions.scheduled, sampled, finished, executed))
             if len(self.in_flight) < ASYNC_BATCHES and (executed or self.has_requests()):
                 self.engine_step += 1
                 return decisions
@@ -315,7 +317,10 @@ class SchedulerModel:
             self.processed_seq += 1
             while self.deferred and self.deferred[0][0] <= self.processed_seq:
                 _, name = self.deferred.popleft()
-                self.writer.run("release", req=name)
+                if name == COW_RETENTION:
+                    self.writer.run("drain", release_retained=True)
+                else:
+                    self.writer.run("release", req=name)
         self._process_output(decisions, batch.sampled, batch.finished)
         self.engine_step += 1
         return decisions
@@ -344,12 +349,12 @@ class SchedulerModel:
         outputs = {live.name: len(live.request.output) for live in self._live()}
         finished = self.schedule(decisions)
         writer.run("step")
-        decisions.copies = writer.run("drain")["copies"]
+        # The copies run with this batch: with deferred frees their endpoints
+        # wait until it is done (the next non-empty batch's number).
+        keep = {"keep_retained": True} if self.defer_block_free else {}
+        decisions.copies = writer.run("drain", **keep)["copies"]
         if decisions.copies and self.defer_block_free:
-            raise AsyncNotModelled(
-                "copy-on-write retentions freed after a batch in flight (a consumer KV "
-                "connector under async scheduling) are not modelled"
-            )
+            self.deferred.append((self.sched_seq + 1, COW_RETENTION))
         by_name = {live.name: live for live in self._live()}
         sampled = {
             name: list(by_name[name].request.output[outputs[name] :])
@@ -405,10 +410,18 @@ class SchedulerModel:
         live.ended = True
         self._ended_since_schedule = True
         if self.defer_block_free and live.last_sched_seq > self.processed_seq:
-            self.writer.run("pop", req=live.name)
+            self.writer.run("pop", req=live.name, **self._in_flight_field(live))
             self.deferred.append((self.sched_seq, live.name))
         else:
             self.writer.run("free", req=live.name, how=how)
+
+    def _in_flight_field(self, live: LiveRequest) -> dict[str, int]:
+        """An op's `in_flight`: the request's tokens the batches in flight
+        compute (written only when some)."""
+        tokens = sum(
+            n for batch in self.in_flight for name, n in batch.scheduled if name == live.name
+        )
+        return {"in_flight": tokens} if tokens else {}
 
     def _refuse_preempting_in_flight(self, live: LiveRequest) -> None:
         if self._in_flight(live):
@@ -829,6 +842,7 @@ class SchedulerModel:
                 lookahead=self.spec,
                 sample=sample,
                 **padding,
+                **self._in_flight_field(live),
             )
             if "cached_tokens" in result:  # the chunk completed the request's tokens
                 live.cache_estimate = int(result["cached_tokens"])
