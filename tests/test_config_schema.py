@@ -56,6 +56,7 @@ NON_DEFAULT: dict[str, tuple[Any, dict[str, Any]]] = {
     "kv_load_failure_policy": ("fail", {"kv_connector": True}),
     "kv_cache_metrics": (True, {}),
     "kv_cache_metrics_sample": (0.5, {}),
+    "model_runner": ("v2", {}),
     "groups": (
         (
             GroupConfig("full_attention", 8),

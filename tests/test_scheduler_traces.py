@@ -238,6 +238,7 @@ def test_the_corpus_covers_the_families_both_arms_and_the_scheduler_paths() -> N
         "sched-abort-mid-prefill",
         "sched-long-prefill-threshold",
         "sched-prefix-cache-reset-with-running",
+        "sched-model-runner-v2-preempt-and-resume",
     } <= names
     preempted = by_name("sched-preempt-under-pressure-and-resume")
     assert any(e.expect.get("preempted") for e in preempted.engine)
@@ -404,6 +405,32 @@ def test_a_scheduler_that_reports_cached_tokens_wrongly_diverges(overlay: Any) -
     [lockstep] = [d for d in result.also if d.level == "api"]
     assert lockstep.step.index == first.index
     assert "prefill stats" in lockstep.what
+
+
+@needs_vllm
+def test_the_v2_model_runner_trace_runs_vllms_scheduler_with_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`model_runner: v2` builds vLLM's Scheduler for the v2 runner, and
+    leaves the environment as it was; a Scheduler built for the other runner
+    (the switch not reaching vLLM) is refused by the field's name."""
+    import os
+
+    from kvgate.conformance.config import UnsupportedConfig
+    from kvgate.impl import vllm_scheduler
+
+    trace = by_name("sched-model-runner-v2-preempt-and-resume")
+    monkeypatch.delenv(vllm_scheduler.MODEL_RUNNER_SWITCH, raising=False)
+    real = vllm_scheduler.VllmScheduler(trace.config, spec_tokens=0, max_num_seqs=4)
+    try:
+        assert real.scheduler.use_v2_model_runner is True
+    finally:
+        real.close()
+    assert vllm_scheduler.MODEL_RUNNER_SWITCH not in os.environ
+    monkeypatch.setattr(vllm_scheduler, "MODEL_RUNNER_SWITCH", "KVGATE_NOT_VLLMS_SWITCH")
+    with pytest.raises(UnsupportedConfig) as refused:
+        vllm_scheduler.VllmScheduler(trace.config, spec_tokens=0, max_num_seqs=4)
+    assert refused.value.field == "model_runner"
 
 
 @needs_vllm

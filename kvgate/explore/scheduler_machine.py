@@ -43,7 +43,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from kvgate.conformance.config import Config, UnsupportedConfig
+from kvgate.conformance.config import MODEL_RUNNERS, Config, ModelRunner, UnsupportedConfig
 from kvgate.conformance.ops import Segment
 from kvgate.conformance.replay import Divergence, ModelBug
 from kvgate.conformance.scheduler_replay import SchedulerLockstep, model_config
@@ -275,10 +275,24 @@ class SchedulerMachine(RuleBasedStateMachine):
         spec=st.integers(0, MAX_SPEC),
         # Several running at once (pool pressure, preemption order) first.
         max_num_seqs=st.sampled_from(tuple(range(MAX_SEQS, 0, -1))),
+        # The engine's model runner: what the Scheduler hands the worker
+        # differs; the manager's calls must not.
+        model_runner=st.sampled_from(MODEL_RUNNERS),
     )
-    def start(self, drawn: tuple[dict[str, Any], Config], spec: int, max_num_seqs: int) -> None:
+    def start(
+        self,
+        drawn: tuple[dict[str, Any], Config],
+        spec: int,
+        max_num_seqs: int,
+        model_runner: ModelRunner,
+    ) -> None:
         family, config = drawn
-        config = replace(config, hold=self.mode.hold, retain_retired=self.mode.retain_retired)
+        config = replace(
+            config,
+            hold=self.mode.hold,
+            retain_retired=self.mode.retain_retired,
+            model_runner=model_runner,
+        )
         if config.eagle:
             spec = max(spec, 1)  # the eagle drop is for a drafter's blocks
         self.settings = EngineSettings(spec, max_num_seqs)
