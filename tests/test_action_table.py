@@ -70,7 +70,7 @@ def test_the_z3_guards_admit_exactly_the_phases_the_table_lists() -> None:
     import z3
 
     from kvgate.invariants.z3.transitions import Encoding
-    from kvgate.invariants.z3.unbounded import UEncoding
+    from kvgate.invariants.z3.unbounded_transitions import UEncoding
     from kvgate.invariants.z3.unbounded_vocabulary import REQ, UState
     from kvgate.invariants.z3.vocabulary import Bounds, State
 

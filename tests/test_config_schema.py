@@ -57,6 +57,7 @@ NON_DEFAULT: dict[str, tuple[Any, dict[str, Any]]] = {
     "async_scheduling": (True, {}),
     "kv_cache_metrics": (True, {}),
     "kv_cache_metrics_sample": (0.5, {}),
+    "model_runner": ("v2", {}),
     "groups": (
         (
             GroupConfig("full_attention", 8),

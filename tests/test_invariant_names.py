@@ -29,11 +29,11 @@ def test_every_z3_check_is_a_catalogue_property_in_its_encodings_table() -> None
     """A check registered in either encoding is an invariant or a lemma of the
     catalogue and appears in that encoding's table (none dropped silently)."""
     from kvgate.invariants.catalogue import LEMMA_NAMES, Z3_INVARIANT_NAMES
-    from kvgate.invariants.z3 import properties, unbounded_proof
+    from kvgate.invariants.z3 import properties, unbounded_properties
 
     for checks, table in (
         (properties._CHECKS, properties.PROPERTIES),
-        (unbounded_proof._CHECKS, unbounded_proof.UPROPERTIES),
+        (unbounded_properties._CHECKS, unbounded_properties.UPROPERTIES),
     ):
         assert set(checks) <= set(Z3_INVARIANT_NAMES) | set(LEMMA_NAMES)
         assert [p.name for p in table] == [

@@ -31,7 +31,7 @@ from kvgate.conformance.ops import Segment, Step
 from kvgate.invariants.z3.embedding import admits_embedded
 from kvgate.invariants.z3.hooks import HOOK_NAMES, Hooks
 from kvgate.invariants.z3.transitions import ENCODED_OPS, MUTATIONS, Encoding
-from kvgate.invariants.z3.unbounded import UEncoding
+from kvgate.invariants.z3.unbounded_transitions import UEncoding
 from kvgate.model import mutations as model_mutations
 
 FULL = os.environ.get("KVGATE_FULL_PROOFS") == "1"

@@ -22,14 +22,9 @@ from kvgate import cli
 from kvgate.conformance.trace import load_trace
 from kvgate.invariants.z3.properties import INVARIANTS
 from kvgate.invariants.z3.transitions import ENCODED_OPS, MUTATIONS, Encoding, acts_on_request
-from kvgate.invariants.z3.unbounded import UEncoding
-from kvgate.invariants.z3.unbounded_proof import (
-    UINVARIANTS,
-    UPROPERTIES,
-    UPROPERTY_BY_NAME,
-    check_uop,
-    prove_unbounded,
-)
+from kvgate.invariants.z3.unbounded_proof import check_uop, prove_unbounded
+from kvgate.invariants.z3.unbounded_properties import UINVARIANTS, UPROPERTIES, UPROPERTY_BY_NAME
+from kvgate.invariants.z3.unbounded_transitions import UEncoding
 from kvgate.invariants.z3.unbounded_vocabulary import BLOCK, COPY, REQ, UState, finite
 from kvgate.invariants.z3.vocabulary import RUNNING, WAITING
 from kvgate.model import mutations as model_mutations

@@ -16,6 +16,10 @@ MAMBA_CACHE_MODES: tuple[MambaCacheMode, ...] = get_args(MambaCacheMode)
 # (its default) recomputes what a failed load lost; `fail` ends the request.
 KvLoadFailurePolicy = Literal["recompute", "fail"]
 KV_LOAD_FAILURE_POLICIES: tuple[KvLoadFailurePolicy, ...] = get_args(KvLoadFailurePolicy)
+# The model runner vLLM's engine hands scheduled work to: `v1`, or `v2`
+# (vLLM's default on a GPU with Triton, `VLLM_USE_V2_MODEL_RUNNER`).
+ModelRunner = Literal["v1", "v2"]
+MODEL_RUNNERS: tuple[ModelRunner, ...] = get_args(ModelRunner)
 
 
 @dataclass(frozen=True)
@@ -117,6 +121,11 @@ class Config:
     # 1.0, every block, is modelled, a lower rate samples at random).
     kv_cache_metrics: bool = False
     kv_cache_metrics_sample: float = 1.0
+    # The engine's model runner (trace field `model_runner`): what the
+    # Scheduler hands the worker differs (under `v2` a resumed request goes
+    # out as a new one, and it tracks each request's encoder inputs); the
+    # KV-cache manager's calls do not, so the model plays both alike.
+    model_runner: ModelRunner = "v1"
 
     @property
     def block_drop(self) -> bool:
@@ -305,6 +314,12 @@ def check_modelled(config: Config) -> None:
             "kv_load_failure_policy",
             f"{config.kv_load_failure_policy!r} is not one of "
             f"{', '.join(KV_LOAD_FAILURE_POLICIES)} (vLLM 0.33.0's policies)",
+        )
+    if config.model_runner not in MODEL_RUNNERS:
+        raise NotModelled(
+            "model_runner",
+            f"{config.model_runner!r} is not one of {', '.join(MODEL_RUNNERS)} "
+            "(vLLM 0.33.0's model runners)",
         )
     if config.kv_load_failure_policy != "recompute" and not config.kv_connector:
         raise NotModelled(

@@ -110,12 +110,16 @@ ASYNC_BATCHES = 2
 DeferredFree = tuple[int, str]
 COW_RETENTION = "copy-on-write retention"
 
+# An arrival's fields saying what a KV connector's external store holds of
+# the request (`RemoteHit`), in the order they are written.
+REMOTE_FIELDS = ("remote_hit", "remote_async", "remote_delay", "remote_fails")
+
 # The engine ops of a scheduler-level trace (its `engine` list), each with
 # its required and optional fields.
 ENGINE_OPS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "arrive": (
         ("req", "prompt", "max_tokens"),
-        ("cache_salt", "follows", "remote_hit", "remote_async", "remote_delay"),
+        ("cache_salt", "follows", *REMOTE_FIELDS),
     ),
     "step": ((), ("steps", "stop")),
     "abort": (("req",), ()),

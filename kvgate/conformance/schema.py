@@ -22,6 +22,7 @@ from typing import Any, Literal
 from kvgate.conformance.config import (
     KV_LOAD_FAILURE_POLICIES,
     MAMBA_CACHE_MODES,
+    MODEL_RUNNERS,
     Config,
     GroupConfig,
 )
@@ -381,6 +382,19 @@ CONFIG_FIELDS: tuple[ConfigField, ...] = (
             "vLLM refuses it"
         ),
         not_explored="only 1.0 is modelled (vLLM samples at random below it)",
+    ),
+    ConfigField(
+        "model_runner",
+        "model_runner",
+        "word",
+        "not_default",
+        "`VLLM_USE_V2_MODEL_RUNNER` (v2: vLLM's default on a GPU with Triton)",
+        (
+            "the Scheduler's model runner, `v1` or `v2` (resumed requests handed out as new "
+            "ones); the manager's calls are the same under both"
+        ),
+        choices=MODEL_RUNNERS,
+        not_explored="the Scheduler-level exploration draws it with each engine",
     ),
     ConfigField(
         "groups",

@@ -296,6 +296,8 @@ def engine_config(scheduler: Any) -> tuple[Config, EngineSettings]:
         scheduler_block_size=int(scheduler.block_size),
         max_model_len=int(scheduler.max_model_len),
         max_num_scheduled_tokens=int(scheduler.max_num_scheduled_tokens),
+        # The recorded engine's model runner, replayed the same.
+        model_runner="v2" if getattr(scheduler, "use_v2_model_runner", False) else "v1",
         long_prefill_token_threshold=int(scheduler.scheduler_config.long_prefill_token_threshold),
         long_prefill_token_threshold_adaptive=bool(
             getattr(scheduler, "adaptive_long_prefill_threshold", False)

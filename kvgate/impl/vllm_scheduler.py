@@ -31,11 +31,13 @@ still has cached. The manager's state is read through `vllm_view.ManagerView`.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
+import os
 import shutil
 import tempfile
 from collections import deque
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -225,6 +227,26 @@ def _scheduler_class(vllm_config: Any, config: Config) -> Any:
     return Scheduler if chosen is None else chosen()
 
 
+# vLLM's switch for the model runner: read whenever its config asks which
+# one runs (building the config, then the Scheduler), from the environment.
+MODEL_RUNNER_SWITCH = "VLLM_USE_V2_MODEL_RUNNER"
+
+
+@contextlib.contextmanager
+def _model_runner(config: Config) -> Iterator[None]:
+    """The trace's model runner switched on for vLLM while it builds the
+    Scheduler (as a deployment sets it), and the environment restored after."""
+    before = os.environ.get(MODEL_RUNNER_SWITCH)
+    os.environ[MODEL_RUNNER_SWITCH] = "1" if config.model_runner == "v2" else "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[MODEL_RUNNER_SWITCH]
+        else:
+            os.environ[MODEL_RUNNER_SWITCH] = before
+
+
 def _check_mode(vllm_config: Any, config: Config) -> None:
     """The Mamba cache mode vLLM's engine config resolved (`align` with prefix
     caching, `none` without, in 0.33.0) must be the config's: the KV-cache
@@ -340,6 +362,11 @@ def _check_derived(scheduler: Any, config: Config, spec_tokens: int, hash_block:
             config.long_prefill_token_threshold_adaptive,
         ),
         ("max_model_len", int(scheduler.max_model_len), config.max_model_len),
+        (
+            "model_runner",
+            "v2" if getattr(scheduler, "use_v2_model_runner", False) else "v1",
+            config.model_runner,
+        ),
         # Drafts: K tokens and K lookahead slots, the trace's lookahead
         # hashes, no multi-module prefill reservation (a lookahead of 1 never
         # acts).
@@ -453,22 +480,23 @@ class VllmScheduler:
         try:
             from vllm.v1.structured_output import StructuredOutputManager
 
-            vllm_config = _vllm_config(config, spec_tokens, max_num_seqs, connector)
-            _check_mode(vllm_config, config)
-            scheduler_class = _scheduler_class(vllm_config, config)
-            kv_config = kv_cache_config(api, config)
-            hash_block = _engine_sizes(vllm_config, kv_config, config, engine_sizes)
-            scheduler = scheduler_class(
-                vllm_config=vllm_config,
-                kv_cache_config=kv_config,
-                structured_output_manager=StructuredOutputManager(vllm_config),
-                block_size=config.scheduler_block_size,
-                hash_block_size=hash_block,
-                # Stats are made each update (the prefix-cache stats, and
-                # the residency metrics drained when they are on), as an
-                # engine logging stats does.
-                log_stats=not config.disable_log_stats,
-            )
+            with _model_runner(config):
+                vllm_config = _vllm_config(config, spec_tokens, max_num_seqs, connector)
+                _check_mode(vllm_config, config)
+                scheduler_class = _scheduler_class(vllm_config, config)
+                kv_config = kv_cache_config(api, config)
+                hash_block = _engine_sizes(vllm_config, kv_config, config, engine_sizes)
+                scheduler = scheduler_class(
+                    vllm_config=vllm_config,
+                    kv_cache_config=kv_config,
+                    structured_output_manager=StructuredOutputManager(vllm_config),
+                    block_size=config.scheduler_block_size,
+                    hash_block_size=hash_block,
+                    # Stats are made each update (the prefix-cache stats, and
+                    # the residency metrics drained when they are on), as an
+                    # engine logging stats does.
+                    log_stats=not config.disable_log_stats,
+                )
         except UnsupportedConfig:
             raise
         except Exception as exc:  # pydantic, ValueError or a bare assert

@@ -16,7 +16,7 @@ search hit `--search-timeout`); each row ends with the seconds it took.
 written even when the induction failure is in a lemma.
 
 `--unbounded` proves the same invariants for every pool size and number of
-requests (`unbounded_proof.py`: quantified formulas over uninterpreted
+requests (`unbounded_properties.py`: quantified formulas over uninterpreted
 sorts; `--blocks` and `--requests` then only say where bounded model
 checking looks for a counterexample trace). `--cores` prints each proved
 cell's unsat core: the lemmas and transition clauses its proof used.
@@ -42,7 +42,8 @@ from kvgate.invariants.z3.checker import INIT, Result, prove
 from kvgate.invariants.z3.counterexample import Found, find
 from kvgate.invariants.z3.properties import PROPERTIES, PROPERTY_BY_NAME
 from kvgate.invariants.z3.transitions import ENCODED_OPS, MUTATIONS
-from kvgate.invariants.z3.unbounded_proof import UPROPERTIES, UResult, prove_unbounded
+from kvgate.invariants.z3.unbounded_proof import UResult, prove_unbounded
+from kvgate.invariants.z3.unbounded_properties import UPROPERTIES
 from kvgate.invariants.z3.vocabulary import Bounds
 from kvgate.model.mutations import MUTATIONS as MODEL_MUTATIONS
 

@@ -7,7 +7,7 @@ post-state (every field, ghosts included, as `abstraction.Drift` carries
 them) are embedded in a finite instance of the unbounded encoding's sorts
 (one `Block` per pool block, one `Req` per request slot, enough `Copy`
 identities for the pending copies before and after the step and one spare),
-and the op's unbounded transition (`unbounded.py`) must relate the two.
+and the op's unbounded transition (`unbounded_transitions.py`) must relate the two.
 
 The embedding fixes every field the two vocabularies share to its bounded
 value. What the bounded state only counts, the unbounded one spells out,
@@ -30,8 +30,8 @@ from typing import Any
 import z3
 
 from kvgate.invariants.z3.transitions import acts_on_request
-from kvgate.invariants.z3.unbounded import UEncoding
-from kvgate.invariants.z3.unbounded_proof import no_leak
+from kvgate.invariants.z3.unbounded_properties import no_leak
+from kvgate.invariants.z3.unbounded_transitions import UEncoding
 from kvgate.invariants.z3.unbounded_vocabulary import (
     BLOCK,
     COPY,

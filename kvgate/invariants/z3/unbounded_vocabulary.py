@@ -4,9 +4,10 @@ Blocks, requests and pending copies are uninterpreted sorts (`Block`,
 `Req`, `Copy`) with no bound on their size; each field of a state is a Z3
 function over them (`table1(r, b)`: block `b` is in request `r`'s table of
 group 1), or a constant. The counterpart of the bounded encoding's
-`vocabulary.py`; the transitions are in `unbounded.py`, the properties and
-their proof in `unbounded_proof.py` (as `transitions.py` and
-`properties.py` for the bounded one).
+`vocabulary.py`; the transitions are in `unbounded_transitions.py` (its ref
+tokens in `unbounded_tokens.py`), the properties in
+`unbounded_properties.py` and their proof in `unbounded_proof.py` (as
+`transitions.py`, `properties.py` and `checker.py` for the bounded one).
 """
 
 from __future__ import annotations

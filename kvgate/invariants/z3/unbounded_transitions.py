@@ -1,9 +1,10 @@
 """The manager's transition system for every pool size: quantified, over
 uninterpreted sorts.
 
-The bounded encoding (`vocabulary.py`, `transitions.py`, `properties.py`)
-unrolls one Z3 variable per block, request and group. Here, in the same
-three parts (`unbounded_vocabulary.py`, this file, `unbounded_proof.py`),
+The bounded encoding (`vocabulary.py`, `transitions.py`, `properties.py`,
+`checker.py`) unrolls one Z3 variable per block, request and group. Here, in
+the same parts (`unbounded_vocabulary.py`, this file with its ref tokens in
+`unbounded_tokens.py`, `unbounded_properties.py`, `unbounded_proof.py`),
 blocks, requests and pending copies are uninterpreted sorts (`Block`,
 `Req`, `Copy`) with no bound on their size, each field of a state is a Z3
 function over them (`table1(r, b)`: block `b` is in request `r`'s table of
@@ -68,21 +69,19 @@ encoding, read from the same record (`kvgate.model.mutations`, `breaks`;
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import z3
 
 from kvgate.invariants.z3.hooks import Hooks
 from kvgate.invariants.z3.transitions import broken_hooks
+from kvgate.invariants.z3.unbounded_tokens import Edit, copy_edit, holders_edit, one_copy, req_edit
 from kvgate.invariants.z3.unbounded_vocabulary import (
     BLOCK,
     COPY,
-    REQ,
     Fn,
     UState,
     at_most_one,
-    exists,
     forall,
 )
 from kvgate.invariants.z3.vocabulary import (
@@ -93,74 +92,6 @@ from kvgate.invariants.z3.vocabulary import (
     phase_after,
     phase_guard,
 )
-
-# -- token edits: which holder a pool call acts for -----------------------------------
-
-
-@dataclass(frozen=True)
-class Edit:
-    """Adding or removing the tokens of some holders of one token field.
-
-    `cond(*holder, b)` (request tokens) or `cond(c)` (copy tokens) says
-    which tokens; `on(b)` whether any of them lies on block `b`; `clash(b)`
-    whether one of them is already there (for an add) or missing (for a
-    removal), given the field's current value `tok`."""
-
-    key: str
-    cond: Fn
-    on: Fn
-    clash: Callable[[Fn, Any, bool], Any]
-
-
-def req_edit(key: str, r: Any, blocks: Fn) -> Edit:
-    """Request `r`'s tokens on `blocks`."""
-
-    def clash(tok: Fn, b: Any, adding: bool) -> Any:
-        return z3.And(blocks(b), tok(r, b) if adding else z3.Not(tok(r, b)))
-
-    return Edit(key, lambda x, b: z3.And(x == r, blocks(b)), blocks, clash)
-
-
-def holders_edit(key: str, holders: Fn, block: Any) -> Edit:
-    """The tokens of every request in `holders` on one block."""
-
-    def on(b: Any) -> Any:
-        return z3.And(b == block, exists((REQ,), holders))
-
-    def clash(tok: Fn, b: Any, adding: bool) -> Any:
-        def hit(q: Any) -> Any:
-            return z3.And(holders(q), tok(q, b) if adding else z3.Not(tok(q, b)))
-
-        return z3.And(b == block, exists((REQ,), hit))
-
-    return Edit(key, lambda x, b: z3.And(holders(x), b == block), on, clash)
-
-
-def copy_edit(key: str, which: Fn, end: Fn) -> Edit:
-    """The `key` endpoint tokens (`source_token`/`destination_token`) of the
-    copies `which`;
-    `end(c)` is the endpoint's block."""
-
-    def on(b: Any) -> Any:
-        return exists((COPY,), lambda c: z3.And(which(c), end(c) == b))
-
-    def clash(tok: Fn, b: Any, adding: bool) -> Any:
-        def hit(c: Any) -> Any:
-            return z3.And(which(c), end(c) == b, tok(c) if adding else z3.Not(tok(c)))
-
-        return exists((COPY,), hit)
-
-    return Edit(key, which, on, clash)
-
-
-def one_copy(key: str, copy: Any, when: Any, block: Any) -> Edit:
-    """One copy's endpoint token, on `block`, if `when`."""
-
-    def clash(tok: Fn, b: Any, adding: bool) -> Any:
-        return z3.And(when, b == block, tok(copy) if adding else z3.Not(tok(copy)))
-
-    return Edit(key, lambda c: z3.And(when, c == copy), lambda b: z3.And(when, b == block), clash)
-
 
 Clause = tuple[str, Any]
 
