@@ -22,8 +22,9 @@ from kvgate.conformance.snapshot import BlockView, Snapshot
 from kvgate.conformance.tokens import MmItem
 from kvgate.conformance.trace import Trace, load_trace
 from kvgate.explore.command import parse_budget
-from kvgate.explore.machine import Mode, new_tokens, tail_lands
+from kvgate.explore.mode import Mode
 from kvgate.explore.profiles import profile
+from kvgate.explore.rules import new_tokens, tail_lands
 from kvgate.explore.runner import Outcome, explore, model_mode
 from kvgate.explore.session import (
     ALL_INVARIANTS,

@@ -160,7 +160,7 @@ def test_the_summary_counts_examples_dropped_at_the_crash() -> None:
     from io import StringIO
 
     from kvgate.explore.command import write_summary
-    from kvgate.explore.machine import Stats
+    from kvgate.explore.mode import Stats
     from kvgate.explore.runner import Outcome
 
     stats = Stats(discarded=5, rejected_lookups=2)

@@ -273,7 +273,7 @@ def test_exploration_breaks_a_share_of_configs_and_fails_a_refusal_divergence() 
     """A lockstep target that accepts every retention interval (as vLLM
     would with its check dropped): a drawn config with a broken interval is
     a refusal divergence, shown as the config and saved as a refusal trace."""
-    from kvgate.explore.machine import Mode
+    from kvgate.explore.mode import Mode
     from kvgate.explore.profiles import profile
     from kvgate.explore.runner import run_once
     from kvgate.explore.session import ALL_INVARIANTS, RefusalDivergence
@@ -315,7 +315,8 @@ def test_a_differential_run_checks_every_rule_breach_before_its_search() -> None
     group; kvgate does not model it); a lockstep target that lets a
     negative interval through is a refusal divergence."""
     from kvgate.explore.knobs import rule_breaches
-    from kvgate.explore.machine import Mode, check_config_rules
+    from kvgate.explore.machine import check_config_rules
+    from kvgate.explore.mode import Mode
     from kvgate.explore.session import ALL_INVARIANTS, RefusalDivergence
 
     breaches = rule_breaches()

@@ -149,6 +149,16 @@ MALFORMED: dict[str, tuple[Callable[[dict[str, Any]], None], int | None, str]] =
     ),
     "remote async not a flag": (with_connector(0, remote_async="yes"), 0, "remote_async"),
     "remote delay of a sync load": (with_connector(0, remote_delay=1), 0, "remote_delay"),
+    "remote fails not a flag": (
+        with_connector(0, remote_hit=8, remote_async=True, remote_fails=1),
+        0,
+        "remote_fails",
+    ),
+    "remote fails of a sync load": (
+        with_connector(0, remote_hit=8, remote_fails=True),
+        0,
+        "remote_fails",
+    ),
     "abort of no request": (engine(4, req="Z"), 4, "req"),
     "reset running not a flag": (engine(4, op="reset", req=None, running="yes"), 4, "running"),
     "reset expects a step's key": (
@@ -182,6 +192,8 @@ def test_an_arrivals_remote_hit_reads_as_the_connectors_answer() -> None:
     trace = parse_trace(yaml.safe_dump(doc))
     assert trace.engine[0].remote == RemoteHit(40, True, 2)
     assert trace.engine[2].remote is None
+    with_connector(0, remote_fails=True)(doc)
+    assert parse_trace(yaml.safe_dump(doc)).engine[0].remote == RemoteHit(40, True, 2, fails=True)
 
 
 def test_an_abort_after_an_abort_and_eagle_without_drafts_are_refused() -> None:
@@ -431,6 +443,32 @@ def test_the_v2_model_runner_trace_runs_vllms_scheduler_with_it(
     with pytest.raises(UnsupportedConfig) as refused:
         vllm_scheduler.VllmScheduler(trace.config, spec_tokens=0, max_num_seqs=4)
     assert refused.value.field == "model_runner"
+
+
+@needs_vllm
+@pytest.mark.parametrize(
+    "name",
+    [
+        "sched-connector-async-load-fails-and-retries",
+        "sched-connector-async-load-fails-the-request",
+    ],
+)
+def test_a_scheduler_that_takes_a_failed_load_for_done_diverges(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's Scheduler ignoring the worker's failed receives (the load
+    taken for done, its KV used as loaded): the lockstep with the model, or
+    the trace's own expectations, fail within a step or two of the report."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    monkeypatch.setattr(Scheduler, "_handle_failed_recving", lambda self, failed: set())
+    trace = by_name(name)
+    result = run_vllm(trace)
+    assert result.divergence is not None
+    reported = (
+        next(e.index for e in trace.engine if e.remote is not None and e.remote.fails) + 2
+    )  # the load's allocation, then the step whose output reports it failed
+    assert reported <= result.divergence.step.index <= reported + 2, result.divergence
 
 
 @needs_vllm

@@ -12,6 +12,7 @@ from kvgate.conformance.limits import LimitError
 from kvgate.conformance.scheduling import (
     ENGINE_EXPECT_KEYS,
     ENGINE_OPS,
+    REMOTE_FIELDS,
     RESET_EXPECT_KEYS,
     EngineSettings,
     EngineStep,
@@ -143,9 +144,10 @@ class EngineReader(FieldReader):
     def engine_remote(
         self, index: int, raw: Mapping[Any, Any], prompt_tokens: int
     ) -> RemoteHit | None:
-        """An arrival's `remote_hit`, `remote_async`, `remote_delay`: what the
-        KV connector's external store holds of the request (None: nothing)."""
-        given = [k for k in ("remote_hit", "remote_async", "remote_delay") if k in raw]
+        """An arrival's `remote_hit`, `remote_async`, `remote_delay`,
+        `remote_fails`: what the KV connector's external store holds of the
+        request and how its load goes (None: nothing)."""
+        given = [k for k in REMOTE_FIELDS if k in raw]
         if not given:
             return None
         assert self.config is not None
@@ -175,7 +177,16 @@ class EngineReader(FieldReader):
             )
         if delay and not load_async:
             raise self.error(index, "remote_delay", "applies to an async load: remote_async: true")
-        return RemoteHit(tokens, load_async, delay)
+        fails = raw.get("remote_fails", False)
+        if not isinstance(fails, bool):
+            raise self.error(index, "remote_fails", f"must be true or false, got {got(fails)}")
+        if fails and not (load_async and tokens):
+            raise self.error(
+                index,
+                "remote_fails",
+                "applies to an async load of at least one token: remote_async, remote_hit >= 1",
+            )
+        return RemoteHit(tokens, load_async, delay, fails)
 
     def arrived(self, index: int, field: str, value: object) -> str:
         """`value` names a request that has arrived."""

@@ -118,6 +118,8 @@ def engine_step_dicts(engine: Iterable[EngineStep]) -> list[dict[str, Any]]:
                     entry["remote_async"] = True
                 if remote.delay:
                     entry["remote_delay"] = remote.delay
+                if remote.fails:
+                    entry["remote_fails"] = True
         if event.op == "reset" and event.running:
             entry["running"] = True
         if event.stop:

@@ -37,7 +37,7 @@ from kvgate.conformance.config import UnsupportedConfig
 from kvgate.conformance.replay import one_line
 from kvgate.errors import InputError
 from kvgate.explore.knobs import build, strata, stratum_name
-from kvgate.explore.machine import Mode
+from kvgate.explore.mode import Mode
 from kvgate.explore.session import ExploreFailure
 
 TargetName = Literal["model", "vllm", "vllm+overlay"]

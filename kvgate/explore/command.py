@@ -53,7 +53,7 @@ from typing import Any, TextIO
 from kvgate import options
 from kvgate.conformance.ops import FREE_HOW, PRIMITIVE_OPS
 from kvgate.errors import InputError
-from kvgate.explore.machine import Mode, Stats
+from kvgate.explore.mode import Mode, Stats
 from kvgate.explore.profiles import PROFILES, SCHEDULER_PROFILES, profile
 from kvgate.explore.runner import Outcome, explore, model_mode
 from kvgate.explore.scheduler_machine import (

@@ -42,6 +42,9 @@ KV_PATH_ATTRIBUTES = frozenset(
 # column alike, each with why.
 OUT_OF_SCOPE = {
     "_drain_deferred_loads": "loads are deferred only for HiSparse's host pool",
+    "_update_requests_with_invalid_blocks": (
+        "called only past _handle_invalid_blocks' refusal of several KV-cache groups"
+    ),
 }
 
 

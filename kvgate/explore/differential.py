@@ -12,7 +12,7 @@ from typing import Any
 
 from kvgate.conformance.config import Config
 from kvgate.conformance.driver import OpDriver
-from kvgate.explore.machine import Mode
+from kvgate.explore.mode import Mode
 from kvgate.explore.session import ALL_INVARIANTS, HOLD_ONLY_INVARIANTS
 
 # The overlay that gives upstream vLLM 0.33.0 the hold (kvgate.impl.hold_overlay).

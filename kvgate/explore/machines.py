@@ -19,7 +19,8 @@ it.
 from __future__ import annotations
 
 from kvgate.explore.differential import differential_mode
-from kvgate.explore.machine import ExploreMachine, Mode, machine_class
+from kvgate.explore.machine import ExploreMachine, machine_class
+from kvgate.explore.mode import Mode
 from kvgate.explore.profiles import profile
 from kvgate.explore.runner import model_mode
 

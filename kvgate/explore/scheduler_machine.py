@@ -384,7 +384,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         fresh=st.integers(0, 96),
         max_tokens=st.integers(1, 24),
         other_tenant=st.booleans(),
-        remote=st.tuples(st.integers(0, REMOTE_QUARTERS), st.booleans(), st.integers(0, 2)),
+        remote=st.tuples(
+            st.integers(0, REMOTE_QUARTERS), st.booleans(), st.integers(0, 2), st.booleans()
+        ),
     )
     def arrive(
         self,
@@ -393,7 +395,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         fresh: int,
         max_tokens: int,
         other_tenant: bool,
-        remote: tuple[int, bool, int],
+        remote: tuple[int, bool, int, bool],
     ) -> None:
         name = f"R{len(self.names)}"
         max_tokens = min(max_tokens, self.cap - 1)
@@ -442,12 +444,13 @@ class SchedulerMachine(RuleBasedStateMachine):
             )
         )
 
-    def remote_hit(self, prompt: int, drawn: tuple[int, bool, int]) -> RemoteHit | None:
+    def remote_hit(self, prompt: int, drawn: tuple[int, bool, int, bool]) -> RemoteHit | None:
         """With a KV connector: what its store holds of a new request's prompt
         (`drawn`: quarters of the prompt, whether the load is asynchronous,
-        the worker's delay), within what a real connector would load."""
+        the worker's delay, whether an async load fails), within what a real
+        connector would load."""
         assert self.config is not None
-        quarters, load_async, delay = drawn
+        quarters, load_async, delay, fails = drawn
         if not self.config.kv_connector or quarters == 0:
             return None
         # A synchronous load leaves the last token to compute.
@@ -455,7 +458,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         if tokens <= 0:
             return None
         self.stats.ops[f"arrive:remote:{'async' if load_async else 'sync'}"] += 1
-        return RemoteHit(tokens, load_async, delay if load_async else 0)
+        fails = fails and load_async
+        if fails:
+            self.stats.ops["arrive:remote:fails"] += 1
+        return RemoteHit(tokens, load_async, delay if load_async else 0, fails)
 
     @precondition(lambda self: self.lockstep is not None)
     @rule(steps=st.integers(1, 6), stop=st.integers(0, 2 * MAX_SEQS - 1))
