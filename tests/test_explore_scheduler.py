@@ -8,14 +8,15 @@ as a divergence on vLLM with the fault, and conforms without it.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from configs import needs_vllm
+from configs import EXAMPLE_CONFIG, needs_vllm
 from hypothesis import Phase
 
 from kvgate import cli
-from kvgate.conformance.config import Config, GroupConfig
+from kvgate.conformance.config import GroupConfig
 from kvgate.conformance.ops import Segment
 from kvgate.conformance.scheduling import EngineSettings, EngineStep
 from kvgate.conformance.trace import load_trace
@@ -33,14 +34,13 @@ PLANTED = "sched-split-aligns-last-chunk"
 def test_an_explored_history_is_a_scheduler_level_trace(tmp_path: Path) -> None:
     """The writer's `engine` list reads back as the same engine steps; a run
     of plain steps is written as one entry."""
-    config = Config(
+    # The example config with a smaller pool, no drafts, the hold off.
+    config = replace(
+        EXAMPLE_CONFIG,
         num_blocks=48,
-        hash_unit=8,
-        groups=(GroupConfig("full_attention", 8), GroupConfig("mamba_align", 32, 0)),
+        groups=(GroupConfig("full_attention", 8), GroupConfig("mamba_align", 32)),
         eagle=False,
-        retention_interval=0,
         hold=False,
-        scheduler_block_size=32,
         max_model_len=512,
     )
     events = [

@@ -136,24 +136,6 @@ def test_with_the_recorder_off_nothing_is_wrapped(
     assert wrapped_methods() == []
 
 
-def test_the_recording_replays_on_the_model_and_on_vllm(
-    recorded: tuple[ArmResult, Path], capsys: pytest.CaptureFixture[str]
-) -> None:
-    result, path = recorded
-    assert result.replay is not None and result.replay.passed
-    trace = load_trace(path)
-    engine_steps = sum(e.op == "step" for e in trace.engine)
-    assert engine_steps > 50
-    # The arm is recorded: the run had the hold on.
-    assert trace.config.hold
-    assert cli.main(["replay", str(path), "--target", "model"]) == 0
-    # The gate over a directory of recordings, on vLLM's Scheduler in strict lockstep.
-    code = cli.main(["gate", "--corpus", str(path.parent), "--target", "vllm", "--plugin", PLUGIN])
-    out = capsys.readouterr().out
-    assert code == 0, out
-    assert f"PASS {trace.name}" in out
-
-
 def test_the_recorded_arm_is_gated(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A run with the hold, where the hold decides a follow-up's cached
     tokens, records the hold-on arm: the recording conforms on the model
@@ -404,18 +386,33 @@ def long_recorded(tmp_path_factory: pytest.TempPathFactory) -> tuple[ArmResult, 
     return record_workload(tmp_path_factory.mktemp("long"), Workload(sessions=10, turns=6), True)
 
 
-@needs_long
-def test_a_long_recording_replays_on_the_model_and_on_vllm(
-    long_recorded: tuple[ArmResult, Path], capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize(
+    ("fixture", "least_steps"),
+    [("recorded", 51), pytest.param("long_recorded", 300, marks=needs_long)],
+    ids=["short", "long"],
+)
+def test_a_recording_replays_on_the_model_and_on_vllm(
+    fixture: str,
+    least_steps: int,
+    request: pytest.FixtureRequest,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
-    result, path = long_recorded
+    """The workload's recording (short, or long with `KVGATE_LONG_RECORDING`)
+    passed its own replay, replays on the model, and passes the gate over its
+    directory on vLLM's Scheduler in strict lockstep."""
+    result, path = request.getfixturevalue(fixture)
     assert result.replay is not None and result.replay.passed
     trace = load_trace(path)
     steps = sum(e.op == "step" for e in trace.engine)
-    assert steps >= 300
+    assert steps >= least_steps
+    # The arm is recorded: the run had the hold on.
+    assert trace.config.hold
     assert cli.main(["replay", str(path), "--target", "model"]) == 0
-    assert cli.main(["replay", str(path), "--target", "vllm", "--plugin", PLUGIN]) == 0
-    print(f"long recording: {steps} engine steps, {len(trace.engine)} entries", file=sys.stderr)
+    code = cli.main(["gate", "--corpus", str(path.parent), "--target", "vllm", "--plugin", PLUGIN])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert f"PASS {trace.name}" in out
+    print(f"{fixture}: {steps} engine steps, {len(trace.engine)} entries", file=sys.stderr)
 
 
 @needs_long
