@@ -109,6 +109,11 @@ class Config:
     # `recompute` retries or truncates a failed load, `fail` fails the
     # request (and evicts a failed sync load's blocks from the prefix cache).
     kv_load_failure_policy: KvLoadFailurePolicy = "recompute"
+    # vLLM's async scheduling (`--async-scheduling`; trace field of that
+    # name, scheduler-level traces): the engine schedules a batch while the
+    # last one runs, two batches in flight; with a consumer KV connector the
+    # Scheduler then defers freeing blocks a batch in flight may still write.
+    async_scheduling: bool = False
     # vLLM's `--kv-cache-metrics` (ObservabilityConfig.kv_cache_metrics): the
     # pool reports block residencies to a metrics collector, whose eviction
     # events the `residency` op drains; and its sample rate

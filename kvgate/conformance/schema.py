@@ -346,6 +346,20 @@ CONFIG_FIELDS: tuple[ConfigField, ...] = (
         choices=KV_LOAD_FAILURE_POLICIES,
     ),
     ConfigField(
+        "async_scheduling",
+        "async_scheduling",
+        "flag",
+        "not_default",
+        "`--async-scheduling` (`SchedulerConfig.async_scheduling`)",
+        (
+            "scheduler-level traces: each engine step schedules a batch while the last one runs "
+            "(two in flight), and with a KV connector a request's blocks are freed only once no "
+            "batch in flight may write them ([async scheduling](../scheduler-traces.md"
+            "#async-scheduling)); a manager-level trace's calls are the same either way"
+        ),
+        not_explored="the manager-level machines make the Scheduler's calls themselves",
+    ),
+    ConfigField(
         "kv_cache_metrics",
         "kv_cache_metrics",
         "flag",

@@ -137,12 +137,24 @@ def kv_cache_config(api: VllmApi, config: Config) -> Any:
     )
 
 
-def scheduler_config(config: Config, max_num_seqs: int | None = None) -> Any:
+def scheduler_config(
+    config: Config, max_num_seqs: int | None = None, async_scheduling: bool | None = None
+) -> Any:
     """vLLM's `SchedulerConfig` for `config` (chunked prefill on, as align mode
     runs). `max_num_seqs` only sizes the engine; by default the fewest
-    sequences that fill the token budget (fewer draw vLLM's warning)."""
+    sequences that fill the token budget (fewer draw vLLM's warning).
+    `async_scheduling` set: the engine's async scheduling on or off (None:
+    the engine's own choice)."""
     from vllm.config import SchedulerConfig
 
+    settings: dict[str, bool] = {}
+    if async_scheduling is not None:
+        if "async_scheduling" in getattr(SchedulerConfig, "__dataclass_fields__", {}):
+            settings["async_scheduling"] = async_scheduling
+        elif async_scheduling:
+            raise UnsupportedConfig(
+                "async_scheduling", "this vLLM's SchedulerConfig has no async scheduling"
+            )
     if max_num_seqs is None:
         max_num_seqs = -(-config.max_num_scheduled_tokens // max(1, config.max_model_len))
     return SchedulerConfig(
@@ -158,6 +170,7 @@ def scheduler_config(config: Config, max_num_seqs: int | None = None) -> Any:
             if config.long_prefill_token_threshold_adaptive
             else {}
         ),
+        **settings,
     )
 
 

@@ -48,10 +48,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from kvgate.conformance.config import Config
+from kvgate.conformance.config import Config, NotModelled
 from kvgate.conformance.driver import chunk_offer
 from kvgate.conformance.ops import ACTIONS, Segment, Step
-from kvgate.conformance.scheduling import EngineOutcome, PrefixCacheStats, RemoteHit
+from kvgate.conformance.scheduling import (
+    ASYNC_BATCHES,
+    COW_RETENTION,
+    DeferredFree,
+    EngineOutcome,
+    PrefixCacheStats,
+    RemoteHit,
+)
 from kvgate.conformance.snapshot import Snapshot
 from kvgate.conformance.target import Capabilities, StepRefused
 from kvgate.conformance.tokens import HashInputs
@@ -123,6 +130,12 @@ class LiveRequest:
     stats_reported: bool = False
     # A stop condition ends it with the token it samples next (`stop`).
     stopping: bool = False
+    # Async scheduling: the last batch that scheduled it (in flight while
+    # the engine has not processed that batch's output), and the non-empty
+    # batch's number the Scheduler fences its deferred free with.
+    last_batch: int = 0
+    last_sched_seq: int = 0
+    ended: bool = False  # finished or aborted (an in-flight batch's output skips it)
 
 
 @dataclass
@@ -158,6 +171,24 @@ class StepDecisions(EngineOutcome):
     errored: list[str] = field(default_factory=list)
 
 
+class AsyncNotModelled(StepRefused):
+    """Under async scheduling, a path the scheduler model does not cover
+    (vLLM runs it): the trace cannot be replayed."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("config.async_scheduling", message)
+
+
+@dataclass
+class _Batch:
+    """A scheduled batch whose output the engine has not processed yet."""
+
+    scheduled: list[tuple[str, int]]  # (request, tokens) it computes
+    sampled: dict[str, list[int]]  # the tokens each request samples in it
+    finished: list[LiveRequest]  # the requests it completes
+    executed: bool  # it ran tokens (only such batches advance the fences)
+
+
 class SchedulerModel:
     """vLLM's `Scheduler` over the model manager, one engine step at a time."""
 
@@ -165,6 +196,31 @@ class SchedulerModel:
         self.config = config
         self.spec = spec
         self.max_num_seqs = max_num_seqs
+        # Async scheduling: the engine schedules the next batch while the
+        # last one runs, so up to `ASYNC_BATCHES` batches are in flight.
+        async_scheduling = self.async_scheduling = config.async_scheduling
+        if async_scheduling and spec:
+            raise NotModelled(
+                "async_scheduling",
+                "draft tokens under async scheduling (their output placeholders) are not "
+                "modelled: use scheduler spec 0",
+            )
+        self.in_flight: deque[_Batch] = deque()
+        self.batches_scheduled = 0
+        self.batches_processed = 0
+        # With a consumer KV connector (kvgate's runs `kv_both`) and batches
+        # in flight, vLLM's Scheduler defers freeing a request's blocks while
+        # a batch that may still write them runs: (fence, request) in order,
+        # each released once the engine has processed `fence` non-empty
+        # batches; `sched_seq` and `processed_seq` count those batches.
+        self.defer_block_free = async_scheduling and config.kv_connector
+        self.deferred: deque[DeferredFree] = deque()
+        self.sched_seq = 0
+        self.processed_seq = 0
+        # A request ended since the last `schedule()` (vLLM's
+        # `finished_req_ids`, which keeps the engine scheduling).
+        self._ended_since_schedule = False
+        self._output_processed = False  # the last engine step processed a batch's output
         self.writer = StepWriter(ModelTarget(config))
         self.waiting: deque[LiveRequest] = deque()
         self.running: list[LiveRequest] = []
@@ -200,6 +256,10 @@ class SchedulerModel:
     ) -> LiveRequest:
         """A request arrives (`arrive`) and waits at the end of the queue;
         `remote`: what a KV connector's external store holds of it."""
+        if self.async_scheduling and remote is not None and remote.load_async:
+            raise AsyncNotModelled(
+                f"{name}'s asynchronous KV load under async scheduling is not modelled"
+            )
         self.writer.run("arrive", req=name, prompt=prompt, cache_salt=cache_salt)
         live = LiveRequest(
             name, self.oracle.requests[name].request, max_tokens, follows, remote=remote
@@ -211,22 +271,114 @@ class SchedulerModel:
         """One engine step: `schedule`, the worker's load reports, `step` and
         `drain`, the output each scheduled request sampled, then `free
         finish` of the requests that generated their output (and, under
-        load-failure policy `fail`, `free abort` of those whose load failed)."""
-        writer = self.writer
+        load-failure policy `fail`, `free abort` of those whose load failed).
+        Under async scheduling, the engine's step with two batches in flight
+        (`_async_step`)."""
+        if self.async_scheduling:
+            return self._async_step()
         decisions = StepDecisions()
-        outputs = {
-            live.name: len(live.request.output)
-            for live in (*self.running, *self.waiting, *self.holding)
-        }
-        finished = self.schedule(decisions)
+        finished, sampled = self._schedule_batch(decisions)
         decisions.loaded, decisions.failed = self.reported_loads()
+        self._process_output(decisions, sampled, finished)
+        self.engine_step += 1
+        return decisions
+
+    def _async_step(self) -> StepDecisions:
+        """One step of vLLM's engine with a batch queue: while it has
+        requests it schedules a batch (even an empty one); it then returns
+        at once unless `ASYNC_BATCHES` batches are in flight or nothing is
+        left to schedule, else it processes the oldest batch's output."""
+        decisions = StepDecisions()
+        self._output_processed = False
+        if self.has_requests():
+            finished, sampled = self._schedule_batch(decisions)
+            self._ended_since_schedule = False
+            executed = bool(decisions.scheduled)
+            self.batches_scheduled += 1
+            if executed and self.defer_block_free:
+                self.sched_seq += 1
+            for live in self._live():
+                if any(name == live.name for name, _ in decisions.scheduled):
+                    live.last_batch = self.batches_scheduled
+                    live.last_sched_seq = self.sched_seq
+            self.in_flight.append(_Batch(decisions.scheduled, sampled, finished, executed))
+            if len(self.in_flight) < ASYNC_BATCHES and (executed or self.has_requests()):
+                self.engine_step += 1
+                return decisions
+        elif not self.in_flight:
+            self.engine_step += 1
+            return decisions
+        batch = self.in_flight.popleft()
+        self.batches_processed += 1
+        self._output_processed = True
+        if batch.executed and self.defer_block_free:
+            # Every write of the batches up to this one is done: deferred
+            # frees fenced by them go back to the pool, in order.
+            self.processed_seq += 1
+            while self.deferred and self.deferred[0][0] <= self.processed_seq:
+                _, name = self.deferred.popleft()
+                if name == COW_RETENTION:
+                    self.writer.run("drain", release_retained=True)
+                else:
+                    self.writer.run("release", req=name)
+        self._process_output(decisions, batch.sampled, batch.finished)
+        self.engine_step += 1
+        return decisions
+
+    def has_requests(self) -> bool:
+        """vLLM's `has_requests`: unfinished requests, or requests ended since
+        the last `schedule()`."""
+        return bool(self.waiting or self.running or self.holding) or self._ended_since_schedule
+
+    def batches_in_flight(self) -> int:
+        return len(self.in_flight)
+
+    def deferred_frees(self) -> list[DeferredFree]:
+        """The deferred frees not yet released: (fence, request), in order."""
+        return list(self.deferred)
+
+    def _live(self) -> tuple[LiveRequest, ...]:
+        return (*self.running, *self.waiting, *self.holding)
+
+    def _schedule_batch(
+        self, decisions: StepDecisions
+    ) -> tuple[list[LiveRequest], dict[str, list[int]]]:
+        """`schedule`, `step` and `drain`: the requests the batch completes
+        and the tokens each scheduled request samples in it."""
+        writer = self.writer
+        outputs = {live.name: len(live.request.output) for live in self._live()}
+        finished = self.schedule(decisions)
         writer.run("step")
-        decisions.copies = writer.run("drain")["copies"]
-        by_name = {live.name: live for live in (*self.running, *self.waiting, *self.holding)}
-        for name, _ in decisions.scheduled:
-            live = by_name[name]
-            decisions.sampled[name] = list(live.request.output[outputs[name] :])
-            if decisions.sampled[name] and not live.stats_reported:
+        # The copies run with this batch: with deferred frees their endpoints
+        # wait until it is done (the next non-empty batch's number).
+        keep = {"keep_retained": True} if self.defer_block_free else {}
+        decisions.copies = writer.run("drain", **keep)["copies"]
+        if decisions.copies and self.defer_block_free:
+            self.deferred.append((self.sched_seq + 1, COW_RETENTION))
+        by_name = {live.name: live for live in self._live()}
+        sampled = {
+            name: list(by_name[name].request.output[outputs[name] :])
+            for name, _ in decisions.scheduled
+        }
+        return finished, sampled
+
+    def _process_output(
+        self,
+        decisions: StepDecisions,
+        sampled: dict[str, list[int]],
+        finished: list[LiveRequest],
+    ) -> None:
+        """A batch's output processed: what each request sampled (a request
+        ended meanwhile skipped), first outputs' prefill stats, then the
+        finishes' frees (and, under `fail`, the failed loads')."""
+        writer = self.writer
+        by_name = {live.name: live for live in self._live()}
+        for name, tokens in sampled.items():
+            live = by_name.get(name)
+            if live is None or live.ended:
+                continue
+            decisions.sampled[name] = tokens
+            if tokens and not live.stats_reported:
                 live.stats_reported = True
                 decisions.prefill_stats[name] = self._prefill_stats(live)
         # Under `fail`, a failed load ends its request with an error once
@@ -240,14 +392,47 @@ class SchedulerModel:
         for live in errored:
             self.holding.remove(live)
         for live in finished:
-            writer.run("free", req=live.name, how="finish")
+            if live.ended:
+                continue
             self.running.remove(live)
+            self._end(live, "finish")
             decisions.finished.append(live.name)
         for live in errored:
             writer.run("free", req=live.name, how="abort", load_failed=True)
+            live.ended = True
+            self._ended_since_schedule = True
             decisions.errored.append(live.name)
-        self.engine_step += 1
-        return decisions
+
+    def _end(self, live: LiveRequest, how: Literal["finish", "abort"]) -> None:
+        """Free an ended request's blocks (`free`), or, while a batch that
+        may still write them is in flight, keep them aside (`pop`) until
+        that batch's output is processed (`release`)."""
+        live.ended = True
+        self._ended_since_schedule = True
+        if self.defer_block_free and live.last_sched_seq > self.processed_seq:
+            self.writer.run("pop", req=live.name, **self._in_flight_field(live))
+            self.deferred.append((self.sched_seq, live.name))
+        else:
+            self.writer.run("free", req=live.name, how=how)
+
+    def _in_flight_field(self, live: LiveRequest) -> dict[str, int]:
+        """An op's `in_flight`: the request's tokens the batches in flight
+        compute (written only when some)."""
+        tokens = sum(
+            n for batch in self.in_flight for name, n in batch.scheduled if name == live.name
+        )
+        return {"in_flight": tokens} if tokens else {}
+
+    def _refuse_preempting_in_flight(self, live: LiveRequest) -> None:
+        if self._in_flight(live):
+            raise AsyncNotModelled(
+                f"preempting {live.name} while a batch that scheduled it is in flight "
+                "is not modelled"
+            )
+
+    def _in_flight(self, live: LiveRequest) -> bool:
+        """A batch that scheduled `live` is still in flight."""
+        return live.last_batch > self.batches_processed
 
     def _prefill_stats(self, live: LiveRequest) -> tuple[int, int]:
         """A request's prefill stats as its first output reports them: the
@@ -260,6 +445,8 @@ class SchedulerModel:
     def stop(self, name: str) -> None:
         """`name` finishes with the token it samples in the next step (a stop
         condition); only its finish moves: the step schedules it as before."""
+        if self.async_scheduling:
+            raise AsyncNotModelled("a stop condition under async scheduling is not modelled")
         for queue in (self.running, self.waiting, self.holding):
             for live in queue:
                 if live.name == name:
@@ -272,7 +459,7 @@ class SchedulerModel:
             for live in queue:
                 if live.name == name:
                     queue.remove(live)
-                    self.writer.run("free", req=name, how="abort")
+                    self._end(live, "abort")
                     return
         # Already finished: vLLM's Scheduler ignores the abort, and so does it.
 
@@ -284,6 +471,7 @@ class SchedulerModel:
         if running:
             while self.running:
                 live = self.running.pop()
+                self._refuse_preempting_in_flight(live)
                 self.writer.run("free", req=live.name, how="preempt")
                 self.waiting.appendleft(live)
                 live.decoding = False
@@ -293,7 +481,11 @@ class SchedulerModel:
 
     def take_prefix_cache_stats(self) -> PrefixCacheStats:
         """The manager's prefix-cache stats since the last call, as the
-        Scheduler's update drains them (empty when stats are not logged)."""
+        Scheduler's update drains them (empty when stats are not logged, or
+        when the last engine step processed no batch's output: they wait
+        for the next one that does)."""
+        if self.async_scheduling and not self._output_processed:
+            return {}
         return self.oracle.manager.make_prefix_cache_stats()
 
     def prompt_tokens(self, name: str) -> tuple[list[int], HashInputs]:
@@ -333,6 +525,17 @@ class SchedulerModel:
             request = live.request
             outputs = len(request.output)
             prefilling = not live.decoding
+            if live.decoding and self._in_flight(live):
+                # Async scheduling: its last token is still being sampled.
+                # vLLM's Scheduler skips it when that token is its last, and
+                # otherwise decodes past it on an output placeholder.
+                if len(request.output) < live.max_tokens:
+                    raise AsyncNotModelled(
+                        f"{live.name} decodes while its previous output is in flight "
+                        "(output placeholders are not modelled): give it max_tokens 1"
+                    )
+                index += 1
+                continue
             if live.decoding:
                 # vLLM schedules what the budget leaves of 1 + K: fewer drafts.
                 drafts = min(self.spec, budget - 1)
@@ -409,6 +612,7 @@ class SchedulerModel:
         """Preempt the last running request (`free preempt`): back to the
         front of the waiting queue, its prefill to run again."""
         victim = self.running.pop()
+        self._refuse_preempting_in_flight(victim)
         self.writer.run("free", req=victim.name, how="preempt")
         self.waiting.appendleft(victim)
         victim.decoding = False
@@ -638,6 +842,7 @@ class SchedulerModel:
                 lookahead=self.spec,
                 sample=sample,
                 **padding,
+                **self._in_flight_field(live),
             )
             if "cached_tokens" in result:  # the chunk completed the request's tokens
                 live.cache_estimate = int(result["cached_tokens"])
