@@ -83,6 +83,17 @@ def reserve_prefill_lookahead(config: Config, num_tokens: int, start: int, num_n
     return max(num_new, 0)
 
 
+class NothingToRun(StepRefused):
+    """An `allocate` of `auto` tokens of which vLLM's `Scheduler` would run
+    none this step (a multi-module MTP drafter's prefill lookahead cuts the
+    chunk to nothing): it passes the request over, allocating nothing."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            "tokens", "auto: the drafter's prefill lookahead leaves nothing to run this step"
+        )
+
+
 class OpDriver(ABC, Generic[R]):
     capabilities: Capabilities
     manager: Any  # the manager under test, with vLLM's `KVCacheManager` interface
@@ -408,7 +419,10 @@ class OpDriver(ABC, Generic[R]):
             if offered <= 0:
                 raise StepRefused("tokens", "auto: nothing is left to compute")
             num_new = self.split(request, offered, hit, external)
-            num_new = reserve_prefill_lookahead(self.config, total, start, num_new)
+            if num_new > 0:
+                num_new = reserve_prefill_lookahead(self.config, total, start, num_new)
+                if num_new == 0:
+                    raise NothingToRun()
         else:
             assert isinstance(step.tokens, int)
             num_new = step.tokens

@@ -91,6 +91,18 @@ def _pure_mamba(config: Config, on: bool) -> Config:
     )
 
 
+def _mtp_modules(config: Config, modules: int) -> Config:
+    """A drafter with lookahead hashes of one token keeps them, or has K > 1
+    MTP modules (a multi-module MTP drafter: it hashes, drafts and reads
+    ahead K tokens). Hybrid models only: with more than one token vLLM
+    0.33.0's unitary lookup (a pure Mamba model's) indexes past a request's
+    block hashes and raises whenever its length is 1 to K - 1 tokens past a
+    block boundary, and no pure Mamba model ships such a drafter."""
+    if modules > 1 and config.hash_lookahead_tokens == 1 and config.has_attention:
+        return replace(config, hash_lookahead_tokens=modules)
+    return config
+
+
 @dataclass(frozen=True)
 class Knob:
     """One config feature: its values (the seed's first) and how to set it."""
@@ -202,8 +214,9 @@ KNOBS: tuple[Knob, ...] = (
     ),
     # The scheduler's full-sequence admission gate (`scheduler_reserve_full_isl`).
     field_knob("reserve_full_sequence", (False, True)),
-    # vLLM's default for an EAGLE/MTP drafter: lookahead block hashes (L = 1)
-    # instead of the trailing-block drop; only with eagle (else 0).
+    # vLLM's default for an EAGLE/MTP drafter: lookahead block hashes (L = 1,
+    # or more with the `mtp_modules` knob) instead of the trailing-block drop;
+    # only with eagle (else 0).
     Knob(
         "hash_lookahead_tokens",
         (0, 1),
@@ -219,6 +232,8 @@ KNOBS: tuple[Knob, ...] = (
         fields=(*_GROUPS, "hash_unit", "scheduler_block_size"),
         only_with=(("mamba_groups", 1),),
     ),
+    # After the groups are final (hybrid or pure Mamba): K MTP modules.
+    Knob("mtp_modules", (1, 2, 3), _mtp_modules, fields=("hash_lookahead_tokens",)),
     # vLLM's `enable_prefix_caching` off: the no-prefix-cache coordinator,
     # with Mamba in cache mode none, as the engine config then sets it.
     Knob(

@@ -27,6 +27,7 @@ from hypothesis.internal.conjecture.data import Status
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
 from kvgate.conformance.config import Config, UnsupportedConfig
+from kvgate.conformance.driver import NothingToRun
 from kvgate.conformance.ops import Segment
 from kvgate.conformance.refusal import model_refusal, refusal_of
 from kvgate.conformance.target import StepRefused
@@ -296,7 +297,10 @@ class BasicRules(RuleBasedStateMachine):
             fits = admission_fits(reserved["blocks"], session.free_blocks())
             if not fits and not gate_in_allocation:
                 return False
-        return bool(self._run("allocate", req=req, tokens="auto", lookahead=lookahead)["ok"])
+        try:
+            return bool(self._run("allocate", req=req, tokens="auto", lookahead=lookahead)["ok"])
+        except NothingToRun:
+            return False  # the Scheduler passes it over this step
 
     def _prefill(self, req: str, lookahead: int, rounds: int) -> bool:
         """Up to `rounds` chunks of `req`, a scheduler step apart (no step
