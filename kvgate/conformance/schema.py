@@ -384,6 +384,19 @@ CONFIG_FIELDS: tuple[ConfigField, ...] = (
         not_explored="only 1.0 is modelled (vLLM samples at random below it)",
     ),
     ConfigField(
+        "prefill_schedule_interval",
+        "prefill_schedule_interval",
+        "count",
+        "not_default",
+        "`--prefill-schedule-interval` (`SchedulerConfig.prefill_schedule_interval`)",
+        (
+            "the Scheduler's prefill cadence: while a request decodes, prefill waits until "
+            "this many executed steps have passed since the last step that carried prefill; "
+            "1: none. Modelled without a KV connector and async scheduling"
+        ),
+        not_explored="not drawn yet: the bundled trace `sched-prefill-cadence` runs it",
+    ),
+    ConfigField(
         "model_runner",
         "model_runner",
         "word",

@@ -363,6 +363,11 @@ def _check_derived(scheduler: Any, config: Config, spec_tokens: int, hash_block:
         ),
         ("max_model_len", int(scheduler.max_model_len), config.max_model_len),
         (
+            "prefill_schedule_interval",
+            int(getattr(scheduler, "local_prefill_interval", 1)),
+            config.prefill_schedule_interval,
+        ),
+        (
             "model_runner",
             "v2" if getattr(scheduler, "use_v2_model_runner", False) else "v1",
             config.model_runner,

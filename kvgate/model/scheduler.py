@@ -236,6 +236,13 @@ class SchedulerModel:
         self._reset_preempted: list[str] = []
         self._running_scheduled = False
         self._prefill_scheduled = False
+        # The prefill cadence (`prefill_schedule_interval`): the non-empty
+        # steps so far, the last one that carried prefill, and whether the
+        # last step that admitted prefills left requests waiting (then the
+        # cadence holds nothing back).
+        self.num_executed_steps = 0
+        self.last_prefill_step = -config.prefill_schedule_interval
+        self.prefill_capacity_bound = False
 
     @property
     def oracle(self) -> ModelTarget:
@@ -520,11 +527,15 @@ class SchedulerModel:
         # Whether a running request ran a prefill chunk this step (vLLM's
         # `prefill_scheduled`, which the waiting scan's padding reads).
         prefill_scheduled = False
+        defer = self._defers_prefills()
         while index < len(self.running) and budget > 0:
             live = self.running[index]
             request = live.request
             outputs = len(request.output)
             prefilling = not live.decoding
+            if defer and prefilling:
+                index += 1  # its next chunk waits for the cadence
+                continue
             if live.decoding and self._in_flight(live):
                 # Async scheduling: its last token is still being sampled.
                 # vLLM's Scheduler skips it when that token is its last, and
@@ -575,13 +586,16 @@ class SchedulerModel:
             if len(request.output) >= live.max_tokens or (live.stopping and live.decoding):
                 finished.append(live)
         if preempted:
-            return finished  # vLLM admits nothing in a step that preempted
+            # vLLM admits nothing in a step that preempted.
+            self._cadence_after(decisions, prefill_scheduled, admitted_prefill=False)
+            return finished
         # Requests the scan passed over that hold blocks: back at the head of
         # their queue after the scan, in scan order.
         skipped: list[LiveRequest] = []
         # Whether the running loop scheduled anything (the padding reads it).
         self._running_scheduled = bool(decisions.scheduled)
         self._prefill_scheduled = prefill_scheduled
+        admitted_prefill = False
         while budget > 0 and len(self.running) < self.max_num_seqs:
             queue = self.holding if self.holding else self.waiting
             if not queue:
@@ -591,7 +605,12 @@ class SchedulerModel:
                 skipped.append(queue.popleft())  # its KV is not here yet
                 continue
             outputs = len(live.request.output)
-            admitted = self.admit(live, decisions, budget, skipped)
+            computed = live.request.num_computed_tokens
+            admitted = self.admit(live, decisions, budget, skipped, defer)
+            if isinstance(admitted, int):
+                # An admission with more than its last token to compute.
+                hit = decisions.admitted[-1][1]
+                admitted_prefill |= computed + hit < live.request.num_tokens - 1
             if admitted is None:
                 break
             if admitted == "loading":
@@ -606,7 +625,34 @@ class SchedulerModel:
             if len(live.request.output) >= live.max_tokens or (live.stopping and live.decoding):
                 finished.append(live)
         self.holding.extendleft(reversed(skipped))
+        if not defer:
+            # Requests still waiting after a release: the cadence holds none back.
+            self.prefill_capacity_bound = bool(self.waiting or self.holding)
+        self._cadence_after(decisions, prefill_scheduled, admitted_prefill)
         return finished
+
+    def _defers_prefills(self) -> bool:
+        """Whether this step's prefill compute waits for the cadence: an
+        interval is set, the last release drained the waiting queue, fewer
+        than the interval's executed steps have passed since the last step
+        that carried prefill (this one counted), and a request decodes."""
+        interval = self.config.prefill_schedule_interval
+        return (
+            interval > 1
+            and not self.prefill_capacity_bound
+            and self.num_executed_steps + 1 - self.last_prefill_step < interval
+            and any(live.decoding for live in self.running)
+        )
+
+    def _cadence_after(
+        self, decisions: StepDecisions, prefill_scheduled: bool, admitted_prefill: bool
+    ) -> None:
+        """Count a step that scheduled anything, and stamp one that carried
+        prefill (a running request's chunk or an admission's)."""
+        if decisions.scheduled:
+            self.num_executed_steps += 1
+        if self.config.prefill_schedule_interval > 1 and (prefill_scheduled or admitted_prefill):
+            self.last_prefill_step = self.num_executed_steps
 
     def preempt(self, decisions: StepDecisions) -> LiveRequest:
         """Preempt the last running request (`free preempt`): back to the
@@ -625,12 +671,14 @@ class SchedulerModel:
         decisions: StepDecisions,
         budget: int,
         skipped: list[LiveRequest],
+        defer: bool = False,
     ) -> int | Literal["loading"] | None:
         """Admit `live`, the head of its waiting queue, within `budget`: the
         tokens its first chunk runs (it is scheduled); "loading" when it now
         waits for its async KV load, holding blocks; None when it does not
-        fit (the scan stops). `skipped`: the requests holding blocks this
-        scan passed over."""
+        fit, or when it has more than its last token to compute and `defer`
+        (the prefill cadence holds it back, after its lookup): the scan
+        stops. `skipped`: the requests holding blocks this scan passed over."""
         # The scan reaching a failed load frees its blocks and looks it up
         # again right away (`lookup load_failed`), asking the connector
         # again: its retry loads.
@@ -651,6 +699,9 @@ class SchedulerModel:
                 cached = self.writer.check({"attention_cached": {live.follows: 0}})
                 decisions.checked[live.name] = int(cached["attention_cached"][live.follows])
             hit, external, load_async = self._lookup(live, decisions, load_failed)
+            computed = live.request.num_computed_tokens + hit + external
+            if defer and not load_async and computed < live.request.num_tokens - 1:
+                return None
             need = self.writer.run("reserve", req=live.name)["blocks"]
             if not admission_fits(need, self.oracle.num_free_blocks()):
                 return None
