@@ -54,6 +54,7 @@ NON_DEFAULT: dict[str, tuple[Any, dict[str, Any]]] = {
     "kv_connector": (True, {}),
     "kv_connector_divergent_hits": (True, {"kv_connector": True}),
     "kv_load_failure_policy": ("fail", {"kv_connector": True}),
+    "async_scheduling": (True, {}),
     "kv_cache_metrics": (True, {}),
     "kv_cache_metrics_sample": (0.5, {}),
     "model_runner": ("v2", {}),

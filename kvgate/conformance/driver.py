@@ -12,6 +12,7 @@ call sequence.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar, cast
@@ -70,6 +71,18 @@ def chunk_offer(config: Config, remaining: int, budget: int, num_live: int) -> i
     return min(remaining, budget)
 
 
+def reserve_prefill_lookahead(config: Config, num_tokens: int, start: int, num_new: int) -> int:
+    """A prefill chunk of `num_new` tokens from `start` as vLLM's `Scheduler`
+    cuts it back for a multi-module MTP drafter, which reads the next K
+    prefill tokens past a chunk (`_reserve_prefill_lookahead`): the chunk
+    either reaches the request's `num_tokens` or leaves at least K of them.
+    (A lookahead of 0 or 1 never cuts.)"""
+    left = num_tokens - start - num_new
+    if 0 < left < config.prefill_lookahead:
+        num_new -= config.prefill_lookahead - left
+    return max(num_new, 0)
+
+
 class OpDriver(ABC, Generic[R]):
     capabilities: Capabilities
     manager: Any  # the manager under test, with vLLM's `KVCacheManager` interface
@@ -79,6 +92,8 @@ class OpDriver(ABC, Generic[R]):
         self.fresh = FreshTokens()
         self.requests: dict[str, Pending[R]] = {}
         self.popped: dict[str, list[Any]] = {}
+        # Copies' retained endpoints kept aside by `drain`s, oldest first.
+        self.kept_retained: deque[list[Any]] = deque()
 
     # -- hooks a target implements ------------------------------------------------
 
@@ -106,6 +121,12 @@ class OpDriver(ABC, Generic[R]):
 
     @abstractmethod
     def set_num_computed(self, request: R, n: int) -> None: ...
+
+    @abstractmethod
+    def set_in_flight(self, request: R, n: int) -> None:
+        """The request's tokens a batch still in flight computes (vLLM's
+        `num_in_flight_tokens`, which an allocation's release of skipped
+        blocks leaves out)."""
 
     @abstractmethod
     def has_blocks(self, request: R) -> bool:
@@ -217,7 +238,9 @@ class OpDriver(ABC, Generic[R]):
     def check_values(self, query: Mapping[str, Any]) -> dict[str, Any]:
         values: dict[str, Any] = {}
         if "pool_clean" in query:
-            values["pool_clean"] = self.pool_clean() and not any(self.popped.values())
+            values["pool_clean"] = (
+                self.pool_clean() and not any(self.popped.values()) and not self.kept_retained
+            )
         if "free_blocks" in query:
             values["free_blocks"] = self.num_free_blocks()
         if "holds" in query:
@@ -247,6 +270,7 @@ class OpDriver(ABC, Generic[R]):
     def close(self) -> None:
         self.requests.clear()
         self.popped.clear()
+        self.kept_retained.clear()
 
     # -- the ops ------------------------------------------------------------------
 
@@ -384,6 +408,7 @@ class OpDriver(ABC, Generic[R]):
             if offered <= 0:
                 raise StepRefused("tokens", "auto: nothing is left to compute")
             num_new = self.split(request, offered, hit, external)
+            num_new = reserve_prefill_lookahead(self.config, total, start, num_new)
         else:
             assert isinstance(step.tokens, int)
             num_new = step.tokens
@@ -394,6 +419,7 @@ class OpDriver(ABC, Generic[R]):
                 )
         if step.pad and num_new != 1:
             raise StepRefused("pad", f"pads a one-token chunk only, not {num_new:,} tokens")
+        self.set_in_flight(request, step.in_flight)
         ok = self.allocate_slots(
             request,
             # The padded rows are slots too; only the chunk's token computes.
@@ -465,9 +491,18 @@ class OpDriver(ABC, Generic[R]):
     def _op_drain(self, step: Step) -> dict[str, Any]:
         # What `Scheduler.schedule` drains at its end, in its order: the
         # boundary-state hand-offs, the copies, the blocks to zero.
+        if step.release_retained:
+            if not self.kept_retained:
+                raise StepRefused("release_retained", "no copies' endpoints are kept aside")
+            self.free_blocks(self.kept_retained.popleft())
         offloads = self.take_boundary_offloads()
         copies, retained = self.take_copies()
-        self.free_blocks(retained)
+        if step.keep_retained and retained:
+            # A batch in flight may still run the copies: vLLM's Scheduler
+            # frees their endpoints once it is done.
+            self.kept_retained.append(retained)
+        else:
+            self.free_blocks(retained)
         return {"copies": copies, "offloads": offloads, "zeroed": self.take_new_block_ids()}
 
     def _op_free(self, step: Step) -> dict[str, Any]:
@@ -503,19 +538,7 @@ class OpDriver(ABC, Generic[R]):
         # under fail nothing resets them), hands the connector its blocks,
         # and frees them once the worker reports the load done, in the same
         # output; it counts nothing in the prefix-cache stats.
-        result: dict[str, Any] = {}
-        if step.how != "preempt":
-            # A request that ends hands a KV producer's connector its partial
-            # tails, then its computed blocks (`_connector_finished`).
-            result["partial_tail_offloads"] = self.finalize_partial_tail_offloads(pending.request)
-            if self.config.kv_connector:
-                # With a connector the Scheduler frees what the request no
-                # longer needs before handing the connector its blocks
-                # (`_connector_finished`); without one it frees them all at once.
-                self.remove_skipped_blocks(pending.request, self.num_computed(pending.request))
-            result["computed_block_ids"] = self.computed_block_ids(
-                pending.request, self.num_computed(pending.request)
-            )
+        result = {} if step.how == "preempt" else self._request_ends(pending)
         self.free(pending.request)
         if step.how == "preempt":
             # Back to waiting with nothing computed; the output stays.
@@ -526,11 +549,33 @@ class OpDriver(ABC, Generic[R]):
             self.mark(pending.request, "preempted")
         return result
 
+    def _request_ends(self, pending: Pending[R], in_flight: int = 0) -> dict[str, Any]:
+        """What the Scheduler does for a request that ends, before its blocks
+        are freed or kept aside: hands a KV producer's connector its partial
+        tails, then its computed blocks (`_connector_finished`). `in_flight`:
+        its tokens a batch still in flight computes (not processed yet)."""
+        result: dict[str, Any] = {
+            "partial_tail_offloads": self.finalize_partial_tail_offloads(pending.request)
+        }
+        if self.config.kv_connector:
+            # With a connector the Scheduler frees what the request no
+            # longer needs before handing the connector its blocks
+            # (`_connector_finished`); without one it frees them all at once.
+            processed = max(0, self.num_computed(pending.request) - in_flight)
+            self.remove_skipped_blocks(pending.request, processed)
+        result["computed_block_ids"] = self.computed_block_ids(
+            pending.request, self.num_computed(pending.request)
+        )
+        return result
+
     def _op_pop(self, step: Step) -> dict[str, Any]:
         pending = self._pending(step)
         assert step.req is not None
+        # vLLM's Scheduler defers a free only with a KV connector, for a
+        # request that ends, after what every ending does.
+        result = self._request_ends(pending, step.in_flight) if self.config.kv_connector else {}
         self.popped[step.req] = self.pop_blocks_for_free(pending.request)
-        return {}
+        return result
 
     def _op_release(self, step: Step) -> dict[str, Any]:
         assert step.req is not None

@@ -104,6 +104,17 @@ FIELD_TYPES: dict[str, FieldType] = {
     # of the request's KV load the worker reported invalid
     # (`invalid_block_ids`), as indices into its block table
     "invalid_blocks": "indices",
+    # allocate / pop (additive), under async scheduling: the request's
+    # tokens a batch still in flight computes, which the release of skipped
+    # blocks (the allocation's, a KV connector's at the end) does not count
+    # yet (vLLM's `num_in_flight_tokens`).
+    "in_flight": "int",
+    # drain (additive), with a KV connector under async scheduling: keep the
+    # copies' retained endpoints aside until a batch in flight is done
+    # (`keep_retained`), and free the oldest set kept aside, first
+    # (`release_retained`).
+    "keep_retained": "bool",
+    "release_retained": "bool",
 }
 
 # The prefix-cache hit stats a `stats` op reports (vLLM's PrefixCacheStats):
@@ -154,7 +165,15 @@ ACTIONS: dict[str, Action] = {
         Action(
             "allocate",
             ("req", "tokens"),
-            ("lookahead", "sample", "pad", "reserved", "complete_only", "invalid_blocks"),
+            (
+                "lookahead",
+                "sample",
+                "pad",
+                "reserved",
+                "complete_only",
+                "invalid_blocks",
+                "in_flight",
+            ),
             expect_keys=("ok", "tokens"),
             valid_in=LIVE,
             issued_in=frozenset({"waiting", "running"}),
@@ -168,9 +187,9 @@ ACTIONS: dict[str, Action] = {
             issued_in=frozenset({"decoding"}),
         ),
         Action("step", ()),
-        Action("drain", (), expect_keys=("copies",)),
+        Action("drain", (), ("keep_retained", "release_retained"), expect_keys=("copies",)),
         Action("free", ("req", "how"), ("load_failed", "invalid_blocks"), valid_in=LIVE),
-        Action("pop", ("req",), valid_in=LIVE),
+        Action("pop", ("req",), ("in_flight",), valid_in=LIVE),
         Action("release", ("req",), valid_in=frozenset({"popped"})),
         Action("evict", ("blocks",)),
         # Additive to version 1: the calls a deployment makes besides
@@ -314,6 +333,11 @@ class Step:
     # request's block table of the blocks its KV load failed to fill
     # (`invalid_block_ids`; one KV-cache group only)
     invalid_blocks: tuple[int, ...] = ()
+    # allocate / pop: the request's tokens a batch in flight computes (async scheduling)
+    in_flight: int = 0
+    # drain: keep the copies' retained endpoints aside; free the oldest kept set first
+    keep_retained: bool = False
+    release_retained: bool = False
     expect: dict[str, Any] = field(default_factory=dict)
     check: dict[str, Any] = field(default_factory=dict)
     steps: int = 0  # the `decode` macro's repeat count; the parser expands it

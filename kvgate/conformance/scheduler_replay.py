@@ -52,10 +52,12 @@ from kvgate.conformance.replay import (
     one_line,
 )
 from kvgate.conformance.scheduling import (
+    ASYNC_BATCHES,
     PREFIX_CACHE_STATS_KEYS,
     EngineOutcome,
     EngineStep,
     PrefillStats,
+    ScheduledStep,
     SchedulerModelRun,
     SchedulerTarget,
     step_differences,
@@ -253,20 +255,12 @@ class _EngineLockstep:
             self.on_model(step, functools.partial(self.model.stop, name))
         modelled: EngineOutcome = self.on_model(step, self.model.step)
         where = f"engine step {self.engine_steps}"
+        observed: ScheduledStep
         if self.real is None:
             observed, finished, stats = modelled, modelled.finished, modelled.prefill_stats
         else:
             real = self.real
-            observed = self.on_real(step, "schedule()", real.schedule)
-            for name in event.stop:
-                real.stop(name)
-            finished = self.on_real(
-                step,
-                "update_from_output()",
-                lambda: real.update(
-                    modelled.sampled, loaded=modelled.loaded, failed=modelled.failed
-                ),
-            )
+            observed, finished = self.real_step(event, step, real, modelled)
             stats = real.take_prefill_stats()
         # Drained every step, as the Scheduler's update drains them.
         modelled_cache_stats = self.model.take_prefix_cache_stats()
@@ -283,6 +277,19 @@ class _EngineLockstep:
                 stats,
             ),
         ]
+        if self.trace.config.async_scheduling:
+            pairs += [
+                (
+                    "batches in flight",
+                    self.model.batches_in_flight(),
+                    self.real.batches_in_flight(),
+                ),
+                (
+                    "deferred frees (fence, request)",
+                    self.model.deferred_frees(),
+                    self.real.deferred_frees(),
+                ),
+            ]
         if observed_cache_stats is not None:
             pairs.append(
                 (
@@ -295,6 +302,34 @@ class _EngineLockstep:
             if expected != actual:
                 raise Diverged(self.divergence(step, "api", f"{where}: {what}", expected, actual))
         self.strict(step, where)
+
+    def real_step(
+        self, event: EngineStep, step: Step, real: SchedulerTarget, modelled: EngineOutcome
+    ) -> tuple[ScheduledStep, list[str]]:
+        """One engine step on the real scheduler, as vLLM's engine core runs
+        it: `schedule()` then `update()` with the model's output for it; under
+        async scheduling, a batch scheduled while the engine has requests,
+        and the oldest batch's output processed (with the tokens the model
+        sampled in that batch) only once `ASYNC_BATCHES` are in flight or
+        nothing more was scheduled. (What it scheduled, what finished.)"""
+        observed = ScheduledStep()
+        if not self.trace.config.async_scheduling:
+            observed = self.on_real(step, "schedule()", real.schedule)
+        elif real.has_requests():
+            observed = self.on_real(step, "schedule()", real.schedule)
+            executed = bool(observed.scheduled)
+            if real.batches_in_flight() < ASYNC_BATCHES and (executed or real.has_requests()):
+                return observed, []
+        elif not real.batches_in_flight():
+            return observed, []
+        for name in event.stop:
+            real.stop(name)
+        finished: list[str] = self.on_real(
+            step,
+            "update_from_output()",
+            lambda: real.update(modelled.sampled, loaded=modelled.loaded, failed=modelled.failed),
+        )
+        return observed, finished
 
     def strict(self, step: Step, where: str) -> None:
         """At level strict, the owned manager's whole view against the model's."""

@@ -97,6 +97,19 @@ PrefillStats = tuple[int, int]
 PREFIX_CACHE_STATS_KEYS = STATS_KEYS
 PrefixCacheStats = dict[str, int | bool]
 
+# The batches vLLM's engine keeps in flight under async scheduling (its
+# batch queue: `max_concurrent_batches` with one pipeline stage). An engine
+# step schedules a batch while the engine has requests, and processes the
+# oldest batch's output only once this many are in flight or nothing more
+# was scheduled (`EngineCore.step_with_batch_queue`).
+ASYNC_BATCHES = 2
+
+# A deferred free as both sides show it: (the non-empty batch whose
+# processed output releases it, the request whose blocks wait, or
+# `COW_RETENTION` for copies' endpoints).
+DeferredFree = tuple[int, str]
+COW_RETENTION = "copy-on-write retention"
+
 # An arrival's fields saying what a KV connector's external store holds of
 # the request (`RemoteHit`), in the order they are written.
 REMOTE_FIELDS = ("remote_hit", "remote_async", "remote_delay", "remote_fails")
@@ -207,6 +220,15 @@ class SchedulerModelRun(Protocol):
         empty when stats are not logged)."""
         ...
 
+    def batches_in_flight(self) -> int:
+        """Batches scheduled whose output is not processed yet (async
+        scheduling; 0 otherwise)."""
+        ...
+
+    def deferred_frees(self) -> list[DeferredFree]:
+        """Deferred frees not yet released, in order."""
+        ...
+
     def snapshot(self) -> Snapshot: ...
 
 
@@ -227,6 +249,19 @@ class SchedulerTarget(Protocol):
         Raises `target.StepRefused` for a request the engine would not take,
         `config.NotModelled` for hash inputs the target does not model.
         """
+        ...
+
+    def has_requests(self) -> bool:
+        """The engine would schedule (vLLM's `has_requests`: unfinished
+        requests, or ones finished since the last `schedule()`)."""
+        ...
+
+    def batches_in_flight(self) -> int:
+        """Batches `schedule()` returned whose `update()` has not run."""
+        ...
+
+    def deferred_frees(self) -> list[DeferredFree]:
+        """The Scheduler's deferred frees not yet released, in order."""
         ...
 
     def schedule(self) -> ScheduledStep: ...

@@ -48,6 +48,22 @@ def _lookahead_kwargs(config: Config, *callables: Any) -> dict[str, Any]:
     return {"num_hash_lookahead_tokens": lookahead}
 
 
+def _prefill_lookahead_kwargs(api: VllmApi, config: Config) -> dict[str, Any]:
+    """`num_prefill_lookahead` as vLLM's Scheduler hands it to its manager
+    for a multi-module MTP drafter (lookahead hashes of K > 1 tokens),
+    after probing that the manager takes it. (A lookahead of 0 or 1 changes
+    nothing in the manager, so it is passed only above 1.)"""
+    lookahead = config.prefill_lookahead
+    if lookahead <= 1:
+        return {}
+    if "num_prefill_lookahead" not in inspect.signature(api.KVCacheManager).parameters:
+        raise UnsupportedConfig(
+            "hash_lookahead_tokens",
+            "this vLLM's KVCacheManager has no multi-module MTP prefill lookahead",
+        )
+    return {"num_prefill_lookahead": lookahead}
+
+
 def block_hasher(api: VllmApi, config: Config) -> Any:
     """The request block hasher `config`'s scheduler would hand each request
     (none without prefix caching: vLLM's engine then hashes nothing)."""
@@ -137,12 +153,24 @@ def kv_cache_config(api: VllmApi, config: Config) -> Any:
     )
 
 
-def scheduler_config(config: Config, max_num_seqs: int | None = None) -> Any:
+def scheduler_config(
+    config: Config, max_num_seqs: int | None = None, async_scheduling: bool | None = None
+) -> Any:
     """vLLM's `SchedulerConfig` for `config` (chunked prefill on, as align mode
     runs). `max_num_seqs` only sizes the engine; by default the fewest
-    sequences that fill the token budget (fewer draw vLLM's warning)."""
+    sequences that fill the token budget (fewer draw vLLM's warning).
+    `async_scheduling` set: the engine's async scheduling on or off (None:
+    the engine's own choice)."""
     from vllm.config import SchedulerConfig
 
+    settings: dict[str, bool] = {}
+    if async_scheduling is not None:
+        if "async_scheduling" in getattr(SchedulerConfig, "__dataclass_fields__", {}):
+            settings["async_scheduling"] = async_scheduling
+        elif async_scheduling:
+            raise UnsupportedConfig(
+                "async_scheduling", "this vLLM's SchedulerConfig has no async scheduling"
+            )
     if max_num_seqs is None:
         max_num_seqs = -(-config.max_num_scheduled_tokens // max(1, config.max_model_len))
     return SchedulerConfig(
@@ -158,6 +186,7 @@ def scheduler_config(config: Config, max_num_seqs: int | None = None) -> Any:
             if config.long_prefill_token_threshold_adaptive
             else {}
         ),
+        **settings,
     )
 
 
@@ -190,6 +219,7 @@ def build_manager(api: VllmApi, config: Config) -> Any:
             # vLLM's scheduler clears the drop when lookahead hashes are on.
             use_eagle=config.block_drop,
             **_lookahead_kwargs(config, api.KVCacheManager),
+            **_prefill_lookahead_kwargs(api, config),
             log_stats=not config.disable_log_stats,
             enable_kv_cache_events=config.kv_events,
             **({"metrics_collector": collector} if collector is not None else {}),

@@ -36,6 +36,7 @@ import functools
 import os
 import shutil
 import tempfile
+from collections import deque
 from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,7 +49,10 @@ from kvgate.conformance.config import (
     UnsupportedConfig,
 )
 from kvgate.conformance.scheduling import (
+    ASYNC_BATCHES,
+    COW_RETENTION,
     PREFIX_CACHE_STATS_KEYS,
+    DeferredFree,
     PrefillStats,
     PrefixCacheStats,
     ScheduledStep,
@@ -71,9 +75,10 @@ DRAFT_TOKEN = 0
 
 
 @functools.cache
-def model_dir() -> Path:
-    """A directory holding a tiny Qwen3-Next-class hybrid `config.json`,
-    written once per process (removed at exit)."""
+def model_dir(mtp_layers: int = 1) -> Path:
+    """A directory holding a tiny Qwen3-Next-class hybrid `config.json` with
+    `mtp_layers` MTP modules, written once per process and count (removed
+    at exit)."""
     from transformers import Qwen3NextConfig
 
     folder = Path(tempfile.mkdtemp(prefix="kvgate-hybrid-model-"))
@@ -99,7 +104,9 @@ def model_dir() -> Path:
         max_position_embeddings=1 << 22,
         architectures=["Qwen3NextForCausalLM"],
     )
-    config.num_nextn_predict_layers = 1  # one MTP layer, as Qwen3-Next ships
+    # One MTP layer, as Qwen3-Next ships; more for a multi-module drafter
+    # (vLLM's `use_multi_module_mtp` reads the count).
+    config.num_nextn_predict_layers = mtp_layers
     config.save_pretrained(folder)
     return folder
 
@@ -144,13 +151,18 @@ def _vllm_config(
         VllmConfig,
     )
 
+    # A multi-module MTP drafter (lookahead hashes of K > 1 tokens) has a
+    # module per draft token: vLLM then reads K prefill tokens ahead.
+    mtp_layers = config.prefill_lookahead if config.prefill_lookahead > 1 else 1
     model = ModelConfig(
-        model=str(model_dir()),
+        model=str(model_dir(mtp_layers)),
         skip_tokenizer_init=True,
         max_model_len=config.max_model_len,
         dtype="float32",
     )
-    scheduler = scheduler_config(config, max_num_seqs)
+    # Async scheduling exactly as the trace says (vLLM's engine turns it on
+    # by default where it can).
+    scheduler = scheduler_config(config, max_num_seqs, async_scheduling=config.async_scheduling)
     # No Mamba cache mode is passed (vLLM deprecates the flag): the engine
     # config resolves it from prefix caching, which `_check_mode` reads back.
     # The sizes a user may choose are passed as their engine flags would pass
@@ -171,9 +183,15 @@ def _vllm_config(
         # release without lookahead hashes has no switch for them: it keeps
         # legacy hashes (asked for lookahead ones, it is refused below).
         hashes: dict[str, bool] = {}
-        if config.hash_lookahead_tokens or "disable_lookahead_block_hashes" in getattr(
+        has_switch = "disable_lookahead_block_hashes" in getattr(
             SpeculativeConfig, "__dataclass_fields__", {}
-        ):
+        )
+        if config.hash_lookahead_tokens and not has_switch:
+            raise UnsupportedConfig(
+                "hash_lookahead_tokens",
+                "this vLLM's SpeculativeConfig has no lookahead block hashes",
+            )
+        if has_switch:
             hashes["disable_lookahead_block_hashes"] = not config.hash_lookahead_tokens
         speculative = SpeculativeConfig(
             method="mtp",
@@ -196,7 +214,29 @@ def _vllm_config(
         ),
     )
     vllm_config.cache_config.num_gpu_blocks = config.num_blocks
+    if config.async_scheduling:
+        # vLLM's CPU platform turns async scheduling off (it gains nothing
+        # there); the Scheduler under test is the one a GPU engine builds
+        # with it on, so the setting is put back after the platform's say.
+        vllm_config.scheduler_config.async_scheduling = True
     return vllm_config
+
+
+def _scheduler_class(vllm_config: Any, config: Config) -> Any:
+    """The Scheduler class vLLM's engine builds for `vllm_config` (the async
+    one under async scheduling), after checking the engine would keep the
+    batches in flight the config says."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    chosen = getattr(vllm_config.scheduler_config, "get_scheduler_cls", None)
+    in_flight = int(getattr(vllm_config, "max_concurrent_batches", 1))
+    wanted = ASYNC_BATCHES if config.async_scheduling else 1
+    if in_flight != wanted:
+        raise UnsupportedConfig(
+            "async_scheduling",
+            f"vLLM's engine keeps {in_flight} batches in flight for it, not {wanted}",
+        )
+    return Scheduler if chosen is None else chosen()
 
 
 # vLLM's switch for the model runner: read whenever its config asks which
@@ -340,8 +380,8 @@ def _check_derived(scheduler: Any, config: Config, spec_tokens: int, hash_block:
             config.model_runner,
         ),
         # Drafts: K tokens and K lookahead slots, the trace's lookahead
-        # hashes, no multi-module prefill reservation (a lookahead of 1 never
-        # acts).
+        # hashes, and the prefill lookahead: K for a multi-module MTP
+        # drafter, otherwise one token at most (0 and 1 act alike).
         ("eagle", int(scheduler.num_spec_tokens), spec_tokens),
         ("eagle", int(scheduler.num_lookahead_tokens), spec_tokens),
         (
@@ -351,9 +391,9 @@ def _check_derived(scheduler: Any, config: Config, spec_tokens: int, hash_block:
             config.hash_lookahead_tokens,
         ),
         (
-            "eagle",
-            min(int(scheduler.num_prefill_lookahead), 1),
-            int(scheduler.num_prefill_lookahead),
+            "hash_lookahead_tokens",
+            max(int(scheduler.num_prefill_lookahead), 1),
+            max(config.prefill_lookahead, 1),
         ),
         (
             "shared_prefix_checkpoint",
@@ -450,15 +490,15 @@ class VllmScheduler:
         if connector is not None:
             _check_connector_support()
         try:
-            from vllm.v1.core.sched.scheduler import Scheduler
             from vllm.v1.structured_output import StructuredOutputManager
 
             with _model_runner(config):
                 vllm_config = _vllm_config(config, spec_tokens, max_num_seqs, connector)
                 _check_mode(vllm_config, config)
+                scheduler_class = _scheduler_class(vllm_config, config)
                 kv_config = kv_cache_config(api, config)
                 hash_block = _engine_sizes(vllm_config, kv_config, config, engine_sizes)
-                scheduler = Scheduler(
+                scheduler = scheduler_class(
                     vllm_config=vllm_config,
                     kv_cache_config=kv_config,
                     structured_output_manager=StructuredOutputManager(vllm_config),
@@ -498,7 +538,12 @@ class VllmScheduler:
         self._requests: dict[str, Any] = {}
         self._follows: dict[str, str] = {}
         self._admitted: set[str] = set()
-        self._output: Any = None
+        # The scheduled batches whose output is not processed yet, oldest
+        # first (one at a time without async scheduling).
+        self._outputs: deque[Any] = deque()
+        # Each deferred free's blocks as `pop_blocks_for_free` returned them,
+        # by request (the Scheduler's queue holds the same lists).
+        self._popped: list[tuple[str, Any]] = []
         # The reuse gaps of each eviction event the stats drained, not yet taken.
         self._evictions: list[int] = []
         # The prefix-cache stats the last update reported, not yet taken.
@@ -527,6 +572,14 @@ class VllmScheduler:
             return result
 
         setattr(manager, name_of_lookup, observed_lookup)
+        pop_blocks = manager.pop_blocks_for_free
+
+        def observed_pop(request: Any) -> Any:
+            blocks = pop_blocks(request)
+            self._popped.append((str(request.request_id), blocks))
+            return blocks
+
+        manager.pop_blocks_for_free = observed_pop
         if self._script is not None:
             allocate = manager.allocate_slots
 
@@ -605,7 +658,7 @@ class VllmScheduler:
         self._step = step = ScheduledStep()
         running = {r.request_id for r in self._scheduler.running}
         output = self._scheduler.schedule()
-        self._output = output
+        self._outputs.append(output)
         step.scheduled = [(str(r), int(n)) for r, n in output.num_scheduled_tokens.items()]
         step.preempted = sorted(str(r) for r in output.preempted_req_ids)
         hits = dict(step.lookups)
@@ -640,9 +693,9 @@ class VllmScheduler:
         failed receive is also a finished one)."""
         from vllm.v1.outputs import DraftTokenIds, KVConnectorOutput, ModelRunnerOutput
 
-        output, self._output = self._output, None
-        if output is None:
+        if not self._outputs:
             raise RuntimeError("update() without a schedule() before it")
+        output = self._outputs.popleft()
         if (loaded or failed) and self._script is None:
             raise RuntimeError("KV loads reported to a Scheduler without a connector")
         ids = [str(r) for r in output.num_scheduled_tokens]
@@ -656,6 +709,9 @@ class VllmScheduler:
             kv_output = KVConnectorOutput(
                 finished_recving={*loaded, *failed}, failed_recving=set(failed)
             )
+        # Under async scheduling a request may have ended (aborted) while
+        # this batch ran: only the ones this output finishes are reported.
+        ended = {r for r in ids if self._requests[r].is_finished()}
         runner_output = ModelRunnerOutput(
             req_ids=ids,
             req_id_to_index={r: i for i, r in enumerate(ids)},
@@ -680,11 +736,12 @@ class VllmScheduler:
                 self._evictions += [
                     len(e.reuse_gaps_seconds) for e in stats.kv_cache_eviction_events
                 ]
-        finished = [r for r in ids if self._requests[r].is_finished()]
+        finished = [r for r in ids if r not in ended and self._requests[r].is_finished()]
         # The drafter proposes K tokens for every request that goes on (the
-        # Scheduler drops them for a prefill chunk).
+        # Scheduler drops them for a prefill chunk); under async scheduling
+        # the engine leaves them to the worker.
         going_on = [r for r in ids if not self._requests[r].is_finished()]
-        if going_on and self.spec_tokens:
+        if going_on and self.spec_tokens and not self.config.async_scheduling:
             self._scheduler.update_draft_token_ids(
                 DraftTokenIds(going_on, [[DRAFT_TOKEN] * self.spec_tokens for _ in going_on])
             )
@@ -716,10 +773,33 @@ class VllmScheduler:
         evictions, self._evictions = self._evictions, []
         return evictions
 
+    def has_requests(self) -> bool:
+        return bool(self._scheduler.has_requests())
+
+    def batches_in_flight(self) -> int:
+        return len(self._outputs)
+
+    def deferred_frees(self) -> list[DeferredFree]:
+        """The Scheduler's `deferred_frees` (none in a release without them),
+        each named by the request whose blocks it holds (a copy-on-write
+        retention's by that name)."""
+        owners = {id(blocks): name for name, blocks in self._popped}
+        return [
+            (int(fence), owners.get(id(blocks), COW_RETENTION))
+            for fence, blocks in getattr(self._scheduler, "deferred_frees", ())
+        ]
+
     def snapshot(self) -> Snapshot:
-        return self._view.snapshot({})
+        owners = {id(blocks): name for name, blocks in self._popped}
+        queued = getattr(self._scheduler, "deferred_frees", ())
+        popped = {owners[id(b)]: b for _, b in queued if id(b) in owners}
+        # Released lists are forgotten (their ids could be reused).
+        self._popped = [(n, b) for n, b in self._popped if n in popped]
+        return self._view.snapshot(popped)
 
     def close(self) -> None:
+        self._outputs.clear()
+        self._popped.clear()
         self._view.close()
         self._requests.clear()
         self._scheduler = None

@@ -140,6 +140,11 @@ class VllmTarget(OpDriver[Any]):
     def set_num_computed(self, request: Any, n: int) -> None:
         request.num_computed_tokens = n
 
+    def set_in_flight(self, request: Any, n: int) -> None:
+        # A release without the attribute frees on the optimistic count.
+        if hasattr(request, "num_in_flight_tokens"):
+            request.num_in_flight_tokens = n
+
     def has_blocks(self, request: Any) -> bool:
         # `.get`: the tables are defaultdicts; a lookup must not create one.
         rid = request.request_id

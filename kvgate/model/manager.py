@@ -255,8 +255,9 @@ class KVCacheManager:
         num_full = min(request.num_tokens, max_len)
         if full_sequence_must_fit and not fits(num_full, num_full, True, total_computed):
             return False
-        # States behind the computed prefix are freed even if this fails.
-        coordinator.remove_skipped(rid, total_computed)
+        # States behind the processed prefix (the computed one less what a
+        # batch in flight computes) are freed even if this fails.
+        coordinator.remove_skipped(rid, max(0, total_computed - request.num_in_flight_tokens))
         if not fits(num_need_slot, num_tokens_main, False, num_local + external, reserved_blocks):
             return False
         if new_computed_blocks is not None or external > 0:

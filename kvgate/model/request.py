@@ -28,6 +28,9 @@ class Request:
         self.keys: list[str] = []
         extend_prefix_keys(self.keys, self.all_token_ids, hash_unit, hash_lookahead, inputs)
         self.num_computed_tokens = 0
+        # Its tokens a batch still in flight computes (async scheduling): the
+        # release of skipped blocks counts only the processed ones.
+        self.num_in_flight_tokens = 0
         self.spec_token_ids: list[int] = []
         # The junction of the request's last lookup (0: none), as the
         # scheduler stores it; the split, sparse retention and a prefill

@@ -48,10 +48,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from kvgate.conformance.config import Config
-from kvgate.conformance.driver import chunk_offer
+from kvgate.conformance.config import Config, NotModelled
+from kvgate.conformance.driver import chunk_offer, reserve_prefill_lookahead
 from kvgate.conformance.ops import ACTIONS, Segment, Step
-from kvgate.conformance.scheduling import EngineOutcome, PrefixCacheStats, RemoteHit
+from kvgate.conformance.scheduling import (
+    ASYNC_BATCHES,
+    COW_RETENTION,
+    DeferredFree,
+    EngineOutcome,
+    PrefixCacheStats,
+    RemoteHit,
+)
 from kvgate.conformance.snapshot import Snapshot
 from kvgate.conformance.target import Capabilities, StepRefused
 from kvgate.conformance.tokens import HashInputs
@@ -71,6 +78,10 @@ class SchedulerStuck(StepRefused):
 # A prefill chunk as the scheduler writes it: (the `allocate`'s `tokens`, the
 # tokens the step runs, the speculative padding rows among them).
 _Chunk = tuple[int | Literal["auto"], int, int]
+# No chunk this step because a multi-module MTP drafter's prefill lookahead
+# left nothing to run: vLLM's Scheduler passes over the request (a running
+# one, or a waiting one, which keeps its place) and goes on to the next.
+_SKIP: Literal["skip"] = "skip"
 
 
 def admission_fits(blocks: int, free_blocks: int) -> bool:
@@ -123,6 +134,12 @@ class LiveRequest:
     stats_reported: bool = False
     # A stop condition ends it with the token it samples next (`stop`).
     stopping: bool = False
+    # Async scheduling: the last batch that scheduled it (in flight while
+    # the engine has not processed that batch's output), and the non-empty
+    # batch's number the Scheduler fences its deferred free with.
+    last_batch: int = 0
+    last_sched_seq: int = 0
+    ended: bool = False  # finished or aborted (an in-flight batch's output skips it)
 
 
 @dataclass
@@ -158,13 +175,64 @@ class StepDecisions(EngineOutcome):
     errored: list[str] = field(default_factory=list)
 
 
+class AsyncNotModelled(StepRefused):
+    """Under async scheduling, a path the scheduler model does not cover
+    (vLLM runs it): the trace cannot be replayed."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("config.async_scheduling", message)
+
+
+@dataclass
+class _Batch:
+    """A scheduled batch whose output the engine has not processed yet."""
+
+    scheduled: list[tuple[str, int]]  # (request, tokens) it computes
+    sampled: dict[str, list[int]]  # the tokens each request samples in it
+    finished: list[LiveRequest]  # the requests it completes
+    executed: bool  # it ran tokens (only such batches advance the fences)
+
+
 class SchedulerModel:
     """vLLM's `Scheduler` over the model manager, one engine step at a time."""
 
     def __init__(self, config: Config, spec: int, max_num_seqs: int) -> None:
+        if config.prefill_lookahead > 1 and spec != config.prefill_lookahead:
+            # vLLM's multi-module MTP drafter reads as many prefill tokens
+            # ahead, and hashes as many, as it drafts.
+            raise NotModelled(
+                "hash_lookahead_tokens",
+                f"{config.hash_lookahead_tokens} (a multi-module MTP drafter) needs spec "
+                f"{config.hash_lookahead_tokens}, not {spec}",
+            )
         self.config = config
         self.spec = spec
         self.max_num_seqs = max_num_seqs
+        # Async scheduling: the engine schedules the next batch while the
+        # last one runs, so up to `ASYNC_BATCHES` batches are in flight.
+        async_scheduling = self.async_scheduling = config.async_scheduling
+        if async_scheduling and spec:
+            raise NotModelled(
+                "async_scheduling",
+                "draft tokens under async scheduling (their output placeholders) are not "
+                "modelled: use scheduler spec 0",
+            )
+        self.in_flight: deque[_Batch] = deque()
+        self.batches_scheduled = 0
+        self.batches_processed = 0
+        # With a consumer KV connector (kvgate's runs `kv_both`) and batches
+        # in flight, vLLM's Scheduler defers freeing a request's blocks while
+        # a batch that may still write them runs: (fence, request) in order,
+        # each released once the engine has processed `fence` non-empty
+        # batches; `sched_seq` and `processed_seq` count those batches.
+        self.defer_block_free = async_scheduling and config.kv_connector
+        self.deferred: deque[DeferredFree] = deque()
+        self.sched_seq = 0
+        self.processed_seq = 0
+        # A request ended since the last `schedule()` (vLLM's
+        # `finished_req_ids`, which keeps the engine scheduling).
+        self._ended_since_schedule = False
+        self._output_processed = False  # the last engine step processed a batch's output
         self.writer = StepWriter(ModelTarget(config))
         self.waiting: deque[LiveRequest] = deque()
         self.running: list[LiveRequest] = []
@@ -200,6 +268,10 @@ class SchedulerModel:
     ) -> LiveRequest:
         """A request arrives (`arrive`) and waits at the end of the queue;
         `remote`: what a KV connector's external store holds of it."""
+        if self.async_scheduling and remote is not None and remote.load_async:
+            raise AsyncNotModelled(
+                f"{name}'s asynchronous KV load under async scheduling is not modelled"
+            )
         self.writer.run("arrive", req=name, prompt=prompt, cache_salt=cache_salt)
         live = LiveRequest(
             name, self.oracle.requests[name].request, max_tokens, follows, remote=remote
@@ -211,22 +283,114 @@ class SchedulerModel:
         """One engine step: `schedule`, the worker's load reports, `step` and
         `drain`, the output each scheduled request sampled, then `free
         finish` of the requests that generated their output (and, under
-        load-failure policy `fail`, `free abort` of those whose load failed)."""
-        writer = self.writer
+        load-failure policy `fail`, `free abort` of those whose load failed).
+        Under async scheduling, the engine's step with two batches in flight
+        (`_async_step`)."""
+        if self.async_scheduling:
+            return self._async_step()
         decisions = StepDecisions()
-        outputs = {
-            live.name: len(live.request.output)
-            for live in (*self.running, *self.waiting, *self.holding)
-        }
-        finished = self.schedule(decisions)
+        finished, sampled = self._schedule_batch(decisions)
         decisions.loaded, decisions.failed = self.reported_loads()
+        self._process_output(decisions, sampled, finished)
+        self.engine_step += 1
+        return decisions
+
+    def _async_step(self) -> StepDecisions:
+        """One step of vLLM's engine with a batch queue: while it has
+        requests it schedules a batch (even an empty one); it then returns
+        at once unless `ASYNC_BATCHES` batches are in flight or nothing is
+        left to schedule, else it processes the oldest batch's output."""
+        decisions = StepDecisions()
+        self._output_processed = False
+        if self.has_requests():
+            finished, sampled = self._schedule_batch(decisions)
+            self._ended_since_schedule = False
+            executed = bool(decisions.scheduled)
+            self.batches_scheduled += 1
+            if executed and self.defer_block_free:
+                self.sched_seq += 1
+            for live in self._live():
+                if any(name == live.name for name, _ in decisions.scheduled):
+                    live.last_batch = self.batches_scheduled
+                    live.last_sched_seq = self.sched_seq
+            self.in_flight.append(_Batch(decisions.scheduled, sampled, finished, executed))
+            if len(self.in_flight) < ASYNC_BATCHES and (executed or self.has_requests()):
+                self.engine_step += 1
+                return decisions
+        elif not self.in_flight:
+            self.engine_step += 1
+            return decisions
+        batch = self.in_flight.popleft()
+        self.batches_processed += 1
+        self._output_processed = True
+        if batch.executed and self.defer_block_free:
+            # Every write of the batches up to this one is done: deferred
+            # frees fenced by them go back to the pool, in order.
+            self.processed_seq += 1
+            while self.deferred and self.deferred[0][0] <= self.processed_seq:
+                _, name = self.deferred.popleft()
+                if name == COW_RETENTION:
+                    self.writer.run("drain", release_retained=True)
+                else:
+                    self.writer.run("release", req=name)
+        self._process_output(decisions, batch.sampled, batch.finished)
+        self.engine_step += 1
+        return decisions
+
+    def has_requests(self) -> bool:
+        """vLLM's `has_requests`: unfinished requests, or requests ended since
+        the last `schedule()`."""
+        return bool(self.waiting or self.running or self.holding) or self._ended_since_schedule
+
+    def batches_in_flight(self) -> int:
+        return len(self.in_flight)
+
+    def deferred_frees(self) -> list[DeferredFree]:
+        """The deferred frees not yet released: (fence, request), in order."""
+        return list(self.deferred)
+
+    def _live(self) -> tuple[LiveRequest, ...]:
+        return (*self.running, *self.waiting, *self.holding)
+
+    def _schedule_batch(
+        self, decisions: StepDecisions
+    ) -> tuple[list[LiveRequest], dict[str, list[int]]]:
+        """`schedule`, `step` and `drain`: the requests the batch completes
+        and the tokens each scheduled request samples in it."""
+        writer = self.writer
+        outputs = {live.name: len(live.request.output) for live in self._live()}
+        finished = self.schedule(decisions)
         writer.run("step")
-        decisions.copies = writer.run("drain")["copies"]
-        by_name = {live.name: live for live in (*self.running, *self.waiting, *self.holding)}
-        for name, _ in decisions.scheduled:
-            live = by_name[name]
-            decisions.sampled[name] = list(live.request.output[outputs[name] :])
-            if decisions.sampled[name] and not live.stats_reported:
+        # The copies run with this batch: with deferred frees their endpoints
+        # wait until it is done (the next non-empty batch's number).
+        keep = {"keep_retained": True} if self.defer_block_free else {}
+        decisions.copies = writer.run("drain", **keep)["copies"]
+        if decisions.copies and self.defer_block_free:
+            self.deferred.append((self.sched_seq + 1, COW_RETENTION))
+        by_name = {live.name: live for live in self._live()}
+        sampled = {
+            name: list(by_name[name].request.output[outputs[name] :])
+            for name, _ in decisions.scheduled
+        }
+        return finished, sampled
+
+    def _process_output(
+        self,
+        decisions: StepDecisions,
+        sampled: dict[str, list[int]],
+        finished: list[LiveRequest],
+    ) -> None:
+        """A batch's output processed: what each request sampled (a request
+        ended meanwhile skipped), first outputs' prefill stats, then the
+        finishes' frees (and, under `fail`, the failed loads')."""
+        writer = self.writer
+        by_name = {live.name: live for live in self._live()}
+        for name, tokens in sampled.items():
+            live = by_name.get(name)
+            if live is None or live.ended:
+                continue
+            decisions.sampled[name] = tokens
+            if tokens and not live.stats_reported:
                 live.stats_reported = True
                 decisions.prefill_stats[name] = self._prefill_stats(live)
         # Under `fail`, a failed load ends its request with an error once
@@ -240,14 +404,47 @@ class SchedulerModel:
         for live in errored:
             self.holding.remove(live)
         for live in finished:
-            writer.run("free", req=live.name, how="finish")
+            if live.ended:
+                continue
             self.running.remove(live)
+            self._end(live, "finish")
             decisions.finished.append(live.name)
         for live in errored:
             writer.run("free", req=live.name, how="abort", load_failed=True)
+            live.ended = True
+            self._ended_since_schedule = True
             decisions.errored.append(live.name)
-        self.engine_step += 1
-        return decisions
+
+    def _end(self, live: LiveRequest, how: Literal["finish", "abort"]) -> None:
+        """Free an ended request's blocks (`free`), or, while a batch that
+        may still write them is in flight, keep them aside (`pop`) until
+        that batch's output is processed (`release`)."""
+        live.ended = True
+        self._ended_since_schedule = True
+        if self.defer_block_free and live.last_sched_seq > self.processed_seq:
+            self.writer.run("pop", req=live.name, **self._in_flight_field(live))
+            self.deferred.append((self.sched_seq, live.name))
+        else:
+            self.writer.run("free", req=live.name, how=how)
+
+    def _in_flight_field(self, live: LiveRequest) -> dict[str, int]:
+        """An op's `in_flight`: the request's tokens the batches in flight
+        compute (written only when some)."""
+        tokens = sum(
+            n for batch in self.in_flight for name, n in batch.scheduled if name == live.name
+        )
+        return {"in_flight": tokens} if tokens else {}
+
+    def _refuse_preempting_in_flight(self, live: LiveRequest) -> None:
+        if self._in_flight(live):
+            raise AsyncNotModelled(
+                f"preempting {live.name} while a batch that scheduled it is in flight "
+                "is not modelled"
+            )
+
+    def _in_flight(self, live: LiveRequest) -> bool:
+        """A batch that scheduled `live` is still in flight."""
+        return live.last_batch > self.batches_processed
 
     def _prefill_stats(self, live: LiveRequest) -> tuple[int, int]:
         """A request's prefill stats as its first output reports them: the
@@ -260,6 +457,8 @@ class SchedulerModel:
     def stop(self, name: str) -> None:
         """`name` finishes with the token it samples in the next step (a stop
         condition); only its finish moves: the step schedules it as before."""
+        if self.async_scheduling:
+            raise AsyncNotModelled("a stop condition under async scheduling is not modelled")
         for queue in (self.running, self.waiting, self.holding):
             for live in queue:
                 if live.name == name:
@@ -272,7 +471,7 @@ class SchedulerModel:
             for live in queue:
                 if live.name == name:
                     queue.remove(live)
-                    self.writer.run("free", req=name, how="abort")
+                    self._end(live, "abort")
                     return
         # Already finished: vLLM's Scheduler ignores the abort, and so does it.
 
@@ -284,6 +483,7 @@ class SchedulerModel:
         if running:
             while self.running:
                 live = self.running.pop()
+                self._refuse_preempting_in_flight(live)
                 self.writer.run("free", req=live.name, how="preempt")
                 self.waiting.appendleft(live)
                 live.decoding = False
@@ -293,7 +493,11 @@ class SchedulerModel:
 
     def take_prefix_cache_stats(self) -> PrefixCacheStats:
         """The manager's prefix-cache stats since the last call, as the
-        Scheduler's update drains them (empty when stats are not logged)."""
+        Scheduler's update drains them (empty when stats are not logged, or
+        when the last engine step processed no batch's output: they wait
+        for the next one that does)."""
+        if self.async_scheduling and not self._output_processed:
+            return {}
         return self.oracle.manager.make_prefix_cache_stats()
 
     def prompt_tokens(self, name: str) -> tuple[list[int], HashInputs]:
@@ -333,6 +537,17 @@ class SchedulerModel:
             request = live.request
             outputs = len(request.output)
             prefilling = not live.decoding
+            if live.decoding and self._in_flight(live):
+                # Async scheduling: its last token is still being sampled.
+                # vLLM's Scheduler skips it when that token is its last, and
+                # otherwise decodes past it on an output placeholder.
+                if len(request.output) < live.max_tokens:
+                    raise AsyncNotModelled(
+                        f"{live.name} decodes while its previous output is in flight "
+                        "(output placeholders are not modelled): give it max_tokens 1"
+                    )
+                index += 1
+                continue
             if live.decoding:
                 # vLLM schedules what the budget leaves of 1 + K: fewer drafts.
                 drafts = min(self.spec, budget - 1)
@@ -340,7 +555,7 @@ class SchedulerModel:
                 run = self._decode(live, drafts)
             else:
                 chunk = self._chunk(request, 0, budget)
-                if chunk is None:
+                if chunk is None or chunk == _SKIP:
                     index += 1
                     continue
                 cost = chunk[1]
@@ -376,6 +591,9 @@ class SchedulerModel:
         # Requests the scan passed over that hold blocks: back at the head of
         # their queue after the scan, in scan order.
         skipped: list[LiveRequest] = []
+        # Waiting requests the scan passed over without blocks (their chunk
+        # cut to nothing): back at the head of the waiting queue, in order.
+        passed_over: list[LiveRequest] = []
         # Whether the running loop scheduled anything (the padding reads it).
         self._running_scheduled = bool(decisions.scheduled)
         self._prefill_scheduled = prefill_scheduled
@@ -394,6 +612,9 @@ class SchedulerModel:
             if admitted == "loading":
                 skipped.append(queue.popleft())
                 continue
+            if admitted == "skipped":
+                passed_over.append(queue.popleft())
+                continue
             queue.popleft()
             self.running.append(live)
             live.admitted = True
@@ -403,12 +624,14 @@ class SchedulerModel:
             if len(live.request.output) >= live.max_tokens or (live.stopping and live.decoding):
                 finished.append(live)
         self.holding.extendleft(reversed(skipped))
+        self.waiting.extendleft(reversed(passed_over))
         return finished
 
     def preempt(self, decisions: StepDecisions) -> LiveRequest:
         """Preempt the last running request (`free preempt`): back to the
         front of the waiting queue, its prefill to run again."""
         victim = self.running.pop()
+        self._refuse_preempting_in_flight(victim)
         self.writer.run("free", req=victim.name, how="preempt")
         self.waiting.appendleft(victim)
         victim.decoding = False
@@ -421,12 +644,13 @@ class SchedulerModel:
         decisions: StepDecisions,
         budget: int,
         skipped: list[LiveRequest],
-    ) -> int | Literal["loading"] | None:
+    ) -> int | Literal["loading", "skipped"] | None:
         """Admit `live`, the head of its waiting queue, within `budget`: the
         tokens its first chunk runs (it is scheduled); "loading" when it now
         waits for its async KV load, holding blocks; None when it does not
-        fit (the scan stops). `skipped`: the requests holding blocks this
-        scan passed over."""
+        fit (the scan stops); "skipped" when the prefill lookahead leaves its
+        chunk nothing (the scan goes on past it). `skipped`: the requests
+        holding blocks this scan passed over."""
         # The scan reaching a failed load frees its blocks and looks it up
         # again right away (`lookup load_failed`), asking the connector
         # again: its retry loads.
@@ -465,6 +689,8 @@ class SchedulerModel:
                 live.load_started = self.engine_step
                 return "loading"
             chunk = self._admission_chunk(live, hit + external, budget)
+            if chunk == _SKIP:
+                return "skipped"
             if chunk is None or not self._allocate(live, chunk, hit + external)():
                 return None
             self._set_prefill_stats(live, hit + external)
@@ -527,7 +753,9 @@ class SchedulerModel:
         live.loading = False
         live.sched_computed = request.num_computed_tokens + back
         chunk = self._admission_chunk(live, back, budget)
-        if chunk is None:
+        # (Never a skip: a request holding blocks has a KV connector, whose
+        # legacy hashes rule out a multi-module drafter's lookahead.)
+        if chunk is None or chunk == _SKIP:
             if completing:
                 self.writer.run("allocate", req=live.name, tokens="auto", complete_only=True)
             return None
@@ -555,7 +783,9 @@ class SchedulerModel:
             if group.kind != "mamba_align"
         )
 
-    def _admission_chunk(self, live: LiveRequest, hit: int, budget: int) -> _Chunk | None:
+    def _admission_chunk(
+        self, live: LiveRequest, hit: int, budget: int
+    ) -> _Chunk | Literal["skip"] | None:
         """The chunk of a request admitted from the waiting queue, `hit`
         tokens past its computed ones. With drafts, vLLM's Scheduler pads a
         chunk of one token to a whole speculative step (1 + K rows, the K
@@ -606,20 +836,29 @@ class SchedulerModel:
                 (failed if remote.fails else loaded).append(live.name)
         return loaded, failed
 
-    def _chunk(self, request: Request, hit: int, budget: int) -> _Chunk | None:
+    def _chunk(self, request: Request, hit: int, budget: int) -> _Chunk | Literal["skip"] | None:
         """The next prefill chunk within `budget`: (as written, tokens run,
-        padding rows), or None when the split leaves nothing to run this step."""
-        remaining = request.num_tokens - request.num_computed_tokens - hit
+        padding rows); None when the split leaves nothing to run this step,
+        `_SKIP` when the prefill lookahead does."""
+        start = request.num_computed_tokens + hit
+        remaining = request.num_tokens - start
         offered = chunk_offer(self.config, remaining, budget, self.num_eligible)
         tokens = chunk_tokens(self.config, request, offered, hit)
         if tokens <= 0:
             return None
+        tokens = reserve_prefill_lookahead(self.config, request.num_tokens, start, tokens)
+        if tokens <= 0:
+            return _SKIP
         # `auto` is the replayer's chunk: the full budget, the threshold by the
         # trace's live requests. Written only when it is this chunk.
         most = self.config.max_num_scheduled_tokens
         full = chunk_offer(self.config, remaining, most, self.num_eligible)
         replayed = chunk_offer(self.config, remaining, most, self.writer.oracle.num_live())
-        auto = offered == full and chunk_tokens(self.config, request, replayed, hit) == tokens
+        replayed_split = chunk_tokens(self.config, request, replayed, hit)
+        replayed_tokens = reserve_prefill_lookahead(
+            self.config, request.num_tokens, start, replayed_split
+        )
+        auto = offered == full and replayed_tokens == tokens
         return ("auto" if auto else tokens), tokens, 0
 
     def _allocate(self, live: LiveRequest, chunk: _Chunk, hit: int = 0) -> Callable[[], bool]:
@@ -638,6 +877,7 @@ class SchedulerModel:
                 lookahead=self.spec,
                 sample=sample,
                 **padding,
+                **self._in_flight_field(live),
             )
             if "cached_tokens" in result:  # the chunk completed the request's tokens
                 live.cache_estimate = int(result["cached_tokens"])

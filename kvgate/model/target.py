@@ -69,6 +69,9 @@ class ModelTarget(OpDriver[Request]):
     def set_num_computed(self, request: Request, n: int) -> None:
         request.num_computed_tokens = n
 
+    def set_in_flight(self, request: Request, n: int) -> None:
+        request.num_in_flight_tokens = n
+
     def has_blocks(self, request: Request) -> bool:
         return any(m.tables.get(request.request_id) for m in self.manager.coordinator.managers)
 

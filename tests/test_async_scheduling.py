@@ -1,0 +1,154 @@
+"""Async scheduling in scheduler-level traces: two batches in flight, the
+Scheduler's deferred frees with a KV connector, and drifts the lockstep
+catches."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from configs import needs_vllm
+
+from kvgate.conformance.replay import ReplayResult
+from kvgate.conformance.scheduler_replay import replay_scheduler
+from kvgate.conformance.scheduling import DeferredFree, SchedulerTarget
+from kvgate.conformance.trace import (
+    TraceError,
+    bundled_scheduler_corpus,
+    load_corpus,
+    parse_trace,
+)
+from kvgate.model.scheduler import SchedulerModel
+
+NAME = "sched-async-abort-frees-after-batch"
+[TRACE] = [t for t in load_corpus(bundled_scheduler_corpus()) if t.name == NAME]
+
+
+def run_vllm(wrap: Callable[[Any], SchedulerTarget] | None = None) -> ReplayResult:
+    from kvgate.impl.vllm_scheduler import VllmScheduler
+
+    real = VllmScheduler(TRACE.config, spec_tokens=0, max_num_seqs=4)
+    try:
+        return replay_scheduler(
+            TRACE, SchedulerModel, real if wrap is None else wrap(real), "strict"
+        )
+    finally:
+        real.close()
+
+
+def where(result: ReplayResult) -> tuple[int, str, str]:
+    divergence = result.divergence
+    assert divergence is not None
+    return divergence.step.index, divergence.level, divergence.what
+
+
+def test_an_engine_step_processes_the_batch_before_the_last() -> None:
+    model = SchedulerModel(TRACE.config, 0, 4)
+    for event in TRACE.engine:
+        if event.op == "arrive":
+            assert event.req is not None
+            model.arrive(event.req, event.prompt, event.max_tokens)
+        elif event.op == "abort":
+            assert event.req is not None
+            model.abort(event.req)
+            # A's second chunk is still running: its blocks wait for it.
+            assert model.deferred_frees() == [(2, "A")]
+        else:
+            step = model.step()
+            if event.index == 5:  # the batch A ran in is done: A's blocks are back
+                assert model.deferred_frees() == []
+    # B's last batch processed (nothing left to schedule), its copy's
+    # endpoints back; an empty batch is still in flight.
+    assert step.scheduled == [] and model.deferred_frees() == []
+    assert model.batches_in_flight() == 1
+
+
+def test_decoding_past_an_output_in_flight_is_refused_by_name() -> None:
+    text = TRACE.path.read_text().replace(
+        "[{prompt_of: A}], max_tokens: 1", "[{fresh: 40}], max_tokens: 3"
+    )
+    trace = parse_trace(text, TRACE.path)
+    with pytest.raises(TraceError, match=r"config\.async_scheduling: B decodes while"):
+        replay_scheduler(trace, SchedulerModel, None, "strict")
+
+
+@needs_vllm
+def test_the_real_scheduler_is_the_one_the_engine_builds_for_async_scheduling() -> None:
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+    from kvgate.impl.vllm_scheduler import VllmScheduler
+
+    real = VllmScheduler(TRACE.config, spec_tokens=0, max_num_seqs=4)
+    try:
+        assert isinstance(real.scheduler, AsyncScheduler)
+        assert real.scheduler.defer_block_free
+    finally:
+        real.close()
+
+
+class _FreesHeadFirst:
+    """vLLM's Scheduler returning deferred blocks head first (the order it
+    popped them in), as if the reversal were dropped."""
+
+    def __init__(self, real: Any) -> None:
+        self.real = real
+        scheduler = real.scheduler
+
+        def drain() -> None:
+            while scheduler.deferred_frees:
+                if scheduler.deferred_frees[0][0] > scheduler.processed_step_seq:
+                    break
+                _, blocks = scheduler.deferred_frees.popleft()
+                scheduler.kv_cache_manager.block_pool.free_blocks(blocks)
+
+        scheduler._drain_deferred_frees = drain
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+
+class _ForgetsDeferredFrees:
+    """A Scheduler whose deferred-free queue shows nothing."""
+
+    def __init__(self, real: Any) -> None:
+        self.real = real
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+    def deferred_frees(self) -> list[DeferredFree]:
+        return []
+
+
+class _OneBatchAtATime:
+    """An engine that processes each batch's output in the step that made it."""
+
+    def __init__(self, real: Any) -> None:
+        self.real = real
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+    def batches_in_flight(self) -> int:
+        return 2 if self.real.batches_in_flight() else 0
+
+
+@needs_vllm
+def test_the_trace_conforms_and_catches_deferred_frees_in_the_wrong_order() -> None:
+    assert run_vllm().passed
+    # A's blocks come back when the batch after its abort is processed.
+    assert where(run_vllm(_FreesHeadFirst)) == (5, "strict", "engine step 3: free queue")
+
+
+@needs_vllm
+def test_a_scheduler_whose_deferred_frees_differ_diverges() -> None:
+    # The copy of B's last chunk is the one deferred free left after a step.
+    index, level, what = where(run_vllm(_ForgetsDeferredFrees))
+    assert (index, level) == (11, "api") and what.endswith("deferred frees (fence, request)")
+
+
+@needs_vllm
+def test_an_engine_that_keeps_other_batches_in_flight_diverges() -> None:
+    index, level, what = where(run_vllm(_OneBatchAtATime))
+    assert (index, level) == (1, "api") and what.endswith("batches in flight")
