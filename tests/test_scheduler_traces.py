@@ -251,6 +251,9 @@ def test_the_corpus_covers_the_families_both_arms_and_the_scheduler_paths() -> N
         "sched-long-prefill-threshold",
         "sched-prefix-cache-reset-with-running",
         "sched-model-runner-v2-preempt-and-resume",
+        "sched-connector-divergent-local-hits",
+        "sched-connector-async-load-fails-and-retries",
+        "sched-connector-async-load-fails-the-request",
     } <= names
     preempted = by_name("sched-preempt-under-pressure-and-resume")
     assert any(e.expect.get("preempted") for e in preempted.engine)
@@ -469,6 +472,30 @@ def test_a_scheduler_that_takes_a_failed_load_for_done_diverges(
         next(e.index for e in trace.engine if e.remote is not None and e.remote.fails) + 2
     )  # the load's allocation, then the step whose output reports it failed
     assert reported <= result.divergence.step.index <= reported + 2, result.divergence
+
+
+@needs_vllm
+def test_a_scheduler_that_keeps_a_diverged_local_hit_unbacked_diverges(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM's per-group lookup never flagging a hit deeper than the Mamba
+    group's: the Scheduler admits B at the attention group's 200 tokens with
+    no Mamba state there, and the lockstep names B's admission."""
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    per_group = KVCacheManager.get_computed_blocks_for_connector
+
+    def never_diverged(self: Any, request: Any, *args: Any) -> Any:
+        blocks, tokens, boundary, _ = per_group(self, request, *args)
+        return blocks, tokens, boundary, False
+
+    monkeypatch.setattr(KVCacheManager, "get_computed_blocks_for_connector", never_diverged)
+    trace = by_name("sched-connector-divergent-local-hits")
+    result = run_vllm(trace)
+    divergence = result.divergence
+    assert divergence is not None
+    b_admitted = next(e.index for e in trace.engine if e.req == "B") + 1
+    assert divergence.step.index == b_admitted, divergence
 
 
 @needs_vllm

@@ -75,9 +75,10 @@ DRAFT_TOKEN = 0
 
 
 @functools.cache
-def model_dir() -> Path:
-    """A directory holding a tiny Qwen3-Next-class hybrid `config.json`,
-    written once per process (removed at exit)."""
+def model_dir(mtp_layers: int = 1) -> Path:
+    """A directory holding a tiny Qwen3-Next-class hybrid `config.json` with
+    `mtp_layers` MTP modules, written once per process and count (removed
+    at exit)."""
     from transformers import Qwen3NextConfig
 
     folder = Path(tempfile.mkdtemp(prefix="kvgate-hybrid-model-"))
@@ -103,7 +104,9 @@ def model_dir() -> Path:
         max_position_embeddings=1 << 22,
         architectures=["Qwen3NextForCausalLM"],
     )
-    config.num_nextn_predict_layers = 1  # one MTP layer, as Qwen3-Next ships
+    # One MTP layer, as Qwen3-Next ships; more for a multi-module drafter
+    # (vLLM's `use_multi_module_mtp` reads the count).
+    config.num_nextn_predict_layers = mtp_layers
     config.save_pretrained(folder)
     return folder
 
@@ -148,8 +151,11 @@ def _vllm_config(
         VllmConfig,
     )
 
+    # A multi-module MTP drafter (lookahead hashes of K > 1 tokens) has a
+    # module per draft token: vLLM then reads K prefill tokens ahead.
+    mtp_layers = config.prefill_lookahead if config.prefill_lookahead > 1 else 1
     model = ModelConfig(
-        model=str(model_dir()),
+        model=str(model_dir(mtp_layers)),
         skip_tokenizer_init=True,
         max_model_len=config.max_model_len,
         dtype="float32",
@@ -177,9 +183,15 @@ def _vllm_config(
         # release without lookahead hashes has no switch for them: it keeps
         # legacy hashes (asked for lookahead ones, it is refused below).
         hashes: dict[str, bool] = {}
-        if config.hash_lookahead_tokens or "disable_lookahead_block_hashes" in getattr(
+        has_switch = "disable_lookahead_block_hashes" in getattr(
             SpeculativeConfig, "__dataclass_fields__", {}
-        ):
+        )
+        if config.hash_lookahead_tokens and not has_switch:
+            raise UnsupportedConfig(
+                "hash_lookahead_tokens",
+                "this vLLM's SpeculativeConfig has no lookahead block hashes",
+            )
+        if has_switch:
             hashes["disable_lookahead_block_hashes"] = not config.hash_lookahead_tokens
         speculative = SpeculativeConfig(
             method="mtp",
@@ -368,8 +380,8 @@ def _check_derived(scheduler: Any, config: Config, spec_tokens: int, hash_block:
             config.model_runner,
         ),
         # Drafts: K tokens and K lookahead slots, the trace's lookahead
-        # hashes, no multi-module prefill reservation (a lookahead of 1 never
-        # acts).
+        # hashes, and the prefill lookahead: K for a multi-module MTP
+        # drafter, otherwise one token at most (0 and 1 act alike).
         ("eagle", int(scheduler.num_spec_tokens), spec_tokens),
         ("eagle", int(scheduler.num_lookahead_tokens), spec_tokens),
         (
@@ -379,9 +391,9 @@ def _check_derived(scheduler: Any, config: Config, spec_tokens: int, hash_block:
             config.hash_lookahead_tokens,
         ),
         (
-            "eagle",
-            min(int(scheduler.num_prefill_lookahead), 1),
-            int(scheduler.num_prefill_lookahead),
+            "hash_lookahead_tokens",
+            max(int(scheduler.num_prefill_lookahead), 1),
+            max(config.prefill_lookahead, 1),
         ),
         (
             "shared_prefix_checkpoint",
