@@ -365,7 +365,10 @@ CONFIG_FIELDS: tuple[ConfigField, ...] = (
             "batch in flight may write them ([async scheduling](../scheduler-traces.md"
             "#async-scheduling)); a manager-level trace's calls are the same either way"
         ),
-        not_explored="the manager-level machines make the Scheduler's calls themselves",
+        not_explored=(
+            "the Scheduler-level exploration draws it with each engine (prefill-only "
+            "requests, no drafts, under it)"
+        ),
     ),
     ConfigField(
         "kv_cache_metrics",
