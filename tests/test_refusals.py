@@ -155,7 +155,6 @@ def test_what_kvgate_refuses_by_name_vllm_serves() -> None:
     )
     caching_off = replace(caching_off, prefix_caching=False)
     attention_only = replace(two_mamba, groups=(ATTENTION,), hash_unit=8, scheduler_block_size=8)
-    multi_mtp = hybrid_config(ATTENTION, MAMBA, eagle=True, hash_lookahead_tokens=2)
     sampled = hybrid_config(
         ATTENTION, MAMBA, eagle=True, kv_cache_metrics=True, kv_cache_metrics_sample=0.5
     )
@@ -164,7 +163,6 @@ def test_what_kvgate_refuses_by_name_vllm_serves() -> None:
         (two_mamba, "groups"),
         (caching_off, "groups[0].block_size"),
         (attention_only, "groups"),
-        (multi_mtp, "hash_lookahead_tokens"),
         (sampled, "kv_cache_metrics_sample"),
     ):
         with pytest.raises(NotModelled) as error:

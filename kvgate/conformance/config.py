@@ -84,8 +84,10 @@ class Config:
     # eagle only: each block's hash also covers the next L tokens (the drafter's
     # KV at the block's last position reads them), so a block is keyed only once
     # they exist, and the trailing-block drop is off. vLLM's default for an
-    # EAGLE-family drafter (L = 1 for EAGLE and single-module MTP); 0 is its
-    # `disable_lookahead_block_hashes` fallback, the drop.
+    # EAGLE-family drafter (L = 1 for EAGLE and single-module MTP; L = K for
+    # a multi-module MTP drafter of K draft tokens, whose modules read K
+    # prefill tokens ahead); 0 is its `disable_lookahead_block_hashes`
+    # fallback, the drop.
     hash_lookahead_tokens: int = 0
     # vLLM's `enable_prefix_caching` (trace field `prefix_caching`): off, no
     # request is hashed, no lookup hits and no block is cached (vLLM's
@@ -139,6 +141,22 @@ class Config:
         return self.eagle and self.hash_lookahead_tokens == 0
 
     @property
+    def prefill_lookahead(self) -> int:
+        """vLLM's `num_prefill_lookahead_tokens`: the prefill tokens past a
+        chunk the drafter reads. 0 without a drafter; K for a multi-module
+        MTP drafter (lookahead hashes of K > 1 tokens); 1 for any other
+        EAGLE-family drafter."""
+        if not self.eagle:
+            return 0
+        return max(1, self.hash_lookahead_tokens)
+
+    @property
+    def reprefillable_tokens(self) -> int:
+        """The trailing computed tokens a multi-module MTP drafter may
+        prefill again (vLLM's coordinator `num_reprefillable_tokens`): K - 1."""
+        return max(0, self.prefill_lookahead - 1)
+
+    @property
     def eagle_group_ids(self) -> tuple[int, ...]:
         """The groups vLLM flags as the drafter's (`is_eagle_group`), as its
         engine planning derives them: the groups holding a draft layer. An
@@ -188,8 +206,15 @@ class Config:
     @property
     def shared_prefix_checkpoint_on(self) -> bool:
         """The knob as vLLM's `KVCacheManager` narrows it: a group flagged as
-        the drafter's (lookahead hashes keep the flags), sub-block hits."""
-        return self.shared_prefix_checkpoint and bool(self.eagle_group_ids) and self.partial_hits
+        the drafter's (lookahead hashes keep the flags), sub-block hits, and
+        no re-prefilled tokens (a multi-module MTP drafter caches short of a
+        chunk's end, where a junction stop would be refused)."""
+        return (
+            self.shared_prefix_checkpoint
+            and bool(self.eagle_group_ids)
+            and self.partial_hits
+            and self.reprefillable_tokens == 0
+        )
 
     @property
     def partial_hits(self) -> bool:
@@ -296,13 +321,6 @@ def check_modelled(config: Config) -> None:
         raise NotModelled(
             "hash_lookahead_tokens", "lookahead block hashes need eagle: true (an EAGLE drafter)"
         )
-    if config.hash_lookahead_tokens > 1:
-        # Multi-module MTP (L = K > 1) also re-prefills its last K - 1 tokens
-        # and reserves them at chunk ends; neither is modelled.
-        raise NotModelled(
-            "hash_lookahead_tokens",
-            f"{config.hash_lookahead_tokens} is not 0 or 1 (multi-module MTP is not modelled)",
-        )
     if config.kv_connector and config.hash_lookahead_tokens:
         # VllmConfig.num_hash_lookahead_tokens is 0 whenever a KV connector is
         # configured: production never runs the two together.
@@ -402,6 +420,14 @@ def vllm_rules(config: Config) -> None:
                 "scheduler_block_size",
                 f"{scheduler} is not a multiple of group {i}'s block_size {g.block_size}",
             )
+    if config.prefix_caching and config.eagle_group_ids and scheduler < config.prefill_lookahead:
+        # The coordinator's own check: the tail a multi-module MTP drafter
+        # reads ahead must fit in one scheduler block.
+        raise RefusedByVllm(
+            "scheduler_block_size",
+            f"{scheduler} is smaller than the multi-module MTP drafter's lookahead "
+            f"{config.prefill_lookahead} (hash_lookahead_tokens)",
+        )
     retention = config.retention_interval
     if retention and not config.mamba_group_ids:
         # Retention acts on sliding-window and Mamba groups only.

@@ -71,6 +71,18 @@ def chunk_offer(config: Config, remaining: int, budget: int, num_live: int) -> i
     return min(remaining, budget)
 
 
+def reserve_prefill_lookahead(config: Config, num_tokens: int, start: int, num_new: int) -> int:
+    """A prefill chunk of `num_new` tokens from `start` as vLLM's `Scheduler`
+    cuts it back for a multi-module MTP drafter, which reads the next K
+    prefill tokens past a chunk (`_reserve_prefill_lookahead`): the chunk
+    either reaches the request's `num_tokens` or leaves at least K of them.
+    (A lookahead of 0 or 1 never cuts.)"""
+    left = num_tokens - start - num_new
+    if 0 < left < config.prefill_lookahead:
+        num_new -= config.prefill_lookahead - left
+    return max(num_new, 0)
+
+
 class OpDriver(ABC, Generic[R]):
     capabilities: Capabilities
     manager: Any  # the manager under test, with vLLM's `KVCacheManager` interface
@@ -396,6 +408,7 @@ class OpDriver(ABC, Generic[R]):
             if offered <= 0:
                 raise StepRefused("tokens", "auto: nothing is left to compute")
             num_new = self.split(request, offered, hit, external)
+            num_new = reserve_prefill_lookahead(self.config, total, start, num_new)
         else:
             assert isinstance(step.tokens, int)
             num_new = step.tokens

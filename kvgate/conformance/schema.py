@@ -185,9 +185,17 @@ CONFIG_FIELDS: tuple[ConfigField, ...] = (
         "not_default",
         (
             "`num_hash_lookahead_tokens` (lookahead block hashes, vLLM's default for EAGLE-family "
-            "drafters)"
+            "drafters): 1 for EAGLE or one-module MTP; K for a multi-module MTP drafter "
+            "proposing K tokens (`num_speculative_tokens` K, as many MTP layers), which is "
+            "also its `num_prefill_lookahead_tokens`"
         ),
-        "modelled for 0 and 1, only with `eagle`; more (multi-module MTP) is refused by name",
+        (
+            "modelled for any value with `eagle`: each block's key covers the L tokens after "
+            "it; above 1 also the multi-module drafter's prefill lookahead (the manager caches "
+            "L - 1 tokens short of a single group's computed tokens, the shared-prefix "
+            "checkpoint is off, a prefill chunk never ends within L tokens of the prefill's "
+            "end); a scheduler-level trace drafts `spec` = L tokens"
+        ),
     ),
     ConfigField(
         "retention_interval",
@@ -357,7 +365,10 @@ CONFIG_FIELDS: tuple[ConfigField, ...] = (
             "batch in flight may write them ([async scheduling](../scheduler-traces.md"
             "#async-scheduling)); a manager-level trace's calls are the same either way"
         ),
-        not_explored="the manager-level machines make the Scheduler's calls themselves",
+        not_explored=(
+            "the Scheduler-level exploration draws it with each engine (prefill-only "
+            "requests, no drafts, under it)"
+        ),
     ),
     ConfigField(
         "kv_cache_metrics",

@@ -278,6 +278,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         # The engine's model runner: what the Scheduler hands the worker
         # differs; the manager's calls must not.
         model_runner=st.sampled_from(MODEL_RUNNERS),
+        # Async scheduling (two batches in flight), recent vLLM's default.
+        async_scheduling=st.booleans(),
     )
     def start(
         self,
@@ -285,16 +287,22 @@ class SchedulerMachine(RuleBasedStateMachine):
         spec: int,
         max_num_seqs: int,
         model_runner: ModelRunner,
+        async_scheduling: bool,
     ) -> None:
         family, config = drawn
+        if async_scheduling and config.eagle:
+            async_scheduling = False  # the scheduler model runs it without drafts
         config = replace(
             config,
             hold=self.mode.hold,
             retain_retired=self.mode.retain_retired,
             model_runner=model_runner,
+            async_scheduling=async_scheduling,
         )
         if config.eagle:
             spec = max(spec, 1)  # the eagle drop is for a drafter's blocks
+        if async_scheduling:
+            spec = 0
         self.settings = EngineSettings(spec, max_num_seqs)
         self.cap = request_cap(config, spec)
         if self.cap < 2:
@@ -328,6 +336,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.config = config
         self.lockstep = SchedulerLockstep(trace, model, self.real, "strict")
         self.stats.families[family_name(family)] += 1
+        if config.async_scheduling:
+            self.stats.ops["engine:async"] += 1
 
     def teardown(self) -> None:
         if self.model is not None:
@@ -398,7 +408,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         remote: tuple[int, bool, int, bool],
     ) -> None:
         name = f"R{len(self.names)}"
-        max_tokens = min(max_tokens, self.cap - 1)
+        assert self.config is not None
+        # Under async scheduling the scheduler model runs prefills in flight,
+        # not decodes past an output still being sampled.
+        max_tokens = 1 if self.config.async_scheduling else min(max_tokens, self.cap - 1)
         room = self.cap - max_tokens
         if not self.names:
             shape = "fresh"
@@ -453,6 +466,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         quarters, load_async, delay, fails = drawn
         if not self.config.kv_connector or quarters == 0:
             return None
+        # Asynchronous loads under async scheduling are not modelled.
+        load_async = load_async and not self.config.async_scheduling
         # A synchronous load leaves the last token to compute.
         tokens = min(prompt * quarters // REMOTE_QUARTERS, prompt if load_async else prompt - 1)
         if tokens <= 0:
@@ -468,9 +483,11 @@ class SchedulerMachine(RuleBasedStateMachine):
     def step(self, steps: int, stop: int) -> None:
         """`steps` engine steps; in the first, a stop condition ends the
         running request `stop` picks (in half the draws: none)."""
-        assert self.model is not None
+        assert self.model is not None and self.config is not None
         running = [r.name for r in self.model.running]
         stopped = (running[stop],) if stop < len(running) and stop < MAX_SEQS else ()
+        if self.config.async_scheduling:
+            stopped = ()  # a stop condition under async scheduling is not modelled
         for position in range(steps):
             self.stats.engine_steps += 1
             self.stats.ops["step"] += 1

@@ -48,6 +48,22 @@ def _lookahead_kwargs(config: Config, *callables: Any) -> dict[str, Any]:
     return {"num_hash_lookahead_tokens": lookahead}
 
 
+def _prefill_lookahead_kwargs(api: VllmApi, config: Config) -> dict[str, Any]:
+    """`num_prefill_lookahead` as vLLM's Scheduler hands it to its manager
+    for a multi-module MTP drafter (lookahead hashes of K > 1 tokens),
+    after probing that the manager takes it. (A lookahead of 0 or 1 changes
+    nothing in the manager, so it is passed only above 1.)"""
+    lookahead = config.prefill_lookahead
+    if lookahead <= 1:
+        return {}
+    if "num_prefill_lookahead" not in inspect.signature(api.KVCacheManager).parameters:
+        raise UnsupportedConfig(
+            "hash_lookahead_tokens",
+            "this vLLM's KVCacheManager has no multi-module MTP prefill lookahead",
+        )
+    return {"num_prefill_lookahead": lookahead}
+
+
 def block_hasher(api: VllmApi, config: Config) -> Any:
     """The request block hasher `config`'s scheduler would hand each request
     (none without prefix caching: vLLM's engine then hashes nothing)."""
@@ -209,6 +225,7 @@ def build_manager(api: VllmApi, config: Config) -> Any:
             # vLLM's scheduler clears the drop when lookahead hashes are on.
             use_eagle=config.block_drop,
             **_lookahead_kwargs(config, api.KVCacheManager),
+            **_prefill_lookahead_kwargs(api, config),
             log_stats=not config.disable_log_stats,
             enable_kv_cache_events=config.kv_events,
             **({"metrics_collector": collector} if collector is not None else {}),

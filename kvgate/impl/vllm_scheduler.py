@@ -33,8 +33,10 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
+import hashlib
 import os
 import shutil
+import stat
 import tempfile
 from collections import deque
 from collections.abc import Collection, Iterator, Mapping
@@ -75,13 +77,46 @@ DRAFT_TOKEN = 0
 
 
 @functools.cache
-def model_dir() -> Path:
-    """A directory holding a tiny Qwen3-Next-class hybrid `config.json`,
-    written once per process (removed at exit)."""
+def model_dir(mtp_layers: int = 1) -> Path:
+    """A directory holding a tiny Qwen3-Next-class hybrid `config.json` with
+    `mtp_layers` MTP modules.
+
+    Named after the user and the file's content, and shared by every process
+    that needs the same file: written once, never removed. (A folder per
+    process, removed at exit, outlived every process that was killed or left
+    through `os._exit`, as pytest-xdist's workers do.)"""
+    config = _hybrid_config(mtp_layers)
+    digest = hashlib.sha256(config.to_json_string().encode()).hexdigest()[:16]
+    folder = Path(tempfile.gettempdir()) / f"kvgate-hybrid-model-{os.getuid()}-{digest}"
+    if not _written_by_us(folder):
+        staging = Path(tempfile.mkdtemp(prefix=f"{folder.name}.", dir=folder.parent))
+        config.save_pretrained(staging)
+        try:
+            staging.rename(folder)
+        except OSError:  # another process was first, or someone else's folder is there
+            shutil.rmtree(staging, True)
+    if _written_by_us(folder):
+        return folder
+    # Someone else's folder holds the name: this process's own, removed at exit.
+    own = Path(tempfile.mkdtemp(prefix="kvgate-hybrid-model-"))
+    atexit.register(shutil.rmtree, own, True)
+    config.save_pretrained(own)
+    return own
+
+
+def _written_by_us(folder: Path) -> bool:
+    """`folder` holds a config.json and only this user can have written it."""
+    try:
+        info = folder.lstat()
+    except OSError:
+        return False
+    private = stat.S_ISDIR(info.st_mode) and not info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+    return private and info.st_uid == os.getuid() and (folder / "config.json").is_file()
+
+
+def _hybrid_config(mtp_layers: int) -> Any:
     from transformers import Qwen3NextConfig
 
-    folder = Path(tempfile.mkdtemp(prefix="kvgate-hybrid-model-"))
-    atexit.register(shutil.rmtree, folder, True)
     config = Qwen3NextConfig(
         vocab_size=1024,
         hidden_size=64,
@@ -103,9 +138,10 @@ def model_dir() -> Path:
         max_position_embeddings=1 << 22,
         architectures=["Qwen3NextForCausalLM"],
     )
-    config.num_nextn_predict_layers = 1  # one MTP layer, as Qwen3-Next ships
-    config.save_pretrained(folder)
-    return folder
+    # One MTP layer, as Qwen3-Next ships; more for a multi-module drafter
+    # (vLLM's `use_multi_module_mtp` reads the count).
+    config.num_nextn_predict_layers = mtp_layers
+    return config
 
 
 @dataclass(frozen=True)
@@ -148,8 +184,11 @@ def _vllm_config(
         VllmConfig,
     )
 
+    # A multi-module MTP drafter (lookahead hashes of K > 1 tokens) has a
+    # module per draft token: vLLM then reads K prefill tokens ahead.
+    mtp_layers = config.prefill_lookahead if config.prefill_lookahead > 1 else 1
     model = ModelConfig(
-        model=str(model_dir()),
+        model=str(model_dir(mtp_layers)),
         skip_tokenizer_init=True,
         max_model_len=config.max_model_len,
         dtype="float32",
@@ -177,9 +216,15 @@ def _vllm_config(
         # release without lookahead hashes has no switch for them: it keeps
         # legacy hashes (asked for lookahead ones, it is refused below).
         hashes: dict[str, bool] = {}
-        if config.hash_lookahead_tokens or "disable_lookahead_block_hashes" in getattr(
+        has_switch = "disable_lookahead_block_hashes" in getattr(
             SpeculativeConfig, "__dataclass_fields__", {}
-        ):
+        )
+        if config.hash_lookahead_tokens and not has_switch:
+            raise UnsupportedConfig(
+                "hash_lookahead_tokens",
+                "this vLLM's SpeculativeConfig has no lookahead block hashes",
+            )
+        if has_switch:
             hashes["disable_lookahead_block_hashes"] = not config.hash_lookahead_tokens
         speculative = SpeculativeConfig(
             method="mtp",
@@ -373,8 +418,8 @@ def _check_derived(scheduler: Any, config: Config, spec_tokens: int, hash_block:
             config.model_runner,
         ),
         # Drafts: K tokens and K lookahead slots, the trace's lookahead
-        # hashes, no multi-module prefill reservation (a lookahead of 1 never
-        # acts).
+        # hashes, and the prefill lookahead: K for a multi-module MTP
+        # drafter, otherwise one token at most (0 and 1 act alike).
         ("eagle", int(scheduler.num_spec_tokens), spec_tokens),
         ("eagle", int(scheduler.num_lookahead_tokens), spec_tokens),
         (
@@ -384,9 +429,9 @@ def _check_derived(scheduler: Any, config: Config, spec_tokens: int, hash_block:
             config.hash_lookahead_tokens,
         ),
         (
-            "eagle",
-            min(int(scheduler.num_prefill_lookahead), 1),
-            int(scheduler.num_prefill_lookahead),
+            "hash_lookahead_tokens",
+            max(int(scheduler.num_prefill_lookahead), 1),
+            max(config.prefill_lookahead, 1),
         ),
         (
             "shared_prefix_checkpoint",

@@ -295,6 +295,12 @@ class Coordinator:
         def aligned(n: int) -> int:
             return n if self.partial_hits else n // self.scheduler_block * self.scheduler_block
 
+        if len(self.managers) == 1:
+            # A single group (vLLM's unitary coordinator) keys only finalized
+            # tokens: a multi-module MTP drafter may prefill its last K - 1
+            # again. (The hybrid coordinator subtracts them only where the
+            # drop acts, which lookahead hashes of K > 1 turn off.)
+            num_computed = max(0, num_computed - self.config.reprefillable_tokens)
         cacheable = aligned(num_computed)
         if manager.use_eagle and cacheable > 0:
             # Eagle matches one block past the aligned boundary, then drops it.

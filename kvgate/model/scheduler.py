@@ -49,7 +49,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from kvgate.conformance.config import Config, NotModelled
-from kvgate.conformance.driver import chunk_offer
+from kvgate.conformance.driver import chunk_offer, reserve_prefill_lookahead
 from kvgate.conformance.ops import ACTIONS, Segment, Step
 from kvgate.conformance.scheduling import (
     ASYNC_BATCHES,
@@ -78,6 +78,10 @@ class SchedulerStuck(StepRefused):
 # A prefill chunk as the scheduler writes it: (the `allocate`'s `tokens`, the
 # tokens the step runs, the speculative padding rows among them).
 _Chunk = tuple[int | Literal["auto"], int, int]
+# No chunk this step because a multi-module MTP drafter's prefill lookahead
+# left nothing to run: vLLM's Scheduler passes over the request (a running
+# one, or a waiting one, which keeps its place) and goes on to the next.
+_SKIP: Literal["skip"] = "skip"
 
 
 def admission_fits(blocks: int, free_blocks: int) -> bool:
@@ -193,6 +197,14 @@ class SchedulerModel:
     """vLLM's `Scheduler` over the model manager, one engine step at a time."""
 
     def __init__(self, config: Config, spec: int, max_num_seqs: int) -> None:
+        if config.prefill_lookahead > 1 and spec != config.prefill_lookahead:
+            # vLLM's multi-module MTP drafter reads as many prefill tokens
+            # ahead, and hashes as many, as it drafts.
+            raise NotModelled(
+                "hash_lookahead_tokens",
+                f"{config.hash_lookahead_tokens} (a multi-module MTP drafter) needs spec "
+                f"{config.hash_lookahead_tokens}, not {spec}",
+            )
         self.config = config
         self.spec = spec
         self.max_num_seqs = max_num_seqs
@@ -554,7 +566,7 @@ class SchedulerModel:
                 run = self._decode(live, drafts)
             else:
                 chunk = self._chunk(request, 0, budget)
-                if chunk is None:
+                if chunk is None or chunk == _SKIP:
                     index += 1
                     continue
                 cost = chunk[1]
@@ -592,6 +604,9 @@ class SchedulerModel:
         # Requests the scan passed over that hold blocks: back at the head of
         # their queue after the scan, in scan order.
         skipped: list[LiveRequest] = []
+        # Waiting requests the scan passed over without blocks (their chunk
+        # cut to nothing): back at the head of the waiting queue, in order.
+        passed_over: list[LiveRequest] = []
         # Whether the running loop scheduled anything (the padding reads it).
         self._running_scheduled = bool(decisions.scheduled)
         self._prefill_scheduled = prefill_scheduled
@@ -616,6 +631,9 @@ class SchedulerModel:
             if admitted == "loading":
                 skipped.append(queue.popleft())
                 continue
+            if admitted == "skipped":
+                passed_over.append(queue.popleft())
+                continue
             queue.popleft()
             self.running.append(live)
             live.admitted = True
@@ -625,9 +643,12 @@ class SchedulerModel:
             if len(live.request.output) >= live.max_tokens or (live.stopping and live.decoding):
                 finished.append(live)
         self.holding.extendleft(reversed(skipped))
+        self.waiting.extendleft(reversed(passed_over))
         if not defer:
-            # Requests still waiting after a release: the cadence holds none back.
-            self.prefill_capacity_bound = bool(self.waiting or self.holding)
+            # Requests still waiting after a release, besides those the scan
+            # passed over (vLLM counts those deferred): the cadence holds none back.
+            waiting_left = len(self.waiting) + len(self.holding) - len(passed_over)
+            self.prefill_capacity_bound = waiting_left > 0
         self._cadence_after(decisions, prefill_scheduled, admitted_prefill)
         return finished
 
@@ -672,13 +693,15 @@ class SchedulerModel:
         budget: int,
         skipped: list[LiveRequest],
         defer: bool = False,
-    ) -> int | Literal["loading"] | None:
+    ) -> int | Literal["loading", "skipped"] | None:
         """Admit `live`, the head of its waiting queue, within `budget`: the
         tokens its first chunk runs (it is scheduled); "loading" when it now
         waits for its async KV load, holding blocks; None when it does not
         fit, or when it has more than its last token to compute and `defer`
         (the prefill cadence holds it back, after its lookup): the scan
-        stops. `skipped`: the requests holding blocks this scan passed over."""
+        stops; "skipped" when the prefill lookahead leaves its chunk nothing
+        (the scan goes on past it). `skipped`: the requests holding blocks
+        this scan passed over."""
         # The scan reaching a failed load frees its blocks and looks it up
         # again right away (`lookup load_failed`), asking the connector
         # again: its retry loads.
@@ -720,6 +743,8 @@ class SchedulerModel:
                 live.load_started = self.engine_step
                 return "loading"
             chunk = self._admission_chunk(live, hit + external, budget)
+            if chunk == _SKIP:
+                return "skipped"
             if chunk is None or not self._allocate(live, chunk, hit + external)():
                 return None
             self._set_prefill_stats(live, hit + external)
@@ -782,7 +807,9 @@ class SchedulerModel:
         live.loading = False
         live.sched_computed = request.num_computed_tokens + back
         chunk = self._admission_chunk(live, back, budget)
-        if chunk is None:
+        # (Never a skip: a request holding blocks has a KV connector, whose
+        # legacy hashes rule out a multi-module drafter's lookahead.)
+        if chunk is None or chunk == _SKIP:
             if completing:
                 self.writer.run("allocate", req=live.name, tokens="auto", complete_only=True)
             return None
@@ -810,7 +837,9 @@ class SchedulerModel:
             if group.kind != "mamba_align"
         )
 
-    def _admission_chunk(self, live: LiveRequest, hit: int, budget: int) -> _Chunk | None:
+    def _admission_chunk(
+        self, live: LiveRequest, hit: int, budget: int
+    ) -> _Chunk | Literal["skip"] | None:
         """The chunk of a request admitted from the waiting queue, `hit`
         tokens past its computed ones. With drafts, vLLM's Scheduler pads a
         chunk of one token to a whole speculative step (1 + K rows, the K
@@ -861,20 +890,29 @@ class SchedulerModel:
                 (failed if remote.fails else loaded).append(live.name)
         return loaded, failed
 
-    def _chunk(self, request: Request, hit: int, budget: int) -> _Chunk | None:
+    def _chunk(self, request: Request, hit: int, budget: int) -> _Chunk | Literal["skip"] | None:
         """The next prefill chunk within `budget`: (as written, tokens run,
-        padding rows), or None when the split leaves nothing to run this step."""
-        remaining = request.num_tokens - request.num_computed_tokens - hit
+        padding rows); None when the split leaves nothing to run this step,
+        `_SKIP` when the prefill lookahead does."""
+        start = request.num_computed_tokens + hit
+        remaining = request.num_tokens - start
         offered = chunk_offer(self.config, remaining, budget, self.num_eligible)
         tokens = chunk_tokens(self.config, request, offered, hit)
         if tokens <= 0:
             return None
+        tokens = reserve_prefill_lookahead(self.config, request.num_tokens, start, tokens)
+        if tokens <= 0:
+            return _SKIP
         # `auto` is the replayer's chunk: the full budget, the threshold by the
         # trace's live requests. Written only when it is this chunk.
         most = self.config.max_num_scheduled_tokens
         full = chunk_offer(self.config, remaining, most, self.num_eligible)
         replayed = chunk_offer(self.config, remaining, most, self.writer.oracle.num_live())
-        auto = offered == full and chunk_tokens(self.config, request, replayed, hit) == tokens
+        replayed_split = chunk_tokens(self.config, request, replayed, hit)
+        replayed_tokens = reserve_prefill_lookahead(
+            self.config, request.num_tokens, start, replayed_split
+        )
+        auto = offered == full and replayed_tokens == tokens
         return ("auto" if auto else tokens), tokens, 0
 
     def _allocate(self, live: LiveRequest, chunk: _Chunk, hit: int = 0) -> Callable[[], bool]:
