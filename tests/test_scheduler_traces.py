@@ -568,6 +568,17 @@ def test_a_hold_on_trace_fails_its_expectations_on_upstream_vllm() -> None:
     assert result.notes == (HOLD_NOTE,)
     assert result.failures and all(d.level == "expect" for d in result.failures)
     assert "cached_tokens" in {d.what for d in result.failures}
+    # What it costs, in the production symptom's terms: the follow-up turn
+    # reports no cached token, at whichever step vLLM reports it.
+    from kvgate.conformance.verdict import Cost, cost
+
+    (expected,) = [
+        e.expect["cached_tokens"]["A2"]
+        for e in trace.engine
+        if "A2" in getattr(e, "expect", {}).get("cached_tokens", {})
+    ]
+    assert result.cached_tokens["A2"] == 0
+    assert cost([result]) == Cost(traces=1, short_lookups=1, total_misses=1, tokens=expected)
 
 
 @needs_vllm
