@@ -489,12 +489,7 @@ class SchedulerModel:
         preempted; (whether it reset, the waiting queue after)."""
         if running:
             while self.running:
-                live = self.running.pop()
-                self._refuse_preempting_in_flight(live)
-                self.writer.run("free", req=live.name, how="preempt")
-                self.waiting.appendleft(live)
-                live.decoding = False
-                self._reset_preempted.append(live.name)
+                self._reset_preempted.append(self._preempt_last().name)
         ok = bool(self.writer.run("reset")["ok"])
         return ok, [live.name for live in self.waiting]
 
@@ -678,12 +673,18 @@ class SchedulerModel:
     def preempt(self, decisions: StepDecisions) -> LiveRequest:
         """Preempt the last running request (`free preempt`): back to the
         front of the waiting queue, its prefill to run again."""
+        victim = self._preempt_last()
+        decisions.preempted.append(victim.name)
+        return victim
+
+    def _preempt_last(self) -> LiveRequest:
+        """The last running request freed (`free preempt`) and put back at
+        the front of the waiting queue: a step's preemption and a reset's."""
         victim = self.running.pop()
         self._refuse_preempting_in_flight(victim)
         self.writer.run("free", req=victim.name, how="preempt")
         self.waiting.appendleft(victim)
         victim.decoding = False
-        decisions.preempted.append(victim.name)
         return victim
 
     def admit(
