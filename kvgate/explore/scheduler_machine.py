@@ -58,6 +58,7 @@ from kvgate.conformance.writer import dump_engine_trace, engine_step_dicts, save
 from kvgate.explore import knobs
 from kvgate.explore.differential import FAMILIES, HOLD_OVERLAY
 from kvgate.explore.profiles import draws_from_the_seed_alone
+from kvgate.explore.runner import RunOutcome
 from kvgate.model.scheduler import SchedulerModel, SchedulerStuck
 from kvgate.targets import scheduler_factories
 
@@ -538,17 +539,8 @@ def describe(divergence: Divergence) -> str:
     )
 
 
-@dataclass
-class SchedulerOutcome:
-    failure: SchedulerExploreFailure | None
-    saved: Path | None
-    stats: SchedulerStats
-    seconds: float
-    rounds: int
-
-    @property
-    def passed(self) -> bool:
-        return self.failure is None
+# The Scheduler-level exploration's.
+SchedulerOutcome = RunOutcome[SchedulerExploreFailure, SchedulerStats]
 
 
 def machine_class(mode: SchedulerMode, stats: SchedulerStats) -> type[SchedulerMachine]:
