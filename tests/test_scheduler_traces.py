@@ -256,6 +256,7 @@ def test_the_corpus_covers_the_families_both_arms_and_the_scheduler_paths() -> N
         "sched-connector-async-load-fails-and-retries",
         "sched-connector-async-load-fails-the-request",
         "sched-prefill-cadence",
+        "sched-connector-abort-during-async-load",
     } <= names
     preempted = by_name("sched-preempt-under-pressure-and-resume")
     assert any(e.expect.get("preempted") for e in preempted.engine)

@@ -405,7 +405,7 @@ CONFIG_FIELDS: tuple[ConfigField, ...] = (
             "this many executed steps have passed since the last step that carried prefill; "
             "1: none. Modelled without a KV connector and async scheduling"
         ),
-        not_explored="not drawn yet: the bundled trace `sched-prefill-cadence` runs it",
+        not_explored="the Scheduler-level exploration draws it with each engine",
     ),
     ConfigField(
         "model_runner",

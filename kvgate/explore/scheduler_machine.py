@@ -281,6 +281,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         model_runner=st.sampled_from(MODEL_RUNNERS),
         # Async scheduling (two batches in flight), recent vLLM's default.
         async_scheduling=st.booleans(),
+        # The prefill cadence (1: none), where it is modelled.
+        prefill_interval=st.sampled_from((1, 2, 3)),
     )
     def start(
         self,
@@ -289,16 +291,20 @@ class SchedulerMachine(RuleBasedStateMachine):
         max_num_seqs: int,
         model_runner: ModelRunner,
         async_scheduling: bool,
+        prefill_interval: int,
     ) -> None:
         family, config = drawn
         if async_scheduling and config.eagle:
             async_scheduling = False  # the scheduler model runs it without drafts
+        if config.kv_connector or async_scheduling:
+            prefill_interval = 1
         config = replace(
             config,
             hold=self.mode.hold,
             retain_retired=self.mode.retain_retired,
             model_runner=model_runner,
             async_scheduling=async_scheduling,
+            prefill_schedule_interval=prefill_interval,
         )
         if config.eagle:
             spec = max(spec, 1)  # the eagle drop is for a drafter's blocks

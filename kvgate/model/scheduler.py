@@ -241,6 +241,9 @@ class SchedulerModel:
         # Scheduler keeps in a queue of their own (`kv_holding_waiting`) and
         # scans first.
         self.holding: deque[LiveRequest] = deque()
+        # Requests aborted while their async load was in flight: they keep
+        # their blocks until the worker reports the load.
+        self.aborted_loads: list[LiveRequest] = []
         self.engine_step = 0
         self.num_eligible = 0  # waiting + running when this step began
         # Requests a prefix-cache reset preempted between steps: vLLM's
@@ -421,6 +424,10 @@ class SchedulerModel:
             live.ended = True
             self._ended_since_schedule = True
             decisions.errored.append(live.name)
+        # An aborted request's load the worker reported: its blocks freed last.
+        for live in [live for live in self.aborted_loads if live.reported]:
+            self.aborted_loads.remove(live)
+            writer.run("free", req=live.name, how="abort")
 
     def _end(self, live: LiveRequest, how: Literal["finish", "abort"]) -> None:
         """Free an ended request's blocks (`free`), or, while a batch that
@@ -473,11 +480,18 @@ class SchedulerModel:
 
     def abort(self, name: str) -> None:
         """The client aborts `name` between engine steps (`free abort`);
-        a request that already finished is left alone."""
+        a request that already finished is left alone. One whose async KV
+        load is still in flight keeps its blocks until the worker reports
+        that load (vLLM's Scheduler frees them with the report)."""
         for queue in (self.running, self.waiting, self.holding):
             for live in queue:
                 if live.name == name:
                     queue.remove(live)
+                    if live.loading and not live.reported:
+                        live.ended = True
+                        self._ended_since_schedule = True
+                        self.aborted_loads.append(live)
+                        return
                     self._end(live, "abort")
                     return
         # Already finished: vLLM's Scheduler ignores the abort, and so does it.
@@ -877,17 +891,22 @@ class SchedulerModel:
         # the order of the worker's set of finished receives, which no model
         # can know: the worker reports one failure a step (a later one waits).
         one_failure = self.config.kv_load_failure_policy == "fail"
-        for live in self.holding:
+        # Likewise the blocks of aborted requests whose loads are reported:
+        # one a step.
+        aborted = 0
+        for live in (*self.holding, *self.aborted_loads):
             remote = live.remote
             if (
                 live.loading
                 and not live.reported
                 and remote is not None
                 and self.engine_step - live.load_started >= remote.delay
-                and not (remote.fails and one_failure and failed)
+                and not (remote.fails and one_failure and failed and not live.ended)
+                and not (live.ended and aborted)
             ):
                 live.reported = True
                 live.failed_reported = remote.fails
+                aborted += live.ended
                 (failed if remote.fails else loaded).append(live.name)
         return loaded, failed
 
