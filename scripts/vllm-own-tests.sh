@@ -19,7 +19,11 @@
 # on top, once. HF_HUB_OFFLINE defaults to 1, and then the tests of the default
 # selection that need a model's files from the Hugging Face hub are
 # deselected (they cannot pass offline, hold or no hold); HF_HUB_OFFLINE=0
-# keeps them.
+# keeps them. Offline, unless HF_HUB_CACHE is set, the model configs the
+# scheduler tests name come from .cache/hf-config-stand-ins, written once by
+# scripts/vllm-own-hf-configs.py from transformers' config classes (configs
+# only: a test that needs weights, a tokenizer or a processor still fails, and
+# a campaign's baseline leaves it out).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root="$PWD"
@@ -59,6 +63,10 @@ fi
 
 export VLLM_TARGET_DEVICE=cpu
 export HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}"
+if [ "$HF_HUB_OFFLINE" = 1 ] && [ -z "${HF_HUB_CACHE:-}" ]; then
+  export HF_HUB_CACHE="$root/.cache/hf-config-stand-ins"
+  "$venv/bin/python" "$root/scripts/vllm-own-hf-configs.py" "$HF_HUB_CACHE"
+fi
 if [ "$HF_HUB_OFFLINE" = 1 ]; then
   # Qwen/Qwen3.5-0.8B and facebook/opt-125m: model configs from the hub.
   selection+=(

@@ -10,10 +10,11 @@ from typing import Any
 import pytest
 from configs import needs_vllm
 
-from kvgate.conformance.replay import ReplayResult
+from kvgate.conformance.replay import Level, ReplayResult
 from kvgate.conformance.scheduler_replay import replay_scheduler
 from kvgate.conformance.scheduling import DeferredFree, SchedulerTarget
 from kvgate.conformance.trace import (
+    Trace,
     TraceError,
     bundled_scheduler_corpus,
     load_corpus,
@@ -21,18 +22,21 @@ from kvgate.conformance.trace import (
 )
 from kvgate.model.scheduler import SchedulerModel
 
-NAME = "sched-async-abort-frees-after-batch"
-[TRACE] = [t for t in load_corpus(bundled_scheduler_corpus()) if t.name == NAME]
+CORPUS = {t.name: t for t in load_corpus(bundled_scheduler_corpus())}
+TRACE = CORPUS["sched-async-abort-frees-after-batch"]
+UNDER_PRESSURE = CORPUS["sched-async-deferred-frees-under-pressure"]
 
 
-def run_vllm(wrap: Callable[[Any], SchedulerTarget] | None = None) -> ReplayResult:
+def run_vllm(
+    wrap: Callable[[Any], SchedulerTarget] | None = None,
+    trace: Trace = TRACE,
+    level: Level = "strict",
+) -> ReplayResult:
     from kvgate.impl.vllm_scheduler import VllmScheduler
 
-    real = VllmScheduler(TRACE.config, spec_tokens=0, max_num_seqs=4)
+    real = VllmScheduler(trace.config, spec_tokens=0, max_num_seqs=4)
     try:
-        return replay_scheduler(
-            TRACE, SchedulerModel, real if wrap is None else wrap(real), "strict"
-        )
+        return replay_scheduler(trace, SchedulerModel, real if wrap is None else wrap(real), level)
     finally:
         real.close()
 
@@ -139,6 +143,20 @@ def test_the_trace_conforms_and_catches_deferred_frees_in_the_wrong_order() -> N
     assert run_vllm().passed
     # A's blocks come back when the batch after its abort is processed.
     assert where(run_vllm(_FreesHeadFirst)) == (5, "strict", "engine step 3: free queue")
+
+
+@needs_vllm
+def test_deferred_frees_head_first_change_what_a_later_request_is_scheduled() -> None:
+    # Under pool pressure the order A's blocks came back in decides what
+    # is evicted before D sends A's prompt: visible at level api too.
+    assert run_vllm(trace=UNDER_PRESSURE).passed
+    result = run_vllm(_FreesHeadFirst, UNDER_PRESSURE, "api")
+    assert result.divergence is not None
+    assert (result.divergence.level, result.divergence.what) == ("expect", "scheduled")
+    assert where(run_vllm(_FreesHeadFirst, UNDER_PRESSURE))[1:] == (
+        "strict",
+        "engine step 4: free queue",
+    )
 
 
 @needs_vllm

@@ -88,6 +88,7 @@ def test_scheduler_ci_profile_is_clean_on_stock_vllm(tmp_path: Path) -> None:
     assert ops["abort:prefill"] + ops["abort:decode"]
     assert ops["reset:running:busy"] and ops["reset:kept:busy"]
     assert ops["arrive:remote:sync"] and ops["arrive:remote:async"]
+    assert ops["engine:async"]  # two batches in flight
     assert outcome.stats.preemptions
     assert len(outcome.stats.families) >= 5
 

@@ -5,7 +5,11 @@ opted in (the hold switch, or KVGATE_HOLD_OVERLAY)."""
 from __future__ import annotations
 
 import importlib.metadata
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -88,3 +92,31 @@ def test_the_entry_point_wraps_nothing_unless_asked(
         monkeypatch.setenv(name, value)
     upstream_vllm.load_general_plugins()  # as an engine process starts
     assert wrapped_methods() == wrapped
+
+
+@needs_vllm
+def test_the_hybrid_model_config_is_written_once_and_shared(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every process that builds vLLM's Scheduler shares one config folder:
+    a process that leaves through `os._exit` (as pytest-xdist's workers do)
+    leaves nothing else behind in the temporary directory."""
+    import tempfile
+
+    from kvgate.impl.vllm_scheduler import model_dir
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    model_dir.cache_clear()
+    try:
+        here = model_dir()
+    finally:
+        model_dir.cache_clear()
+    child = (
+        "import os; from kvgate.impl.vllm_scheduler import model_dir; "
+        "print(model_dir(), flush=True); os._exit(0)"
+    )
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, env=env)
+    assert done.stdout.strip() == str(here), done.stderr[-500:]
+    assert list(tmp_path.iterdir()) == [here]
+    assert (here / "config.json").is_file()

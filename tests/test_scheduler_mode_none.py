@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from configs import needs_vllm
+from configs import EXAMPLE_CONFIG, needs_vllm
 
 from kvgate import cli, targets
 from kvgate.conformance.config import Config, GroupConfig, UnsupportedConfig
@@ -130,17 +130,14 @@ def test_preemption_and_resumption_keep_lockstep_in_mode_none(tmp_path: Path) ->
     """A pool that fits two of three turns: a running turn is preempted and
     prefilled again, its Mamba states (32-token blocks) freed below the
     running one as it goes."""
-    config = Config(
+    config = replace(
+        EXAMPLE_CONFIG,
         num_blocks=40,
-        hash_unit=8,
         groups=(
             GroupConfig("full_attention", 8),
             GroupConfig("mamba_align", 32, speculative_blocks=2),
         ),
-        eagle=True,
-        retention_interval=0,
         hold=False,
-        scheduler_block_size=32,
         max_model_len=512,
         max_num_scheduled_tokens=48,
         prefix_caching=False,

@@ -6,19 +6,17 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from configs import EXAMPLE_CONFIG
 
-from kvgate.conformance.config import Config, GroupConfig
+from kvgate.conformance.config import GroupConfig
 from kvgate.conformance.ops import Segment, Step
 from kvgate.model.scheduler import SchedulerModel, admission_fits
 
 # A's first chunk leaves room for B's first chunk, not for B's whole prompt.
-CONFIG = Config(
+CONFIG = dataclasses.replace(
+    EXAMPLE_CONFIG,
     num_blocks=40,
-    hash_unit=8,
-    scheduler_block_size=32,
     max_num_scheduled_tokens=64,
-    eagle=True,
-    retention_interval=0,
     hold=False,
     groups=(
         GroupConfig(kind="full_attention", block_size=8),

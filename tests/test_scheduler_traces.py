@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -254,6 +255,8 @@ def test_the_corpus_covers_the_families_both_arms_and_the_scheduler_paths() -> N
         "sched-connector-divergent-local-hits",
         "sched-connector-async-load-fails-and-retries",
         "sched-connector-async-load-fails-the-request",
+        "sched-prefill-cadence",
+        "sched-connector-abort-during-async-load",
     } <= names
     preempted = by_name("sched-preempt-under-pressure-and-resume")
     assert any(e.expect.get("preempted") for e in preempted.engine)
@@ -499,6 +502,34 @@ def test_a_scheduler_that_keeps_a_diverged_local_hit_unbacked_diverges(
 
 
 @needs_vllm
+def test_a_scheduler_whose_prefill_cadence_never_holds_diverges(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM's Scheduler taking every step for a capacity-bound one (the
+    cadence's escape always on): B's prefill runs at once beside A's decode,
+    and the trace fails at the first step after B arrives."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    always = property(lambda self: True, lambda self, value: None)
+    monkeypatch.setattr(Scheduler, "prefill_capacity_bound", always, raising=False)
+    trace = by_name("sched-prefill-cadence")
+    result = run_vllm(trace)
+    divergence = result.divergence
+    assert divergence is not None
+    b_arrives = next(e.index for e in trace.engine if e.req == "B")
+    assert divergence.step.index == b_arrives + 1, divergence
+
+
+def test_a_prefill_cadence_with_a_connector_is_refused_by_name() -> None:
+    from kvgate.conformance.config import NotModelled
+
+    trace = by_name("sched-prefill-cadence")
+    with pytest.raises(NotModelled) as refused:
+        SchedulerModel(replace(trace.config, kv_connector=True), 0, 4)
+    assert refused.value.field == "prefill_schedule_interval"
+
+
+@needs_vllm
 def test_a_scheduler_that_frees_in_another_order_diverges_at_strict_level(
     overlay: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -538,6 +569,17 @@ def test_a_hold_on_trace_fails_its_expectations_on_upstream_vllm() -> None:
     assert result.notes == (HOLD_NOTE,)
     assert result.failures and all(d.level == "expect" for d in result.failures)
     assert "cached_tokens" in {d.what for d in result.failures}
+    # What it costs, in the production symptom's terms: the follow-up turn
+    # reports no cached token, at whichever step vLLM reports it.
+    from kvgate.conformance.verdict import Cost, cost
+
+    (expected,) = [
+        e.expect["cached_tokens"]["A2"]
+        for e in trace.engine
+        if "A2" in getattr(e, "expect", {}).get("cached_tokens", {})
+    ]
+    assert result.cached_tokens["A2"] == 0
+    assert cost([result]) == Cost(traces=1, short_lookups=1, total_misses=1, tokens=expected)
 
 
 @needs_vllm

@@ -10,7 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from configs import needs_vllm
+from configs import hybrid_config, needs_vllm
 from hypothesis import Phase
 
 from kvgate.conformance.config import Config, GroupConfig, UnsupportedConfig
@@ -122,18 +122,14 @@ def test_the_model_conforms_with_vllms_own_coordinator_for_it(name: str, coordin
     ("config", "field"),
     [
         (
-            Config(16, 32, (GroupConfig("mamba_align", 32),), False, 0, False, 32),
+            hybrid_config(GroupConfig("mamba_align", 32), num_blocks=16),
             "groups",
         ),
         (
-            Config(
-                64,
-                8,
-                (GroupConfig("full_attention", 8), GroupConfig("mamba_align", 32)),
-                False,
-                0,
-                False,
-                32,
+            hybrid_config(
+                GroupConfig("full_attention", 8),
+                GroupConfig("mamba_align", 32),
+                num_blocks=64,
                 prefix_caching=False,
             ),
             # Align mode without caching: vLLM's engine runs Mamba in mode none.

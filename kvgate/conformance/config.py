@@ -128,6 +128,12 @@ class Config:
     # out as a new one, and it tracks each request's encoder inputs); the
     # KV-cache manager's calls do not, so the model plays both alike.
     model_runner: ModelRunner = "v1"
+    # The Scheduler's prefill cadence (`prefill_schedule_interval`, applied
+    # locally without data parallelism): while a request decodes, prefill
+    # compute waits until this many executed steps have passed since the last
+    # step that carried prefill, unless the last release could not drain the
+    # waiting queue. 1: no cadence.
+    prefill_schedule_interval: int = 1
 
     @property
     def block_drop(self) -> bool:
@@ -338,6 +344,16 @@ def check_modelled(config: Config) -> None:
             "model_runner",
             f"{config.model_runner!r} is not one of {', '.join(MODEL_RUNNERS)} "
             "(vLLM 0.33.0's model runners)",
+        )
+    if config.prefill_schedule_interval < 1:
+        raise NotModelled(
+            "prefill_schedule_interval",
+            f"{config.prefill_schedule_interval} is below 1 (vLLM refuses it)",
+        )
+    if config.prefill_schedule_interval > 1 and (config.kv_connector or config.async_scheduling):
+        raise NotModelled(
+            "prefill_schedule_interval",
+            "a prefill cadence is modelled without a KV connector and async scheduling",
         )
     if config.kv_load_failure_policy != "recompute" and not config.kv_connector:
         raise NotModelled(

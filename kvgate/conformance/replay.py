@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -93,6 +93,9 @@ class ReplayResult:
     also: tuple[Divergence, ...] = ()
     # The divergence that ended the replay early (None: every step ran).
     stopped: Divergence | None = None
+    # A Scheduler-level replay: each request's cached tokens as the target
+    # first reported them, at whichever step it did.
+    cached_tokens: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def passed(self) -> bool:

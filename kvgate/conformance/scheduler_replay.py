@@ -118,6 +118,7 @@ def replay_scheduler(
         divergence=failures[0] if failures else None,
         notes=tuple(notes),
         also=tuple(failures[1:]),
+        cached_tokens=run.cached_tokens,
     )
 
 
@@ -152,6 +153,9 @@ class _EngineLockstep:
         self.steps_run = 0
         self.engine_steps = 0
         self.missed: list[Divergence] = []
+        # Each request's cached tokens as the target first reported them,
+        # whatever step that was: what a missed expectation cost.
+        self.cached_tokens: dict[str, int] = {}
 
     def divergence(
         self, step: Step, level: DivergenceLevel, what: str, expected: object, actual: object
@@ -265,6 +269,8 @@ class _EngineLockstep:
         # Drained every step, as the Scheduler's update drains them.
         modelled_cache_stats = self.model.take_prefix_cache_stats()
         observed_cache_stats = None if self.real is None else self.real.take_prefix_cache_stats()
+        for request, reported in stats.items():
+            self.cached_tokens.setdefault(request, reported[0])
         self.expectations(event, step, observed.scheduled, observed.preempted, finished, stats)
         if self.real is None:
             return

@@ -365,7 +365,10 @@ CONFIG_FIELDS: tuple[ConfigField, ...] = (
             "batch in flight may write them ([async scheduling](../scheduler-traces.md"
             "#async-scheduling)); a manager-level trace's calls are the same either way"
         ),
-        not_explored="the manager-level machines make the Scheduler's calls themselves",
+        not_explored=(
+            "the Scheduler-level exploration draws it with each engine (prefill-only "
+            "requests, no drafts, under it)"
+        ),
     ),
     ConfigField(
         "kv_cache_metrics",
@@ -390,6 +393,19 @@ CONFIG_FIELDS: tuple[ConfigField, ...] = (
             "vLLM refuses it"
         ),
         not_explored="only 1.0 is modelled (vLLM samples at random below it)",
+    ),
+    ConfigField(
+        "prefill_schedule_interval",
+        "prefill_schedule_interval",
+        "count",
+        "not_default",
+        "`--prefill-schedule-interval` (`SchedulerConfig.prefill_schedule_interval`)",
+        (
+            "the Scheduler's prefill cadence: while a request decodes, prefill waits until "
+            "this many executed steps have passed since the last step that carried prefill; "
+            "1: none. Modelled without a KV connector and async scheduling"
+        ),
+        not_explored="the Scheduler-level exploration draws it with each engine",
     ),
     ConfigField(
         "model_runner",

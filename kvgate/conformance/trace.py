@@ -287,19 +287,12 @@ class _Reader(ConfigReader, StepReader, EngineReader):
             None, "", doc, tuple(k for k in _REQUIRED_KEYS if refused is None or k != "steps")
         )
         name = self.name(doc["name"])
-        about = doc.get("about", "")
-        if not isinstance(about, str):
-            raise self.error(None, "about", f"must be a string, got {got(about)}")
+        about = self.about(doc.get("about", ""))
         tags = self.tags(doc.get("tags", []))
         self.config = self.read_config(doc["config"], refused)
         if refused is not None:
             return Trace(name, about, self.config, (), (), self.path, refused, tags)
-        self._budget = TraceBudget(self.limits, self.config.max_model_len)
-        raw_steps = doc["steps"]
-        if not isinstance(raw_steps, list) or not raw_steps:
-            raise self.error(None, "steps", f"must be a non-empty list, got {got(raw_steps)}")
-        if len(raw_steps) > self.limits.steps:
-            raise self.error(None, "steps", over("steps", len(raw_steps), self.limits))
+        raw_steps = self.entries(doc, "steps")
         steps = tuple(self.step(i, raw) for i, raw in enumerate(raw_steps))
         return Trace(
             name=name,
@@ -310,6 +303,23 @@ class _Reader(ConfigReader, StepReader, EngineReader):
             path=self.path,
             tags=tags,
         )
+
+    def entries(self, doc: Mapping[Any, Any], key: str) -> list[Any]:
+        """The document's `steps` or `engine` list, checked non-empty and
+        within the step limit; the trace's token budget starts here."""
+        assert self.config is not None, "the config is read first"
+        self._budget = TraceBudget(self.limits, self.config.max_model_len)
+        raw = doc[key]
+        if not isinstance(raw, list) or not raw:
+            raise self.error(None, key, f"must be a non-empty list, got {got(raw)}")
+        if len(raw) > self.limits.steps:
+            raise self.error(None, key, over("steps", len(raw), self.limits))
+        return raw
+
+    def about(self, about: object) -> str:
+        if not isinstance(about, str):
+            raise self.error(None, "about", f"must be a string, got {got(about)}")
+        return about
 
     def name(self, name: object) -> str:
         if not isinstance(name, str) or not name.strip():
@@ -339,18 +349,11 @@ class _Reader(ConfigReader, StepReader, EngineReader):
         )
         self.missing_keys(None, "", doc, _ENGINE_REQUIRED_KEYS)
         name = self.name(doc["name"])
-        about = doc.get("about", "")
-        if not isinstance(about, str):
-            raise self.error(None, "about", f"must be a string, got {got(about)}")
+        about = self.about(doc.get("about", ""))
         tags = self.tags(doc.get("tags", []))
         self.config = self.read_config(doc["config"])
         settings = self.engine_settings(doc.get("scheduler", {}))
-        self._budget = TraceBudget(self.limits, self.config.max_model_len)
-        raw_steps = doc["engine"]
-        if not isinstance(raw_steps, list) or not raw_steps:
-            raise self.error(None, "engine", f"must be a non-empty list, got {got(raw_steps)}")
-        if len(raw_steps) > self.limits.steps:
-            raise self.error(None, "engine", over("steps", len(raw_steps), self.limits))
+        raw_steps = self.entries(doc, "engine")
         engine = tuple(e for i, raw in enumerate(raw_steps) for e in self.engine_step(i, raw))
         self.recording(doc, len(raw_steps))
         return Trace(

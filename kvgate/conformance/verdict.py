@@ -22,7 +22,7 @@ Whether a missing capability fails the gate is the user's policy
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -78,6 +78,8 @@ REQUIRE_NONE = "none"
 DEFAULT_REQUIRED: tuple[str, ...] = ("hold",)
 # The `expect` keys whose value is a lookup's hit in tokens.
 HIT_KEYS = ("hit", "local_hit")
+# A Scheduler-level step's `expect` key holding each request's cached tokens.
+ENGINE_HIT_KEY = "cached_tokens"
 
 
 def lacking(result: ReplayResult) -> tuple[Capability, ...]:
@@ -154,18 +156,16 @@ class Cost:
 
 def cost(results: Iterable[ReplayResult]) -> Cost:
     """The lookups that came short in `results`' missed expectations (one per
-    step: its largest shortfall over the hit keys)."""
+    step and request: its largest shortfall over the hit keys)."""
     traces = short = total = tokens = 0
     for result in results:
         traces += 1
-        shortfall: dict[tuple[int, str], tuple[int, int]] = {}
+        shortfall: dict[tuple[int, str, str], tuple[int, int]] = {}
         for failure in result.failures:
-            missed = _hit_shortfall(failure)
-            if missed is None:
-                continue
-            where = (failure.step.index, failure.step.where())
-            if missed[0] > shortfall.get(where, (0, 0))[0]:
-                shortfall[where] = missed
+            for request, missed in _hit_shortfalls(failure, result.cached_tokens):
+                where = (failure.step.index, failure.step.where(), request)
+                if missed[0] > shortfall.get(where, (0, 0))[0]:
+                    shortfall[where] = missed
         for tokens_short, found in shortfall.values():
             short += 1
             total += found == 0
@@ -173,11 +173,34 @@ def cost(results: Iterable[ReplayResult]) -> Cost:
     return Cost(traces, short, total, tokens)
 
 
-def _hit_shortfall(failure: Divergence) -> tuple[int, int] | None:
-    """(tokens short, tokens found) of a lookup's hit the trace expected more of."""
-    if failure.level != "expect" or failure.what not in HIT_KEYS:
-        return None
+def _hit_shortfalls(
+    failure: Divergence, reported: Mapping[str, int]
+) -> list[tuple[str, tuple[int, int]]]:
+    """(request, (tokens short, tokens found)) of each lookup the trace
+    expected more of: a manager-level lookup's hit, or a request's cached
+    tokens at a Scheduler-level step ("" names a manager-level lookup's
+    request: its step says which). A request the target reported at another
+    step than the trace expects is judged by what it `reported` then."""
+    if failure.level != "expect":
+        return []
     expected, actual = failure.expected, failure.actual
+    if failure.what in HIT_KEYS:
+        missed = _shortfall(expected, actual)
+        return [] if missed is None else [("", missed)]
+    if failure.what == ENGINE_HIT_KEY and isinstance(expected, dict) and isinstance(actual, dict):
+        found = (
+            (str(r), _shortfall(want, _reported(actual.get(r), reported.get(str(r)))))
+            for r, want in expected.items()
+        )
+        return [(r, missed) for r, missed in found if missed is not None]
+    return []
+
+
+def _reported(at_step: object, first: int | None) -> object:
+    return at_step if isinstance(at_step, int) else first
+
+
+def _shortfall(expected: object, actual: object) -> tuple[int, int] | None:
     if not isinstance(expected, int) or not isinstance(actual, int) or actual >= expected:
         return None
     return expected - actual, actual

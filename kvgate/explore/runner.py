@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Generic, TypeVar
 
 from hypothesis import settings as Settings
 from hypothesis.stateful import get_state_machine_test
@@ -22,18 +23,29 @@ from kvgate.explore.profiles import draws_from_the_seed_alone
 from kvgate.explore.session import ALL_INVARIANTS, HOLD_ONLY_INVARIANTS, ExploreFailure, Session
 from kvgate.explore.session import shrink as shrink_trace
 
+FailureT = TypeVar("FailureT")
+StatsT = TypeVar("StatsT")
+
 
 @dataclass
-class Outcome:
-    failure: ExploreFailure | None
+class RunOutcome(Generic[FailureT, StatsT]):
+    """How an exploration ended, at either level: its shrunk failure (None
+    when the budget ran out first), the trace saved for it, what it
+    exercised, how long it took and in how many rounds."""
+
+    failure: FailureT | None
     saved: Path | None
-    stats: Stats
+    stats: StatsT
     seconds: float
     rounds: int
 
     @property
     def passed(self) -> bool:
         return self.failure is None
+
+
+# The manager-level exploration's.
+Outcome = RunOutcome[ExploreFailure, Stats]
 
 
 def model_mode(hold: bool, check_hold_only: bool = True, retain_retired: bool = False) -> Mode:

@@ -58,6 +58,7 @@ from kvgate.conformance.writer import dump_engine_trace, engine_step_dicts, save
 from kvgate.explore import knobs
 from kvgate.explore.differential import FAMILIES, HOLD_OVERLAY
 from kvgate.explore.profiles import draws_from_the_seed_alone
+from kvgate.explore.runner import RunOutcome
 from kvgate.model.scheduler import SchedulerModel, SchedulerStuck
 from kvgate.targets import scheduler_factories
 
@@ -284,6 +285,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         # The engine's model runner: what the Scheduler hands the worker
         # differs; the manager's calls must not.
         model_runner=st.sampled_from(MODEL_RUNNERS),
+        # Async scheduling (two batches in flight), recent vLLM's default.
+        async_scheduling=st.booleans(),
+        # The prefill cadence (1: none), where it is modelled.
+        prefill_interval=st.sampled_from((1, 2, 3)),
     )
     def start(
         self,
@@ -292,20 +297,30 @@ class SchedulerMachine(RuleBasedStateMachine):
         mtp_modules: int,
         max_num_seqs: int,
         model_runner: ModelRunner,
+        async_scheduling: bool,
+        prefill_interval: int,
     ) -> None:
         family, config = drawn
         if config.hash_lookahead_tokens and mtp_modules > 1:
             config = replace(config, hash_lookahead_tokens=mtp_modules)
             family = {**family, "hash_lookahead_tokens": mtp_modules}
             spec = mtp_modules
+        if async_scheduling and config.eagle:
+            async_scheduling = False  # the scheduler model runs it without drafts
+        if config.kv_connector or async_scheduling:
+            prefill_interval = 1
         config = replace(
             config,
             hold=self.mode.hold,
             retain_retired=self.mode.retain_retired,
             model_runner=model_runner,
+            async_scheduling=async_scheduling,
+            prefill_schedule_interval=prefill_interval,
         )
         if config.eagle:
             spec = max(spec, 1)  # the eagle drop is for a drafter's blocks
+        if async_scheduling:
+            spec = 0
         self.settings = EngineSettings(spec, max_num_seqs)
         self.cap = request_cap(config, spec)
         if self.cap < 2:
@@ -339,6 +354,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.config = config
         self.lockstep = SchedulerLockstep(trace, model, self.real, "strict")
         self.stats.families[family_name(family)] += 1
+        if config.async_scheduling:
+            self.stats.ops["engine:async"] += 1
 
     def teardown(self) -> None:
         if self.model is not None:
@@ -409,7 +426,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         remote: tuple[int, bool, int, bool],
     ) -> None:
         name = f"R{len(self.names)}"
-        max_tokens = min(max_tokens, self.cap - 1)
+        assert self.config is not None
+        # Under async scheduling the scheduler model runs prefills in flight,
+        # not decodes past an output still being sampled.
+        max_tokens = 1 if self.config.async_scheduling else min(max_tokens, self.cap - 1)
         room = self.cap - max_tokens
         if not self.names:
             shape = "fresh"
@@ -464,6 +484,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         quarters, load_async, delay, fails = drawn
         if not self.config.kv_connector or quarters == 0:
             return None
+        # Asynchronous loads under async scheduling are not modelled.
+        load_async = load_async and not self.config.async_scheduling
         # A synchronous load leaves the last token to compute.
         tokens = min(prompt * quarters // REMOTE_QUARTERS, prompt if load_async else prompt - 1)
         if tokens <= 0:
@@ -479,9 +501,11 @@ class SchedulerMachine(RuleBasedStateMachine):
     def step(self, steps: int, stop: int) -> None:
         """`steps` engine steps; in the first, a stop condition ends the
         running request `stop` picks (in half the draws: none)."""
-        assert self.model is not None
+        assert self.model is not None and self.config is not None
         running = [r.name for r in self.model.running]
         stopped = (running[stop],) if stop < len(running) and stop < MAX_SEQS else ()
+        if self.config.async_scheduling:
+            stopped = ()  # a stop condition under async scheduling is not modelled
         for position in range(steps):
             self.stats.engine_steps += 1
             self.stats.ops["step"] += 1
@@ -526,17 +550,8 @@ def describe(divergence: Divergence) -> str:
     )
 
 
-@dataclass
-class SchedulerOutcome:
-    failure: SchedulerExploreFailure | None
-    saved: Path | None
-    stats: SchedulerStats
-    seconds: float
-    rounds: int
-
-    @property
-    def passed(self) -> bool:
-        return self.failure is None
+# The Scheduler-level exploration's.
+SchedulerOutcome = RunOutcome[SchedulerExploreFailure, SchedulerStats]
 
 
 def machine_class(mode: SchedulerMode, stats: SchedulerStats) -> type[SchedulerMachine]:

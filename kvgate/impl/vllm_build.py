@@ -180,6 +180,12 @@ def scheduler_config(
         enable_chunked_prefill=True,
         long_prefill_token_threshold=config.long_prefill_token_threshold,
         is_encoder_decoder=False,
+        # Only when set, as for the adaptive threshold below.
+        **(
+            {"prefill_schedule_interval": config.prefill_schedule_interval}
+            if config.prefill_schedule_interval > 1
+            else {}
+        ),
         # Only when set: a release without the setting still runs the rest.
         **(
             {"long_prefill_token_threshold_adaptive": True}

@@ -33,8 +33,10 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
+import hashlib
 import os
 import shutil
+import stat
 import tempfile
 from collections import deque
 from collections.abc import Collection, Iterator, Mapping
@@ -77,12 +79,44 @@ DRAFT_TOKEN = 0
 @functools.cache
 def model_dir(mtp_layers: int = 1) -> Path:
     """A directory holding a tiny Qwen3-Next-class hybrid `config.json` with
-    `mtp_layers` MTP modules, written once per process and count (removed
-    at exit)."""
+    `mtp_layers` MTP modules.
+
+    Named after the user and the file's content, and shared by every process
+    that needs the same file: written once, never removed. (A folder per
+    process, removed at exit, outlived every process that was killed or left
+    through `os._exit`, as pytest-xdist's workers do.)"""
+    config = _hybrid_config(mtp_layers)
+    digest = hashlib.sha256(config.to_json_string().encode()).hexdigest()[:16]
+    folder = Path(tempfile.gettempdir()) / f"kvgate-hybrid-model-{os.getuid()}-{digest}"
+    if not _written_by_us(folder):
+        staging = Path(tempfile.mkdtemp(prefix=f"{folder.name}.", dir=folder.parent))
+        config.save_pretrained(staging)
+        try:
+            staging.rename(folder)
+        except OSError:  # another process was first, or someone else's folder is there
+            shutil.rmtree(staging, True)
+    if _written_by_us(folder):
+        return folder
+    # Someone else's folder holds the name: this process's own, removed at exit.
+    own = Path(tempfile.mkdtemp(prefix="kvgate-hybrid-model-"))
+    atexit.register(shutil.rmtree, own, True)
+    config.save_pretrained(own)
+    return own
+
+
+def _written_by_us(folder: Path) -> bool:
+    """`folder` holds a config.json and only this user can have written it."""
+    try:
+        info = folder.lstat()
+    except OSError:
+        return False
+    private = stat.S_ISDIR(info.st_mode) and not info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+    return private and info.st_uid == os.getuid() and (folder / "config.json").is_file()
+
+
+def _hybrid_config(mtp_layers: int) -> Any:
     from transformers import Qwen3NextConfig
 
-    folder = Path(tempfile.mkdtemp(prefix="kvgate-hybrid-model-"))
-    atexit.register(shutil.rmtree, folder, True)
     config = Qwen3NextConfig(
         vocab_size=1024,
         hidden_size=64,
@@ -107,8 +141,7 @@ def model_dir(mtp_layers: int = 1) -> Path:
     # One MTP layer, as Qwen3-Next ships; more for a multi-module drafter
     # (vLLM's `use_multi_module_mtp` reads the count).
     config.num_nextn_predict_layers = mtp_layers
-    config.save_pretrained(folder)
-    return folder
+    return config
 
 
 @dataclass(frozen=True)
@@ -374,6 +407,11 @@ def _check_derived(scheduler: Any, config: Config, spec_tokens: int, hash_block:
             config.long_prefill_token_threshold_adaptive,
         ),
         ("max_model_len", int(scheduler.max_model_len), config.max_model_len),
+        (
+            "prefill_schedule_interval",
+            int(getattr(scheduler, "local_prefill_interval", 1)),
+            config.prefill_schedule_interval,
+        ),
         (
             "model_runner",
             "v2" if getattr(scheduler, "use_v2_model_runner", False) else "v1",

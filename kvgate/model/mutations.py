@@ -3,7 +3,8 @@
 A proof that no mutation can break proves nothing, so each mutation here
 also names the hooks of the Z3 encodings it breaks (`breaks`: both the
 bounded `kvgate.invariants.z3.transitions.Encoding` and the unbounded
-`unbounded.UEncoding` write each hook's broken form beside its clean one):
+`unbounded_transitions.UEncoding` write each hook's broken form beside its
+clean one):
 the proof of the invariant it targets must fail, and the counterexample,
 written as a trace, must fail on the mutated model too.
 

@@ -241,6 +241,9 @@ class SchedulerModel:
         # Scheduler keeps in a queue of their own (`kv_holding_waiting`) and
         # scans first.
         self.holding: deque[LiveRequest] = deque()
+        # Requests aborted while their async load was in flight: they keep
+        # their blocks until the worker reports the load.
+        self.aborted_loads: list[LiveRequest] = []
         self.engine_step = 0
         self.num_eligible = 0  # waiting + running when this step began
         # Requests a prefix-cache reset preempted between steps: vLLM's
@@ -248,6 +251,13 @@ class SchedulerModel:
         self._reset_preempted: list[str] = []
         self._running_scheduled = False
         self._prefill_scheduled = False
+        # The prefill cadence (`prefill_schedule_interval`): the non-empty
+        # steps so far, the last one that carried prefill, and whether the
+        # last step that admitted prefills left requests waiting (then the
+        # cadence holds nothing back).
+        self.num_executed_steps = 0
+        self.last_prefill_step = -config.prefill_schedule_interval
+        self.prefill_capacity_bound = False
 
     @property
     def oracle(self) -> ModelTarget:
@@ -414,6 +424,10 @@ class SchedulerModel:
             live.ended = True
             self._ended_since_schedule = True
             decisions.errored.append(live.name)
+        # An aborted request's load the worker reported: its blocks freed last.
+        for live in [live for live in self.aborted_loads if live.reported]:
+            self.aborted_loads.remove(live)
+            writer.run("free", req=live.name, how="abort")
 
     def _end(self, live: LiveRequest, how: Literal["finish", "abort"]) -> None:
         """Free an ended request's blocks (`free`), or, while a batch that
@@ -466,11 +480,18 @@ class SchedulerModel:
 
     def abort(self, name: str) -> None:
         """The client aborts `name` between engine steps (`free abort`);
-        a request that already finished is left alone."""
+        a request that already finished is left alone. One whose async KV
+        load is still in flight keeps its blocks until the worker reports
+        that load (vLLM's Scheduler frees them with the report)."""
         for queue in (self.running, self.waiting, self.holding):
             for live in queue:
                 if live.name == name:
                     queue.remove(live)
+                    if live.loading and not live.reported:
+                        live.ended = True
+                        self._ended_since_schedule = True
+                        self.aborted_loads.append(live)
+                        return
                     self._end(live, "abort")
                     return
         # Already finished: vLLM's Scheduler ignores the abort, and so does it.
@@ -482,12 +503,7 @@ class SchedulerModel:
         preempted; (whether it reset, the waiting queue after)."""
         if running:
             while self.running:
-                live = self.running.pop()
-                self._refuse_preempting_in_flight(live)
-                self.writer.run("free", req=live.name, how="preempt")
-                self.waiting.appendleft(live)
-                live.decoding = False
-                self._reset_preempted.append(live.name)
+                self._reset_preempted.append(self._preempt_last().name)
         ok = bool(self.writer.run("reset")["ok"])
         return ok, [live.name for live in self.waiting]
 
@@ -532,11 +548,15 @@ class SchedulerModel:
         # Whether a running request ran a prefill chunk this step (vLLM's
         # `prefill_scheduled`, which the waiting scan's padding reads).
         prefill_scheduled = False
+        defer = self._defers_prefills()
         while index < len(self.running) and budget > 0:
             live = self.running[index]
             request = live.request
             outputs = len(request.output)
             prefilling = not live.decoding
+            if defer and prefilling:
+                index += 1  # its next chunk waits for the cadence
+                continue
             if live.decoding and self._in_flight(live):
                 # Async scheduling: its last token is still being sampled.
                 # vLLM's Scheduler skips it when that token is its last, and
@@ -587,7 +607,9 @@ class SchedulerModel:
             if len(request.output) >= live.max_tokens or (live.stopping and live.decoding):
                 finished.append(live)
         if preempted:
-            return finished  # vLLM admits nothing in a step that preempted
+            # vLLM admits nothing in a step that preempted.
+            self._cadence_after(decisions, prefill_scheduled, admitted_prefill=False)
+            return finished
         # Requests the scan passed over that hold blocks: back at the head of
         # their queue after the scan, in scan order.
         skipped: list[LiveRequest] = []
@@ -597,6 +619,7 @@ class SchedulerModel:
         # Whether the running loop scheduled anything (the padding reads it).
         self._running_scheduled = bool(decisions.scheduled)
         self._prefill_scheduled = prefill_scheduled
+        admitted_prefill = False
         while budget > 0 and len(self.running) < self.max_num_seqs:
             queue = self.holding if self.holding else self.waiting
             if not queue:
@@ -606,7 +629,12 @@ class SchedulerModel:
                 skipped.append(queue.popleft())  # its KV is not here yet
                 continue
             outputs = len(live.request.output)
-            admitted = self.admit(live, decisions, budget, skipped)
+            computed = live.request.num_computed_tokens
+            admitted = self.admit(live, decisions, budget, skipped, defer)
+            if isinstance(admitted, int):
+                # An admission with more than its last token to compute.
+                hit = decisions.admitted[-1][1]
+                admitted_prefill |= computed + hit < live.request.num_tokens - 1
             if admitted is None:
                 break
             if admitted == "loading":
@@ -625,17 +653,52 @@ class SchedulerModel:
                 finished.append(live)
         self.holding.extendleft(reversed(skipped))
         self.waiting.extendleft(reversed(passed_over))
+        if not defer:
+            # Requests still waiting after a release, besides those the scan
+            # passed over (vLLM counts those deferred): the cadence holds none back.
+            waiting_left = len(self.waiting) + len(self.holding) - len(passed_over)
+            self.prefill_capacity_bound = waiting_left > 0
+        self._cadence_after(decisions, prefill_scheduled, admitted_prefill)
         return finished
+
+    def _defers_prefills(self) -> bool:
+        """Whether this step's prefill compute waits for the cadence: an
+        interval is set, the last release drained the waiting queue, fewer
+        than the interval's executed steps have passed since the last step
+        that carried prefill (this one counted), and a request decodes."""
+        interval = self.config.prefill_schedule_interval
+        return (
+            interval > 1
+            and not self.prefill_capacity_bound
+            and self.num_executed_steps + 1 - self.last_prefill_step < interval
+            and any(live.decoding for live in self.running)
+        )
+
+    def _cadence_after(
+        self, decisions: StepDecisions, prefill_scheduled: bool, admitted_prefill: bool
+    ) -> None:
+        """Count a step that scheduled anything, and stamp one that carried
+        prefill (a running request's chunk or an admission's)."""
+        if decisions.scheduled:
+            self.num_executed_steps += 1
+        if self.config.prefill_schedule_interval > 1 and (prefill_scheduled or admitted_prefill):
+            self.last_prefill_step = self.num_executed_steps
 
     def preempt(self, decisions: StepDecisions) -> LiveRequest:
         """Preempt the last running request (`free preempt`): back to the
         front of the waiting queue, its prefill to run again."""
+        victim = self._preempt_last()
+        decisions.preempted.append(victim.name)
+        return victim
+
+    def _preempt_last(self) -> LiveRequest:
+        """The last running request freed (`free preempt`) and put back at
+        the front of the waiting queue: a step's preemption and a reset's."""
         victim = self.running.pop()
         self._refuse_preempting_in_flight(victim)
         self.writer.run("free", req=victim.name, how="preempt")
         self.waiting.appendleft(victim)
         victim.decoding = False
-        decisions.preempted.append(victim.name)
         return victim
 
     def admit(
@@ -644,13 +707,16 @@ class SchedulerModel:
         decisions: StepDecisions,
         budget: int,
         skipped: list[LiveRequest],
+        defer: bool = False,
     ) -> int | Literal["loading", "skipped"] | None:
         """Admit `live`, the head of its waiting queue, within `budget`: the
         tokens its first chunk runs (it is scheduled); "loading" when it now
         waits for its async KV load, holding blocks; None when it does not
-        fit (the scan stops); "skipped" when the prefill lookahead leaves its
-        chunk nothing (the scan goes on past it). `skipped`: the requests
-        holding blocks this scan passed over."""
+        fit, or when it has more than its last token to compute and `defer`
+        (the prefill cadence holds it back, after its lookup): the scan
+        stops; "skipped" when the prefill lookahead leaves its chunk nothing
+        (the scan goes on past it). `skipped`: the requests holding blocks
+        this scan passed over."""
         # The scan reaching a failed load frees its blocks and looks it up
         # again right away (`lookup load_failed`), asking the connector
         # again: its retry loads.
@@ -671,6 +737,9 @@ class SchedulerModel:
                 cached = self.writer.check({"attention_cached": {live.follows: 0}})
                 decisions.checked[live.name] = int(cached["attention_cached"][live.follows])
             hit, external, load_async = self._lookup(live, decisions, load_failed)
+            computed = live.request.num_computed_tokens + hit + external
+            if defer and not load_async and computed < live.request.num_tokens - 1:
+                return None
             need = self.writer.run("reserve", req=live.name)["blocks"]
             if not admission_fits(need, self.oracle.num_free_blocks()):
                 return None
@@ -822,17 +891,22 @@ class SchedulerModel:
         # the order of the worker's set of finished receives, which no model
         # can know: the worker reports one failure a step (a later one waits).
         one_failure = self.config.kv_load_failure_policy == "fail"
-        for live in self.holding:
+        # Likewise the blocks of aborted requests whose loads are reported:
+        # one a step.
+        aborted = 0
+        for live in (*self.holding, *self.aborted_loads):
             remote = live.remote
             if (
                 live.loading
                 and not live.reported
                 and remote is not None
                 and self.engine_step - live.load_started >= remote.delay
-                and not (remote.fails and one_failure and failed)
+                and not (remote.fails and one_failure and failed and not live.ended)
+                and not (live.ended and aborted)
             ):
                 live.reported = True
                 live.failed_reported = remote.fails
+                aborted += live.ended
                 (failed if remote.fails else loaded).append(live.name)
         return loaded, failed
 

@@ -11,7 +11,7 @@ corpus at strict level, the snapshot invariants after every step, and a
 short differential exploration for a fault the corpus misses. It prints a
 row per fault (caught or missed, by which trace or invariant, seconds) and
 the kill rate. `--suite vllm-own` runs the same faults against vLLM 0.33.0's
-own manager tests instead; `both` runs the two and puts the rates side by
+own manager and scheduler tests instead; `both` runs the two and puts the rates side by
 side.
 
 Exit codes: 0 the gate caught every applicable fault (vLLM's own suite is

@@ -275,12 +275,7 @@ def run(args: argparse.Namespace) -> int:
     stem = args.out / (
         f"workload-{workload.sessions}x{workload.turns}-seed{workload.seed}{scale}-{args.build}"
         + ("-kv-connector" if args.kv_connector else "")
-        + ("-divergent" if args.kv_connector_divergent_hits else "")
-        + (
-            f"-{args.kv_load_failure_policy}"
-            if args.kv_load_failure_policy != config_default("kv_load_failure_policy")
-            else ""
-        )
+        + deployment.connector_tags()
         + ("-no-prefix-caching" if args.no_enable_prefix_caching else "")
     )
     # The header names the hold implementation when a hold-on arm ran.

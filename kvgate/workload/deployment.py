@@ -198,6 +198,15 @@ class Deployment:
         validate(config)
         return config
 
+    def connector_tags(self) -> str:
+        """What a file or trace name says of the KV connector besides whether
+        there is one: per-group local lookups, and a load-failure policy other
+        than the default."""
+        policy = self.kv_load_failure_policy
+        return ("-divergent" if self.kv_connector_divergent_hits else "") + (
+            f"-{policy}" if policy != config_default("kv_load_failure_policy") else ""
+        )
+
     def scaled(self, scale: int) -> Deployment:
         """Every token quantity divided by `scale`: block, budget, pool, lengths."""
         if scale < 1:

@@ -20,7 +20,6 @@ from typing import cast
 from kvgate.conformance.config import Config
 from kvgate.conformance.driver import OpDriver
 from kvgate.conformance.replay import Level, ReplayResult, TargetFactory, replay
-from kvgate.conformance.schema import config_default
 from kvgate.conformance.target import Capabilities, Target
 from kvgate.conformance.trace import Trace, TraceError, load_trace
 from kvgate.conformance.writer import save_trace
@@ -62,12 +61,7 @@ def trace_name(workload: Workload, deployment: Deployment, arm: Arm) -> str:
         f"workload-{workload.sessions}x{workload.turns}-seed{workload.seed}{scale}"
         f"-u{arm.unit}.{deployment.build}"
         + (".kv-connector" if deployment.kv_connector else "")
-        + ("-divergent" if deployment.kv_connector_divergent_hits else "")
-        + (
-            f"-{deployment.kv_load_failure_policy}"
-            if deployment.kv_load_failure_policy != config_default("kv_load_failure_policy")
-            else ""
-        )
+        + deployment.connector_tags()
         + f".hold-{hold}"
     )
 

@@ -1,15 +1,16 @@
 """The interface both Z3 encodings implement: every transition hook and op.
 
 The bounded encoding (`transitions.Encoding`: one variable per block,
-request and group) and the unbounded one (`unbounded.UEncoding`: functions
-over uninterpreted sorts) write the same transitions twice, as the same
+request and group) and the unbounded one
+(`unbounded_transitions.UEncoding`: functions over uninterpreted sorts)
+write the same transitions twice, as the same
 micro-steps under the same names. Both classes derive from `Hooks`, so a
 hook or an op one of them lacks makes it abstract, and building it is a
 type error (strict mypy, `tests/test_lint.py`) as well as a run-time one.
 
 `TxT` is the backend's transition under construction (`transitions.Tx`,
-`unbounded.UTx`). The pool micro-steps and the hold's release take the
-backend's own picture of the pool after it (a ref count per block; ref
+`unbounded_transitions.UTx`). The pool micro-steps and the hold's release
+take the backend's own picture of the pool after it (a ref count per block; ref
 tokens edited per holder), so their remaining arguments are the
 backend's; the rest share one signature.
 

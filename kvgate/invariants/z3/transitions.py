@@ -79,7 +79,8 @@ targets, whether upstream has it, and `breaks`: the hooks below it breaks,
 one each, two for `hold_off`, the hold switch and its admission extra). An
 `Encoding` built for a mutation takes each hook it breaks in its broken
 form, written in the hook beside the clean one; the unbounded encoding's
-hooks (`unbounded.UEncoding`) have the same names and read the same record.
+hooks (`unbounded_transitions.UEncoding`) have the same names and read the
+same record.
 """
 
 from __future__ import annotations
