@@ -100,14 +100,11 @@ def family_name(family: dict[str, Any]) -> str:
     """A deployment family as the summary names it."""
     if not family.get("prefix_caching", True):
         return "prefix caching off"
-    lookahead = family.get("hash_lookahead_tokens", 0)
     drafter = (
         "no drafter"
         if not family.get("eagle")
-        else f"multi-module MTP drafter, lookahead hashes of {lookahead} tokens"
-        if lookahead > 1
         else "drafter, lookahead hashes"
-        if lookahead
+        if family.get("hash_lookahead_tokens")
         else "drafter, block drop"
     )
     checkpoint = family.get("prefill_checkpoint", (0, None))[0]
@@ -277,9 +274,6 @@ class SchedulerMachine(RuleBasedStateMachine):
             lambda family: st.tuples(st.just(family), engine_configs(family))
         ),
         spec=st.integers(0, MAX_SPEC),
-        # A drafter with lookahead hashes has one MTP module (or is EAGLE),
-        # or K modules: it then drafts, hashes and reads ahead K tokens.
-        mtp_modules=st.sampled_from((1, 2, MAX_SPEC)),
         # Several running at once (pool pressure, preemption order) first.
         max_num_seqs=st.sampled_from(tuple(range(MAX_SEQS, 0, -1))),
         # The engine's model runner: what the Scheduler hands the worker
@@ -294,17 +288,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         self,
         drawn: tuple[dict[str, Any], Config],
         spec: int,
-        mtp_modules: int,
         max_num_seqs: int,
         model_runner: ModelRunner,
         async_scheduling: bool,
         prefill_interval: int,
     ) -> None:
         family, config = drawn
-        if config.hash_lookahead_tokens and mtp_modules > 1:
-            config = replace(config, hash_lookahead_tokens=mtp_modules)
-            family = {**family, "hash_lookahead_tokens": mtp_modules}
-            spec = mtp_modules
         if async_scheduling and config.eagle:
             async_scheduling = False  # the scheduler model runs it without drafts
         if config.kv_connector or async_scheduling:
