@@ -100,11 +100,14 @@ def family_name(family: dict[str, Any]) -> str:
     """A deployment family as the summary names it."""
     if not family.get("prefix_caching", True):
         return "prefix caching off"
+    lookahead = family.get("hash_lookahead_tokens", 0)
     drafter = (
         "no drafter"
         if not family.get("eagle")
+        else f"multi-module MTP drafter, lookahead hashes of {lookahead} tokens"
+        if lookahead > 1
         else "drafter, lookahead hashes"
-        if family.get("hash_lookahead_tokens")
+        if lookahead
         else "drafter, block drop"
     )
     checkpoint = family.get("prefill_checkpoint", (0, None))[0]
@@ -283,6 +286,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         async_scheduling=st.booleans(),
         # The prefill cadence (1: none), where it is modelled.
         prefill_interval=st.sampled_from((1, 2, 3)),
+        # A drafter with lookahead hashes has one MTP module (or is EAGLE),
+        # or K modules: it then drafts, hashes and reads ahead K tokens.
+        mtp_modules=st.sampled_from((1, 2, MAX_SPEC)),
     )
     def start(
         self,
@@ -292,8 +298,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         model_runner: ModelRunner,
         async_scheduling: bool,
         prefill_interval: int,
+        mtp_modules: int,
     ) -> None:
         family, config = drawn
+        if config.hash_lookahead_tokens and mtp_modules > 1:
+            config = replace(config, hash_lookahead_tokens=mtp_modules)
+            family = {**family, "hash_lookahead_tokens": mtp_modules}
+            spec = mtp_modules
         if async_scheduling and config.eagle:
             async_scheduling = False  # the scheduler model runs it without drafts
         if config.kv_connector or async_scheduling:
