@@ -530,19 +530,27 @@ def test_differential_exploration_with_a_connector(tmp_path: Path) -> None:
 
 
 @needs_vllm
-def test_differential_exploration_draws_load_failures_on_a_single_group(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("policy", "failure_on"),
+    [("fail", "load_failure:blocks:free"), ("recompute", "load_failure:blocks:allocate")],
+)
+def test_differential_exploration_draws_load_failures_on_a_single_group(
+    tmp_path: Path, policy: str, failure_on: str
+) -> None:
     """Pure Mamba behind a connector, against vLLM's manager: the connector
-    rule's failures (whole loads, and the loaded state's block) under both
-    policies keep the two in lockstep."""
-    stratum = {"mamba_groups": 1, "pure_mamba": True, "kv_connector": "on"}
+    rule's failures of the loaded state's block under each policy (the
+    request ends with an error, or goes on from the block before) keep the
+    two in lockstep."""
+    stratum = {
+        "mamba_groups": 1,
+        "pure_mamba": True,
+        "kv_connector": "on",
+        "kv_load_failure_policy": policy,
+    }
     mode = replace(differential_mode(), stratum=stratum)
     settings = profile("ci", max_examples=80, phases=(Phase.explicit, Phase.generate, Phase.target))
     outcome = explore(mode, settings, out=tmp_path, shrink=False)
     assert outcome.failure is None, outcome.failure.summary()
-    knobs, ops = outcome.stats.knobs, outcome.stats.ops
-    assert (
-        knobs["kv_load_failure_policy=fail"] > 0 and knobs["kv_load_failure_policy=recompute"] > 0
-    )
-    failures = {k: n for k, n in ops.items() if k.startswith("load_failure:")}
-    assert failures.get("load_failure:blocks:free", 0) > 0, failures
-    assert failures.get("load_failure:blocks:allocate", 0) > 0, failures
+    assert outcome.stats.knobs[f"kv_load_failure_policy={policy}"] > 0
+    failures = {k: n for k, n in outcome.stats.ops.items() if k.startswith("load_failure:")}
+    assert failures.get(failure_on, 0) > 0, failures

@@ -386,6 +386,9 @@ def test_the_shrinker_replays_every_field_of_a_step() -> None:
         reserved=3,
         complete_only=True,
         invalid_blocks=(3,),
+        in_flight=4,
+        keep_retained=True,
+        release_retained=True,
     )
     defaults = Step("allocate", 3)
     # Every replayed field is set away from its default above.

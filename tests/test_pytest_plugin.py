@@ -13,9 +13,13 @@ import pytest
 from configs import needs_vllm
 from fake_target import fake_trace_text
 
+from kvgate.conformance.trace import bundled_corpus, read_corpus
+
 pytest_plugins = ("pytester",)
 
 PLUGIN = ("-p", "kvgate.pytest_plugin", "-p", "no:cacheprovider")
+# `--kvgate` collects the bundled manager-level corpus: one item per trace.
+CORPUS = len(read_corpus(bundled_corpus())[0])
 DOCS = Path(__file__).parents[1] / "docs" / "gate.md"
 PLAIN = """\
 - {op: arrive, req: A, prompt: [{fresh: 40}]}
@@ -38,9 +42,11 @@ def test_k_selects_traces_and_junit_classes_are_family_and_arm(pytester: pytest.
         *PLUGIN, "--kvgate", "--kvgate-target", "model", "-k", "seed1", f"--junit-xml={junit}"
     )
     # The traces only: the test file in the directory is not collected.
-    result.assert_outcomes(passed=4, deselected=161)
+    result.assert_outcomes(passed=4, deselected=CORPUS - 4)
     assert "kvgate: corpus " in result.stdout.str()
-    result.stdout.fnmatch_lines(["collected 165 items / 161 deselected / 4 selected"])
+    result.stdout.fnmatch_lines(
+        [f"collected {CORPUS} items / {CORPUS - 4} deselected / 4 selected"]
+    )
     cases = ET.parse(junit).getroot().iter("testcase")
     assert sorted((c.get("classname"), c.get("name")) for c in cases) == [
         ("kvgate.gdn-triton.fork", "seed1-next-turn-after-burst.fork.hold-off"),
@@ -53,11 +59,11 @@ def test_k_selects_traces_and_junit_classes_are_family_and_arm(pytester: pytest.
     tagged = pytester.runpytest(
         *PLUGIN, "--kvgate", "--kvgate-target", "model", "-k", "multi-turn and seed and not fork"
     )
-    tagged.assert_outcomes(passed=2, deselected=163)
+    tagged.assert_outcomes(passed=2, deselected=CORPUS - 2)
     named = pytester.runpytest(
         *PLUGIN, "--kvgate", "--kvgate-target", "model", "-k", "seed1", "test_own.py"
     )
-    named.assert_outcomes(passed=5, deselected=161)
+    named.assert_outcomes(passed=5, deselected=CORPUS - 4)
 
 
 def test_x_stops_at_the_first_failure_and_an_invalid_trace_fails_in_one_line(
@@ -98,13 +104,13 @@ def test_a_missing_hold_fails_when_required_and_is_skipped_when_not(
 ) -> None:
     selection = ("--kvgate", "-k", "seed1 and hold-on and not fork")
     required = pytester.runpytest(*PLUGIN, *selection)
-    required.assert_outcomes(failed=1, deselected=164)
+    required.assert_outcomes(failed=1, deselected=CORPUS - 1)
     required.stdout.fnmatch_lines(
         ["LACKS seed1-next-turn-after-burst.hold-on (hold: *", "lacks hold: 1 traces need *"]
     )
     assert "--kvgate-plugin kvgate.impl.hold_overlay" in required.stdout.str()
     optional = pytester.runpytest(*PLUGIN, *selection, "--kvgate-require", "none")
-    optional.assert_outcomes(skipped=1, deselected=164)
+    optional.assert_outcomes(skipped=1, deselected=CORPUS - 1)
 
 
 def test_a_bad_option_is_a_usage_error(pytester: pytest.Pytester) -> None:
