@@ -1,6 +1,7 @@
 """Regenerate docs/results.md: every number the docs publish, produced by the code.
 
     python benchmarks/results.py [SECTION ...]      (default: every section)
+    python benchmarks/results.py --check [SECTION ...]
     python benchmarks/results.py --list
 
 Each section runs the project's own commands against the installed vLLM and
@@ -8,11 +9,17 @@ replaces its part of docs/results.md (between `<!-- results: NAME -->` and
 `<!-- end: NAME -->`), stamped with the date, the exact commands and the
 machine; the other sections are kept as they were. Some sections take many
 minutes (see --list), so regenerate one at a time when only one changed.
+
+`--check` reruns the sections and compares what they print with the page
+instead of writing it: timings are masked (they depend on the machine and its
+load), every count and verdict must be the same. It exits 1 naming each
+section that drifted, with the lines that differ.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import platform
 import re
@@ -36,7 +43,8 @@ machine named there; none is typed by hand. To regenerate the whole page run
 `python benchmarks/results.py`, or one section with
 `python benchmarks/results.py SECTION` (`--list` names them and says how long
 each takes). Timings depend on the machine and its load; counts and verdicts
-do not.
+do not: `python benchmarks/results.py --check SECTION` reruns a section and
+says whether any of them has drifted from this page.
 """
 
 
@@ -48,6 +56,8 @@ class Section:
     commands: tuple[str, ...]  # shell commands, run from the checkout
     render: Callable[[list[str]], str]  # outputs -> markdown body
     about: str  # one paragraph saying what the numbers are
+    # The rendered output with what depends on the machine masked, for --check.
+    stable: Callable[[str], str] = lambda text: text
 
 
 def summary_lines(output: str) -> list[str]:
@@ -85,6 +95,36 @@ def render_summary(outputs: list[str]) -> str:
     return fenced(baseline + [""] + lines[start:])
 
 
+SECONDS = re.compile(r"\d+\.\d+")
+
+
+def mask_seconds(text: str) -> str:
+    """Every decimal number masked: in these outputs they are timings,
+    averages and the percentages derived from counts that stay unmasked."""
+    return SECONDS.sub("#", text)
+
+
+def mask_campaign(text: str) -> str:
+    """A fault campaign's output with its timings masked, and what depends on
+    the machine rather than on vLLM and kvgate: the job count, vLLM's warnings."""
+    text = re.sub(r"\d+ job\(s\)", "# job(s)", mask_seconds(text))
+    return re.sub(r"^vLLM logged .*$", "vLLM logged #", text, flags=re.M)
+
+
+def mask_benchmarks(text: str) -> str:
+    """Decimals masked, and every number of a per-target timing row
+    (`model`, `vllm`, `ratio`, `import`, a corpus row): counts elsewhere stay."""
+    lines = []
+    for line in mask_seconds(text).splitlines():
+        if re.match(r"^\s*(calls:|\+snapshots:|model |vllm |ratio |import |Scheduler calls)", line):
+            line = re.sub(r"\d+", "#", line)
+        elif re.match(r"^(scheduler-level|manager-level)\s+\d+", line):
+            name, traces, _rest = line.split(None, 2)
+            line = f"{name} {traces} #"
+        lines.append(line)
+    return "\n".join(lines)
+
+
 SECTIONS = (
     Section(
         "gate",
@@ -103,13 +143,14 @@ SECTIONS = (
     Section(
         "mutate",
         "The fault campaign",
-        "about 5 minutes",
+        "about 11 minutes",
         (f"{PY} -m kvgate mutate --target vllm --timeout 1800",),
         render_whole,
         "One realistic one-line fault at a time injected into the installed vLLM's "
         "KV-cache manager, and the gate run against each: a row per fault (caught or not, "
         "by what), then the kill rate, the share of applicable faults the gate catches. "
         "`kvgate mutate --list` says what each fault edits and why it is realistic.",
+        stable=mask_campaign,
     ),
     Section(
         "kill-rates",
@@ -120,6 +161,7 @@ SECTIONS = (
         "The same faults, with the differential exploration run against every fault too, "
         "so each stage's kill rate is known alone: the corpus (traces at strict level plus "
         "the invariants) and the exploration without any trace.",
+        stable=mask_campaign,
     ),
     Section(
         "coverage",
@@ -154,6 +196,7 @@ SECTIONS = (
         "recorder's overhead: the time inside vLLM's Scheduler calls with the recorder on "
         "against off, replaying one recorded workload; and what each bundled corpus costs "
         "a gate run (wall and CPU time, vLLM imported once).",
+        stable=mask_benchmarks,
     ),
     Section(
         "matrix",
@@ -189,7 +232,17 @@ def machine() -> str:
     )
 
 
-def run_section(section: Section) -> str:
+@dataclass(frozen=True)
+class Run:
+    """What a section's commands printed, and where and when."""
+
+    outputs: list[str]
+    started: datetime
+    seconds: float
+    where: str
+
+
+def run_commands(section: Section) -> Run:
     env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", PYTHONPATH=str(ROOT))
     started = datetime.now(timezone.utc)
     where = machine()
@@ -207,12 +260,41 @@ def run_section(section: Section) -> str:
         text = "\n".join([done.stdout.rstrip(), *errors, f"exit {done.returncode}"])
         # Paths inside the checkout as a reader's checkout names them.
         outputs.append(text.replace(f"{ROOT}/", ""))
+    return Run(outputs, started, seconds, where)
+
+
+def run_section(section: Section) -> str:
+    run = run_commands(section)
     commands = "\n".join(f"    {c.replace(PY, 'python')}" for c in section.commands)
     return (
         f"## {section.title}\n\n{section.about}\n\n"
-        f"Generated {started:%Y-%m-%d %H:%M} UTC in {seconds:.0f} s on {where}, by:\n\n"
-        f"{commands}\n\n{section.render(outputs)}"
+        f"Generated {run.started:%Y-%m-%d %H:%M} UTC in {run.seconds:.0f} s on {run.where}, by:\n\n"
+        f"{commands}\n\n{section.render(run.outputs)}"
     )
+
+
+FENCE = re.compile(r"^```text\n(.*?)^```$", re.S | re.M)
+
+
+def printed(section: Section, body: str) -> list[str]:
+    """The lines of a section's fenced outputs, machine-dependent parts masked."""
+    return section.stable("".join(FENCE.findall(body))).splitlines()
+
+
+def check_section(section: Section, page_body: str | None) -> list[str]:
+    """Rerun `section`; the differences from the page (empty: no drift)."""
+    if page_body is None:
+        return [f"results: docs/results.md has no section {section.name!r}"]
+    now = printed(section, section.render(run_commands(section).outputs))
+    published = printed(section, page_body)
+    if now == published:
+        return []
+    diff = difflib.unified_diff(published, now, "docs/results.md", "now", n=0, lineterm="")
+    return [
+        f"results: section {section.name!r} drifted from docs/results.md; regenerate it "
+        f"with: python benchmarks/results.py {section.name}",
+        *list(diff)[2:],
+    ]
 
 
 BLOCK = re.compile(r"<!-- results: (\S+) -->\n(.*?)\n<!-- end: \1 -->", re.S)
@@ -237,6 +319,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("sections", nargs="*", metavar="SECTION")
     parser.add_argument("--list", action="store_true", help="name the sections and their cost")
+    parser.add_argument(
+        "--check", action="store_true", help="rerun and compare with the page; write nothing"
+    )
     args = parser.parse_args(argv)
     by_name = {s.name: s for s in SECTIONS}
     if args.list:
@@ -249,6 +334,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     chosen = [by_name[n] for n in args.sections] if args.sections else list(SECTIONS)
     bodies = page_sections(PAGE.read_text(encoding="utf-8")) if PAGE.exists() else {}
+    if args.check:
+        drifted = [line for s in chosen for line in check_section(s, bodies.get(s.name))]
+        print("\n".join(drifted) or f"results: no drift in {', '.join(s.name for s in chosen)}")
+        return 1 if drifted else 0
     for section in chosen:
         bodies[section.name] = run_section(section)
         # Written after each section, so a long run keeps what it finished.

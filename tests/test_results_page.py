@@ -1,0 +1,152 @@
+"""docs/results.md against what the code prints today.
+
+The page is written by benchmarks/results.py, never by hand; these tests fail
+when it no longer says what the code would print:
+
+- in the default run, every count the page publishes that the project's own
+  files determine (traces in each corpus, the faults of the campaign, the
+  Scheduler methods counted as KV paths) is read back and compared, in
+  milliseconds;
+- `KVGATE_RESULTS_CHECK=SECTION,...` (or `all`) reruns those sections with
+  `results.py --check`, which masks timings and compares every other number
+  and verdict (the gate takes about a minute, the campaign about ten);
+- `--check` itself is shown finding a drift and ignoring a timing.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+from test_docs import load_results_module
+
+from kvgate.conformance.trace import bundled_corpus, bundled_scheduler_corpus, read_corpus
+from kvgate.explore.coverage import SCHEDULER_FILE, core_dir, kv_paths
+from kvgate.mutate.faults import FAULTS
+
+ROOT = Path(__file__).resolve().parent.parent
+REGENERATE = "regenerate it with: python benchmarks/results.py {}"
+
+
+@pytest.fixture(scope="module")
+def results() -> ModuleType:
+    return load_results_module()
+
+
+@pytest.fixture(scope="module")
+def page(results: ModuleType) -> dict[str, str]:
+    return dict(results.page_sections(results.PAGE.read_text(encoding="utf-8")))
+
+
+def printed(results: ModuleType, page: dict[str, str], name: str) -> str:
+    if name not in page:
+        pytest.fail(f"docs/results.md has no section {name!r}; {REGENERATE.format(name)}")
+    return "".join(results.FENCE.findall(page[name]))
+
+
+def corpus_sizes() -> tuple[int, int]:
+    manager, _ = read_corpus(bundled_corpus())
+    scheduler, _ = read_corpus(bundled_scheduler_corpus())
+    return len(manager), len(scheduler)
+
+
+def test_the_gate_section_counts_every_trace_of_both_corpora(
+    results: ModuleType, page: dict[str, str]
+) -> None:
+    manager, scheduler = corpus_sizes()
+    counts = re.findall(r"^(\d+ passed.*)$", printed(results, page, "gate"), re.M)
+    assert len(counts) == 2, counts  # without and with the overlay
+    for line in counts:
+        total = sum(int(n) for n in re.findall(r"(\d+) ", line))
+        assert total == manager + scheduler, (
+            f"docs/results.md, gate: {line!r} counts {total} traces; the corpora hold "
+            f"{manager} + {scheduler}; {REGENERATE.format('gate')}"
+        )
+
+
+@pytest.mark.parametrize("name", ["mutate", "kill-rates"])
+def test_the_campaign_sections_run_today_s_faults_on_today_s_corpora(
+    results: ModuleType, page: dict[str, str], name: str
+) -> None:
+    text = printed(results, page, name)
+    manager, scheduler = corpus_sizes()
+    hint = REGENERATE.format(name)
+    if name == "mutate":
+        assert f"kvgate mutate: {len(FAULTS)} faults," in text, f"{name}: faults; {hint}"
+        # The table: a header row, then one row per fault up to a blank line.
+        table = text.split("\nfault ", 1)[1].split("\n\n", 1)[0].splitlines()[1:]
+        listed = {row.split()[0] for row in table}
+        assert listed == {f.name for f in FAULTS}, f"{name}: fault rows; {hint}"
+    assert re.search(rf"\b\d+ of {manager} traces pass\b", text), f"{name}: corpus; {hint}"
+    assert re.search(rf"real Scheduler: \d+ of {scheduler} pass\b", text), (
+        f"{name}: Scheduler-level corpus; {hint}"
+    )
+
+
+def test_the_coverage_section_counts_today_s_kv_paths(
+    results: ModuleType, page: dict[str, str]
+) -> None:
+    text = printed(results, page, "coverage")
+    methods = [name for name, _, _ in kv_paths(core_dir() / SCHEDULER_FILE)]
+    hint = REGENERATE.format("coverage")
+    assert f"Scheduler KV paths ({len(methods)} methods)" in text, hint
+    assert f"Scheduler KV paths: {', '.join(methods)}" in text, hint
+
+
+def test_the_benchmark_section_replays_today_s_corpora(
+    results: ModuleType, page: dict[str, str]
+) -> None:
+    text = printed(results, page, "benchmarks")
+    manager, scheduler = corpus_sizes()
+    replayed, _ = read_corpus(bundled_corpus())
+    runs = sum(1 for t in replayed if t.expect_refused is None)
+    hint = REGENERATE.format("benchmarks")
+    assert f"corpus: {runs} traces," in text, hint
+    assert re.search(rf"^scheduler-level\s+{scheduler}\s", text, re.M), hint
+    assert re.search(rf"^manager-level\s+{manager}\s", text, re.M), hint
+
+
+def test_check_finds_a_changed_count_and_ignores_a_changed_timing(
+    results: ModuleType,
+) -> None:
+    def section(printing: str) -> object:
+        return results.Section(
+            "mutate",
+            "a campaign",
+            "seconds",
+            (f"printf '{printing}'",),
+            results.render_whole,
+            "",
+            stable=results.mask_campaign,
+        )
+
+    published = results.render_whole(["kill rate 86/88 (97.7 %)\ntime: 644.1s in all\nexit 0"])
+    faster = section("kill rate 86/88 (97.7 %%)\\ntime: 12.5s in all\\n")
+    assert results.check_section(faster, published) == []
+    fewer = section("kill rate 85/88 (96.6 %%)\\ntime: 644.1s in all\\n")
+    drift = results.check_section(fewer, published)
+    assert drift[0].startswith("results: section 'mutate' drifted"), drift
+    assert "-kill rate 86/88 (# %)" in drift and "+kill rate 85/88 (# %)" in drift, drift
+    assert results.check_section(faster, None) == [
+        "results: docs/results.md has no section 'mutate'"
+    ]
+
+
+CHECKED = os.environ.get("KVGATE_RESULTS_CHECK", "")
+
+
+@pytest.mark.skipif(not CHECKED, reason="set KVGATE_RESULTS_CHECK=SECTION,... or all")
+def test_the_page_reprints_as_published() -> None:
+    sections = [] if CHECKED == "all" else CHECKED.split(",")
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "results.py"), "--check", *sections],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr[-2000:]
