@@ -155,7 +155,7 @@ SECTIONS = (
     Section(
         "kill-rates",
         "Kill rates by stage",
-        "about 15 minutes",
+        "over an hour (the exploration runs against every fault)",
         (f"{PY} -m kvgate mutate --target vllm --explore-every-fault --timeout 1800",),
         render_summary,
         "The same faults, with the differential exploration run against every fault too, "
