@@ -22,11 +22,12 @@ SEED_STRATUM = (("mamba_groups", 1), ("speculative_blocks", 3), ("eagle", True),
 
 
 def small_plan(examples: int = 30, shards: int = 2) -> Plan:
-    """Shards seeded 2 and 3: with 15 examples a shard, the hold-off search
-    finds the total miss from seed 3 (not from 0, 1 or 2), so the campaign
-    finds it once and the other shard shows a clean one."""
+    """Shards seeded 3 and 4: with 15 examples a shard, the hold-off search
+    finds the total miss from seed 4 (not from 0 to 3), so the campaign
+    finds it once and the other shard shows a clean one. (Which seed finds
+    it moves whenever the machine's rules or knobs change what they draw.)"""
     cells = tuple(Cell(SEED_STRATUM, arm, "model") for arm in ("off", "on"))
-    return Plan(cells, "dev", examples, shards, seed=2)
+    return Plan(cells, "dev", examples, shards, seed=3)
 
 
 def test_the_matrix_is_every_stratum_by_arm_by_target() -> None:

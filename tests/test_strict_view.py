@@ -140,3 +140,23 @@ def test_a_known_difference_explains_only_its_exact_divergence() -> None:
     assert "bug" in known.verdict
     assert explain(divergence(14, ())) is None  # another step
     assert explain(divergence(15, ("g1/64:x",))) is None  # not a missing key
+
+
+@needs_vllm
+def test_a_free_queue_that_loops_back_is_read_to_its_first_repeat(popped_target: object) -> None:
+    """A faulty free that queues a block twice links the free list into a
+    loop: the view lists the queue up to the first block seen again, once
+    more, instead of walking (and allocating) for ever."""
+    from kvgate.impl.vllm_target import VllmTarget
+
+    assert isinstance(popped_target, VllmTarget)
+    queue = popped_target.manager.block_pool.free_block_queue
+    first = queue.fake_free_list_head.next_free_block
+    second = first.next_free_block
+    third = second.next_free_block
+    second.next_free_block = first  # the loop: first -> second -> first
+    try:
+        ids = popped_target.snapshot().free_queue
+    finally:
+        second.next_free_block = third
+    assert ids == (first.block_id, second.block_id, first.block_id)

@@ -135,12 +135,19 @@ class ManagerView:
         )
 
     def free_queue_ids(self) -> list[int]:
+        """The free queue, head first. A queue whose links loop back (a block
+        queued twice by a faulty free) ends at the first block seen again,
+        listed twice: a queue no valid pool has, and a walk that ends."""
         queue = self._pool.free_block_queue
         tail = queue.fake_free_list_tail
         ids: list[int] = []
+        seen: set[int] = set()
         block = queue.fake_free_list_head.next_free_block
         while block is not None and block is not tail:
             ids.append(block.block_id)
+            if block.block_id in seen:
+                break
+            seen.add(block.block_id)
             block = block.next_free_block
         return ids
 
