@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import cast
 
 from kvgate.conformance.config import Config, UnsupportedConfig
-from kvgate.conformance.refusal import judge_refusal
+from kvgate.conformance.refusal import judge_refusal, refused_for_lacking
 from kvgate.conformance.replay import (
     Level,
     ModelBug,
@@ -107,7 +107,7 @@ def run_trace(
     `excluded` gets the strict-view exclusions that hid the target's raw state."""
     started = time.perf_counter()
     if trace.expect_refused is not None:
-        return judge_refusal(trace, factory, level)
+        return refused_for_lacking(factory, trace) or judge_refusal(trace, factory, level)
     try:
         target = build_target(factory, trace)
     except TraceError as error:

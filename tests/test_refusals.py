@@ -209,6 +209,34 @@ def test_a_refusal_by_another_field_fails_and_a_drifted_model_is_named() -> None
     assert str(drift.failures[1].expected).startswith("refused by retention_interval")
 
 
+def test_a_release_lacking_what_the_refused_config_needs_is_not_applicable() -> None:
+    """A release that cannot build the config for a capability it lacks (a
+    plain refusal, by another field) cannot show vLLM's refusal: the trace
+    is not applicable to it. vLLM refusing by another field still fails."""
+    from kvgate.conformance.config import UnsupportedConfig
+    from kvgate.conformance.verdict import Verdict, verdict
+    from kvgate.targets import run_trace
+
+    trace = parse_trace(
+        refusal_text(
+            EXAMPLE_TRACE_CONFIG.replace("retention_interval: 0", "retention_interval: 48"),
+            "retention_interval",
+        )
+    )
+
+    def lacks_hashes(config: Config) -> Any:
+        raise UnsupportedConfig("hash_unit", "this release has no such hashes")
+
+    def refuses_by_hash_unit(config: Config) -> Any:
+        raise RefusedByVllm("hash_unit", "a target that names another field")
+
+    lacking = run_trace(trace, lacks_hashes, None, "strict", False)
+    assert verdict(lacking) is Verdict.NOT_APPLICABLE
+    assert "config.hash_unit" in str(getattr(lacking, "message", ""))
+    other = run_trace(trace, refuses_by_hash_unit, None, "strict", False)
+    assert verdict(other) is Verdict.DIVERGES
+
+
 def test_the_gate_fails_an_accepted_refusal_trace(tmp_path: Path) -> None:
     path = tmp_path / "accepted.yaml"
     path.write_text(

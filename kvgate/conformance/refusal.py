@@ -22,11 +22,12 @@ from kvgate.conformance.replay import (
     Level,
     ReplayResult,
     TargetFactory,
+    TraceRunError,
 )
 from kvgate.conformance.target import Capabilities
-from kvgate.conformance.trace import Trace
+from kvgate.conformance.trace import Trace, TraceError
 
-__all__ = ["NOT_BUILT", "judge_refusal", "refusal_of"]
+__all__ = ["NOT_BUILT", "judge_refusal", "refusal_of", "refused_for_lacking"]
 
 # A refused target has no capabilities to report.
 NOT_BUILT = Capabilities(
@@ -66,6 +67,21 @@ def model_refusal(config: Config) -> tuple[str | None, str]:
     except UnsupportedConfig as error:
         return refused(error)
     return None, ACCEPTED
+
+
+def refused_for_lacking(build: TargetFactory, trace: Trace) -> TraceRunError | None:
+    """A refusal trace whose target refuses its config first for something
+    its release lacks (a plain refusal: neither vLLM's rule nor kvgate's),
+    by another field than the trace's: it cannot show the refusal the trace
+    is about, so the trace is not applicable there, as a replay trace the
+    target cannot build is."""
+    try:
+        build(trace.config).close()
+    except UnsupportedConfig as error:
+        if type(error) is UnsupportedConfig and error.field != trace.expect_refused:
+            message = str(TraceError.unsupported(trace.path, error))
+            return TraceRunError(trace, message, bug=False, config_refused=True)
+    return None
 
 
 def judge_refusal(trace: Trace, factory: TargetFactory, level: Level = "strict") -> ReplayResult:
