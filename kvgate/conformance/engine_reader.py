@@ -129,6 +129,7 @@ class EngineReader(FieldReader):
         if follows is not None:
             follows = self.arrived(index, "follows", follows)
         remote = self.engine_remote(index, raw, least)
+        priority = self.engine_priority(index, raw)
         self.requests[req] = ("waiting", f"arrived at step {index}")
         return EngineStep(
             "arrive",
@@ -139,7 +140,23 @@ class EngineReader(FieldReader):
             cache_salt=salt,
             follows=follows,
             remote=remote,
+            priority=priority,
         )
+
+    def engine_priority(self, index: int, raw: Mapping[Any, Any]) -> int:
+        """An arrival's `priority`: an integer, other than 0 only under the
+        priority policy (the FCFS one ignores it)."""
+        priority = raw.get("priority", 0)
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise self.error(index, "priority", f"must be an integer, got {got(priority)}")
+        assert self.config is not None
+        if priority and self.config.scheduling_policy != "priority":
+            raise self.error(
+                index,
+                "priority",
+                "needs config.scheduling_policy: priority (the fcfs policy ignores it)",
+            )
+        return priority
 
     def engine_remote(
         self, index: int, raw: Mapping[Any, Any], prompt_tokens: int

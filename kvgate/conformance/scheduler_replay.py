@@ -228,7 +228,13 @@ class _EngineLockstep:
         self.on_model(
             step,
             lambda: self.model.arrive(
-                name, event.prompt, event.max_tokens, event.follows, event.cache_salt, event.remote
+                name,
+                event.prompt,
+                event.max_tokens,
+                event.follows,
+                event.cache_salt,
+                event.remote,
+                event.priority,
             ),
         )
         if self.real is None:
@@ -239,7 +245,7 @@ class _EngineLockstep:
         try:
             if remote is not None:
                 real.script_external(name, remote.tokens, remote.load_async)
-            real.add_request(name, tokens, event.max_tokens, event.follows, inputs)
+            real.add_request(name, tokens, event.max_tokens, event.follows, inputs, event.priority)
         except StepRefused as refusal:
             raise TraceError(
                 self.trace.path,

@@ -119,7 +119,7 @@ REMOTE_FIELDS = ("remote_hit", "remote_async", "remote_delay", "remote_fails")
 ENGINE_OPS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "arrive": (
         ("req", "prompt", "max_tokens"),
-        ("cache_salt", "follows", *REMOTE_FIELDS),
+        ("cache_salt", "follows", "priority", *REMOTE_FIELDS),
     ),
     "step": ((), ("steps", "stop")),
     "abort": (("req",), ()),
@@ -158,6 +158,9 @@ class EngineStep:
     follows: str | None = None
     # arrive, with a KV connector: what its external store holds of the request.
     remote: RemoteHit | None = None
+    # arrive, under the priority policy: the request's priority (the lowest
+    # value is served first; ties by arrival).
+    priority: int = 0
     # reset: running requests are preempted first (`reset_running_requests`)
     running: bool = False
     # step: requests a stop condition (an end-of-sequence or stop token, a
@@ -195,6 +198,7 @@ class SchedulerModelRun(Protocol):
         follows: str | None = None,
         cache_salt: str = "",
         remote: RemoteHit | None = None,
+        priority: int = 0,
     ) -> Any: ...
 
     def prompt_tokens(self, name: str) -> tuple[list[int], HashInputs]:
@@ -242,9 +246,11 @@ class SchedulerTarget(Protocol):
         max_tokens: int,
         follows: str | None,
         inputs: HashInputs = NO_INPUTS,
+        priority: int = 0,
     ) -> None:
         """A new request; `follows`: the request whose output it continues;
-        `inputs`: what its block hashes cover besides its tokens.
+        `inputs`: what its block hashes cover besides its tokens; `priority`:
+        its priority under the priority policy (requests arrive in order).
 
         Raises `target.StepRefused` for a request the engine would not take,
         `config.NotModelled` for hash inputs the target does not model.

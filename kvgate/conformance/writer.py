@@ -111,6 +111,8 @@ def engine_step_dicts(engine: Iterable[EngineStep]) -> list[dict[str, Any]]:
                 entry["cache_salt"] = event.cache_salt
             if event.follows is not None:
                 entry["follows"] = event.follows
+            if event.priority:
+                entry["priority"] = event.priority
             remote = event.remote
             if remote is not None:
                 entry["remote_hit"] = remote.tokens

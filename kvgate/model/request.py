@@ -55,3 +55,11 @@ class Request:
         extend_prefix_keys(
             self.keys, self.all_token_ids, self.hash_unit, self.hash_lookahead, self.inputs
         )
+
+    def truncate_output(self, kept: int) -> None:
+        """Keep only the first `kept` output tokens, and the keys of the
+        prefixes they still complete (a scheduled run undone before it ran)."""
+        del self.all_token_ids[len(self.prompt) + kept :]
+        del self.output[kept:]
+        complete = max(0, (len(self.all_token_ids) - self.hash_lookahead) // self.hash_unit)
+        del self.keys[complete:]
