@@ -160,6 +160,12 @@ MALFORMED: dict[str, tuple[Callable[[dict[str, Any]], None], int | None, str]] =
         0,
         "remote_fails",
     ),
+    "remote undecided without a connector": (engine(0, remote_undecided=1), 0, "remote_undecided"),
+    "remote undecided not a count": (
+        with_connector(0, remote_undecided=-1),
+        0,
+        "remote_undecided",
+    ),
     "abort of no request": (engine(4, req="Z"), 4, "req"),
     "reset running not a flag": (engine(4, op="reset", req=None, running="yes"), 4, "running"),
     "reset expects a step's key": (

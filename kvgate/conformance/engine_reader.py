@@ -186,7 +186,15 @@ class EngineReader(FieldReader):
                 "remote_fails",
                 "applies to an async load of at least one token: remote_async, remote_hit >= 1",
             )
-        return RemoteHit(tokens, load_async, delay, fails)
+        undecided = raw.get("remote_undecided", 0)
+        if not is_count(undecided) or undecided > self.limits.steps:
+            raise self.error(
+                index,
+                "remote_undecided",
+                f'must be an integer 0..{self.limits.steps} (questions answered "not yet"), '
+                f"got {got(undecided)}",
+            )
+        return RemoteHit(tokens, load_async, delay, fails, undecided)
 
     def arrived(self, index: int, field: str, value: object) -> str:
         """`value` names a request that has arrived."""

@@ -238,7 +238,7 @@ class _EngineLockstep:
         remote = event.remote
         try:
             if remote is not None:
-                real.script_external(name, remote.tokens, remote.load_async)
+                real.script_external(name, remote.tokens, remote.load_async, remote.undecided)
             real.add_request(name, tokens, event.max_tokens, event.follows, inputs)
         except StepRefused as refusal:
             raise TraceError(

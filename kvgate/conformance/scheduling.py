@@ -39,10 +39,11 @@ class ScheduledStep:
     copies: list[list[int]] = field(default_factory=list)
     # With a KV connector only (both sides leave them empty without one):
     # each question the Scheduler put to the connector, (request, the local
-    # hit it presented, the external tokens answered, asynchronously), and
+    # hit it presented, the external tokens answered (None: "not yet"),
+    # asynchronously), and
     # each successful allocation from the waiting queue, (request, local hit
     # taken, external tokens, an asynchronous load's).
-    connector_queries: list[tuple[str, int, int, bool]] = field(default_factory=list)
+    connector_queries: list[tuple[str, int, int | None, bool]] = field(default_factory=list)
     taken: list[tuple[str, int, int, bool]] = field(default_factory=list)
 
 
@@ -85,6 +86,10 @@ class RemoteHit:
     # The async load fails (the worker reports `failed_recving`): the
     # Scheduler frees its blocks and looks the request up again.
     fails: bool = False
+    # The connector cannot tell yet what it holds: the first `undecided`
+    # times the Scheduler asks, it answers "not yet" (None), and the
+    # Scheduler passes over the request until a later step.
+    undecided: int = 0
 
 
 # A request's prefill stats as the Scheduler reports them with its first
@@ -112,7 +117,13 @@ COW_RETENTION = "copy-on-write retention"
 
 # An arrival's fields saying what a KV connector's external store holds of
 # the request (`RemoteHit`), in the order they are written.
-REMOTE_FIELDS = ("remote_hit", "remote_async", "remote_delay", "remote_fails")
+REMOTE_FIELDS = (
+    "remote_hit",
+    "remote_async",
+    "remote_delay",
+    "remote_fails",
+    "remote_undecided",
+)
 
 # The engine ops of a scheduler-level trace (its `engine` list), each with
 # its required and optional fields.
@@ -284,9 +295,11 @@ class SchedulerTarget(Protocol):
         `update()` of that step (the Scheduler cannot know it in advance)."""
         ...
 
-    def script_external(self, name: str, tokens: int, load_async: bool) -> None:
+    def script_external(self, name: str, tokens: int, load_async: bool, undecided: int = 0) -> None:
         """With a KV connector: the external store holds the first `tokens`
-        tokens of request `name`, loaded asynchronously when `load_async`."""
+        tokens of request `name`, loaded asynchronously when `load_async`;
+        the connector answers "not yet" to the first `undecided` questions
+        about it."""
         ...
 
     def abort(self, name: str) -> None:

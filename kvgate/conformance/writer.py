@@ -120,6 +120,8 @@ def engine_step_dicts(engine: Iterable[EngineStep]) -> list[dict[str, Any]]:
                     entry["remote_delay"] = remote.delay
                 if remote.fails:
                     entry["remote_fails"] = True
+                if remote.undecided:
+                    entry["remote_undecided"] = remote.undecided
         if event.op == "reset" and event.running:
             entry["running"] = True
         if event.stop:

@@ -715,8 +715,8 @@ class VllmScheduler:
             ]
         return step
 
-    def script_external(self, name: str, tokens: int, load_async: bool) -> None:
-        self.connector_script.hits[name] = ExternalHit(tokens, load_async)
+    def script_external(self, name: str, tokens: int, load_async: bool, undecided: int = 0) -> None:
+        self.connector_script.hits[name] = ExternalHit(tokens, load_async, undecided)
 
     def update(
         self,

@@ -736,7 +736,10 @@ class SchedulerModel:
             if not live.admitted and live.follows is not None:
                 cached = self.writer.check({"attention_cached": {live.follows: 0}})
                 decisions.checked[live.name] = int(cached["attention_cached"][live.follows])
-            hit, external, load_async = self._lookup(live, decisions, load_failed)
+            looked_up = self._lookup(live, decisions, load_failed)
+            if looked_up is None:
+                return "skipped"  # the connector cannot answer yet
+            hit, external, load_async = looked_up
             computed = live.request.num_computed_tokens + hit + external
             if defer and not load_async and computed < live.request.num_tokens - 1:
                 return None
@@ -778,28 +781,36 @@ class SchedulerModel:
 
     def _lookup(
         self, live: LiveRequest, decisions: StepDecisions, load_failed: bool = False
-    ) -> tuple[int, int, bool]:
+    ) -> tuple[int, int, bool] | None:
         """The admission's lookup: (local hit taken, external tokens, loaded
         asynchronously). With a KV connector the lookup carries what the
         external store holds (and whether the request's load just failed),
         and the question the Scheduler then puts to the connector is
-        recorded."""
+        recorded; None when the connector answers "not yet" (the Scheduler
+        passes over the request, admitting nothing of it this step)."""
         if not self.config.kv_connector:
             hit = int(self.writer.run("lookup", req=live.name)["hit"])
             decisions.lookups.append((live.name, hit))
             return hit, 0, False
         remote = live.remote or RemoteHit(0, False, 0)
         failed = {"load_failed": True} if load_failed else {}
+        # An undecided connector's "not yet" loads nothing: the lookup is the
+        # local one alone, and the next step looks the request up again.
+        undecided = remote.undecided > 0
         result = self.writer.run(
             "lookup",
             req=live.name,
-            remote_hit=remote.tokens,
-            remote_async=remote.load_async,
+            remote_hit=0 if undecided else remote.tokens,
+            remote_async=remote.load_async and not undecided,
             **failed,
         )
         local = int(result["local_hit"])
         decisions.lookups.append((live.name, local))
         presented = local - local % self.config.scheduler_block_size
+        if undecided:
+            live.remote = replace(remote, undecided=remote.undecided - 1)
+            decisions.connector_queries.append((live.name, presented, None, False))
+            return None
         answered = max(0, remote.tokens - presented)
         decisions.connector_queries.append(
             (live.name, presented, answered, remote.load_async and answered > 0)
