@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import yaml
 from configs import needs_vllm
+from test_scheduler_traces import engine as entry
 
 from kvgate.conformance.replay import ReplayResult, TraceRunError
 from kvgate.conformance.scheduler_replay import replay_scheduler
@@ -57,17 +58,6 @@ def edited(edit: Callable[[dict[str, Any]], None]) -> str:
     doc = yaml.safe_load(VALID)
     edit(doc)
     return str(yaml.safe_dump(doc, sort_keys=False))
-
-
-def entry(index: int, **fields: Any) -> Callable[[dict[str, Any]], None]:
-    def edit(doc: dict[str, Any]) -> None:
-        for key, value in fields.items():
-            if value is None:
-                del doc["engine"][index][key]
-            else:
-                doc["engine"][index][key] = value
-
-    return edit
 
 
 def config(**fields: Any) -> Callable[[dict[str, Any]], None]:

@@ -109,22 +109,18 @@ class EngineReader(FieldReader):
         if req in self.requests:
             raise self.error(index, "req", f"{req!r} already {self.requests[req][1]}")
         prompt = self.prompt(index, raw["prompt"])
-        max_tokens = raw["max_tokens"]
-        if not is_count(max_tokens) or max_tokens == 0:
-            raise self.error(index, "max_tokens", f"must be an integer >= 1, got {got(max_tokens)}")
+        max_tokens = self.output_length(index, raw)
         try:
             self.budget.arrive(req, prompt)
         except LimitError as error:
             raise self.error(index, error.field, error.message) from None
-        assert self.config is not None
         least = self.budget.prompt_least[req]
-        if least + max_tokens > self.config.max_model_len:
-            raise self.error(
-                index,
-                "max_tokens",
-                f"{least:,} prompt + {max_tokens:,} output tokens, more than config.max_model_len "
-                f"{self.config.max_model_len:,} (vLLM refuses the request)",
-            )
+        self.within_model_len(
+            index,
+            f"{least:,} prompt + {max_tokens:,} output tokens",
+            least + max_tokens,
+            "vLLM refuses the request",
+        )
         # A follow-up's `all_of` holds at most the whole output.
         self.budget.output_most[req] = max_tokens
         salt = self.text(index, "cache_salt", raw["cache_salt"]) if "cache_salt" in raw else ""
@@ -207,25 +203,38 @@ class EngineReader(FieldReader):
                 f"prompt[{copied[0]}]",
                 "a chunk's prompt takes fresh and tokens segments only",
             )
-        max_tokens = raw["max_tokens"]
-        if not is_count(max_tokens) or max_tokens == 0:
-            raise self.error(index, "max_tokens", f"must be an integer >= 1, got {got(max_tokens)}")
+        max_tokens = self.output_length(index, raw)
         written = sum(s.count + len(s.token_ids) for s in prompt)
         budget = self.budget
         # The session keeps every output token but its last, then the chunk.
         least = budget.prompt_least[req] + written
-        assert self.config is not None
-        if least + max_tokens > self.config.max_model_len:
-            raise self.error(
-                index,
-                "max_tokens",
-                f"the session's {least:,} tokens + {max_tokens:,} output tokens, more than "
-                f"config.max_model_len {self.config.max_model_len:,}",
-            )
+        self.within_model_len(
+            index,
+            f"the session's {least:,} tokens + {max_tokens:,} output tokens",
+            least + max_tokens,
+            "vLLM would stop the session there",
+        )
         budget.prompt_least[req] = least
         budget.prompt_most[req] += max(0, budget.output_most[req] - 1) + written
         budget.output_most[req] = max_tokens
         return EngineStep("chunk", index, req=req, prompt=prompt, max_tokens=max_tokens)
+
+    def within_model_len(self, index: int, what: str, tokens: int, why: str) -> None:
+        """A request's tokens with its output within `max_model_len`."""
+        assert self.config is not None
+        if tokens > self.config.max_model_len:
+            raise self.error(
+                index,
+                "max_tokens",
+                f"{what}, more than config.max_model_len {self.config.max_model_len:,} ({why})",
+            )
+
+    def output_length(self, index: int, raw: Mapping[Any, Any]) -> int:
+        """An entry's `max_tokens`: at least one token."""
+        max_tokens = raw["max_tokens"]
+        if not is_count(max_tokens) or max_tokens == 0:
+            raise self.error(index, "max_tokens", f"must be an integer >= 1, got {got(max_tokens)}")
+        return int(max_tokens)
 
     def engine_remote(
         self, index: int, raw: Mapping[Any, Any], prompt_tokens: int

@@ -688,11 +688,10 @@ class VllmScheduler:
                 f"{len(tokens)} prompt + {max_tokens} output tokens exceed max_model_len {limit}",
             )
         api = self._api
-        request = api.Request(
-            request_id=name,
-            prompt_token_ids=tokens,
-            sampling_params=api.SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-            pooling_params=None,
+        request = self._request(
+            name,
+            tokens,
+            max_tokens,
             block_hasher=self._hasher,
             **request_inputs(api, inputs),
             **({"resumable": True} if resumable else {}),
@@ -716,16 +715,20 @@ class VllmScheduler:
         self._send_again(name, [], 1, resumable=False)
 
     def _send_again(self, name: str, tokens: list[int], max_tokens: int, resumable: bool) -> None:
+        self._scheduler.add_request(self._request(name, tokens, max_tokens, resumable=resumable))
+        self._view.track(name, self._requests[name], self._sessions[name])
+
+    def _request(self, name: str, tokens: list[int], max_tokens: int, **fields: Any) -> Any:
+        """A vLLM `Request` as the engine hands it over: its own output
+        length, never stopped early by an end-of-sequence token."""
         api = self._api
-        again = api.Request(
+        return api.Request(
             request_id=name,
             prompt_token_ids=tokens,
             sampling_params=api.SamplingParams(max_tokens=max_tokens, ignore_eos=True),
             pooling_params=None,
-            resumable=resumable,
+            **fields,
         )
-        self._scheduler.add_request(again)
-        self._view.track(name, self._requests[name], self._sessions[name])
 
     def schedule(self) -> ScheduledStep:
         self._step = step = ScheduledStep()
