@@ -130,8 +130,11 @@ REMOTE_FIELDS = (
 ENGINE_OPS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "arrive": (
         ("req", "prompt", "max_tokens"),
-        ("cache_salt", "follows", *REMOTE_FIELDS),
+        ("cache_salt", "follows", "resumable", *REMOTE_FIELDS),
     ),
+    # A streaming-input session's next input chunk (its prompt tokens and
+    # the output it then generates), or its end (`end: true`).
+    "chunk": (("req",), ("prompt", "max_tokens", "end")),
     "step": ((), ("steps", "stop")),
     "abort": (("req",), ()),
     "reset": ((), ("running",)),
@@ -169,6 +172,12 @@ class EngineStep:
     follows: str | None = None
     # arrive, with a KV connector: what its external store holds of the request.
     remote: RemoteHit | None = None
+    # arrive: a streaming-input session (vLLM's `resumable`): when it stops
+    # it keeps its blocks and waits for its next input chunk.
+    resumable: bool = False
+    # chunk: the session ends (vLLM's engine sends the request again, not
+    # resumable); otherwise `prompt` and `max_tokens` are the next chunk's.
+    end: bool = False
     # reset: running requests are preempted first (`reset_running_requests`)
     running: bool = False
     # step: requests a stop condition (an end-of-sequence or stop token, a
@@ -206,10 +215,21 @@ class SchedulerModelRun(Protocol):
         follows: str | None = None,
         cache_salt: str = "",
         remote: RemoteHit | None = None,
+        resumable: bool = False,
     ) -> Any: ...
 
     def prompt_tokens(self, name: str) -> tuple[list[int], HashInputs]:
         """An arrived request's prompt token ids and hash inputs."""
+        ...
+
+    def chunk(self, name: str, prompt: tuple[Segment, ...], max_tokens: int) -> list[int]:
+        """Session `name`'s next input chunk arrives: taken at once if the
+        session waits for it, queued if it still runs. The chunk's token ids."""
+        ...
+
+    def end_session(self, name: str) -> None:
+        """Session `name` ends: at once if it waits for input (its blocks
+        freed as an abort's), or when it next stops if it still runs."""
         ...
 
     def step(self) -> EngineOutcome: ...
@@ -245,6 +265,9 @@ class SchedulerModelRun(Protocol):
 
 class SchedulerTarget(Protocol):
     capabilities: Capabilities
+    # The build takes streaming-input sessions (vLLM's resumable requests):
+    # a trace with one is not applicable to a build without.
+    streaming_input: bool
 
     def add_request(
         self,
@@ -253,13 +276,24 @@ class SchedulerTarget(Protocol):
         max_tokens: int,
         follows: str | None,
         inputs: HashInputs = NO_INPUTS,
+        resumable: bool = False,
     ) -> None:
         """A new request; `follows`: the request whose output it continues;
-        `inputs`: what its block hashes cover besides its tokens.
+        `inputs`: what its block hashes cover besides its tokens;
+        `resumable`: a streaming-input session.
 
         Raises `target.StepRefused` for a request the engine would not take,
         `config.NotModelled` for hash inputs the target does not model.
         """
+        ...
+
+    def add_chunk(self, name: str, tokens: list[int], max_tokens: int) -> None:
+        """Session `name`'s next input chunk, sent as vLLM's engine sends it
+        (the same request id again)."""
+        ...
+
+    def end_session(self, name: str) -> None:
+        """Session `name`'s end, sent as vLLM's engine sends it."""
         ...
 
     def has_requests(self) -> bool:
