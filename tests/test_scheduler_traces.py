@@ -292,6 +292,8 @@ def test_each_hold_on_trace_shows_the_hold() -> None:
     for trace in CORPUS:
         if not trace.config.hold or trace.config.retain_retired:
             continue
+        if "next-turn-after-burst" not in trace.name:
+            continue  # the other hold arms show it otherwise (their own tests)
         off = by_name(trace.name.replace(".hold-on", ".hold-off"))
         with_hold = cached_a2(trace)
         without = cached_a2(off)

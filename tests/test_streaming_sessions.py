@@ -139,7 +139,21 @@ def test_the_corpus_has_the_session_shapes() -> None:
     assert {
         "sched-session-next-chunk-while-waiting",
         "sched-session-chunk-queued-while-running",
+        "sched-mamba2-session-under-pressure.hold-on",
+        "sched-mamba2-session-under-pressure.hold-off",
     } <= names
+
+
+def test_with_the_hold_a_preempted_session_is_admitted_again_past_its_prefix() -> None:
+    """S's admission after its preemption: with the hold its prompt's cached
+    prefix leaves 8 tokens to run, without it the whole first chunk again."""
+    readmitted = {}
+    for arm in ("hold-on", "hold-off"):
+        trace = by_name(f"sched-mamba2-session-under-pressure.{arm}")
+        after = [e for e in trace.engine if e.expect.get("finished") == ["X"]][0]
+        [admission] = [e for e in trace.engine if e.index == after.index + 1]
+        readmitted[arm] = admission.expect["scheduled"][0]
+    assert readmitted == {"hold-on": ("S", 8), "hold-off": ("S", 64)}
 
 
 def run(trace: Trace, real: Any = None) -> ReplayResult:
