@@ -90,8 +90,37 @@ class EngineReader(FieldReader):
         if "stop" in raw and repeats != 1:
             raise self.error(index, "stop", "applies to one engine step: write steps: 1")
         stop = self.stopped(index, raw.get("stop", []))
+        if "accept" in raw and repeats != 1:
+            raise self.error(index, "accept", "applies to one engine step: write steps: 1")
+        accept = self.accepted(index, raw.get("accept", {}), stop)
         expect = self.engine_expect(index, raw.get("expect", {}))
-        return [EngineStep("step", index, expect=expect, stop=stop) for _ in range(repeats)]
+        return [
+            EngineStep("step", index, expect=expect, stop=stop, accept=accept)
+            for _ in range(repeats)
+        ]
+
+    def accepted(self, index: int, raw: object, stop: tuple[str, ...]) -> dict[str, int]:
+        """A step's `accept`: requests that have arrived, each with the drafts
+        accepted, 1 to the drafts a step proposes (`scheduler.spec`)."""
+        if not isinstance(raw, dict) or not all(
+            is_count(n) and 1 <= n <= self.drafts for n in raw.values()
+        ):
+            raise self.error(
+                index,
+                "accept",
+                f"must map requests to draft tokens accepted, 1..{self.drafts} "
+                f"(scheduler.spec), got {got(raw)}",
+            )
+        accept = {self.arrived(index, "accept", r): n for r, n in raw.items()}
+        stopped = [r for r in accept if r in stop]
+        if stopped:
+            raise self.error(
+                index,
+                "accept",
+                f"{stopped[0]!r} also stops in this step: a stop condition met at an accepted "
+                "draft is not modelled",
+            )
+        return accept
 
     def stopped(self, index: int, raw: object) -> tuple[str, ...]:
         """A step's `stop`: requests that have arrived, each named once."""

@@ -293,6 +293,8 @@ class _EngineLockstep:
     def step(self, event: EngineStep, step: Step) -> None:
         for name in event.stop:
             self.on_model(step, functools.partial(self.model.stop, name))
+        for name, drafts in event.accept.items():
+            self.on_model(step, functools.partial(self.model.accept, name, drafts))
         modelled: EngineOutcome = self.on_model(step, self.model.step)
         where = f"engine step {self.engine_steps}"
         observed: ScheduledStep

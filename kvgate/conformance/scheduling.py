@@ -135,7 +135,7 @@ ENGINE_OPS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     # A streaming-input session's next input chunk (its prompt tokens and
     # the output it then generates), or its end (`end: true`).
     "chunk": (("req",), ("prompt", "max_tokens", "end")),
-    "step": ((), ("steps", "stop")),
+    "step": ((), ("steps", "stop", "accept")),
     "abort": (("req",), ()),
     "reset": ((), ("running",)),
 }
@@ -183,6 +183,9 @@ class EngineStep:
     # step: requests a stop condition (an end-of-sequence or stop token, a
     # stop string) finishes with the token they sample in this step
     stop: tuple[str, ...] = ()
+    # step: requests whose drafts the model runner accepts in this step, each
+    # with how many (the first N of the drafts it decodes with)
+    accept: dict[str, int] = field(default_factory=dict)
     expect: dict[str, Any] = field(default_factory=dict)
 
 
@@ -237,6 +240,12 @@ class SchedulerModelRun(Protocol):
     def stop(self, name: str) -> None:
         """Request `name` finishes with the token it samples in the next
         step, before its `max_tokens`: a stop condition the engine met."""
+        ...
+
+    def accept(self, name: str, drafts: int) -> None:
+        """Request `name`, decoding in the next step, gets the first `drafts`
+        of its draft tokens accepted (the model runner samples them, then one
+        token of its own); the rest are rejected."""
         ...
 
     def abort(self, name: str) -> None: ...
@@ -319,7 +328,7 @@ class SchedulerTarget(Protocol):
         failed: Collection[str] = (),
     ) -> list[str]:
         """The model runner's output for the last `schedule()`: the tokens
-        each scheduled request sampled (drafts all rejected), and the
+        each scheduled request sampled (its accepted drafts among them), and the
         asynchronous KV loads its connector finished (`loaded`) or lost
         (`failed`). Returns the requests that finished, in order."""
         ...

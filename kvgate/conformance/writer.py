@@ -133,6 +133,8 @@ def engine_step_dicts(engine: Iterable[EngineStep]) -> list[dict[str, Any]]:
             entry["running"] = True
         if event.stop:
             entry["stop"] = list(event.stop)
+        if event.accept:
+            entry["accept"] = dict(event.accept)
         if event.expect:
             entry["expect"] = plain(event.expect)
         out.append(entry)

@@ -34,7 +34,8 @@ abort load_failed`, after the step's finishes), one failure reported a step.
 
 A chunk that computes every token of its request samples the step's output
 token (`allocate sample 1`), as vLLM's `Scheduler` appends it after the step;
-the model's drafts are all rejected (one token per decode step).
+the model's drafts are rejected (one token per decode step) unless a step
+accepts some (`accept`: `decode1 accepted`).
 
 The workload's generator (`workload.generator.SessionRun`) and the
 scheduler-level lockstep drive it; the steps it writes, each with what the
@@ -257,6 +258,8 @@ class SchedulerModel:
         # Requests a prefix-cache reset preempted between steps: vLLM's
         # Scheduler reports them with the next step's preemptions.
         self._reset_preempted: list[str] = []
+        # Drafts the model runner accepts in the next step, by request (`accept`).
+        self._accept: dict[str, int] = {}
         self._running_scheduled = False
         self._prefill_scheduled = False
         # The prefill cadence (`prefill_schedule_interval`): the non-empty
@@ -381,6 +384,10 @@ class SchedulerModel:
             return self._async_step()
         decisions = StepDecisions()
         finished, sampled = self._schedule_batch(decisions)
+        unused = next(iter(self._accept), None)
+        if unused is not None:
+            self._accept.clear()
+            raise StepRefused("accept", f"{unused} does not decode with drafts in this step")
         decisions.loaded, decisions.failed = self.reported_loads()
         self._process_output(decisions, sampled, finished)
         self.engine_step += 1
@@ -1065,9 +1072,36 @@ class SchedulerModel:
     def _decode(self, live: LiveRequest, drafts: int) -> Callable[[], bool]:
         # Written only when the budget cut the drafts short.
         lookahead = self.spec if drafts < self.spec else 0
+        accepted = self._accept.get(live.name, 0)
+        if accepted > drafts:
+            raise StepRefused(
+                "accept",
+                f"{live.name} decodes with {drafts} drafts in this step (the token budget cut "
+                f"them), fewer than the {accepted} accepted",
+            )
+        outputs = len(live.request.output) + 1 + accepted
+        if accepted and outputs > live.max_tokens:
+            # vLLM's Scheduler would drop the tokens past max_tokens.
+            raise StepRefused(
+                "accept",
+                f"{live.name} would have {outputs} output tokens, past its max_tokens "
+                f"{live.max_tokens}",
+            )
+        # Written only when the model runner accepts some.
+        accepting = {"accepted": accepted} if accepted else {}
 
         def run() -> bool:
-            result = self.writer.run("decode1", req=live.name, spec=drafts, lookahead=lookahead)
+            result = self.writer.run(
+                "decode1", req=live.name, spec=drafts, lookahead=lookahead, **accepting
+            )
+            if result["ok"]:
+                self._accept.pop(live.name, None)
             return bool(result["ok"])
 
         return run
+
+    def accept(self, name: str, drafts: int) -> None:
+        """`name` decodes in the next step and the model runner accepts the
+        first `drafts` of its draft tokens: its computed tokens advance past
+        them, and it outputs them and one token of its own."""
+        self._accept[name] = drafts
