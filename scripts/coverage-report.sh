@@ -9,8 +9,8 @@
 # combined), by the Scheduler-level
 # gate alone (the scheduler-level corpus at strict level), by the
 # Scheduler-level exploration (ci profile), next to vLLM's own manager tests
-# (tests/v1/core/prefix_cache/ and test_prefix_caching.py) and vLLM's own
-# scheduler tests (the files of tests/v1/core that build a Scheduler, below).
+# and vLLM's own scheduler tests (the lists the fault campaign runs:
+# MANAGER_TESTS and SCHEDULER_TESTS in kvgate/mutate/own_suite.py).
 #
 #   scripts/coverage-report.sh [OUT_DIR]     (default: out/coverage)
 #
@@ -111,20 +111,12 @@ own_column() {  # NAME REUSE_FILE TESTS...: a column of vLLM's own tests
     run_covered "$name" bash -c "cd '$tests' && '$py' -m pytest -q -p no:cacheprovider $*"
   fi
 }
-# vLLM's scheduler tests: the files of tests/v1/core that build a Scheduler
-# (test_prefix_caching.py, which builds one too, is the manager column's),
-# and the align split's own tests.
-scheduler_tests=(
-  tests/v1/core/test_scheduler.py
-  tests/v1/core/test_async_scheduler.py
-  tests/v1/core/test_deferred_block_free.py
-  tests/v1/core/test_mamba_align_chunk_split.py
-  tests/v1/core/test_prefix_replay.py
-  tests/v1/core/test_priority_preemption_bug.py
-  tests/v1/core/test_priority_scheduler_random.py
-  tests/v1/core/test_swa_inflight_window_free.py
-  tests/v1/core/test_worker_slot_overflow.py
-)
+# vLLM's own manager and scheduler tests: the campaign's one list
+# (kvgate/mutate/own_suite.py), a column each.
+mapfile -t manager_tests < <("$py" -m kvgate.mutate.own_suite manager)
+mapfile -t scheduler_tests < <("$py" -m kvgate.mutate.own_suite scheduler)
+[ "${#manager_tests[@]}" -gt 0 ] && [ "${#scheduler_tests[@]}" -gt 0 ] || {
+  echo "coverage-report: kvgate.mutate.own_suite did not list vLLM's tests" >&2; exit 1; }
 own_columns=" ${KVGATE_OWN_COLUMNS:-manager scheduler} "
 [ "${KVGATE_OWN_TESTS:-}" != skip ] || own_columns=" "
 columns=(
@@ -134,8 +126,7 @@ columns=(
 )
 if [[ "$own_columns" == *" manager "* ]]; then
   echo "== vLLM 0.33.0's own manager tests" >&2
-  own_column vllm-tests "${KVGATE_OWN_COVERAGE:-}" \
-    tests/v1/core/prefix_cache tests/v1/core/test_prefix_caching.py
+  own_column vllm-tests "${KVGATE_OWN_COVERAGE:-}" "${manager_tests[@]}"
   columns+=("vLLM's own manager tests=$out/.coverage.vllm-tests")
 fi
 if [[ "$own_columns" == *" scheduler "* ]]; then

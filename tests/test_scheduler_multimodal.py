@@ -101,6 +101,11 @@ MALFORMED: dict[str, tuple[Callable[[dict[str, Any]], None], int, str]] = {
     "not a list": (lambda doc: doc["engine"][0].update(mm="cat"), 0, "mm"),
     "one id, two lengths": (arrival_mm(2, item(8, 8, "cat")), 2, "mm[0].length"),
     "under async scheduling": (async_config, 0, "mm"),
+    "of a streaming-input session": (
+        lambda doc: doc["engine"][0].update(resumable=True),
+        0,
+        "mm",
+    ),
     "encoded not indices": (encoded({"A": "all"}), 1, "expect.encoded"),
     "encoded unknown request": (encoded({"Z": [0]}), 1, "expect.encoded"),
 }
