@@ -113,8 +113,7 @@ own_column() {  # NAME REUSE_FILE TESTS...: a column of vLLM's own tests
     # A data file recorded by an earlier run of this script (OUT_DIR/.coverage.NAME).
     cp "$reuse" "$out/.coverage.$name"
   elif [ -s "$kept" ]; then
-    own_notes+=("$name: vLLM's tests not run again; their coverage is reused from" \
-      "${kept#"$PWD/"}, recorded $(date -u -r "$kept" '+%Y-%m-%d %H:%M UTC')")
+    own_notes+=("$name: vLLM's tests not run again; their coverage is reused from ${kept#"$PWD/"}, recorded $(date -u -r "$kept" '+%Y-%m-%d %H:%M UTC')")
     cp "$kept" "$out/.coverage.$name"
   elif [ -f scripts/vllm-own-tests.sh ] && [ "${KVGATE_OWN_TESTS:-}" != fallback ]; then
     run_covered "$name" bash scripts/vllm-own-tests.sh "$@" -q
