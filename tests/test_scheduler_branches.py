@@ -58,3 +58,28 @@ def test_a_split_that_gives_a_running_prefill_a_chunk_ending_mid_block_diverges(
     assert divergence is not None
     assert divergence.step.index == second_step(trace), divergence
     assert divergence.actual == [("X", 224), ("B", 26)], divergence
+
+
+@needs_vllm
+def test_a_scheduler_that_takes_not_yet_for_nothing_external_diverges(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM's Scheduler reading the connector's "not yet" as "nothing
+    external": it admits B at once with its local hit alone, and the trace
+    fails at that step."""
+    from kvgate.impl import vllm_connector
+
+    scripted = vllm_connector._Scripted.get_num_new_matched_tokens
+
+    def not_yet_as_nothing(self: Any, request: Any, num_computed_tokens: int) -> Any:
+        tokens, load_async = scripted(self, request, num_computed_tokens)
+        return (0 if tokens is None else tokens), load_async
+
+    trace = bundled("sched-connector-not-yet")
+    assert run_vllm(trace).passed
+    monkeypatch.setattr(vllm_connector._Scripted, "get_num_new_matched_tokens", not_yet_as_nothing)
+    divergence = run_vllm(trace).divergence
+    assert divergence is not None
+    first_asked = next(e.index for e in trace.engine if e.op == "step" and e.index > 4)
+    assert divergence.step.index == first_asked, divergence
+    assert divergence.actual == [("B", 96), ("C", 32)], divergence

@@ -304,7 +304,8 @@ class OpDriver(ABC, Generic[R]):
             raise StepRefused("req", out_of_phase(step.op, step.req, phase))
         return pending
 
-    def _resolve(self, segments: tuple[Segment, ...]) -> list[int]:
+    def resolve(self, segments: tuple[Segment, ...]) -> list[int]:
+        """A prompt's segments as this target's token ids (`fresh` ones taken now)."""
         tokens: list[int] = []
         for segment in segments:
             if segment.kind == "fresh":
@@ -326,7 +327,7 @@ class OpDriver(ABC, Generic[R]):
         assert step.req is not None
         if step.req in self.requests:
             raise StepRefused("req", f"request {step.req!r} already arrived")
-        tokens = self._resolve(step.prompt)
+        tokens = self.resolve(step.prompt)
         if not tokens:
             raise StepRefused("prompt", "the prompt is empty")
         if len(tokens) > self.config.max_model_len:

@@ -47,6 +47,7 @@ class EngineReader(FieldReader):
             raise self.error(
                 None, "scheduler.spec", "config.eagle drops blocks for drafts: give spec >= 1"
             )
+        self.drafts = spec
         return EngineSettings(spec, seqs)
 
     def engine_step(self, index: int, raw: object) -> list[EngineStep]:
@@ -62,6 +63,8 @@ class EngineReader(FieldReader):
             raise self.error(index, error.field, error.message) from None
         if op == "arrive":
             return [self.engine_arrival(index, raw)]
+        if op == "chunk":
+            return [self.engine_chunk(index, raw)]
         if op == "abort":
             req = self.arrived(index, "req", raw["req"])
             if self.requests[req][0] == "ended":
@@ -106,22 +109,18 @@ class EngineReader(FieldReader):
         if req in self.requests:
             raise self.error(index, "req", f"{req!r} already {self.requests[req][1]}")
         prompt = self.prompt(index, raw["prompt"])
-        max_tokens = raw["max_tokens"]
-        if not is_count(max_tokens) or max_tokens == 0:
-            raise self.error(index, "max_tokens", f"must be an integer >= 1, got {got(max_tokens)}")
+        max_tokens = self.output_length(index, raw)
         try:
             self.budget.arrive(req, prompt)
         except LimitError as error:
             raise self.error(index, error.field, error.message) from None
-        assert self.config is not None
         least = self.budget.prompt_least[req]
-        if least + max_tokens > self.config.max_model_len:
-            raise self.error(
-                index,
-                "max_tokens",
-                f"{least:,} prompt + {max_tokens:,} output tokens, more than config.max_model_len "
-                f"{self.config.max_model_len:,} (vLLM refuses the request)",
-            )
+        self.within_model_len(
+            index,
+            f"{least:,} prompt + {max_tokens:,} output tokens",
+            least + max_tokens,
+            "vLLM refuses the request",
+        )
         # A follow-up's `all_of` holds at most the whole output.
         self.budget.output_most[req] = max_tokens
         salt = self.text(index, "cache_salt", raw["cache_salt"]) if "cache_salt" in raw else ""
@@ -129,6 +128,9 @@ class EngineReader(FieldReader):
         if follows is not None:
             follows = self.arrived(index, "follows", follows)
         remote = self.engine_remote(index, raw, least)
+        resumable = self.engine_resumable(index, raw)
+        if resumable:
+            self.sessions.add(req)
         self.requests[req] = ("waiting", f"arrived at step {index}")
         return EngineStep(
             "arrive",
@@ -139,7 +141,100 @@ class EngineReader(FieldReader):
             cache_salt=salt,
             follows=follows,
             remote=remote,
+            resumable=resumable,
         )
+
+    def engine_resumable(self, index: int, raw: Mapping[Any, Any]) -> bool:
+        """An arrival's `resumable`: a streaming-input session, refused by
+        name where the scheduler model does not follow one yet."""
+        resumable = raw.get("resumable", False)
+        if not isinstance(resumable, bool):
+            raise self.error(index, "resumable", f"must be true or false, got {got(resumable)}")
+        assert self.config is not None
+        config = self.config
+        if resumable and self.drafts:
+            raise self.error(
+                index,
+                "resumable",
+                "a streaming-input session with draft tokens (scheduler.spec) is not modelled yet",
+            )
+        unmodelled = (
+            ("async_scheduling", config.async_scheduling),
+            ("kv_connector", config.kv_connector),
+            ("hash_lookahead_tokens", bool(config.hash_lookahead_tokens)),
+            ("prefill_schedule_interval", config.prefill_schedule_interval > 1),
+        )
+        for name, on in unmodelled:
+            if resumable and on:
+                raise self.error(
+                    index,
+                    "resumable",
+                    f"a streaming-input session with config.{name} is not modelled yet",
+                )
+        return resumable
+
+    def engine_chunk(self, index: int, raw: Mapping[Any, Any]) -> EngineStep:
+        """A session's next input chunk (`prompt`, `max_tokens`), or its end
+        (`end: true`), for a resumable request that has not ended."""
+        req = self.arrived(index, "req", raw["req"])
+        if req not in self.sessions:
+            raise self.error(
+                index, "req", f"{req!r} is not a streaming-input session (arrive with resumable)"
+            )
+        if self.requests[req][0] == "ended":
+            raise self.error(index, "req", f"{req!r} was {self.requests[req][1]}")
+        end = raw.get("end", False)
+        if not isinstance(end, bool):
+            raise self.error(index, "end", f"must be true or false, got {got(end)}")
+        if end:
+            for key in ("prompt", "max_tokens"):
+                if key in raw:
+                    raise self.error(index, key, "a session's end carries no input chunk")
+            self.requests[req] = ("ended", f"ended its session at step {index}")
+            return EngineStep("chunk", index, req=req, end=True)
+        for key in ("prompt", "max_tokens"):
+            if key not in raw:
+                raise self.error(index, key, "missing (or write end: true to end the session)")
+        prompt = self.prompt(index, raw["prompt"])
+        copied = [i for i, s in enumerate(prompt) if s.req is not None]
+        if copied:
+            raise self.error(
+                index,
+                f"prompt[{copied[0]}]",
+                "a chunk's prompt takes fresh and tokens segments only",
+            )
+        max_tokens = self.output_length(index, raw)
+        written = sum(s.count + len(s.token_ids) for s in prompt)
+        budget = self.budget
+        # The session keeps every output token but its last, then the chunk.
+        least = budget.prompt_least[req] + written
+        self.within_model_len(
+            index,
+            f"the session's {least:,} tokens + {max_tokens:,} output tokens",
+            least + max_tokens,
+            "vLLM would stop the session there",
+        )
+        budget.prompt_least[req] = least
+        budget.prompt_most[req] += max(0, budget.output_most[req] - 1) + written
+        budget.output_most[req] = max_tokens
+        return EngineStep("chunk", index, req=req, prompt=prompt, max_tokens=max_tokens)
+
+    def within_model_len(self, index: int, what: str, tokens: int, why: str) -> None:
+        """A request's tokens with its output within `max_model_len`."""
+        assert self.config is not None
+        if tokens > self.config.max_model_len:
+            raise self.error(
+                index,
+                "max_tokens",
+                f"{what}, more than config.max_model_len {self.config.max_model_len:,} ({why})",
+            )
+
+    def output_length(self, index: int, raw: Mapping[Any, Any]) -> int:
+        """An entry's `max_tokens`: at least one token."""
+        max_tokens = raw["max_tokens"]
+        if not is_count(max_tokens) or max_tokens == 0:
+            raise self.error(index, "max_tokens", f"must be an integer >= 1, got {got(max_tokens)}")
+        return int(max_tokens)
 
     def engine_remote(
         self, index: int, raw: Mapping[Any, Any], prompt_tokens: int
@@ -186,7 +281,15 @@ class EngineReader(FieldReader):
                 "remote_fails",
                 "applies to an async load of at least one token: remote_async, remote_hit >= 1",
             )
-        return RemoteHit(tokens, load_async, delay, fails)
+        undecided = raw.get("remote_undecided", 0)
+        if not is_count(undecided) or undecided > self.limits.steps:
+            raise self.error(
+                index,
+                "remote_undecided",
+                f'must be an integer 0..{self.limits.steps} (questions answered "not yet"), '
+                f"got {got(undecided)}",
+            )
+        return RemoteHit(tokens, load_async, delay, fails, undecided)
 
     def arrived(self, index: int, field: str, value: object) -> str:
         """`value` names a request that has arrived."""

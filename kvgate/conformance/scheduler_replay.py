@@ -9,6 +9,8 @@ on a real scheduler (`SchedulerTarget`: vLLM's own `Scheduler` owning its
   the model resolved the prompt's segments to, and its hash inputs; with a
   KV connector, what its external store holds is scripted on both first);
 - `abort`: both finish it as aborted;
+- `chunk`: a streaming-input session's next input chunk (or its end) sent
+  to both, the real one as vLLM's engine sends it (the request id again);
 - `reset`: both reset the prefix cache (`running`: preempting every
   running request first); whether it reset and the waiting queue after are
   checked against `expect`, then compared (api), then the views (strict);
@@ -194,6 +196,8 @@ class _EngineLockstep:
                 self.on_real(step, "abort", lambda: real.abort(name))
         elif event.op == "reset":
             self.reset(event, step)
+        elif event.op == "chunk":
+            self.chunk(event, step)
         else:
             self.engine_steps += 1
             self.step(event, step)
@@ -228,7 +232,13 @@ class _EngineLockstep:
         self.on_model(
             step,
             lambda: self.model.arrive(
-                name, event.prompt, event.max_tokens, event.follows, event.cache_salt, event.remote
+                name,
+                event.prompt,
+                event.max_tokens,
+                event.follows,
+                event.cache_salt,
+                event.remote,
+                event.resumable,
             ),
         )
         if self.real is None:
@@ -238,8 +248,10 @@ class _EngineLockstep:
         remote = event.remote
         try:
             if remote is not None:
-                real.script_external(name, remote.tokens, remote.load_async)
-            real.add_request(name, tokens, event.max_tokens, event.follows, inputs)
+                real.script_external(name, remote.tokens, remote.load_async, remote.undecided)
+            real.add_request(
+                name, tokens, event.max_tokens, event.follows, inputs, resumable=event.resumable
+            )
         except StepRefused as refusal:
             raise TraceError(
                 self.trace.path,
@@ -253,6 +265,30 @@ class _EngineLockstep:
             raise Diverged(
                 self.divergence(step, "api", "add_request raised", "no exception", one_line(error))
             ) from error
+
+    def chunk(self, event: EngineStep, step: Step) -> None:
+        """A session's next input chunk (or its end) sent to both: the real
+        scheduler gets the token ids the model resolved the chunk to."""
+        assert event.req is not None
+        name = event.req
+        if event.end:
+            self.on_model(step, lambda: self.model.end_session(name))
+        else:
+            tokens = self.on_model(
+                step, lambda: self.model.chunk(name, event.prompt, event.max_tokens)
+            )
+        real = self.real
+        if real is None:
+            return
+        if event.end:
+            self.on_real(step, "add_request (the session's end)", lambda: real.end_session(name))
+        else:
+            self.on_real(
+                step,
+                "add_request (the next input chunk)",
+                lambda: real.add_chunk(name, tokens, event.max_tokens),
+            )
+        self.strict(step, "after the chunk")
 
     def step(self, event: EngineStep, step: Step) -> None:
         for name in event.stop:

@@ -39,10 +39,11 @@ class ScheduledStep:
     copies: list[list[int]] = field(default_factory=list)
     # With a KV connector only (both sides leave them empty without one):
     # each question the Scheduler put to the connector, (request, the local
-    # hit it presented, the external tokens answered, asynchronously), and
+    # hit it presented, the external tokens answered (None: "not yet"),
+    # asynchronously), and
     # each successful allocation from the waiting queue, (request, local hit
     # taken, external tokens, an asynchronous load's).
-    connector_queries: list[tuple[str, int, int, bool]] = field(default_factory=list)
+    connector_queries: list[tuple[str, int, int | None, bool]] = field(default_factory=list)
     taken: list[tuple[str, int, int, bool]] = field(default_factory=list)
 
 
@@ -85,6 +86,10 @@ class RemoteHit:
     # The async load fails (the worker reports `failed_recving`): the
     # Scheduler frees its blocks and looks the request up again.
     fails: bool = False
+    # The connector cannot tell yet what it holds: the first `undecided`
+    # times the Scheduler asks, it answers "not yet" (None), and the
+    # Scheduler passes over the request until a later step.
+    undecided: int = 0
 
 
 # A request's prefill stats as the Scheduler reports them with its first
@@ -112,15 +117,24 @@ COW_RETENTION = "copy-on-write retention"
 
 # An arrival's fields saying what a KV connector's external store holds of
 # the request (`RemoteHit`), in the order they are written.
-REMOTE_FIELDS = ("remote_hit", "remote_async", "remote_delay", "remote_fails")
+REMOTE_FIELDS = (
+    "remote_hit",
+    "remote_async",
+    "remote_delay",
+    "remote_fails",
+    "remote_undecided",
+)
 
 # The engine ops of a scheduler-level trace (its `engine` list), each with
 # its required and optional fields.
 ENGINE_OPS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "arrive": (
         ("req", "prompt", "max_tokens"),
-        ("cache_salt", "follows", *REMOTE_FIELDS),
+        ("cache_salt", "follows", "resumable", *REMOTE_FIELDS),
     ),
+    # A streaming-input session's next input chunk (its prompt tokens and
+    # the output it then generates), or its end (`end: true`).
+    "chunk": (("req",), ("prompt", "max_tokens", "end")),
     "step": ((), ("steps", "stop")),
     "abort": (("req",), ()),
     "reset": ((), ("running",)),
@@ -158,6 +172,12 @@ class EngineStep:
     follows: str | None = None
     # arrive, with a KV connector: what its external store holds of the request.
     remote: RemoteHit | None = None
+    # arrive: a streaming-input session (vLLM's `resumable`): when it stops
+    # it keeps its blocks and waits for its next input chunk.
+    resumable: bool = False
+    # chunk: the session ends (vLLM's engine sends the request again, not
+    # resumable); otherwise `prompt` and `max_tokens` are the next chunk's.
+    end: bool = False
     # reset: running requests are preempted first (`reset_running_requests`)
     running: bool = False
     # step: requests a stop condition (an end-of-sequence or stop token, a
@@ -195,10 +215,21 @@ class SchedulerModelRun(Protocol):
         follows: str | None = None,
         cache_salt: str = "",
         remote: RemoteHit | None = None,
+        resumable: bool = False,
     ) -> Any: ...
 
     def prompt_tokens(self, name: str) -> tuple[list[int], HashInputs]:
         """An arrived request's prompt token ids and hash inputs."""
+        ...
+
+    def chunk(self, name: str, prompt: tuple[Segment, ...], max_tokens: int) -> list[int]:
+        """Session `name`'s next input chunk arrives: taken at once if the
+        session waits for it, queued if it still runs. The chunk's token ids."""
+        ...
+
+    def end_session(self, name: str) -> None:
+        """Session `name` ends: at once if it waits for input (its blocks
+        freed as an abort's), or when it next stops if it still runs."""
         ...
 
     def step(self) -> EngineOutcome: ...
@@ -234,6 +265,9 @@ class SchedulerModelRun(Protocol):
 
 class SchedulerTarget(Protocol):
     capabilities: Capabilities
+    # The build takes streaming-input sessions (vLLM's resumable requests):
+    # a trace with one is not applicable to a build without.
+    streaming_input: bool
 
     def add_request(
         self,
@@ -242,13 +276,24 @@ class SchedulerTarget(Protocol):
         max_tokens: int,
         follows: str | None,
         inputs: HashInputs = NO_INPUTS,
+        resumable: bool = False,
     ) -> None:
         """A new request; `follows`: the request whose output it continues;
-        `inputs`: what its block hashes cover besides its tokens.
+        `inputs`: what its block hashes cover besides its tokens;
+        `resumable`: a streaming-input session.
 
         Raises `target.StepRefused` for a request the engine would not take,
         `config.NotModelled` for hash inputs the target does not model.
         """
+        ...
+
+    def add_chunk(self, name: str, tokens: list[int], max_tokens: int) -> None:
+        """Session `name`'s next input chunk, sent as vLLM's engine sends it
+        (the same request id again)."""
+        ...
+
+    def end_session(self, name: str) -> None:
+        """Session `name`'s end, sent as vLLM's engine sends it."""
         ...
 
     def has_requests(self) -> bool:
@@ -284,9 +329,11 @@ class SchedulerTarget(Protocol):
         `update()` of that step (the Scheduler cannot know it in advance)."""
         ...
 
-    def script_external(self, name: str, tokens: int, load_async: bool) -> None:
+    def script_external(self, name: str, tokens: int, load_async: bool, undecided: int = 0) -> None:
         """With a KV connector: the external store holds the first `tokens`
-        tokens of request `name`, loaded asynchronously when `load_async`."""
+        tokens of request `name`, loaded asynchronously when `load_async`;
+        the connector answers "not yet" to the first `undecided` questions
+        about it."""
         ...
 
     def abort(self, name: str) -> None:

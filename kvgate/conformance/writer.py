@@ -102,7 +102,7 @@ def engine_step_dicts(engine: Iterable[EngineStep]) -> list[dict[str, Any]]:
                 out.append({"op": "step"})
             continue
         entry: dict[str, Any] = {"op": event.op}
-        if event.op in ("arrive", "abort"):
+        if event.op in ("arrive", "abort", "chunk"):
             entry["req"] = event.req
         if event.op == "arrive":
             entry["prompt"] = [segment_dict(s) for s in event.prompt]
@@ -111,6 +111,8 @@ def engine_step_dicts(engine: Iterable[EngineStep]) -> list[dict[str, Any]]:
                 entry["cache_salt"] = event.cache_salt
             if event.follows is not None:
                 entry["follows"] = event.follows
+            if event.resumable:
+                entry["resumable"] = True
             remote = event.remote
             if remote is not None:
                 entry["remote_hit"] = remote.tokens
@@ -120,6 +122,13 @@ def engine_step_dicts(engine: Iterable[EngineStep]) -> list[dict[str, Any]]:
                     entry["remote_delay"] = remote.delay
                 if remote.fails:
                     entry["remote_fails"] = True
+                if remote.undecided:
+                    entry["remote_undecided"] = remote.undecided
+        if event.op == "chunk" and event.end:
+            entry["end"] = True
+        elif event.op == "chunk":
+            entry["prompt"] = [segment_dict(s) for s in event.prompt]
+            entry["max_tokens"] = event.max_tokens
         if event.op == "reset" and event.running:
             entry["running"] = True
         if event.stop:

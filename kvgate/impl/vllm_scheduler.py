@@ -66,7 +66,12 @@ from kvgate.impl import _vllm_api
 from kvgate.impl.vllm_build import block_hasher, kv_cache_config, request_inputs, scheduler_config
 from kvgate.impl.vllm_connector import ConnectorScript, ExternalHit
 from kvgate.impl.vllm_errors import config_field, describe
-from kvgate.impl.vllm_probe import hold_source, holds_partial_tails, retains_retired
+from kvgate.impl.vllm_probe import (
+    hold_source,
+    holds_partial_tails,
+    retains_retired,
+    takes_streaming_input,
+)
 from kvgate.impl.vllm_view import ManagerView
 
 __all__ = ["ConnectorSettings", "VllmScheduler", "model_dir"]
@@ -571,10 +576,14 @@ class VllmScheduler:
             hold_source=hold_source(managers, plugin, plugin_module) if hold else "",
             retain_retired=retains_retired(api, managers),
         )
+        self.streaming_input = takes_streaming_input(api, scheduler)
         # Every request ever added, by name (finished ones too: a follow-up's
         # check reads the turn it follows).
         self._requests: dict[str, Any] = {}
         self._follows: dict[str, str] = {}
+        # Streaming-input sessions by name: their hash inputs (their token
+        # sequence is rewritten at each chunk, so the view indexes it anew).
+        self._sessions: dict[str, HashInputs] = {}
         self._admitted: set[str] = set()
         # The scheduled batches whose output is not processed yet, oldest
         # first (one at a time without async scheduling).
@@ -657,6 +666,7 @@ class VllmScheduler:
         max_tokens: int,
         follows: str | None,
         inputs: HashInputs = NO_INPUTS,
+        resumable: bool = False,
     ) -> None:
         # A salt only changes the hashes. An adapter or images would be
         # scheduled otherwise by the real Scheduler (`max_loras`, the encoder
@@ -678,19 +688,47 @@ class VllmScheduler:
                 f"{len(tokens)} prompt + {max_tokens} output tokens exceed max_model_len {limit}",
             )
         api = self._api
-        request = api.Request(
-            request_id=name,
-            prompt_token_ids=tokens,
-            sampling_params=api.SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-            pooling_params=None,
+        request = self._request(
+            name,
+            tokens,
+            max_tokens,
             block_hasher=self._hasher,
             **request_inputs(api, inputs),
+            **({"resumable": True} if resumable else {}),
         )
+        if resumable:
+            self._sessions[name] = inputs
         self._requests[name] = request
         if follows is not None:
             self._follows[name] = follows
         self._view.track(name, request, inputs)
         self._scheduler.add_request(request)
+
+    def add_chunk(self, name: str, tokens: list[int], max_tokens: int) -> None:
+        """As vLLM's engine sends a session's next input chunk: a resumable
+        request with the session's id, which the Scheduler takes at once if
+        the session waits for input, and queues otherwise."""
+        self._send_again(name, tokens, max_tokens, resumable=True)
+
+    def end_session(self, name: str) -> None:
+        """As vLLM's engine ends a session: the request id again, not resumable."""
+        self._send_again(name, [], 1, resumable=False)
+
+    def _send_again(self, name: str, tokens: list[int], max_tokens: int, resumable: bool) -> None:
+        self._scheduler.add_request(self._request(name, tokens, max_tokens, resumable=resumable))
+        self._view.track(name, self._requests[name], self._sessions[name])
+
+    def _request(self, name: str, tokens: list[int], max_tokens: int, **fields: Any) -> Any:
+        """A vLLM `Request` as the engine hands it over: its own output
+        length, never stopped early by an end-of-sequence token."""
+        api = self._api
+        return api.Request(
+            request_id=name,
+            prompt_token_ids=tokens,
+            sampling_params=api.SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+            pooling_params=None,
+            **fields,
+        )
 
     def schedule(self) -> ScheduledStep:
         self._step = step = ScheduledStep()
@@ -715,8 +753,8 @@ class VllmScheduler:
             ]
         return step
 
-    def script_external(self, name: str, tokens: int, load_async: bool) -> None:
-        self.connector_script.hits[name] = ExternalHit(tokens, load_async)
+    def script_external(self, name: str, tokens: int, load_async: bool, undecided: int = 0) -> None:
+        self.connector_script.hits[name] = ExternalHit(tokens, load_async, undecided)
 
     def update(
         self,
@@ -784,7 +822,11 @@ class VllmScheduler:
                 DraftTokenIds(going_on, [[DRAFT_TOKEN] * self.spec_tokens for _ in going_on])
             )
         for r in ids:
-            self._view.touched(r)
+            if r in self._sessions:
+                # A session that stopped may have taken its next chunk.
+                self._view.track(r, self._requests[r], self._sessions[r])
+            else:
+                self._view.touched(r)
         return finished
 
     def stop(self, name: str) -> None:

@@ -140,6 +140,14 @@ class LiveRequest:
     last_batch: int = 0
     last_sched_seq: int = 0
     ended: bool = False  # finished or aborted (an in-flight batch's output skips it)
+    # A streaming-input session (vLLM's `resumable`): when it stops it keeps
+    # its blocks and takes its next input chunk (`chunks`, in arrival order,
+    # None for the session's end) or, with none queued, waits for one
+    # (`paused`, vLLM's WAITING_FOR_STREAMING_REQ) in the queue of waiting
+    # requests that hold blocks.
+    resumable: bool = False
+    chunks: deque[tuple[list[int], int] | None] = field(default_factory=deque)
+    paused: bool = False
 
 
 @dataclass
@@ -275,19 +283,92 @@ class SchedulerModel:
         follows: str | None = None,
         cache_salt: str = "",
         remote: RemoteHit | None = None,
+        resumable: bool = False,
     ) -> LiveRequest:
         """A request arrives (`arrive`) and waits at the end of the queue;
-        `remote`: what a KV connector's external store holds of it."""
+        `remote`: what a KV connector's external store holds of it;
+        `resumable`: a streaming-input session."""
         if self.async_scheduling and remote is not None and remote.load_async:
             raise AsyncNotModelled(
                 f"{name}'s asynchronous KV load under async scheduling is not modelled"
             )
         self.writer.run("arrive", req=name, prompt=prompt, cache_salt=cache_salt)
         live = LiveRequest(
-            name, self.oracle.requests[name].request, max_tokens, follows, remote=remote
+            name,
+            self.oracle.requests[name].request,
+            max_tokens,
+            follows,
+            remote=remote,
+            resumable=resumable,
         )
         self.waiting.append(live)
         return live
+
+    def chunk(self, name: str, prompt: tuple[Segment, ...], max_tokens: int) -> list[int]:
+        """Session `name`'s next input chunk arrives (its token ids are
+        returned): a paused session takes it at once, one still running
+        queues it for its next stop."""
+        live = self._session(name)
+        tokens = self.oracle.resolve(prompt)
+        if live.paused:
+            self._take_chunk(live, tokens, max_tokens)
+        else:
+            live.chunks.append((tokens, max_tokens))
+        return tokens
+
+    def end_session(self, name: str) -> None:
+        """Session `name` ends: a paused one at once (vLLM aborts it, `free
+        abort`), one still running at its next stop (a plain finish)."""
+        live = self._session(name)
+        if live.paused:
+            self.holding.remove(live)
+            self._end(live, "abort")
+        else:
+            live.chunks.append(None)
+
+    def _session(self, name: str) -> LiveRequest:
+        for live in self._live():
+            if live.name == name and live.resumable:
+                return live
+        raise StepRefused("req", f"{name!r} is no streaming-input session still open")
+
+    def _take_chunk(self, live: LiveRequest, tokens: list[int], max_tokens: int) -> None:
+        """A stopped session takes its next input chunk: its tokens rewritten
+        as vLLM's Scheduler rewrites them (`Request.continue_session`), its
+        blocks kept; it waits to resume from its computed tokens."""
+        request = live.request
+        total = request.num_tokens - 1 + len(tokens)
+        if total + max_tokens > self.config.max_model_len:
+            raise StepRefused(
+                "max_tokens",
+                f"{live.name}'s session of {total:,} tokens + {max_tokens:,} output tokens, "
+                f"more than config.max_model_len {self.config.max_model_len:,}",
+            )
+        request.continue_session(tokens)
+        # Its new prompt tokens are to compute: it is prefilling again.
+        self.oracle.requests[live.name].phase = "running"
+        live.max_tokens = max_tokens
+        live.paused = live.decoding = live.stopping = False
+
+    def _stop_session(self, live: LiveRequest) -> bool:
+        """A session stopped (its output generated, or a stop condition): it
+        keeps its blocks and takes its next queued chunk, or waits for one;
+        False when the chunk queued next is its end (it finishes)."""
+        live.stopping = live.decoding = False
+        if live.chunks:
+            queued = live.chunks.popleft()
+            if queued is None:
+                return False
+            self._take_chunk(live, *queued)
+        else:
+            live.paused = True
+        live.holds_blocks = True
+        return True
+
+    def paused_sessions(self) -> int:
+        """Sessions waiting for their next input chunk: each keeps a running
+        slot of the model runner (vLLM counts them against max_num_seqs)."""
+        return sum(live.paused for live in self.holding)
 
     def step(self) -> StepDecisions:
         """One engine step: `schedule`, the worker's load reports, `step` and
@@ -413,12 +494,19 @@ class SchedulerModel:
         ]
         for live in errored:
             self.holding.remove(live)
+        # Sessions that stopped and go on: back in the queue of waiting
+        # requests holding blocks, in output order, after the step's frees.
+        continuing: list[LiveRequest] = []
         for live in finished:
             if live.ended:
                 continue
             self.running.remove(live)
+            if live.resumable and self._stop_session(live):
+                continuing.append(live)
+                continue
             self._end(live, "finish")
             decisions.finished.append(live.name)
+        self.holding.extend(continuing)
         for live in errored:
             writer.run("free", req=live.name, how="abort", load_failed=True)
             live.ended = True
@@ -620,13 +708,16 @@ class SchedulerModel:
         self._running_scheduled = bool(decisions.scheduled)
         self._prefill_scheduled = prefill_scheduled
         admitted_prefill = False
-        while budget > 0 and len(self.running) < self.max_num_seqs:
+        # Paused sessions keep their running slots through the scan.
+        paused = self.paused_sessions()
+        while budget > 0 and len(self.running) + paused < self.max_num_seqs:
             queue = self.holding if self.holding else self.waiting
             if not queue:
                 break
             live = queue[0]
-            if live.loading and not live.reported:
-                skipped.append(queue.popleft())  # its KV is not here yet
+            if (live.loading and not live.reported) or live.paused:
+                # Its KV is not here yet, or it waits for its next input chunk.
+                skipped.append(queue.popleft())
                 continue
             outputs = len(live.request.output)
             computed = live.request.num_computed_tokens
@@ -731,12 +822,16 @@ class SchedulerModel:
             if admitted is None:
                 return None
             hit, cost = 0, admitted
-            decisions.taken.append((live.name, 0, 0, False))
+            if self.config.kv_connector:
+                decisions.taken.append((live.name, 0, 0, False))
         else:
             if not live.admitted and live.follows is not None:
                 cached = self.writer.check({"attention_cached": {live.follows: 0}})
                 decisions.checked[live.name] = int(cached["attention_cached"][live.follows])
-            hit, external, load_async = self._lookup(live, decisions, load_failed)
+            looked_up = self._lookup(live, decisions, load_failed)
+            if looked_up is None:
+                return "skipped"  # the connector cannot answer yet
+            hit, external, load_async = looked_up
             computed = live.request.num_computed_tokens + hit + external
             if defer and not load_async and computed < live.request.num_tokens - 1:
                 return None
@@ -778,28 +873,36 @@ class SchedulerModel:
 
     def _lookup(
         self, live: LiveRequest, decisions: StepDecisions, load_failed: bool = False
-    ) -> tuple[int, int, bool]:
+    ) -> tuple[int, int, bool] | None:
         """The admission's lookup: (local hit taken, external tokens, loaded
         asynchronously). With a KV connector the lookup carries what the
         external store holds (and whether the request's load just failed),
         and the question the Scheduler then puts to the connector is
-        recorded."""
+        recorded; None when the connector answers "not yet" (the Scheduler
+        passes over the request, admitting nothing of it this step)."""
         if not self.config.kv_connector:
             hit = int(self.writer.run("lookup", req=live.name)["hit"])
             decisions.lookups.append((live.name, hit))
             return hit, 0, False
         remote = live.remote or RemoteHit(0, False, 0)
         failed = {"load_failed": True} if load_failed else {}
+        # An undecided connector's "not yet" loads nothing: the lookup is the
+        # local one alone, and the next step looks the request up again.
+        undecided = remote.undecided > 0
         result = self.writer.run(
             "lookup",
             req=live.name,
-            remote_hit=remote.tokens,
-            remote_async=remote.load_async,
+            remote_hit=0 if undecided else remote.tokens,
+            remote_async=remote.load_async and not undecided,
             **failed,
         )
         local = int(result["local_hit"])
         decisions.lookups.append((live.name, local))
         presented = local - local % self.config.scheduler_block_size
+        if undecided:
+            live.remote = replace(remote, undecided=remote.undecided - 1)
+            decisions.connector_queries.append((live.name, presented, None, False))
+            return None
         answered = max(0, remote.tokens - presented)
         decisions.connector_queries.append(
             (live.name, presented, answered, remote.load_async and answered > 0)
