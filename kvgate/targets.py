@@ -170,6 +170,21 @@ def run_scheduler_trace(
                 return TraceRunError(
                     trace, message, bug=False, seconds=seconds, config_refused=True
                 )
+            if target is not None and not target.streaming_input and trace.has_sessions:
+                first = next(e.index for e in trace.engine if e.resumable)
+                refusal = TraceError(
+                    trace.path,
+                    first,
+                    "resumable",
+                    "this vLLM's Scheduler takes no streaming-input sessions",
+                )
+                return TraceRunError(
+                    trace,
+                    str(refusal),
+                    bug=False,
+                    seconds=time.perf_counter() - started,
+                    config_refused=True,
+                )
         return replay_scheduler(trace, model, target, level)
     except TraceError as error:
         return TraceRunError(trace, str(error), bug=False, seconds=time.perf_counter() - started)

@@ -60,6 +60,8 @@ NON_DEFAULT: dict[str, tuple[Any, dict[str, Any]]] = {
     "model_runner": ("v2", {}),
     "scheduling_policy": ("priority", {}),
     "prefill_schedule_interval": (3, {}),
+    "encoder_compute_budget": (96, {}),
+    "encoder_cache_size": (128, {}),
     "groups": (
         (
             GroupConfig("full_attention", 8),

@@ -21,6 +21,7 @@ from configs import needs_vllm
 
 from kvgate import cli
 from kvgate.conformance.trace import bundled_corpus
+from kvgate.mutate import own_suite
 from kvgate.mutate.campaign import (
     STAGES,
     Baseline,
@@ -495,6 +496,19 @@ def test_own_suite_verdicts() -> None:
     # A session that never applied the fault proves nothing.
     assert judge_suite(fault, SuiteRun(0, {}, 1.0, "")).verdict == "error"
     assert judge_suite(fault, SuiteRun(-1, clean, 1.0, "")).verdict == "hung"
+
+
+def test_one_list_of_vllms_own_tests_feeds_campaign_and_coverage(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # The coverage script reads the campaign's lists instead of naming files.
+    script = (Path(__file__).parent.parent / "scripts" / "coverage-report.sh").read_text()
+    assert "tests/v1/core/test_" not in script and "kvgate.mutate.own_suite scheduler" in script
+    assert own_suite.main(["scheduler"]) == 0
+    assert capsys.readouterr().out.split() == list(own_suite.SCHEDULER_TESTS)
+    assert set(own_suite.SELECTION) == {*own_suite.MANAGER_TESTS, *own_suite.SCHEDULER_TESTS}
+    assert own_suite.main(["everything"]) == 2
+    assert "usage:" in capsys.readouterr().err
 
 
 # ------------------------------------------------------- on the real vLLM

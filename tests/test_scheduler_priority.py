@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 from configs import needs_vllm
+from test_scheduler_traces import run_vllm
 
 from kvgate.conformance.config import NotModelled, UnsupportedConfig
 from kvgate.conformance.replay import ReplayResult
@@ -154,21 +155,6 @@ def test_a_model_that_keeps_the_victims_sampled_token_misses_its_resume(
 
 
 # -- on vLLM's real Scheduler ---------------------------------------------------
-
-
-def run_vllm(trace: Trace) -> ReplayResult:
-    from kvgate.impl.vllm_scheduler import VllmScheduler
-
-    assert trace.scheduler is not None
-    real = VllmScheduler(
-        trace.config,
-        spec_tokens=trace.scheduler.spec,
-        max_num_seqs=trace.scheduler.max_num_seqs,
-    )
-    try:
-        return replay_scheduler(trace, SchedulerModel, real, "strict")
-    finally:
-        real.close()
 
 
 @needs_vllm

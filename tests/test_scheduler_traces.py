@@ -160,6 +160,14 @@ MALFORMED: dict[str, tuple[Callable[[dict[str, Any]], None], int | None, str]] =
         0,
         "remote_fails",
     ),
+    "accept without drafts": (engine(1, accept={"A": 1}), 1, "accept"),
+    "accept over repeats": (engine(3, accept={"A": 1}), 3, "accept"),
+    "remote undecided without a connector": (engine(0, remote_undecided=1), 0, "remote_undecided"),
+    "remote undecided not a count": (
+        with_connector(0, remote_undecided=-1),
+        0,
+        "remote_undecided",
+    ),
     "abort of no request": (engine(4, req="Z"), 4, "req"),
     "reset running not a flag": (engine(4, op="reset", req=None, running="yes"), 4, "running"),
     "reset expects a step's key": (
@@ -233,7 +241,7 @@ def test_the_command_line_reports_a_malformed_trace_in_one_line(tmp_path: Path) 
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
         f"kvgate: error: {path}: step 1: expect.hits: unknown expect key of engine op step "
-        "(expected one of scheduled, preempted, cached_tokens, finished)"
+        "(expected one of scheduled, preempted, cached_tokens, finished, encoded)"
     ]
     assert "Traceback" not in done.stderr
 
@@ -286,6 +294,8 @@ def test_each_hold_on_trace_shows_the_hold() -> None:
     for trace in CORPUS:
         if not trace.config.hold or trace.config.retain_retired:
             continue
+        if "next-turn-after-burst" not in trace.name:
+            continue  # the other hold arms show it otherwise (their own tests)
         off = by_name(trace.name.replace(".hold-on", ".hold-off"))
         with_hold = cached_a2(trace)
         without = cached_a2(off)

@@ -18,6 +18,7 @@ from kvgate.conformance.scheduling import (
     EngineStep,
     RemoteHit,
 )
+from kvgate.conformance.tokens import MmItem
 
 # The keys of a scheduler-level trace's `scheduler` settings.
 _SCHEDULER_KEYS = ("spec", "max_num_seqs")
@@ -25,6 +26,11 @@ _SCHEDULER_KEYS = ("spec", "max_num_seqs")
 
 class EngineReader(FieldReader):
     """Reads a scheduler-level trace's engine entries, one at a time, in order."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # Each multimodal item's length, by its id, as first given.
+        self.mm_lengths: dict[str, int] = {}
 
     def engine_settings(self, raw: object) -> EngineSettings:
         if not isinstance(raw, dict):
@@ -47,6 +53,7 @@ class EngineReader(FieldReader):
             raise self.error(
                 None, "scheduler.spec", "config.eagle drops blocks for drafts: give spec >= 1"
             )
+        self.drafts = spec
         return EngineSettings(spec, seqs)
 
     def engine_step(self, index: int, raw: object) -> list[EngineStep]:
@@ -62,6 +69,8 @@ class EngineReader(FieldReader):
             raise self.error(index, error.field, error.message) from None
         if op == "arrive":
             return [self.engine_arrival(index, raw)]
+        if op == "chunk":
+            return [self.engine_chunk(index, raw)]
         if op == "abort":
             req = self.arrived(index, "req", raw["req"])
             if self.requests[req][0] == "ended":
@@ -87,8 +96,37 @@ class EngineReader(FieldReader):
         if "stop" in raw and repeats != 1:
             raise self.error(index, "stop", "applies to one engine step: write steps: 1")
         stop = self.stopped(index, raw.get("stop", []))
+        if "accept" in raw and repeats != 1:
+            raise self.error(index, "accept", "applies to one engine step: write steps: 1")
+        accept = self.accepted(index, raw.get("accept", {}), stop)
         expect = self.engine_expect(index, raw.get("expect", {}))
-        return [EngineStep("step", index, expect=expect, stop=stop) for _ in range(repeats)]
+        return [
+            EngineStep("step", index, expect=expect, stop=stop, accept=accept)
+            for _ in range(repeats)
+        ]
+
+    def accepted(self, index: int, raw: object, stop: tuple[str, ...]) -> dict[str, int]:
+        """A step's `accept`: requests that have arrived, each with the drafts
+        accepted, 1 to the drafts a step proposes (`scheduler.spec`)."""
+        if not isinstance(raw, dict) or not all(
+            is_count(n) and 1 <= n <= self.drafts for n in raw.values()
+        ):
+            raise self.error(
+                index,
+                "accept",
+                f"must map requests to draft tokens accepted, 1..{self.drafts} "
+                f"(scheduler.spec), got {got(raw)}",
+            )
+        accept = {self.arrived(index, "accept", r): n for r, n in raw.items()}
+        stopped = [r for r in accept if r in stop]
+        if stopped:
+            raise self.error(
+                index,
+                "accept",
+                f"{stopped[0]!r} also stops in this step: a stop condition met at an accepted "
+                "draft is not modelled",
+            )
+        return accept
 
     def stopped(self, index: int, raw: object) -> tuple[str, ...]:
         """A step's `stop`: requests that have arrived, each named once."""
@@ -106,30 +144,34 @@ class EngineReader(FieldReader):
         if req in self.requests:
             raise self.error(index, "req", f"{req!r} already {self.requests[req][1]}")
         prompt = self.prompt(index, raw["prompt"])
-        max_tokens = raw["max_tokens"]
-        if not is_count(max_tokens) or max_tokens == 0:
-            raise self.error(index, "max_tokens", f"must be an integer >= 1, got {got(max_tokens)}")
+        max_tokens = self.output_length(index, raw)
         try:
             self.budget.arrive(req, prompt)
         except LimitError as error:
             raise self.error(index, error.field, error.message) from None
-        assert self.config is not None
         least = self.budget.prompt_least[req]
-        if least + max_tokens > self.config.max_model_len:
-            raise self.error(
-                index,
-                "max_tokens",
-                f"{least:,} prompt + {max_tokens:,} output tokens, more than config.max_model_len "
-                f"{self.config.max_model_len:,} (vLLM refuses the request)",
-            )
+        self.within_model_len(
+            index,
+            f"{least:,} prompt + {max_tokens:,} output tokens",
+            least + max_tokens,
+            "vLLM refuses the request",
+        )
         # A follow-up's `all_of` holds at most the whole output.
         self.budget.output_most[req] = max_tokens
         salt = self.text(index, "cache_salt", raw["cache_salt"]) if "cache_salt" in raw else ""
+        mm = self.engine_mm(index, raw["mm"], least) if "mm" in raw else ()
         follows = raw.get("follows")
         if follows is not None:
             follows = self.arrived(index, "follows", follows)
         remote = self.engine_remote(index, raw, least)
         priority = self.engine_priority(index, raw)
+        resumable = self.engine_resumable(index, raw)
+        if resumable and mm:
+            raise self.error(
+                index, "mm", "encoder inputs of a streaming-input session are not modelled yet"
+            )
+        if resumable:
+            self.sessions.add(req)
         self.requests[req] = ("waiting", f"arrived at step {index}")
         return EngineStep(
             "arrive",
@@ -138,8 +180,10 @@ class EngineReader(FieldReader):
             prompt=prompt,
             max_tokens=max_tokens,
             cache_salt=salt,
+            mm=mm,
             follows=follows,
             remote=remote,
+            resumable=resumable,
             priority=priority,
         )
 
@@ -157,6 +201,124 @@ class EngineReader(FieldReader):
                 "needs config.scheduling_policy: priority (the fcfs policy ignores it)",
             )
         return priority
+
+    def engine_mm(self, index: int, raw: object, prompt_tokens: int) -> tuple[MmItem, ...]:
+        """An arrival's `mm`: placeholders inside its prompt, each item's
+        length the same wherever its id appears (vLLM fails a request whose
+        item disagrees with the encoder cache's copy of it)."""
+        assert self.config is not None
+        if self.config.async_scheduling:
+            raise self.error(index, "mm", "encoder inputs under async scheduling are not modelled")
+        items = self.mm(index, raw)
+        for i, item in enumerate(items):
+            if item.end > prompt_tokens:
+                raise self.error(
+                    index,
+                    f"mm[{i}]",
+                    f"placeholder {item.offset}..{item.end} ends past the {prompt_tokens:,} "
+                    "tokens its prompt surely holds",
+                )
+            known = self.mm_lengths.setdefault(item.identifier, item.length)
+            if known != item.length:
+                raise self.error(
+                    index,
+                    f"mm[{i}].length",
+                    f"item {item.identifier!r} is {known} tokens long where it appeared "
+                    f"before, not {item.length}",
+                )
+        return items
+
+    def engine_resumable(self, index: int, raw: Mapping[Any, Any]) -> bool:
+        """An arrival's `resumable`: a streaming-input session, refused by
+        name where the scheduler model does not follow one yet."""
+        resumable = raw.get("resumable", False)
+        if not isinstance(resumable, bool):
+            raise self.error(index, "resumable", f"must be true or false, got {got(resumable)}")
+        assert self.config is not None
+        config = self.config
+        if resumable and self.drafts:
+            raise self.error(
+                index,
+                "resumable",
+                "a streaming-input session with draft tokens (scheduler.spec) is not modelled yet",
+            )
+        unmodelled = (
+            ("async_scheduling", config.async_scheduling),
+            ("kv_connector", config.kv_connector),
+            ("hash_lookahead_tokens", bool(config.hash_lookahead_tokens)),
+            ("prefill_schedule_interval", config.prefill_schedule_interval > 1),
+        )
+        for name, on in unmodelled:
+            if resumable and on:
+                raise self.error(
+                    index,
+                    "resumable",
+                    f"a streaming-input session with config.{name} is not modelled yet",
+                )
+        return resumable
+
+    def engine_chunk(self, index: int, raw: Mapping[Any, Any]) -> EngineStep:
+        """A session's next input chunk (`prompt`, `max_tokens`), or its end
+        (`end: true`), for a resumable request that has not ended."""
+        req = self.arrived(index, "req", raw["req"])
+        if req not in self.sessions:
+            raise self.error(
+                index, "req", f"{req!r} is not a streaming-input session (arrive with resumable)"
+            )
+        if self.requests[req][0] == "ended":
+            raise self.error(index, "req", f"{req!r} was {self.requests[req][1]}")
+        end = raw.get("end", False)
+        if not isinstance(end, bool):
+            raise self.error(index, "end", f"must be true or false, got {got(end)}")
+        if end:
+            for key in ("prompt", "max_tokens"):
+                if key in raw:
+                    raise self.error(index, key, "a session's end carries no input chunk")
+            self.requests[req] = ("ended", f"ended its session at step {index}")
+            return EngineStep("chunk", index, req=req, end=True)
+        for key in ("prompt", "max_tokens"):
+            if key not in raw:
+                raise self.error(index, key, "missing (or write end: true to end the session)")
+        prompt = self.prompt(index, raw["prompt"])
+        copied = [i for i, s in enumerate(prompt) if s.req is not None]
+        if copied:
+            raise self.error(
+                index,
+                f"prompt[{copied[0]}]",
+                "a chunk's prompt takes fresh and tokens segments only",
+            )
+        max_tokens = self.output_length(index, raw)
+        written = sum(s.count + len(s.token_ids) for s in prompt)
+        budget = self.budget
+        # The session keeps every output token but its last, then the chunk.
+        least = budget.prompt_least[req] + written
+        self.within_model_len(
+            index,
+            f"the session's {least:,} tokens + {max_tokens:,} output tokens",
+            least + max_tokens,
+            "vLLM would stop the session there",
+        )
+        budget.prompt_least[req] = least
+        budget.prompt_most[req] += max(0, budget.output_most[req] - 1) + written
+        budget.output_most[req] = max_tokens
+        return EngineStep("chunk", index, req=req, prompt=prompt, max_tokens=max_tokens)
+
+    def within_model_len(self, index: int, what: str, tokens: int, why: str) -> None:
+        """A request's tokens with its output within `max_model_len`."""
+        assert self.config is not None
+        if tokens > self.config.max_model_len:
+            raise self.error(
+                index,
+                "max_tokens",
+                f"{what}, more than config.max_model_len {self.config.max_model_len:,} ({why})",
+            )
+
+    def output_length(self, index: int, raw: Mapping[Any, Any]) -> int:
+        """An entry's `max_tokens`: at least one token."""
+        max_tokens = raw["max_tokens"]
+        if not is_count(max_tokens) or max_tokens == 0:
+            raise self.error(index, "max_tokens", f"must be an integer >= 1, got {got(max_tokens)}")
+        return int(max_tokens)
 
     def engine_remote(
         self, index: int, raw: Mapping[Any, Any], prompt_tokens: int
@@ -203,7 +365,15 @@ class EngineReader(FieldReader):
                 "remote_fails",
                 "applies to an async load of at least one token: remote_async, remote_hit >= 1",
             )
-        return RemoteHit(tokens, load_async, delay, fails)
+        undecided = raw.get("remote_undecided", 0)
+        if not is_count(undecided) or undecided > self.limits.steps:
+            raise self.error(
+                index,
+                "remote_undecided",
+                f'must be an integer 0..{self.limits.steps} (questions answered "not yet"), '
+                f"got {got(undecided)}",
+            )
+        return RemoteHit(tokens, load_async, delay, fails, undecided)
 
     def arrived(self, index: int, field: str, value: object) -> str:
         """`value` names a request that has arrived."""
@@ -253,6 +423,16 @@ class EngineReader(FieldReader):
                         index, field, f"must be a list of request names, got {got(value)}"
                     )
                 expect[key] = [self.arrived(index, field, r) for r in value]
+            elif key == "encoded":
+                if not isinstance(value, dict) or not all(
+                    isinstance(v, list) and all(is_count(i) for i in v) for v in value.values()
+                ):
+                    raise self.error(
+                        index,
+                        field,
+                        f"must map request names to lists of item indices, got {got(value)}",
+                    )
+                expect[key] = {self.arrived(index, field, r): list(v) for r, v in value.items()}
             else:
                 if not isinstance(value, dict) or not all(is_count(n) for n in value.values()):
                     raise self.error(

@@ -9,6 +9,8 @@ on a real scheduler (`SchedulerTarget`: vLLM's own `Scheduler` owning its
   the model resolved the prompt's segments to, and its hash inputs; with a
   KV connector, what its external store holds is scripted on both first);
 - `abort`: both finish it as aborted;
+- `chunk`: a streaming-input session's next input chunk (or its end) sent
+  to both, the real one as vLLM's engine sends it (the request id again);
 - `reset`: both reset the prefix cache (`running`: preempting every
   running request first); whether it reset and the waiting queue after are
   checked against `expect`, then compared (api), then the views (strict);
@@ -194,6 +196,8 @@ class _EngineLockstep:
                 self.on_real(step, "abort", lambda: real.abort(name))
         elif event.op == "reset":
             self.reset(event, step)
+        elif event.op == "chunk":
+            self.chunk(event, step)
         else:
             self.engine_steps += 1
             self.step(event, step)
@@ -234,6 +238,8 @@ class _EngineLockstep:
                 event.follows,
                 event.cache_salt,
                 event.remote,
+                event.resumable,
+                event.mm,
                 event.priority,
             ),
         )
@@ -244,8 +250,16 @@ class _EngineLockstep:
         remote = event.remote
         try:
             if remote is not None:
-                real.script_external(name, remote.tokens, remote.load_async)
-            real.add_request(name, tokens, event.max_tokens, event.follows, inputs, event.priority)
+                real.script_external(name, remote.tokens, remote.load_async, remote.undecided)
+            real.add_request(
+                name,
+                tokens,
+                event.max_tokens,
+                event.follows,
+                inputs,
+                resumable=event.resumable,
+                priority=event.priority,
+            )
         except StepRefused as refusal:
             raise TraceError(
                 self.trace.path,
@@ -260,9 +274,35 @@ class _EngineLockstep:
                 self.divergence(step, "api", "add_request raised", "no exception", one_line(error))
             ) from error
 
+    def chunk(self, event: EngineStep, step: Step) -> None:
+        """A session's next input chunk (or its end) sent to both: the real
+        scheduler gets the token ids the model resolved the chunk to."""
+        assert event.req is not None
+        name = event.req
+        if event.end:
+            self.on_model(step, lambda: self.model.end_session(name))
+        else:
+            tokens = self.on_model(
+                step, lambda: self.model.chunk(name, event.prompt, event.max_tokens)
+            )
+        real = self.real
+        if real is None:
+            return
+        if event.end:
+            self.on_real(step, "add_request (the session's end)", lambda: real.end_session(name))
+        else:
+            self.on_real(
+                step,
+                "add_request (the next input chunk)",
+                lambda: real.add_chunk(name, tokens, event.max_tokens),
+            )
+        self.strict(step, "after the chunk")
+
     def step(self, event: EngineStep, step: Step) -> None:
         for name in event.stop:
             self.on_model(step, functools.partial(self.model.stop, name))
+        for name, drafts in event.accept.items():
+            self.on_model(step, functools.partial(self.model.accept, name, drafts))
         modelled: EngineOutcome = self.on_model(step, self.model.step)
         where = f"engine step {self.engine_steps}"
         observed: ScheduledStep
@@ -277,7 +317,7 @@ class _EngineLockstep:
         observed_cache_stats = None if self.real is None else self.real.take_prefix_cache_stats()
         for request, reported in stats.items():
             self.cached_tokens.setdefault(request, reported[0])
-        self.expectations(event, step, observed.scheduled, observed.preempted, finished, stats)
+        self.expectations(event, step, observed, finished, stats)
         if self.real is None:
             return
         pairs: list[tuple[str, object, object]] = [
@@ -354,19 +394,20 @@ class _EngineLockstep:
         self,
         event: EngineStep,
         step: Step,
-        scheduled: list[tuple[str, int]],
-        preempted: list[str],
+        scheduled: ScheduledStep,
         finished: list[str],
         stats: dict[str, PrefillStats],
     ) -> None:
         observed: dict[str, object] = {
-            "scheduled": scheduled,
-            "preempted": sorted(preempted),
+            "scheduled": scheduled.scheduled,
+            "preempted": sorted(scheduled.preempted),
             "finished": finished,
         }
         for key, want in event.expect.items():
             if key == "cached_tokens":
                 got: object = {r: stats[r][0] if r in stats else NOT_REPORTED for r in want}
+            elif key == "encoded":
+                got = {r: scheduled.encoder_inputs.get(r, []) for r in want}
             elif key == "preempted":
                 want = sorted(want)
                 got = observed[key]

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 from kvgate.conformance.ops import STATS_KEYS, Segment
 from kvgate.conformance.snapshot import Snapshot
 from kvgate.conformance.target import Capabilities
-from kvgate.conformance.tokens import NO_INPUTS, HashInputs
+from kvgate.conformance.tokens import NO_INPUTS, HashInputs, MmItem
 
 
 @dataclass
@@ -39,11 +39,15 @@ class ScheduledStep:
     copies: list[list[int]] = field(default_factory=list)
     # With a KV connector only (both sides leave them empty without one):
     # each question the Scheduler put to the connector, (request, the local
-    # hit it presented, the external tokens answered, asynchronously), and
+    # hit it presented, the external tokens answered (None: "not yet"),
+    # asynchronously), and
     # each successful allocation from the waiting queue, (request, local hit
     # taken, external tokens, an asynchronous load's).
-    connector_queries: list[tuple[str, int, int, bool]] = field(default_factory=list)
+    connector_queries: list[tuple[str, int, int | None, bool]] = field(default_factory=list)
     taken: list[tuple[str, int, int, bool]] = field(default_factory=list)
+    # Multimodal items the step encodes: request -> the indices of its
+    # items (in its `mm`), for requests that encode any.
+    encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
 
 
 def step_differences(
@@ -57,6 +61,11 @@ def step_differences(
         ("preempted", sorted(expected.preempted), actual.preempted),
         ("scheduled (request, tokens)", expected.scheduled, actual.scheduled),
         ("admitted (request, hit)", expected.admitted, actual.admitted),
+        (
+            "encoder inputs scheduled (request: items)",
+            expected.encoder_inputs,
+            actual.encoder_inputs,
+        ),
         ("copies", expected.copies, actual.copies),
         (
             "KV connector queries (request, presented, answered, async)",
@@ -85,6 +94,10 @@ class RemoteHit:
     # The async load fails (the worker reports `failed_recving`): the
     # Scheduler frees its blocks and looks the request up again.
     fails: bool = False
+    # The connector cannot tell yet what it holds: the first `undecided`
+    # times the Scheduler asks, it answers "not yet" (None), and the
+    # Scheduler passes over the request until a later step.
+    undecided: int = 0
 
 
 # A request's prefill stats as the Scheduler reports them with its first
@@ -112,21 +125,36 @@ COW_RETENTION = "copy-on-write retention"
 
 # An arrival's fields saying what a KV connector's external store holds of
 # the request (`RemoteHit`), in the order they are written.
-REMOTE_FIELDS = ("remote_hit", "remote_async", "remote_delay", "remote_fails")
+REMOTE_FIELDS = (
+    "remote_hit",
+    "remote_async",
+    "remote_delay",
+    "remote_fails",
+    "remote_undecided",
+)
 
 # The engine ops of a scheduler-level trace (its `engine` list), each with
 # its required and optional fields.
 ENGINE_OPS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "arrive": (
         ("req", "prompt", "max_tokens"),
-        ("cache_salt", "follows", "priority", *REMOTE_FIELDS),
+        ("cache_salt", "mm", "follows", "resumable", "priority", *REMOTE_FIELDS),
     ),
-    "step": ((), ("steps", "stop")),
+    # A streaming-input session's next input chunk (its prompt tokens and
+    # the output it then generates), or its end (`end: true`).
+    "chunk": (("req",), ("prompt", "max_tokens", "end")),
+    "step": ((), ("steps", "stop", "accept")),
     "abort": (("req",), ()),
     "reset": ((), ("running",)),
 }
 # What an engine `step` may expect, each optional.
-ENGINE_EXPECT_KEYS: tuple[str, ...] = ("scheduled", "preempted", "cached_tokens", "finished")
+ENGINE_EXPECT_KEYS: tuple[str, ...] = (
+    "scheduled",
+    "preempted",
+    "cached_tokens",
+    "finished",
+    "encoded",
+)
 # What a prefix-cache `reset` may expect: whether it reset, the waiting queue after.
 RESET_EXPECT_KEYS: tuple[str, ...] = ("ok", "waiting")
 
@@ -155,17 +183,29 @@ class EngineStep:
     prompt: tuple[Segment, ...] = ()
     max_tokens: int = 0
     cache_salt: str = ""
+    # arrive: its multimodal items (placeholders in the prompt, each encoded
+    # by the encoder before the tokens over it run)
+    mm: tuple[MmItem, ...] = ()
     follows: str | None = None
     # arrive, with a KV connector: what its external store holds of the request.
     remote: RemoteHit | None = None
     # arrive, under the priority policy: the request's priority (the lowest
     # value is served first; ties by arrival).
     priority: int = 0
+    # arrive: a streaming-input session (vLLM's `resumable`): when it stops
+    # it keeps its blocks and waits for its next input chunk.
+    resumable: bool = False
+    # chunk: the session ends (vLLM's engine sends the request again, not
+    # resumable); otherwise `prompt` and `max_tokens` are the next chunk's.
+    end: bool = False
     # reset: running requests are preempted first (`reset_running_requests`)
     running: bool = False
     # step: requests a stop condition (an end-of-sequence or stop token, a
     # stop string) finishes with the token they sample in this step
     stop: tuple[str, ...] = ()
+    # step: requests whose drafts the model runner accepts in this step, each
+    # with how many (the first N of the drafts it decodes with)
+    accept: dict[str, int] = field(default_factory=dict)
     expect: dict[str, Any] = field(default_factory=dict)
 
 
@@ -198,6 +238,8 @@ class SchedulerModelRun(Protocol):
         follows: str | None = None,
         cache_salt: str = "",
         remote: RemoteHit | None = None,
+        resumable: bool = False,
+        mm: tuple[MmItem, ...] = (),
         priority: int = 0,
     ) -> Any: ...
 
@@ -205,11 +247,27 @@ class SchedulerModelRun(Protocol):
         """An arrived request's prompt token ids and hash inputs."""
         ...
 
+    def chunk(self, name: str, prompt: tuple[Segment, ...], max_tokens: int) -> list[int]:
+        """Session `name`'s next input chunk arrives: taken at once if the
+        session waits for it, queued if it still runs. The chunk's token ids."""
+        ...
+
+    def end_session(self, name: str) -> None:
+        """Session `name` ends: at once if it waits for input (its blocks
+        freed as an abort's), or when it next stops if it still runs."""
+        ...
+
     def step(self) -> EngineOutcome: ...
 
     def stop(self, name: str) -> None:
         """Request `name` finishes with the token it samples in the next
         step, before its `max_tokens`: a stop condition the engine met."""
+        ...
+
+    def accept(self, name: str, drafts: int) -> None:
+        """Request `name`, decoding in the next step, gets the first `drafts`
+        of its draft tokens accepted (the model runner samples them, then one
+        token of its own); the rest are rejected."""
         ...
 
     def abort(self, name: str) -> None: ...
@@ -238,6 +296,9 @@ class SchedulerModelRun(Protocol):
 
 class SchedulerTarget(Protocol):
     capabilities: Capabilities
+    # The build takes streaming-input sessions (vLLM's resumable requests):
+    # a trace with one is not applicable to a build without.
+    streaming_input: bool
 
     def add_request(
         self,
@@ -246,15 +307,26 @@ class SchedulerTarget(Protocol):
         max_tokens: int,
         follows: str | None,
         inputs: HashInputs = NO_INPUTS,
+        resumable: bool = False,
         priority: int = 0,
     ) -> None:
         """A new request; `follows`: the request whose output it continues;
-        `inputs`: what its block hashes cover besides its tokens; `priority`:
-        its priority under the priority policy (requests arrive in order).
+        `inputs`: what its block hashes cover besides its tokens;
+        `resumable`: a streaming-input session; `priority`: its priority
+        under the priority policy (requests arrive in order).
 
         Raises `target.StepRefused` for a request the engine would not take,
         `config.NotModelled` for hash inputs the target does not model.
         """
+        ...
+
+    def add_chunk(self, name: str, tokens: list[int], max_tokens: int) -> None:
+        """Session `name`'s next input chunk, sent as vLLM's engine sends it
+        (the same request id again)."""
+        ...
+
+    def end_session(self, name: str) -> None:
+        """Session `name`'s end, sent as vLLM's engine sends it."""
         ...
 
     def has_requests(self) -> bool:
@@ -280,7 +352,7 @@ class SchedulerTarget(Protocol):
         failed: Collection[str] = (),
     ) -> list[str]:
         """The model runner's output for the last `schedule()`: the tokens
-        each scheduled request sampled (drafts all rejected), and the
+        each scheduled request sampled (its accepted drafts among them), and the
         asynchronous KV loads its connector finished (`loaded`) or lost
         (`failed`). Returns the requests that finished, in order."""
         ...
@@ -290,9 +362,11 @@ class SchedulerTarget(Protocol):
         `update()` of that step (the Scheduler cannot know it in advance)."""
         ...
 
-    def script_external(self, name: str, tokens: int, load_async: bool) -> None:
+    def script_external(self, name: str, tokens: int, load_async: bool, undecided: int = 0) -> None:
         """With a KV connector: the external store holds the first `tokens`
-        tokens of request `name`, loaded asynchronously when `load_async`."""
+        tokens of request `name`, loaded asynchronously when `load_async`;
+        the connector answers "not yet" to the first `undecided` questions
+        about it."""
         ...
 
     def abort(self, name: str) -> None:

@@ -103,6 +103,11 @@ class Trace:
         """Replayed on a whole scheduler, not on a manager."""
         return self.scheduler is not None
 
+    @property
+    def has_sessions(self) -> bool:
+        """A scheduler-level trace with a streaming-input session."""
+        return any(event.resumable for event in self.engine)
+
 
 def load_trace(path: str | Path, limits: Limits = DEFAULT_LIMITS, partial: bool = False) -> Trace:
     """Read and validate the trace in file `path` (a regular file within the

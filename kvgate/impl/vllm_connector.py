@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import functools
 import importlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 __all__ = [
@@ -65,20 +65,22 @@ _REQUIRED: tuple[tuple[str, str], ...] = (
 
 @dataclass(frozen=True)
 class ExternalHit:
-    """The external store holds the request's first `tokens` tokens."""
+    """The external store holds the request's first `tokens` tokens; the
+    connector answers "not yet" to the first `undecided` questions."""
 
     tokens: int
     load_async: bool = False
+    undecided: int = 0
 
 
 @dataclass(frozen=True)
 class Query:
     """One `get_num_new_matched_tokens` call: the local hit the Scheduler
-    presented (block-aligned), and the answer given."""
+    presented (block-aligned), and the answer given (None: "not yet")."""
 
     request: str
     presented: int
-    answered: int
+    answered: int | None
     load_async: bool
 
 
@@ -109,8 +111,12 @@ class ConnectorScript:
     allocations: list[Allocated] = field(default_factory=list)
     finished: list[Finished] = field(default_factory=list)
 
-    def answer(self, request: str, presented: int) -> tuple[int, bool]:
+    def answer(self, request: str, presented: int) -> tuple[int | None, bool]:
         hit = self.hits.get(request)
+        if hit is not None and hit.undecided:
+            self.hits[request] = replace(hit, undecided=hit.undecided - 1)
+            self.queries.append(Query(request, presented, None, False))
+            return None, False
         if hit is None:
             new, load_async = 0, False
         else:

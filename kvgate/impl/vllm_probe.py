@@ -8,6 +8,7 @@ header prints.
 
 from __future__ import annotations
 
+import inspect
 import os
 import sys
 from collections.abc import Sequence
@@ -20,7 +21,13 @@ from kvgate.impl._vllm_api import HOLD_ATTR, RETAIN_SWITCH, VllmApi
 from kvgate.impl.vllm_build import build_manager
 from kvgate.impl.vllm_errors import describe
 
-__all__ = ["hold_source", "holds_partial_tails", "probe", "retains_retired"]
+__all__ = [
+    "hold_source",
+    "holds_partial_tails",
+    "probe",
+    "retains_retired",
+    "takes_streaming_input",
+]
 
 
 def is_mamba(api: VllmApi, manager: Any) -> bool:
@@ -43,6 +50,17 @@ def holds_partial_tails(api: VllmApi, managers: Sequence[Any], switch: bool) -> 
 def retains_retired(api: VllmApi, managers: Sequence[Any]) -> bool:
     """Whether kvgate's overlay retains retired states on these managers."""
     return any(bool(getattr(m, _vllm_api.RETIRE_ATTR, False)) for m in managers if is_mamba(api, m))
+
+
+def takes_streaming_input(api: VllmApi, scheduler: Any) -> bool:
+    """Whether this build's Scheduler takes streaming-input sessions: its
+    requests can be resumable, and the Scheduler keeps a stopped one waiting
+    for its next input chunk (the counter of such sessions)."""
+    try:
+        parameters = inspect.signature(api.Request).parameters
+    except (TypeError, ValueError):
+        return False
+    return "resumable" in parameters and hasattr(scheduler, "num_waiting_for_streaming_input")
 
 
 def hold_source(managers: Sequence[Any], plugin: str | None, module: ModuleType | None) -> str:

@@ -66,7 +66,12 @@ from kvgate.impl import _vllm_api
 from kvgate.impl.vllm_build import block_hasher, kv_cache_config, request_inputs, scheduler_config
 from kvgate.impl.vllm_connector import ConnectorScript, ExternalHit
 from kvgate.impl.vllm_errors import config_field, describe
-from kvgate.impl.vllm_probe import hold_source, holds_partial_tails, retains_retired
+from kvgate.impl.vllm_probe import (
+    hold_source,
+    holds_partial_tails,
+    retains_retired,
+    takes_streaming_input,
+)
 from kvgate.impl.vllm_view import ManagerView
 
 __all__ = ["ConnectorSettings", "VllmScheduler", "model_dir"]
@@ -461,6 +466,24 @@ def _check_derived(scheduler: Any, config: Config, spec_tokens: int, hash_block:
             raise UnsupportedConfig(name, f"vLLM's Scheduler runs it as {got!r}, not {want!r}")
 
 
+def _size_encoder(scheduler: Any, config: Config) -> str:
+    """Give the Scheduler, built for a text model, the encoder budget and
+    encoder cache a multimodal model's engine would size from `config`, so
+    requests with multimodal items run as on a vision-language hybrid.
+    Probed on the Scheduler's own attributes: what the build lacks for it,
+    or "" once done."""
+    cache = getattr(scheduler, "encoder_cache_manager", None)
+    if cache is None or not hasattr(scheduler, "max_num_encoder_input_tokens"):
+        return "this vLLM's Scheduler has no encoder budget and encoder cache"
+    try:
+        sized = type(cache)(cache_size=config.encoder_cache_slots)
+    except TypeError:
+        return "this vLLM's encoder cache cannot be built with a size of its own"
+    scheduler.encoder_cache_manager = sized
+    scheduler.max_num_encoder_input_tokens = config.encoder_budget
+    return ""
+
+
 def _check_connector_support() -> None:
     from kvgate.impl.vllm_connector import missing_support
 
@@ -561,6 +584,13 @@ class VllmScheduler:
                 config_field(message), f"vLLM's Scheduler rejects it: {message}"
             ) from exc
         _check_derived(scheduler, config, spec_tokens, hash_block)
+        # What this build lacks to schedule encoder inputs ("": nothing).
+        self._encoder_lacks = _size_encoder(scheduler, config)
+        if self._encoder_lacks and (config.encoder_compute_budget or config.encoder_cache_size):
+            field = (
+                "encoder_compute_budget" if config.encoder_compute_budget else "encoder_cache_size"
+            )
+            raise UnsupportedConfig(field, self._encoder_lacks)
         self._script: ConnectorScript | None = (
             None if connector is None else _scripted_connector(scheduler)
         )
@@ -577,10 +607,14 @@ class VllmScheduler:
             hold_source=hold_source(managers, plugin, plugin_module) if hold else "",
             retain_retired=retains_retired(api, managers),
         )
+        self.streaming_input = takes_streaming_input(api, scheduler)
         # Every request ever added, by name (finished ones too: a follow-up's
         # check reads the turn it follows).
         self._requests: dict[str, Any] = {}
         self._follows: dict[str, str] = {}
+        # Streaming-input sessions by name: their hash inputs (their token
+        # sequence is rewritten at each chunk, so the view indexes it anew).
+        self._sessions: dict[str, HashInputs] = {}
         self._admitted: set[str] = set()
         # The scheduled batches whose output is not processed yet, oldest
         # first (one at a time without async scheduling).
@@ -663,18 +697,20 @@ class VllmScheduler:
         max_tokens: int,
         follows: str | None,
         inputs: HashInputs = NO_INPUTS,
+        resumable: bool = False,
         priority: int = 0,
     ) -> None:
-        # A salt only changes the hashes. An adapter or images would be
-        # scheduled otherwise by the real Scheduler (`max_loras`, the encoder
-        # budget and cache), which the scheduler model does not do.
-        for field in ("lora", "mm"):
-            if getattr(inputs, field):
-                raise NotModelled(
-                    field,
-                    f"request {name!r}: the scheduler-level target does not model "
-                    + ("LoRA scheduling (max_loras)" if field == "lora" else "encoder inputs"),
-                )
+        # A salt only changes the hashes. An adapter would be scheduled
+        # otherwise by the real Scheduler (`max_loras`), which the scheduler
+        # model does not do.
+        if inputs.lora:
+            raise NotModelled(
+                "lora",
+                f"request {name!r}: the scheduler-level target does not model "
+                "LoRA scheduling (max_loras)",
+            )
+        if inputs.mm and self._encoder_lacks:
+            raise UnsupportedConfig("mm", f"request {name!r}: {self._encoder_lacks}")
         if name in self._requests:
             raise StepRefused("req", f"request {name!r} already added")
         limit = self.config.max_model_len
@@ -693,20 +729,48 @@ class VllmScheduler:
             if self.config.scheduling_policy == "priority"
             else {}
         )
-        request = api.Request(
-            request_id=name,
-            prompt_token_ids=tokens,
-            sampling_params=api.SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-            pooling_params=None,
+        request = self._request(
+            name,
+            tokens,
+            max_tokens,
             block_hasher=self._hasher,
             **ranked,
             **request_inputs(api, inputs),
+            **({"resumable": True} if resumable else {}),
         )
+        if resumable:
+            self._sessions[name] = inputs
         self._requests[name] = request
         if follows is not None:
             self._follows[name] = follows
         self._view.track(name, request, inputs)
         self._scheduler.add_request(request)
+
+    def add_chunk(self, name: str, tokens: list[int], max_tokens: int) -> None:
+        """As vLLM's engine sends a session's next input chunk: a resumable
+        request with the session's id, which the Scheduler takes at once if
+        the session waits for input, and queues otherwise."""
+        self._send_again(name, tokens, max_tokens, resumable=True)
+
+    def end_session(self, name: str) -> None:
+        """As vLLM's engine ends a session: the request id again, not resumable."""
+        self._send_again(name, [], 1, resumable=False)
+
+    def _send_again(self, name: str, tokens: list[int], max_tokens: int, resumable: bool) -> None:
+        self._scheduler.add_request(self._request(name, tokens, max_tokens, resumable=resumable))
+        self._view.track(name, self._requests[name], self._sessions[name])
+
+    def _request(self, name: str, tokens: list[int], max_tokens: int, **fields: Any) -> Any:
+        """A vLLM `Request` as the engine hands it over: its own output
+        length, never stopped early by an end-of-sequence token."""
+        api = self._api
+        return api.Request(
+            request_id=name,
+            prompt_token_ids=tokens,
+            sampling_params=api.SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+            pooling_params=None,
+            **fields,
+        )
 
     def schedule(self) -> ScheduledStep:
         self._step = step = ScheduledStep()
@@ -724,6 +788,11 @@ class VllmScheduler:
         step.copies = [
             [int(c.src_block_id), int(c.dst_block_id)] for c in (output.kv_cache_block_copies or ())
         ]
+        step.encoder_inputs = {
+            str(r): [int(i) for i in items]
+            for r, items in (getattr(output, "scheduled_encoder_inputs", None) or {}).items()
+            if items
+        }
         if self._script is not None:
             queries = self._script.take_queries()
             step.connector_queries = [
@@ -731,8 +800,8 @@ class VllmScheduler:
             ]
         return step
 
-    def script_external(self, name: str, tokens: int, load_async: bool) -> None:
-        self.connector_script.hits[name] = ExternalHit(tokens, load_async)
+    def script_external(self, name: str, tokens: int, load_async: bool, undecided: int = 0) -> None:
+        self.connector_script.hits[name] = ExternalHit(tokens, load_async, undecided)
 
     def update(
         self,
@@ -800,7 +869,11 @@ class VllmScheduler:
                 DraftTokenIds(going_on, [[DRAFT_TOKEN] * self.spec_tokens for _ in going_on])
             )
         for r in ids:
-            self._view.touched(r)
+            if r in self._sessions:
+                # A session that stopped may have taken its next chunk.
+                self._view.track(r, self._requests[r], self._sessions[r])
+            else:
+                self._view.touched(r)
         return finished
 
     def stop(self, name: str) -> None:

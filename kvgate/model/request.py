@@ -63,3 +63,20 @@ class Request:
         del self.output[kept:]
         complete = max(0, (len(self.all_token_ids) - self.hash_lookahead) // self.hash_unit)
         del self.keys[complete:]
+
+    def continue_session(self, tokens: list[int]) -> None:
+        """A streaming-input session's next input chunk, as vLLM's Scheduler
+        takes it: the last sampled token (never computed) dropped with the
+        keys its block would cover, the other output folded into the prompt,
+        then `tokens` appended to it and keyed."""
+        keep = self.num_tokens - 1
+        assert keep >= self.num_computed_tokens, "the kept tokens cover the computed ones"
+        kept_output = self.all_token_ids[len(self.prompt) : keep]
+        del self.all_token_ids[keep:]
+        del self.keys[keep // self.hash_unit :]
+        self.output.clear()
+        self.prompt += kept_output + tokens
+        self.all_token_ids += tokens
+        extend_prefix_keys(
+            self.keys, self.all_token_ids, self.hash_unit, self.hash_lookahead, self.inputs
+        )

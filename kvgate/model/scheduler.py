@@ -38,7 +38,8 @@ abort load_failed`, after the step's finishes), one failure reported a step.
 
 A chunk that computes every token of its request samples the step's output
 token (`allocate sample 1`), as vLLM's `Scheduler` appends it after the step;
-the model's drafts are all rejected (one token per decode step).
+the model's drafts are rejected (one token per decode step) unless a step
+accepts some (`accept`: `decode1 accepted`).
 
 The workload's generator (`workload.generator.SessionRun`) and the
 scheduler-level lockstep drive it; the steps it writes, each with what the
@@ -65,7 +66,8 @@ from kvgate.conformance.scheduling import (
 )
 from kvgate.conformance.snapshot import Snapshot
 from kvgate.conformance.target import Capabilities, StepRefused
-from kvgate.conformance.tokens import HashInputs
+from kvgate.conformance.tokens import HashInputs, MmItem
+from kvgate.model.encoder_cache import EncoderCache, EncoderPlan
 from kvgate.model.request import Request
 from kvgate.model.split import chunk_tokens
 from kvgate.model.target import ModelTarget
@@ -148,6 +150,14 @@ class LiveRequest:
     last_batch: int = 0
     last_sched_seq: int = 0
     ended: bool = False  # finished or aborted (an in-flight batch's output skips it)
+    # A streaming-input session (vLLM's `resumable`): when it stops it keeps
+    # its blocks and takes its next input chunk (`chunks`, in arrival order,
+    # None for the session's end) or, with none queued, waits for one
+    # (`paused`, vLLM's WAITING_FOR_STREAMING_REQ) in the queue of waiting
+    # requests that hold blocks.
+    resumable: bool = False
+    chunks: deque[tuple[list[int], int] | None] = field(default_factory=deque)
+    paused: bool = False
 
 
 @dataclass
@@ -271,6 +281,8 @@ class SchedulerModel:
         # Requests a prefix-cache reset preempted between steps: vLLM's
         # Scheduler reports them with the next step's preemptions.
         self._reset_preempted: list[str] = []
+        # Drafts the model runner accepts in the next step, by request (`accept`).
+        self._accept: dict[str, int] = {}
         self._running_scheduled = False
         self._prefill_scheduled = False
         # The prefill cadence (`prefill_schedule_interval`): the non-empty
@@ -280,6 +292,13 @@ class SchedulerModel:
         self.num_executed_steps = 0
         self.last_prefill_step = -config.prefill_schedule_interval
         self.prefill_capacity_bound = False
+        # Requests' multimodal items: the encoder cache, the step's encoder
+        # budget left, the plan of the chunk last cut (`_chunk`), and the
+        # items each request scheduled this step encodes.
+        self.encoder = EncoderCache(config.encoder_cache_slots)
+        self.encoder_budget = 0
+        self._encoder_plan: EncoderPlan | None = None
+        self._encoded: dict[str, list[int]] = {}
 
     @property
     def oracle(self) -> ModelTarget:
@@ -297,28 +316,108 @@ class SchedulerModel:
         follows: str | None = None,
         cache_salt: str = "",
         remote: RemoteHit | None = None,
+        resumable: bool = False,
+        mm: tuple[MmItem, ...] = (),
         priority: int = 0,
     ) -> LiveRequest:
         """A request arrives (`arrive`) and waits at the end of the queue
         (under the priority policy, at its place); `remote`: what a KV
-        connector's external store holds of it."""
+        connector's external store holds of it; `resumable`: a
+        streaming-input session; `mm`: its multimodal items."""
+        if self.by_priority and (resumable or mm):
+            # Undoing a victim's run would also have to give its encoder
+            # budget back; a session's stops move it between queues.
+            raise StepRefused(
+                "config.scheduling_policy",
+                f"{name}'s {'encoder inputs' if mm else 'streaming-input session'} under the "
+                "priority policy are not modelled",
+            )
         if self.async_scheduling and remote is not None and remote.load_async:
             raise AsyncNotModelled(
                 f"{name}'s asynchronous KV load under async scheduling is not modelled"
             )
-        self.writer.run("arrive", req=name, prompt=prompt, cache_salt=cache_salt)
+        if self.async_scheduling and mm:
+            raise AsyncNotModelled(f"{name}'s encoder inputs under async scheduling")
+        self.writer.run("arrive", req=name, prompt=prompt, cache_salt=cache_salt, mm=mm)
         live = LiveRequest(
             name,
             self.oracle.requests[name].request,
             max_tokens,
             follows,
-            rank=(priority, self.arrivals),
             remote=remote,
+            resumable=resumable,
+            rank=(priority, self.arrivals),
         )
         self.arrivals += 1
         self.waiting.append(live)
         self._order_waiting()
         return live
+
+    def chunk(self, name: str, prompt: tuple[Segment, ...], max_tokens: int) -> list[int]:
+        """Session `name`'s next input chunk arrives (its token ids are
+        returned): a paused session takes it at once, one still running
+        queues it for its next stop."""
+        live = self._session(name)
+        tokens = self.oracle.resolve(prompt)
+        if live.paused:
+            self._take_chunk(live, tokens, max_tokens)
+        else:
+            live.chunks.append((tokens, max_tokens))
+        return tokens
+
+    def end_session(self, name: str) -> None:
+        """Session `name` ends: a paused one at once (vLLM aborts it, `free
+        abort`), one still running at its next stop (a plain finish)."""
+        live = self._session(name)
+        if live.paused:
+            self.holding.remove(live)
+            self._end(live, "abort")
+        else:
+            live.chunks.append(None)
+
+    def _session(self, name: str) -> LiveRequest:
+        for live in self._live():
+            if live.name == name and live.resumable:
+                return live
+        raise StepRefused("req", f"{name!r} is no streaming-input session still open")
+
+    def _take_chunk(self, live: LiveRequest, tokens: list[int], max_tokens: int) -> None:
+        """A stopped session takes its next input chunk: its tokens rewritten
+        as vLLM's Scheduler rewrites them (`Request.continue_session`), its
+        blocks kept; it waits to resume from its computed tokens."""
+        request = live.request
+        total = request.num_tokens - 1 + len(tokens)
+        if total + max_tokens > self.config.max_model_len:
+            raise StepRefused(
+                "max_tokens",
+                f"{live.name}'s session of {total:,} tokens + {max_tokens:,} output tokens, "
+                f"more than config.max_model_len {self.config.max_model_len:,}",
+            )
+        request.continue_session(tokens)
+        # Its new prompt tokens are to compute: it is prefilling again.
+        self.oracle.requests[live.name].phase = "running"
+        live.max_tokens = max_tokens
+        live.paused = live.decoding = live.stopping = False
+
+    def _stop_session(self, live: LiveRequest) -> bool:
+        """A session stopped (its output generated, or a stop condition): it
+        keeps its blocks and takes its next queued chunk, or waits for one;
+        False when the chunk queued next is its end (it finishes)."""
+        live.stopping = live.decoding = False
+        if live.chunks:
+            queued = live.chunks.popleft()
+            if queued is None:
+                return False
+            self._take_chunk(live, *queued)
+        else:
+            live.paused = True
+        live.holds_blocks = True
+        return True
+
+    def paused_sessions(self) -> int:
+        """Sessions waiting for their next input chunk: each keeps a running
+        slot of the model runner (vLLM counts them against max_num_seqs)."""
+        return sum(live.paused for live in self.holding)
 
     def step(self) -> StepDecisions:
         """One engine step: `schedule`, the worker's load reports, `step` and
@@ -331,6 +430,10 @@ class SchedulerModel:
             return self._async_step()
         decisions = StepDecisions()
         finished, sampled = self._schedule_batch(decisions)
+        unused = next(iter(self._accept), None)
+        if unused is not None:
+            self._accept.clear()
+            raise StepRefused("accept", f"{unused} does not decode with drafts in this step")
         decisions.loaded, decisions.failed = self.reported_loads()
         self._process_output(decisions, sampled, finished)
         self.engine_step += 1
@@ -431,6 +534,13 @@ class SchedulerModel:
             if live is None or live.ended:
                 continue
             decisions.sampled[name] = tokens
+            # The items whose tokens are computed go back to the encoder
+            # cache, then, when it finishes, all it still holds.
+            self.encoder.release_computed(
+                name, live.request.inputs.mm, live.request.num_computed_tokens
+            )
+            if live in finished:
+                self.encoder.release_all(name)
             if tokens and not live.stats_reported:
                 live.stats_reported = True
                 decisions.prefill_stats[name] = self._prefill_stats(live)
@@ -444,12 +554,19 @@ class SchedulerModel:
         ]
         for live in errored:
             self.holding.remove(live)
+        # Sessions that stopped and go on: back in the queue of waiting
+        # requests holding blocks, in output order, after the step's frees.
+        continuing: list[LiveRequest] = []
         for live in finished:
             if live.ended:
                 continue
             self.running.remove(live)
+            if live.resumable and self._stop_session(live):
+                continuing.append(live)
+                continue
             self._end(live, "finish")
             decisions.finished.append(live.name)
+        self.holding.extend(continuing)
         for live in errored:
             writer.run("free", req=live.name, how="abort", load_failed=True)
             live.ended = True
@@ -466,6 +583,7 @@ class SchedulerModel:
         that batch's output is processed (`release`)."""
         live.ended = True
         self._ended_since_schedule = True
+        self.encoder.release_all(live.name)
         if self.defer_block_free and live.last_sched_seq > self.processed_seq:
             self.writer.run("pop", req=live.name, **self._in_flight_field(live))
             self.deferred.append((self.sched_seq, live.name))
@@ -566,6 +684,8 @@ class SchedulerModel:
         budget = self.config.max_num_scheduled_tokens
         finished: list[LiveRequest] = []
         preempted = False
+        self.encoder_budget = self.config.encoder_budget
+        self._encoded = decisions.encoder_inputs
         decisions.preempted.extend(self._reset_preempted)
         self._reset_preempted.clear()
         # What vLLM's Scheduler counts, once per step, to decide whether
@@ -664,13 +784,16 @@ class SchedulerModel:
         self._running_scheduled = bool(decisions.scheduled)
         self._prefill_scheduled = prefill_scheduled
         admitted_prefill = False
-        while budget > 0 and len(self.running) < self.max_num_seqs:
+        # Paused sessions keep their running slots through the scan.
+        paused = self.paused_sessions()
+        while budget > 0 and len(self.running) + paused < self.max_num_seqs:
             queue = self.holding if self.holding else self.waiting
             if not queue:
                 break
             live = queue[0]
-            if live.loading and not live.reported:
-                skipped.append(queue.popleft())  # its KV is not here yet
+            if (live.loading and not live.reported) or live.paused:
+                # Its KV is not here yet, or it waits for its next input chunk.
+                skipped.append(queue.popleft())
                 continue
             outputs = len(live.request.output)
             computed = live.request.num_computed_tokens
@@ -749,6 +872,7 @@ class SchedulerModel:
         self.running.remove(victim)
         self._refuse_preempting_in_flight(victim)
         self.writer.run("free", req=victim.name, how="preempt")
+        self.encoder.release_all(victim.name)
         self.waiting.appendleft(victim)
         self._order_waiting()
         victim.decoding = False
@@ -806,17 +930,30 @@ class SchedulerModel:
             if admitted is None:
                 return None
             hit, cost = 0, admitted
-            decisions.taken.append((live.name, 0, 0, False))
+            if self.config.kv_connector:
+                decisions.taken.append((live.name, 0, 0, False))
         else:
             if not live.admitted and live.follows is not None:
                 cached = self.writer.check({"attention_cached": {live.follows: 0}})
                 decisions.checked[live.name] = int(cached["attention_cached"][live.follows])
-            hit, external, load_async = self._lookup(live, decisions, load_failed)
+            looked_up = self._lookup(live, decisions, load_failed)
+            if looked_up is None:
+                return "skipped"  # the connector cannot answer yet
+            hit, external, load_async = looked_up
             computed = live.request.num_computed_tokens + hit + external
             if defer and not load_async and computed < live.request.num_tokens - 1:
                 return None
             need = self.writer.run("reserve", req=live.name)["blocks"]
             if not admission_fits(need, self.oracle.num_free_blocks()):
+                if live.request.inputs.mm:
+                    # vLLM's gate is in the allocation, after the chunk's
+                    # encoder scheduling, whose holds a refusal gives back.
+                    chunk = self._admission_chunk(live, hit + external, budget)
+                    self._encoder_plan = None
+                    if chunk == _SKIP:
+                        return "skipped"
+                    if chunk is not None:
+                        self.encoder.release_all(live.name)
                 return None
             reserved = self._reserved_blocks(skipped) if load_async else 0
             live.sched_computed = live.request.num_computed_tokens + hit + external
@@ -835,7 +972,10 @@ class SchedulerModel:
             chunk = self._admission_chunk(live, hit + external, budget)
             if chunk == _SKIP:
                 return "skipped"
-            if chunk is None or not self._allocate(live, chunk, hit + external)():
+            if chunk is None:
+                return None
+            if not self._allocate(live, chunk, hit + external)():
+                self.encoder.release_all(live.name)
                 return None
             self._set_prefill_stats(live, hit + external)
             if self.config.kv_connector:
@@ -853,28 +993,36 @@ class SchedulerModel:
 
     def _lookup(
         self, live: LiveRequest, decisions: StepDecisions, load_failed: bool = False
-    ) -> tuple[int, int, bool]:
+    ) -> tuple[int, int, bool] | None:
         """The admission's lookup: (local hit taken, external tokens, loaded
         asynchronously). With a KV connector the lookup carries what the
         external store holds (and whether the request's load just failed),
         and the question the Scheduler then puts to the connector is
-        recorded."""
+        recorded; None when the connector answers "not yet" (the Scheduler
+        passes over the request, admitting nothing of it this step)."""
         if not self.config.kv_connector:
             hit = int(self.writer.run("lookup", req=live.name)["hit"])
             decisions.lookups.append((live.name, hit))
             return hit, 0, False
         remote = live.remote or RemoteHit(0, False, 0)
         failed = {"load_failed": True} if load_failed else {}
+        # An undecided connector's "not yet" loads nothing: the lookup is the
+        # local one alone, and the next step looks the request up again.
+        undecided = remote.undecided > 0
         result = self.writer.run(
             "lookup",
             req=live.name,
-            remote_hit=remote.tokens,
-            remote_async=remote.load_async,
+            remote_hit=0 if undecided else remote.tokens,
+            remote_async=remote.load_async and not undecided,
             **failed,
         )
         local = int(result["local_hit"])
         decisions.lookups.append((live.name, local))
         presented = local - local % self.config.scheduler_block_size
+        if undecided:
+            live.remote = replace(remote, undecided=remote.undecided - 1)
+            decisions.connector_queries.append((live.name, presented, None, False))
+            return None
         answered = max(0, remote.tokens - presented)
         decisions.connector_queries.append(
             (live.name, presented, answered, remote.load_async and answered > 0)
@@ -942,6 +1090,7 @@ class SchedulerModel:
         request = live.request
         computed = request.num_computed_tokens + hit
         padded = 1 + self.spec
+        self._encoder_plan = None
         if (
             self.spec
             and request.num_tokens - computed == 1
@@ -952,7 +1101,10 @@ class SchedulerModel:
             if padded > budget:
                 return None
             offered = chunk_offer(self.config, padded, budget, self.num_eligible)
-            if chunk_tokens(self.config, request, offered, hit) == padded:
+            if (
+                chunk_tokens(self.config, request, offered, hit) == padded
+                and self._plan_encoder(request, computed, padded) == padded
+            ):
                 return "auto", padded, self.spec
         return self._chunk(request, hit, budget)
 
@@ -989,12 +1141,16 @@ class SchedulerModel:
         """The next prefill chunk within `budget`: (as written, tokens run,
         padding rows); None when the split leaves nothing to run this step,
         `_SKIP` when the prefill lookahead does."""
+        self._encoder_plan = None
         start = request.num_computed_tokens + hit
         remaining = request.num_tokens - start
         offered = chunk_offer(self.config, remaining, budget, self.num_eligible)
         tokens = chunk_tokens(self.config, request, offered, hit)
         if tokens <= 0:
             return None
+        tokens = self._plan_encoder(request, start, tokens)
+        if tokens <= 0:
+            return _SKIP  # the encoder cannot run what the chunk starts with
         tokens = reserve_prefill_lookahead(self.config, request.num_tokens, start, tokens)
         if tokens <= 0:
             return _SKIP
@@ -1010,9 +1166,29 @@ class SchedulerModel:
         auto = offered == full and replayed_tokens == tokens
         return ("auto" if auto else tokens), tokens, 0
 
+    def _plan_encoder(self, request: Request, start: int, tokens: int) -> int:
+        """The chunk of `tokens` from `start` as the encoder leaves it (its
+        plan kept for `_allocate`): cut before the first item over it that
+        the step's encoder budget or the encoder cache cannot take."""
+        items = request.inputs.mm
+        self._encoder_plan = None
+        if not items:
+            return tokens
+        plan = self.encoder.plan(
+            request.request_id,
+            items,
+            start,
+            tokens,
+            self.encoder_budget,
+            shift=self.config.prefill_lookahead,
+        )
+        self._encoder_plan = plan
+        return plan.tokens
+
     def _allocate(self, live: LiveRequest, chunk: _Chunk, hit: int = 0) -> Callable[[], bool]:
         written, tokens, pad = chunk
         request = live.request
+        plan, self._encoder_plan = self._encoder_plan, None
         # The chunk that computes every token samples the step's output token.
         sample = int(request.num_computed_tokens + hit + tokens - pad >= request.num_tokens)
         # Written only when padded: a trace without padding reads as before.
@@ -1030,6 +1206,12 @@ class SchedulerModel:
             )
             if "cached_tokens" in result:  # the chunk completed the request's tokens
                 live.cache_estimate = int(result["cached_tokens"])
+            if result["ok"] and plan is not None:
+                # Scheduled: its items encoded, the encoder budget spent.
+                self.encoder.commit(live.name, request.inputs.mm, plan)
+                self.encoder_budget = plan.budget_left
+                if plan.encode:
+                    self._encoded[live.name] = list(plan.encode)
             return bool(result["ok"])
 
         return run
@@ -1037,9 +1219,36 @@ class SchedulerModel:
     def _decode(self, live: LiveRequest, drafts: int) -> Callable[[], bool]:
         # Written only when the budget cut the drafts short.
         lookahead = self.spec if drafts < self.spec else 0
+        accepted = self._accept.get(live.name, 0)
+        if accepted > drafts:
+            raise StepRefused(
+                "accept",
+                f"{live.name} decodes with {drafts} drafts in this step (the token budget cut "
+                f"them), fewer than the {accepted} accepted",
+            )
+        outputs = len(live.request.output) + 1 + accepted
+        if accepted and outputs > live.max_tokens:
+            # vLLM's Scheduler would drop the tokens past max_tokens.
+            raise StepRefused(
+                "accept",
+                f"{live.name} would have {outputs} output tokens, past its max_tokens "
+                f"{live.max_tokens}",
+            )
+        # Written only when the model runner accepts some.
+        accepting = {"accepted": accepted} if accepted else {}
 
         def run() -> bool:
-            result = self.writer.run("decode1", req=live.name, spec=drafts, lookahead=lookahead)
+            result = self.writer.run(
+                "decode1", req=live.name, spec=drafts, lookahead=lookahead, **accepting
+            )
+            if result["ok"]:
+                self._accept.pop(live.name, None)
             return bool(result["ok"])
 
         return run
+
+    def accept(self, name: str, drafts: int) -> None:
+        """`name` decodes in the next step and the model runner accepts the
+        first `drafts` of its draft tokens: its computed tokens advance past
+        them, and it outputs them and one token of its own."""
+        self._accept[name] = drafts
