@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Coverage (line and branch) of vLLM 0.33.0's block_pool.py,
+# Coverage (line and branch) of the installed vLLM's block_pool.py,
 # kv_cache_manager.py, kv_cache_coordinator.py, the MambaManager class and
 # the Scheduler's KV paths (the methods of sched/scheduler.py's Scheduler
 # that touch the KV-cache manager or a request's computed or cached tokens:
@@ -22,7 +22,9 @@
 # KVGATE_OWN_TESTS=skip leaves both of vLLM's columns out (=fallback runs
 # them with plain pytest, not scripts/vllm-own-tests.sh); KVGATE_OWN_COLUMNS
 # names which of them to run ("manager scheduler" by default; "scheduler"
-# leaves out the manager tests, the long one).
+# leaves out the manager tests, the long one). vLLM's columns are run once
+# per vLLM install and test list and then reused (KVGATE_OWN_COVERAGE_CACHE,
+# below); the script says when it reuses one.
 # Each column's unreached lines and branch exits go to
 # OUT_DIR/missing-<column>.txt (per file and per KV path), and the table per
 # KV path to OUT_DIR/kv-paths-by-method.txt, for finding what is still unreached.
@@ -96,12 +98,23 @@ done
 "$py" -m coverage combine --rcfile="$(rcfile kvgate)" --data-file="$out/.coverage.kvgate" \
   "$out"/.coverage.kvgate.* >/dev/null 2>&1 || echo "coverage-report: no data for kvgate" >&2
 
+# vLLM's columns depend only on the installed vLLM and the tests listed, not
+# on kvgate: each is kept under KVGATE_OWN_COVERAGE_CACHE (default
+# .cache/vllm-own-coverage) by vLLM version, install path and test list, and
+# reused from there (removing the file runs them again).
+vllm_version="$("$py" -c 'from importlib.metadata import version; print(version("vllm"))')"
+own_cache="${KVGATE_OWN_COVERAGE_CACHE:-.cache/vllm-own-coverage}"
+own_notes=()
 own_column() {  # NAME REUSE_FILE TESTS...: a column of vLLM's own tests
   local name="$1" reuse="$2"; shift 2
+  local kept
+  kept="$own_cache/$vllm_version-$(printf '%s\n' "$core" "$@" | sha256sum | cut -c1-12)/.coverage.$name"
   if [ -n "$reuse" ]; then
-    # Their column does not change with kvgate: reuse a data file recorded
-    # by an earlier run of this script (its OUT_DIR/.coverage.NAME).
+    # A data file recorded by an earlier run of this script (OUT_DIR/.coverage.NAME).
     cp "$reuse" "$out/.coverage.$name"
+  elif [ -s "$kept" ]; then
+    own_notes+=("$name: vLLM's tests not run again; their coverage is reused from ${kept#"$PWD/"}, recorded $(date -u -r "$kept" '+%Y-%m-%d %H:%M UTC')")
+    cp "$kept" "$out/.coverage.$name"
   elif [ -f scripts/vllm-own-tests.sh ] && [ "${KVGATE_OWN_TESTS:-}" != fallback ]; then
     run_covered "$name" bash scripts/vllm-own-tests.sh "$@" -q
   fi
@@ -109,6 +122,9 @@ own_column() {  # NAME REUSE_FILE TESTS...: a column of vLLM's own tests
     # No wrapper (or it recorded nothing): fetch the tests and run them here.
     tests="$(realpath "$(bash scripts/fetch-vllm-tests.sh)")"
     run_covered "$name" bash -c "cd '$tests' && '$py' -m pytest -q -p no:cacheprovider $*"
+  fi
+  if [ -z "$reuse" ] && [ ! -s "$kept" ] && [ -s "$out/.coverage.$name" ]; then
+    mkdir -p "$(dirname "$kept")" && cp "$out/.coverage.$name" "$kept"
   fi
 }
 # vLLM's own manager and scheduler tests: the campaign's one list
@@ -125,14 +141,17 @@ columns=(
   "Scheduler-level explore ci=$out/.coverage.sched-explore"
 )
 if [[ "$own_columns" == *" manager "* ]]; then
-  echo "== vLLM 0.33.0's own manager tests" >&2
+  echo "== vLLM $vllm_version's own manager tests" >&2
   own_column vllm-tests "${KVGATE_OWN_COVERAGE:-}" "${manager_tests[@]}"
   columns+=("vLLM's own manager tests=$out/.coverage.vllm-tests")
 fi
 if [[ "$own_columns" == *" scheduler "* ]]; then
-  echo "== vLLM 0.33.0's own scheduler tests" >&2
+  echo "== vLLM $vllm_version's own scheduler tests" >&2
   own_column vllm-scheduler-tests "${KVGATE_OWN_SCHEDULER_COVERAGE:-}" "${scheduler_tests[@]}"
   columns+=("vLLM's own scheduler tests=$out/.coverage.vllm-scheduler-tests")
 fi
 
-"$py" -m kvgate.explore.coverage --missing "$out" "${columns[@]}" | tee "$out/coverage.txt"
+{
+  "$py" -m kvgate.explore.coverage --missing "$out" "${columns[@]}"
+  [ "${#own_notes[@]}" -eq 0 ] || printf '%s\n' "${own_notes[@]}"
+} | tee "$out/coverage.txt"

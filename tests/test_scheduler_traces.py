@@ -160,6 +160,8 @@ MALFORMED: dict[str, tuple[Callable[[dict[str, Any]], None], int | None, str]] =
         0,
         "remote_fails",
     ),
+    "accept without drafts": (engine(1, accept={"A": 1}), 1, "accept"),
+    "accept over repeats": (engine(3, accept={"A": 1}), 3, "accept"),
     "remote undecided without a connector": (engine(0, remote_undecided=1), 0, "remote_undecided"),
     "remote undecided not a count": (
         with_connector(0, remote_undecided=-1),
@@ -239,7 +241,7 @@ def test_the_command_line_reports_a_malformed_trace_in_one_line(tmp_path: Path) 
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
         f"kvgate: error: {path}: step 1: expect.hits: unknown expect key of engine op step "
-        "(expected one of scheduled, preempted, cached_tokens, finished)"
+        "(expected one of scheduled, preempted, cached_tokens, finished, encoded)"
     ]
     assert "Traceback" not in done.stderr
 

@@ -134,6 +134,23 @@ class Config:
     # step that carried prefill, unless the last release could not drain the
     # waiting queue. 1: no cadence.
     prefill_schedule_interval: int = 1
+    # The Scheduler's encoder compute budget and encoder cache size, in
+    # encoder embeddings (vLLM's `max_num_encoder_input_tokens` and
+    # `encoder_cache_size`, which a multimodal model's budget derives from
+    # `max_num_encoder_input_tokens` and `encoder_cache_size` in its
+    # scheduler config). 0: the token budget, as vLLM's defaults are.
+    encoder_compute_budget: int = 0
+    encoder_cache_size: int = 0
+
+    @property
+    def encoder_budget(self) -> int:
+        """The encoder embeddings one step may compute."""
+        return self.encoder_compute_budget or self.max_num_scheduled_tokens
+
+    @property
+    def encoder_cache_slots(self) -> int:
+        """The encoder embeddings the encoder cache holds."""
+        return self.encoder_cache_size or self.max_num_scheduled_tokens
 
     @property
     def block_drop(self) -> bool:

@@ -18,6 +18,7 @@ from kvgate.conformance.scheduling import (
     EngineStep,
     RemoteHit,
 )
+from kvgate.conformance.tokens import MmItem
 
 # The keys of a scheduler-level trace's `scheduler` settings.
 _SCHEDULER_KEYS = ("spec", "max_num_seqs")
@@ -25,6 +26,11 @@ _SCHEDULER_KEYS = ("spec", "max_num_seqs")
 
 class EngineReader(FieldReader):
     """Reads a scheduler-level trace's engine entries, one at a time, in order."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # Each multimodal item's length, by its id, as first given.
+        self.mm_lengths: dict[str, int] = {}
 
     def engine_settings(self, raw: object) -> EngineSettings:
         if not isinstance(raw, dict):
@@ -89,8 +95,37 @@ class EngineReader(FieldReader):
         if "stop" in raw and repeats != 1:
             raise self.error(index, "stop", "applies to one engine step: write steps: 1")
         stop = self.stopped(index, raw.get("stop", []))
+        if "accept" in raw and repeats != 1:
+            raise self.error(index, "accept", "applies to one engine step: write steps: 1")
+        accept = self.accepted(index, raw.get("accept", {}), stop)
         expect = self.engine_expect(index, raw.get("expect", {}))
-        return [EngineStep("step", index, expect=expect, stop=stop) for _ in range(repeats)]
+        return [
+            EngineStep("step", index, expect=expect, stop=stop, accept=accept)
+            for _ in range(repeats)
+        ]
+
+    def accepted(self, index: int, raw: object, stop: tuple[str, ...]) -> dict[str, int]:
+        """A step's `accept`: requests that have arrived, each with the drafts
+        accepted, 1 to the drafts a step proposes (`scheduler.spec`)."""
+        if not isinstance(raw, dict) or not all(
+            is_count(n) and 1 <= n <= self.drafts for n in raw.values()
+        ):
+            raise self.error(
+                index,
+                "accept",
+                f"must map requests to draft tokens accepted, 1..{self.drafts} "
+                f"(scheduler.spec), got {got(raw)}",
+            )
+        accept = {self.arrived(index, "accept", r): n for r, n in raw.items()}
+        stopped = [r for r in accept if r in stop]
+        if stopped:
+            raise self.error(
+                index,
+                "accept",
+                f"{stopped[0]!r} also stops in this step: a stop condition met at an accepted "
+                "draft is not modelled",
+            )
+        return accept
 
     def stopped(self, index: int, raw: object) -> tuple[str, ...]:
         """A step's `stop`: requests that have arrived, each named once."""
@@ -123,11 +158,16 @@ class EngineReader(FieldReader):
         # A follow-up's `all_of` holds at most the whole output.
         self.budget.output_most[req] = max_tokens
         salt = self.text(index, "cache_salt", raw["cache_salt"]) if "cache_salt" in raw else ""
+        mm = self.engine_mm(index, raw["mm"], least) if "mm" in raw else ()
         follows = raw.get("follows")
         if follows is not None:
             follows = self.arrived(index, "follows", follows)
         remote = self.engine_remote(index, raw, least)
         resumable = self.engine_resumable(index, raw)
+        if resumable and mm:
+            raise self.error(
+                index, "mm", "encoder inputs of a streaming-input session are not modelled yet"
+            )
         if resumable:
             self.sessions.add(req)
         self.requests[req] = ("waiting", f"arrived at step {index}")
@@ -138,10 +178,37 @@ class EngineReader(FieldReader):
             prompt=prompt,
             max_tokens=max_tokens,
             cache_salt=salt,
+            mm=mm,
             follows=follows,
             remote=remote,
             resumable=resumable,
         )
+
+    def engine_mm(self, index: int, raw: object, prompt_tokens: int) -> tuple[MmItem, ...]:
+        """An arrival's `mm`: placeholders inside its prompt, each item's
+        length the same wherever its id appears (vLLM fails a request whose
+        item disagrees with the encoder cache's copy of it)."""
+        assert self.config is not None
+        if self.config.async_scheduling:
+            raise self.error(index, "mm", "encoder inputs under async scheduling are not modelled")
+        items = self.mm(index, raw)
+        for i, item in enumerate(items):
+            if item.end > prompt_tokens:
+                raise self.error(
+                    index,
+                    f"mm[{i}]",
+                    f"placeholder {item.offset}..{item.end} ends past the {prompt_tokens:,} "
+                    "tokens its prompt surely holds",
+                )
+            known = self.mm_lengths.setdefault(item.identifier, item.length)
+            if known != item.length:
+                raise self.error(
+                    index,
+                    f"mm[{i}].length",
+                    f"item {item.identifier!r} is {known} tokens long where it appeared "
+                    f"before, not {item.length}",
+                )
+        return items
 
     def engine_resumable(self, index: int, raw: Mapping[Any, Any]) -> bool:
         """An arrival's `resumable`: a streaming-input session, refused by
@@ -331,6 +398,16 @@ class EngineReader(FieldReader):
                         index, field, f"must be a list of request names, got {got(value)}"
                     )
                 expect[key] = [self.arrived(index, field, r) for r in value]
+            elif key == "encoded":
+                if not isinstance(value, dict) or not all(
+                    isinstance(v, list) and all(is_count(i) for i in v) for v in value.values()
+                ):
+                    raise self.error(
+                        index,
+                        field,
+                        f"must map request names to lists of item indices, got {got(value)}",
+                    )
+                expect[key] = {self.arrived(index, field, r): list(v) for r, v in value.items()}
             else:
                 if not isinstance(value, dict) or not all(is_count(n) for n in value.values()):
                     raise self.error(

@@ -12,6 +12,7 @@ from typing import Any, TypeGuard
 from kvgate.conformance.config import Config
 from kvgate.conformance.limits import TOKEN_ID_BOUND, LimitError, Limits, TraceBudget
 from kvgate.conformance.ops import Phase, Segment
+from kvgate.conformance.tokens import MmItem
 from kvgate.conformance.trace_error import TraceError
 
 _SEGMENT_KINDS = ("fresh", "all_of", "prompt_of", "tokens")
@@ -151,6 +152,42 @@ class FieldReader:
             self.budget.add_tokens(tokens, field)
         except LimitError as error:
             raise self.error(index, error.field, error.message) from None
+
+    def mm(self, index: int, raw: object) -> tuple[MmItem, ...]:
+        """Multimodal placeholders: sorted by offset, disjoint, each at least
+        one token (vLLM's hasher assumes the order)."""
+        if not isinstance(raw, list) or not raw:
+            raise self.error(
+                index, "mm", f"must be a non-empty list of {{offset, length, id}}, got {got(raw)}"
+            )
+        items: list[MmItem] = []
+        for i, entry in enumerate(raw):
+            where = f"mm[{i}]"
+            if not isinstance(entry, dict):
+                raise self.error(
+                    index, where, f"must be a mapping {{offset, length, id}}, got {got(entry)}"
+                )
+            self.unknown_keys(index, where + ".", entry, ("offset", "length", "id"), "key")
+            self.missing_keys(index, where + ".", entry, ("offset", "length", "id"))
+            offset, length = entry["offset"], entry["length"]
+            if not is_count(offset):
+                raise self.error(
+                    index, f"{where}.offset", f"must be an integer >= 0, got {got(offset)}"
+                )
+            if not is_count(length) or length == 0:
+                raise self.error(
+                    index, f"{where}.length", f"must be an integer >= 1, got {got(length)}"
+                )
+            identifier = self.text(index, f"{where}.id", entry["id"])
+            if items and offset < items[-1].end:
+                raise self.error(
+                    index,
+                    f"{where}.offset",
+                    f"{offset} is inside or before mm[{i - 1}] ({items[-1].offset}.."
+                    f"{items[-1].end}): placeholders must be sorted and disjoint",
+                )
+            items.append(MmItem(offset, length, identifier))
+        return tuple(items)
 
 
 def is_count(value: object) -> TypeGuard[int]:

@@ -239,6 +239,7 @@ class _EngineLockstep:
                 event.cache_salt,
                 event.remote,
                 event.resumable,
+                event.mm,
             ),
         )
         if self.real is None:
@@ -293,6 +294,8 @@ class _EngineLockstep:
     def step(self, event: EngineStep, step: Step) -> None:
         for name in event.stop:
             self.on_model(step, functools.partial(self.model.stop, name))
+        for name, drafts in event.accept.items():
+            self.on_model(step, functools.partial(self.model.accept, name, drafts))
         modelled: EngineOutcome = self.on_model(step, self.model.step)
         where = f"engine step {self.engine_steps}"
         observed: ScheduledStep
@@ -307,7 +310,7 @@ class _EngineLockstep:
         observed_cache_stats = None if self.real is None else self.real.take_prefix_cache_stats()
         for request, reported in stats.items():
             self.cached_tokens.setdefault(request, reported[0])
-        self.expectations(event, step, observed.scheduled, observed.preempted, finished, stats)
+        self.expectations(event, step, observed, finished, stats)
         if self.real is None:
             return
         pairs: list[tuple[str, object, object]] = [
@@ -384,19 +387,20 @@ class _EngineLockstep:
         self,
         event: EngineStep,
         step: Step,
-        scheduled: list[tuple[str, int]],
-        preempted: list[str],
+        scheduled: ScheduledStep,
         finished: list[str],
         stats: dict[str, PrefillStats],
     ) -> None:
         observed: dict[str, object] = {
-            "scheduled": scheduled,
-            "preempted": sorted(preempted),
+            "scheduled": scheduled.scheduled,
+            "preempted": sorted(scheduled.preempted),
             "finished": finished,
         }
         for key, want in event.expect.items():
             if key == "cached_tokens":
                 got: object = {r: stats[r][0] if r in stats else NOT_REPORTED for r in want}
+            elif key == "encoded":
+                got = {r: scheduled.encoder_inputs.get(r, []) for r in want}
             elif key == "preempted":
                 want = sorted(want)
                 got = observed[key]

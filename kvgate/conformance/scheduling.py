@@ -17,7 +17,7 @@ from typing import Any, Protocol
 from kvgate.conformance.ops import STATS_KEYS, Segment
 from kvgate.conformance.snapshot import Snapshot
 from kvgate.conformance.target import Capabilities
-from kvgate.conformance.tokens import NO_INPUTS, HashInputs
+from kvgate.conformance.tokens import NO_INPUTS, HashInputs, MmItem
 
 
 @dataclass
@@ -45,6 +45,9 @@ class ScheduledStep:
     # taken, external tokens, an asynchronous load's).
     connector_queries: list[tuple[str, int, int | None, bool]] = field(default_factory=list)
     taken: list[tuple[str, int, int, bool]] = field(default_factory=list)
+    # Multimodal items the step encodes: request -> the indices of its
+    # items (in its `mm`), for requests that encode any.
+    encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
 
 
 def step_differences(
@@ -58,6 +61,11 @@ def step_differences(
         ("preempted", sorted(expected.preempted), actual.preempted),
         ("scheduled (request, tokens)", expected.scheduled, actual.scheduled),
         ("admitted (request, hit)", expected.admitted, actual.admitted),
+        (
+            "encoder inputs scheduled (request: items)",
+            expected.encoder_inputs,
+            actual.encoder_inputs,
+        ),
         ("copies", expected.copies, actual.copies),
         (
             "KV connector queries (request, presented, answered, async)",
@@ -130,17 +138,23 @@ REMOTE_FIELDS = (
 ENGINE_OPS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "arrive": (
         ("req", "prompt", "max_tokens"),
-        ("cache_salt", "follows", "resumable", *REMOTE_FIELDS),
+        ("cache_salt", "mm", "follows", "resumable", *REMOTE_FIELDS),
     ),
     # A streaming-input session's next input chunk (its prompt tokens and
     # the output it then generates), or its end (`end: true`).
     "chunk": (("req",), ("prompt", "max_tokens", "end")),
-    "step": ((), ("steps", "stop")),
+    "step": ((), ("steps", "stop", "accept")),
     "abort": (("req",), ()),
     "reset": ((), ("running",)),
 }
 # What an engine `step` may expect, each optional.
-ENGINE_EXPECT_KEYS: tuple[str, ...] = ("scheduled", "preempted", "cached_tokens", "finished")
+ENGINE_EXPECT_KEYS: tuple[str, ...] = (
+    "scheduled",
+    "preempted",
+    "cached_tokens",
+    "finished",
+    "encoded",
+)
 # What a prefix-cache `reset` may expect: whether it reset, the waiting queue after.
 RESET_EXPECT_KEYS: tuple[str, ...] = ("ok", "waiting")
 
@@ -169,6 +183,9 @@ class EngineStep:
     prompt: tuple[Segment, ...] = ()
     max_tokens: int = 0
     cache_salt: str = ""
+    # arrive: its multimodal items (placeholders in the prompt, each encoded
+    # by the encoder before the tokens over it run)
+    mm: tuple[MmItem, ...] = ()
     follows: str | None = None
     # arrive, with a KV connector: what its external store holds of the request.
     remote: RemoteHit | None = None
@@ -183,6 +200,9 @@ class EngineStep:
     # step: requests a stop condition (an end-of-sequence or stop token, a
     # stop string) finishes with the token they sample in this step
     stop: tuple[str, ...] = ()
+    # step: requests whose drafts the model runner accepts in this step, each
+    # with how many (the first N of the drafts it decodes with)
+    accept: dict[str, int] = field(default_factory=dict)
     expect: dict[str, Any] = field(default_factory=dict)
 
 
@@ -216,6 +236,7 @@ class SchedulerModelRun(Protocol):
         cache_salt: str = "",
         remote: RemoteHit | None = None,
         resumable: bool = False,
+        mm: tuple[MmItem, ...] = (),
     ) -> Any: ...
 
     def prompt_tokens(self, name: str) -> tuple[list[int], HashInputs]:
@@ -237,6 +258,12 @@ class SchedulerModelRun(Protocol):
     def stop(self, name: str) -> None:
         """Request `name` finishes with the token it samples in the next
         step, before its `max_tokens`: a stop condition the engine met."""
+        ...
+
+    def accept(self, name: str, drafts: int) -> None:
+        """Request `name`, decoding in the next step, gets the first `drafts`
+        of its draft tokens accepted (the model runner samples them, then one
+        token of its own); the rest are rejected."""
         ...
 
     def abort(self, name: str) -> None: ...
@@ -319,7 +346,7 @@ class SchedulerTarget(Protocol):
         failed: Collection[str] = (),
     ) -> list[str]:
         """The model runner's output for the last `schedule()`: the tokens
-        each scheduled request sampled (drafts all rejected), and the
+        each scheduled request sampled (its accepted drafts among them), and the
         asynchronous KV loads its connector finished (`loaded`) or lost
         (`failed`). Returns the requests that finished, in order."""
         ...

@@ -408,6 +408,32 @@ CONFIG_FIELDS: tuple[ConfigField, ...] = (
         not_explored="the Scheduler-level exploration draws it with each engine",
     ),
     ConfigField(
+        "encoder_compute_budget",
+        "encoder_compute_budget",
+        "count",
+        "not_default",
+        "`SchedulerConfig.max_num_encoder_input_tokens` (a multimodal model's encoder budget)",
+        (
+            "the encoder embeddings one engine step may compute for requests' multimodal "
+            "items (`arrive`'s `mm`); a prefill chunk stops before an item it cannot encode. "
+            "0: the token budget, vLLM's default"
+        ),
+        not_explored="the Scheduler-level exploration draws it with encoder inputs",
+    ),
+    ConfigField(
+        "encoder_cache_size",
+        "encoder_cache_size",
+        "count",
+        "not_default",
+        "`SchedulerConfig.encoder_cache_size` (a multimodal model's encoder cache)",
+        (
+            "the encoder embeddings the encoder cache holds: an item is encoded only with room "
+            "for it, evicting items no request holds, oldest first. 0: the token budget, "
+            "vLLM's default"
+        ),
+        not_explored="the Scheduler-level exploration draws it with encoder inputs",
+    ),
+    ConfigField(
         "model_runner",
         "model_runner",
         "word",

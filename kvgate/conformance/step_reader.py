@@ -62,6 +62,13 @@ class StepReader(FieldReader):
             self.load_failure(index, op, values)
         if values.get("invalid_blocks"):
             self.block_failure(index, op, values)
+        if values.get("accepted", 0) > values.get("spec", 0):
+            raise self.error(
+                index,
+                "accepted",
+                f"{values['accepted']} drafts accepted of the {values.get('spec', 0)} the step "
+                "proposes (spec)",
+            )
         expect = self.expect(index, action, raw.get("expect", {}))
         self.track_request(index, action, values)
         self.count(index, op, values)
@@ -163,7 +170,7 @@ class StepReader(FieldReader):
             repeats = values["steps"] if op == "decode" else 1
             self.budget.add_steps(3 * repeats if op == "decode" else 1, "steps")
             if op in ("decode", "decode1"):
-                self.budget.decoded(values["req"], repeats)
+                self.budget.decoded(values["req"], repeats, values.get("accepted", 0))
         except LimitError as error:
             raise self.error(index, error.field, error.message) from None
 
@@ -228,42 +235,6 @@ class StepReader(FieldReader):
         if value not in FREE_HOW:
             raise self.error(index, key, f"{got(value)} is not one of {', '.join(FREE_HOW)}")
         return value
-
-    def mm(self, index: int, raw: object) -> tuple[MmItem, ...]:
-        """Multimodal placeholders: sorted by offset, disjoint, each at least
-        one token (vLLM's hasher assumes the order)."""
-        if not isinstance(raw, list) or not raw:
-            raise self.error(
-                index, "mm", f"must be a non-empty list of {{offset, length, id}}, got {got(raw)}"
-            )
-        items: list[MmItem] = []
-        for i, entry in enumerate(raw):
-            where = f"mm[{i}]"
-            if not isinstance(entry, dict):
-                raise self.error(
-                    index, where, f"must be a mapping {{offset, length, id}}, got {got(entry)}"
-                )
-            self.unknown_keys(index, where + ".", entry, ("offset", "length", "id"), "key")
-            self.missing_keys(index, where + ".", entry, ("offset", "length", "id"))
-            offset, length = entry["offset"], entry["length"]
-            if not is_count(offset):
-                raise self.error(
-                    index, f"{where}.offset", f"must be an integer >= 0, got {got(offset)}"
-                )
-            if not is_count(length) or length == 0:
-                raise self.error(
-                    index, f"{where}.length", f"must be an integer >= 1, got {got(length)}"
-                )
-            identifier = self.text(index, f"{where}.id", entry["id"])
-            if items and offset < items[-1].end:
-                raise self.error(
-                    index,
-                    f"{where}.offset",
-                    f"{offset} is inside or before mm[{i - 1}] ({items[-1].offset}.."
-                    f"{items[-1].end}): placeholders must be sorted and disjoint",
-                )
-            items.append(MmItem(offset, length, identifier))
-        return tuple(items)
 
     def expect(self, index: int, action: Action, raw: object) -> dict[str, Any]:
         if not isinstance(raw, dict):

@@ -15,6 +15,7 @@ from kvgate.conformance.config import Config, GroupConfig
 from kvgate.conformance.ops import ACTIONS, Segment, Step
 from kvgate.conformance.scheduling import EngineSettings, EngineStep
 from kvgate.conformance.schema import CONFIG_FIELDS, FORMAT
+from kvgate.conformance.tokens import MmItem
 
 
 def config_dict(config: Config) -> dict[str, Any]:
@@ -50,6 +51,11 @@ def segment_dict(segment: Segment) -> dict[str, Any]:
     return {segment.kind: segment.req}
 
 
+def mm_dict(item: MmItem) -> dict[str, Any]:
+    """A multimodal item as a trace writes it."""
+    return {"offset": item.offset, "length": item.length, "id": item.identifier}
+
+
 def step_dict(step: Step) -> dict[str, Any]:
     """One step as written in a trace (macros keep their own fields)."""
     if step.op == "check":
@@ -61,7 +67,7 @@ def step_dict(step: Step) -> dict[str, Any]:
         if field == "prompt":
             value = [segment_dict(s) for s in value]
         if field == "mm":
-            value = [{"offset": m.offset, "length": m.length, "id": m.identifier} for m in value]
+            value = [mm_dict(m) for m in value]
         if field in action.optional and not value:  # 0, false, "", none
             continue
         out[field] = value
@@ -109,6 +115,8 @@ def engine_step_dicts(engine: Iterable[EngineStep]) -> list[dict[str, Any]]:
             entry["max_tokens"] = event.max_tokens
             if event.cache_salt:
                 entry["cache_salt"] = event.cache_salt
+            if event.mm:
+                entry["mm"] = [mm_dict(m) for m in event.mm]
             if event.follows is not None:
                 entry["follows"] = event.follows
             if event.resumable:
@@ -133,6 +141,8 @@ def engine_step_dicts(engine: Iterable[EngineStep]) -> list[dict[str, Any]]:
             entry["running"] = True
         if event.stop:
             entry["stop"] = list(event.stop)
+        if event.accept:
+            entry["accept"] = dict(event.accept)
         if event.expect:
             entry["expect"] = plain(event.expect)
         out.append(entry)

@@ -460,6 +460,24 @@ def _check_derived(scheduler: Any, config: Config, spec_tokens: int, hash_block:
             raise UnsupportedConfig(name, f"vLLM's Scheduler runs it as {got!r}, not {want!r}")
 
 
+def _size_encoder(scheduler: Any, config: Config) -> str:
+    """Give the Scheduler, built for a text model, the encoder budget and
+    encoder cache a multimodal model's engine would size from `config`, so
+    requests with multimodal items run as on a vision-language hybrid.
+    Probed on the Scheduler's own attributes: what the build lacks for it,
+    or "" once done."""
+    cache = getattr(scheduler, "encoder_cache_manager", None)
+    if cache is None or not hasattr(scheduler, "max_num_encoder_input_tokens"):
+        return "this vLLM's Scheduler has no encoder budget and encoder cache"
+    try:
+        sized = type(cache)(cache_size=config.encoder_cache_slots)
+    except TypeError:
+        return "this vLLM's encoder cache cannot be built with a size of its own"
+    scheduler.encoder_cache_manager = sized
+    scheduler.max_num_encoder_input_tokens = config.encoder_budget
+    return ""
+
+
 def _check_connector_support() -> None:
     from kvgate.impl.vllm_connector import missing_support
 
@@ -560,6 +578,13 @@ class VllmScheduler:
                 config_field(message), f"vLLM's Scheduler rejects it: {message}"
             ) from exc
         _check_derived(scheduler, config, spec_tokens, hash_block)
+        # What this build lacks to schedule encoder inputs ("": nothing).
+        self._encoder_lacks = _size_encoder(scheduler, config)
+        if self._encoder_lacks and (config.encoder_compute_budget or config.encoder_cache_size):
+            field = (
+                "encoder_compute_budget" if config.encoder_compute_budget else "encoder_cache_size"
+            )
+            raise UnsupportedConfig(field, self._encoder_lacks)
         self._script: ConnectorScript | None = (
             None if connector is None else _scripted_connector(scheduler)
         )
@@ -668,16 +693,17 @@ class VllmScheduler:
         inputs: HashInputs = NO_INPUTS,
         resumable: bool = False,
     ) -> None:
-        # A salt only changes the hashes. An adapter or images would be
-        # scheduled otherwise by the real Scheduler (`max_loras`, the encoder
-        # budget and cache), which the scheduler model does not do.
-        for field in ("lora", "mm"):
-            if getattr(inputs, field):
-                raise NotModelled(
-                    field,
-                    f"request {name!r}: the scheduler-level target does not model "
-                    + ("LoRA scheduling (max_loras)" if field == "lora" else "encoder inputs"),
-                )
+        # A salt only changes the hashes. An adapter would be scheduled
+        # otherwise by the real Scheduler (`max_loras`), which the scheduler
+        # model does not do.
+        if inputs.lora:
+            raise NotModelled(
+                "lora",
+                f"request {name!r}: the scheduler-level target does not model "
+                "LoRA scheduling (max_loras)",
+            )
+        if inputs.mm and self._encoder_lacks:
+            raise UnsupportedConfig("mm", f"request {name!r}: {self._encoder_lacks}")
         if name in self._requests:
             raise StepRefused("req", f"request {name!r} already added")
         limit = self.config.max_model_len
@@ -746,6 +772,11 @@ class VllmScheduler:
         step.copies = [
             [int(c.src_block_id), int(c.dst_block_id)] for c in (output.kv_cache_block_copies or ())
         ]
+        step.encoder_inputs = {
+            str(r): [int(i) for i in items]
+            for r, items in (getattr(output, "scheduled_encoder_inputs", None) or {}).items()
+            if items
+        }
         if self._script is not None:
             queries = self._script.take_queries()
             step.connector_queries = [

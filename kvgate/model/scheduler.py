@@ -34,7 +34,8 @@ abort load_failed`, after the step's finishes), one failure reported a step.
 
 A chunk that computes every token of its request samples the step's output
 token (`allocate sample 1`), as vLLM's `Scheduler` appends it after the step;
-the model's drafts are all rejected (one token per decode step).
+the model's drafts are rejected (one token per decode step) unless a step
+accepts some (`accept`: `decode1 accepted`).
 
 The workload's generator (`workload.generator.SessionRun`) and the
 scheduler-level lockstep drive it; the steps it writes, each with what the
@@ -61,7 +62,8 @@ from kvgate.conformance.scheduling import (
 )
 from kvgate.conformance.snapshot import Snapshot
 from kvgate.conformance.target import Capabilities, StepRefused
-from kvgate.conformance.tokens import HashInputs
+from kvgate.conformance.tokens import HashInputs, MmItem
+from kvgate.model.encoder_cache import EncoderCache, EncoderPlan
 from kvgate.model.request import Request
 from kvgate.model.split import chunk_tokens
 from kvgate.model.target import ModelTarget
@@ -260,6 +262,8 @@ class SchedulerModel:
         # Requests a prefix-cache reset preempted between steps: vLLM's
         # Scheduler reports them with the next step's preemptions.
         self._reset_preempted: list[str] = []
+        # Drafts the model runner accepts in the next step, by request (`accept`).
+        self._accept: dict[str, int] = {}
         self._running_scheduled = False
         self._prefill_scheduled = False
         # The prefill cadence (`prefill_schedule_interval`): the non-empty
@@ -269,6 +273,13 @@ class SchedulerModel:
         self.num_executed_steps = 0
         self.last_prefill_step = -config.prefill_schedule_interval
         self.prefill_capacity_bound = False
+        # Requests' multimodal items: the encoder cache, the step's encoder
+        # budget left, the plan of the chunk last cut (`_chunk`), and the
+        # items each request scheduled this step encodes.
+        self.encoder = EncoderCache(config.encoder_cache_slots)
+        self.encoder_budget = 0
+        self._encoder_plan: EncoderPlan | None = None
+        self._encoded: dict[str, list[int]] = {}
 
     @property
     def oracle(self) -> ModelTarget:
@@ -287,15 +298,18 @@ class SchedulerModel:
         cache_salt: str = "",
         remote: RemoteHit | None = None,
         resumable: bool = False,
+        mm: tuple[MmItem, ...] = (),
     ) -> LiveRequest:
         """A request arrives (`arrive`) and waits at the end of the queue;
         `remote`: what a KV connector's external store holds of it;
-        `resumable`: a streaming-input session."""
+        `resumable`: a streaming-input session; `mm`: its multimodal items."""
         if self.async_scheduling and remote is not None and remote.load_async:
             raise AsyncNotModelled(
                 f"{name}'s asynchronous KV load under async scheduling is not modelled"
             )
-        self.writer.run("arrive", req=name, prompt=prompt, cache_salt=cache_salt)
+        if self.async_scheduling and mm:
+            raise AsyncNotModelled(f"{name}'s encoder inputs under async scheduling")
+        self.writer.run("arrive", req=name, prompt=prompt, cache_salt=cache_salt, mm=mm)
         live = LiveRequest(
             name,
             self.oracle.requests[name].request,
@@ -390,6 +404,10 @@ class SchedulerModel:
             return self._async_step()
         decisions = StepDecisions()
         finished, sampled = self._schedule_batch(decisions)
+        unused = next(iter(self._accept), None)
+        if unused is not None:
+            self._accept.clear()
+            raise StepRefused("accept", f"{unused} does not decode with drafts in this step")
         decisions.loaded, decisions.failed = self.reported_loads()
         self._process_output(decisions, sampled, finished)
         self.engine_step += 1
@@ -490,6 +508,13 @@ class SchedulerModel:
             if live is None or live.ended:
                 continue
             decisions.sampled[name] = tokens
+            # The items whose tokens are computed go back to the encoder
+            # cache, then, when it finishes, all it still holds.
+            self.encoder.release_computed(
+                name, live.request.inputs.mm, live.request.num_computed_tokens
+            )
+            if live in finished:
+                self.encoder.release_all(name)
             if tokens and not live.stats_reported:
                 live.stats_reported = True
                 decisions.prefill_stats[name] = self._prefill_stats(live)
@@ -532,6 +557,7 @@ class SchedulerModel:
         that batch's output is processed (`release`)."""
         live.ended = True
         self._ended_since_schedule = True
+        self.encoder.release_all(live.name)
         if self.defer_block_free and live.last_sched_seq > self.processed_seq:
             self.writer.run("pop", req=live.name, **self._in_flight_field(live))
             self.deferred.append((self.sched_seq, live.name))
@@ -630,6 +656,8 @@ class SchedulerModel:
         budget = self.config.max_num_scheduled_tokens
         finished: list[LiveRequest] = []
         preempted = False
+        self.encoder_budget = self.config.encoder_budget
+        self._encoded = decisions.encoder_inputs
         decisions.preempted.extend(self._reset_preempted)
         self._reset_preempted.clear()
         # What vLLM's Scheduler counts, once per step, to decide whether
@@ -799,6 +827,7 @@ class SchedulerModel:
         victim = self.running.pop()
         self._refuse_preempting_in_flight(victim)
         self.writer.run("free", req=victim.name, how="preempt")
+        self.encoder.release_all(victim.name)
         self.waiting.appendleft(victim)
         victim.decoding = False
         return victim
@@ -848,6 +877,15 @@ class SchedulerModel:
                 return None
             need = self.writer.run("reserve", req=live.name)["blocks"]
             if not admission_fits(need, self.oracle.num_free_blocks()):
+                if live.request.inputs.mm:
+                    # vLLM's gate is in the allocation, after the chunk's
+                    # encoder scheduling, whose holds a refusal gives back.
+                    chunk = self._admission_chunk(live, hit + external, budget)
+                    self._encoder_plan = None
+                    if chunk == _SKIP:
+                        return "skipped"
+                    if chunk is not None:
+                        self.encoder.release_all(live.name)
                 return None
             reserved = self._reserved_blocks(skipped) if load_async else 0
             live.sched_computed = live.request.num_computed_tokens + hit + external
@@ -866,7 +904,10 @@ class SchedulerModel:
             chunk = self._admission_chunk(live, hit + external, budget)
             if chunk == _SKIP:
                 return "skipped"
-            if chunk is None or not self._allocate(live, chunk, hit + external)():
+            if chunk is None:
+                return None
+            if not self._allocate(live, chunk, hit + external)():
+                self.encoder.release_all(live.name)
                 return None
             self._set_prefill_stats(live, hit + external)
             if self.config.kv_connector:
@@ -981,6 +1022,7 @@ class SchedulerModel:
         request = live.request
         computed = request.num_computed_tokens + hit
         padded = 1 + self.spec
+        self._encoder_plan = None
         if (
             self.spec
             and request.num_tokens - computed == 1
@@ -991,7 +1033,10 @@ class SchedulerModel:
             if padded > budget:
                 return None
             offered = chunk_offer(self.config, padded, budget, self.num_eligible)
-            if chunk_tokens(self.config, request, offered, hit) == padded:
+            if (
+                chunk_tokens(self.config, request, offered, hit) == padded
+                and self._plan_encoder(request, computed, padded) == padded
+            ):
                 return "auto", padded, self.spec
         return self._chunk(request, hit, budget)
 
@@ -1028,12 +1073,16 @@ class SchedulerModel:
         """The next prefill chunk within `budget`: (as written, tokens run,
         padding rows); None when the split leaves nothing to run this step,
         `_SKIP` when the prefill lookahead does."""
+        self._encoder_plan = None
         start = request.num_computed_tokens + hit
         remaining = request.num_tokens - start
         offered = chunk_offer(self.config, remaining, budget, self.num_eligible)
         tokens = chunk_tokens(self.config, request, offered, hit)
         if tokens <= 0:
             return None
+        tokens = self._plan_encoder(request, start, tokens)
+        if tokens <= 0:
+            return _SKIP  # the encoder cannot run what the chunk starts with
         tokens = reserve_prefill_lookahead(self.config, request.num_tokens, start, tokens)
         if tokens <= 0:
             return _SKIP
@@ -1049,9 +1098,29 @@ class SchedulerModel:
         auto = offered == full and replayed_tokens == tokens
         return ("auto" if auto else tokens), tokens, 0
 
+    def _plan_encoder(self, request: Request, start: int, tokens: int) -> int:
+        """The chunk of `tokens` from `start` as the encoder leaves it (its
+        plan kept for `_allocate`): cut before the first item over it that
+        the step's encoder budget or the encoder cache cannot take."""
+        items = request.inputs.mm
+        self._encoder_plan = None
+        if not items:
+            return tokens
+        plan = self.encoder.plan(
+            request.request_id,
+            items,
+            start,
+            tokens,
+            self.encoder_budget,
+            shift=self.config.prefill_lookahead,
+        )
+        self._encoder_plan = plan
+        return plan.tokens
+
     def _allocate(self, live: LiveRequest, chunk: _Chunk, hit: int = 0) -> Callable[[], bool]:
         written, tokens, pad = chunk
         request = live.request
+        plan, self._encoder_plan = self._encoder_plan, None
         # The chunk that computes every token samples the step's output token.
         sample = int(request.num_computed_tokens + hit + tokens - pad >= request.num_tokens)
         # Written only when padded: a trace without padding reads as before.
@@ -1069,6 +1138,12 @@ class SchedulerModel:
             )
             if "cached_tokens" in result:  # the chunk completed the request's tokens
                 live.cache_estimate = int(result["cached_tokens"])
+            if result["ok"] and plan is not None:
+                # Scheduled: its items encoded, the encoder budget spent.
+                self.encoder.commit(live.name, request.inputs.mm, plan)
+                self.encoder_budget = plan.budget_left
+                if plan.encode:
+                    self._encoded[live.name] = list(plan.encode)
             return bool(result["ok"])
 
         return run
@@ -1076,9 +1151,36 @@ class SchedulerModel:
     def _decode(self, live: LiveRequest, drafts: int) -> Callable[[], bool]:
         # Written only when the budget cut the drafts short.
         lookahead = self.spec if drafts < self.spec else 0
+        accepted = self._accept.get(live.name, 0)
+        if accepted > drafts:
+            raise StepRefused(
+                "accept",
+                f"{live.name} decodes with {drafts} drafts in this step (the token budget cut "
+                f"them), fewer than the {accepted} accepted",
+            )
+        outputs = len(live.request.output) + 1 + accepted
+        if accepted and outputs > live.max_tokens:
+            # vLLM's Scheduler would drop the tokens past max_tokens.
+            raise StepRefused(
+                "accept",
+                f"{live.name} would have {outputs} output tokens, past its max_tokens "
+                f"{live.max_tokens}",
+            )
+        # Written only when the model runner accepts some.
+        accepting = {"accepted": accepted} if accepted else {}
 
         def run() -> bool:
-            result = self.writer.run("decode1", req=live.name, spec=drafts, lookahead=lookahead)
+            result = self.writer.run(
+                "decode1", req=live.name, spec=drafts, lookahead=lookahead, **accepting
+            )
+            if result["ok"]:
+                self._accept.pop(live.name, None)
             return bool(result["ok"])
 
         return run
+
+    def accept(self, name: str, drafts: int) -> None:
+        """`name` decodes in the next step and the model runner accepts the
+        first `drafts` of its draft tokens: its computed tokens advance past
+        them, and it outputs them and one token of its own."""
+        self._accept[name] = drafts
