@@ -53,6 +53,7 @@ class EngineReader(FieldReader):
             raise self.error(
                 None, "scheduler.spec", "config.eagle drops blocks for drafts: give spec >= 1"
             )
+        self.drafts = spec
         return EngineSettings(spec, seqs)
 
     def engine_step(self, index: int, raw: object) -> list[EngineStep]:

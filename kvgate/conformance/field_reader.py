@@ -29,6 +29,7 @@ class FieldReader:
         self.requests: dict[str, tuple[Phase, str]] = {}  # name -> (phase, since when)
         # Scheduler-level traces: the streaming-input sessions (resumable requests).
         self.sessions: set[str] = set()
+        self.drafts = 0  # the scheduler settings' draft tokens a step (`spec`)
         self.config: Config | None = None
         self._budget: TraceBudget | None = None
 
