@@ -187,3 +187,20 @@ def test_a_manager_decode_with_accepted_drafts_conforms_on_vllm_at_strict_level(
 
     result = run_trace(manager_trace([3, 2, 0, 1] * 3), VllmTarget, ModelTarget, "strict", False)
     assert isinstance(result, ReplayResult) and result.passed, result
+
+
+@needs_vllm
+def test_a_scheduler_that_preempts_a_request_in_flight_diverges(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM's Scheduler taking every request's blocks as free to return at
+    once, a batch in flight or not: it preempts B while B's batch runs, and
+    the trace fails at that step."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    trace = bundled("sched-async-pressure-waits-for-batch")
+    monkeypatch.setattr(Scheduler, "_request_blocks_can_be_freed", lambda self, request: True)
+    divergence = run_vllm(trace).divergence
+    assert divergence is not None
+    waits = next(e.index for e in trace.engine if e.expect.get("scheduled") == [])
+    assert divergence.step.index == waits, divergence

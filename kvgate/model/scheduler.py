@@ -551,6 +551,12 @@ class SchedulerModel:
             self.aborted_loads.remove(live)
             writer.run("free", req=live.name, how="abort")
 
+    def _free_deferred(self, live: LiveRequest) -> bool:
+        """Freeing `live`'s blocks now would be deferred: a batch that may
+        still write them is in flight (with a KV connector under async
+        scheduling)."""
+        return self.defer_block_free and live.last_sched_seq > self.processed_seq
+
     def _end(self, live: LiveRequest, how: Literal["finish", "abort"]) -> None:
         """Free an ended request's blocks (`free`), or, while a batch that
         may still write them is in flight, keep them aside (`pop`) until
@@ -558,7 +564,7 @@ class SchedulerModel:
         live.ended = True
         self._ended_since_schedule = True
         self.encoder.release_all(live.name)
-        if self.defer_block_free and live.last_sched_seq > self.processed_seq:
+        if self._free_deferred(live):
             self.writer.run("pop", req=live.name, **self._in_flight_field(live))
             self.deferred.append((self.sched_seq, live.name))
         else:
@@ -707,6 +713,11 @@ class SchedulerModel:
                 run = self._allocate(live, chunk)
             ok = run()
             while not ok:
+                if self._free_deferred(self.running[-1]):
+                    # Its blocks would only join the deferred frees, which
+                    # helps no allocation now: vLLM's Scheduler preempts
+                    # nothing and ends the running scan.
+                    break
                 # vLLM's FCFS policy preempts the last running request, the
                 # failing one included, and retries.
                 victim = self.preempt(decisions)
