@@ -236,17 +236,10 @@ class EngineReader(FieldReader):
             raise self.error(index, "resumable", f"must be true or false, got {got(resumable)}")
         assert self.config is not None
         config = self.config
-        if resumable and self.drafts:
-            raise self.error(
-                index,
-                "resumable",
-                "a streaming-input session with draft tokens (scheduler.spec) is not modelled yet",
-            )
         unmodelled = (
             ("async_scheduling", config.async_scheduling),
             ("kv_connector", config.kv_connector),
             ("hash_lookahead_tokens", bool(config.hash_lookahead_tokens)),
-            ("prefill_schedule_interval", config.prefill_schedule_interval > 1),
         )
         for name, on in unmodelled:
             if resumable and on:

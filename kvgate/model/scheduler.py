@@ -158,6 +158,9 @@ class LiveRequest:
     resumable: bool = False
     chunks: deque[tuple[list[int], int] | None] = field(default_factory=deque)
     paused: bool = False
+    # A scan passed over it while it was paused: vLLM's Scheduler counts it
+    # deferred (the prefill cadence reads that) until it is admitted again.
+    deferred: bool = False
 
 
 @dataclass
@@ -393,6 +396,11 @@ class SchedulerModel:
                 f"{live.name}'s session of {total:,} tokens + {max_tokens:,} output tokens, "
                 f"more than config.max_model_len {self.config.max_model_len:,}",
             )
+        # Not a manager call: vLLM's Scheduler rewrites the request between
+        # manager calls, and the manager's state (blocks, references, keyed
+        # blocks) is unchanged by it. The manager steps written from here on
+        # therefore replay only beside this rewrite, not as a manager-level
+        # trace of their own (the workload, which saves them, sends no chunks).
         request.continue_session(tokens)
         # Its new prompt tokens are to compute: it is prefilling again.
         self.oracle.requests[live.name].phase = "running"
@@ -410,7 +418,8 @@ class SchedulerModel:
                 return False
             self._take_chunk(live, *queued)
         else:
-            live.paused = True
+            # vLLM's Scheduler counts it deferred from now on.
+            live.paused = live.deferred = True
         live.holds_blocks = True
         return True
 
@@ -804,6 +813,7 @@ class SchedulerModel:
             live = queue[0]
             if (live.loading and not live.reported) or live.paused:
                 # Its KV is not here yet, or it waits for its next input chunk.
+                live.deferred = live.paused
                 skipped.append(queue.popleft())
                 continue
             outputs = len(live.request.output)
@@ -824,7 +834,7 @@ class SchedulerModel:
             queue.popleft()
             self.running.append(live)
             live.admitted = True
-            live.holds_blocks = False
+            live.holds_blocks = live.deferred = False
             budget -= admitted
             live.decoding = len(live.request.output) > outputs  # it sampled
             if len(live.request.output) >= live.max_tokens or (live.stopping and live.decoding):
@@ -835,7 +845,8 @@ class SchedulerModel:
         if not defer:
             # Requests still waiting after a release, besides those the scan
             # passed over (vLLM counts those deferred): the cadence holds none back.
-            waiting_left = len(self.waiting) + len(self.holding) - len(passed_over)
+            deferred = len(passed_over) + sum(live.deferred for live in self.holding)
+            waiting_left = len(self.waiting) + len(self.holding) - deferred
             self.prefill_capacity_bound = waiting_left > 0
         self._cadence_after(decisions, prefill_scheduled, admitted_prefill)
         return finished
