@@ -460,7 +460,7 @@ CONFIG_FIELDS: tuple[ConfigField, ...] = (
             "comes last in that order); a manager-level trace's calls are the same either way"
         ),
         choices=SCHEDULING_POLICIES,
-        not_explored="set per trace; the Scheduler-level exploration runs `fcfs`",
+        not_explored="the Scheduler-level exploration draws it with each engine",
     ),
     ConfigField(
         "groups",

@@ -5,7 +5,8 @@ The manager-level machine (`machine.py`) issues manager calls as kvgate's
 model of the Scheduler would; this one plays the engine instead: requests
 arrive (fresh prompts, prompts sharing an earlier request's prompt, follow-up
 turns extending an earlier request's whole sequence; with a cache salt or
-not; streaming-input sessions, which later get their next input chunk or
+not; under the priority policy, drawn with some engines, with a priority;
+streaming-input sessions, which later get their next input chunk or
 their end), the engine steps, clients abort requests waiting, mid-prefill or
 mid-decode, and the prefix cache is reset with or without preempting the
 running requests. Every step goes through the scheduler-level lockstep the
@@ -291,6 +292,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         prefill_interval=st.sampled_from((1, 2, 3)),
         # A drafter with lookahead hashes has one MTP module (or is EAGLE),
         # or K modules: it then drafts, hashes and reads ahead K tokens.
+        # Without lookahead hashes the draw picks the scheduling policy
+        # instead (the largest: priority), so the draws stay as they were.
         mtp_modules=st.sampled_from((1, 2, MAX_SPEC)),
     )
     def start(
@@ -312,6 +315,10 @@ class SchedulerMachine(RuleBasedStateMachine):
             async_scheduling = False  # the scheduler model runs it without drafts
         if config.kv_connector or async_scheduling:
             prefill_interval = 1
+        # The priority policy where the scheduler model follows it.
+        by_priority = mtp_modules == MAX_SPEC and not (
+            config.hash_lookahead_tokens or config.kv_connector or async_scheduling
+        )
         config = replace(
             config,
             hold=self.mode.hold,
@@ -319,6 +326,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             model_runner=model_runner,
             async_scheduling=async_scheduling,
             prefill_schedule_interval=prefill_interval,
+            scheduling_policy="priority" if by_priority else "fcfs",
         )
         if config.eagle:
             spec = max(spec, 1)  # the eagle drop is for a drafter's blocks
@@ -359,6 +367,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.stats.families[family_name(family)] += 1
         if config.async_scheduling:
             self.stats.ops["engine:async"] += 1
+        if by_priority:
+            self.stats.ops["engine:priority"] += 1
 
     def teardown(self) -> None:
         if self.model is not None:
@@ -472,6 +482,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         if resumable:
             self.sessions.add(name)
             self.stats.ops["arrive:session"] += 1
+        # Under the priority policy (never with a connector) the worker's
+        # delay draw is the request's priority.
+        priority = remote[2] if self.config.scheduling_policy == "priority" else 0
+        if priority:
+            self.stats.ops[f"arrive:priority:{priority}"] += 1
         self.apply(
             EngineStep(
                 "arrive",
@@ -483,6 +498,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 follows=follows,
                 remote=self.remote_hit(base_length + max(fresh, 1 if base is None else 0), remote),
                 resumable=resumable,
+                priority=priority,
             )
         )
 
@@ -491,7 +507,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         session in (the reader refuses the others by name)."""
         assert self.config is not None
         config = self.config
-        return not (config.async_scheduling or config.kv_connector or config.hash_lookahead_tokens)
+        return not (
+            config.async_scheduling
+            or config.kv_connector
+            or config.hash_lookahead_tokens
+            or config.scheduling_policy == "priority"
+        )
 
     def open_sessions(self) -> list[str]:
         return [name for name in self.live() if name in self.sessions]
