@@ -3,6 +3,7 @@ shown to fail when vLLM's Scheduler (or kvgate's model of it) drifts there."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -10,7 +11,14 @@ from configs import needs_vllm
 
 from kvgate.conformance.replay import ReplayResult
 from kvgate.conformance.scheduler_replay import replay_scheduler
-from kvgate.conformance.trace import Trace, bundled_scheduler_corpus, load_trace
+from kvgate.conformance.scheduling import EngineStep
+from kvgate.conformance.trace import (
+    Trace,
+    TraceError,
+    bundled_scheduler_corpus,
+    load_trace,
+    parse_trace,
+)
 from kvgate.model.scheduler import SchedulerModel
 
 
@@ -83,3 +91,116 @@ def test_a_scheduler_that_takes_not_yet_for_nothing_external_diverges(
     first_asked = next(e.index for e in trace.engine if e.op == "step" and e.index > 4)
     assert divergence.step.index == first_asked, divergence
     assert divergence.actual == [("B", 96), ("C", 32)], divergence
+
+
+@needs_vllm
+def test_a_scheduler_that_takes_back_accepted_drafts_diverges(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM's Scheduler taking back every draft from a request's computed
+    tokens, the accepted ones too (as if all were rejected) while still
+    outputting them: the trace fails at the first step after a draft is
+    accepted."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    update = Scheduler.update_from_output
+
+    def every_draft_taken_back(self: Any, scheduler_output: Any, runner_output: Any) -> Any:
+        outputs = update(self, scheduler_output, runner_output)
+        for name in scheduler_output.scheduled_spec_decode_tokens:
+            request = self.requests.get(name)
+            index = runner_output.req_id_to_index[name]
+            accepted = len(runner_output.sampled_token_ids[index]) - 1
+            if request is not None and not request.is_finished():
+                request.num_computed_tokens -= accepted
+        return outputs
+
+    trace = bundled("sched-mtp-accepted-drafts")
+    monkeypatch.setattr(Scheduler, "update_from_output", every_draft_taken_back)
+    divergence = run_vllm(trace).divergence
+    assert divergence is not None
+    first_accepted = next(e.index for e in trace.engine if e.accept)
+    assert divergence.step.index == first_accepted + 1, divergence
+
+
+def test_accepted_drafts_the_step_cannot_take_are_refused_by_name() -> None:
+    """Drafts accepted for a request that does not decode in the step, or
+    past its max_tokens, are refused in one line naming `accept`."""
+    trace = bundled("sched-mtp-accepted-drafts")
+
+    def refusal(engine: list[EngineStep]) -> TraceError:
+        with pytest.raises(TraceError) as refused:
+            replay_scheduler(replace(trace, engine=tuple(engine)), SchedulerModel, None, "strict")
+        assert refused.value.field == "accept"
+        return refused.value
+
+    # A prefills in the first step.
+    first = next(e for e in trace.engine if e.op == "step")
+    refused = refusal([replace(e, accept={"A": 1}) if e is first else e for e in trace.engine])
+    assert refused.step_index == first.index and "does not decode" in str(refused)
+    # One output token fewer: the last decode's 1 + 3 pass max_tokens.
+    arrival = trace.engine[0]
+    shorter = [replace(e, max_tokens=12) if e is arrival else e for e in trace.engine]
+    last = max(e.index for e in trace.engine if e.accept)
+    refused = refusal(shorter)
+    assert refused.step_index == last and "past its max_tokens 12" in str(refused)
+
+
+MANAGER_ACCEPTS = """
+format: kvgate-trace/1
+name: decode-accepts-drafts
+config:
+  num_blocks: 64
+  hash_unit: 8
+  eagle: true
+  retention_interval: 0
+  groups:
+    - {kind: full_attention, block_size: 8}
+    - {kind: mamba_align, block_size: 32, speculative_blocks: 3}
+steps:
+  - {op: arrive, req: A, prompt: [{fresh: 60}]}
+  - {op: prefill, req: A, lookahead: 3}
+"""
+
+
+def manager_trace(accepted: list[int]) -> Trace:
+    decode = (
+        "  - {{op: decode1, req: A, spec: 3, accepted: {}}}\n  - {{op: step}}\n  - {{op: drain}}\n"
+    )
+    rounds = "".join(decode.format(n) for n in accepted)
+    return parse_trace(MANAGER_ACCEPTS + rounds, "decode-accepts-drafts.yaml")
+
+
+def test_a_decode_accepting_more_drafts_than_it_proposes_is_refused() -> None:
+    with pytest.raises(TraceError) as refused:
+        manager_trace([4])
+    assert (refused.value.step_index, refused.value.field) == (2, "accepted")
+
+
+@needs_vllm
+def test_a_manager_decode_with_accepted_drafts_conforms_on_vllm_at_strict_level() -> None:
+    """`decode1 accepted` on vLLM's `KVCacheManager`: computed tokens past the
+    accepted drafts, each step's whole strict view as the model's."""
+    from kvgate.impl.vllm_target import VllmTarget
+    from kvgate.model.target import ModelTarget
+    from kvgate.targets import run_trace
+
+    result = run_trace(manager_trace([3, 2, 0, 1] * 3), VllmTarget, ModelTarget, "strict", False)
+    assert isinstance(result, ReplayResult) and result.passed, result
+
+
+@needs_vllm
+def test_a_scheduler_that_preempts_a_request_in_flight_diverges(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM's Scheduler taking every request's blocks as free to return at
+    once, a batch in flight or not: it preempts B while B's batch runs, and
+    the trace fails at that step."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    trace = bundled("sched-async-pressure-waits-for-batch")
+    monkeypatch.setattr(Scheduler, "_request_blocks_can_be_freed", lambda self, request: True)
+    divergence = run_vllm(trace).divergence
+    assert divergence is not None
+    waits = next(e.index for e in trace.engine if e.expect.get("scheduled") == [])
+    assert divergence.step.index == waits, divergence

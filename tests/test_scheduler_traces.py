@@ -160,6 +160,8 @@ MALFORMED: dict[str, tuple[Callable[[dict[str, Any]], None], int | None, str]] =
         0,
         "remote_fails",
     ),
+    "accept without drafts": (engine(1, accept={"A": 1}), 1, "accept"),
+    "accept over repeats": (engine(3, accept={"A": 1}), 3, "accept"),
     "remote undecided without a connector": (engine(0, remote_undecided=1), 0, "remote_undecided"),
     "remote undecided not a count": (
         with_connector(0, remote_undecided=-1),
@@ -650,6 +652,7 @@ def _engine_fields(trace: Trace) -> list[tuple[object, ...]]:
             e.cache_salt,
             e.follows,
             e.remote,
+            e.priority,
             e.running,
             e.expect,
         )

@@ -483,15 +483,19 @@ class OpDriver(ABC, Generic[R]):
         if self.num_computed(request) >= len(self.all_tokens(request)):
             # The token the last chunk sampled.
             self.append_output(request, self.fresh.take(1))
-        self.set_drafts(request, self.fresh.take(step.spec))
+        drafts = self.fresh.take(step.spec)
+        self.set_drafts(request, drafts)
         # The scheduler reserves its full lookahead even when the budget cut
         # the drafts short.
         lookahead = max(step.spec, step.lookahead)
         ok = self.allocate_slots(request, 1 + step.spec, 0, None, lookahead)
         self.set_drafts(request, [])
         if ok:
-            self.set_num_computed(request, self.num_computed(request) + 1)
-            self.append_output(request, self.fresh.take(1))
+            # The rejected drafts are taken back from the computed tokens; the
+            # accepted ones are output, then the token sampled after them.
+            accepted = drafts[: step.accepted]
+            self.set_num_computed(request, self.num_computed(request) + 1 + len(accepted))
+            self.append_output(request, [*accepted, *self.fresh.take(1)])
             if step.spec or self.config.hash_lookahead_tokens:
                 # With drafts (lookahead hashes imply a drafter), `update_from_output`
                 # re-caches the request up to its computed tokens once the

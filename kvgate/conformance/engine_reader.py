@@ -96,8 +96,37 @@ class EngineReader(FieldReader):
         if "stop" in raw and repeats != 1:
             raise self.error(index, "stop", "applies to one engine step: write steps: 1")
         stop = self.stopped(index, raw.get("stop", []))
+        if "accept" in raw and repeats != 1:
+            raise self.error(index, "accept", "applies to one engine step: write steps: 1")
+        accept = self.accepted(index, raw.get("accept", {}), stop)
         expect = self.engine_expect(index, raw.get("expect", {}))
-        return [EngineStep("step", index, expect=expect, stop=stop) for _ in range(repeats)]
+        return [
+            EngineStep("step", index, expect=expect, stop=stop, accept=accept)
+            for _ in range(repeats)
+        ]
+
+    def accepted(self, index: int, raw: object, stop: tuple[str, ...]) -> dict[str, int]:
+        """A step's `accept`: requests that have arrived, each with the drafts
+        accepted, 1 to the drafts a step proposes (`scheduler.spec`)."""
+        if not isinstance(raw, dict) or not all(
+            is_count(n) and 1 <= n <= self.drafts for n in raw.values()
+        ):
+            raise self.error(
+                index,
+                "accept",
+                f"must map requests to draft tokens accepted, 1..{self.drafts} "
+                f"(scheduler.spec), got {got(raw)}",
+            )
+        accept = {self.arrived(index, "accept", r): n for r, n in raw.items()}
+        stopped = [r for r in accept if r in stop]
+        if stopped:
+            raise self.error(
+                index,
+                "accept",
+                f"{stopped[0]!r} also stops in this step: a stop condition met at an accepted "
+                "draft is not modelled",
+            )
+        return accept
 
     def stopped(self, index: int, raw: object) -> tuple[str, ...]:
         """A step's `stop`: requests that have arrived, each named once."""
@@ -135,6 +164,7 @@ class EngineReader(FieldReader):
         if follows is not None:
             follows = self.arrived(index, "follows", follows)
         remote = self.engine_remote(index, raw, least)
+        priority = self.engine_priority(index, raw)
         resumable = self.engine_resumable(index, raw)
         if resumable and mm:
             raise self.error(
@@ -154,7 +184,23 @@ class EngineReader(FieldReader):
             follows=follows,
             remote=remote,
             resumable=resumable,
+            priority=priority,
         )
+
+    def engine_priority(self, index: int, raw: Mapping[Any, Any]) -> int:
+        """An arrival's `priority`: an integer, other than 0 only under the
+        priority policy (the FCFS one ignores it)."""
+        priority = raw.get("priority", 0)
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise self.error(index, "priority", f"must be an integer, got {got(priority)}")
+        assert self.config is not None
+        if priority and self.config.scheduling_policy != "priority":
+            raise self.error(
+                index,
+                "priority",
+                "needs config.scheduling_policy: priority (the fcfs policy ignores it)",
+            )
+        return priority
 
     def engine_mm(self, index: int, raw: object, prompt_tokens: int) -> tuple[MmItem, ...]:
         """An arrival's `mm`: placeholders inside its prompt, each item's
@@ -190,17 +236,10 @@ class EngineReader(FieldReader):
             raise self.error(index, "resumable", f"must be true or false, got {got(resumable)}")
         assert self.config is not None
         config = self.config
-        if resumable and self.drafts:
-            raise self.error(
-                index,
-                "resumable",
-                "a streaming-input session with draft tokens (scheduler.spec) is not modelled yet",
-            )
         unmodelled = (
             ("async_scheduling", config.async_scheduling),
             ("kv_connector", config.kv_connector),
             ("hash_lookahead_tokens", bool(config.hash_lookahead_tokens)),
-            ("prefill_schedule_interval", config.prefill_schedule_interval > 1),
         )
         for name, on in unmodelled:
             if resumable and on:

@@ -122,7 +122,8 @@ class TraceBudget:
 
     A prompt's length is known before replay up to the outputs of the
     requests it copies (`all_of`): each `decode1` appends at most two tokens
-    (the token the last chunk sampled, and the step's own). So every prompt
+    (the token the last chunk sampled, and the step's own) and the drafts
+    it accepts. So every prompt
     has a least and a most length; the most counts against `tokens`, the
     least against the config's `max_model_len`.
     """
@@ -166,5 +167,5 @@ class TraceBudget:
         self.prompt_most[req] = written + sum(self.copied(kind, r) for kind, r in copied)
         self.output_most[req] = 0
 
-    def decoded(self, req: str, decode_steps: int) -> None:
-        self.output_most[req] += 2 * decode_steps
+    def decoded(self, req: str, decode_steps: int, accepted: int = 0) -> None:
+        self.output_most[req] += (2 + accepted) * decode_steps

@@ -75,6 +75,7 @@ FIELD_TYPES: dict[str, FieldType] = {
     "tokens": "int_or_auto",
     "lookahead": "int",
     "spec": "int",
+    "accepted": "int",
     "sample": "int",
     "steps": "int",
     "how": "how",
@@ -181,7 +182,7 @@ ACTIONS: dict[str, Action] = {
         Action(
             "decode1",
             ("req",),
-            ("spec", "lookahead"),
+            ("spec", "lookahead", "accepted"),
             expect_keys=("ok",),
             valid_in=LIVE,
             issued_in=frozenset({"decoding"}),
@@ -306,6 +307,9 @@ class Step:
     tokens: int | Literal["auto"] | None = None
     lookahead: int = 0
     spec: int = 0
+    # decode1: the first `accepted` of its `spec` drafts the model runner
+    # accepts (it samples them, then one token of its own).
+    accepted: int = 0
     sample: int = 0  # allocate: output tokens sampled when the chunk computes every token
     how: str | None = None
     blocks: int | Literal["all"] | None = None

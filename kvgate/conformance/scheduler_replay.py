@@ -240,6 +240,7 @@ class _EngineLockstep:
                 event.remote,
                 event.resumable,
                 event.mm,
+                event.priority,
             ),
         )
         if self.real is None:
@@ -251,7 +252,13 @@ class _EngineLockstep:
             if remote is not None:
                 real.script_external(name, remote.tokens, remote.load_async, remote.undecided)
             real.add_request(
-                name, tokens, event.max_tokens, event.follows, inputs, resumable=event.resumable
+                name,
+                tokens,
+                event.max_tokens,
+                event.follows,
+                inputs,
+                resumable=event.resumable,
+                priority=event.priority,
             )
         except StepRefused as refusal:
             raise TraceError(
@@ -294,6 +301,8 @@ class _EngineLockstep:
     def step(self, event: EngineStep, step: Step) -> None:
         for name in event.stop:
             self.on_model(step, functools.partial(self.model.stop, name))
+        for name, drafts in event.accept.items():
+            self.on_model(step, functools.partial(self.model.accept, name, drafts))
         modelled: EngineOutcome = self.on_model(step, self.model.step)
         where = f"engine step {self.engine_steps}"
         observed: ScheduledStep

@@ -138,12 +138,12 @@ REMOTE_FIELDS = (
 ENGINE_OPS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "arrive": (
         ("req", "prompt", "max_tokens"),
-        ("cache_salt", "mm", "follows", "resumable", *REMOTE_FIELDS),
+        ("cache_salt", "mm", "follows", "resumable", "priority", *REMOTE_FIELDS),
     ),
     # A streaming-input session's next input chunk (its prompt tokens and
     # the output it then generates), or its end (`end: true`).
     "chunk": (("req",), ("prompt", "max_tokens", "end")),
-    "step": ((), ("steps", "stop")),
+    "step": ((), ("steps", "stop", "accept")),
     "abort": (("req",), ()),
     "reset": ((), ("running",)),
 }
@@ -189,6 +189,9 @@ class EngineStep:
     follows: str | None = None
     # arrive, with a KV connector: what its external store holds of the request.
     remote: RemoteHit | None = None
+    # arrive, under the priority policy: the request's priority (the lowest
+    # value is served first; ties by arrival).
+    priority: int = 0
     # arrive: a streaming-input session (vLLM's `resumable`): when it stops
     # it keeps its blocks and waits for its next input chunk.
     resumable: bool = False
@@ -200,6 +203,9 @@ class EngineStep:
     # step: requests a stop condition (an end-of-sequence or stop token, a
     # stop string) finishes with the token they sample in this step
     stop: tuple[str, ...] = ()
+    # step: requests whose drafts the model runner accepts in this step, each
+    # with how many (the first N of the drafts it decodes with)
+    accept: dict[str, int] = field(default_factory=dict)
     expect: dict[str, Any] = field(default_factory=dict)
 
 
@@ -234,6 +240,7 @@ class SchedulerModelRun(Protocol):
         remote: RemoteHit | None = None,
         resumable: bool = False,
         mm: tuple[MmItem, ...] = (),
+        priority: int = 0,
     ) -> Any: ...
 
     def prompt_tokens(self, name: str) -> tuple[list[int], HashInputs]:
@@ -255,6 +262,12 @@ class SchedulerModelRun(Protocol):
     def stop(self, name: str) -> None:
         """Request `name` finishes with the token it samples in the next
         step, before its `max_tokens`: a stop condition the engine met."""
+        ...
+
+    def accept(self, name: str, drafts: int) -> None:
+        """Request `name`, decoding in the next step, gets the first `drafts`
+        of its draft tokens accepted (the model runner samples them, then one
+        token of its own); the rest are rejected."""
         ...
 
     def abort(self, name: str) -> None: ...
@@ -295,10 +308,12 @@ class SchedulerTarget(Protocol):
         follows: str | None,
         inputs: HashInputs = NO_INPUTS,
         resumable: bool = False,
+        priority: int = 0,
     ) -> None:
         """A new request; `follows`: the request whose output it continues;
         `inputs`: what its block hashes cover besides its tokens;
-        `resumable`: a streaming-input session.
+        `resumable`: a streaming-input session; `priority`: its priority
+        under the priority policy (requests arrive in order).
 
         Raises `target.StepRefused` for a request the engine would not take,
         `config.NotModelled` for hash inputs the target does not model.
@@ -337,7 +352,7 @@ class SchedulerTarget(Protocol):
         failed: Collection[str] = (),
     ) -> list[str]:
         """The model runner's output for the last `schedule()`: the tokens
-        each scheduled request sampled (drafts all rejected), and the
+        each scheduled request sampled (its accepted drafts among them), and the
         asynchronous KV loads its connector finished (`loaded`) or lost
         (`failed`). Returns the requests that finished, in order."""
         ...

@@ -62,6 +62,13 @@ class StepReader(FieldReader):
             self.load_failure(index, op, values)
         if values.get("invalid_blocks"):
             self.block_failure(index, op, values)
+        if values.get("accepted", 0) > values.get("spec", 0):
+            raise self.error(
+                index,
+                "accepted",
+                f"{values['accepted']} drafts accepted of the {values.get('spec', 0)} the step "
+                "proposes (spec)",
+            )
         expect = self.expect(index, action, raw.get("expect", {}))
         self.track_request(index, action, values)
         self.count(index, op, values)
@@ -163,7 +170,7 @@ class StepReader(FieldReader):
             repeats = values["steps"] if op == "decode" else 1
             self.budget.add_steps(3 * repeats if op == "decode" else 1, "steps")
             if op in ("decode", "decode1"):
-                self.budget.decoded(values["req"], repeats)
+                self.budget.decoded(values["req"], repeats, values.get("accepted", 0))
         except LimitError as error:
             raise self.error(index, error.field, error.message) from None
 
