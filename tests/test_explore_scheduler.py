@@ -89,6 +89,8 @@ def test_scheduler_ci_profile_is_clean_on_stock_vllm(tmp_path: Path) -> None:
     assert ops["reset:running:busy"] and ops["reset:kept:busy"]
     assert ops["arrive:remote:sync"] and ops["arrive:remote:async"]
     assert ops["engine:async"]  # two batches in flight
+    # Streaming-input sessions, each kind of chunk.
+    assert ops["arrive:session"] and ops["chunk:paused"] and ops["chunk:queued"]
     assert outcome.stats.preemptions
     assert len(outcome.stats.families) >= 5
 

@@ -657,6 +657,7 @@ def _engine_fields(trace: Trace) -> list[tuple[object, ...]]:
             e.cache_salt,
             e.follows,
             e.remote,
+            e.priority,
             e.running,
             e.expect,
         )

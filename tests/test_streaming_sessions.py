@@ -94,8 +94,10 @@ REFUSED: dict[str, tuple[Callable[[dict[str, Any]], None], int, str]] = {
     "resumable not a flag": (entry(0, resumable=1), 0, "resumable"),
     "session past max_model_len": (entry(3, max_tokens=470), 3, "max_tokens"),
     "session under async scheduling": (config(async_scheduling=True), 0, "resumable"),
-    "session with drafts": (
-        lambda doc: doc["scheduler"].update(spec=1),
+    "session with lookahead hashes": (
+        then(
+            config(eagle=True, hash_lookahead_tokens=1), lambda doc: doc["scheduler"].update(spec=1)
+        ),
         0,
         "resumable",
     ),

@@ -164,6 +164,7 @@ class EngineReader(FieldReader):
         if follows is not None:
             follows = self.arrived(index, "follows", follows)
         remote = self.engine_remote(index, raw, least)
+        priority = self.engine_priority(index, raw)
         resumable = self.engine_resumable(index, raw)
         if resumable and mm:
             raise self.error(
@@ -183,7 +184,23 @@ class EngineReader(FieldReader):
             follows=follows,
             remote=remote,
             resumable=resumable,
+            priority=priority,
         )
+
+    def engine_priority(self, index: int, raw: Mapping[Any, Any]) -> int:
+        """An arrival's `priority`: an integer, other than 0 only under the
+        priority policy (the FCFS one ignores it)."""
+        priority = raw.get("priority", 0)
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise self.error(index, "priority", f"must be an integer, got {got(priority)}")
+        assert self.config is not None
+        if priority and self.config.scheduling_policy != "priority":
+            raise self.error(
+                index,
+                "priority",
+                "needs config.scheduling_policy: priority (the fcfs policy ignores it)",
+            )
+        return priority
 
     def engine_mm(self, index: int, raw: object, prompt_tokens: int) -> tuple[MmItem, ...]:
         """An arrival's `mm`: placeholders inside its prompt, each item's
@@ -219,17 +236,10 @@ class EngineReader(FieldReader):
             raise self.error(index, "resumable", f"must be true or false, got {got(resumable)}")
         assert self.config is not None
         config = self.config
-        if resumable and self.drafts:
-            raise self.error(
-                index,
-                "resumable",
-                "a streaming-input session with draft tokens (scheduler.spec) is not modelled yet",
-            )
         unmodelled = (
             ("async_scheduling", config.async_scheduling),
             ("kv_connector", config.kv_connector),
             ("hash_lookahead_tokens", bool(config.hash_lookahead_tokens)),
-            ("prefill_schedule_interval", config.prefill_schedule_interval > 1),
         )
         for name, on in unmodelled:
             if resumable and on:

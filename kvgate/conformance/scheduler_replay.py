@@ -240,6 +240,7 @@ class _EngineLockstep:
                 event.remote,
                 event.resumable,
                 event.mm,
+                event.priority,
             ),
         )
         if self.real is None:
@@ -251,7 +252,13 @@ class _EngineLockstep:
             if remote is not None:
                 real.script_external(name, remote.tokens, remote.load_async, remote.undecided)
             real.add_request(
-                name, tokens, event.max_tokens, event.follows, inputs, resumable=event.resumable
+                name,
+                tokens,
+                event.max_tokens,
+                event.follows,
+                inputs,
+                resumable=event.resumable,
+                priority=event.priority,
             )
         except StepRefused as refusal:
             raise TraceError(

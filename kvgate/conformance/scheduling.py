@@ -138,7 +138,7 @@ REMOTE_FIELDS = (
 ENGINE_OPS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "arrive": (
         ("req", "prompt", "max_tokens"),
-        ("cache_salt", "mm", "follows", "resumable", *REMOTE_FIELDS),
+        ("cache_salt", "mm", "follows", "resumable", "priority", *REMOTE_FIELDS),
     ),
     # A streaming-input session's next input chunk (its prompt tokens and
     # the output it then generates), or its end (`end: true`).
@@ -189,6 +189,9 @@ class EngineStep:
     follows: str | None = None
     # arrive, with a KV connector: what its external store holds of the request.
     remote: RemoteHit | None = None
+    # arrive, under the priority policy: the request's priority (the lowest
+    # value is served first; ties by arrival).
+    priority: int = 0
     # arrive: a streaming-input session (vLLM's `resumable`): when it stops
     # it keeps its blocks and waits for its next input chunk.
     resumable: bool = False
@@ -240,6 +243,7 @@ class SchedulerModelRun(Protocol):
         remote: RemoteHit | None = None,
         resumable: bool = False,
         mm: tuple[MmItem, ...] = (),
+        priority: int = 0,
     ) -> Any: ...
 
     def prompt_tokens(self, name: str) -> tuple[list[int], HashInputs]:
@@ -309,10 +313,12 @@ class SchedulerTarget(Protocol):
         follows: str | None,
         inputs: HashInputs = NO_INPUTS,
         resumable: bool = False,
+        priority: int = 0,
     ) -> None:
         """A new request; `follows`: the request whose output it continues;
         `inputs`: what its block hashes cover besides its tokens;
-        `resumable`: a streaming-input session.
+        `resumable`: a streaming-input session; `priority`: its priority
+        under the priority policy (requests arrive in order).
 
         Raises `target.StepRefused` for a request the engine would not take,
         `config.NotModelled` for hash inputs the target does not model.

@@ -121,6 +121,8 @@ def engine_step_dicts(engine: Iterable[EngineStep]) -> list[dict[str, Any]]:
                 entry["follows"] = event.follows
             if event.resumable:
                 entry["resumable"] = True
+            if event.priority:
+                entry["priority"] = event.priority
             remote = event.remote
             if remote is not None:
                 entry["remote_hit"] = remote.tokens

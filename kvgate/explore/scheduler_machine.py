@@ -5,7 +5,8 @@ The manager-level machine (`machine.py`) issues manager calls as kvgate's
 model of the Scheduler would; this one plays the engine instead: requests
 arrive (fresh prompts, prompts sharing an earlier request's prompt, follow-up
 turns extending an earlier request's whole sequence; with a cache salt or
-not), the engine steps, clients abort requests waiting, mid-prefill or
+not; streaming-input sessions, which later get their next input chunk or
+their end), the engine steps, clients abort requests waiting, mid-prefill or
 mid-decode, and the prefix cache is reset with or without preempting the
 running requests. Every step goes through the scheduler-level lockstep the
 gate replays traces with (`conformance.scheduler_replay.SchedulerLockstep`),
@@ -59,7 +60,7 @@ from kvgate.explore import knobs
 from kvgate.explore.differential import FAMILIES, HOLD_OVERLAY
 from kvgate.explore.profiles import draws_from_the_seed_alone
 from kvgate.explore.runner import RunOutcome
-from kvgate.model.scheduler import SchedulerModel, SchedulerStuck
+from kvgate.model.scheduler import LiveRequest, SchedulerModel, SchedulerStuck
 from kvgate.targets import scheduler_factories
 
 # Every explored request's prompt and output fit in this (a multiple of
@@ -262,6 +263,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.events: list[EngineStep] = []
         self.names: list[str] = []
         self.salts: dict[str, str] = {}
+        # Streaming-input sessions not yet ended.
+        self.sessions: set[str] = set()
         self.real: SchedulerTarget | None = None
         self.model: SchedulerModel | None = None
         self.lockstep: SchedulerLockstep | None = None
@@ -462,6 +465,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.stats.ops[f"arrive:{shape}"] += 1
         if salt:
             self.stats.ops["arrive:salted"] += 1
+        # Without a KV connector the connector's draws are free: its
+        # asynchronous-load flag makes the request a streaming-input session
+        # (so the draws stay as they were).
+        resumable = remote[1] and not self.config.kv_connector and self.takes_sessions()
+        if resumable:
+            self.sessions.add(name)
+            self.stats.ops["arrive:session"] += 1
         self.apply(
             EngineStep(
                 "arrive",
@@ -472,8 +482,52 @@ class SchedulerMachine(RuleBasedStateMachine):
                 cache_salt=salt,
                 follows=follows,
                 remote=self.remote_hit(base_length + max(fresh, 1 if base is None else 0), remote),
+                resumable=resumable,
             )
         )
+
+    def takes_sessions(self) -> bool:
+        """The config is one the scheduler model follows a streaming-input
+        session in (the reader refuses the others by name)."""
+        assert self.config is not None
+        config = self.config
+        return not (config.async_scheduling or config.kv_connector or config.hash_lookahead_tokens)
+
+    def open_sessions(self) -> list[str]:
+        return [name for name in self.live() if name in self.sessions]
+
+    def send_chunks(self, steps: int, stop: str | None) -> None:
+        """Before a `step` rule's steps, the engine's side of each open
+        session, from that rule's own draws (so the draws stay as they were):
+        a paused session gets its next chunk (8 x `steps` tokens, `steps`
+        output tokens), or its end when `steps` is 6 or the chunk would not
+        fit; a running one with nothing queued gets a chunk queued when
+        `stop` names it or `steps` is 1, or its end queued when `steps` is 5."""
+        assert self.model is not None
+        for name in self.open_sessions():
+            live = self.session(name)
+            queue = not live.paused and not live.chunks
+            if queue and not (name == stop or steps in (1, 5)):
+                continue
+            if not (live.paused or queue):
+                continue
+            # At its stop the session holds at most its prompt and output.
+            room = self.cap - live.request.num_prompt_tokens - live.max_tokens
+            fresh = 8 * steps
+            if steps == (5 if queue else 6) or fresh + steps > room:
+                self.stats.ops["chunk:end"] += 1
+                self.sessions.discard(name)
+                self.apply(EngineStep("chunk", 0, req=name, end=True))
+                continue
+            self.stats.ops["chunk:queued" if queue else "chunk:paused"] += 1
+            prompt = (Segment("fresh", count=fresh),)
+            self.apply(EngineStep("chunk", 0, req=name, prompt=prompt, max_tokens=steps))
+
+    def session(self, name: str) -> LiveRequest:
+        assert self.model is not None
+        model = self.model
+        [live] = [r for r in (*model.running, *model.waiting, *model.holding) if r.name == name]
+        return live
 
     def remote_hit(self, prompt: int, drawn: tuple[int, bool, int, bool]) -> RemoteHit | None:
         """With a KV connector: what its store holds of a new request's prompt
@@ -506,6 +560,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         stopped = (running[stop],) if stop < len(running) and stop < MAX_SEQS else ()
         if self.config.async_scheduling:
             stopped = ()  # a stop condition under async scheduling is not modelled
+        self.send_chunks(steps, stopped[0] if stopped else None)
         for position in range(steps):
             self.stats.engine_steps += 1
             self.stats.ops["step"] += 1
@@ -533,7 +588,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert self.model is not None
         if running and self.model.holding:
             # vLLM 0.33.0 refuses (raises) a reset that preempts running
-            # requests while a KV connector's load is in flight: "not
+            # requests while a waiting request holds blocks (a KV connector's
+            # load in flight, a paused streaming-input session): "not
             # supported yet". An engine does not ask for it; neither does this.
             self.stats.ops["reset:skipped"] += 1
             return
