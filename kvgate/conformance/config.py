@@ -20,6 +20,11 @@ KV_LOAD_FAILURE_POLICIES: tuple[KvLoadFailurePolicy, ...] = get_args(KvLoadFailu
 # (vLLM's default on a GPU with Triton, `VLLM_USE_V2_MODEL_RUNNER`).
 ModelRunner = Literal["v1", "v2"]
 MODEL_RUNNERS: tuple[ModelRunner, ...] = get_args(ModelRunner)
+# vLLM's scheduling policies (`SchedulerConfig.policy`): `fcfs` (its default)
+# admits in arrival order and preempts the last running request; `priority`
+# orders both by each request's (priority, arrival), the lowest value first.
+SchedulingPolicy = Literal["fcfs", "priority"]
+SCHEDULING_POLICIES: tuple[SchedulingPolicy, ...] = get_args(SchedulingPolicy)
 
 
 @dataclass(frozen=True)
@@ -134,6 +139,11 @@ class Config:
     # step that carried prefill, unless the last release could not drain the
     # waiting queue. 1: no cadence.
     prefill_schedule_interval: int = 1
+    # The Scheduler's policy (trace field `scheduling_policy`, scheduler-level
+    # traces): under `priority` the waiting queue is ordered by each
+    # request's (priority, arrival) and a failed allocation preempts the
+    # running request that comes last in that order.
+    scheduling_policy: SchedulingPolicy = "fcfs"
     # The Scheduler's encoder compute budget and encoder cache size, in
     # encoder embeddings (vLLM's `max_num_encoder_input_tokens` and
     # `encoder_cache_size`, which a multimodal model's budget derives from
@@ -361,6 +371,12 @@ def check_modelled(config: Config) -> None:
             "model_runner",
             f"{config.model_runner!r} is not one of {', '.join(MODEL_RUNNERS)} "
             "(vLLM 0.33.0's model runners)",
+        )
+    if config.scheduling_policy not in SCHEDULING_POLICIES:
+        raise NotModelled(
+            "scheduling_policy",
+            f"{config.scheduling_policy!r} is not one of {', '.join(SCHEDULING_POLICIES)} "
+            "(vLLM 0.33.0's scheduling policies)",
         )
     if config.prefill_schedule_interval < 1:
         raise NotModelled(

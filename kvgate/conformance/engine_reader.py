@@ -78,12 +78,12 @@ class EngineReader(FieldReader):
             self.requests[req] = ("ended", f"aborted at step {index}")
             return [EngineStep("abort", index, req=req)]
         if op == "reset":
-            running = raw.get("running", False)
-            if not isinstance(running, bool):
-                raise self.error(index, "running", f"must be true or false, got {got(running)}")
-            return [
-                EngineStep("reset", index, running=running, expect=self.reset_expect(index, raw))
-            ]
+            running, connector = raw.get("running", False), raw.get("connector", False)
+            for key, flag in (("running", running), ("connector", connector)):
+                if not isinstance(flag, bool):
+                    raise self.error(index, key, f"must be true or false, got {got(flag)}")
+            expect = self.reset_expect(index, raw)
+            return [EngineStep("reset", index, running=running, connector=connector, expect=expect)]
         repeats = raw.get("steps", 1)
         if not is_count(repeats) or repeats == 0:
             raise self.error(index, "steps", f"must be an integer >= 1, got {got(repeats)}")
@@ -164,6 +164,7 @@ class EngineReader(FieldReader):
         if follows is not None:
             follows = self.arrived(index, "follows", follows)
         remote = self.engine_remote(index, raw, least)
+        priority = self.engine_priority(index, raw)
         resumable = self.engine_resumable(index, raw)
         if resumable and mm:
             raise self.error(
@@ -183,7 +184,23 @@ class EngineReader(FieldReader):
             follows=follows,
             remote=remote,
             resumable=resumable,
+            priority=priority,
         )
+
+    def engine_priority(self, index: int, raw: Mapping[Any, Any]) -> int:
+        """An arrival's `priority`: an integer, other than 0 only under the
+        priority policy (the FCFS one ignores it)."""
+        priority = raw.get("priority", 0)
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise self.error(index, "priority", f"must be an integer, got {got(priority)}")
+        assert self.config is not None
+        if priority and self.config.scheduling_policy != "priority":
+            raise self.error(
+                index,
+                "priority",
+                "needs config.scheduling_policy: priority (the fcfs policy ignores it)",
+            )
+        return priority
 
     def engine_mm(self, index: int, raw: object, prompt_tokens: int) -> tuple[MmItem, ...]:
         """An arrival's `mm`: placeholders inside its prompt, each item's

@@ -203,13 +203,13 @@ class _EngineLockstep:
             self.step(event, step)
 
     def reset(self, event: EngineStep, step: Step) -> None:
-        running = event.running
-        modelled = self.on_model(step, lambda: self.model.reset_prefix_cache(running))
+        running, connector = event.running, event.connector
+        modelled = self.on_model(step, lambda: self.model.reset_prefix_cache(running, connector))
         observed = modelled
         if self.real is not None:
             real = self.real
             observed = self.on_real(
-                step, "reset_prefix_cache()", lambda: real.reset_prefix_cache(running)
+                step, "reset_prefix_cache()", lambda: real.reset_prefix_cache(running, connector)
             )
         got = {"ok": observed[0], "waiting": observed[1]}
         for key, want in event.expect.items():
@@ -240,6 +240,7 @@ class _EngineLockstep:
                 event.remote,
                 event.resumable,
                 event.mm,
+                event.priority,
             ),
         )
         if self.real is None:
@@ -251,7 +252,13 @@ class _EngineLockstep:
             if remote is not None:
                 real.script_external(name, remote.tokens, remote.load_async, remote.undecided)
             real.add_request(
-                name, tokens, event.max_tokens, event.follows, inputs, resumable=event.resumable
+                name,
+                tokens,
+                event.max_tokens,
+                event.follows,
+                inputs,
+                resumable=event.resumable,
+                priority=event.priority,
             )
         except StepRefused as refusal:
             raise TraceError(

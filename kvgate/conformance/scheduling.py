@@ -138,14 +138,14 @@ REMOTE_FIELDS = (
 ENGINE_OPS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "arrive": (
         ("req", "prompt", "max_tokens"),
-        ("cache_salt", "mm", "follows", "resumable", *REMOTE_FIELDS),
+        ("cache_salt", "mm", "follows", "resumable", "priority", *REMOTE_FIELDS),
     ),
     # A streaming-input session's next input chunk (its prompt tokens and
     # the output it then generates), or its end (`end: true`).
     "chunk": (("req",), ("prompt", "max_tokens", "end")),
     "step": ((), ("steps", "stop", "accept")),
     "abort": (("req",), ()),
-    "reset": ((), ("running",)),
+    "reset": ((), ("running", "connector")),
 }
 # What an engine `step` may expect, each optional.
 ENGINE_EXPECT_KEYS: tuple[str, ...] = (
@@ -189,6 +189,9 @@ class EngineStep:
     follows: str | None = None
     # arrive, with a KV connector: what its external store holds of the request.
     remote: RemoteHit | None = None
+    # arrive, under the priority policy: the request's priority (the lowest
+    # value is served first; ties by arrival).
+    priority: int = 0
     # arrive: a streaming-input session (vLLM's `resumable`): when it stops
     # it keeps its blocks and waits for its next input chunk.
     resumable: bool = False
@@ -197,6 +200,9 @@ class EngineStep:
     end: bool = False
     # reset: running requests are preempted first (`reset_running_requests`)
     running: bool = False
+    # reset: the KV connector's cache is reset too (`reset_connector`): its
+    # store forgets what it held
+    connector: bool = False
     # step: requests a stop condition (an end-of-sequence or stop token, a
     # stop string) finishes with the token they sample in this step
     stop: tuple[str, ...] = ()
@@ -237,6 +243,7 @@ class SchedulerModelRun(Protocol):
         remote: RemoteHit | None = None,
         resumable: bool = False,
         mm: tuple[MmItem, ...] = (),
+        priority: int = 0,
     ) -> Any: ...
 
     def prompt_tokens(self, name: str) -> tuple[list[int], HashInputs]:
@@ -268,9 +275,11 @@ class SchedulerModelRun(Protocol):
 
     def abort(self, name: str) -> None: ...
 
-    def reset_prefix_cache(self, running: bool) -> tuple[bool, list[str]]:
+    def reset_prefix_cache(self, running: bool, connector: bool = False) -> tuple[bool, list[str]]:
         """Reset the prefix cache, preempting every running request first
-        when `running`: (whether it reset, the waiting queue after)."""
+        when `running`, and the KV connector's cache too when `connector`
+        (its store then holds nothing): (whether it reset, the waiting
+        queue after)."""
         ...
 
     def take_prefix_cache_stats(self) -> PrefixCacheStats:
@@ -304,10 +313,12 @@ class SchedulerTarget(Protocol):
         follows: str | None,
         inputs: HashInputs = NO_INPUTS,
         resumable: bool = False,
+        priority: int = 0,
     ) -> None:
         """A new request; `follows`: the request whose output it continues;
         `inputs`: what its block hashes cover besides its tokens;
-        `resumable`: a streaming-input session.
+        `resumable`: a streaming-input session; `priority`: its priority
+        under the priority policy (requests arrive in order).
 
         Raises `target.StepRefused` for a request the engine would not take,
         `config.NotModelled` for hash inputs the target does not model.
@@ -367,7 +378,7 @@ class SchedulerTarget(Protocol):
         """The client aborts request `name` (between engine steps)."""
         ...
 
-    def reset_prefix_cache(self, running: bool) -> tuple[bool, list[str]]:
+    def reset_prefix_cache(self, running: bool, connector: bool = False) -> tuple[bool, list[str]]:
         """As `SchedulerModelRun.reset_prefix_cache`."""
         ...
 

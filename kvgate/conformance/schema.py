@@ -23,6 +23,7 @@ from kvgate.conformance.config import (
     KV_LOAD_FAILURE_POLICIES,
     MAMBA_CACHE_MODES,
     MODEL_RUNNERS,
+    SCHEDULING_POLICIES,
     Config,
     GroupConfig,
 )
@@ -445,6 +446,21 @@ CONFIG_FIELDS: tuple[ConfigField, ...] = (
         ),
         choices=MODEL_RUNNERS,
         not_explored="the Scheduler-level exploration draws it with each engine",
+    ),
+    ConfigField(
+        "scheduling_policy",
+        "scheduling_policy",
+        "word",
+        "not_default",
+        "`--scheduling-policy` (`SchedulerConfig.policy`)",
+        (
+            "scheduler-level traces: `fcfs`, or `priority` (each `arrive` may give a "
+            "`priority`, the lowest value served first: the waiting queue is ordered by "
+            "(priority, arrival), and a failed allocation preempts the running request that "
+            "comes last in that order); a manager-level trace's calls are the same either way"
+        ),
+        choices=SCHEDULING_POLICIES,
+        not_explored="set per trace; the Scheduler-level exploration runs `fcfs`",
     ),
     ConfigField(
         "groups",

@@ -566,10 +566,13 @@ class _Recording:
                 self.forget(request_id)
         elif call == "reset_prefix_cache":
             running = bool(kwargs.get("reset_running_requests", args[0] if args else False))
+            connector = bool(kwargs.get("reset_connector", args[1] if len(args) > 1 else False))
             waiting = [self.name(r.request_id) for r in self.scheduler.waiting]
             entry: dict[str, Any] = {"op": "reset"}
             if running:
                 entry["running"] = True
+            if connector:
+                entry["connector"] = True
             entry["expect"] = {"ok": bool(result), "waiting": waiting}
             self.write(entry)
 

@@ -164,13 +164,18 @@ def scheduler_config(
     from vllm.config import SchedulerConfig
 
     settings: dict[str, bool] = {}
+    fields = getattr(SchedulerConfig, "__dataclass_fields__", {})
     if async_scheduling is not None:
-        if "async_scheduling" in getattr(SchedulerConfig, "__dataclass_fields__", {}):
+        if "async_scheduling" in fields:
             settings["async_scheduling"] = async_scheduling
         elif async_scheduling:
             raise UnsupportedConfig(
                 "async_scheduling", "this vLLM's SchedulerConfig has no async scheduling"
             )
+    if config.scheduling_policy != "fcfs" and "policy" not in fields:
+        raise UnsupportedConfig(
+            "scheduling_policy", "this vLLM's SchedulerConfig has no scheduling policies"
+        )
     if max_num_seqs is None:
         max_num_seqs = -(-config.max_num_scheduled_tokens // max(1, config.max_model_len))
     return SchedulerConfig(
@@ -193,6 +198,8 @@ def scheduler_config(
             else {}
         ),
         **settings,
+        # Only when set: a release without the setting still runs fcfs traces.
+        **({"policy": config.scheduling_policy} if config.scheduling_policy != "fcfs" else {}),
     )
 
 

@@ -422,6 +422,12 @@ def _check_derived(scheduler: Any, config: Config, spec_tokens: int, hash_block:
             "v2" if getattr(scheduler, "use_v2_model_runner", False) else "v1",
             config.model_runner,
         ),
+        (
+            "scheduling_policy",
+            # A release without policies serves requests first come, first served.
+            str(getattr(getattr(scheduler, "policy", None), "value", "fcfs")),
+            config.scheduling_policy,
+        ),
         # Drafts: K tokens and K lookahead slots, the trace's lookahead
         # hashes, and the prefill lookahead: K for a multi-module MTP
         # drafter, otherwise one token at most (0 and 1 act alike).
@@ -692,6 +698,7 @@ class VllmScheduler:
         follows: str | None,
         inputs: HashInputs = NO_INPUTS,
         resumable: bool = False,
+        priority: int = 0,
     ) -> None:
         # A salt only changes the hashes. An adapter would be scheduled
         # otherwise by the real Scheduler (`max_loras`), which the scheduler
@@ -714,11 +721,20 @@ class VllmScheduler:
                 f"{len(tokens)} prompt + {max_tokens} output tokens exceed max_model_len {limit}",
             )
         api = self._api
+        # Under the priority policy ties go to the earlier arrival: requests
+        # arrive one a time unit apart, in the trace's order (a clock could
+        # read the same twice, and the request ids would then decide).
+        ranked = (
+            {"priority": priority, "arrival_time": float(len(self._requests))}
+            if self.config.scheduling_policy == "priority"
+            else {}
+        )
         request = self._request(
             name,
             tokens,
             max_tokens,
             block_hasher=self._hasher,
+            **ranked,
             **request_inputs(api, inputs),
             **({"resumable": True} if resumable else {}),
         )
@@ -868,8 +884,12 @@ class VllmScheduler:
 
         self._scheduler.finish_requests(name, RequestStatus.FINISHED_ABORTED)
 
-    def reset_prefix_cache(self, running: bool) -> tuple[bool, list[str]]:
-        ok = bool(self._scheduler.reset_prefix_cache(reset_running_requests=running))
+    def reset_prefix_cache(self, running: bool, connector: bool = False) -> tuple[bool, list[str]]:
+        ok = bool(
+            self._scheduler.reset_prefix_cache(
+                reset_running_requests=running, reset_connector=connector
+            )
+        )
         return ok, [str(r.request_id) for r in self._scheduler.waiting]
 
     def take_prefill_stats(self) -> dict[str, PrefillStats]:

@@ -56,6 +56,14 @@ class Request:
             self.keys, self.all_token_ids, self.hash_unit, self.hash_lookahead, self.inputs
         )
 
+    def truncate_output(self, kept: int) -> None:
+        """Keep only the first `kept` output tokens, and the keys of the
+        prefixes they still complete (a scheduled run undone before it ran)."""
+        del self.all_token_ids[len(self.prompt) + kept :]
+        del self.output[kept:]
+        complete = max(0, (len(self.all_token_ids) - self.hash_lookahead) // self.hash_unit)
+        del self.keys[complete:]
+
     def continue_session(self, tokens: list[int]) -> None:
         """A streaming-input session's next input chunk, as vLLM's Scheduler
         takes it: the last sampled token (never computed) dropped with the

@@ -12,7 +12,11 @@ the model (`ModelTarget`, the oracle) through a `StepWriter`:
    trace never depends on a target's budget arithmetic). When an allocation
    fails, the last running request is preempted (`preempt`: `free
    preempt`, back to the front of the waiting queue), down to the failing
-   request itself;
+   request itself. Under the priority policy the waiting queue is kept in
+   (priority, arrival) order and the victim is the running request last in
+   that order: one already scheduled this step is unscheduled first (its
+   tokens back in the budget, its run undone), and a failing request that
+   preempts itself lets the scan go on to the next;
 2. if nothing was preempted, waiting requests in order (`admit`): `lookup`,
    `reserve` and the full-sequence admission gate (`admission_fits`), the
    first chunk; the first that does not fit ends admission. A first chunk
@@ -109,6 +113,9 @@ class LiveRequest:
     request: Request  # the oracle's request (prompt, output, progress)
     max_tokens: int  # the output it generates before it finishes
     follows: str | None  # the request whose output its prompt continues
+    # Its place under the priority policy: (priority, arrival number), the
+    # lowest first.
+    rank: tuple[int, int] = (0, 0)
     admitted: bool = False  # past its first admission (its hit is the cached tokens)
     # Its last run sampled (a completed prefill or a decode): it decodes next,
     # with drafts, as vLLM's Scheduler runs a request that has them.
@@ -122,8 +129,9 @@ class LiveRequest:
     loading: bool = False
     load_started: int = 0
     # Its computed tokens as the Scheduler holds them during this step's scan
-    # (it advances them only after the scan).
+    # (it advances them only after the scan), and its output then.
     sched_computed: int = 0
+    sched_outputs: int = 0
     reported: bool = False
     failed_reported: bool = False  # the worker reported its load failed
     retried_load: bool = False  # a load of it failed; it was looked up again
@@ -221,6 +229,20 @@ class SchedulerModel:
         self.config = config
         self.spec = spec
         self.max_num_seqs = max_num_seqs
+        self.by_priority = config.scheduling_policy == "priority"
+        if self.by_priority and (config.kv_connector or config.async_scheduling):
+            raise NotModelled(
+                "scheduling_policy",
+                "the priority policy is modelled without a KV connector and async scheduling",
+            )
+        if self.by_priority and config.hash_lookahead_tokens:
+            # Undoing a victim's run would also have to undo the re-caching
+            # its sampled token allowed.
+            raise NotModelled(
+                "scheduling_policy",
+                "the priority policy is modelled without lookahead block hashes",
+            )
+        self.arrivals = 0
         # Async scheduling: the engine schedules the next batch while the
         # last one runs, so up to `ASYNC_BATCHES` batches are in flight.
         async_scheduling = self.async_scheduling = config.async_scheduling
@@ -299,10 +321,20 @@ class SchedulerModel:
         remote: RemoteHit | None = None,
         resumable: bool = False,
         mm: tuple[MmItem, ...] = (),
+        priority: int = 0,
     ) -> LiveRequest:
-        """A request arrives (`arrive`) and waits at the end of the queue;
-        `remote`: what a KV connector's external store holds of it;
-        `resumable`: a streaming-input session; `mm`: its multimodal items."""
+        """A request arrives (`arrive`) and waits at the end of the queue
+        (under the priority policy, at its place); `remote`: what a KV
+        connector's external store holds of it; `resumable`: a
+        streaming-input session; `mm`: its multimodal items."""
+        if self.by_priority and (resumable or mm):
+            # Undoing a victim's run would also have to give its encoder
+            # budget back; a session's stops move it between queues.
+            raise StepRefused(
+                "config.scheduling_policy",
+                f"{name}'s {'encoder inputs' if mm else 'streaming-input session'} under the "
+                "priority policy are not modelled",
+            )
         if self.async_scheduling and remote is not None and remote.load_async:
             raise AsyncNotModelled(
                 f"{name}'s asynchronous KV load under async scheduling is not modelled"
@@ -317,8 +349,11 @@ class SchedulerModel:
             follows,
             remote=remote,
             resumable=resumable,
+            rank=(priority, self.arrivals),
         )
+        self.arrivals += 1
         self.waiting.append(live)
+        self._order_waiting()
         return live
 
     def chunk(self, name: str, prompt: tuple[Segment, ...], max_tokens: int) -> list[int]:
@@ -625,14 +660,29 @@ class SchedulerModel:
                     return
         # Already finished: vLLM's Scheduler ignores the abort, and so does it.
 
-    def reset_prefix_cache(self, running: bool) -> tuple[bool, list[str]]:
+    def reset_prefix_cache(self, running: bool, connector: bool = False) -> tuple[bool, list[str]]:
         """The Scheduler's prefix-cache reset between steps (`reset`): with
         `running`, every running request preempted first, the last first, so
         they wait in their running order, and the next step reports them
-        preempted; (whether it reset, the waiting queue after)."""
+        preempted; with `connector`, the KV connector's cache is reset too,
+        and its store forgets every request it held; (whether it reset, the
+        waiting queue after)."""
+        if connector:
+            live = (*self._live(), *self.aborted_loads)
+            loading = next((r.name for r in live if r.loading and not r.reported), None)
+            if loading is not None:
+                raise StepRefused(
+                    "connector",
+                    f"a connector reset while {loading}'s asynchronous KV load is in flight "
+                    "is not modelled",
+                )
+            for request in live:
+                request.remote = None
         if running:
             while self.running:
-                self._reset_preempted.append(self._preempt_last().name)
+                victim = self.running[-1]
+                self._preempt(victim)
+                self._reset_preempted.append(victim.name)
         ok = bool(self.writer.run("reset")["ok"])
         return ok, [live.name for live in self.waiting]
 
@@ -675,6 +725,7 @@ class SchedulerModel:
             # A load reported failed has nothing computed for the Scheduler.
             failed = live.failed_reported
             live.sched_computed = 0 if failed else live.request.num_computed_tokens
+            live.sched_outputs = len(live.request.output)
         index = 0
         # Whether a running request ran a prefill chunk this step (vLLM's
         # `prefill_scheduled`, which the waiting scan's padding reads).
@@ -712,15 +763,21 @@ class SchedulerModel:
                 cost = chunk[1]
                 run = self._allocate(live, chunk)
             ok = run()
+            victim = None
             while not ok:
-                if self._free_deferred(self.running[-1]):
+                # vLLM preempts the last running request (by priority under
+                # that policy), the failing one included, and retries.
+                victim = self.victim()
+                if self._free_deferred(victim):
                     # Its blocks would only join the deferred frees, which
                     # helps no allocation now: vLLM's Scheduler preempts
                     # nothing and ends the running scan.
                     break
-                # vLLM's FCFS policy preempts the last running request, the
-                # failing one included, and retries.
-                victim = self.preempt(decisions)
+                if self.running.index(victim) < index:
+                    # Scheduled earlier in this step (the priority policy only).
+                    budget += self._unschedule(victim, decisions, finished)
+                    index -= 1
+                self.preempt(decisions, victim)
                 preempted = True
                 if victim is live:
                     if not self.running and not self.holding:
@@ -733,6 +790,10 @@ class SchedulerModel:
                         )
                     break
                 ok = run()
+            if not ok and self.by_priority and victim is live:
+                # It was the lowest: those after it rank higher and may fit in
+                # the blocks it freed (the index already points at the next).
+                continue
             if not ok:
                 break
             budget -= cost
@@ -793,6 +854,7 @@ class SchedulerModel:
                 finished.append(live)
         self.holding.extendleft(reversed(skipped))
         self.waiting.extendleft(reversed(passed_over))
+        self._order_waiting()
         if not defer:
             # Requests still waiting after a release, besides those the scan
             # passed over (vLLM counts those deferred): the cadence holds none back.
@@ -825,23 +887,53 @@ class SchedulerModel:
         if self.config.prefill_schedule_interval > 1 and (prefill_scheduled or admitted_prefill):
             self.last_prefill_step = self.num_executed_steps
 
-    def preempt(self, decisions: StepDecisions) -> LiveRequest:
-        """Preempt the last running request (`free preempt`): back to the
-        front of the waiting queue, its prefill to run again."""
-        victim = self._preempt_last()
-        decisions.preempted.append(victim.name)
-        return victim
+    def victim(self) -> LiveRequest:
+        """The running request a failed allocation preempts: the last one,
+        or under the priority policy the last in (priority, arrival) order."""
+        if self.by_priority:
+            return max(self.running, key=lambda live: live.rank)
+        return self.running[-1]
 
-    def _preempt_last(self) -> LiveRequest:
-        """The last running request freed (`free preempt`) and put back at
-        the front of the waiting queue: a step's preemption and a reset's."""
-        victim = self.running.pop()
+    def preempt(self, decisions: StepDecisions, victim: LiveRequest) -> None:
+        """Preempt running request `victim` (`free preempt`): back to the
+        front of the waiting queue, its prefill to run again."""
+        self._preempt(victim)
+        decisions.preempted.append(victim.name)
+
+    def _preempt(self, victim: LiveRequest) -> None:
+        """A running request freed (`free preempt`) and put back at the front
+        of the waiting queue (under the priority policy, at its place): a
+        step's preemption and a reset's."""
+        self.running.remove(victim)
         self._refuse_preempting_in_flight(victim)
         self.writer.run("free", req=victim.name, how="preempt")
         self.encoder.release_all(victim.name)
         self.waiting.appendleft(victim)
+        self._order_waiting()
         victim.decoding = False
-        return victim
+
+    def _order_waiting(self) -> None:
+        """Under the priority policy vLLM's waiting queue is a heap served
+        in (priority, arrival) order, wherever a request is put back."""
+        if self.by_priority:
+            self.waiting = deque(sorted(self.waiting, key=lambda live: live.rank))
+
+    def _unschedule(
+        self, victim: LiveRequest, decisions: StepDecisions, finished: list[LiveRequest]
+    ) -> int:
+        """Undo `victim`'s run this step before it is preempted (the priority
+        policy's victim may have been scheduled earlier in the step): the
+        Scheduler drops it from the step and takes its tokens back into the
+        budget; it never ran, so it sampled nothing and its computed tokens
+        are the step's first. The tokens given back."""
+        (entry,) = [e for e in decisions.scheduled if e[0] == victim.name]
+        decisions.scheduled.remove(entry)
+        if victim in finished:
+            finished.remove(victim)
+        request = victim.request
+        request.truncate_output(victim.sched_outputs)
+        self.oracle.set_num_computed(request, victim.sched_computed)
+        return entry[1]
 
     def admit(
         self,
