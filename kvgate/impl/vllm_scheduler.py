@@ -896,8 +896,12 @@ class VllmScheduler:
 
         self._scheduler.finish_requests(name, RequestStatus.FINISHED_ABORTED)
 
-    def reset_prefix_cache(self, running: bool) -> tuple[bool, list[str]]:
-        ok = bool(self._scheduler.reset_prefix_cache(reset_running_requests=running))
+    def reset_prefix_cache(self, running: bool, connector: bool = False) -> tuple[bool, list[str]]:
+        ok = bool(
+            self._scheduler.reset_prefix_cache(
+                reset_running_requests=running, reset_connector=connector
+            )
+        )
         return ok, [str(r.request_id) for r in self._scheduler.waiting]
 
     def take_prefill_stats(self) -> dict[str, PrefillStats]:
