@@ -84,7 +84,7 @@ def test_scheduler_ci_profile_is_clean_on_stock_vllm(tmp_path: Path) -> None:
     # Every prompt shape, aborts of running requests, resets of both kinds
     # with requests running, and pool pressure were reached.
     assert all(ops[f"arrive:{shape}"] for shape in ("fresh", "shared", "next_turn"))
-    assert ops["arrive:salted"]
+    assert ops["arrive:salted"] and ops["arrive:image"]
     assert ops["abort:prefill"] + ops["abort:decode"]
     assert ops["reset:running:busy"] and ops["reset:kept:busy"]
     assert ops["arrive:remote:sync"] and ops["arrive:remote:async"]

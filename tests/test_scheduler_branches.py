@@ -204,3 +204,20 @@ def test_a_scheduler_that_preempts_a_request_in_flight_diverges(
     assert divergence is not None
     waits = next(e.index for e in trace.engine if e.expect.get("scheduled") == [])
     assert divergence.step.index == waits, divergence
+
+
+@needs_vllm
+def test_a_scheduler_that_keeps_the_reset_from_the_connector_diverges(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM's Scheduler reporting the connector reset without passing it on:
+    the store still holds D's tokens, and D's admission step fails."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    trace = bundled("sched-connector-reset-forgets-store")
+    monkeypatch.setattr(Scheduler, "reset_connector_cache", lambda self: True)
+    divergence = run_vllm(trace).divergence
+    assert divergence is not None
+    reset = next(e.index for e in trace.engine if e.connector)
+    assert divergence.step.index == reset + 1, divergence
+    assert divergence.actual == [("D", 24)], divergence

@@ -175,6 +175,11 @@ MALFORMED: dict[str, tuple[Callable[[dict[str, Any]], None], int | None, str]] =
         4,
         "expect.finished",
     ),
+    "reset connector not a flag": (
+        engine(4, op="reset", req=None, connector="yes"),
+        4,
+        "connector",
+    ),
     "reset ok not a flag": (engine(4, op="reset", req=None, expect={"ok": 1}), 4, "expect.ok"),
     "reset waiting unknown": (
         engine(4, op="reset", req=None, expect={"waiting": ["Z"]}),

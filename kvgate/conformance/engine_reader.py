@@ -78,12 +78,12 @@ class EngineReader(FieldReader):
             self.requests[req] = ("ended", f"aborted at step {index}")
             return [EngineStep("abort", index, req=req)]
         if op == "reset":
-            running = raw.get("running", False)
-            if not isinstance(running, bool):
-                raise self.error(index, "running", f"must be true or false, got {got(running)}")
-            return [
-                EngineStep("reset", index, running=running, expect=self.reset_expect(index, raw))
-            ]
+            running, connector = raw.get("running", False), raw.get("connector", False)
+            for key, flag in (("running", running), ("connector", connector)):
+                if not isinstance(flag, bool):
+                    raise self.error(index, key, f"must be true or false, got {got(flag)}")
+            expect = self.reset_expect(index, raw)
+            return [EngineStep("reset", index, running=running, connector=connector, expect=expect)]
         repeats = raw.get("steps", 1)
         if not is_count(repeats) or repeats == 0:
             raise self.error(index, "steps", f"must be an integer >= 1, got {got(repeats)}")

@@ -203,13 +203,13 @@ class _EngineLockstep:
             self.step(event, step)
 
     def reset(self, event: EngineStep, step: Step) -> None:
-        running = event.running
-        modelled = self.on_model(step, lambda: self.model.reset_prefix_cache(running))
+        running, connector = event.running, event.connector
+        modelled = self.on_model(step, lambda: self.model.reset_prefix_cache(running, connector))
         observed = modelled
         if self.real is not None:
             real = self.real
             observed = self.on_real(
-                step, "reset_prefix_cache()", lambda: real.reset_prefix_cache(running)
+                step, "reset_prefix_cache()", lambda: real.reset_prefix_cache(running, connector)
             )
         got = {"ok": observed[0], "waiting": observed[1]}
         for key, want in event.expect.items():

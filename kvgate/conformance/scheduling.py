@@ -145,7 +145,7 @@ ENGINE_OPS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "chunk": (("req",), ("prompt", "max_tokens", "end")),
     "step": ((), ("steps", "stop", "accept")),
     "abort": (("req",), ()),
-    "reset": ((), ("running",)),
+    "reset": ((), ("running", "connector")),
 }
 # What an engine `step` may expect, each optional.
 ENGINE_EXPECT_KEYS: tuple[str, ...] = (
@@ -200,6 +200,9 @@ class EngineStep:
     end: bool = False
     # reset: running requests are preempted first (`reset_running_requests`)
     running: bool = False
+    # reset: the KV connector's cache is reset too (`reset_connector`): its
+    # store forgets what it held
+    connector: bool = False
     # step: requests a stop condition (an end-of-sequence or stop token, a
     # stop string) finishes with the token they sample in this step
     stop: tuple[str, ...] = ()
@@ -272,9 +275,11 @@ class SchedulerModelRun(Protocol):
 
     def abort(self, name: str) -> None: ...
 
-    def reset_prefix_cache(self, running: bool) -> tuple[bool, list[str]]:
+    def reset_prefix_cache(self, running: bool, connector: bool = False) -> tuple[bool, list[str]]:
         """Reset the prefix cache, preempting every running request first
-        when `running`: (whether it reset, the waiting queue after)."""
+        when `running`, and the KV connector's cache too when `connector`
+        (its store then holds nothing): (whether it reset, the waiting
+        queue after)."""
         ...
 
     def take_prefix_cache_stats(self) -> PrefixCacheStats:
@@ -373,7 +378,7 @@ class SchedulerTarget(Protocol):
         """The client aborts request `name` (between engine steps)."""
         ...
 
-    def reset_prefix_cache(self, running: bool) -> tuple[bool, list[str]]:
+    def reset_prefix_cache(self, running: bool, connector: bool = False) -> tuple[bool, list[str]]:
         """As `SchedulerModelRun.reset_prefix_cache`."""
         ...
 

@@ -141,6 +141,8 @@ def engine_step_dicts(engine: Iterable[EngineStep]) -> list[dict[str, Any]]:
             entry["max_tokens"] = event.max_tokens
         if event.op == "reset" and event.running:
             entry["running"] = True
+        if event.op == "reset" and event.connector:
+            entry["connector"] = True
         if event.stop:
             entry["stop"] = list(event.stop)
         if event.accept:

@@ -482,6 +482,7 @@ def write_scheduler_summary(out: TextIO, outcome: SchedulerOutcome) -> None:
     arrived = sum(ops[f"arrive:{shape}"] for shape in SHAPES)
     print(
         f"  arrive   {arrived:>7}  ({arrivals}; another tenant's salt {ops['arrive:salted']}; "
+        f"images {ops['arrive:image']} (two {ops['arrive:images']}); "
         f"a KV connector's hit, sync {ops['arrive:remote:sync']}, "
         f"async {ops['arrive:remote:async']})",
         file=out,

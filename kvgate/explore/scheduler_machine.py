@@ -5,7 +5,8 @@ The manager-level machine (`machine.py`) issues manager calls as kvgate's
 model of the Scheduler would; this one plays the engine instead: requests
 arrive (fresh prompts, prompts sharing an earlier request's prompt, follow-up
 turns extending an earlier request's whole sequence; with a cache salt or
-not; under the priority policy, drawn with some engines, with a priority;
+not; some carrying images, under an encoder budget and cache drawn with the
+engine; under the priority policy, drawn with some engines, with a priority;
 streaming-input sessions, which later get their next input chunk or
 their end), the engine steps, clients abort requests waiting, mid-prefill or
 mid-decode, and the prefix cache is reset with or without preempting the
@@ -55,6 +56,7 @@ from kvgate.conformance.scheduling import (
     RemoteHit,
     SchedulerTarget,
 )
+from kvgate.conformance.tokens import MmItem
 from kvgate.conformance.trace import Trace, TraceError
 from kvgate.conformance.writer import dump_engine_trace, engine_step_dicts, save_engine_trace
 from kvgate.explore import knobs
@@ -80,6 +82,13 @@ SHAPES = ("fresh", "shared", "next_turn")
 ABORT_PLACES = ("waiting", "prefill", "decode")
 # The second tenant's cache salt (the first sends none).
 OTHER_TENANT = "tenant-b"
+# The images an arrival may carry, by id (the same id is the same image:
+# image-k is always MAX_IMAGE * (k + 1) / (IMAGES + 1) tokens long), and the
+# encoder budget and cache sizes drawn (0: the token budget), never below
+# an image's length, below two images' often.
+IMAGES = 3
+MAX_IMAGE = 32
+ENCODER_SIZES = (0, MAX_IMAGE, MAX_IMAGE + MAX_IMAGE // 2)
 # The config switches no scheduler-level op reads, kept off, and a hybrid
 # model always. A KV connector is drawn (each arrival's external hit is
 # then drawn too), its loads never failing: an arrival cannot script a
@@ -295,6 +304,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         # Without lookahead hashes the draw picks the scheduling policy
         # instead (the largest: priority), so the draws stay as they were.
         mtp_modules=st.sampled_from((1, 2, MAX_SPEC)),
+        # Drawn last, so the draws before it stay as they were: the encoder
+        # budget and cache of the arrivals that carry images.
+        encoder=st.tuples(st.sampled_from(ENCODER_SIZES), st.sampled_from(ENCODER_SIZES)),
     )
     def start(
         self,
@@ -305,6 +317,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         async_scheduling: bool,
         prefill_interval: int,
         mtp_modules: int,
+        encoder: tuple[int, int] = (0, 0),
     ) -> None:
         family, config = drawn
         if config.hash_lookahead_tokens and mtp_modules > 1:
@@ -327,6 +340,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             async_scheduling=async_scheduling,
             prefill_schedule_interval=prefill_interval,
             scheduling_policy="priority" if by_priority else "fcfs",
+            encoder_compute_budget=encoder[0],
+            encoder_cache_size=encoder[1],
         )
         if config.eagle:
             spec = max(spec, 1)  # the eagle drop is for a drafter's blocks
@@ -428,6 +443,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         remote=st.tuples(
             st.integers(0, REMOTE_QUARTERS), st.booleans(), st.integers(0, 2), st.booleans()
         ),
+        # Drawn last: an image among the new tokens (0: none), and where.
+        image=st.tuples(st.integers(0, IMAGES), st.integers(0, 3)),
     )
     def arrive(
         self,
@@ -437,6 +454,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         max_tokens: int,
         other_tenant: bool,
         remote: tuple[int, bool, int, bool],
+        image: tuple[int, int] = (0, 0),
     ) -> None:
         name = f"R{len(self.names)}"
         assert self.config is not None
@@ -497,10 +515,37 @@ class SchedulerMachine(RuleBasedStateMachine):
                 cache_salt=salt,
                 follows=follows,
                 remote=self.remote_hit(base_length + max(fresh, 1 if base is None else 0), remote),
+                mm=self.image(base_length, fresh, image, resumable),
                 resumable=resumable,
                 priority=priority,
             )
         )
+
+    def image(
+        self, start: int, fresh: int, drawn: tuple[int, int], session: bool
+    ) -> tuple[MmItem, ...]:
+        """The images an arrival carries among its `fresh` new tokens, which
+        begin at `start` (`drawn`: which image, 0 for none, and where it
+        begins, in quarters of the new tokens; at the first token, the next
+        image follows it, so one chunk needs both); none where the encoder
+        is not modelled (async scheduling, the priority policy, a
+        streaming-input `session`), and only those that fit."""
+        assert self.config is not None
+        which, quarter = drawn
+        config = self.config
+        if not which or session or config.async_scheduling or config.scheduling_policy != "fcfs":
+            return ()
+        items: list[MmItem] = []
+        offset = start + fresh * quarter // 4
+        for image in (which, which % IMAGES + 1) if quarter == 0 else (which,):
+            length = MAX_IMAGE * (image + 1) // (IMAGES + 1)
+            if offset + length > start + fresh:
+                break
+            items.append(MmItem(offset, length, f"image-{image}"))
+            offset += length + 1
+        self.stats.ops["arrive:image"] += bool(items)
+        self.stats.ops["arrive:images"] += len(items) > 1
+        return tuple(items)
 
     def takes_sessions(self) -> bool:
         """The config is one the scheduler model follows a streaming-input

@@ -201,6 +201,11 @@ class _Scripted:
             )
         )
 
+    def reset_cache(self) -> bool:
+        # The external store forgets what it held of every request.
+        self.script.hits.clear()
+        return True
+
     def build_connector_meta(self, scheduler_output: Any) -> Any:
         return _metadata_class()()
 

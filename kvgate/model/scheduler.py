@@ -660,11 +660,24 @@ class SchedulerModel:
                     return
         # Already finished: vLLM's Scheduler ignores the abort, and so does it.
 
-    def reset_prefix_cache(self, running: bool) -> tuple[bool, list[str]]:
+    def reset_prefix_cache(self, running: bool, connector: bool = False) -> tuple[bool, list[str]]:
         """The Scheduler's prefix-cache reset between steps (`reset`): with
         `running`, every running request preempted first, the last first, so
         they wait in their running order, and the next step reports them
-        preempted; (whether it reset, the waiting queue after)."""
+        preempted; with `connector`, the KV connector's cache is reset too,
+        and its store forgets every request it held; (whether it reset, the
+        waiting queue after)."""
+        if connector:
+            live = (*self._live(), *self.aborted_loads)
+            loading = next((r.name for r in live if r.loading and not r.reported), None)
+            if loading is not None:
+                raise StepRefused(
+                    "connector",
+                    f"a connector reset while {loading}'s asynchronous KV load is in flight "
+                    "is not modelled",
+                )
+            for request in live:
+                request.remote = None
         if running:
             while self.running:
                 victim = self.running[-1]
