@@ -5,6 +5,7 @@ drifts on either side that must diverge."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -267,3 +268,44 @@ def test_a_session_trace_is_not_applicable_to_a_build_without_sessions() -> None
     outcome = run_scheduler_trace(trace, SchedulerModel, without_sessions, "strict")
     assert isinstance(outcome, TraceRunError) and outcome.config_refused
     assert "resumable" in outcome.message and "streaming-input" in outcome.message
+
+
+@needs_vllm
+def test_a_recorded_session_is_resumable_and_the_recording_ends_at_its_next_chunk(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """vLLM's Scheduler serves session A (its first chunk's output, then it
+    waits) with the recorder on; the next chunk, which a recording cannot
+    say yet, cuts it there, and the recording up to it replays."""
+    from kvgate import cli
+    from kvgate.impl import recorder
+
+    trace = by_name("sched-session-next-chunk-while-waiting")
+    recordings = tmp_path / "recordings"
+    recorder.install(recordings)
+    try:
+        real = vllm_scheduler(trace)
+        real.add_request("A", list(range(1000, 1100)), 3, None, resumable=True)
+        for _ in range(5):
+            scheduled = real.schedule().scheduled
+            requests = real.scheduler.requests
+            done = [
+                n for n, _ in scheduled if requests[n].num_computed_tokens >= requests[n].num_tokens
+            ]
+            real.update({name: [5] for name in done})
+        assert "A" not in {r.request_id for r in real.scheduler.running}  # it waits
+        real.add_chunk("A", list(range(2000, 2040)), 2)
+        real.close()
+    finally:
+        recorder.uninstall()
+    [path] = sorted(recordings.iterdir())
+    text = path.read_text()
+    assert "resumable: true" in text
+    assert "next input chunk" in caplog.text  # why the recording ended there
+    for target in ("model", "vllm"):
+        assert cli.main(["replay", str(path), "--target", target]) == 0
+    # Recorded as a plain request, A finishes at its stop on the model while
+    # vLLM's Scheduler keeps it.
+    plain = tmp_path / "plain.yaml"
+    plain.write_text(text.replace(", resumable: true", ""))
+    assert cli.main(["replay", str(plain), "--target", "vllm"]) == 1

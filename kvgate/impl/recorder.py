@@ -579,7 +579,9 @@ class _Recording:
     def arrived(self, request: Any) -> None:
         request_id = str(request.request_id)
         if request_id in self.names:
-            raise NotExpressible("a streaming-input request")
+            # A session's chunks are not recorded yet (their tokens follow
+            # the session's own output, which a replay samples anew).
+            raise NotExpressible("a streaming-input session's next input chunk or end")
         if getattr(request, "lora_request", None) is not None:
             raise NotExpressible("a LoRA adapter (not modelled at the scheduler level)")
         if getattr(request, "mm_features", None):
@@ -602,6 +604,8 @@ class _Recording:
             entry["cache_salt"] = _salt(str(salt))
         if follows is not None:
             entry["follows"] = follows
+        if getattr(request, "resumable", False):
+            entry["resumable"] = True
         if self.pending is not None:
             self.deferred.append(entry)
         else:
@@ -631,10 +635,25 @@ class _Recording:
         from vllm.v1.request import RequestStatus
 
         finished: list[str] = []
+        sessions_stopped = False
         # Finished by a stop condition (end of sequence, a stop token or string).
         stopped: list[str] = []
         for request_id, before in zip(pending["ids"], pending["outputs"], strict=True):
             request = self.requests[request_id]
+            if (
+                getattr(request, "resumable", False)
+                and request.stop_reason is not None
+                and not request.is_finished()
+            ):
+                # It stopped on a stop condition and goes on: its stop is
+                # no longer on the request to be read.
+                raise NotExpressible("a streaming-input session stopped by a stop condition")
+            if getattr(request, "resumable", False) and (
+                request.status == RequestStatus.WAITING_FOR_STREAMING_REQ
+                or len(request.output_token_ids) < before
+            ):
+                # A session stopped and goes on: written as not finished.
+                sessions_stopped = True
             # The format's step samples at most one token a request: more is
             # an accepted draft.
             if len(request.output_token_ids) - before > 1:
@@ -650,7 +669,7 @@ class _Recording:
             expect["preempted"] = pending["preempted"]
         if cached:
             expect["cached_tokens"] = cached
-        if finished:
+        if finished or sessions_stopped:
             expect["finished"] = finished
         for request_id in pending["ids"]:
             request = self.requests[request_id]
