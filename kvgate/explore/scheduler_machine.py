@@ -535,7 +535,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         session in (the reader refuses the others by name)."""
         assert self.config is not None
         config = self.config
-        return not (config.async_scheduling or config.kv_connector or config.hash_lookahead_tokens)
+        return not (config.async_scheduling or config.kv_connector)
 
     def open_sessions(self) -> list[str]:
         return [name for name in self.live() if name in self.sessions]
