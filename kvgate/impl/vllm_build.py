@@ -76,12 +76,13 @@ def block_hasher(api: VllmApi, config: Config) -> Any:
     return make(config.hash_unit, api.sha256, **_lookahead_kwargs(config, make))
 
 
-def request_inputs(api: VllmApi, inputs: HashInputs) -> dict[str, Any]:
+def request_inputs(api: VllmApi, inputs: HashInputs, mm_data: Any = None) -> dict[str, Any]:
     """The `Request` arguments that carry `inputs`, as the engine builds them:
     the salt as given; the adapter as a `LoRARequest` with its stable id
     (`tokens.lora_adapter_id`) and a path of its own (the hash covers the
-    path too); each item as an image's `MultiModalFeatureSpec`, already in
-    the encoder cache (no data), its identifier and mm hash the trace's id.
+    path too); each item as an image's `MultiModalFeatureSpec`, its
+    identifier and mm hash the trace's id, its processed data `mm_data`
+    (None: already in the encoder cache, as the manager never reads it).
     """
     args: dict[str, Any] = {}
     if inputs.cache_salt:
@@ -95,7 +96,7 @@ def request_inputs(api: VllmApi, inputs: HashInputs) -> dict[str, Any]:
     if inputs.mm:
         args["mm_features"] = [
             api.MultiModalFeatureSpec(
-                data=None,
+                data=mm_data,
                 modality="image",
                 identifier=item.identifier,
                 mm_position=api.PlaceholderRange(offset=item.offset, length=item.length),

@@ -484,6 +484,17 @@ def _size_encoder(scheduler: Any, config: Config) -> str:
     return ""
 
 
+def _processed_item() -> Any:
+    """An image's processed data as an engine hands it to the Scheduler
+    with a new request (a one-byte stand-in: the Scheduler never reads it,
+    but under the v2 model runner it tracks which requests' items the
+    worker holds), or None where the build cannot make one."""
+    from vllm.multimodal import inputs
+
+    make = getattr(getattr(inputs, "MultiModalKwargsItem", None), "dummy", None)
+    return make() if callable(make) else None
+
+
 def _check_connector_support() -> None:
     from kvgate.impl.vllm_connector import missing_support
 
@@ -586,6 +597,7 @@ class VllmScheduler:
         _check_derived(scheduler, config, spec_tokens, hash_block)
         # What this build lacks to schedule encoder inputs ("": nothing).
         self._encoder_lacks = _size_encoder(scheduler, config)
+        self._mm_data = _processed_item()
         if self._encoder_lacks and (config.encoder_compute_budget or config.encoder_cache_size):
             field = (
                 "encoder_compute_budget" if config.encoder_compute_budget else "encoder_cache_size"
@@ -735,7 +747,7 @@ class VllmScheduler:
             max_tokens,
             block_hasher=self._hasher,
             **ranked,
-            **request_inputs(api, inputs),
+            **request_inputs(api, inputs, self._mm_data if inputs.mm else None),
             **({"resumable": True} if resumable else {}),
         )
         if resumable:
