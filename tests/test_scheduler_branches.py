@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from configs import needs_vllm
 
-from kvgate.conformance.replay import ReplayResult
+from kvgate.conformance.replay import Divergence, ReplayResult
 from kvgate.conformance.scheduler_replay import replay_scheduler
 from kvgate.conformance.scheduling import EngineStep
 from kvgate.conformance.trace import (
@@ -41,6 +41,13 @@ def run_vllm(trace: Trace) -> ReplayResult:
         real.close()
 
 
+def divergence_on_vllm(trace: Trace) -> Divergence:
+    """Where the trace's replay on vLLM's Scheduler first fails (it must)."""
+    divergence = run_vllm(trace).divergence
+    assert divergence is not None
+    return divergence
+
+
 def second_step(trace: Trace) -> int:
     return [e.index for e in trace.engine if e.op == "step"][1]
 
@@ -61,9 +68,7 @@ def test_a_split_that_gives_a_running_prefill_a_chunk_ending_mid_block_diverges(
 
     trace = bundled("sched-running-prefill-split-to-nothing")
     monkeypatch.setattr(Scheduler, "_mamba_block_aligned_split", never_nothing)
-    result = run_vllm(trace)
-    divergence = result.divergence
-    assert divergence is not None
+    divergence = divergence_on_vllm(trace)
     assert divergence.step.index == second_step(trace), divergence
     assert divergence.actual == [("X", 224), ("B", 26)], divergence
 
@@ -86,8 +91,7 @@ def test_a_scheduler_that_takes_not_yet_for_nothing_external_diverges(
     trace = bundled("sched-connector-not-yet")
     assert run_vllm(trace).passed
     monkeypatch.setattr(vllm_connector._Scripted, "get_num_new_matched_tokens", not_yet_as_nothing)
-    divergence = run_vllm(trace).divergence
-    assert divergence is not None
+    divergence = divergence_on_vllm(trace)
     first_asked = next(e.index for e in trace.engine if e.op == "step" and e.index > 4)
     assert divergence.step.index == first_asked, divergence
     assert divergence.actual == [("B", 96), ("C", 32)], divergence
@@ -117,8 +121,7 @@ def test_a_scheduler_that_takes_back_accepted_drafts_diverges(
 
     trace = bundled("sched-mtp-accepted-drafts")
     monkeypatch.setattr(Scheduler, "update_from_output", every_draft_taken_back)
-    divergence = run_vllm(trace).divergence
-    assert divergence is not None
+    divergence = divergence_on_vllm(trace)
     first_accepted = next(e.index for e in trace.engine if e.accept)
     assert divergence.step.index == first_accepted + 1, divergence
 
@@ -200,8 +203,7 @@ def test_a_scheduler_that_preempts_a_request_in_flight_diverges(
 
     trace = bundled("sched-async-pressure-waits-for-batch")
     monkeypatch.setattr(Scheduler, "_request_blocks_can_be_freed", lambda self, request: True)
-    divergence = run_vllm(trace).divergence
-    assert divergence is not None
+    divergence = divergence_on_vllm(trace)
     waits = next(e.index for e in trace.engine if e.expect.get("scheduled") == [])
     assert divergence.step.index == waits, divergence
 
@@ -216,8 +218,23 @@ def test_a_scheduler_that_keeps_the_reset_from_the_connector_diverges(
 
     trace = bundled("sched-connector-reset-forgets-store")
     monkeypatch.setattr(Scheduler, "reset_connector_cache", lambda self: True)
-    divergence = run_vllm(trace).divergence
-    assert divergence is not None
+    divergence = divergence_on_vllm(trace)
     reset = next(e.index for e in trace.engine if e.connector)
     assert divergence.step.index == reset + 1, divergence
     assert divergence.actual == [("D", 24)], divergence
+
+
+@needs_vllm
+def test_a_request_that_loses_its_prefix_cache_skip_diverges(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM's requests losing the skip that prompt logprobs ask for: B takes
+    A's prompt from the prefix cache and the connector's tokens, and B's
+    first step fails."""
+    from vllm.v1.request import Request
+
+    trace = bundled("sched-connector-skips-cache")
+    monkeypatch.setattr(Request, "get_skip_reading_prefix_cache", lambda self: False)
+    divergence = divergence_on_vllm(trace)
+    b_arrives = next(e.index for e in trace.engine if e.skip_prefix_cache)
+    assert divergence.step.index == b_arrives + 1, divergence

@@ -162,6 +162,7 @@ MALFORMED: dict[str, tuple[Callable[[dict[str, Any]], None], int | None, str]] =
     ),
     "accept without drafts": (engine(1, accept={"A": 1}), 1, "accept"),
     "accept over repeats": (engine(3, accept={"A": 1}), 3, "accept"),
+    "skip_prefix_cache not a flag": (engine(0, skip_prefix_cache=1), 0, "skip_prefix_cache"),
     "remote undecided without a connector": (engine(0, remote_undecided=1), 0, "remote_undecided"),
     "remote undecided not a count": (
         with_connector(0, remote_undecided=-1),

@@ -166,6 +166,9 @@ class EngineReader(FieldReader):
         remote = self.engine_remote(index, raw, least)
         priority = self.engine_priority(index, raw)
         resumable = self.engine_resumable(index, raw)
+        skip = raw.get("skip_prefix_cache", False)
+        if not isinstance(skip, bool):
+            raise self.error(index, "skip_prefix_cache", f"must be true or false, got {got(skip)}")
         if resumable and mm:
             raise self.error(
                 index, "mm", "encoder inputs of a streaming-input session are not modelled yet"
@@ -185,6 +188,7 @@ class EngineReader(FieldReader):
             remote=remote,
             resumable=resumable,
             priority=priority,
+            skip_prefix_cache=skip,
         )
 
     def engine_priority(self, index: int, raw: Mapping[Any, Any]) -> int:

@@ -241,6 +241,7 @@ class _EngineLockstep:
                 event.resumable,
                 event.mm,
                 event.priority,
+                event.skip_prefix_cache,
             ),
         )
         if self.real is None:
@@ -259,6 +260,7 @@ class _EngineLockstep:
                 inputs,
                 resumable=event.resumable,
                 priority=event.priority,
+                skip_prefix_cache=event.skip_prefix_cache,
             )
         except StepRefused as refusal:
             raise TraceError(

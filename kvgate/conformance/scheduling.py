@@ -138,7 +138,15 @@ REMOTE_FIELDS = (
 ENGINE_OPS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "arrive": (
         ("req", "prompt", "max_tokens"),
-        ("cache_salt", "mm", "follows", "resumable", "priority", *REMOTE_FIELDS),
+        (
+            "cache_salt",
+            "mm",
+            "follows",
+            "resumable",
+            "priority",
+            "skip_prefix_cache",
+            *REMOTE_FIELDS,
+        ),
     ),
     # A streaming-input session's next input chunk (its prompt tokens and
     # the output it then generates), or its end (`end: true`).
@@ -195,6 +203,10 @@ class EngineStep:
     # arrive: a streaming-input session (vLLM's `resumable`): when it stops
     # it keeps its blocks and waits for its next input chunk.
     resumable: bool = False
+    # arrive: the request never reads the prefix cache (vLLM's
+    # `skip_reading_prefix_cache`, which prompt logprobs set): no local hit,
+    # and a KV connector's answer is dropped.
+    skip_prefix_cache: bool = False
     # chunk: the session ends (vLLM's engine sends the request again, not
     # resumable); otherwise `prompt` and `max_tokens` are the next chunk's.
     end: bool = False
@@ -244,6 +256,7 @@ class SchedulerModelRun(Protocol):
         resumable: bool = False,
         mm: tuple[MmItem, ...] = (),
         priority: int = 0,
+        skip_prefix_cache: bool = False,
     ) -> Any: ...
 
     def prompt_tokens(self, name: str) -> tuple[list[int], HashInputs]:
@@ -314,6 +327,7 @@ class SchedulerTarget(Protocol):
         inputs: HashInputs = NO_INPUTS,
         resumable: bool = False,
         priority: int = 0,
+        skip_prefix_cache: bool = False,
     ) -> None:
         """A new request; `follows`: the request whose output it continues;
         `inputs`: what its block hashes cover besides its tokens;

@@ -123,6 +123,8 @@ def engine_step_dicts(engine: Iterable[EngineStep]) -> list[dict[str, Any]]:
                 entry["resumable"] = True
             if event.priority:
                 entry["priority"] = event.priority
+            if event.skip_prefix_cache:
+                entry["skip_prefix_cache"] = True
             remote = event.remote
             if remote is not None:
                 entry["remote_hit"] = remote.tokens

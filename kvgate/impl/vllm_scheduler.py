@@ -711,6 +711,7 @@ class VllmScheduler:
         inputs: HashInputs = NO_INPUTS,
         resumable: bool = False,
         priority: int = 0,
+        skip_prefix_cache: bool = False,
     ) -> None:
         # A salt only changes the hashes. An adapter would be scheduled
         # otherwise by the real Scheduler (`max_loras`), which the scheduler
@@ -745,6 +746,7 @@ class VllmScheduler:
             name,
             tokens,
             max_tokens,
+            skip_prefix_cache,
             block_hasher=self._hasher,
             **ranked,
             **request_inputs(api, inputs, self._mm_data if inputs.mm else None),
@@ -772,14 +774,26 @@ class VllmScheduler:
         self._scheduler.add_request(self._request(name, tokens, max_tokens, resumable=resumable))
         self._view.rewritten(name)
 
-    def _request(self, name: str, tokens: list[int], max_tokens: int, **fields: Any) -> Any:
+    def _request(
+        self,
+        name: str,
+        tokens: list[int],
+        max_tokens: int,
+        skip_prefix_cache: bool = False,
+        **fields: Any,
+    ) -> Any:
         """A vLLM `Request` as the engine hands it over: its own output
-        length, never stopped early by an end-of-sequence token."""
+        length, never stopped early by an end-of-sequence token; one that
+        skips the prefix cache says so as prompt logprobs would."""
         api = self._api
         return api.Request(
             request_id=name,
             prompt_token_ids=tokens,
-            sampling_params=api.SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+            sampling_params=api.SamplingParams(
+                max_tokens=max_tokens,
+                ignore_eos=True,
+                skip_reading_prefix_cache=True if skip_prefix_cache else None,
+            ),
             pooling_params=None,
             **fields,
         )

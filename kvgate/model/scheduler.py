@@ -322,6 +322,7 @@ class SchedulerModel:
         resumable: bool = False,
         mm: tuple[MmItem, ...] = (),
         priority: int = 0,
+        skip_prefix_cache: bool = False,
     ) -> LiveRequest:
         """A request arrives (`arrive`) and waits at the end of the queue
         (under the priority policy, at its place); `remote`: what a KV
@@ -341,7 +342,9 @@ class SchedulerModel:
             )
         if self.async_scheduling and mm:
             raise AsyncNotModelled(f"{name}'s encoder inputs under async scheduling")
-        self.writer.run("arrive", req=name, prompt=prompt, cache_salt=cache_salt, mm=mm)
+        # Written only when set: a trace without it reads as before.
+        skips = {"skip_prefix_cache": True} if skip_prefix_cache else {}
+        self.writer.run("arrive", req=name, prompt=prompt, cache_salt=cache_salt, mm=mm, **skips)
         live = LiveRequest(
             name,
             self.oracle.requests[name].request,
