@@ -95,13 +95,7 @@ REFUSED: dict[str, tuple[Callable[[dict[str, Any]], None], int, str]] = {
     "resumable not a flag": (entry(0, resumable=1), 0, "resumable"),
     "session past max_model_len": (entry(3, max_tokens=470), 3, "max_tokens"),
     "session under async scheduling": (config(async_scheduling=True), 0, "resumable"),
-    "session with lookahead hashes": (
-        then(
-            config(eagle=True, hash_lookahead_tokens=1), lambda doc: doc["scheduler"].update(spec=1)
-        ),
-        0,
-        "resumable",
-    ),
+    "session with a KV connector": (config(kv_connector=True), 0, "resumable"),
 }
 
 
@@ -144,6 +138,7 @@ def test_the_corpus_has_the_session_shapes() -> None:
         "sched-session-chunk-queued-while-running",
         "sched-mamba2-session-under-pressure.hold-on",
         "sched-mamba2-session-under-pressure.hold-off",
+        "sched-session-lookahead-hashes-after-a-chunk",
     } <= names
 
 
@@ -229,6 +224,21 @@ def test_a_model_that_keeps_the_last_sampled_token_diverges_from_vllm(
     assert divergence.level in ("api", "strict")
     chunk = next(e for e in trace.engine if e.op == "chunk")
     assert divergence.step.index >= chunk.index
+
+
+@needs_vllm
+def test_a_model_that_keeps_a_sessions_stale_hashes_at_its_lookup_diverges(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With lookahead hashes, the model looking a preempted session up with
+    the keys it kept over its chunk (vLLM derives them again first): its
+    admission takes another hit than vLLM's."""
+    trace = by_name("sched-session-lookahead-hashes-after-a-chunk")
+    assert run_vllm(trace).passed
+    monkeypatch.setattr(Request, "rehash", lambda self: None)
+    divergence = run_vllm(trace).divergence
+    assert divergence is not None and divergence.level == "api"
+    assert divergence.what.endswith("scheduled (request, tokens)"), divergence.what
 
 
 @needs_vllm

@@ -243,7 +243,6 @@ class EngineReader(FieldReader):
         unmodelled = (
             ("async_scheduling", config.async_scheduling),
             ("kv_connector", config.kv_connector),
-            ("hash_lookahead_tokens", bool(config.hash_lookahead_tokens)),
         )
         for name, on in unmodelled:
             if resumable and on:

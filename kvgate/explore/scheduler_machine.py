@@ -555,7 +555,6 @@ class SchedulerMachine(RuleBasedStateMachine):
         return not (
             config.async_scheduling
             or config.kv_connector
-            or config.hash_lookahead_tokens
             or config.scheduling_policy == "priority"
         )
 

@@ -624,9 +624,9 @@ class VllmScheduler:
         # check reads the turn it follows).
         self._requests: dict[str, Any] = {}
         self._follows: dict[str, str] = {}
-        # Streaming-input sessions by name: their hash inputs (their token
-        # sequence is rewritten at each chunk, so the view indexes it anew).
-        self._sessions: dict[str, HashInputs] = {}
+        # Streaming-input sessions: their tokens are rewritten at each chunk
+        # (and their hashes recomputed at a lookup), which the view follows.
+        self._sessions: set[str] = set()
         self._admitted: set[str] = set()
         # The scheduled batches whose output is not processed yet, oldest
         # first (one at a time without async scheduling).
@@ -753,7 +753,7 @@ class VllmScheduler:
             **({"resumable": True} if resumable else {}),
         )
         if resumable:
-            self._sessions[name] = inputs
+            self._sessions.add(name)
         self._requests[name] = request
         if follows is not None:
             self._follows[name] = follows
@@ -772,7 +772,7 @@ class VllmScheduler:
 
     def _send_again(self, name: str, tokens: list[int], max_tokens: int, resumable: bool) -> None:
         self._scheduler.add_request(self._request(name, tokens, max_tokens, resumable=resumable))
-        self._view.track(name, self._requests[name], self._sessions[name])
+        self._view.rewritten(name)
 
     def _request(
         self,
@@ -805,6 +805,11 @@ class VllmScheduler:
         self._outputs.append(output)
         step.scheduled = [(str(r), int(n)) for r, n in output.num_scheduled_tokens.items()]
         step.preempted = sorted(str(r) for r in output.preempted_req_ids)
+        for name, _ in step.lookups:
+            if name in self._sessions:
+                # With lookahead hashes the Scheduler recomputes a session's
+                # hashes before its lookup.
+                self._view.rewritten(name)
         hits = dict(step.lookups)
         # With a connector the hit an admission takes can be less than its
         # lookup's (a local sub-block tail superseded): the allocation's.
@@ -897,7 +902,7 @@ class VllmScheduler:
         for r in ids:
             if r in self._sessions:
                 # A session that stopped may have taken its next chunk.
-                self._view.track(r, self._requests[r], self._sessions[r])
+                self._view.rewritten(r)
             else:
                 self._view.touched(r)
         return finished

@@ -96,6 +96,24 @@ class ManagerView:
         self._keys[name] = _Keys(request, inputs)
         self._dirty.add(name)
 
+    def rewritten(self, name: str) -> None:
+        """`name`'s tokens were rewritten (a streaming-input session took its
+        next chunk; a session's hashes recomputed at its lookup): its keys
+        are kept up to its first vLLM hash that no longer names them, and
+        re-derived past it from its tokens, chained over the last one kept,
+        as vLLM's hasher chains over the hashes it kept."""
+        entry = self._keys[name]
+        hashes = entry.request.block_hashes
+        kept = 0
+        while (
+            kept < min(len(hashes), len(entry.keys), entry.mapped)
+            and self._key_of.get(bytes(hashes[kept])) == entry.keys[kept]
+        ):
+            kept += 1
+        del entry.keys[kept:]
+        entry.mapped = kept
+        self._dirty.add(name)
+
     def touched(self, name: str) -> None:
         """`name`'s tokens may have grown: re-index it at the next snapshot."""
         self._dirty.add(name)

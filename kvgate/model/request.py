@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvgate.conformance.tokens import NO_INPUTS, HashInputs, extend_prefix_keys
+from kvgate.conformance.tokens import NO_INPUTS, HashInputs, extend_prefix_keys, prefix_keys
 
 
 class Request:
@@ -79,4 +79,13 @@ class Request:
         self.all_token_ids += tokens
         extend_prefix_keys(
             self.keys, self.all_token_ids, self.hash_unit, self.hash_lookahead, self.inputs
+        )
+
+    def rehash(self) -> None:
+        """Every key derived again from the tokens: a key kept over a
+        session's chunk may cover, in its lookahead tokens, the sampled token
+        the chunk dropped (vLLM recomputes a session's hashes before its
+        lookup when they cover lookahead tokens)."""
+        self.keys = prefix_keys(
+            self.all_token_ids, self.hash_unit, self.hash_lookahead, self.inputs
         )

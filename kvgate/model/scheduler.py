@@ -974,6 +974,8 @@ class SchedulerModel:
             if not live.admitted and live.follows is not None:
                 cached = self.writer.check({"attention_cached": {live.follows: 0}})
                 decisions.checked[live.name] = int(cached["attention_cached"][live.follows])
+            if live.resumable and self.config.hash_lookahead_tokens:
+                live.request.rehash()
             looked_up = self._lookup(live, decisions, load_failed)
             if looked_up is None:
                 return "skipped"  # the connector cannot answer yet
