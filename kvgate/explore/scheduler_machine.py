@@ -553,9 +553,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert self.config is not None
         config = self.config
         return not (
-            config.async_scheduling
-            or config.kv_connector
-            or config.scheduling_policy == "priority"
+            config.async_scheduling or config.kv_connector or config.scheduling_policy == "priority"
         )
 
     def open_sessions(self) -> list[str]:
