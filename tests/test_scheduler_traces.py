@@ -637,8 +637,10 @@ def test_a_model_that_requeues_in_another_order_after_a_reset_misses_it(
 ) -> None:
     reset = SchedulerModel.reset_prefix_cache
 
-    def reversed_queue(self: SchedulerModel, running: bool) -> tuple[bool, list[str]]:
-        ok, waiting = reset(self, running)
+    def reversed_queue(
+        self: SchedulerModel, running: bool, connector: bool = False
+    ) -> tuple[bool, list[str]]:
+        ok, waiting = reset(self, running, connector)
         return ok, waiting[::-1]
 
     monkeypatch.setattr(SchedulerModel, "reset_prefix_cache", reversed_queue)

@@ -834,11 +834,13 @@ class SchedulerModel:
                 continue
             outputs = len(live.request.output)
             computed = live.request.num_computed_tokens
+            # Read before the admission, which may also sample its first token.
+            tokens_at_admission = live.request.num_tokens
             admitted = self.admit(live, decisions, budget, skipped, defer)
             if isinstance(admitted, int):
                 # An admission with more than its last token to compute.
                 hit = decisions.admitted[-1][1]
-                admitted_prefill |= computed + hit < live.request.num_tokens - 1
+                admitted_prefill |= computed + hit < tokens_at_admission - 1
             if admitted is None:
                 break
             if admitted == "loading":
