@@ -5,17 +5,26 @@ traces catch."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
 from configs import needs_vllm
 from test_scheduler_traces import run_vllm
 
+from kvgate import cli
 from kvgate.conformance.config import NotModelled, UnsupportedConfig
 from kvgate.conformance.replay import ReplayResult
 from kvgate.conformance.scheduler_replay import replay_scheduler
-from kvgate.conformance.trace import Trace, TraceError, bundled_scheduler_corpus, parse_trace
+from kvgate.conformance.trace import (
+    Trace,
+    TraceError,
+    bundled_scheduler_corpus,
+    load_trace,
+    parse_trace,
+)
 from kvgate.model.scheduler import LiveRequest, SchedulerModel, StepDecisions
 
 CORPUS = bundled_scheduler_corpus()
@@ -205,3 +214,30 @@ def test_a_release_without_scheduling_policies_cannot_run_a_priority_trace(
     with pytest.raises(UnsupportedConfig) as refused:
         VllmScheduler(trace.config, spec_tokens=0, max_num_seqs=2)
     assert refused.value.field == "scheduling_policy"
+
+
+@needs_vllm
+def test_a_recording_under_the_priority_policy_keeps_each_priority(tmp_path: Path) -> None:
+    """vLLM's Scheduler recorded while it runs a priority trace: the recording
+    carries the policy and each arrival's priority, and replays on the model
+    and on vLLM as the trace did."""
+    from kvgate.impl import recorder
+
+    trace = trace_of(RESET_AND_ABORT)
+    recorder.install(tmp_path)
+    try:
+        assert run_vllm(trace).passed
+    finally:
+        recorder.uninstall()
+    [path] = sorted(tmp_path.iterdir())
+    recorded = load_trace(path)
+    assert recorded.config.scheduling_policy == "priority"
+    arrivals = [e.priority for e in recorded.engine if e.op == "arrive"]
+    assert arrivals == [e.priority for e in trace.engine if e.op == "arrive"]
+    assert cli.main(["replay", str(path), "--target", "model"]) == 0
+    assert cli.main(["replay", str(path), "--target", "vllm"]) == 0
+    # Recorded without the priorities, the queue after the reset differs.
+    drifted = tmp_path / "drifted.yaml"
+    drifted.write_text(re.sub(r", priority: \d+", "", path.read_text()))
+    assert load_trace(drifted).config.scheduling_policy == "priority"
+    assert cli.main(["replay", str(drifted), "--target", "model"]) == 1

@@ -39,6 +39,7 @@ import contextlib
 import functools
 import hashlib
 import logging
+import math
 import os
 import threading
 import time
@@ -298,6 +299,12 @@ def engine_config(scheduler: Any) -> tuple[Config, EngineSettings]:
         max_num_scheduled_tokens=int(scheduler.max_num_scheduled_tokens),
         # The recorded engine's model runner, replayed the same.
         model_runner="v2" if getattr(scheduler, "use_v2_model_runner", False) else "v1",
+        # A release without policies serves requests first come, first served.
+        scheduling_policy=(
+            "priority"
+            if getattr(getattr(scheduler, "policy", None), "value", "fcfs") == "priority"
+            else "fcfs"
+        ),
         long_prefill_token_threshold=int(scheduler.scheduler_config.long_prefill_token_threshold),
         long_prefill_token_threshold_adaptive=bool(
             getattr(scheduler, "adaptive_long_prefill_threshold", False)
@@ -414,6 +421,8 @@ class _Recording:
         self.names: dict[str, str] = {}
         self.requests: dict[str, Any] = {}
         self.renamer = _Renamer()
+        # The last arrival's time: a replay ranks equal priorities by arrival.
+        self.last_arrival = -math.inf
         self.pending: dict[str, Any] | None = None
         self.deferred: list[dict[str, Any]] = []
         self.open_part()
@@ -606,6 +615,14 @@ class _Recording:
             entry["follows"] = follows
         if getattr(request, "resumable", False):
             entry["resumable"] = True
+        if self.config.scheduling_policy == "priority":
+            # A replay's requests arrive in the order they were added.
+            arrival = float(request.arrival_time)
+            if arrival < self.last_arrival:
+                raise NotExpressible("a request added after one that arrived later")
+            self.last_arrival = arrival
+            if int(request.priority):
+                entry["priority"] = int(request.priority)
         if self.pending is not None:
             self.deferred.append(entry)
         else:
