@@ -238,3 +238,68 @@ def test_a_request_that_loses_its_prefix_cache_skip_diverges(
     divergence = divergence_on_vllm(trace)
     b_arrives = next(e.index for e in trace.engine if e.skip_prefix_cache)
     assert divergence.step.index == b_arrives + 1, divergence
+
+
+RESET_WHILE_LOADING = """\
+format: kvgate-trace/1
+name: reset-running-while-loading
+config:
+  num_blocks: 32
+  hash_unit: 8
+  eagle: false
+  retention_interval: 0
+  retain_checkpoint: false
+  kv_connector: true
+  max_num_scheduled_tokens: 512
+  max_model_len: 512
+  groups:
+  - {kind: full_attention, block_size: 8}
+  - {kind: mamba_align, block_size: 32}
+scheduler: {spec: 0, max_num_seqs: 4}
+engine:
+  - {op: arrive, req: A, prompt: [{fresh: 40}], max_tokens: 8}
+  - {op: step}
+  - {op: arrive, req: R, prompt: [{fresh: 40}], max_tokens: 1,
+     remote_hit: 40, remote_async: true, remote_delay: 2}
+  - {op: step}
+"""
+
+
+@pytest.mark.parametrize(
+    ("before", "holder"),
+    [
+        ("", "R's asynchronous KV load is in flight"),
+        ("  - {op: abort, req: R}\n", "aborted R's asynchronous KV load is in flight"),
+    ],
+    ids=["load in flight", "aborted during its load"],
+)
+def test_a_reset_preempting_running_requests_while_blocks_are_held_is_refused(
+    before: str, holder: str
+) -> None:
+    """vLLM's Scheduler raises on it (the held blocks keep the cache in use);
+    the model refuses the trace in one line naming the reset's `running`."""
+    text = RESET_WHILE_LOADING + before + "  - {op: reset, running: true}\n"
+    trace = parse_trace(text, "reset.yaml")
+    with pytest.raises(TraceError) as refused:
+        replay_scheduler(trace, SchedulerModel, None, "strict")
+    error = refused.value
+    assert (error.step_index, error.field) == (len(trace.engine) - 1, "running"), str(error)
+    assert holder in str(error) and "\n" not in str(error)
+
+
+@needs_vllm
+@pytest.mark.parametrize("abort", [False, True], ids=["load in flight", "aborted during its load"])
+def test_vllm_raises_on_the_reset_the_model_refuses(abort: bool) -> None:
+    from kvgate.impl.vllm_scheduler import VllmScheduler
+
+    trace = parse_trace(
+        RESET_WHILE_LOADING + ("  - {op: abort, req: R}\n" if abort else ""), "reset.yaml"
+    )
+    assert trace.scheduler is not None
+    real = VllmScheduler(trace.config, spec_tokens=0, max_num_seqs=4)
+    try:
+        assert replay_scheduler(trace, SchedulerModel, real, "strict").passed
+        with pytest.raises(RuntimeError, match="Failed to reset KV cache"):
+            real.reset_prefix_cache(running=True)
+    finally:
+        real.close()

@@ -502,8 +502,11 @@ def write_scheduler_summary(out: TextIO, outcome: SchedulerOutcome) -> None:
     ]
     total = sum(ops[k] for k in ops if k.startswith("reset:") and k != "reset:skipped")
     if ops["reset:skipped"]:
-        # Not sent: vLLM refuses it while a connector's load is in flight.
-        resets.append(f"not sent during a connector's load {ops['reset:skipped']}")
+        # Not sent: vLLM raises while blocks are held outside the running queue.
+        resets.append(
+            f"preempting running requests, not sent while a waiting request holds blocks "
+            f"{ops['reset:skipped']}"
+        )
     print(f"  reset    {total:>7}  ({'; '.join(resets)})", file=out)
     print("examples per deployment family:", file=out)
     for family, count in sorted(stats.families.items()):

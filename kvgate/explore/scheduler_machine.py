@@ -649,11 +649,12 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule(running=st.booleans())
     def reset(self, running: bool) -> None:
         assert self.model is not None
-        if running and self.model.holding:
+        if running and self.model.blocks_held_off_the_running_queue() is not None:
             # vLLM 0.33.0 refuses (raises) a reset that preempts running
-            # requests while a waiting request holds blocks (a KV connector's
-            # load in flight, a paused streaming-input session): "not
-            # supported yet". An engine does not ask for it; neither does this.
+            # requests while blocks are held outside the running queue (a KV
+            # connector's load in flight, a paused streaming-input session):
+            # "not supported yet". The model refuses it as a trace; an engine
+            # does not ask for it, and neither does this.
             self.stats.ops["reset:skipped"] += 1
             return
         busy = "busy" if self.model.running else "idle"

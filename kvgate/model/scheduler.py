@@ -682,12 +682,38 @@ class SchedulerModel:
             for request in live:
                 request.remote = None
         if running:
+            holder = self.blocks_held_off_the_running_queue()
+            if holder is not None:
+                # vLLM's Scheduler preempts every running request, finds the
+                # cache still in use and raises ("not supported yet").
+                raise StepRefused(
+                    "running",
+                    f"a reset that preempts the running requests while {holder} is not "
+                    "supported: vLLM's Scheduler raises, as those blocks keep the cache "
+                    "from resetting",
+                )
             while self.running:
                 victim = self.running[-1]
                 self._preempt(victim)
                 self._reset_preempted.append(victim.name)
         ok = bool(self.writer.run("reset")["ok"])
         return ok, [live.name for live in self.waiting]
+
+    def blocks_held_off_the_running_queue(self) -> str | None:
+        """What holds KV blocks outside the running queue, in words (None
+        when nothing does): a reset can free every block only by preempting
+        the running requests, never these."""
+        for live in self.holding:
+            if live.paused:
+                return f"streaming-input session {live.name} is paused holding its blocks"
+            if live.loading and not live.reported:
+                return f"{live.name}'s asynchronous KV load is in flight"
+            return f"{live.name} holds the blocks of its finished KV load"
+        if self.aborted_loads:
+            return f"aborted {self.aborted_loads[0].name}'s asynchronous KV load is in flight"
+        if self.deferred:
+            return f"the free of {self.deferred[0][1]} waits for a batch in flight"
+        return None
 
     def take_prefix_cache_stats(self) -> PrefixCacheStats:
         """The manager's prefix-cache stats since the last call, as the
