@@ -23,7 +23,7 @@ from configs import needs_vllm
 from kvgate import cli, targets
 from kvgate.conformance.config import Config, NotModelled, UnsupportedConfig
 from kvgate.conformance.replay import replay
-from kvgate.conformance.tokens import HashInputs, MmItem
+from kvgate.conformance.tokens import HashInputs
 from kvgate.conformance.trace import TraceError, load_trace
 from kvgate.model import ModelTarget
 from kvgate.workload import command
@@ -267,13 +267,10 @@ def test_tenants_salts_keep_lockstep_on_the_real_scheduler(tmp_path: Path) -> No
     assert salts == {"", "tenant-0", "tenant-1"}  # the unsalted system prompt besides
 
 
-@pytest.mark.parametrize(
-    ("inputs", "field"),
-    [(HashInputs(lora="ad-1"), "lora"), (HashInputs(mm=(MmItem(0, 4, "img"),)), "mm")],
-)
-def test_inputs_the_scheduler_schedules_otherwise_are_refused_by_name(
-    inputs: HashInputs, field: str
-) -> None:
+def test_a_lora_adapter_the_scheduler_schedules_otherwise_is_refused_by_name() -> None:
+    """LoRA adapters change what the Scheduler admits together (max_loras):
+    not modelled. (Encoder inputs are: see test_scheduler_multimodal.py.)"""
+    inputs, field = HashInputs(lora="ad-1"), "lora"
     deployment = Deployment(build="upstream").scaled(SCALE)
     config = deployment.config(UNITS[0], False, 2)
     real = _scheduler(None)(config, spec_tokens=deployment.spec_tokens, max_num_seqs=16)

@@ -1102,24 +1102,26 @@ class SchedulerModel:
         """Admit a request that holds blocks, without a lookup. When the scan
         first reaches it after the worker reported its load, the Scheduler
         completes the load (its blocks keyed; a load of every token leaves the
-        last to compute) whatever follows: the `allocate` completes it, or,
-        when nothing runs this step, an `allocate complete_only` does only
-        that. The tokens run, or None when nothing runs (the scan stops; the
-        request stays waiting with its blocks)."""
-        request = live.request
-        completing = live.loading
-        # Where the chunk starts once the load is complete.
-        back = -1 if completing and request.num_computed_tokens >= request.num_tokens else 0
-        live.loading = False
-        live.sched_computed = request.num_computed_tokens + back
-        chunk = self._admission_chunk(live, back, budget)
+        last to compute) whatever follows: an `allocate complete_only` does
+        that. Then, as any admission, it passes the full-sequence gate and
+        allocates its chunk. The tokens run, or None when nothing runs (the
+        scan stops; the request stays waiting with its blocks)."""
+        if live.loading:
+            self.writer.run("allocate", req=live.name, tokens="auto", complete_only=True)
+            live.loading = False
+        live.sched_computed = live.request.num_computed_tokens
+        chunk = self._admission_chunk(live, 0, budget)
         # (Never a skip: a request holding blocks has a KV connector, whose
         # legacy hashes rule out a multi-module drafter's lookahead.)
         if chunk is None or chunk == _SKIP:
-            if completing:
-                self.writer.run("allocate", req=live.name, tokens="auto", complete_only=True)
             return None
-        if not self._allocate(live, chunk, back)():
+        need = self.writer.run("reserve", req=live.name)["blocks"]
+        if (
+            not admission_fits(need, self.oracle.num_free_blocks())
+            or not self._allocate(live, chunk)()
+        ):
+            self._encoder_plan = None
+            self.encoder.release_all(live.name)
             return None
         return chunk[1]
 
