@@ -372,6 +372,7 @@ def test_the_shrinker_replays_every_field_of_a_step() -> None:
         tokens=16,
         lookahead=1,
         spec=2,
+        accepted=1,
         sample=1,
         how="finish",
         blocks=2,
