@@ -483,6 +483,8 @@ def write_scheduler_summary(out: TextIO, outcome: SchedulerOutcome) -> None:
     print(
         f"  arrive   {arrived:>7}  ({arrivals}; another tenant's salt {ops['arrive:salted']}; "
         f"images {ops['arrive:image']} (two {ops['arrive:images']}); "
+        f"priority 1 {ops['arrive:priority:1']}, 2 {ops['arrive:priority:2']} "
+        f"(in {ops['engine:priority']} examples under the priority policy); "
         f"a KV connector's hit, sync {ops['arrive:remote:sync']}, "
         f"async {ops['arrive:remote:async']})",
         file=out,
@@ -490,6 +492,13 @@ def write_scheduler_summary(out: TextIO, outcome: SchedulerOutcome) -> None:
     print(
         f"  step     {ops['step']:>7}  (preemptions {stats.preemptions}; a stop condition "
         f"ended a running request {ops['step:stop']})",
+        file=out,
+    )
+    chunks = sum(ops[f"chunk:{kind}"] for kind in ("queued", "paused", "end"))
+    print(
+        f"  chunk    {chunks:>7}  (to {ops['arrive:session']} streaming-input sessions: a chunk "
+        f"queued while running {ops['chunk:queued']}, sent to a paused session "
+        f"{ops['chunk:paused']}, a session's end {ops['chunk:end']})",
         file=out,
     )
     aborts = ", ".join(f"{where} {ops[f'abort:{where}']}" for where in ABORT_PLACES)
