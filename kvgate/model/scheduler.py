@@ -284,6 +284,9 @@ class SchedulerModel:
         # Requests a prefix-cache reset preempted between steps: vLLM's
         # Scheduler reports them with the next step's preemptions.
         self._reset_preempted: list[str] = []
+        # Each live request's tokens when this step began (what vLLM's
+        # Scheduler has of it until the step's output is processed).
+        self._tokens_at_step_start: dict[str, int] = {}
         # Drafts the model runner accepts in the next step, by request (`accept`).
         self._accept: dict[str, int] = {}
         self._running_scheduled = False
@@ -743,6 +746,9 @@ class SchedulerModel:
         preempted = False
         self.encoder_budget = self.config.encoder_budget
         self._encoded = decisions.encoder_inputs
+        self._tokens_at_step_start = {
+            live.name: len(live.request.all_token_ids) for live in self._live()
+        }
         decisions.preempted.extend(self._reset_preempted)
         self._reset_preempted.clear()
         # What vLLM's Scheduler counts, once per step, to decide whether
@@ -1000,8 +1006,14 @@ class SchedulerModel:
                 decisions.taken.append((live.name, 0, 0, False))
         else:
             if not live.admitted and live.follows is not None:
-                cached = self.writer.check({"attention_cached": {live.follows: 0}})
-                decisions.checked[live.name] = int(cached["attention_cached"][live.follows])
+                # Recorded for the manager-level trace, whose decode appends
+                # the token it samples as it runs; the Scheduler sees the
+                # request as this step found it.
+                self.writer.check({"attention_cached": {live.follows: 0}})
+                followed = self.oracle.requests[live.follows].request
+                decisions.checked[live.name] = self.oracle.attention_cached(
+                    followed, self._tokens_at_step_start.get(live.follows)
+                )
             if live.resumable and self.config.hash_lookahead_tokens:
                 live.request.rehash()
             looked_up = self._lookup(live, decisions, load_failed)

@@ -161,14 +161,21 @@ class ModelTarget(OpDriver[Request]):
         found = self.pool.cached_block(request.keys[position // unit - 1], [group])
         return found[0].ref if found else None
 
-    def attention_cached(self, request: Request) -> int:
+    def attention_cached(self, request: Request, num_tokens: int | None = None) -> int:
+        """`num_tokens`: count only the keys the request's first `num_tokens`
+        tokens complete (the Scheduler's view mid-step, before the tokens
+        this step samples, which the model appends as it schedules)."""
         if self.attention_group is None:
             return 0
         attention = self.manager.coordinator.managers[self.attention_group]
         size = attention.block_size
+        unit = self.config.hash_unit
+        keyed = len(request.keys)
+        if num_tokens is not None:
+            keyed = min(keyed, max(0, (num_tokens - self.config.hash_lookahead_tokens) // unit))
         # Only blocks with a key (with lookahead hashes, the prompt's last
         # block may have none yet).
-        usable = min(request.num_prompt_tokens, len(request.keys) * self.config.hash_unit)
+        usable = min(request.num_prompt_tokens, keyed * unit)
         cached = 0
         while (cached + size) <= usable and self.pool.cached_block(
             request.keys[(cached + size) // self.config.hash_unit - 1], [attention.group_id]
