@@ -11,12 +11,15 @@ import coverage
 
 from kvgate.explore.coverage import (
     OUT_OF_SCOPE,
+    OUT_OF_SCOPE_CONDITIONS,
+    OUT_OF_SCOPE_WHEN_OFF,
     SCHEDULER_FILE,
     Figures,
     core_dir,
     figures,
     kv_paths,
     missing_report,
+    out_of_scope_branches,
 )
 
 # A condition split over lines (Python 3.11 reports it on a continuation
@@ -139,3 +142,48 @@ def test_figures_count_inside_several_spans(tmp_path: Path) -> None:
     both = figures(data, module, ((2, 8), (11, 14)))
     assert both.missing_lines == (8, 12, 13, 14)
     assert (both.branches, both.branches_hit) == (4, 1)
+
+
+SCOPED_SOURCE = """\
+class Scheduler:
+    def admit(self, request):
+        hit = self.kv_cache_manager.lookup(request)
+        if self.prefix_replay_tokens and hit:
+            hit -= 1
+        if hit > 8 or self.is_encoder_decoder:
+            hit += 1
+        if not self.needs_kv_cache_zeroing:
+            return None
+        request.num_computed_tokens = hit
+        return hit
+"""
+
+
+def test_a_branch_only_an_out_of_scope_feature_takes_is_left_out(tmp_path: Path) -> None:
+    """The body of an `if` that holds only with a feature a hybrid align-mode
+    deployment lacks (named alone or in an `and`; off, for a feature every
+    hybrid has on) is left out; one an `or` lets in-scope runs take stays."""
+    source = tmp_path / "scheduler.py"
+    source.write_text(SCOPED_SOURCE, encoding="utf-8")
+    assert out_of_scope_branches(source, kv_paths(source)) == ((5, 5), (9, 9))
+
+
+def test_figures_leave_out_the_statements_and_exits_of_excluded_spans(tmp_path: Path) -> None:
+    data, module = _record(tmp_path)
+    # `return True` left out: the if keeps one exit, to `return False`.
+    scoped = figures(data, module, (1, 8), excluded=((7, 7),))
+    assert scoped.missing_lines == (8,)
+    assert (scoped.lines, scoped.lines_hit) == (figures(data, module, (1, 8)).lines - 1, 3)
+    assert (scoped.branches, scoped.branches_hit) == (1, 0)
+    assert scoped.missing_branches == ((3, 8),)
+
+
+def test_each_out_of_scope_condition_names_a_branch_of_the_installed_scheduler() -> None:
+    """Each feature whose branches are left out still guards one in the
+    installed vLLM's Scheduler KV paths: a rename would otherwise count
+    them again unnoticed."""
+    source = core_dir() / SCHEDULER_FILE
+    text = source.read_text(encoding="utf-8")
+    assert out_of_scope_branches(source, kv_paths(source))
+    for name in (*OUT_OF_SCOPE_CONDITIONS, *OUT_OF_SCOPE_WHEN_OFF):
+        assert name in text, name

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import ast
 import sys
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,6 +45,23 @@ OUT_OF_SCOPE = {
     "_update_requests_with_invalid_blocks": (
         "called only past _handle_invalid_blocks' refusal of several KV-cache groups"
     ),
+}
+# Inside the KV paths, the branches a hybrid align-mode deployment never
+# takes: the body of an `if` whose condition names one of these is left out
+# of every column alike (its statements, and the exit into it), each with why.
+SLIDING_WINDOW_REPLAY = "a sliding-window coordinator's bounded replay"
+OUT_OF_SCOPE_CONDITIONS = {
+    "prefix_replay_tokens": SLIDING_WINDOW_REPLAY,
+    "_load_restores_replay_window": SLIDING_WINDOW_REPLAY,
+    "num_replay_tokens": SLIDING_WINDOW_REPLAY,
+    "is_encoder_decoder": "an encoder-decoder model's cross-attention",
+    "SupportsHMA": "a KV connector without hybrid-model support (one KV-cache group only)",
+    "defer_async_loads": "HiSparse's host pool (its deferred loads)",
+    "defer_load": "HiSparse's host pool (its deferred loads)",
+}
+# The same, for a condition that holds only where one of these is off.
+OUT_OF_SCOPE_WHEN_OFF = {
+    "needs_kv_cache_zeroing": "a model without Mamba layers (new blocks need no zeroing)",
 }
 
 
@@ -115,10 +132,65 @@ def kv_paths(
 Spans = tuple[tuple[int, int], ...]
 
 
-def figures(data_file: Path, path: Path, within: tuple[int, int] | Spans | None = None) -> Figures:
+def out_of_scope_branches(path: Path, methods: Sequence[tuple[str, int, int]]) -> Spans:
+    """The bodies of the `if` statements inside `methods` (name, first and
+    last line) whose condition names one of `OUT_OF_SCOPE_CONDITIONS`, as
+    line spans."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    spans = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.If):
+            continue
+        if not any(first <= node.lineno <= last for _, first, last in methods):
+            continue
+        if _requires_out_of_scope(node.test):
+            last = node.body[-1].end_lineno
+            assert last is not None
+            spans.append((node.body[0].lineno, last))
+    return tuple(sorted(spans))
+
+
+def _requires_out_of_scope(test: ast.expr) -> bool:
+    """Whether condition `test` holds only where a feature of
+    `OUT_OF_SCOPE_CONDITIONS` is on: it names one (alone, compared, called,
+    or `not isinstance(..., It)`), or an `and` with such a term, or an `or`
+    of such terms only."""
+    if isinstance(test, ast.BoolOp):
+        each = [_requires_out_of_scope(value) for value in test.values]
+        return any(each) if isinstance(test.op, ast.And) else all(each)
+    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+        call = test.operand
+        if isinstance(call, (ast.Name, ast.Attribute)):
+            return _names_out_of_scope(call, OUT_OF_SCOPE_WHEN_OFF)
+        return (
+            isinstance(call, ast.Call)
+            and isinstance(call.func, ast.Name)
+            and call.func.id == "isinstance"
+            and _names_out_of_scope(call.args[-1])
+        )
+    if isinstance(test, ast.Call):
+        return _names_out_of_scope(test.func)
+    return isinstance(test, (ast.Name, ast.Attribute, ast.Compare)) and _names_out_of_scope(test)
+
+
+def _names_out_of_scope(node: ast.expr, features: Mapping[str, str] | None = None) -> bool:
+    for n in ast.walk(node):
+        name = n.id if isinstance(n, ast.Name) else n.attr if isinstance(n, ast.Attribute) else ""
+        if name in (OUT_OF_SCOPE_CONDITIONS if features is None else features):
+            return True
+    return False
+
+
+def figures(
+    data_file: Path,
+    path: Path,
+    within: tuple[int, int] | Spans | None = None,
+    excluded: Spans = (),
+) -> Figures:
     """Lines and branch exits of `path` (optionally only those starting in
-    `within`, one line range or several), and how many of them the data
-    file recorded.
+    `within`, one line range or several, and none in `excluded`, whose
+    statements and the exits into them are not counted), and how many of
+    them the data file recorded.
 
     The counts are coverage.py's own analysis, so a whole file's figures
     equal `coverage report`'s. Its analysis maps what the tracer recorded
@@ -135,19 +207,31 @@ def figures(data_file: Path, path: Path, within: tuple[int, int] | Spans | None 
     else:
         spans = within
 
+    def left_out(line: int) -> bool:
+        return any(first <= line <= last for first, last in excluded)
+
     def inside(line: int) -> bool:
-        return any(first <= line <= last for first, last in spans)
+        return any(first <= line <= last for first, last in spans) and not left_out(line)
 
     statements = {n for n in analysis.statements if inside(n)}
     executed = statements & set(analysis.executed)
-    # {branch line: (exits, exits taken)}, and the exits not taken.
-    stats = {src: counts for src, counts in analysis.branch_stats().items() if inside(src)}
+    # {branch line: (exits, exits taken)}, less the exits into what is left
+    # out; and the exits not taken.
+    not_taken = analysis.missing_branch_arcs()
+    taken = analysis.executed_branch_arcs()
+    stats = {}
+    for src, (exits, hit) in analysis.branch_stats().items():
+        if inside(src):
+            gone_taken = sum(1 for dst in taken.get(src, ()) if left_out(dst))
+            gone = gone_taken + sum(1 for dst in not_taken.get(src, ()) if left_out(dst))
+            stats[src] = (exits - gone, hit - gone_taken)
     missing = tuple(
         sorted(
             (src, dst)
-            for src, dsts in analysis.missing_branch_arcs().items()
+            for src, dsts in not_taken.items()
             if inside(src)
             for dst in dsts
+            if not left_out(dst)
         )
     )
     return Figures(
@@ -175,10 +259,11 @@ def measure(columns: Sequence[tuple[str, Path]]) -> list[tuple[str, list[Figures
     )
     methods = kv_paths(core / SCHEDULER_FILE)
     spans = tuple((first, last) for _, first, last in methods)
+    excluded = out_of_scope_branches(core / SCHEDULER_FILE, methods)
     rows.append(
         (
             f"Scheduler KV paths ({len(methods)} methods)",
-            [figures(data, core / SCHEDULER_FILE, spans) for _, data in columns],
+            [figures(data, core / SCHEDULER_FILE, spans, excluded) for _, data in columns],
         )
     )
     return rows
@@ -200,12 +285,14 @@ def method_rows(columns: Sequence[tuple[str, Path]]) -> list[tuple[str, list[Fig
     """One row per Scheduler KV path (its method and lines), one `Figures`
     per column: where each column's reach into the Scheduler ends."""
     source = core_dir() / SCHEDULER_FILE
+    methods = kv_paths(source)
+    excluded = out_of_scope_branches(source, methods)
     return [
         (
             f"Scheduler.{name} (lines {first}-{last})",
-            [figures(data, source, (first, last)) for _, data in columns],
+            [figures(data, source, (first, last), excluded) for _, data in columns],
         )
-        for name, first, last in kv_paths(source)
+        for name, first, last in methods
     ]
 
 
@@ -252,9 +339,18 @@ def main(argv: Sequence[str]) -> int:
         return 2
     rows = measure(columns)
     print(table(columns, rows))
-    names = ", ".join(name for name, _, _ in kv_paths(core_dir() / SCHEDULER_FILE))
+    source = core_dir() / SCHEDULER_FILE
+    paths = kv_paths(source)
+    names = ", ".join(name for name, _, _ in paths)
     left_out = "; ".join(f"{name}: {why}" for name, why in OUT_OF_SCOPE.items())
     print(f"Scheduler KV paths: {names} (left out, {left_out})")
+    branches = ", ".join(
+        str(a) if a == b else f"{a}-{b}" for a, b in out_of_scope_branches(source, paths)
+    )
+    reasons = "; ".join(
+        dict.fromkeys([*OUT_OF_SCOPE_CONDITIONS.values(), *OUT_OF_SCOPE_WHEN_OFF.values()])
+    )
+    print(f"Inside them, left out alike: lines {branches}, what only these run: {reasons}")
     if missing_dir is not None:
         missing_dir.mkdir(parents=True, exist_ok=True)
         methods = method_rows(columns)
