@@ -390,6 +390,7 @@ def test_the_shrinker_replays_every_field_of_a_step() -> None:
         in_flight=4,
         keep_retained=True,
         release_retained=True,
+        defer_recache=True,
     )
     defaults = Step("allocate", 3)
     # Every replayed field is set away from its default above.

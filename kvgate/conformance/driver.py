@@ -105,6 +105,8 @@ class OpDriver(ABC, Generic[R]):
         self.popped: dict[str, list[Any]] = {}
         # Copies' retained endpoints kept aside by `drain`s, oldest first.
         self.kept_retained: deque[list[Any]] = deque()
+        # Requests whose output's re-cache waits for the next `drain`.
+        self.deferred_recaches: list[str] = []
 
     # -- hooks a target implements ------------------------------------------------
 
@@ -466,8 +468,8 @@ class OpDriver(ABC, Generic[R]):
             if self.config.hash_lookahead_tokens:
                 # Lookahead hashes come with an EAGLE drafter, so the Scheduler
                 # runs with drafts and `update_from_output` re-caches once the
-                # output is in: the prompt's last block gets its key now.
-                self.cache_blocks(request, self.num_computed(request))
+                # output is in: the prompt's last block gets its key then.
+                self._recache(step, request)
         result: dict[str, Any] = {"ok": ok, "tokens": num_new, "prompt_done": done}
         if ok and done:
             # The chunk that completes the prefill emits the first output;
@@ -500,8 +502,22 @@ class OpDriver(ABC, Generic[R]):
                 # With drafts (lookahead hashes imply a drafter), `update_from_output`
                 # re-caches the request up to its computed tokens once the
                 # step's output is in.
-                self.cache_blocks(request, self.num_computed(request))
+                self._recache(step, request)
         return {"ok": ok}
+
+    def _forget_recache(self, step: Step) -> None:
+        """A request that frees its blocks before the step's output is in
+        (preempted in the step) is not re-cached by it."""
+        if step.req in self.deferred_recaches:
+            self.deferred_recaches.remove(step.req)
+
+    def _recache(self, step: Step, request: R) -> None:
+        """The output's re-cache of `request`: now, or at the step's drain."""
+        if step.defer_recache:
+            assert step.req is not None
+            self.deferred_recaches.append(step.req)
+        else:
+            self.cache_blocks(request, self.num_computed(request))
 
     def _op_step(self, step: Step) -> dict[str, Any]:
         self.new_step_starts()
@@ -522,7 +538,14 @@ class OpDriver(ABC, Generic[R]):
             self.kept_retained.append(retained)
         else:
             self.free_blocks(retained)
-        return {"copies": copies, "offloads": offloads, "zeroed": self.take_new_block_ids()}
+        zeroed = self.take_new_block_ids()
+        # The step's output comes in after what `schedule` drains: the
+        # re-caches deferred to it, for requests still holding their blocks.
+        for name in self.deferred_recaches:
+            request = self.requests[name].request
+            self.cache_blocks(request, self.num_computed(request))
+        self.deferred_recaches.clear()
+        return {"copies": copies, "offloads": offloads, "zeroed": zeroed}
 
     def _op_free(self, step: Step) -> dict[str, Any]:
         pending = self._pending(step)
@@ -558,6 +581,7 @@ class OpDriver(ABC, Generic[R]):
         # and frees them once the worker reports the load done, in the same
         # output; it counts nothing in the prefix-cache stats.
         result = {} if step.how == "preempt" else self._request_ends(pending)
+        self._forget_recache(step)
         self.free(pending.request)
         if step.how == "preempt":
             # Back to waiting with nothing computed; the output stays.
@@ -593,6 +617,7 @@ class OpDriver(ABC, Generic[R]):
         # vLLM's Scheduler defers a free only with a KV connector, for a
         # request that ends, after what every ending does.
         result = self._request_ends(pending, step.in_flight) if self.config.kv_connector else {}
+        self._forget_recache(step)
         self.popped[step.req] = self.pop_blocks_for_free(pending.request)
         return result
 

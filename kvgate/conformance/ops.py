@@ -116,6 +116,11 @@ FIELD_TYPES: dict[str, FieldType] = {
     # (`release_retained`).
     "keep_retained": "bool",
     "release_retained": "bool",
+    # allocate / decode1 (additive), with drafts: the re-cache vLLM's
+    # Scheduler runs once the step's output is in (`update_from_output`)
+    # waits for the step's `drain` instead of running in the op, so that
+    # requests looked up later in the same step do not see it.
+    "defer_recache": "bool",
 }
 
 # The prefix-cache hit stats a `stats` op reports (vLLM's PrefixCacheStats):
@@ -174,6 +179,7 @@ ACTIONS: dict[str, Action] = {
                 "complete_only",
                 "invalid_blocks",
                 "in_flight",
+                "defer_recache",
             ),
             expect_keys=("ok", "tokens"),
             valid_in=LIVE,
@@ -182,7 +188,7 @@ ACTIONS: dict[str, Action] = {
         Action(
             "decode1",
             ("req",),
-            ("spec", "lookahead", "accepted"),
+            ("spec", "lookahead", "accepted", "defer_recache"),
             expect_keys=("ok",),
             valid_in=LIVE,
             issued_in=frozenset({"decoding"}),
@@ -342,6 +348,8 @@ class Step:
     # drain: keep the copies' retained endpoints aside; free the oldest kept set first
     keep_retained: bool = False
     release_retained: bool = False
+    # allocate / decode1: the output's re-cache waits for the step's drain
+    defer_recache: bool = False
     expect: dict[str, Any] = field(default_factory=dict)
     check: dict[str, Any] = field(default_factory=dict)
     steps: int = 0  # the `decode` macro's repeat count; the parser expands it

@@ -1274,7 +1274,10 @@ class SchedulerModel:
         # The chunk that computes every token samples the step's output token.
         sample = int(request.num_computed_tokens + hit + tokens - pad >= request.num_tokens)
         # Written only when padded: a trace without padding reads as before.
-        padding = {"pad": pad} if pad else {}
+        extra = {"pad": pad} if pad else {}
+        # The output's re-cache (with lookahead hashes) once the step is done.
+        if sample and self.config.hash_lookahead_tokens:
+            extra["defer_recache"] = True
 
         def run() -> bool:
             result = self.writer.run(
@@ -1283,7 +1286,7 @@ class SchedulerModel:
                 tokens=written,
                 lookahead=self.spec,
                 sample=sample,
-                **padding,
+                **extra,
                 **self._in_flight_field(live),
             )
             if "cached_tokens" in result:  # the chunk completed the request's tokens
@@ -1317,7 +1320,10 @@ class SchedulerModel:
                 f"{live.max_tokens}",
             )
         # Written only when the model runner accepts some.
-        accepting = {"accepted": accepted} if accepted else {}
+        accepting: dict[str, Any] = {"accepted": accepted} if accepted else {}
+        if drafts or self.config.hash_lookahead_tokens:
+            # The output's re-cache once the step is done.
+            accepting["defer_recache"] = True
 
         def run() -> bool:
             result = self.writer.run(
