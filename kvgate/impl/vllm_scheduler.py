@@ -670,6 +670,17 @@ class VllmScheduler:
             return blocks
 
         manager.pop_blocks_for_free = observed_pop
+        session_update = getattr(scheduler, "_update_request_as_session", None)
+        if self.streaming_input and session_update is not None:
+
+            def observed_session_update(session: Any, update: Any) -> Any:
+                # Index the session's hashes before its next chunk rewrites
+                # its tokens: a hash the rewrite keeps may cover, in its
+                # lookahead tokens, the sampled token the chunk drops.
+                self._view.index_now(str(session.request_id))
+                return session_update(session, update)
+
+            scheduler._update_request_as_session = observed_session_update
         if self._script is not None:
             allocate = manager.allocate_slots
 

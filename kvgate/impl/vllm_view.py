@@ -118,6 +118,12 @@ class ManagerView:
         """`name`'s tokens may have grown: re-index it at the next snapshot."""
         self._dirty.add(name)
 
+    def index_now(self, name: str) -> None:
+        """Index `name`'s hashes now, from its tokens as they are (before a
+        rewrite changes them)."""
+        self._dirty.add(name)
+        self._sync_index()
+
     def close(self) -> None:
         self._managers = ()
         self._manager = self._pool = None
