@@ -998,7 +998,7 @@ class SchedulerModel:
             if live.remote is not None:
                 live.remote = replace(live.remote, fails=False)
         if live.holds_blocks:
-            admitted = self._admit_loaded(live, budget)
+            admitted = self._admit_loaded(live, budget, defer)
             if admitted is None:
                 return None
             hit, cost = 0, admitted
@@ -1110,17 +1110,21 @@ class SchedulerModel:
         external = int(result["external"])
         return int(result["hit"]), external, remote.load_async and external > 0
 
-    def _admit_loaded(self, live: LiveRequest, budget: int) -> int | None:
+    def _admit_loaded(self, live: LiveRequest, budget: int, defer: bool) -> int | None:
         """Admit a request that holds blocks, without a lookup. When the scan
         first reaches it after the worker reported its load, the Scheduler
         completes the load (its blocks keyed; a load of every token leaves the
         last to compute) whatever follows: an `allocate complete_only` does
         that. Then, as any admission, it passes the full-sequence gate and
-        allocates its chunk. The tokens run, or None when nothing runs (the
-        scan stops; the request stays waiting with its blocks)."""
+        allocates its chunk, unless `defer` (the prefill cadence) holds back
+        a request with more than its last token to compute. The tokens run,
+        or None when nothing runs (the scan stops; the request stays waiting
+        with its blocks)."""
         if live.loading:
             self.writer.run("allocate", req=live.name, tokens="auto", complete_only=True)
             live.loading = False
+        if defer and live.request.num_computed_tokens < live.request.num_tokens - 1:
+            return None
         live.sched_computed = live.request.num_computed_tokens
         chunk = self._admission_chunk(live, 0, budget)
         # (Never a skip: a request holding blocks has a KV connector, whose
