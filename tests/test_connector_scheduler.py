@@ -27,8 +27,10 @@ from configs import EXAMPLE_CONFIG, needs_vllm
 from kvgate import targets
 from kvgate.conformance.config import UnsupportedConfig
 from kvgate.conformance.replay import replay
+from kvgate.conformance.scheduler_replay import replay_scheduler
 from kvgate.conformance.scheduling import ScheduledStep
-from kvgate.conformance.trace import Trace
+from kvgate.conformance.trace import Trace, TraceError, parse_trace
+from kvgate.model.scheduler import SchedulerModel
 from kvgate.workload.deployment import Deployment
 from kvgate.workload.lockstep import scheduler_arm
 from kvgate.workload.plan import Workload
@@ -625,3 +627,36 @@ def test_the_workload_under_policy_fail_keeps_lockstep_and_a_drift_diverges(
     assert divergence is not None
     assert divergence.what.endswith("free queue"), divergence.what
     assert divergence.step.op == "free" and divergence.step.req == failed[0]
+
+
+def test_an_async_load_of_a_one_token_prompt_is_refused_as_vllm_loads_it_forever(
+    scheduler: object,
+) -> None:
+    """After an async load of every token the Scheduler leaves the last one
+    to compute; for a one-token prompt that leaves nothing computed, so it
+    looks the request up again and loads it again, step after step, and
+    the request never runs. The model refuses such a trace by name."""
+    from kvgate.impl.vllm_connector import ExternalHit
+    from kvgate.impl.vllm_scheduler import VllmScheduler
+
+    assert isinstance(scheduler, VllmScheduler)
+    scheduler.connector_script.hits["A"] = ExternalHit(1, load_async=True)
+    scheduler.add_request("A", _fresh(1), 1, None)
+    steps = [_step(scheduler, loaded=("A",)) for _ in range(4)]
+    assert all(step.scheduled == [] for step in steps)
+    assert all(step.lookups == [("A", 0)] for step in steps)
+
+    trace = parse_trace(
+        "format: kvgate-trace/1\nname: one-token-load\nconfig:\n"
+        "  num_blocks: 32\n  hash_unit: 8\n  eagle: false\n  retention_interval: 0\n"
+        "  retain_checkpoint: false\n  kv_connector: true\n  max_num_scheduled_tokens: 64\n"
+        "  max_model_len: 512\n  groups:\n    - {kind: full_attention, block_size: 8}\n"
+        "    - {kind: mamba_align, block_size: 32}\n"
+        "scheduler: {spec: 0, max_num_seqs: 4}\nengine:\n"
+        "  - {op: arrive, req: A, prompt: [{fresh: 1}], max_tokens: 1, remote_hit: 1,"
+        " remote_async: true}\n  - {op: step}\n",
+        "one.yaml",
+    )
+    with pytest.raises(TraceError) as refused:
+        replay_scheduler(trace, SchedulerModel, None, "strict")
+    assert refused.value.field == "remote_hit" and "one-token prompt" in str(refused.value)

@@ -51,6 +51,15 @@ def connector_answer(
         raise StepRefused(
             "remote_hit", f"{step.remote_hit:,} tokens, more than {limit:,} for {how}"
         )
+    if step.remote_async and step.remote_hit >= total == 1:
+        # After the load the Scheduler leaves the last token to compute, so
+        # nothing is computed: it looks the request up again and loads it
+        # again, at every step, and the request never runs.
+        raise StepRefused(
+            "remote_hit",
+            "an asynchronous load of a one-token prompt's only token: vLLM's Scheduler "
+            "finds nothing computed after it and loads it again at every step (not modelled)",
+        )
     tail = hit % driver.config.scheduler_block_size
     aligned = hit - tail
     # The connector's answer to get_num_new_matched_tokens(request, aligned).
