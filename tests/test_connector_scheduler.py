@@ -660,3 +660,58 @@ def test_an_async_load_of_a_one_token_prompt_is_refused_as_vllm_loads_it_forever
     with pytest.raises(TraceError) as refused:
         replay_scheduler(trace, SchedulerModel, None, "strict")
     assert refused.value.field == "remote_hit" and "one-token prompt" in str(refused.value)
+
+
+EXACT_FIT_WITH_EXTERNAL_TOKENS = """\
+format: kvgate-trace/1
+name: exact-fit-with-external-tokens
+config:
+  num_blocks: 32
+  hash_unit: 8
+  scheduler_block_size: 32
+  max_model_len: 512
+  max_num_scheduled_tokens: 8192
+  eagle: false
+  retention_interval: 0
+  retain_checkpoint: false
+  kv_connector: true
+  groups:
+  - {kind: full_attention, block_size: 16}
+  - {kind: mamba_align, block_size: 32, speculative_blocks: 3}
+scheduler: {spec: 1, max_num_seqs: 4}
+engine:
+  - {op: arrive, req: R0, prompt: [{fresh: 1}], max_tokens: 7}
+  - {op: step, steps: 4}
+  - {op: arrive, req: R1, prompt: [{prompt_of: R0}, {fresh: 12}], max_tokens: 3}
+  - {op: arrive, req: R2, prompt: [{prompt_of: R1}, {fresh: 52}], max_tokens: 1}
+  - {op: reset, running: true}
+  - {op: step, steps: 3}
+  - {op: arrive, req: R3, prompt: [{all_of: R0}, {fresh: 14}], max_tokens: 1, follows: R0}
+  - {op: arrive, req: R4, prompt: [{prompt_of: R3}, {fresh: 43}], max_tokens: 1, remote_hit: 32}
+  - {op: step}
+  - {op: step}
+"""
+
+
+def test_an_admission_whose_external_state_block_does_not_fit_waits() -> None:
+    """R4's connector tokens need a Mamba block for their state besides the
+    step's blocks, which vLLM's count (`get_num_blocks_to_allocate`) leaves
+    out for a new request: its 9 counted blocks are free, its allocation
+    takes 10. The model admits only what it can allocate, so R4 waits; vLLM
+    0.33.0's allocation runs out of blocks in `schedule()` instead, which the
+    lockstep reports as a divergence (a build that fixes it conforms)."""
+    from kvgate.impl.vllm_scheduler import VllmScheduler
+
+    trace = parse_trace(EXACT_FIT_WITH_EXTERNAL_TOKENS, "fit.yaml")
+    alone = replay_scheduler(trace, SchedulerModel, None, "strict")
+    assert alone.passed, alone.divergence
+    assert trace.scheduler is not None
+    real = VllmScheduler(trace.config, spec_tokens=1, max_num_seqs=4)
+    try:
+        result = replay_scheduler(trace, SchedulerModel, real, "strict")
+    finally:
+        real.close()
+    divergence = result.divergence
+    if divergence is not None:
+        assert divergence.what == "schedule() raised", divergence
+        assert str(divergence.actual).startswith("ValueError"), divergence

@@ -7,6 +7,7 @@ Method names follow the real `KVCacheManager` so the op driver
 
 from __future__ import annotations
 
+import copy
 from dataclasses import asdict, dataclass
 
 from kvgate.conformance.config import Config, validate
@@ -260,6 +261,16 @@ class KVCacheManager:
         coordinator.remove_skipped(rid, max(0, total_computed - request.num_in_flight_tokens))
         if not fits(num_need_slot, num_tokens_main, False, num_local + external, reserved_blocks):
             return False
+        if external > 0 and not self._external_admission_fits(
+            request,
+            hit_blocks,
+            num_local,
+            external,
+            num_need_slot,
+            num_tokens_main,
+            reserved_blocks,
+        ):
+            return False
         if new_computed_blocks is not None or external > 0:
             coordinator.add_hit_blocks(rid, hit_blocks, num_local, external, skip_zeroing_group_ids)
         coordinator.allocate(rid, num_need_slot, num_tokens_main)
@@ -268,6 +279,46 @@ class KVCacheManager:
         # Draft tokens are never keyed: cache only up to the request's tokens.
         coordinator.cache(request, min(total_computed + num_new_tokens, request.num_tokens))
         return True
+
+    def _external_admission_fits(
+        self,
+        request: Request,
+        hit_blocks: HitBlocks,
+        num_local: int,
+        external: int,
+        num_need_slot: int,
+        num_tokens_main: int,
+        reserved: int,
+    ) -> bool:
+        """Whether an admission with a KV connector's tokens gets every block
+        it takes. The count above is vLLM's (`get_num_blocks_to_allocate`),
+        which caps a new request's Mamba blocks at one step's without the
+        block the external tokens' state takes first; at an exact fit vLLM's
+        allocation then runs out of blocks and raises. The model admits only
+        what it can allocate: it runs the allocation on a copy when the
+        margin is too thin to be sure."""
+        rid = request.request_id
+        counted = self.coordinator.blocks_needed(
+            rid,
+            num_need_slot,
+            hit_blocks,
+            num_local,
+            num_tokens_main,
+            False,
+            self._prefill_end(request),
+            total_computed=num_local + external,
+        )
+        # Each group takes at most one block for the external tokens' state
+        # past vLLM's count.
+        if self.block_pool.num_free() - reserved - counted >= len(self.coordinator.managers):
+            return True
+        probe, probe_hit = copy.deepcopy((self.coordinator, hit_blocks))
+        try:
+            probe.add_hit_blocks(rid, probe_hit, num_local, external)
+            probe.allocate(rid, num_need_slot, num_tokens_main)
+        except ValueError:
+            return False
+        return probe.pool.num_free() >= reserved
 
     def remove_skipped_blocks(
         self,
