@@ -106,3 +106,23 @@ def hybrid_config(
         hold=hold,
         **fields,
     )
+
+
+# The head of a small scheduler-level trace (64 blocks, hash unit 8,
+# attention blocks of 8, Mamba blocks of 32, no drafter, 4 sequences) up
+# to its `engine:` line; the engine entries follow.
+SMALL_SCHEDULER_TRACE_HEAD = """\
+format: kvgate-trace/1
+name: {name}
+config:
+  num_blocks: 64
+  hash_unit: 8
+  eagle: false
+  retention_interval: 0
+  max_model_len: 512
+  groups:
+    - {{kind: full_attention, block_size: 8}}
+    - {{kind: mamba_align, block_size: 32}}
+scheduler: {{spec: 0, max_num_seqs: 4}}
+engine:
+"""

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import yaml
-from configs import needs_vllm
+from configs import SMALL_SCHEDULER_TRACE_HEAD, needs_vllm
 
 from kvgate.conformance.replay import ReplayResult
 from kvgate.conformance.scheduler_replay import replay_scheduler
@@ -42,20 +42,9 @@ def first_failure(result: ReplayResult) -> tuple[int, str, str]:
 
 # -- the reader ---------------------------------------------------------------
 
-VALID = """
-format: kvgate-trace/1
-name: small
-config:
-  num_blocks: 64
-  hash_unit: 8
-  eagle: false
-  retention_interval: 0
-  max_model_len: 512
-  groups:
-    - {kind: full_attention, block_size: 8}
-    - {kind: mamba_align, block_size: 32}
-scheduler: {spec: 0, max_num_seqs: 4}
-engine:
+VALID = (
+    SMALL_SCHEDULER_TRACE_HEAD.format(name="small")
+    + """\
   - {op: arrive, req: A, prompt: [{fresh: 40}], max_tokens: 2,
      mm: [{offset: 8, length: 16, id: cat}]}
   - {op: step, expect: {scheduled: [[A, 40]], encoded: {A: [0]}}}
@@ -63,6 +52,7 @@ engine:
      mm: [{offset: 8, length: 16, id: dog}]}
   - {op: step}
 """
+)
 
 
 def edited(edit: Callable[[dict[str, Any]], None]) -> str:

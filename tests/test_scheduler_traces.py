@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import yaml
-from configs import needs_vllm
+from configs import SMALL_SCHEDULER_TRACE_HEAD, needs_vllm
 
 from kvgate.conformance.replay import HOLD_NOTE, ReplayResult
 from kvgate.conformance.scheduler_replay import replay_scheduler
@@ -50,26 +50,16 @@ def by_name(name: str) -> Trace:
 
 # -- the reader ---------------------------------------------------------------
 
-VALID = """
-format: kvgate-trace/1
-name: small
-config:
-  num_blocks: 64
-  hash_unit: 8
-  eagle: false
-  retention_interval: 0
-  max_model_len: 512
-  groups:
-    - {kind: full_attention, block_size: 8}
-    - {kind: mamba_align, block_size: 32}
-scheduler: {spec: 0, max_num_seqs: 4}
-engine:
+VALID = (
+    SMALL_SCHEDULER_TRACE_HEAD.format(name="small")
+    + """\
   - {op: arrive, req: A, prompt: [{fresh: 40}], max_tokens: 2}
   - {op: step, expect: {scheduled: [[A, 32]]}}
   - {op: arrive, req: B, prompt: [{all_of: A}, {fresh: 8}], max_tokens: 1, follows: A}
   - {op: step, steps: 3}
   - {op: abort, req: B}
 """
+)
 
 
 def malformed(edit: Callable[[dict[str, Any]], None]) -> str:

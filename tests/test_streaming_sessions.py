@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import yaml
-from configs import needs_vllm
+from configs import SMALL_SCHEDULER_TRACE_HEAD, needs_vllm
 from test_scheduler_traces import engine as entry
 
 from kvgate.conformance.replay import ReplayResult, TraceRunError
@@ -27,20 +27,9 @@ from kvgate.model.scheduler import LiveRequest, SchedulerModel
 
 SESSIONS = [t for t in load_corpus(bundled_scheduler_corpus()) if t.has_sessions]
 
-VALID = """
-format: kvgate-trace/1
-name: session
-config:
-  num_blocks: 64
-  hash_unit: 8
-  eagle: false
-  retention_interval: 0
-  max_model_len: 512
-  groups:
-    - {kind: full_attention, block_size: 8}
-    - {kind: mamba_align, block_size: 32}
-scheduler: {spec: 0, max_num_seqs: 4}
-engine:
+VALID = (
+    SMALL_SCHEDULER_TRACE_HEAD.format(name="session")
+    + """\
   - {op: arrive, req: A, prompt: [{fresh: 40}], max_tokens: 2, resumable: true}
   - {op: arrive, req: B, prompt: [{fresh: 8}], max_tokens: 1}
   - {op: step, steps: 4}
@@ -48,6 +37,7 @@ engine:
   - {op: step, steps: 4}
   - {op: chunk, req: A, end: true}
 """
+)
 
 
 def by_name(name: str) -> Trace:
