@@ -284,6 +284,7 @@ class SchedulerModel:
         # Requests a prefix-cache reset preempted between steps: vLLM's
         # Scheduler reports them with the next step's preemptions.
         self._reset_preempted: list[str] = []
+        self._prefilling_at_step_start: set[str] = set()
         # Each live request's tokens when this step began (what vLLM's
         # Scheduler has of it until the step's output is processed).
         self._tokens_at_step_start: dict[str, int] = {}
@@ -761,6 +762,10 @@ class SchedulerModel:
             failed = live.failed_reported
             live.sched_computed = 0 if failed else live.request.num_computed_tokens
             live.sched_outputs = len(live.request.output)
+        # The running requests still in their prompt: vLLM's Scheduler counts
+        # them in-flight prefills for the whole scan, even once this step's
+        # chunk completes the prompt (it updates the set after the scan).
+        self._prefilling_at_step_start = {live.name for live in self.running if not live.decoding}
         index = 0
         # Whether a running request ran a prefill chunk this step (vLLM's
         # `prefill_scheduled`, which the waiting scan's padding reads).
@@ -1144,14 +1149,18 @@ class SchedulerModel:
     def _reserved_blocks(self, skipped: list[LiveRequest]) -> int:
         """The free blocks vLLM's Scheduler keeps when it admits an async KV
         load: what each in-flight prefill (a running request still in its
-        prompt, or a waiting one holding blocks) needs to finish, from the
+        prompt when the step began, even if this step's chunk completes it,
+        or a waiting one holding blocks) needs to finish, from the
         computed tokens the Scheduler holds for it, plus a speculative step's
         attention blocks."""
         slots = 2 * self.spec + 1 if self.spec else 0  # 1 + K drafts + K lookahead
         manager = self.writer.oracle.manager
         # Waiting requests holding blocks, the ones this scan passed over too.
         holding = [*skipped, *self.holding]
-        inflight = [live for live in self.running if not live.decoding] + holding
+        prefilling = self._prefilling_at_step_start
+        inflight = [
+            live for live in self.running if not live.decoding or live.name in prefilling
+        ] + holding
         reserved = sum(
             manager.blocks_to_finish(live.request, live.sched_computed, slots) for live in inflight
         )
