@@ -1275,7 +1275,10 @@ class SchedulerModel:
             start,
             tokens,
             self.encoder_budget,
-            shift=self.config.prefill_lookahead,
+            # The drafter reads the prefill tokens past the chunk (vLLM's
+            # `num_prefill_lookahead_tokens`): at least the next one whenever
+            # a drafter runs, with or without the eagle block drop.
+            shift=max(self.config.prefill_lookahead, int(self.spec > 0)),
         )
         self._encoder_plan = plan
         return plan.tokens
