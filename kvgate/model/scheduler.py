@@ -636,6 +636,10 @@ class SchedulerModel:
         tokens it was admitted with, and what its prefill added to the
         prefix cache (the cache's estimate past them, within its prompt)."""
         cached = live.cached_at_admission or 0
+        if self.config.hash_lookahead_tokens:
+            # The output's re-cache keys the prompt's last block (its lookahead
+            # token is the one sampled), at the drain: read the estimate after.
+            live.cache_estimate = int(self.oracle.estimate_cached_tokens(live.request))
         estimate = min(live.cache_estimate, live.request.num_prompt_tokens)
         return cached, max(0, estimate - cached)
 
