@@ -284,6 +284,7 @@ class SchedulerModel:
         # Requests a prefix-cache reset preempted between steps: vLLM's
         # Scheduler reports them with the next step's preemptions.
         self._reset_preempted: list[str] = []
+        # The running requests still in their prompt when this step began.
         self._prefilling_at_step_start: set[str] = set()
         # Each live request's tokens when this step began (what vLLM's
         # Scheduler has of it until the step's output is processed).
