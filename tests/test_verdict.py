@@ -167,3 +167,34 @@ def test_the_exit_code_table_is_the_one_help_and_docs_show(
     assert " ".join(exit_code_table().split()) in help_text
     rows = re.findall(r"^\| `(\d)` \| (.*) \|$", DOCS.read_text(), re.MULTILINE)
     assert [(int(code), meaning) for code, meaning in rows] == list(EXIT_CODES)
+
+
+def test_a_kind_of_trace_none_of_which_ran_is_said_once() -> None:
+    """When the target refuses every scheduler-level trace's config (e.g. a
+    release whose Scheduler needs Triton on this machine), the report says
+    the Scheduler was not gated, and why, besides the count."""
+    from configs import SMALL_SCHEDULER_TRACE_HEAD
+
+    from kvgate.conformance.replay import TraceRunError
+    from kvgate.conformance.report import unrun_corpus_lines
+    from kvgate.conformance.trace import parse_trace
+
+    steps = "  - {op: arrive, req: A, prompt: [{fresh: 8}], max_tokens: 1}\n"
+    refused = [
+        TraceRunError(
+            parse_trace(SMALL_SCHEDULER_TRACE_HEAD.format(name=name) + steps, f"{name}.yaml"),
+            f"{name}.yaml: config.groups: vLLM's Scheduler rejects it: needs Triton",
+            bug=False,
+            config_refused=True,
+        )
+        for name in ("s1", "s2")
+    ]
+    assert unrun_corpus_lines(refused) == [
+        "scheduler-level traces: none of the 2 ran, the target refuses their config (the "
+        "first: config.groups: vLLM's Scheduler rejects it: needs Triton); vLLM's Scheduler "
+        "is not gated by this run",
+        "",
+    ]
+    ran = parse_trace(SMALL_SCHEDULER_TRACE_HEAD.format(name="s3") + steps, "s3.yaml")
+    failed = TraceRunError(ran, "s3.yaml: step 0: req: refused", bug=False)
+    assert unrun_corpus_lines([*refused, failed]) == []

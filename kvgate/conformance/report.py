@@ -120,6 +120,8 @@ class TerminalReport:
             self._line(line)
         for line in capability_lines(self.results, self.required):
             self._line(line)
+        for line in unrun_corpus_lines(self.results):
+            self._line(line)
         for note in notes:
             self._line(note)
         if verdict_text:
@@ -207,6 +209,31 @@ def capability_lines(results: Sequence[Outcome], required: Sequence[str]) -> lis
             f"lacks {capability.name}: {len(group)} traces need {capability.what}, which "
             f"this build lacks; cost: {cost(group).text()}; remedy: {capability.remedy}; "
             f"{policy}"
+        )
+    if lines:
+        lines.append("")
+    return lines
+
+
+def unrun_corpus_lines(results: Sequence[Outcome]) -> list[str]:
+    """A line for each kind of trace of which none ran, every one refused
+    by the target (its config): what the run did not gate, and why, said
+    once rather than only counted."""
+    lines = []
+    for scheduler_level, kind, what in (
+        (False, "manager-level", "the KV-cache manager"),
+        (True, "scheduler-level", "vLLM's Scheduler"),
+    ):
+        group = [r for r in results if r.trace.scheduler_level == scheduler_level]
+        if not group or any(verdict(r) != Verdict.NOT_APPLICABLE for r in group):
+            continue
+        first = group[0]
+        reason = first.message if isinstance(first, TraceRunError) else ""
+        prefix = f"{first.trace.path}: "
+        reason = reason[len(prefix) :] if reason.startswith(prefix) else reason
+        lines.append(
+            f"{kind} traces: none of the {len(group)} ran, the target refuses their config "
+            f"(the first: {reason}); {what} is not gated by this run"
         )
     if lines:
         lines.append("")
