@@ -688,7 +688,8 @@ engine:
   - {op: step, steps: 3}
   - {op: arrive, req: R3, prompt: [{all_of: R0}, {fresh: 14}], max_tokens: 1, follows: R0}
   - {op: arrive, req: R4, prompt: [{prompt_of: R3}, {fresh: 43}], max_tokens: 1, remote_hit: 32}
-  - {op: step}
+  # R4's 9 counted blocks are free, the 10 it takes are not: it waits
+  - {op: step, expect: {scheduled: [[R1, 2], [R2, 32], [R3, 16]]}}
   - {op: step}
 """
 
