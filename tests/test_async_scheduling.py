@@ -1,6 +1,6 @@
 """Async scheduling in scheduler-level traces: two batches in flight, the
-Scheduler's deferred frees with a KV connector, and drifts the lockstep
-catches."""
+Scheduler's deferred frees with a KV connector, the output of a batch in
+flight when its request was preempted, and drifts the lockstep catches."""
 
 from __future__ import annotations
 
@@ -25,6 +25,8 @@ from kvgate.model.scheduler import SchedulerModel
 CORPUS = {t.name: t for t in load_corpus(bundled_scheduler_corpus())}
 TRACE = CORPUS["sched-async-abort-frees-after-batch"]
 UNDER_PRESSURE = CORPUS["sched-async-deferred-frees-under-pressure"]
+PREEMPTED_IN_FLIGHT = CORPUS["sched-async-preempted-request-finishes-with-its-in-flight-token"]
+RESET_IN_FLIGHT = CORPUS["sched-async-reset-drops-in-flight-output"]
 
 
 def run_vllm(
@@ -170,3 +172,90 @@ def test_a_scheduler_whose_deferred_frees_differ_diverges() -> None:
 def test_an_engine_that_keeps_other_batches_in_flight_diverges() -> None:
     index, level, what = where(run_vllm(_OneBatchAtATime))
     assert (index, level) == (1, "api") and what.endswith("batches in flight")
+
+
+def run_model(trace: Trace) -> list[tuple[int, Any]]:
+    """The scheduler model's decisions at each engine step of `trace`."""
+    model = SchedulerModel(trace.config, 0, 4)
+    steps = []
+    for event in trace.engine:
+        if event.op == "arrive":
+            assert event.req is not None
+            model.arrive(event.req, event.prompt, event.max_tokens)
+        elif event.op == "abort":
+            assert event.req is not None
+            model.abort(event.req)
+        elif event.op == "reset":
+            model.reset_prefix_cache(running=True)
+        else:
+            steps.append((event.index, model.step()))
+    return steps
+
+
+def test_a_request_preempted_with_its_last_chunk_in_flight_finishes_with_that_token() -> None:
+    steps = dict(run_model(PREEMPTED_IN_FLIGHT))
+    preempting = steps[6]
+    assert preempting.preempted == ["B"] and preempting.finished == ["B"]
+    # Its first output reads the cache estimate after its blocks were freed.
+    assert preempting.prefill_stats["B"] == (0, 0)
+    # It never runs again.
+    assert not any(name == "B" for i, s in steps.items() if i > 6 for name, _ in s.scheduled)
+
+
+def test_a_resets_preemption_drops_the_output_in_flight() -> None:
+    steps = dict(run_model(RESET_IN_FLIGHT))
+    # B's token sampled in the batch in flight at the reset is not delivered:
+    # B runs its prompt again and finishes with a token sampled anew.
+    after_reset = steps[7]
+    assert after_reset.finished == [] and after_reset.scheduled == [("A", 32), ("B", 32)]
+    assert steps[9].finished == ["B"]
+
+
+class _PreemptionKeepsOutputInFlight:
+    """vLLM's Scheduler whose preemptions never drop the output of a batch
+    in flight (a reset's included)."""
+
+    def __init__(self, real: Any) -> None:
+        self.real = real
+        scheduler = real.scheduler
+        preempt = scheduler._preempt_request
+
+        def keep(request: Any, timestamp: float, drop_stale_output: bool = False) -> None:
+            preempt(request, timestamp, drop_stale_output=False)
+
+        scheduler._preempt_request = keep
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+
+class _PreemptionDropsOutputInFlight:
+    """vLLM's Scheduler whose preemptions always drop the output of a batch
+    in flight."""
+
+    def __init__(self, real: Any) -> None:
+        self.real = real
+        scheduler = real.scheduler
+        preempt = scheduler._preempt_request
+
+        def drop(request: Any, timestamp: float, drop_stale_output: bool = False) -> None:
+            preempt(request, timestamp, drop_stale_output=True)
+
+        scheduler._preempt_request = drop
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+
+@needs_vllm
+def test_the_output_of_a_preempted_requests_batch_is_checked_both_ways() -> None:
+    assert run_vllm(trace=PREEMPTED_IN_FLIGHT).passed
+    assert run_vllm(trace=RESET_IN_FLIGHT).passed
+    # Dropped where it is delivered: B is never reported finished there.
+    result = run_vllm(_PreemptionDropsOutputInFlight, PREEMPTED_IN_FLIGHT)
+    assert result.divergence is not None
+    assert (result.divergence.level, result.divergence.what) == ("expect", "finished")
+    # Delivered where a reset drops it: the Scheduler then passes over the
+    # reset's victims until that output is in, scheduling nothing after the reset.
+    index, level, what = where(run_vllm(_PreemptionKeepsOutputInFlight, RESET_IN_FLIGHT, "api"))
+    assert (index, level, what) == (7, "expect", "scheduled")

@@ -150,6 +150,14 @@ class LiveRequest:
     last_batch: int = 0
     last_sched_seq: int = 0
     ended: bool = False  # finished or aborted (an in-flight batch's output skips it)
+    # Async scheduling: preempted while a batch that scheduled it was in
+    # flight, the output of the batches up to number `stale_until` is
+    # stale: delivered when it comes in (its sampled token appended, which
+    # may finish it where it waits), or, after a prefix-cache reset's
+    # preemption (`drop_stale`), dropped: the reset lets it run again at
+    # once, and a late token would land at a position it computes anew.
+    stale_until: int = 0
+    drop_stale: bool = False
     # A streaming-input session (vLLM's `resumable`): when it stops it keeps
     # its blocks and takes its next input chunk (`chunks`, in arrival order,
     # None for the session's end) or, with none queued, waits for one
@@ -212,6 +220,7 @@ class _Batch:
     sampled: dict[str, list[int]]  # the tokens each request samples in it
     finished: list[LiveRequest]  # the requests it completes
     executed: bool  # it ran tokens (only such batches advance the fences)
+    number: int  # its place among the batches scheduled (1 for the first)
 
 
 class SchedulerModel:
@@ -474,7 +483,9 @@ class SchedulerModel:
                 if any(name == live.name for name, _ in decisions.scheduled):
                     live.last_batch = self.batches_scheduled
                     live.last_sched_seq = self.sched_seq
-            self.in_flight.append(_Batch(decisions.scheduled, sampled, finished, executed))
+            self.in_flight.append(
+                _Batch(decisions.scheduled, sampled, finished, executed, self.batches_scheduled)
+            )
             if len(self.in_flight) < ASYNC_BATCHES and (executed or self.has_requests()):
                 self.engine_step += 1
                 return decisions
@@ -494,7 +505,7 @@ class SchedulerModel:
                     self.writer.run("drain", release_retained=True)
                 else:
                     self.writer.run("release", req=name)
-        self._process_output(decisions, batch.sampled, batch.finished)
+        self._process_output(decisions, batch.sampled, batch.finished, batch.number)
         self.engine_step += 1
         return decisions
 
@@ -540,16 +551,27 @@ class SchedulerModel:
         decisions: StepDecisions,
         sampled: dict[str, list[int]],
         finished: list[LiveRequest],
+        batch: int = 0,
     ) -> None:
-        """A batch's output processed: what each request sampled (a request
-        ended meanwhile skipped), first outputs' prefill stats, then the
-        finishes' frees (and, under `fail`, the failed loads')."""
+        """A batch's output processed (`batch`: its number under async
+        scheduling): what each request sampled (a request ended meanwhile
+        skipped, and a preempted one's dropped output), first outputs'
+        prefill stats, then the finishes' frees (a preempted request whose
+        delivered token ends it among them; and, under `fail`, the failed
+        loads')."""
         writer = self.writer
         by_name = {live.name: live for live in self._live()}
         for name, tokens in sampled.items():
             live = by_name.get(name)
             if live is None or live.ended:
                 continue
+            stale = self._stale_output(live, batch)
+            if stale and live.drop_stale:
+                continue
+            if stale and tokens:
+                # Preempted since: its blocks are freed, so the prefix
+                # cache's estimate, read with the output, finds none of them.
+                live.cache_estimate = int(self.oracle.estimate_cached_tokens(live.request))
             decisions.sampled[name] = tokens
             # The items whose tokens are computed go back to the encoder
             # cache, then, when it finishes, all it still holds.
@@ -575,9 +597,14 @@ class SchedulerModel:
         # requests holding blocks, in output order, after the step's frees.
         continuing: list[LiveRequest] = []
         for live in finished:
-            if live.ended:
+            if live.ended or (self._stale_output(live, batch) and live.drop_stale):
                 continue
-            self.running.remove(live)
+            if live in self.running:
+                self.running.remove(live)
+            else:
+                # Preempted while this batch ran: the token it delivers ends
+                # it where it waits.
+                self.waiting.remove(live)
             if live.resumable and self._stop_session(live):
                 continuing.append(live)
                 continue
@@ -621,8 +648,37 @@ class SchedulerModel:
         )
         return {"in_flight": tokens} if tokens else {}
 
+    @staticmethod
+    def _stale_output(live: LiveRequest, batch: int) -> bool:
+        """Batch number `batch`'s output for `live` is stale: the batch was
+        in flight when `live` was preempted (numbers start at 1; without
+        async scheduling no batch is in flight at a preemption)."""
+        return 0 < batch <= live.stale_until
+
+    def _stale(self, live: LiveRequest) -> bool:
+        """The output of a batch in flight when `live` was preempted is
+        still to come. (vLLM's Scheduler passes over such a request in its
+        waiting scan until a delivered output is in; with two batches in
+        flight the engine processes the victim's batch in the very step
+        that preempted it, before the next scan, so no scan meets one.)"""
+        return live.stale_until > self.batches_processed
+
+    def _drop_in_flight_output(self, live: LiveRequest) -> None:
+        """Take back what `live` sampled in the batches in flight (the model
+        samples when it schedules; vLLM, dropping their output, never sees
+        those tokens)."""
+        for batch in self.in_flight:
+            tokens = batch.sampled.pop(live.name, [])
+            if tokens:
+                live.request.truncate_output(len(live.request.output) - len(tokens))
+            if live in batch.finished:
+                batch.finished.remove(live)
+
     def _refuse_preempting_in_flight(self, live: LiveRequest) -> None:
-        if self._in_flight(live):
+        # Without a KV connector the blocks are freed at once and the
+        # batch's output turns stale; with one, vLLM defers the free, which
+        # a reset's preemption (the only one reaching here) does not model.
+        if self.defer_block_free and self._in_flight(live):
             raise AsyncNotModelled(
                 f"preempting {live.name} while a batch that scheduled it is in flight "
                 "is not modelled"
@@ -703,7 +759,9 @@ class SchedulerModel:
                 )
             while self.running:
                 victim = self.running[-1]
-                self._preempt(victim)
+                # vLLM drops a reset's victims' output in flight: they may
+                # run again in the next step.
+                self._preempt(victim, drop_stale=True)
                 self._reset_preempted.append(victim.name)
         ok = bool(self.writer.run("reset")["ok"])
         return ok, [live.name for live in self.waiting]
@@ -947,12 +1005,18 @@ class SchedulerModel:
         self._preempt(victim)
         decisions.preempted.append(victim.name)
 
-    def _preempt(self, victim: LiveRequest) -> None:
+    def _preempt(self, victim: LiveRequest, drop_stale: bool = False) -> None:
         """A running request freed (`free preempt`) and put back at the front
         of the waiting queue (under the priority policy, at its place): a
-        step's preemption and a reset's."""
+        step's preemption and a reset's (`drop_stale`: the output of its
+        batches in flight is dropped rather than delivered)."""
         self.running.remove(victim)
         self._refuse_preempting_in_flight(victim)
+        # An undrained dropped share stays dropped: its positions run again.
+        victim.drop_stale = drop_stale or (victim.drop_stale and self._stale(victim))
+        victim.stale_until = victim.last_batch if self._in_flight(victim) else 0
+        if victim.drop_stale:
+            self._drop_in_flight_output(victim)
         self.writer.run("free", req=victim.name, how="preempt")
         self.encoder.release_all(victim.name)
         self.waiting.appendleft(victim)
