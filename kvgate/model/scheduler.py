@@ -166,8 +166,9 @@ class LiveRequest:
     resumable: bool = False
     chunks: deque[tuple[list[int], int] | None] = field(default_factory=deque)
     paused: bool = False
-    # A scan passed over it while it was paused: vLLM's Scheduler counts it
-    # deferred (the prefill cadence reads that) until it is admitted again.
+    # A scan passed over it (it was loading, paused, or could not run yet),
+    # or it paused: vLLM's Scheduler counts it deferred (the prefill cadence
+    # reads that) until it is admitted again.
     deferred: bool = False
 
 
@@ -929,7 +930,7 @@ class SchedulerModel:
             live = queue[0]
             if (live.loading and not live.reported) or live.paused:
                 # Its KV is not here yet, or it waits for its next input chunk.
-                live.deferred = live.paused
+                live.deferred = True
                 skipped.append(queue.popleft())
                 continue
             outputs = len(live.request.output)
@@ -944,9 +945,11 @@ class SchedulerModel:
             if admitted is None:
                 break
             if admitted == "loading":
+                live.deferred = True
                 skipped.append(queue.popleft())
                 continue
             if admitted == "skipped":
+                live.deferred = True
                 passed_over.append(queue.popleft())
                 continue
             queue.popleft()
@@ -961,9 +964,11 @@ class SchedulerModel:
         self.waiting.extendleft(reversed(passed_over))
         self._order_waiting()
         if not defer:
-            # Requests still waiting after a release, besides those the scan
-            # passed over (vLLM counts those deferred): the cadence holds none back.
-            deferred = len(passed_over) + sum(live.deferred for live in self.holding)
+            # Requests still waiting after a release, besides those a scan
+            # passed over since their last admission (vLLM counts those
+            # deferred, in this step's scan or an earlier one): the cadence
+            # holds none back.
+            deferred = sum(live.deferred for live in (*self.waiting, *self.holding))
             waiting_left = len(self.waiting) + len(self.holding) - deferred
             self.prefill_capacity_bound = waiting_left > 0
         self._cadence_after(decisions, prefill_scheduled, admitted_prefill)
