@@ -362,7 +362,10 @@ class _EngineLockstep:
             )
         # What vLLM's engine reads for its load stats, logged or not.
         pairs.append(("KV-cache usage", self.model.kv_cache_usage(), self.real.kv_cache_usage()))
-        if observed_cache_stats is not None:
+        if self.trace.config.disable_log_stats:
+            # Stats logging off: the update makes no stats to compare.
+            pairs.append(("stats made with stats logging off", None, observed_cache_stats))
+        elif observed_cache_stats is not None:
             pairs.append(
                 (
                     "prefix-cache stats",

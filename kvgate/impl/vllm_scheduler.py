@@ -459,6 +459,8 @@ def _check_derived(scheduler: Any, config: Config, spec_tokens: int, hash_block:
             bool(scheduler.mamba_shared_prefix_checkpoint),
             config.shared_prefix_checkpoint_on,
         ),
+        # Stats made each update, or none (`--disable-log-stats`).
+        ("disable_log_stats", not scheduler.log_stats, config.disable_log_stats),
         # Every Mamba manager in the mode. (Whether the Scheduler then splits
         # for Mamba is its behaviour, not a setting: the lockstep judges it.)
         (
