@@ -202,7 +202,8 @@ def test_a_scheduler_that_publishes_no_clear_diverges_at_the_step_after_the_rese
     [lockstep] = [d for d in result.also if d.level == "api"]
     assert lockstep.step.index == cleared
     assert lockstep.what.endswith("KV-cache events published")
-    assert lockstep.expected[0] == "cleared"
+    expected = lockstep.expected
+    assert isinstance(expected, list) and expected[0] == "cleared"
 
 
 class _UsageOneBlockHigh:
@@ -210,13 +211,14 @@ class _UsageOneBlockHigh:
 
     def __init__(self, real: Any) -> None:
         self.real = real
-        self.blocks = real.config.num_blocks - 1  # the null block left out
+        self.blocks: int = real.config.num_blocks - 1  # the null block left out
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.real, name)
 
     def kv_cache_usage(self) -> float:
-        return float(self.real.kv_cache_usage()) + 1 / self.blocks
+        usage = float(self.real.kv_cache_usage())
+        return usage + 1 / self.blocks
 
 
 @needs_vllm
