@@ -26,6 +26,9 @@ owned manager's `get_computed_blocks` (an instance attribute; the call
 passes through unchanged) records each lookup's hit, and, before a
 follow-up's lookup, how much of the turn it follows the attention group
 still has cached. The manager's state is read through `vllm_view.ManagerView`.
+With KV-cache events on (`config.kv_events`) the Scheduler publishes through
+vLLM's null publisher, whose `publish` is wrapped the same way (an instance
+attribute; each batch kept, then passed on unchanged).
 """
 
 from __future__ import annotations
