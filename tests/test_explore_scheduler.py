@@ -93,6 +93,10 @@ def test_scheduler_ci_profile_is_clean_on_stock_vllm(tmp_path: Path) -> None:
     assert ops["engine:priority"] and ops["arrive:priority:1"] + ops["arrive:priority:2"]
     # Streaming-input sessions, each kind of chunk.
     assert ops["arrive:session"] and ops["chunk:paused"] and ops["chunk:queued"]
+    # Engines publishing KV-cache events (stores and removals; lookups' hits
+    # too), and engines with stats logging off.
+    assert ops["engine:kv_events:on"] and ops["engine:kv_events:full"]
+    assert ops["engine:stats_off"]
     assert outcome.stats.preemptions
     assert len(outcome.stats.families) >= 5
 

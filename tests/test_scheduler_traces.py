@@ -237,7 +237,7 @@ def test_the_command_line_reports_a_malformed_trace_in_one_line(tmp_path: Path) 
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
         f"kvgate: error: {path}: step 1: expect.hits: unknown expect key of engine op step "
-        "(expected one of scheduled, preempted, cached_tokens, finished, encoded)"
+        "(expected one of scheduled, preempted, cached_tokens, finished, encoded, events)"
     ]
     assert "Traceback" not in done.stderr
 

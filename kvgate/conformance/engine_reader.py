@@ -419,6 +419,17 @@ class EngineReader(FieldReader):
                         index, field, f"must be a list of request names, got {got(value)}"
                     )
                 expect[key] = [self.arrived(index, field, r) for r in value]
+            elif key == "events":
+                if not (isinstance(value, list) and all(isinstance(e, str) for e in value)):
+                    raise self.error(
+                        index, field, f"must be a list of event lines, got {got(value)}"
+                    )
+                assert self.config is not None
+                if not self.config.kv_events:
+                    raise self.error(
+                        index, field, "needs config.kv_events: the Scheduler publishes none"
+                    )
+                expect[key] = list(value)
             elif key == "encoded":
                 if not isinstance(value, dict) or not all(
                     isinstance(v, list) and all(is_count(i) for i in v) for v in value.values()

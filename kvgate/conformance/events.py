@@ -70,6 +70,8 @@ class KvEvent:
 
     def exact(self) -> str:
         """The event with its full keys: what two targets compare."""
+        if self.kind == "cleared":
+            return "cleared"
         if self.kind == "stored":
             lora_id = f" lora_id {self.lora_id}" if self.lora else ""
             exact = f"{self.line()} keys {' '.join(self.keys)} parent {self.parent}{lora_id}"

@@ -25,8 +25,9 @@ on a real scheduler (`SchedulerTarget`: vLLM's own `Scheduler` owning its
   scheduled in order, admissions, copies, connector questions, which
   requests finished, each first output's prefill stats (cached tokens and
   the prefix-cache writes), the step's prefix-cache stats (when the real
-  scheduler logs stats); at level `strict` also the owned manager's
-  whole snapshot. The first difference ends the replay as a `Divergence`.
+  scheduler logs stats), the KV-cache events the step's update published
+  (with `config.kv_events`) and the pool's usage; at level `strict` also
+  the owned manager's whole snapshot. The first difference ends the replay as a `Divergence`.
 
 A request the real scheduler refuses, or a config it cannot build, is the
 trace's `TraceError`; an exception inside the model is a `ModelBug`.
@@ -41,6 +42,7 @@ from dataclasses import replace
 from typing import Any
 
 from kvgate.conformance.config import Config, UnsupportedConfig
+from kvgate.conformance.events import KvEvent, normalized
 from kvgate.conformance.ops import Step
 from kvgate.conformance.replay import (
     HOLD_NOTE,
@@ -317,9 +319,15 @@ class _EngineLockstep:
         # Drained every step, as the Scheduler's update drains them.
         modelled_cache_stats = self.model.take_prefix_cache_stats()
         observed_cache_stats = None if self.real is None else self.real.take_prefix_cache_stats()
+        # The KV-cache events the step's update published (each run of
+        # removals sorted: vLLM leaves their order within a block to a set).
+        modelled_events = normalized(self.model.take_kv_events())
+        observed_events = (
+            modelled_events if self.real is None else normalized(self.real.take_kv_events())
+        )
         for request, reported in stats.items():
             self.cached_tokens.setdefault(request, reported[0])
-        self.expectations(event, step, observed, finished, stats)
+        self.expectations(event, step, observed, finished, stats, observed_events)
         if self.real is None:
             return
         pairs: list[tuple[str, object, object]] = [
@@ -344,7 +352,20 @@ class _EngineLockstep:
                     self.real.deferred_frees(),
                 ),
             ]
-        if observed_cache_stats is not None:
+        if self.trace.config.kv_events:
+            pairs.append(
+                (
+                    "KV-cache events published",
+                    [e.exact() for e in modelled_events],
+                    [e.exact() for e in observed_events],
+                )
+            )
+        # What vLLM's engine reads for its load stats, logged or not.
+        pairs.append(("KV-cache usage", self.model.kv_cache_usage(), self.real.kv_cache_usage()))
+        if self.trace.config.disable_log_stats:
+            # Stats logging off: the update makes no stats to compare.
+            pairs.append(("stats made with stats logging off", None, observed_cache_stats))
+        elif observed_cache_stats is not None:
             pairs.append(
                 (
                     "prefix-cache stats",
@@ -399,11 +420,13 @@ class _EngineLockstep:
         scheduled: ScheduledStep,
         finished: list[str],
         stats: dict[str, PrefillStats],
+        events: list[KvEvent],
     ) -> None:
         observed: dict[str, object] = {
             "scheduled": scheduled.scheduled,
             "preempted": sorted(scheduled.preempted),
             "finished": finished,
+            "events": [e.line() for e in events],
         }
         for key, want in event.expect.items():
             if key == "cached_tokens":

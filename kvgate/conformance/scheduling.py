@@ -14,6 +14,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from kvgate.conformance.events import KvEvent
 from kvgate.conformance.ops import STATS_KEYS, Segment
 from kvgate.conformance.snapshot import Snapshot
 from kvgate.conformance.target import Capabilities
@@ -162,6 +163,7 @@ ENGINE_EXPECT_KEYS: tuple[str, ...] = (
     "cached_tokens",
     "finished",
     "encoded",
+    "events",
 )
 # What a prefix-cache `reset` may expect: whether it reset, the waiting queue after.
 RESET_EXPECT_KEYS: tuple[str, ...] = ("ok", "waiting")
@@ -300,6 +302,17 @@ class SchedulerModelRun(Protocol):
         empty when stats are not logged)."""
         ...
 
+    def take_kv_events(self) -> list[KvEvent]:
+        """The KV-cache events the Scheduler publishes with the step's update:
+        those queued since the last update (with `config.kv_events`; none
+        when the step processed no output)."""
+        ...
+
+    def kv_cache_usage(self) -> float:
+        """The pool's used fraction, the null block left out (the Scheduler's
+        `get_kv_cache_usage()`)."""
+        ...
+
     def batches_in_flight(self) -> int:
         """Batches scheduled whose output is not processed yet (async
         scheduling; 0 otherwise)."""
@@ -411,6 +424,16 @@ class SchedulerTarget(Protocol):
         """The residency metrics' eviction events the scheduler's stats
         drained since the last call (`kv_cache_metrics`), each as its number
         of reuse gaps, in order; [] when none were made or drained."""
+        ...
+
+    def take_kv_events(self) -> list[KvEvent]:
+        """The KV-cache events of every batch the scheduler published since
+        the last call, in order ([] without `config.kv_events`)."""
+        ...
+
+    def kv_cache_usage(self) -> float:
+        """The scheduler's `get_kv_cache_usage()`, what vLLM's engine reads
+        for its load stats."""
         ...
 
     def snapshot(self) -> Snapshot: ...

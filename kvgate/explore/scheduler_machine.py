@@ -19,9 +19,10 @@ as one, which `kvgate replay FILE --target vllm` shows diverging.
 Configs come from the deployment families the manager-level differential
 exploration splits its budget over (`differential.FAMILIES`), hybrid ones
 only (the Scheduler target runs a hybrid model), every other knob drawn, and
-reduced to what a scheduler-level trace carries: no KV events, no residency
-metrics (the format has no ops for them yet), a KV connector whose loads
-never fail.
+reduced to what a scheduler-level trace carries: no residency metrics (the
+format has no ops for them yet), a KV connector whose loads never fail. The
+KV-cache events the engine publishes (none, stores and removals, or with
+lookups' hits too) and whether it logs stats are drawn with each engine.
 """
 
 from __future__ import annotations
@@ -92,13 +93,24 @@ ENCODER_SIZES = (0, MAX_IMAGE, MAX_IMAGE + MAX_IMAGE // 2)
 # The config switches no scheduler-level op reads, kept off, and a hybrid
 # model always. A KV connector is drawn (each arrival's external hit is
 # then drawn too), its loads never failing: an arrival cannot script a
-# failure.
+# failure. KV-cache events are drawn with the engine (`TELEMETRY`), after
+# the knobs.
 ENGINE_ONLY = {
     "kv_events": False,
     "kv_cache_metrics": False,
     "pure_mamba": False,
     "kv_load_failure_policy": "recompute",
 }
+# The engine's telemetry: the KV-cache events it publishes (none, the
+# cache's stores and removals, or with every lookup's hits too,
+# `kv_events_full`), and whether it logs stats (off: `disable_log_stats`).
+TELEMETRY: tuple[tuple[str, bool], ...] = (
+    ("off", False),
+    ("on", False),
+    ("full", False),
+    ("on", True),
+    ("off", True),
+)
 # A connector's hit, in quarters of the prompt (0: none, 4: the whole of it).
 REMOTE_QUARTERS = 4
 
@@ -307,6 +319,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         # Drawn last, so the draws before it stay as they were: the encoder
         # budget and cache of the arrivals that carry images.
         encoder=st.tuples(st.sampled_from(ENCODER_SIZES), st.sampled_from(ENCODER_SIZES)),
+        # After it, for the same reason: the engine's telemetry, the KV-cache
+        # events it publishes (off, on, or with lookups' hits too) and
+        # whether it logs stats.
+        telemetry=st.sampled_from(TELEMETRY),
     )
     def start(
         self,
@@ -318,6 +334,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         prefill_interval: int,
         mtp_modules: int,
         encoder: tuple[int, int] = (0, 0),
+        telemetry: tuple[str, bool] = ("off", False),
     ) -> None:
         family, config = drawn
         if config.hash_lookahead_tokens and mtp_modules > 1:
@@ -342,6 +359,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             scheduling_policy="priority" if by_priority else "fcfs",
             encoder_compute_budget=encoder[0],
             encoder_cache_size=encoder[1],
+            kv_events=telemetry[0] != "off",
+            kv_events_full=telemetry[0] == "full",
+            disable_log_stats=telemetry[1],
         )
         if config.eagle:
             spec = max(spec, 1)  # the eagle drop is for a drafter's blocks
@@ -384,6 +404,10 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.stats.ops["engine:async"] += 1
         if by_priority:
             self.stats.ops["engine:priority"] += 1
+        if config.kv_events:
+            self.stats.ops[f"engine:kv_events:{telemetry[0]}"] += 1
+        if config.disable_log_stats:
+            self.stats.ops["engine:stats_off"] += 1
 
     def teardown(self) -> None:
         if self.model is not None:

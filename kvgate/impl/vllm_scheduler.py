@@ -26,6 +26,9 @@ owned manager's `get_computed_blocks` (an instance attribute; the call
 passes through unchanged) records each lookup's hit, and, before a
 follow-up's lookup, how much of the turn it follows the attention group
 still has cached. The manager's state is read through `vllm_view.ManagerView`.
+With KV-cache events on (`config.kv_events`) the Scheduler publishes through
+vLLM's null publisher, whose `publish` is wrapped the same way (an instance
+attribute; each batch kept, then passed on unchanged).
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from kvgate.conformance.config import (
     NotModelled,
     UnsupportedConfig,
 )
+from kvgate.conformance.events import KvEvent
 from kvgate.conformance.scheduling import (
     ASYNC_BATCHES,
     COW_RETENTION,
@@ -182,6 +186,7 @@ def _vllm_config(
 ) -> Any:
     from vllm.config import (
         CacheConfig,
+        KVEventsConfig,
         ModelConfig,
         ObservabilityConfig,
         ParallelConfig,
@@ -245,6 +250,14 @@ def _vllm_config(
         scheduler_config=scheduler,
         speculative_config=speculative,
         kv_transfer_config=None if connector is None else _kv_transfer_config(connector),
+        # KV-cache events published as an engine with `--kv-events-config`
+        # publishes them, through the publisher that sends nothing anywhere:
+        # `VllmScheduler` captures each batch handed to it.
+        kv_events_config=(
+            KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+            if config.kv_events
+            else None
+        ),
         # The residency metrics: the Scheduler builds their collector itself.
         observability_config=ObservabilityConfig(
             kv_cache_metrics=config.kv_cache_metrics,
@@ -449,6 +462,8 @@ def _check_derived(scheduler: Any, config: Config, spec_tokens: int, hash_block:
             bool(scheduler.mamba_shared_prefix_checkpoint),
             config.shared_prefix_checkpoint_on,
         ),
+        # Stats made each update, or none (`--disable-log-stats`).
+        ("disable_log_stats", not scheduler.log_stats, config.disable_log_stats),
         # Every Mamba manager in the mode. (Whether the Scheduler then splits
         # for Mamba is its behaviour, not a setting: the lockstep judges it.)
         (
@@ -620,6 +635,10 @@ class VllmScheduler:
             retain_retired=retains_retired(api, managers),
         )
         self.streaming_input = takes_streaming_input(api, scheduler)
+        # The event batches the Scheduler published, not yet taken.
+        self._published: list[Any] = []
+        if config.kv_events:
+            self._capture_published(scheduler)
         # Every request ever added, by name (finished ones too: a follow-up's
         # check reads the turn it follows).
         self._requests: dict[str, Any] = {}
@@ -699,6 +718,18 @@ class VllmScheduler:
                 return result
 
             manager.allocate_slots = observed_allocation
+
+    def _capture_published(self, scheduler: Any) -> None:
+        """Keep every KV event batch the Scheduler hands its publisher (an
+        instance attribute over the publisher's `publish`, which still runs)."""
+        publisher = scheduler.kv_event_publisher
+        publish = publisher.publish
+
+        def captured(batch: Any) -> Any:
+            self._published.append(batch)
+            return publish(batch)
+
+        publisher.publish = captured
 
     @property
     def scheduler(self) -> Any:
@@ -804,6 +835,10 @@ class VllmScheduler:
                 max_tokens=max_tokens,
                 ignore_eos=True,
                 skip_reading_prefix_cache=True if skip_prefix_cache else None,
+                # As a router asking for a lookup's hits as events too.
+                extra_args=(
+                    {"kv_cache_report_mode": "full"} if self.config.kv_events_full else None
+                ),
             ),
             pooling_params=None,
             **fields,
@@ -945,6 +980,13 @@ class VllmScheduler:
     def take_evictions(self) -> list[int]:
         evictions, self._evictions = self._evictions, []
         return evictions
+
+    def take_kv_events(self) -> list[KvEvent]:
+        batches, self._published = self._published, []
+        return self._view.kv_events(event for batch in batches for event in batch.events)
+
+    def kv_cache_usage(self) -> float:
+        return float(self._scheduler.get_kv_cache_usage())
 
     def has_requests(self) -> bool:
         return bool(self._scheduler.has_requests())

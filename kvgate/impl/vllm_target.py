@@ -24,12 +24,12 @@ from typing import Any
 
 from kvgate.conformance.config import Config, check_modelled
 from kvgate.conformance.driver import OpDriver
-from kvgate.conformance.events import KvEvent, event_extras
+from kvgate.conformance.events import KvEvent
 from kvgate.conformance.ops import STATS_KEYS
 from kvgate.conformance.residency import Eviction
 from kvgate.conformance.snapshot import Snapshot
 from kvgate.conformance.target import Capabilities
-from kvgate.conformance.tokens import NO_INPUTS, EventExtra, HashInputs, key_position
+from kvgate.conformance.tokens import NO_INPUTS, HashInputs
 from kvgate.impl import _vllm_api
 from kvgate.impl._vllm_api import VllmApi
 from kvgate.impl.vllm_build import block_hasher, build_manager, request_inputs, split_context
@@ -237,38 +237,7 @@ class VllmTarget(OpDriver[Any]):
         return bool(self.manager.reset_prefix_cache())
 
     def take_events(self) -> list[KvEvent]:
-        api, view = self._api, self._view
-        events: list[KvEvent] = []
-        for event in self.manager.take_events():
-            if isinstance(event, api.AllBlocksCleared):
-                events.append(KvEvent("cleared"))
-            elif isinstance(event, api.BlockRemoved):
-                events.extend(
-                    KvEvent("removed", int(event.group_idx), (view.prefix_key(h),))
-                    for h in event.block_hashes
-                )
-            elif isinstance(event, api.BlockStored):
-                parent = event.parent_block_hash
-                parent_key = None if parent is None else view.prefix_key(parent)
-                start = 0 if parent_key is None else key_position(parent_key)
-                events.append(
-                    KvEvent(
-                        "stored",
-                        int(event.group_idx),
-                        tuple(view.prefix_key(h) for h in event.block_hashes),
-                        parent_key,
-                        start,
-                        start + len(event.token_ids),
-                        int(event.block_size),
-                        str(event.lora_name or ""),
-                        int(event.lora_id or 0),
-                        event_extras(_event_extra(e) for e in event.extra_keys or ()),
-                        _lookahead_tokens(event),
-                    )
-                )
-            else:
-                raise RuntimeError(f"unknown KV-cache event {type(event).__name__}")
-        return events
+        return self._view.kv_events(self.manager.take_events())
 
     def take_evictions(self) -> list[Eviction]:
         return take_evictions(getattr(self.manager, "metrics_collector", None))
@@ -311,20 +280,3 @@ class VllmTarget(OpDriver[Any]):
 
     def snapshot(self) -> Snapshot:
         return self._view.snapshot(self.popped)
-
-
-def _lookahead_tokens(event: Any) -> tuple[tuple[int, ...], ...] | None:
-    """A BlockStored's `lookahead_token_ids` (None without lookahead hashes,
-    or on a vLLM whose events do not carry them)."""
-    lookahead = getattr(event, "lookahead_token_ids", None)
-    if lookahead is None:
-        return None
-    return tuple(tuple(int(t) for t in tokens) for tokens in lookahead)
-
-
-def _event_extra(entry: Any) -> EventExtra:
-    """One block's extra keys as a BlockStored carries them (untagged: a bare
-    adapter name or salt, an (identifier, offset) pair per item)."""
-    if entry is None:
-        return None
-    return tuple(k if isinstance(k, str) else (str(k[0]), int(k[1])) for k in entry)

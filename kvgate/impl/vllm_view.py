@@ -20,8 +20,15 @@ from itertools import compress
 from operator import ne
 from typing import Any
 
+from kvgate.conformance.events import KvEvent, event_extras
 from kvgate.conformance.snapshot import NULL_BLOCK, BlockView, Snapshot, kept_aside, null_view
-from kvgate.conformance.tokens import NO_INPUTS, HashInputs, extend_prefix_keys
+from kvgate.conformance.tokens import (
+    NO_INPUTS,
+    EventExtra,
+    HashInputs,
+    extend_prefix_keys,
+    key_position,
+)
 from kvgate.impl._vllm_api import HOLD_ATTR, VllmApi
 
 __all__ = ["ManagerView", "block_ids"]
@@ -246,6 +253,42 @@ class ManagerView:
             raise RuntimeError(f"event hash {block_hash!r} names no prefix of this trace")
         return key
 
+    def kv_events(self, raw: Iterable[Any]) -> list[KvEvent]:
+        """vLLM's KV-cache events (`BlockStored`, `BlockRemoved`,
+        `AllBlocksCleared`), in order, as `KvEvent`s over prefix keys."""
+        api = self._api
+        events: list[KvEvent] = []
+        for event in raw:
+            if isinstance(event, api.AllBlocksCleared):
+                events.append(KvEvent("cleared"))
+            elif isinstance(event, api.BlockRemoved):
+                events.extend(
+                    KvEvent("removed", int(event.group_idx), (self.prefix_key(h),))
+                    for h in event.block_hashes
+                )
+            elif isinstance(event, api.BlockStored):
+                parent = event.parent_block_hash
+                parent_key = None if parent is None else self.prefix_key(parent)
+                start = 0 if parent_key is None else key_position(parent_key)
+                events.append(
+                    KvEvent(
+                        "stored",
+                        int(event.group_idx),
+                        tuple(self.prefix_key(h) for h in event.block_hashes),
+                        parent_key,
+                        start,
+                        start + len(event.token_ids),
+                        int(event.block_size),
+                        str(event.lora_name or ""),
+                        int(event.lora_id or 0),
+                        event_extras(_event_extra(e) for e in event.extra_keys or ()),
+                        _lookahead_tokens(event),
+                    )
+                )
+            else:
+                raise RuntimeError(f"unknown KV-cache event {type(event).__name__}")
+        return events
+
     def _sync_index(self) -> None:
         """Enter every new request-level hash into the hash -> key index."""
         unit = self._hash_unit
@@ -325,3 +368,20 @@ class ManagerView:
             views[bid] = BlockView(int(refs[bid]), names)
         self._last_views = _Views(refs, primary, secondary, views)
         return tuple(views)
+
+
+def _lookahead_tokens(event: Any) -> tuple[tuple[int, ...], ...] | None:
+    """A BlockStored's `lookahead_token_ids` (None without lookahead hashes,
+    or on a vLLM whose events do not carry them)."""
+    lookahead = getattr(event, "lookahead_token_ids", None)
+    if lookahead is None:
+        return None
+    return tuple(tuple(int(t) for t in tokens) for tokens in lookahead)
+
+
+def _event_extra(entry: Any) -> EventExtra:
+    """One block's extra keys as a BlockStored carries them (untagged: a bare
+    adapter name or salt, an (identifier, offset) pair per item)."""
+    if entry is None:
+        return None
+    return tuple(k if isinstance(k, str) else (str(k[0]), int(k[1])) for k in entry)

@@ -55,6 +55,7 @@ from typing import Any, Literal
 
 from kvgate.conformance.config import Config, NotModelled
 from kvgate.conformance.driver import chunk_offer, reserve_prefill_lookahead
+from kvgate.conformance.events import KvEvent
 from kvgate.conformance.ops import ACTIONS, Segment, Step
 from kvgate.conformance.scheduling import (
     ASYNC_BATCHES,
@@ -791,6 +792,18 @@ class SchedulerModel:
         if self.async_scheduling and not self._output_processed:
             return {}
         return self.oracle.manager.make_prefix_cache_stats()
+
+    def take_kv_events(self) -> list[KvEvent]:
+        """The pool's KV-cache events queued since the last update that
+        processed an output, as the Scheduler's update takes them from its
+        manager and publishes them (under async scheduling, a step that
+        processed no output leaves them queued for the next one that does)."""
+        if self.async_scheduling and not self._output_processed:
+            return []
+        return self.oracle.take_events()
+
+    def kv_cache_usage(self) -> float:
+        return self.oracle.manager.usage
 
     def prompt_tokens(self, name: str) -> tuple[list[int], HashInputs]:
         request = self.oracle.requests[name].request
