@@ -140,6 +140,7 @@ ENGINE_OPS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
         ("req", "prompt", "max_tokens"),
         (
             "cache_salt",
+            "lora",
             "mm",
             "follows",
             "resumable",
@@ -191,6 +192,8 @@ class EngineStep:
     prompt: tuple[Segment, ...] = ()
     max_tokens: int = 0
     cache_salt: str = ""
+    # arrive, under a LoRA config (`config.max_loras`): its adapter's name.
+    lora: str = ""
     # arrive: its multimodal items (placeholders in the prompt, each encoded
     # by the encoder before the tokens over it run)
     mm: tuple[MmItem, ...] = ()
@@ -257,6 +260,7 @@ class SchedulerModelRun(Protocol):
         mm: tuple[MmItem, ...] = (),
         priority: int = 0,
         skip_prefix_cache: bool = False,
+        lora: str = "",
     ) -> Any: ...
 
     def prompt_tokens(self, name: str) -> tuple[list[int], HashInputs]:

@@ -158,8 +158,9 @@ class LiveRequest:
     resumable: bool = False
     chunks: deque[tuple[list[int], int] | None] = field(default_factory=deque)
     paused: bool = False
-    # A scan passed over it while it was paused: vLLM's Scheduler counts it
-    # deferred (the prefill cadence reads that) until it is admitted again.
+    # A scan passed over it while it was paused, or for its LoRA adapter:
+    # vLLM's Scheduler counts it deferred (the prefill cadence reads that)
+    # until it is admitted again.
     deferred: bool = False
 
 
@@ -328,11 +329,17 @@ class SchedulerModel:
         mm: tuple[MmItem, ...] = (),
         priority: int = 0,
         skip_prefix_cache: bool = False,
+        lora: str = "",
     ) -> LiveRequest:
         """A request arrives (`arrive`) and waits at the end of the queue
         (under the priority policy, at its place); `remote`: what a KV
         connector's external store holds of it; `resumable`: a
-        streaming-input session; `mm`: its multimodal items."""
+        streaming-input session; `mm`: its multimodal items; `lora`: its
+        LoRA adapter (under `config.max_loras`)."""
+        if lora and not self.config.max_loras:
+            raise StepRefused(
+                "lora", f"{name}'s adapter {lora!r} needs config.max_loras of 1 or more"
+            )
         if self.by_priority and (resumable or mm):
             # Undoing a victim's run would also have to give its encoder
             # budget back; a session's stops move it between queues.
@@ -349,7 +356,9 @@ class SchedulerModel:
             raise AsyncNotModelled(f"{name}'s encoder inputs under async scheduling")
         # Written only when set: a trace without it reads as before.
         skips = {"skip_prefix_cache": True} if skip_prefix_cache else {}
-        self.writer.run("arrive", req=name, prompt=prompt, cache_salt=cache_salt, mm=mm, **skips)
+        self.writer.run(
+            "arrive", req=name, prompt=prompt, cache_salt=cache_salt, lora=lora, mm=mm, **skips
+        )
         live = LiveRequest(
             name,
             self.oracle.requests[name].request,
@@ -864,6 +873,10 @@ class SchedulerModel:
         admitted_prefill = False
         # Paused sessions keep their running slots through the scan.
         paused = self.paused_sessions()
+        # Under a LoRA config: the adapters of the running requests, scheduled
+        # in this step or not (each may join a later batch), and of those the
+        # scan admits.
+        adapters = self._running_adapters()
         while budget > 0 and len(self.running) + paused < self.max_num_seqs:
             queue = self.holding if self.holding else self.waiting
             if not queue:
@@ -873,6 +886,11 @@ class SchedulerModel:
                 # Its KV is not here yet, or it waits for its next input chunk.
                 live.deferred = live.paused
                 skipped.append(queue.popleft())
+                continue
+            if self._over_lora_limit(live, adapters):
+                # Before any lookup: it keeps its place, counted deferred.
+                live.deferred = True
+                (skipped if queue is self.holding else passed_over).append(queue.popleft())
                 continue
             outputs = len(live.request.output)
             computed = live.request.num_computed_tokens
@@ -893,6 +911,8 @@ class SchedulerModel:
                 continue
             queue.popleft()
             self.running.append(live)
+            if live.request.inputs.lora:
+                adapters.add(live.request.inputs.lora)
             live.admitted = True
             live.holds_blocks = live.deferred = False
             budget -= admitted
@@ -905,11 +925,29 @@ class SchedulerModel:
         if not defer:
             # Requests still waiting after a release, besides those the scan
             # passed over (vLLM counts those deferred): the cadence holds none back.
-            deferred = len(passed_over) + sum(live.deferred for live in self.holding)
+            passed = {live.name for live in passed_over}
+            deferred = sum(
+                live.deferred or live.name in passed for live in (*self.waiting, *self.holding)
+            )
             waiting_left = len(self.waiting) + len(self.holding) - deferred
             self.prefill_capacity_bound = waiting_left > 0
         self._cadence_after(decisions, prefill_scheduled, admitted_prefill)
         return finished
+
+    def _running_adapters(self) -> set[str]:
+        """The LoRA adapters of the running requests (none without a LoRA
+        config)."""
+        if not self.config.max_loras:
+            return set()
+        return {live.request.inputs.lora for live in self.running if live.request.inputs.lora}
+
+    def _over_lora_limit(self, live: LiveRequest, adapters: set[str]) -> bool:
+        """Whether admitting `live` would bring in one adapter more than
+        `config.max_loras`: the running requests already hold that many, and
+        its adapter is not one of them."""
+        lora = live.request.inputs.lora
+        limit = self.config.max_loras
+        return bool(lora and limit) and len(adapters) >= limit and lora not in adapters
 
     def _defers_prefills(self) -> bool:
         """Whether this step's prefill compute waits for the cadence: an
