@@ -1,16 +1,20 @@
 """LoRA adapters at the Scheduler level: the trace fields (`config.max_loras`,
 an arrival's `lora`), the adapter limit in kvgate's scheduler model, the
-bundled trace on the model and on vLLM's real `Scheduler`, and a drift of
-the limit that the trace catches."""
+bundled trace on the model and on vLLM's real `Scheduler`, a drift of the
+limit that the trace catches, and the recorder."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from configs import needs_vllm
 from test_scheduler_traces import run_vllm
 
+from kvgate import cli
 from kvgate.conformance.config import UnsupportedConfig
 from kvgate.conformance.ops import Segment
 from kvgate.conformance.replay import ReplayResult
@@ -20,6 +24,7 @@ from kvgate.conformance.trace import (
     Trace,
     TraceError,
     bundled_scheduler_corpus,
+    load_trace,
     parse_trace,
 )
 from kvgate.model.scheduler import LiveRequest, SchedulerModel
@@ -191,3 +196,51 @@ def test_a_lora_config_vllm_refuses_is_one_line_naming_max_loras(
         VllmScheduler(trace_of(LIMIT).config, spec_tokens=0, max_num_seqs=8)
     assert raised.value.field == "max_loras"
     assert "\n" not in raised.value.message
+
+
+# -- the recorder ---------------------------------------------------------------
+
+
+@needs_vllm
+def test_a_recording_keeps_the_limit_and_each_adapter(tmp_path: Path) -> None:
+    """vLLM's Scheduler recorded while it runs the LoRA trace: the recording
+    carries max_loras and each arrival's adapter (a hash of its name, one per
+    adapter), and replays on the model and on vLLM as the trace did."""
+    from kvgate.impl import recorder
+
+    trace = trace_of(LIMIT)
+    recorder.install(tmp_path)
+    try:
+        assert run_vllm(trace).passed
+    finally:
+        recorder.uninstall()
+    [path] = sorted(tmp_path.iterdir())
+    recorded = load_trace(path)
+    assert recorded.config.max_loras == 2
+    adapters = [e.lora for e in recorded.engine if e.op == "arrive"]
+    assert all(re.fullmatch(r"lora-[0-9a-f]{16}", a) for a in adapters), adapters
+    assert adapters[0] == adapters[3] and len(set(adapters)) == 3
+    assert cli.main(["replay", str(path), "--target", "model"]) == 0
+    assert cli.main(["replay", str(path), "--target", "vllm"]) == 0
+    # Recorded without the adapters' limit, C is admitted at once.
+    drifted = tmp_path / "drifted.yaml"
+    drifted.write_text(path.read_text().replace("max_loras: 2", "max_loras: 3"))
+    assert cli.main(["replay", str(drifted), "--target", "model"]) == 1
+
+
+def test_an_adapter_name_with_two_ids_or_two_names_with_one_id_stop_the_recording() -> None:
+    """A replay gives each adapter name one id and one path: a recording
+    whose adapters do not map one to one cannot say them."""
+    from kvgate.impl.recorder import NotExpressible, _Recording
+
+    def adapter(name: str, lora_id: int, path: str = "/p") -> SimpleNamespace:
+        return SimpleNamespace(lora_name=name, lora_int_id=lora_id, lora_path=path)
+
+    recording = SimpleNamespace(adapters={})
+    assert _Recording.adapter(recording, None) == ""  # type: ignore[arg-type]
+    first = _Recording.adapter(recording, adapter("a", 1))  # type: ignore[arg-type]
+    assert first == _Recording.adapter(recording, adapter("a", 1))  # type: ignore[arg-type]
+    assert first != _Recording.adapter(recording, adapter("b", 2))  # type: ignore[arg-type]
+    for other in (adapter("a", 3), adapter("a", 1, "/q"), adapter("c", 2)):
+        with pytest.raises(NotExpressible):
+            _Recording.adapter(recording, other)  # type: ignore[arg-type]
