@@ -334,12 +334,14 @@ class SchedulerTarget(Protocol):
         skip_prefix_cache: bool = False,
     ) -> None:
         """A new request; `follows`: the request whose output it continues;
-        `inputs`: what its block hashes cover besides its tokens;
-        `resumable`: a streaming-input session; `priority`: its priority
-        under the priority policy (requests arrive in order).
+        `inputs`: what its block hashes cover besides its tokens (its
+        adapter, under `config.max_loras`, also what the Scheduler admits
+        with it); `resumable`: a streaming-input session; `priority`: its
+        priority under the priority policy (requests arrive in order).
 
-        Raises `target.StepRefused` for a request the engine would not take,
-        `config.NotModelled` for hash inputs the target does not model.
+        Raises `target.StepRefused` for a request the engine would not take
+        (an adapter without a LoRA config among them),
+        `config.UnsupportedConfig` for inputs this build cannot schedule.
         """
         ...
 
