@@ -91,6 +91,8 @@ def test_scheduler_ci_profile_is_clean_on_stock_vllm(tmp_path: Path) -> None:
     assert ops["engine:async"]  # two batches in flight
     # The priority policy, with requests of more than one priority.
     assert ops["engine:priority"] and ops["arrive:priority:1"] + ops["arrive:priority:2"]
+    # LoRA adapters, some held back by the engine's adapter limit.
+    assert ops["arrive:lora"] and ops["step:lora:held_back"]
     # Streaming-input sessions, each kind of chunk.
     assert ops["arrive:session"] and ops["chunk:paused"] and ops["chunk:queued"]
     # Engines publishing KV-cache events (stores and removals; lookups' hits

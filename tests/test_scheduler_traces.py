@@ -648,6 +648,7 @@ def _engine_fields(trace: Trace) -> list[tuple[object, ...]]:
             e.prompt,
             e.max_tokens,
             e.cache_salt,
+            e.lora,
             e.follows,
             e.remote,
             e.priority,

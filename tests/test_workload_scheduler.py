@@ -21,8 +21,9 @@ import pytest
 from configs import needs_vllm
 
 from kvgate import cli, targets
-from kvgate.conformance.config import Config, NotModelled, UnsupportedConfig
+from kvgate.conformance.config import Config, UnsupportedConfig
 from kvgate.conformance.replay import replay
+from kvgate.conformance.target import StepRefused
 from kvgate.conformance.tokens import HashInputs
 from kvgate.conformance.trace import TraceError, load_trace
 from kvgate.model import ModelTarget
@@ -267,17 +268,17 @@ def test_tenants_salts_keep_lockstep_on_the_real_scheduler(tmp_path: Path) -> No
     assert salts == {"", "tenant-0", "tenant-1"}  # the unsalted system prompt besides
 
 
-def test_a_lora_adapter_the_scheduler_schedules_otherwise_is_refused_by_name() -> None:
-    """LoRA adapters change what the Scheduler admits together (max_loras):
-    not modelled. (Encoder inputs are: see test_scheduler_multimodal.py.)"""
-    inputs, field = HashInputs(lora="ad-1"), "lora"
+def test_a_lora_adapter_without_a_lora_config_is_refused_by_name() -> None:
+    """An engine without a LoRA config (the workload's deployments have
+    none) refuses a request with an adapter, as vLLM's engine does. (Under
+    `max_loras` adapters are scheduled: see test_scheduler_lora.py.)"""
     deployment = Deployment(build="upstream").scaled(SCALE)
     config = deployment.config(UNITS[0], False, 2)
     real = _scheduler(None)(config, spec_tokens=deployment.spec_tokens, max_num_seqs=16)
     try:
-        with pytest.raises(NotModelled) as error:
-            real.add_request("R", list(range(100, 140)), 4, None, inputs)
-        assert error.value.field == field and "\n" not in str(error.value)
+        with pytest.raises(StepRefused) as error:
+            real.add_request("R", list(range(100, 140)), 4, None, HashInputs(lora="ad-1"))
+        assert error.value.field == "lora" and "\n" not in error.value.message
     finally:
         real.close()
 

@@ -144,6 +144,12 @@ class Config:
     # request's (priority, arrival) and a failed allocation preempts the
     # running request that comes last in that order.
     scheduling_policy: SchedulingPolicy = "fcfs"
+    # The engine's LoRA adapter limit (trace field `max_loras`, vLLM's
+    # `LoRAConfig.max_loras`; scheduler-level traces): the Scheduler admits a
+    # waiting request with an adapter only while the running requests hold
+    # fewer adapters than this, or already hold its own. 0: the engine has no
+    # LoRA config (and takes no request with an adapter).
+    max_loras: int = 0
     # The Scheduler's encoder compute budget and encoder cache size, in
     # encoder embeddings (vLLM's `max_num_encoder_input_tokens` and
     # `encoder_cache_size`, which a multimodal model's budget derives from

@@ -159,6 +159,7 @@ class EngineReader(FieldReader):
         # A follow-up's `all_of` holds at most the whole output.
         self.budget.output_most[req] = max_tokens
         salt = self.text(index, "cache_salt", raw["cache_salt"]) if "cache_salt" in raw else ""
+        lora = self.engine_lora(index, raw)
         mm = self.engine_mm(index, raw["mm"], least) if "mm" in raw else ()
         follows = raw.get("follows")
         if follows is not None:
@@ -183,6 +184,7 @@ class EngineReader(FieldReader):
             prompt=prompt,
             max_tokens=max_tokens,
             cache_salt=salt,
+            lora=lora,
             mm=mm,
             follows=follows,
             remote=remote,
@@ -190,6 +192,23 @@ class EngineReader(FieldReader):
             priority=priority,
             skip_prefix_cache=skip,
         )
+
+    def engine_lora(self, index: int, raw: Mapping[Any, Any]) -> str:
+        """An arrival's LoRA adapter (`lora`, by name; "" for none), only
+        under a LoRA config: vLLM's engine without one refuses such a
+        request before the Scheduler sees it."""
+        if "lora" not in raw:
+            return ""
+        lora = self.text(index, "lora", raw["lora"])
+        assert self.config is not None
+        if not self.config.max_loras:
+            raise self.error(
+                index,
+                "lora",
+                f"adapter {lora!r} needs config.max_loras of 1 or more (an engine without a "
+                "LoRA config refuses a request with an adapter)",
+            )
+        return lora
 
     def engine_priority(self, index: int, raw: Mapping[Any, Any]) -> int:
         """An arrival's `priority`: an integer, other than 0 only under the

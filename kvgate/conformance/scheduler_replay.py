@@ -244,6 +244,7 @@ class _EngineLockstep:
                 event.mm,
                 event.priority,
                 event.skip_prefix_cache,
+                event.lora,
             ),
         )
         if self.real is None:

@@ -141,6 +141,7 @@ ENGINE_OPS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
         ("req", "prompt", "max_tokens"),
         (
             "cache_salt",
+            "lora",
             "mm",
             "follows",
             "resumable",
@@ -193,6 +194,8 @@ class EngineStep:
     prompt: tuple[Segment, ...] = ()
     max_tokens: int = 0
     cache_salt: str = ""
+    # arrive, under a LoRA config (`config.max_loras`): its adapter's name.
+    lora: str = ""
     # arrive: its multimodal items (placeholders in the prompt, each encoded
     # by the encoder before the tokens over it run)
     mm: tuple[MmItem, ...] = ()
@@ -259,6 +262,7 @@ class SchedulerModelRun(Protocol):
         mm: tuple[MmItem, ...] = (),
         priority: int = 0,
         skip_prefix_cache: bool = False,
+        lora: str = "",
     ) -> Any: ...
 
     def prompt_tokens(self, name: str) -> tuple[list[int], HashInputs]:
@@ -343,12 +347,14 @@ class SchedulerTarget(Protocol):
         skip_prefix_cache: bool = False,
     ) -> None:
         """A new request; `follows`: the request whose output it continues;
-        `inputs`: what its block hashes cover besides its tokens;
-        `resumable`: a streaming-input session; `priority`: its priority
-        under the priority policy (requests arrive in order).
+        `inputs`: what its block hashes cover besides its tokens (its
+        adapter, under `config.max_loras`, also what the Scheduler admits
+        with it); `resumable`: a streaming-input session; `priority`: its
+        priority under the priority policy (requests arrive in order).
 
-        Raises `target.StepRefused` for a request the engine would not take,
-        `config.NotModelled` for hash inputs the target does not model.
+        Raises `target.StepRefused` for a request the engine would not take
+        (an adapter without a LoRA config among them),
+        `config.UnsupportedConfig` for inputs this build cannot schedule.
         """
         ...
 

@@ -463,6 +463,20 @@ CONFIG_FIELDS: tuple[ConfigField, ...] = (
         not_explored="the Scheduler-level exploration draws it with each engine",
     ),
     ConfigField(
+        "max_loras",
+        "max_loras",
+        "count",
+        "not_default",
+        "`--enable-lora --max-loras N` (`LoRAConfig.max_loras`)",
+        (
+            "scheduler-level traces: the most LoRA adapters the running requests may hold; "
+            "a waiting request with another adapter is passed over, keeping its place, until "
+            "a running one's adapter is gone. 0: no LoRA config, and an `arrive` with a "
+            "`lora` adapter is refused; a manager-level trace's calls are the same either way"
+        ),
+        not_explored="the Scheduler-level exploration draws it with each engine",
+    ),
+    ConfigField(
         "groups",
         "groups",
         "groups",

@@ -115,6 +115,8 @@ def engine_step_dicts(engine: Iterable[EngineStep]) -> list[dict[str, Any]]:
             entry["max_tokens"] = event.max_tokens
             if event.cache_salt:
                 entry["cache_salt"] = event.cache_salt
+            if event.lora:
+                entry["lora"] = event.lora
             if event.mm:
                 entry["mm"] = [mm_dict(m) for m in event.mm]
             if event.follows is not None:

@@ -113,6 +113,11 @@ TELEMETRY: tuple[tuple[str, bool], ...] = (
 )
 # A connector's hit, in quarters of the prompt (0: none, 4: the whole of it).
 REMOTE_QUARTERS = 4
+# The LoRA adapter limits drawn with each engine (0: no LoRA config, the
+# others below the adapters arrivals draw from, so the limit holds some
+# back), and those adapters by name.
+MAX_LORAS = (0, 1, 2)
+ADAPTERS = ("adapter-1", "adapter-2", "adapter-3")
 
 # The hybrid deployment families (a pure Mamba model is another model than
 # the Scheduler target's), by a short name for the summary.
@@ -285,6 +290,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.events: list[EngineStep] = []
         self.names: list[str] = []
         self.salts: dict[str, str] = {}
+        self.adapters: dict[str, str] = {}
         # Streaming-input sessions not yet ended.
         self.sessions: set[str] = set()
         self.real: SchedulerTarget | None = None
@@ -319,9 +325,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         # Drawn last, so the draws before it stay as they were: the encoder
         # budget and cache of the arrivals that carry images.
         encoder=st.tuples(st.sampled_from(ENCODER_SIZES), st.sampled_from(ENCODER_SIZES)),
-        # After it, for the same reason: the engine's telemetry, the KV-cache
-        # events it publishes (off, on, or with lookups' hits too) and
-        # whether it logs stats.
+        # After it, for the same reason: the LoRA adapter limit (0: no LoRA
+        # config), then the engine's telemetry, the KV-cache events it
+        # publishes (off, on, or with lookups' hits too) and whether it logs
+        # stats.
+        max_loras=st.sampled_from(MAX_LORAS),
         telemetry=st.sampled_from(TELEMETRY),
     )
     def start(
@@ -334,6 +342,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         prefill_interval: int,
         mtp_modules: int,
         encoder: tuple[int, int] = (0, 0),
+        max_loras: int = 0,
         telemetry: tuple[str, bool] = ("off", False),
     ) -> None:
         family, config = drawn
@@ -362,6 +371,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             kv_events=telemetry[0] != "off",
             kv_events_full=telemetry[0] == "full",
             disable_log_stats=telemetry[1],
+            max_loras=max_loras,
         )
         if config.eagle:
             spec = max(spec, 1)  # the eagle drop is for a drafter's blocks
@@ -408,6 +418,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.stats.ops[f"engine:kv_events:{telemetry[0]}"] += 1
         if config.disable_log_stats:
             self.stats.ops["engine:stats_off"] += 1
+        if max_loras:
+            self.stats.ops[f"engine:max_loras:{max_loras}"] += 1
 
     def teardown(self) -> None:
         if self.model is not None:
@@ -469,6 +481,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         ),
         # Drawn last: an image among the new tokens (0: none), and where.
         image=st.tuples(st.integers(0, IMAGES), st.integers(0, 3)),
+        # Drawn after it: the request's LoRA adapter under a LoRA config
+        # (see `adapter`).
+        adapter=st.integers(0, len(ADAPTERS)),
     )
     def arrive(
         self,
@@ -479,6 +494,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         other_tenant: bool,
         remote: tuple[int, bool, int, bool],
         image: tuple[int, int] = (0, 0),
+        adapter: int = 0,
     ) -> None:
         name = f"R{len(self.names)}"
         assert self.config is not None
@@ -529,6 +545,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         priority = remote[2] if self.config.scheduling_policy == "priority" else 0
         if priority:
             self.stats.ops[f"arrive:priority:{priority}"] += 1
+        lora = self.adapter(base, adapter)
+        self.adapters[name] = lora
+        if lora:
+            self.stats.ops["arrive:lora"] += 1
         self.apply(
             EngineStep(
                 "arrive",
@@ -537,6 +557,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 prompt=prompt,
                 max_tokens=max_tokens,
                 cache_salt=salt,
+                lora=lora,
                 follows=follows,
                 remote=self.remote_hit(base_length + max(fresh, 1 if base is None else 0), remote),
                 mm=self.image(base_length, fresh, image, resumable),
@@ -544,6 +565,20 @@ class SchedulerMachine(RuleBasedStateMachine):
                 priority=priority,
             )
         )
+
+    def adapter(self, base: str | None, drawn: int) -> str:
+        """An arrival's LoRA adapter under a LoRA config ("" without one):
+        none when `drawn` is its largest; for 0, its conversation's adapter
+        if it has one; otherwise one counted from `drawn` and the arrival's
+        number, so arrivals drawing alike still bring different adapters,
+        which the limit then holds back."""
+        assert self.config is not None
+        if not self.config.max_loras or drawn == len(ADAPTERS):
+            return ""
+        inherited = self.adapters.get(base, "") if base is not None else ""
+        if drawn == 0 and inherited:
+            return inherited
+        return ADAPTERS[(drawn + len(self.names)) % len(ADAPTERS)]
 
     def image(
         self, start: int, fresh: int, drawn: tuple[int, int], session: bool
@@ -655,6 +690,20 @@ class SchedulerMachine(RuleBasedStateMachine):
             if first:
                 self.stats.ops["step:stop"] += 1
             self.apply(EngineStep("step", 0, stop=stopped if first else ()))
+            self.count_adapters_held_back()
+
+    def count_adapters_held_back(self) -> None:
+        """Count a step after which a waiting request's adapter is held back
+        by the LoRA adapter limit (the running requests hold as many others)."""
+        assert self.model is not None and self.config is not None
+        limit = self.config.max_loras
+        if not limit:
+            return
+        model = self.model
+        running = {r.request.inputs.lora for r in model.running if r.request.inputs.lora}
+        waiting = {r.request.inputs.lora for r in (*model.waiting, *model.holding)}
+        if len(running) >= limit and waiting - running - {""}:
+            self.stats.ops["step:lora:held_back"] += 1
 
     @precondition(lambda self: self.lockstep is not None and bool(self.live()))
     @rule(pick=st.integers(0, MAX_REQUESTS - 1))

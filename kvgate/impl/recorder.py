@@ -299,6 +299,8 @@ def engine_config(scheduler: Any) -> tuple[Config, EngineSettings]:
         max_num_scheduled_tokens=int(scheduler.max_num_scheduled_tokens),
         # The recorded engine's model runner, replayed the same.
         model_runner="v2" if getattr(scheduler, "use_v2_model_runner", False) else "v1",
+        # The engine's LoRA adapter limit (0: no LoRA config).
+        max_loras=int(getattr(getattr(scheduler, "lora_config", None), "max_loras", 0) or 0),
         # A release without policies serves requests first come, first served.
         scheduling_policy=(
             "priority"
@@ -397,6 +399,10 @@ def _salt(salt: str) -> str:
     return "salt-" + hashlib.sha256(salt.encode()).hexdigest()[:16]
 
 
+def _adapter(name: str) -> str:
+    return "lora-" + hashlib.sha256(name.encode()).hexdigest()[:16]
+
+
 class _Recording:
     """One Scheduler's history, written as it happens."""
 
@@ -423,6 +429,8 @@ class _Recording:
         self.renamer = _Renamer()
         # The last arrival's time: a replay ranks equal priorities by arrival.
         self.last_arrival = -math.inf
+        # Each LoRA adapter seen, by name: (its id, its path).
+        self.adapters: dict[str, tuple[int, str]] = {}
         self.pending: dict[str, Any] | None = None
         self.deferred: list[dict[str, Any]] = []
         self.open_part()
@@ -591,8 +599,7 @@ class _Recording:
             # A session's chunks are not recorded yet (their tokens follow
             # the session's own output, which a replay samples anew).
             raise NotExpressible("a streaming-input session's next input chunk or end")
-        if getattr(request, "lora_request", None) is not None:
-            raise NotExpressible("a LoRA adapter (not modelled at the scheduler level)")
+        adapter = self.adapter(getattr(request, "lora_request", None))
         if getattr(request, "mm_features", None):
             raise NotExpressible("a multimodal input (not modelled at the scheduler level)")
         tokens = getattr(request, "prompt_token_ids", None)
@@ -611,6 +618,8 @@ class _Recording:
         salt = getattr(request, "cache_salt", None)
         if salt:
             entry["cache_salt"] = _salt(str(salt))
+        if adapter:
+            entry["lora"] = adapter
         if follows is not None:
             entry["follows"] = follows
         if getattr(request, "resumable", False):
@@ -627,6 +636,21 @@ class _Recording:
             self.deferred.append(entry)
         else:
             self.write(entry)
+
+    def adapter(self, lora_request: Any) -> str:
+        """A request's LoRA adapter as the trace names it ("" for none): a
+        hash of its name, as a salt is written. A replay gives each name one
+        id and one path, so an adapter whose name, id and path do not go
+        together one to one is not expressible."""
+        if lora_request is None:
+            return ""
+        name = str(lora_request.lora_name)
+        identity = (int(lora_request.lora_int_id), str(lora_request.lora_path))
+        if self.adapters.setdefault(name, identity) != identity or any(
+            other != name and ids[0] == identity[0] for other, ids in self.adapters.items()
+        ):
+            raise NotExpressible("a LoRA adapter name used with two ids or paths")
+        return _adapter(name)
 
     def scheduled(self, output: Any) -> None:
         scheduled = [[self.name(str(r)), int(n)] for r, n in output.num_scheduled_tokens.items()]

@@ -29,6 +29,8 @@ def describe(exc: BaseException) -> str:
 
 _FIELD_PATTERNS: tuple[tuple[str, str], ...] = (
     (r"kv_cache_metrics_sample", "kv_cache_metrics_sample"),
+    # A LoRA config vLLM will not build (the model's or the platform's say).
+    (r"(?i)lora", "max_loras"),
     (r"mamba_cache_mode", "mamba_cache_mode"),
     (r"retention", "retention_interval"),
     (r"long_prefill_token_threshold", "long_prefill_token_threshold"),

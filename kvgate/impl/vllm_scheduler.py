@@ -50,7 +50,6 @@ from typing import Any, Literal
 from kvgate.conformance.config import (
     Config,
     KvLoadFailurePolicy,
-    NotModelled,
     UnsupportedConfig,
 )
 from kvgate.conformance.events import KvEvent
@@ -246,6 +245,7 @@ def _vllm_config(
         )
     vllm_config = VllmConfig(
         model_config=model,
+        lora_config=_lora_config(config),
         cache_config=cache,
         scheduler_config=scheduler,
         speculative_config=speculative,
@@ -271,6 +271,22 @@ def _vllm_config(
         # with it on, so the setting is put back after the platform's say.
         vllm_config.scheduler_config.async_scheduling = True
     return vllm_config
+
+
+def _lora_config(config: Config) -> Any:
+    """vLLM's LoRA config for `config.max_loras` (None for 0: no LoRA). Only
+    its adapter limit matters to the Scheduler; the adapters themselves are
+    never loaded (no weights run)."""
+    if not config.max_loras:
+        return None
+    from vllm.config import LoRAConfig
+
+    try:
+        return LoRAConfig(max_loras=config.max_loras)
+    except Exception as error:  # pydantic's validation: vLLM's refusal, in one line
+        raise UnsupportedConfig(
+            "max_loras", f"vLLM refuses its LoRA config: {describe(error)}"
+        ) from error
 
 
 def _scheduler_class(vllm_config: Any, config: Config) -> Any:
@@ -440,6 +456,12 @@ def _check_derived(scheduler: Any, config: Config, spec_tokens: int, hash_block:
             # A release without policies serves requests first come, first served.
             str(getattr(getattr(scheduler, "policy", None), "value", "fcfs")),
             config.scheduling_policy,
+        ),
+        (
+            "max_loras",
+            # The adapter limit the waiting scan reads (0: no LoRA config).
+            int(getattr(getattr(scheduler, "lora_config", None), "max_loras", 0) or 0),
+            config.max_loras,
         ),
         # Drafts: K tokens and K lookahead slots, the trace's lookahead
         # hashes, and the prefill lookahead: K for a multi-module MTP
@@ -755,14 +777,12 @@ class VllmScheduler:
         priority: int = 0,
         skip_prefix_cache: bool = False,
     ) -> None:
-        # A salt only changes the hashes. An adapter would be scheduled
-        # otherwise by the real Scheduler (`max_loras`), which the scheduler
-        # model does not do.
-        if inputs.lora:
-            raise NotModelled(
-                "lora",
-                f"request {name!r}: the scheduler-level target does not model "
-                "LoRA scheduling (max_loras)",
+        # An adapter enters the hashes and, under `max_loras`, the waiting
+        # scan; the engine refuses one without a LoRA config (so does the
+        # trace reader, before anything runs).
+        if inputs.lora and not self.config.max_loras:
+            raise StepRefused(
+                "lora", f"request {name!r}: adapter {inputs.lora!r} without a LoRA config"
             )
         if inputs.mm and self._encoder_lacks:
             raise UnsupportedConfig("mm", f"request {name!r}: {self._encoder_lacks}")

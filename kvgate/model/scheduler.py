@@ -167,9 +167,9 @@ class LiveRequest:
     resumable: bool = False
     chunks: deque[tuple[list[int], int] | None] = field(default_factory=deque)
     paused: bool = False
-    # A scan passed over it (it was loading, paused, or could not run yet),
-    # or it paused: vLLM's Scheduler counts it deferred (the prefill cadence
-    # reads that) until it is admitted again.
+    # A scan passed over it (it was loading, paused, over the LoRA adapter
+    # limit, or could not run yet), or it paused: vLLM's Scheduler counts
+    # it deferred (the prefill cadence reads that) until it is admitted again.
     deferred: bool = False
 
 
@@ -339,11 +339,17 @@ class SchedulerModel:
         mm: tuple[MmItem, ...] = (),
         priority: int = 0,
         skip_prefix_cache: bool = False,
+        lora: str = "",
     ) -> LiveRequest:
         """A request arrives (`arrive`) and waits at the end of the queue
         (under the priority policy, at its place); `remote`: what a KV
         connector's external store holds of it; `resumable`: a
-        streaming-input session; `mm`: its multimodal items."""
+        streaming-input session; `mm`: its multimodal items; `lora`: its
+        LoRA adapter (under `config.max_loras`)."""
+        if lora and not self.config.max_loras:
+            raise StepRefused(
+                "lora", f"{name}'s adapter {lora!r} needs config.max_loras of 1 or more"
+            )
         if self.by_priority and (resumable or mm):
             # Undoing a victim's run would also have to give its encoder
             # budget back; a session's stops move it between queues.
@@ -360,7 +366,9 @@ class SchedulerModel:
             raise AsyncNotModelled(f"{name}'s encoder inputs under async scheduling")
         # Written only when set: a trace without it reads as before.
         skips = {"skip_prefix_cache": True} if skip_prefix_cache else {}
-        self.writer.run("arrive", req=name, prompt=prompt, cache_salt=cache_salt, mm=mm, **skips)
+        self.writer.run(
+            "arrive", req=name, prompt=prompt, cache_salt=cache_salt, lora=lora, mm=mm, **skips
+        )
         live = LiveRequest(
             name,
             self.oracle.requests[name].request,
@@ -936,6 +944,10 @@ class SchedulerModel:
         admitted_prefill = False
         # Paused sessions keep their running slots through the scan.
         paused = self.paused_sessions()
+        # Under a LoRA config: the adapters of the running requests, scheduled
+        # in this step or not (each may join a later batch), and of those the
+        # scan admits.
+        adapters = self._running_adapters()
         while budget > 0 and len(self.running) + paused < self.max_num_seqs:
             queue = self.holding if self.holding else self.waiting
             if not queue:
@@ -945,6 +957,11 @@ class SchedulerModel:
                 # Its KV is not here yet, or it waits for its next input chunk.
                 live.deferred = True
                 skipped.append(queue.popleft())
+                continue
+            if self._over_lora_limit(live, adapters):
+                # Before any lookup: it keeps its place, counted deferred.
+                live.deferred = True
+                (skipped if queue is self.holding else passed_over).append(queue.popleft())
                 continue
             outputs = len(live.request.output)
             computed = live.request.num_computed_tokens
@@ -967,6 +984,8 @@ class SchedulerModel:
                 continue
             queue.popleft()
             self.running.append(live)
+            if live.request.inputs.lora:
+                adapters.add(live.request.inputs.lora)
             live.admitted = True
             live.holds_blocks = live.deferred = False
             budget -= admitted
@@ -986,6 +1005,21 @@ class SchedulerModel:
             self.prefill_capacity_bound = waiting_left > 0
         self._cadence_after(decisions, prefill_scheduled, admitted_prefill)
         return finished
+
+    def _running_adapters(self) -> set[str]:
+        """The LoRA adapters of the running requests (none without a LoRA
+        config)."""
+        if not self.config.max_loras:
+            return set()
+        return {live.request.inputs.lora for live in self.running if live.request.inputs.lora}
+
+    def _over_lora_limit(self, live: LiveRequest, adapters: set[str]) -> bool:
+        """Whether admitting `live` would bring in one adapter more than
+        `config.max_loras`: the running requests already hold that many, and
+        its adapter is not one of them."""
+        lora = live.request.inputs.lora
+        limit = self.config.max_loras
+        return bool(lora and limit) and len(adapters) >= limit and lora not in adapters
 
     def _defers_prefills(self) -> bool:
         """Whether this step's prefill compute waits for the cadence: an
