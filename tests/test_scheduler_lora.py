@@ -180,6 +180,37 @@ def test_a_model_without_the_limit_diverges_from_vllm_at_the_first_step(
     assert lockstep and lockstep[0].step.index == first_step, lockstep[0].what
 
 
+LOADED = "sched-lora-limit-holds-a-loaded-request"
+
+
+@needs_vllm
+def test_a_load_held_back_by_the_limit_is_completed_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """B's reported load is completed (its block keyed) before the limit
+    holds B back: a model that leaves the load for B's admission differs
+    from vLLM's Scheduler block by block."""
+    assert run_vllm(trace_of(LOADED)).passed
+    complete = SchedulerModel._complete_load
+
+    def when_admitted(self: SchedulerModel, live: LiveRequest) -> None:
+        # B's load left for its admission, after A has finished.
+        if live.name != "B" or not self.running:
+            complete(self, live)
+
+    monkeypatch.setattr(SchedulerModel, "_complete_load", when_admitted)
+    index, level, what = first_failure(run_vllm(trace_of(LOADED)))
+    assert (level, what) == ("strict", "engine step 2: block 3 hashes"), (index, level, what)
+
+
+def test_a_failed_load_held_back_by_the_limit_is_refused_by_name() -> None:
+    text = text_of(LOADED).replace(
+        "remote_hit: 8, remote_async: true}", "remote_hit: 8, remote_async: true, remote_fails: true}"
+    )
+    with pytest.raises(TraceError, match=r"lora: B's failed asynchronous KV load"):
+        run_model(parse_trace(text, f"{LOADED}.yaml"))
+
+
 @needs_vllm
 def test_a_lora_config_vllm_refuses_is_one_line_naming_max_loras(
     monkeypatch: pytest.MonkeyPatch,

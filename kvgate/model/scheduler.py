@@ -960,6 +960,15 @@ class SchedulerModel:
                 continue
             if self._over_lora_limit(live, adapters):
                 # Before any lookup: it keeps its place, counted deferred.
+                # vLLM's Scheduler has by then completed a reported load.
+                if live.failed_reported:
+                    raise StepRefused(
+                        "lora",
+                        f"{live.name}'s failed asynchronous KV load, held back by the LoRA "
+                        "adapter limit, is not modelled",
+                    )
+                if live.loading:
+                    self._complete_load(live)
                 live.deferred = True
                 (skipped if queue is self.holding else passed_over).append(queue.popleft())
                 continue
@@ -1247,8 +1256,7 @@ class SchedulerModel:
         or None when nothing runs (the scan stops; the request stays waiting
         with its blocks)."""
         if live.loading:
-            self.writer.run("allocate", req=live.name, tokens="auto", complete_only=True)
-            live.loading = False
+            self._complete_load(live)
         if defer and live.request.num_computed_tokens < live.request.num_tokens - 1:
             return None
         live.sched_computed = live.request.num_computed_tokens
@@ -1266,6 +1274,14 @@ class SchedulerModel:
             self.encoder.release_all(live.name)
             return None
         return chunk[1]
+
+    def _complete_load(self, live: LiveRequest) -> None:
+        """The Scheduler completes a load the worker reported when its scan
+        first reaches the request, whatever it then decides: its blocks
+        keyed, and a load of every token leaves the last to compute (an
+        `allocate complete_only`)."""
+        self.writer.run("allocate", req=live.name, tokens="auto", complete_only=True)
+        live.loading = False
 
     def _reserved_blocks(self, skipped: list[LiveRequest]) -> int:
         """The free blocks vLLM's Scheduler keeps when it admits an async KV
