@@ -667,3 +667,46 @@ def test_the_writer_writes_every_bundled_trace_back_as_read(trace: Trace) -> Non
     back = parse_trace(text)
     assert back.config == trace.config and back.scheduler == trace.scheduler
     assert _engine_fields(back) == _engine_fields(trace)
+
+
+@needs_vllm
+def test_a_prefill_one_token_past_a_mamba_block_never_completes_with_two_lookahead_tokens() -> (
+    None
+):
+    """A vLLM defect the model follows: with a drafter reading 2 prefill
+    tokens ahead, B (A's 33-token prompt, 24 of it cached) runs to token
+    31; its next chunk must end at the Mamba block's end (32), which would
+    leave 1 prompt token, fewer than the 2 the drafter reads, so the chunk
+    is cut to nothing. B is passed over at every step and never finishes
+    (both sides agree, step for step)."""
+    name = "sched-mtp2-state-keyed-by-the-last-output-is-not-this-steps"
+    (trace,) = [t for t in CORPUS if t.name == name]
+    text = trace.path.read_text()
+    stuck = text.replace(
+        "  - {op: abort, req: B}\n  - {op: step, expect: {scheduled: []}}\n",
+        "  - {op: step, expect: {scheduled: []}}\n" * 20,
+    )
+    assert stuck != text
+    result = run_vllm(parse_trace(stuck, trace.path))
+    assert result.passed, result.divergence
+
+
+@needs_vllm
+def test_a_victim_dropped_from_the_step_finds_its_never_encoded_image_cached() -> None:
+    """What looks like a vLLM defect the model follows: the Scheduler
+    allocated L's image in the encoder cache when it scheduled L's chunk,
+    then dropped the chunk with L (the priority policy's victim), so the
+    image was never encoded; the preemption leaves the entry cached, and
+    when L runs again its chunk over the image encodes nothing (the worker
+    is then asked for an encoder output it never computed)."""
+    name = "sched-priority-victim-drops-its-image-from-the-step"
+    (trace,) = [t for t in CORPUS if t.name == name]
+    text = trace.path.read_text()
+    resumed = text.replace("  - {op: abort, req: L}\n", "").replace(
+        "  - {op: step, expect: {scheduled: []}}\n",
+        # L again, from its 288 cached tokens: inside its image (256 to 296).
+        "  - {op: step, expect: {scheduled: [[L, 8]], encoded: {}}}\n",
+    )
+    assert resumed != text
+    result = run_vllm(parse_trace(resumed, trace.path))
+    assert result.passed, result.divergence

@@ -587,12 +587,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         begin at `start` (`drawn`: which image, 0 for none, and where it
         begins, in quarters of the new tokens; at the first token, the next
         image follows it, so one chunk needs both); none where the encoder
-        is not modelled (async scheduling, the priority policy, a
-        streaming-input `session`), and only those that fit."""
+        is not modelled (async scheduling, a streaming-input `session`), and
+        only those that fit."""
         assert self.config is not None
         which, quarter = drawn
         config = self.config
-        if not which or session or config.async_scheduling or config.scheduling_policy != "fcfs":
+        if not which or session or config.async_scheduling:
             return ()
         items: list[MmItem] = []
         offset = start + fresh * quarter // 4

@@ -350,13 +350,11 @@ class SchedulerModel:
             raise StepRefused(
                 "lora", f"{name}'s adapter {lora!r} needs config.max_loras of 1 or more"
             )
-        if self.by_priority and (resumable or mm):
-            # Undoing a victim's run would also have to give its encoder
-            # budget back; a session's stops move it between queues.
+        if self.by_priority and resumable:
+            # A session's stops move it between queues.
             raise StepRefused(
                 "config.scheduling_policy",
-                f"{name}'s {'encoder inputs' if mm else 'streaming-input session'} under the "
-                "priority policy are not modelled",
+                f"{name}'s streaming-input session under the priority policy is not modelled",
             )
         if self.async_scheduling and remote is not None and remote.load_async:
             raise AsyncNotModelled(
@@ -537,12 +535,14 @@ class SchedulerModel:
     def _schedule_batch(
         self, decisions: StepDecisions
     ) -> tuple[list[LiveRequest], dict[str, list[int]]]:
-        """`schedule`, `step` and `drain`: the requests the batch completes
+        """`step`, `schedule` and `drain`: the requests the batch completes
         and the tokens each scheduled request samples in it."""
         writer = self.writer
         outputs = {live.name: len(live.request.output) for live in self._live()}
-        finished = self.schedule(decisions)
+        # vLLM's Scheduler starts each `schedule()` with `new_step_starts`:
+        # the states the last output's re-cache keyed are not this step's.
         writer.run("step")
+        finished = self.schedule(decisions)
         # The copies run with this batch: with deferred frees their endpoints
         # wait until it is done (the next non-empty batch's number).
         keep = {"keep_retained": True} if self.defer_block_free else {}
@@ -1097,9 +1097,13 @@ class SchedulerModel:
         policy's victim may have been scheduled earlier in the step): the
         Scheduler drops it from the step and takes its tokens back into the
         budget; it never ran, so it sampled nothing and its computed tokens
-        are the step's first. The tokens given back."""
+        are the step's first; the items it was to encode go back to the
+        step's encoder budget (its preemption then frees what it holds in
+        the encoder cache). The tokens given back."""
         (entry,) = [e for e in decisions.scheduled if e[0] == victim.name]
         decisions.scheduled.remove(entry)
+        items = victim.request.inputs.mm
+        self.encoder_budget += sum(items[index].length for index in self._encoded.pop(victim.name, []))
         if victim in finished:
             finished.remove(victim)
         request = victim.request
