@@ -204,9 +204,8 @@ def test_a_load_held_back_by_the_limit_is_completed_first(
 
 
 def test_a_failed_load_held_back_by_the_limit_is_refused_by_name() -> None:
-    text = text_of(LOADED).replace(
-        "remote_hit: 8, remote_async: true}", "remote_hit: 8, remote_async: true, remote_fails: true}"
-    )
+    load = "remote_hit: 8, remote_async: true"
+    text = text_of(LOADED).replace(f"{load}}}", f"{load}, remote_fails: true}}")
     with pytest.raises(TraceError, match=r"lora: B's failed asynchronous KV load"):
         run_model(parse_trace(text, f"{LOADED}.yaml"))
 

@@ -670,9 +670,7 @@ def test_the_writer_writes_every_bundled_trace_back_as_read(trace: Trace) -> Non
 
 
 @needs_vllm
-def test_a_prefill_one_token_past_a_mamba_block_never_completes_with_two_lookahead_tokens() -> (
-    None
-):
+def test_a_prefill_one_token_past_a_mamba_block_never_completes_with_two_lookahead_tokens() -> None:
     """A vLLM defect the model follows: with a drafter reading 2 prefill
     tokens ahead, B (A's 33-token prompt, 24 of it cached) runs to token
     31; its next chunk must end at the Mamba block's end (32), which would

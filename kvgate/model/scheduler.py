@@ -1103,7 +1103,8 @@ class SchedulerModel:
         (entry,) = [e for e in decisions.scheduled if e[0] == victim.name]
         decisions.scheduled.remove(entry)
         items = victim.request.inputs.mm
-        self.encoder_budget += sum(items[index].length for index in self._encoded.pop(victim.name, []))
+        encoded = self._encoded.pop(victim.name, [])
+        self.encoder_budget += sum(items[index].length for index in encoded)
         if victim in finished:
             finished.remove(victim)
         request = victim.request
