@@ -170,6 +170,18 @@ def run_scheduler_trace(
                 return TraceRunError(
                     trace, message, bug=False, seconds=seconds, config_refused=True
                 )
+            if target is not None and not target.pause_states and trace.has_pauses:
+                first = next(e.index for e in trace.engine if e.op == "pause")
+                refusal = TraceError(
+                    trace.path, first, "mode", "this vLLM's Scheduler has no pause states"
+                )
+                return TraceRunError(
+                    trace,
+                    str(refusal),
+                    bug=False,
+                    seconds=time.perf_counter() - started,
+                    config_refused=True,
+                )
             if target is not None and not target.streaming_input and trace.has_sessions:
                 first = next(e.index for e in trace.engine if e.resumable)
                 refusal = TraceError(

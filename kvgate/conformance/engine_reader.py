@@ -12,6 +12,7 @@ from kvgate.conformance.limits import LimitError
 from kvgate.conformance.scheduling import (
     ENGINE_EXPECT_KEYS,
     ENGINE_OPS,
+    PAUSE_MODES,
     REMOTE_FIELDS,
     RESET_EXPECT_KEYS,
     EngineSettings,
@@ -77,6 +78,15 @@ class EngineReader(FieldReader):
                 raise self.error(index, "req", f"{req!r} was {self.requests[req][1]}")
             self.requests[req] = ("ended", f"aborted at step {index}")
             return [EngineStep("abort", index, req=req)]
+        if op == "pause":
+            mode = raw["mode"]
+            if mode not in PAUSE_MODES:
+                raise self.error(
+                    index, "mode", f"must be one of {', '.join(PAUSE_MODES)}, got {got(mode)}"
+                )
+            return [EngineStep("pause", index, mode=mode)]
+        if op == "resume":
+            return [EngineStep("resume", index)]
         if op == "reset":
             running, connector = raw.get("running", False), raw.get("connector", False)
             for key, flag in (("running", running), ("connector", connector)):

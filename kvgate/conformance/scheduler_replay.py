@@ -198,6 +198,12 @@ class _EngineLockstep:
                 self.on_real(step, "abort", lambda: real.abort(name))
         elif event.op == "reset":
             self.reset(event, step)
+        elif event.op in ("pause", "resume"):
+            mode = event.mode
+            self.on_model(step, lambda: self.model.pause(mode))
+            if self.real is not None:
+                real = self.real
+                self.on_real(step, event.op, lambda: real.pause(mode))
         elif event.op == "chunk":
             self.chunk(event, step)
         else:

@@ -156,7 +156,14 @@ ENGINE_OPS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "step": ((), ("steps", "stop", "accept")),
     "abort": (("req",), ()),
     "reset": ((), ("running", "connector")),
+    # The engine paused (vLLM's `pause_generation`) and resumed.
+    "pause": (("mode",), ()),
+    "resume": ((), ()),
 }
+# A pause's modes, as vLLM's engine names them: `keep` schedules nothing
+# (the Scheduler's PAUSED_ALL), `wait` lets what is running drain and
+# admits only waiting requests that hold KV blocks (PAUSED_NEW).
+PAUSE_MODES: tuple[str, ...] = ("keep", "wait")
 # What an engine `step` may expect, each optional.
 ENGINE_EXPECT_KEYS: tuple[str, ...] = (
     "scheduled",
@@ -226,6 +233,8 @@ class EngineStep:
     # step: requests whose drafts the model runner accepts in this step, each
     # with how many (the first N of the drafts it decodes with)
     accept: dict[str, int] = field(default_factory=dict)
+    # pause: its mode (`PAUSE_MODES`)
+    mode: str = ""
     expect: dict[str, Any] = field(default_factory=dict)
 
 
@@ -294,6 +303,11 @@ class SchedulerModelRun(Protocol):
 
     def abort(self, name: str) -> None: ...
 
+    def pause(self, mode: str) -> None:
+        """The engine pauses (`mode` one of `PAUSE_MODES`) or, with "",
+        resumes."""
+        ...
+
     def reset_prefix_cache(self, running: bool, connector: bool = False) -> tuple[bool, list[str]]:
         """Reset the prefix cache, preempting every running request first
         when `running`, and the KV connector's cache too when `connector`
@@ -334,6 +348,8 @@ class SchedulerTarget(Protocol):
     # The build takes streaming-input sessions (vLLM's resumable requests):
     # a trace with one is not applicable to a build without.
     streaming_input: bool
+    # The build's Scheduler has pause states: likewise for a trace that pauses.
+    pause_states: bool
 
     def add_request(
         self,
@@ -409,6 +425,10 @@ class SchedulerTarget(Protocol):
 
     def abort(self, name: str) -> None:
         """The client aborts request `name` (between engine steps)."""
+        ...
+
+    def pause(self, mode: str) -> None:
+        """As `SchedulerModelRun.pause`."""
         ...
 
     def reset_prefix_cache(self, running: bool, connector: bool = False) -> tuple[bool, list[str]]:

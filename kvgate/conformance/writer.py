@@ -147,6 +147,8 @@ def engine_step_dicts(engine: Iterable[EngineStep]) -> list[dict[str, Any]]:
             entry["running"] = True
         if event.op == "reset" and event.connector:
             entry["connector"] = True
+        if event.op == "pause":
+            entry["mode"] = event.mode
         if event.stop:
             entry["stop"] = list(event.stop)
         if event.accept:

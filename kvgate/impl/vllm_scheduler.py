@@ -657,6 +657,8 @@ class VllmScheduler:
             retain_retired=retains_retired(api, managers),
         )
         self.streaming_input = takes_streaming_input(api, scheduler)
+        # The engine's pauses (`pause_generation`) set the Scheduler's state.
+        self.pause_states = callable(getattr(scheduler, "set_pause_state", None))
         # The event batches the Scheduler published, not yet taken.
         self._published: list[Any] = []
         if config.kv_events:
@@ -980,6 +982,16 @@ class VllmScheduler:
         from vllm.v1.request import RequestStatus
 
         self._scheduler.finish_requests(name, RequestStatus.FINISHED_ABORTED)
+
+    def pause(self, mode: str) -> None:
+        from vllm.v1.core.sched.interface import PauseState
+
+        states = {
+            "keep": PauseState.PAUSED_ALL,
+            "wait": PauseState.PAUSED_NEW,
+            "": PauseState.UNPAUSED,
+        }
+        self._scheduler.set_pause_state(states[mode])
 
     def reset_prefix_cache(self, running: bool, connector: bool = False) -> tuple[bool, list[str]]:
         ok = bool(

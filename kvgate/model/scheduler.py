@@ -254,6 +254,8 @@ class SchedulerModel:
                 "the priority policy is modelled without lookahead block hashes",
             )
         self.arrivals = 0
+        # The engine's pause (`pause`): "" running, "keep" or "wait".
+        self.paused = ""
         # Async scheduling: the engine schedules the next batch while the
         # last one runs, so up to `ASYNC_BATCHES` batches are in flight.
         async_scheduling = self.async_scheduling = config.async_scheduling
@@ -738,6 +740,14 @@ class SchedulerModel:
                     return
         # Already finished: vLLM's Scheduler ignores the abort, and so does it.
 
+    def pause(self, mode: str) -> None:
+        """The engine pauses (`keep`: the Scheduler schedules nothing;
+        `wait`: what runs goes on, and of the waiting requests only those
+        holding KV blocks are admitted) or, with "", resumes."""
+        if mode and self.async_scheduling:
+            raise AsyncNotModelled("a pause under async scheduling is not modelled")
+        self.paused = mode
+
     def reset_prefix_cache(self, running: bool, connector: bool = False) -> tuple[bool, list[str]]:
         """The Scheduler's prefix-cache reset between steps (`reset`): with
         `running`, every running request preempted first, the last first, so
@@ -827,7 +837,8 @@ class SchedulerModel:
     def schedule(self, decisions: StepDecisions) -> list[LiveRequest]:
         """One scheduler step's allocations, recorded in `decisions`; the
         requests that generated their whole output."""
-        budget = self.config.max_num_scheduled_tokens
+        # Paused with `keep`, vLLM's Scheduler gives the step no budget.
+        budget = 0 if self.paused == "keep" else self.config.max_num_scheduled_tokens
         finished: list[LiveRequest] = []
         preempted = False
         self.encoder_budget = self.config.encoder_budget
@@ -928,8 +939,8 @@ class SchedulerModel:
             live.decoding = len(request.output) > outputs  # it sampled
             if len(request.output) >= live.max_tokens or (live.stopping and live.decoding):
                 finished.append(live)
-        if preempted:
-            # vLLM admits nothing in a step that preempted.
+        if preempted or self.paused == "keep":
+            # vLLM admits nothing in a step that preempted, nor while paused so.
             self._cadence_after(decisions, prefill_scheduled, admitted_prefill=False)
             return finished
         # Requests the scan passed over that hold blocks: back at the head of
@@ -949,7 +960,8 @@ class SchedulerModel:
         # scan admits.
         adapters = self._running_adapters()
         while budget > 0 and len(self.running) + paused < self.max_num_seqs:
-            queue = self.holding if self.holding else self.waiting
+            # Paused with `wait`: only the requests that hold blocks.
+            queue = self.holding if self.holding or self.paused else self.waiting
             if not queue:
                 break
             live = queue[0]

@@ -1,0 +1,101 @@
+"""The engine's pauses at the Scheduler level (`pause`, `resume`): how a
+trace reads them, what the scheduler model does under each mode, the
+bundled traces on vLLM's real `Scheduler`, and a Scheduler that ignores a
+pause, which the lockstep catches."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from configs import needs_vllm
+from test_scheduler_traces import run_vllm
+
+from kvgate import targets
+from kvgate.conformance.replay import TraceRunError
+from kvgate.conformance.scheduler_replay import replay_scheduler
+from kvgate.conformance.trace import Trace, TraceError, bundled_scheduler_corpus, parse_trace
+from kvgate.model.scheduler import SchedulerModel
+
+CORPUS = bundled_scheduler_corpus()
+KEEP = "sched-pause-keep-reset-resume"
+WAIT = "sched-pause-wait-admits-a-loaded-request"
+
+
+def text_of(name: str) -> str:
+    return (CORPUS / f"{name}.yaml").read_text()
+
+
+def trace_of(name: str, text: str | None = None) -> Trace:
+    return parse_trace(text_of(name) if text is None else text, f"{name}.yaml")
+
+
+def test_a_pause_mode_other_than_keep_or_wait_is_one_error_naming_it() -> None:
+    text = text_of(KEEP).replace("{op: pause, mode: keep}", "{op: pause, mode: abort}")
+    with pytest.raises(TraceError) as raised:
+        trace_of(KEEP, text)
+    message = str(raised.value)
+    assert "mode" in message and "keep, wait" in message and "\n" not in message
+
+
+def test_a_pause_under_async_scheduling_is_refused_by_name() -> None:
+    text = text_of(KEEP).replace("  retain_checkpoint: false\n", "  async_scheduling: true\n", 1)
+    text = text.replace("max_tokens: 6", "max_tokens: 1")
+    with pytest.raises(TraceError, match=r"config\.async_scheduling: a pause"):
+        replay_scheduler(trace_of(KEEP, text), SchedulerModel, None, "strict")
+
+
+@pytest.mark.parametrize("name", [KEEP, WAIT])
+def test_the_model_without_pauses_misses_the_traces_expectations(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert replay_scheduler(trace_of(name), SchedulerModel, None, "strict").passed
+    monkeypatch.setattr(SchedulerModel, "pause", lambda self, mode: None)
+    result = replay_scheduler(trace_of(name), SchedulerModel, None, "strict")
+    assert result.divergence is not None
+    assert (result.divergence.level, result.divergence.what) == ("expect", "scheduled")
+
+
+class _IgnoresPauses:
+    """vLLM's Scheduler whose engine never sets its pause state."""
+
+    def __init__(self, real: Any) -> None:
+        self.real = real
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+    def pause(self, mode: str) -> None:
+        return None
+
+
+@needs_vllm
+@pytest.mark.parametrize("name", [KEEP, WAIT])
+def test_a_scheduler_that_ignores_the_pause_diverges_in_the_next_step(name: str) -> None:
+    trace = trace_of(name)
+    assert run_vllm(trace).passed
+    result = run_vllm(trace, _IgnoresPauses)
+    paused = next(e.index for e in trace.engine if e.op == "pause")
+    first_step = next(e.index for e in trace.engine if e.op == "step" and e.index > paused)
+    # The step's expectation is missed, and the lockstep stops there.
+    lockstep = [d for d in result.failures if d.level == "api"]
+    assert lockstep and lockstep[0].step.index == first_step, result.failures
+
+
+@needs_vllm
+def test_a_scheduler_without_pause_states_finds_the_trace_not_applicable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kvgate.impl import vllm_scheduler
+
+    build = vllm_scheduler.VllmScheduler.__init__
+
+    def without(self: Any, *args: Any, **kwargs: Any) -> None:
+        build(self, *args, **kwargs)
+        self.pause_states = False
+
+    monkeypatch.setattr(vllm_scheduler.VllmScheduler, "__init__", without)
+    model, real = targets.scheduler_factories("vllm", None)
+    outcome = targets.run_scheduler_trace(trace_of(KEEP), model, real, "strict")
+    assert isinstance(outcome, TraceRunError) and outcome.config_refused, outcome
+    assert "mode: this vLLM's Scheduler has no pause states" in outcome.message
