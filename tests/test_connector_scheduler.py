@@ -716,3 +716,32 @@ def test_an_admission_whose_external_state_block_does_not_fit_waits() -> None:
     if divergence is not None:
         assert divergence.what == "schedule() raised", divergence
         assert str(divergence.actual).startswith("ValueError"), divergence
+
+
+@needs_vllm
+def test_exploration_tells_the_exact_fit_defect_apart() -> None:
+    """The divergence at that defect, fed step by step as exploration feeds
+    it: the model left an admission waiting in the very step vLLM's
+    `schedule()` ran out of blocks, which exploration counts and drops; a
+    ValueError in a step where the model left none waiting is not it."""
+    from kvgate.conformance.scheduler_replay import SchedulerLockstep
+    from kvgate.explore.scheduler_machine import is_exact_fit_defect
+    from kvgate.impl.vllm_scheduler import VllmScheduler
+
+    trace = parse_trace(EXACT_FIT_WITH_EXTERNAL_TOKENS, "fit.yaml")
+    assert trace.scheduler is not None
+    model = SchedulerModel(trace.config, trace.scheduler.spec, trace.scheduler.max_num_seqs)
+    real = VllmScheduler(trace.config, spec_tokens=1, max_num_seqs=4)
+    try:
+        lockstep = SchedulerLockstep(trace, model, real, "strict")
+        manager = model.oracle.manager
+        for event in trace.engine:
+            before = manager.external_admissions_refused
+            divergence = lockstep.apply(event)
+            if divergence is not None:
+                break
+    finally:
+        real.close()
+    assert divergence is not None
+    assert is_exact_fit_defect(divergence, manager.external_admissions_refused > before)
+    assert not is_exact_fit_defect(divergence, False)

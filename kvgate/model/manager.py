@@ -49,6 +49,11 @@ class KVCacheManager:
         self.coordinator = Coordinator(config)
         self.block_pool = self.coordinator.pool
         self.prefix_cache_stats = PrefixCacheStats()
+        # Admissions with a KV connector's tokens the model left waiting
+        # because their state block did not fit (`_external_admission_fits`),
+        # where vLLM 0.33.0 raises instead: exploration tells that defect
+        # apart by it.
+        self.external_admissions_refused = 0
 
     def record_prefix_cache_stats(self, request: Request, num_hits: int) -> None:
         if self.config.disable_log_stats or not self.lookup_enabled(request):
@@ -270,6 +275,7 @@ class KVCacheManager:
             num_tokens_main,
             reserved_blocks,
         ):
+            self.external_admissions_refused += 1
             return False
         if new_computed_blocks is not None or external > 0:
             coordinator.add_hit_blocks(rid, hit_blocks, num_local, external, skip_zeroing_group_ids)
