@@ -5,16 +5,23 @@ pause, which the lockstep catches."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 from configs import needs_vllm
 from test_scheduler_traces import run_vllm
 
-from kvgate import targets
+from kvgate import cli, targets
 from kvgate.conformance.replay import TraceRunError
 from kvgate.conformance.scheduler_replay import replay_scheduler
-from kvgate.conformance.trace import Trace, TraceError, bundled_scheduler_corpus, parse_trace
+from kvgate.conformance.trace import (
+    Trace,
+    TraceError,
+    bundled_scheduler_corpus,
+    load_trace,
+    parse_trace,
+)
 from kvgate.model.scheduler import SchedulerModel
 
 CORPUS = bundled_scheduler_corpus()
@@ -99,3 +106,30 @@ def test_a_scheduler_without_pause_states_finds_the_trace_not_applicable(
     outcome = targets.run_scheduler_trace(trace_of(KEEP), model, real, "strict")
     assert isinstance(outcome, TraceRunError) and outcome.config_refused, outcome
     assert "mode: this vLLM's Scheduler has no pause states" in outcome.message
+
+
+@needs_vllm
+def test_a_recording_keeps_each_pause_and_resume(tmp_path: Path) -> None:
+    """vLLM's Scheduler recorded while it runs the weight update's trace
+    (the other has a KV connector, which recordings leave out): the
+    recording carries the pause's mode and the resume, and replays on the
+    model and on vLLM; without its pause it no longer does."""
+    from kvgate.impl import recorder
+
+    trace = trace_of(KEEP)
+    recorder.install(tmp_path)
+    try:
+        assert run_vllm(trace).passed
+    finally:
+        recorder.uninstall()
+    [path] = sorted(tmp_path.iterdir())
+    recorded = load_trace(path)
+    ops = [(e.op, e.mode) for e in recorded.engine if e.op in ("pause", "resume")]
+    mode = next(e.mode for e in trace.engine if e.op == "pause")
+    assert ops == [("pause", mode), ("resume", "")]
+    assert cli.main(["replay", str(path), "--target", "model"]) == 0
+    assert cli.main(["replay", str(path), "--target", "vllm"]) == 0
+    drifted = tmp_path / "drifted.yaml"
+    drifted.write_text(path.read_text().replace(f"{{op: pause, mode: {mode}}}", "{op: resume}"))
+    assert drifted.read_text() != path.read_text()
+    assert cli.main(["replay", str(drifted), "--target", "model"]) == 1

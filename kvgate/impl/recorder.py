@@ -5,7 +5,8 @@ A vLLM general plugin (entry point group `vllm.general_plugins`, name
 environment; it wraps nothing unless `KVGATE_RECORD=DIR` is set when the
 process starts. Then `install()` wraps the entry points of vLLM's
 `Scheduler` class (its constructor, `add_request`, `schedule`,
-`update_from_output`, `finish_requests`, `reset_prefix_cache`, `shutdown`) and each
+`update_from_output`, `finish_requests`, `reset_prefix_cache`, `set_pause_state`,
+`shutdown`) and each
 `Scheduler` built afterwards writes its history to `DIR` as scheduler-level
 traces (docs/scheduler-traces.md): the config read from the engine's own
 KV-cache and scheduler settings, then one `engine` entry per call, with what
@@ -82,6 +83,7 @@ WRAPPED = (
     "update_from_output",
     "finish_requests",
     "reset_prefix_cache",
+    "set_pause_state",
     "shutdown",
 )
 
@@ -153,6 +155,8 @@ def install(
 
         settings = _Settings(directory, limits or RecordLimits(), opener or _open)
         for name in WRAPPED:
+            if name not in Scheduler.__dict__:
+                continue  # a release without it (pause states) never calls it
             original = Scheduler.__dict__[name]
             wrapper = (
                 _wrap_init(original, settings) if name == "__init__" else _wrap(name, original)
@@ -560,6 +564,8 @@ class _Recording:
             return [r for r in ids if r in self.requests and not self.requests[r].is_finished()]
         if call == "reset_prefix_cache" and self.pending is not None:
             raise NotExpressible("a prefix-cache reset between schedule() and its update")
+        if call == "set_pause_state" and self.pending is not None:
+            raise NotExpressible("a pause between schedule() and its update")
         if call == "schedule" and self.pending is not None:
             raise NotExpressible("two schedule() calls before an update (async scheduling)")
         return None
@@ -581,6 +587,10 @@ class _Recording:
             for request_id in before or ():
                 self.write({"op": "abort", "req": self.name(request_id)})
                 self.forget(request_id)
+        elif call == "set_pause_state":
+            state = kwargs.get("pause_state", args[0] if args else None)
+            mode = {"PAUSED_ALL": "keep", "PAUSED_NEW": "wait"}.get(getattr(state, "name", ""))
+            self.write({"op": "pause", "mode": mode} if mode else {"op": "resume"})
         elif call == "reset_prefix_cache":
             running = bool(kwargs.get("reset_running_requests", args[0] if args else False))
             connector = bool(kwargs.get("reset_connector", args[1] if len(args) > 1 else False))
