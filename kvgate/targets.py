@@ -148,6 +148,18 @@ def scheduler_factories(
     return model, build
 
 
+def _lacking(target: SchedulerTarget, trace: Trace) -> tuple[int, str, str] | None:
+    """What of `trace` the real scheduler cannot run (the trace is then not
+    applicable to it), as (step, field, why); None when it runs all of it."""
+    if trace.has_pauses and not target.pause_states:
+        first = next(e.index for e in trace.engine if e.op == "pause")
+        return first, "mode", "this vLLM's Scheduler has no pause states"
+    if trace.has_sessions and not target.streaming_input:
+        first = next(e.index for e in trace.engine if e.resumable)
+        return first, "resumable", "this vLLM's Scheduler takes no streaming-input sessions"
+    return None
+
+
 def run_scheduler_trace(
     trace: Trace,
     model: SchedulerModelFactory,
@@ -170,29 +182,11 @@ def run_scheduler_trace(
                 return TraceRunError(
                     trace, message, bug=False, seconds=seconds, config_refused=True
                 )
-            if target is not None and not target.pause_states and trace.has_pauses:
-                first = next(e.index for e in trace.engine if e.op == "pause")
-                refusal = TraceError(
-                    trace.path, first, "mode", "this vLLM's Scheduler has no pause states"
-                )
+            lacking = target is not None and _lacking(target, trace)
+            if lacking:
                 return TraceRunError(
                     trace,
-                    str(refusal),
-                    bug=False,
-                    seconds=time.perf_counter() - started,
-                    config_refused=True,
-                )
-            if target is not None and not target.streaming_input and trace.has_sessions:
-                first = next(e.index for e in trace.engine if e.resumable)
-                refusal = TraceError(
-                    trace.path,
-                    first,
-                    "resumable",
-                    "this vLLM's Scheduler takes no streaming-input sessions",
-                )
-                return TraceRunError(
-                    trace,
-                    str(refusal),
+                    str(TraceError(trace.path, *lacking)),
                     bug=False,
                     seconds=time.perf_counter() - started,
                     config_refused=True,

@@ -4,6 +4,7 @@ flight when its request was preempted, and drifts the lockstep catches."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -211,37 +212,19 @@ def test_a_resets_preemption_drops_the_output_in_flight() -> None:
     assert steps[9].finished == ["B"]
 
 
-class _PreemptionKeepsOutputInFlight:
-    """vLLM's Scheduler whose preemptions never drop the output of a batch
-    in flight (a reset's included)."""
+class _PreemptionSetsStaleOutput:
+    """vLLM's Scheduler whose preemptions always drop (`drop`) or always
+    deliver the output of a batch in flight, a reset's included."""
 
-    def __init__(self, real: Any) -> None:
+    def __init__(self, real: Any, drop: bool) -> None:
         self.real = real
         scheduler = real.scheduler
         preempt = scheduler._preempt_request
 
-        def keep(request: Any, timestamp: float, drop_stale_output: bool = False) -> None:
-            preempt(request, timestamp, drop_stale_output=False)
+        def preempting(request: Any, timestamp: float, drop_stale_output: bool = False) -> None:
+            preempt(request, timestamp, drop_stale_output=drop)
 
-        scheduler._preempt_request = keep
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.real, name)
-
-
-class _PreemptionDropsOutputInFlight:
-    """vLLM's Scheduler whose preemptions always drop the output of a batch
-    in flight."""
-
-    def __init__(self, real: Any) -> None:
-        self.real = real
-        scheduler = real.scheduler
-        preempt = scheduler._preempt_request
-
-        def drop(request: Any, timestamp: float, drop_stale_output: bool = False) -> None:
-            preempt(request, timestamp, drop_stale_output=True)
-
-        scheduler._preempt_request = drop
+        scheduler._preempt_request = preempting
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.real, name)
@@ -252,10 +235,11 @@ def test_the_output_of_a_preempted_requests_batch_is_checked_both_ways() -> None
     assert run_vllm(trace=PREEMPTED_IN_FLIGHT).passed
     assert run_vllm(trace=RESET_IN_FLIGHT).passed
     # Dropped where it is delivered: B is never reported finished there.
-    result = run_vllm(_PreemptionDropsOutputInFlight, PREEMPTED_IN_FLIGHT)
+    result = run_vllm(functools.partial(_PreemptionSetsStaleOutput, drop=True), PREEMPTED_IN_FLIGHT)
     assert result.divergence is not None
     assert (result.divergence.level, result.divergence.what) == ("expect", "finished")
     # Delivered where a reset drops it: the Scheduler then passes over the
     # reset's victims until that output is in, scheduling nothing after the reset.
-    index, level, what = where(run_vllm(_PreemptionKeepsOutputInFlight, RESET_IN_FLIGHT, "api"))
+    keeps = functools.partial(_PreemptionSetsStaleOutput, drop=False)
+    index, level, what = where(run_vllm(keeps, RESET_IN_FLIGHT, "api"))
     assert (index, level, what) == (7, "expect", "scheduled")

@@ -10,11 +10,10 @@ from typing import Any
 
 import pytest
 from configs import SMALL_SCHEDULER_TRACE_HEAD, needs_vllm
+from scheduler_runs import first_failure, run_model, run_vllm
 
 from kvgate.conformance.events import KvEvent
-from kvgate.conformance.replay import ReplayResult
 from kvgate.conformance.scheduler_replay import replay_scheduler
-from kvgate.conformance.scheduling import SchedulerTarget
 from kvgate.conformance.trace import (
     Trace,
     TraceError,
@@ -29,39 +28,11 @@ EVENTS_TRACE = CORPUS["sched-kv-events-store-evict-clear"]
 STATS_OFF_TRACE = CORPUS["sched-stats-off-next-turn-after-preempted"]
 
 
-def first_failure(result: ReplayResult) -> tuple[int, str, str]:
-    """Where a replay first failed: (engine entry, level, what)."""
-    divergence = result.divergence
-    assert divergence is not None
-    return divergence.step.index, divergence.level, divergence.what
-
-
 def engine_step_with(trace: Trace, wanted: Callable[[list[str]], bool]) -> int:
     """The index of the first engine step whose `events` expectation `wanted` accepts."""
     return next(
         e.index for e in trace.engine if e.op == "step" and wanted(e.expect.get("events", []))
     )
-
-
-def run_model(trace: Trace) -> ReplayResult:
-    return replay_scheduler(trace, SchedulerModel, None, "strict")
-
-
-def run_vllm(trace: Trace, wrap: Callable[[Any], SchedulerTarget] | None = None) -> ReplayResult:
-    from kvgate.impl.vllm_scheduler import VllmScheduler
-
-    assert trace.scheduler is not None
-    real = VllmScheduler(
-        trace.config,
-        spec_tokens=trace.scheduler.spec,
-        max_num_seqs=trace.scheduler.max_num_seqs,
-    )
-    try:
-        return replay_scheduler(
-            trace, SchedulerModel, real if wrap is None else wrap(real), "strict"
-        )
-    finally:
-        real.close()
 
 
 # -- the reader ---------------------------------------------------------------

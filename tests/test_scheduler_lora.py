@@ -12,43 +12,21 @@ from types import SimpleNamespace
 
 import pytest
 from configs import needs_vllm
-from test_scheduler_traces import run_vllm
+from scheduler_runs import first_failure, run_model, run_vllm, text_of, trace_of
 
 from kvgate import cli
 from kvgate.conformance.config import UnsupportedConfig
 from kvgate.conformance.ops import Segment
-from kvgate.conformance.replay import ReplayResult
-from kvgate.conformance.scheduler_replay import replay_scheduler
 from kvgate.conformance.tokens import HashInputs, lora_adapter_id
 from kvgate.conformance.trace import (
     Trace,
     TraceError,
-    bundled_scheduler_corpus,
     load_trace,
     parse_trace,
 )
 from kvgate.model.scheduler import LiveRequest, SchedulerModel
 
-CORPUS = bundled_scheduler_corpus()
 LIMIT = "sched-lora-limit-holds-a-third-adapter"
-
-
-def text_of(name: str) -> str:
-    return (CORPUS / f"{name}.yaml").read_text()
-
-
-def trace_of(name: str) -> Trace:
-    return parse_trace(text_of(name), f"{name}.yaml")
-
-
-def first_failure(result: ReplayResult) -> tuple[int, str, str]:
-    divergence = result.divergence
-    assert divergence is not None, "the replay passed"
-    return divergence.step.index, divergence.level, divergence.what
-
-
-def run_model(trace: Trace) -> ReplayResult:
-    return replay_scheduler(trace, SchedulerModel, None, "strict")
 
 
 def passed_over_step(trace: Trace) -> int:

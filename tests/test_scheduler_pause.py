@@ -10,31 +10,19 @@ from typing import Any
 
 import pytest
 from configs import needs_vllm
-from test_scheduler_traces import run_vllm
+from scheduler_runs import run_vllm, text_of, trace_of
 
 from kvgate import cli, targets
 from kvgate.conformance.replay import TraceRunError
 from kvgate.conformance.scheduler_replay import replay_scheduler
 from kvgate.conformance.trace import (
-    Trace,
     TraceError,
-    bundled_scheduler_corpus,
     load_trace,
-    parse_trace,
 )
 from kvgate.model.scheduler import SchedulerModel
 
-CORPUS = bundled_scheduler_corpus()
 KEEP = "sched-pause-keep-reset-resume"
 WAIT = "sched-pause-wait-admits-a-loaded-request"
-
-
-def text_of(name: str) -> str:
-    return (CORPUS / f"{name}.yaml").read_text()
-
-
-def trace_of(name: str, text: str | None = None) -> Trace:
-    return parse_trace(text_of(name) if text is None else text, f"{name}.yaml")
 
 
 def test_a_pause_mode_other_than_keep_or_wait_is_one_error_naming_it() -> None:

@@ -12,39 +12,21 @@ from typing import Any
 
 import pytest
 from configs import needs_vllm
-from test_scheduler_traces import run_vllm
+from scheduler_runs import first_failure, run_model, run_vllm, text_of, trace_of
 
 from kvgate import cli
 from kvgate.conformance.config import NotModelled, UnsupportedConfig
-from kvgate.conformance.replay import ReplayResult
-from kvgate.conformance.scheduler_replay import replay_scheduler
 from kvgate.conformance.trace import (
     Trace,
     TraceError,
-    bundled_scheduler_corpus,
     load_trace,
     parse_trace,
 )
 from kvgate.model.scheduler import LiveRequest, SchedulerModel, StepDecisions
 
-CORPUS = bundled_scheduler_corpus()
 LOWEST_PREEMPTS_ITSELF = "sched-priority-preempts-lowest-running"
 VICTIM_SCHEDULED_EARLIER = "sched-priority-victim-scheduled-earlier"
 RESET_AND_ABORT = "sched-priority-reset-and-abort"
-
-
-def text_of(name: str) -> str:
-    return (CORPUS / f"{name}.yaml").read_text()
-
-
-def trace_of(name: str) -> Trace:
-    return parse_trace(text_of(name), f"{name}.yaml")
-
-
-def first_failure(result: ReplayResult) -> tuple[int, str, str]:
-    divergence = result.divergence
-    assert divergence is not None, "the replay passed"
-    return divergence.step.index, divergence.level, divergence.what
 
 
 def preemption_step(trace: Trace) -> int:
@@ -104,10 +86,6 @@ def test_the_priority_policy_outside_what_is_modelled_is_refused_by_name(
 
 
 # -- drifts of the model, caught by the traces' own expectations ----------------
-
-
-def run_model(trace: Trace) -> ReplayResult:
-    return replay_scheduler(trace, SchedulerModel, None, "strict")
 
 
 def last_running(self: SchedulerModel) -> LiveRequest:

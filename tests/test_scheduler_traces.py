@@ -13,10 +13,11 @@ from typing import Any
 import pytest
 import yaml
 from configs import SMALL_SCHEDULER_TRACE_HEAD, needs_vllm
+from scheduler_runs import run_model, run_vllm
 
 from kvgate.conformance.replay import HOLD_NOTE, ReplayResult
 from kvgate.conformance.scheduler_replay import replay_scheduler
-from kvgate.conformance.scheduling import EngineSettings, RemoteHit, SchedulerTarget
+from kvgate.conformance.scheduling import EngineSettings, RemoteHit
 from kvgate.conformance.trace import (
     Trace,
     TraceError,
@@ -28,7 +29,6 @@ from kvgate.conformance.writer import dump_engine_trace
 from kvgate.model.scheduler import SchedulerModel
 
 CORPUS = load_corpus(bundled_scheduler_corpus())
-PLUGIN = "kvgate.impl.hold_overlay"
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -266,10 +266,6 @@ def test_the_corpus_covers_the_families_both_arms_and_the_scheduler_paths() -> N
     assert any(e.expect.get("preempted") for e in preempted.engine)
 
 
-def run_model(trace: Trace) -> ReplayResult:
-    return replay_scheduler(trace, SchedulerModel, None, "strict")
-
-
 @pytest.mark.parametrize("trace", CORPUS, ids=ids(CORPUS))
 def test_every_scheduler_trace_conforms_on_the_model(trace: Trace) -> None:
     result = run_model(trace)
@@ -343,24 +339,6 @@ def test_a_model_that_reports_cached_tokens_wrongly_misses_the_expectation(
 
 
 # -- on vLLM's real Scheduler ---------------------------------------------------
-
-
-def run_vllm(trace: Trace, wrap: Callable[[Any], SchedulerTarget] | None = None) -> ReplayResult:
-    from kvgate.impl.vllm_scheduler import VllmScheduler
-
-    assert trace.scheduler is not None
-    real = VllmScheduler(
-        trace.config,
-        spec_tokens=trace.scheduler.spec,
-        max_num_seqs=trace.scheduler.max_num_seqs,
-        plugin=PLUGIN if trace.config.hold or trace.config.retain_retired else None,
-    )
-    try:
-        return replay_scheduler(
-            trace, SchedulerModel, real if wrap is None else wrap(real), "strict"
-        )
-    finally:
-        real.close()
 
 
 @needs_vllm

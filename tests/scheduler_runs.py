@@ -1,0 +1,61 @@
+"""Replaying scheduler-level traces in tests: a bundled trace by name (its
+text, or the trace read from it, edited or not), a replay on kvgate's
+scheduler model alone or on vLLM's real `Scheduler` in lockstep with it,
+and where a replay first failed."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from kvgate.conformance.replay import ReplayResult
+from kvgate.conformance.scheduler_replay import replay_scheduler
+from kvgate.conformance.scheduling import SchedulerTarget
+from kvgate.conformance.trace import Trace, bundled_scheduler_corpus, parse_trace
+from kvgate.model.scheduler import SchedulerModel
+
+CORPUS_DIR = bundled_scheduler_corpus()
+# Loaded into vLLM for the traces that need the hold or the retention.
+PLUGIN = "kvgate.impl.hold_overlay"
+
+
+def text_of(name: str) -> str:
+    """The bundled scheduler-level trace `name`'s text."""
+    return (CORPUS_DIR / f"{name}.yaml").read_text()
+
+
+def trace_of(name: str, text: str | None = None) -> Trace:
+    """The bundled trace `name`, or `text` (an edit of it) read in its place."""
+    return parse_trace(text_of(name) if text is None else text, f"{name}.yaml")
+
+
+def run_model(trace: Trace) -> ReplayResult:
+    """`trace` on kvgate's scheduler model alone, at level strict."""
+    return replay_scheduler(trace, SchedulerModel, None, "strict")
+
+
+def run_vllm(trace: Trace, wrap: Callable[[Any], SchedulerTarget] | None = None) -> ReplayResult:
+    """`trace` on vLLM's `Scheduler` (`wrap`ped, to plant a drift) in
+    lockstep with the model, at level strict."""
+    from kvgate.impl.vllm_scheduler import VllmScheduler
+
+    assert trace.scheduler is not None
+    real = VllmScheduler(
+        trace.config,
+        spec_tokens=trace.scheduler.spec,
+        max_num_seqs=trace.scheduler.max_num_seqs,
+        plugin=PLUGIN if trace.config.hold or trace.config.retain_retired else None,
+    )
+    try:
+        return replay_scheduler(
+            trace, SchedulerModel, real if wrap is None else wrap(real), "strict"
+        )
+    finally:
+        real.close()
+
+
+def first_failure(result: ReplayResult) -> tuple[int, str, str]:
+    """Where `result` first failed: (step, level, what)."""
+    divergence = result.divergence
+    assert divergence is not None, "the replay passed"
+    return divergence.step.index, divergence.level, divergence.what
