@@ -309,7 +309,10 @@ class ManagerView:
             for i in range(entry.mapped, n):
                 known = key_of.setdefault(bytes(hashes[i]), keys[i])
                 if known != keys[i]:
-                    raise RuntimeError(f"{rid}: vLLM hash #{i} names both {known} and {keys[i]}")
+                    raise RuntimeError(
+                        f"{rid}: vLLM hashes its prefix {keys[i]} as it hashes another "
+                        f"prefix, {known}: two prefixes share one block hash"
+                    )
             entry.mapped = n
         self._dirty.clear()
 
