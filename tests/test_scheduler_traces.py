@@ -17,7 +17,7 @@ from scheduler_runs import run_model, run_vllm
 
 from kvgate.conformance.replay import HOLD_NOTE, ReplayResult
 from kvgate.conformance.scheduler_replay import replay_scheduler
-from kvgate.conformance.scheduling import EngineSettings, RemoteHit
+from kvgate.conformance.scheduling import EngineSettings, EngineStep, RemoteHit
 from kvgate.conformance.trace import (
     Trace,
     TraceError,
@@ -631,6 +631,9 @@ def _engine_fields(trace: Trace) -> list[tuple[object, ...]]:
             e.remote,
             e.priority,
             e.running,
+            e.mode,
+            e.stop,
+            e.accept,
             e.expect,
         )
         for e in trace.engine
@@ -645,6 +648,22 @@ def test_the_writer_writes_every_bundled_trace_back_as_read(trace: Trace) -> Non
     back = parse_trace(text)
     assert back.config == trace.config and back.scheduler == trace.scheduler
     assert _engine_fields(back) == _engine_fields(trace)
+
+
+def test_the_writer_runs_plain_steps_together_but_never_into_a_stop() -> None:
+    """A step with a stop condition applies to one step: the plain steps
+    after it are written as a run of their own."""
+    head = next(t for t in CORPUS if t.name == "sched-session-next-chunk-while-waiting")
+    engine = (
+        EngineStep("arrive", 0, req="A", prompt=head.engine[0].prompt, max_tokens=3),
+        EngineStep("step", 1, stop=("A",)),
+        EngineStep("step", 2),
+        EngineStep("step", 3),
+    )
+    text = dump_engine_trace("t", head.config, EngineSettings(), engine)
+    assert "{op: step, stop: [A]}" in text and "{op: step, steps: 2}" in text
+    back = parse_trace(text)
+    assert [e.stop for e in back.engine if e.op == "step"] == [("A",), (), ()]
 
 
 @needs_vllm

@@ -102,7 +102,9 @@ def engine_step_dicts(engine: Iterable[EngineStep]) -> list[dict[str, Any]]:
     for event in engine:
         if event.op == "step" and not event.expect and not event.stop:
             last = out[-1] if out else {}
-            if last.get("op") == "step" and "expect" not in last:
+            # Only a plain step takes the ones after it (`stop`, `accept` and
+            # `expect` apply to one step).
+            if last.get("op") == "step" and not {"expect", "stop", "accept"} & last.keys():
                 last["steps"] = last.get("steps", 1) + 1
             else:
                 out.append({"op": "step"})

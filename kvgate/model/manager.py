@@ -187,21 +187,24 @@ class KVCacheManager:
             total_computed=computed + external,
         )
 
-    def blocks_to_finish(self, request: Request, num_computed: int, slots: int) -> int:
+    def blocks_to_finish(
+        self, request: Request, num_computed: int, slots: int, num_tokens: int | None = None
+    ) -> int:
         """Blocks `request` still needs to hold its whole sequence (its
-        tokens, capped at max_model_len, plus `slots` speculative slots) from
-        `num_computed` tokens, admission cap on: what vLLM's Scheduler keeps
-        free for each in-flight prefill when it admits an async KV load
-        (`_request_remaining_blocks`)."""
-        num_tokens = min(request.num_tokens, self.config.max_model_len)
+        tokens, or `num_tokens` of them, capped at max_model_len, plus `slots`
+        speculative slots) from `num_computed` tokens, admission cap on: what
+        vLLM's Scheduler keeps free for each in-flight prefill when it admits
+        an async KV load (`_request_remaining_blocks`)."""
+        tokens = request.num_tokens if num_tokens is None else num_tokens
+        capped = min(tokens, self.config.max_model_len)
         return self.coordinator.blocks_needed(
             request.request_id,
-            num_tokens + slots,
+            capped + slots,
             self._no_hit(),
             num_computed,
-            num_tokens,
+            capped,
             True,
-            prefill_end=self._prefill_end(request),
+            prefill_end=max(request.num_prompt_tokens, tokens - 1),
             total_computed=num_computed,
         )
 

@@ -1315,8 +1315,14 @@ class SchedulerModel:
         inflight = [
             live for live in self.running if not live.decoding or live.name in prefilling
         ] + holding
+        # Each as the Scheduler holds it during the scan: a token this step
+        # sampled is not in its sequence yet.
+        tokens = self._tokens_at_step_start
         reserved = sum(
-            manager.blocks_to_finish(live.request, live.sched_computed, slots) for live in inflight
+            manager.blocks_to_finish(
+                live.request, live.sched_computed, slots, tokens.get(live.name)
+            )
+            for live in inflight
         )
         return reserved + sum(
             -(-slots // group.block_size)
