@@ -1,17 +1,19 @@
 """Replaying scheduler-level traces in tests: a bundled trace by name (its
 text, or the trace read from it, edited or not), a replay on kvgate's
-scheduler model alone or on vLLM's real `Scheduler` in lockstep with it,
-and where a replay first failed."""
+scheduler model alone or on vLLM's real `Scheduler` in lockstep with it
+(with the recorder on, too), where a replay first failed, and the error a
+bad trace reads as."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from kvgate.conformance.replay import ReplayResult
 from kvgate.conformance.scheduler_replay import replay_scheduler
 from kvgate.conformance.scheduling import SchedulerTarget
-from kvgate.conformance.trace import Trace, bundled_scheduler_corpus, parse_trace
+from kvgate.conformance.trace import Trace, TraceError, bundled_scheduler_corpus, parse_trace
 from kvgate.model.scheduler import SchedulerModel
 
 CORPUS_DIR = bundled_scheduler_corpus()
@@ -59,3 +61,28 @@ def first_failure(result: ReplayResult) -> tuple[int, str, str]:
     divergence = result.divergence
     assert divergence is not None, "the replay passed"
     return divergence.step.index, divergence.level, divergence.what
+
+
+def read_error(text: str) -> TraceError:
+    """The error reading `text` (as `bad.yaml`) raises: one line, naming the file."""
+    try:
+        parse_trace(text, "bad.yaml")
+    except TraceError as error:
+        line = str(error)
+        assert "\n" not in line and line.startswith("bad.yaml: "), line
+        return error
+    raise AssertionError("the trace was read")
+
+
+def recorded(trace: Trace, out: Path) -> Path:
+    """`trace` replayed on vLLM's Scheduler with kvgate's recorder writing to
+    `out` (it must pass): the one recording."""
+    from kvgate.impl import recorder
+
+    recorder.install(out)
+    try:
+        assert run_vllm(trace).passed
+    finally:
+        recorder.uninstall()
+    [path] = sorted(out.iterdir())
+    return path

@@ -175,7 +175,7 @@ def test_an_engine_that_keeps_other_batches_in_flight_diverges() -> None:
     assert (index, level) == (1, "api") and what.endswith("batches in flight")
 
 
-def run_model(trace: Trace) -> list[tuple[int, Any]]:
+def decisions_by_step(trace: Trace) -> list[tuple[int, Any]]:
     """The scheduler model's decisions at each engine step of `trace`."""
     model = SchedulerModel(trace.config, 0, 4)
     steps = []
@@ -194,7 +194,7 @@ def run_model(trace: Trace) -> list[tuple[int, Any]]:
 
 
 def test_a_request_preempted_with_its_last_chunk_in_flight_finishes_with_that_token() -> None:
-    steps = dict(run_model(PREEMPTED_IN_FLIGHT))
+    steps = dict(decisions_by_step(PREEMPTED_IN_FLIGHT))
     preempting = steps[6]
     assert preempting.preempted == ["B"] and preempting.finished == ["B"]
     # Its first output reads the cache estimate after its blocks were freed.
@@ -204,7 +204,7 @@ def test_a_request_preempted_with_its_last_chunk_in_flight_finishes_with_that_to
 
 
 def test_a_resets_preemption_drops_the_output_in_flight() -> None:
-    steps = dict(run_model(RESET_IN_FLIGHT))
+    steps = dict(decisions_by_step(RESET_IN_FLIGHT))
     # B's token sampled in the batch in flight at the reset is not delivered:
     # B runs its prompt again and finishes with a token sampled anew.
     after_reset = steps[7]

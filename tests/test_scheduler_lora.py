@@ -12,7 +12,15 @@ from types import SimpleNamespace
 
 import pytest
 from configs import needs_vllm
-from scheduler_runs import first_failure, run_model, run_vllm, text_of, trace_of
+from scheduler_runs import (
+    first_failure,
+    read_error,
+    recorded,
+    run_model,
+    run_vllm,
+    text_of,
+    trace_of,
+)
 
 from kvgate import cli
 from kvgate.conformance.config import UnsupportedConfig
@@ -58,13 +66,8 @@ def test_adapters_and_the_limit_are_read() -> None:
 def test_an_adapter_without_a_lora_config_or_a_bad_one_is_one_error(
     old: str, new: str, step: int | None, field: str
 ) -> None:
-    text = text_of(LIMIT).replace(old, new, 1)
-    with pytest.raises(TraceError) as raised:
-        parse_trace(text, "bad.yaml")
-    error = raised.value
-    line = str(error)
-    assert (error.step_index, error.field) == (step, field), line
-    assert "\n" not in line and line.startswith("bad.yaml: ")
+    error = read_error(text_of(LIMIT).replace(old, new, 1))
+    assert (error.step_index, error.field) == (step, field), str(error)
 
 
 # -- the model's rule -----------------------------------------------------------
@@ -214,18 +217,10 @@ def test_a_recording_keeps_the_limit_and_each_adapter(tmp_path: Path) -> None:
     """vLLM's Scheduler recorded while it runs the LoRA trace: the recording
     carries max_loras and each arrival's adapter (a hash of its name, one per
     adapter), and replays on the model and on vLLM as the trace did."""
-    from kvgate.impl import recorder
-
-    trace = trace_of(LIMIT)
-    recorder.install(tmp_path)
-    try:
-        assert run_vllm(trace).passed
-    finally:
-        recorder.uninstall()
-    [path] = sorted(tmp_path.iterdir())
-    recorded = load_trace(path)
-    assert recorded.config.max_loras == 2
-    adapters = [e.lora for e in recorded.engine if e.op == "arrive"]
+    path = recorded(trace_of(LIMIT), tmp_path)
+    recording = load_trace(path)
+    assert recording.config.max_loras == 2
+    adapters = [e.lora for e in recording.engine if e.op == "arrive"]
     assert all(re.fullmatch(r"lora-[0-9a-f]{16}", a) for a in adapters), adapters
     assert adapters[0] == adapters[3] and len(set(adapters)) == 3
     assert cli.main(["replay", str(path), "--target", "model"]) == 0

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 from configs import needs_vllm
-from scheduler_runs import run_vllm, text_of, trace_of
+from scheduler_runs import recorded, run_vllm, text_of, trace_of
 
 from kvgate import cli, targets
 from kvgate.conformance.replay import TraceRunError
@@ -102,17 +102,10 @@ def test_a_recording_keeps_each_pause_and_resume(tmp_path: Path) -> None:
     (the other has a KV connector, which recordings leave out): the
     recording carries the pause's mode and the resume, and replays on the
     model and on vLLM; without its pause it no longer does."""
-    from kvgate.impl import recorder
-
     trace = trace_of(KEEP)
-    recorder.install(tmp_path)
-    try:
-        assert run_vllm(trace).passed
-    finally:
-        recorder.uninstall()
-    [path] = sorted(tmp_path.iterdir())
-    recorded = load_trace(path)
-    ops = [(e.op, e.mode) for e in recorded.engine if e.op in ("pause", "resume")]
+    path = recorded(trace, tmp_path)
+    recording = load_trace(path)
+    ops = [(e.op, e.mode) for e in recording.engine if e.op in ("pause", "resume")]
     mode = next(e.mode for e in trace.engine if e.op == "pause")
     assert ops == [("pause", mode), ("resume", "")]
     assert cli.main(["replay", str(path), "--target", "model"]) == 0

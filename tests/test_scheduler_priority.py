@@ -12,15 +12,21 @@ from typing import Any
 
 import pytest
 from configs import needs_vllm
-from scheduler_runs import first_failure, run_model, run_vllm, text_of, trace_of
+from scheduler_runs import (
+    first_failure,
+    read_error,
+    recorded,
+    run_model,
+    run_vllm,
+    text_of,
+    trace_of,
+)
 
 from kvgate import cli
 from kvgate.conformance.config import NotModelled, UnsupportedConfig
 from kvgate.conformance.trace import (
     Trace,
-    TraceError,
     load_trace,
-    parse_trace,
 )
 from kvgate.model.scheduler import LiveRequest, SchedulerModel, StepDecisions
 
@@ -55,13 +61,8 @@ def preemption_step(trace: Trace) -> int:
 def test_a_bad_policy_or_priority_is_one_error_naming_step_and_field(
     old: str, new: str, step: int | None, field: str
 ) -> None:
-    text = text_of(RESET_AND_ABORT).replace(old, new, 1)
-    with pytest.raises(TraceError) as raised:
-        parse_trace(text, "bad.yaml")
-    error = raised.value
-    line = str(error)
-    assert (error.step_index, error.field) == (step, field), line
-    assert "\n" not in line and line.startswith("bad.yaml: ")
+    error = read_error(text_of(RESET_AND_ABORT).replace(old, new, 1))
+    assert (error.step_index, error.field) == (step, field), str(error)
 
 
 def test_priorities_read_with_zero_by_default() -> None:
@@ -199,18 +200,11 @@ def test_a_recording_under_the_priority_policy_keeps_each_priority(tmp_path: Pat
     """vLLM's Scheduler recorded while it runs a priority trace: the recording
     carries the policy and each arrival's priority, and replays on the model
     and on vLLM as the trace did."""
-    from kvgate.impl import recorder
-
     trace = trace_of(RESET_AND_ABORT)
-    recorder.install(tmp_path)
-    try:
-        assert run_vllm(trace).passed
-    finally:
-        recorder.uninstall()
-    [path] = sorted(tmp_path.iterdir())
-    recorded = load_trace(path)
-    assert recorded.config.scheduling_policy == "priority"
-    arrivals = [e.priority for e in recorded.engine if e.op == "arrive"]
+    path = recorded(trace, tmp_path)
+    recording = load_trace(path)
+    assert recording.config.scheduling_policy == "priority"
+    arrivals = [e.priority for e in recording.engine if e.op == "arrive"]
     assert arrivals == [e.priority for e in trace.engine if e.op == "arrive"]
     assert cli.main(["replay", str(path), "--target", "model"]) == 0
     assert cli.main(["replay", str(path), "--target", "vllm"]) == 0
