@@ -330,7 +330,10 @@ def test_a_model_that_reports_cached_tokens_wrongly_misses_the_expectation(
     monkeypatch.setattr(
         SchedulerModel,
         "_prefill_stats",
-        lambda self, live: (reported(self, live)[0] + 8, reported(self, live)[1]),
+        lambda self, live, preempted: (
+            reported(self, live, preempted)[0] + 8,
+            reported(self, live, preempted)[1],
+        ),
     )
     trace = by_name("sched-gdn-triton-next-turn-after-burst.hold-on")
     result = run_model(trace)

@@ -188,15 +188,15 @@ class KVCacheManager:
         )
 
     def blocks_to_finish(
-        self, request: Request, num_computed: int, slots: int, num_tokens: int | None = None
+        self, request: Request, num_computed: int, num_tokens: int, slots: int
     ) -> int:
         """Blocks `request` still needs to hold its whole sequence (its
-        tokens, or `num_tokens` of them, capped at max_model_len, plus `slots`
-        speculative slots) from `num_computed` tokens, admission cap on: what
-        vLLM's Scheduler keeps free for each in-flight prefill when it admits
-        an async KV load (`_request_remaining_blocks`)."""
-        tokens = request.num_tokens if num_tokens is None else num_tokens
-        capped = min(tokens, self.config.max_model_len)
+        first `num_tokens` tokens, as the Scheduler's scan has them, capped
+        at max_model_len, plus `slots` speculative slots) from `num_computed`
+        tokens, admission cap on: what vLLM's Scheduler keeps free for each
+        in-flight prefill when it admits an async KV load
+        (`_request_remaining_blocks`)."""
+        capped = min(num_tokens, self.config.max_model_len)
         return self.coordinator.blocks_needed(
             request.request_id,
             capped + slots,
@@ -204,7 +204,7 @@ class KVCacheManager:
             num_computed,
             capped,
             True,
-            prefill_end=max(request.num_prompt_tokens, tokens - 1),
+            prefill_end=self._prefill_end(request, num_tokens),
             total_computed=num_computed,
         )
 
@@ -398,9 +398,11 @@ class KVCacheManager:
         self.coordinator.new_step()
 
     @staticmethod
-    def _prefill_end(request: Request) -> int:
-        # The scheduler's: a resumed request replays its output as prefill.
-        return max(request.num_prompt_tokens, request.num_tokens - 1)
+    def _prefill_end(request: Request, num_tokens: int | None = None) -> int:
+        # The scheduler's: a resumed request replays its output as prefill
+        # (`num_tokens`: the request's tokens as the scan has them).
+        tokens = request.num_tokens if num_tokens is None else num_tokens
+        return max(request.num_prompt_tokens, tokens - 1)
 
     def _no_hit(self) -> HitBlocks:
         return tuple([] for _ in self.coordinator.managers)

@@ -580,10 +580,6 @@ class SchedulerModel:
             stale = self._stale_output(live, batch)
             if stale and live.drop_stale:
                 continue
-            if stale and tokens:
-                # Preempted since: its blocks are freed, so the prefix
-                # cache's estimate, read with the output, finds none of them.
-                live.cache_estimate = int(self.oracle.estimate_cached_tokens(live.request))
             decisions.sampled[name] = tokens
             # The items whose tokens are computed go back to the encoder
             # cache, then, when it finishes, all it still holds.
@@ -594,7 +590,7 @@ class SchedulerModel:
                 self.encoder.release_all(name)
             if tokens and not live.stats_reported:
                 live.stats_reported = True
-                decisions.prefill_stats[name] = self._prefill_stats(live)
+                decisions.prefill_stats[name] = self._prefill_stats(live, stale)
         # Under `fail`, a failed load ends its request with an error once
         # the step's finishes are freed (vLLM frees its blocks with the
         # worker's report).
@@ -700,14 +696,18 @@ class SchedulerModel:
         """A batch that scheduled `live` is still in flight."""
         return live.last_batch > self.batches_processed
 
-    def _prefill_stats(self, live: LiveRequest) -> tuple[int, int]:
+    def _prefill_stats(self, live: LiveRequest, preempted: bool) -> tuple[int, int]:
         """A request's prefill stats as its first output reports them: the
         tokens it was admitted with, and what its prefill added to the
-        prefix cache (the cache's estimate past them, within its prompt)."""
+        prefix cache (the cache's estimate past them, within its prompt).
+        The estimate is read with the output where it differs from the one
+        the prefill's allocation left: under lookahead hashes, and for a
+        request preempted (`preempted`) while the batch ran."""
         cached = live.cached_at_admission or 0
-        if self.config.hash_lookahead_tokens:
-            # The output's re-cache keys the prompt's last block (its lookahead
-            # token is the one sampled), at the drain: read the estimate after.
+        if self.config.hash_lookahead_tokens or preempted:
+            # Lookahead hashes: the output's re-cache keys the prompt's last
+            # block (its lookahead token is the one sampled), at the drain.
+            # Preempted: its blocks are freed, so the estimate finds none.
             live.cache_estimate = int(self.oracle.estimate_cached_tokens(live.request))
         estimate = min(live.cache_estimate, live.request.num_prompt_tokens)
         return cached, max(0, estimate - cached)
@@ -1319,9 +1319,7 @@ class SchedulerModel:
         # sampled is not in its sequence yet.
         tokens = self._tokens_at_step_start
         reserved = sum(
-            manager.blocks_to_finish(
-                live.request, live.sched_computed, slots, tokens.get(live.name)
-            )
+            manager.blocks_to_finish(live.request, live.sched_computed, tokens[live.name], slots)
             for live in inflight
         )
         return reserved + sum(
