@@ -19,12 +19,12 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from kvgate.conformance.config import Config
-from kvgate.conformance.ops import Step
 from kvgate.conformance.replay import replay
-from kvgate.conformance.target import Target, WatchedTarget
 from kvgate.conformance.trace import Trace, bundled_corpus, load_corpus
 from kvgate.model import ModelTarget
+from kvgate.vocabulary.config import Config
+from kvgate.vocabulary.ops import Step
+from kvgate.vocabulary.target import Target, WatchedTarget
 
 
 def take_snapshot(step: Step, target: Target) -> None:

@@ -25,10 +25,10 @@ from collections.abc import Callable, Sequence
 from contextlib import closing
 from pathlib import Path
 
-from kvgate.conformance.config import Config
 from kvgate.conformance.replay import replay
-from kvgate.conformance.target import Target
 from kvgate.conformance.trace import Trace, load_trace
+from kvgate.vocabulary.config import Config
+from kvgate.vocabulary.target import Target
 from kvgate.workload.command import add_workload_arguments, workload_of
 from kvgate.workload.progress import Progress
 from kvgate.workload.runner import Arm, write_traces

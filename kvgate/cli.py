@@ -55,7 +55,6 @@ from kvgate.conformance.selection import (
     SelectionError,
     describe,
 )
-from kvgate.conformance.target import Capabilities
 from kvgate.conformance.trace import (
     Trace,
     TraceError,
@@ -97,6 +96,7 @@ from kvgate.targets import (
     run_trace,
     scheduler_factories,
 )
+from kvgate.vocabulary.target import Capabilities
 
 # Further commands, each a module with `register(subparsers)` that adds its
 # parser and sets `handler(args) -> exit code` on it. A handler raises

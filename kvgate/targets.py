@@ -16,7 +16,6 @@ import time
 from collections.abc import Callable
 from typing import cast
 
-from kvgate.conformance.config import Config, UnsupportedConfig
 from kvgate.conformance.refusal import judge_refusal, refused_for_lacking
 from kvgate.conformance.replay import (
     Level,
@@ -28,10 +27,11 @@ from kvgate.conformance.replay import (
     replay,
 )
 from kvgate.conformance.scheduler_replay import SchedulerModelFactory, replay_scheduler
-from kvgate.conformance.scheduling import SchedulerTarget
-from kvgate.conformance.target import Target
 from kvgate.conformance.trace import Trace, TraceError
 from kvgate.errors import InputError
+from kvgate.vocabulary.config import Config, UnsupportedConfig
+from kvgate.vocabulary.scheduling import SchedulerTarget
+from kvgate.vocabulary.target import Target
 
 # Where each target lives, as "module:factory", imported only when chosen.
 TARGETS: dict[str, str] = {
@@ -40,7 +40,7 @@ TARGETS: dict[str, str] = {
 }
 # The target every other one is compared with, step by step.
 LOCKSTEP_MODEL = "model"
-# Scheduler-level targets (`conformance.scheduling.SchedulerTarget`): a whole
+# Scheduler-level targets (`vocabulary.scheduling.SchedulerTarget`): a whole
 # scheduler owning its manager, run beside kvgate's scheduler model.
 SCHEDULER_TARGETS: dict[str, str] = {
     "vllm-scheduler": "kvgate.impl.vllm_scheduler:VllmScheduler",

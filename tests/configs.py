@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from kvgate.conformance.config import Config, GroupConfig
+from kvgate.vocabulary.config import Config, GroupConfig
 
 # The seed scenario as a `Config`, the hold on.
 EXAMPLE_CONFIG = Config(

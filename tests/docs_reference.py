@@ -24,13 +24,13 @@ import argparse  # noqa: E402
 
 from kvgate import cli  # noqa: E402
 from kvgate.conformance.limits import DEFAULT_LIMITS, Limits  # noqa: E402
-from kvgate.conformance.schema import config_fields_table, group_fields_table  # noqa: E402
 from kvgate.errors import EXIT_CODES, EXIT_PRECEDENCE  # noqa: E402
 from kvgate.explore import command as explore_command  # noqa: E402
 from kvgate.explore.knobs import knobs_by_field  # noqa: E402
 from kvgate.invariants.catalogue import CATALOGUE, LEMMAS  # noqa: E402
 from kvgate.invariants.z3 import command as prove_command  # noqa: E402
 from kvgate.mutate import command as mutate_command  # noqa: E402
+from kvgate.vocabulary.schema import config_fields_table, group_fields_table  # noqa: E402
 from kvgate.workload import command as workload_command  # noqa: E402
 
 CHECKED_BY = {

@@ -13,10 +13,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvgate.conformance.config import Config, UnsupportedConfig
-from kvgate.conformance.ops import Step
-from kvgate.conformance.snapshot import BlockView, Snapshot
-from kvgate.conformance.target import Capabilities, StepRefused
+from kvgate.vocabulary.config import Config, UnsupportedConfig
+from kvgate.vocabulary.ops import Step
+from kvgate.vocabulary.snapshot import BlockView, Snapshot
+from kvgate.vocabulary.target import Capabilities, StepRefused
 
 CHUNK = 64
 FOLLOW_UP_HIT = 8

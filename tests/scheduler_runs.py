@@ -12,9 +12,9 @@ from typing import Any
 
 from kvgate.conformance.replay import ReplayResult
 from kvgate.conformance.scheduler_replay import replay_scheduler
-from kvgate.conformance.scheduling import SchedulerTarget
 from kvgate.conformance.trace import Trace, TraceError, bundled_scheduler_corpus, parse_trace
 from kvgate.model.scheduler import SchedulerModel
+from kvgate.vocabulary.scheduling import SchedulerTarget
 
 CORPUS_DIR = bundled_scheduler_corpus()
 # Loaded into vLLM for the traces that need the hold or the retention.

@@ -6,11 +6,11 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from kvgate.conformance import driver
-from kvgate.conformance.ops import ACTIONS, PRIMITIVE_OPS, Action, next_phase
 from kvgate.conformance.trace import bundled_corpus, load_corpus, parse_trace
 from kvgate.conformance.writer import dump_trace
+from kvgate.driver import op_driver as driver
 from kvgate.model.target import ModelTarget
+from kvgate.vocabulary.ops import ACTIONS, PRIMITIVE_OPS, Action, next_phase
 
 
 def test_the_driver_runs_exactly_the_primitive_ops() -> None:

@@ -11,12 +11,13 @@ from typing import Any
 import pytest
 from configs import hybrid_config, needs_vllm, small_trace
 
-from kvgate.conformance.config import GroupConfig, UnsupportedConfig, validate
 from kvgate.conformance.replay import replay
 from kvgate.conformance.trace import Trace, TraceError, bundled_corpus, load_corpus, parse_trace
 from kvgate.conformance.writer import config_dict
 from kvgate.model import ModelTarget
 from kvgate.model.request import Request
+from kvgate.model.scope import validate
+from kvgate.vocabulary.config import GroupConfig, UnsupportedConfig
 
 CORPUS = {t.name: t for t in load_corpus(bundled_corpus())}
 

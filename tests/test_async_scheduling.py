@@ -13,7 +13,6 @@ from configs import needs_vllm
 
 from kvgate.conformance.replay import Level, ReplayResult
 from kvgate.conformance.scheduler_replay import replay_scheduler
-from kvgate.conformance.scheduling import DeferredFree, SchedulerTarget
 from kvgate.conformance.trace import (
     Trace,
     TraceError,
@@ -22,6 +21,7 @@ from kvgate.conformance.trace import (
     parse_trace,
 )
 from kvgate.model.scheduler import SchedulerModel
+from kvgate.vocabulary.scheduling import DeferredFree, SchedulerTarget
 
 CORPUS = {t.name: t for t in load_corpus(bundled_scheduler_corpus())}
 TRACE = CORPUS["sched-async-abort-frees-after-batch"]

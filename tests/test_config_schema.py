@@ -1,4 +1,4 @@
-"""The config schema (`kvgate.conformance.schema`) is the one home of a trace
+"""The config schema (`kvgate.vocabulary.schema`) is the one home of a trace
 config's fields: `Config`, the reader, the writer, exploration's knobs and
 the knob reference page all agree with it."""
 
@@ -12,17 +12,17 @@ import yaml
 from configs import EXAMPLE_CONFIG
 from docs_reference import stale_parts
 
-from kvgate.conformance.config import Config, GroupConfig
-from kvgate.conformance.ops import Step
-from kvgate.conformance.schema import (
+from kvgate.conformance.trace import parse_trace
+from kvgate.conformance.writer import dump_trace
+from kvgate.explore.knobs import KNOBS, build, knobs_by_field
+from kvgate.vocabulary.config import Config, GroupConfig
+from kvgate.vocabulary.ops import Step
+from kvgate.vocabulary.schema import (
     BY_KEY,
     CONFIG_FIELDS,
     CONFIG_KEYS,
     FROM_CONFIG,
 )
-from kvgate.conformance.trace import parse_trace
-from kvgate.conformance.writer import dump_trace
-from kvgate.explore.knobs import KNOBS, build, knobs_by_field
 
 # The config each case changes one field of: the docs' example, eagle and
 # the hold off (their defaults).

@@ -16,15 +16,15 @@ from configs import EXAMPLE_TRACE_CONFIG, needs_vllm, trace_text
 from hypothesis import Phase
 
 from kvgate.conformance.macros import expand, prefill_steps
-from kvgate.conformance.ops import Step
 from kvgate.conformance.replay import replay
-from kvgate.conformance.target import StepRefused
 from kvgate.conformance.trace import Trace, TraceError, bundled_corpus, load_corpus, parse_trace
 from kvgate.conformance.writer import dump_trace
 from kvgate.explore.differential import differential_mode
 from kvgate.explore.profiles import profile
 from kvgate.explore.runner import explore
 from kvgate.model import ModelTarget
+from kvgate.vocabulary.ops import Step
+from kvgate.vocabulary.target import StepRefused
 
 # The shared example config with a KV connector (the connector fields below
 # are refused without it, so a config missing it fails every test here).
@@ -55,8 +55,9 @@ def test_lookahead_hashes_with_a_connector_are_not_modelled() -> None:
     history production never runs: refused by name (the real-Scheduler
     target's refusal checks vLLM's own derived value), and exploration keeps
     the connector off where it drew lookahead hashes."""
-    from kvgate.conformance.config import NotModelled, validate
     from kvgate.explore import knobs
+    from kvgate.model.scope import validate
+    from kvgate.vocabulary.config import NotModelled
 
     config = parse_trace(trace_text("- {op: step}\n", CONNECTOR_CONFIG)).config
     with pytest.raises(NotModelled) as refused:

@@ -25,12 +25,12 @@ import pytest
 from configs import EXAMPLE_CONFIG, needs_vllm
 
 from kvgate import targets
-from kvgate.conformance.config import UnsupportedConfig
 from kvgate.conformance.replay import replay
 from kvgate.conformance.scheduler_replay import replay_scheduler
-from kvgate.conformance.scheduling import ScheduledStep
 from kvgate.conformance.trace import Trace, TraceError, parse_trace
 from kvgate.model.scheduler import SchedulerModel
+from kvgate.vocabulary.config import UnsupportedConfig
+from kvgate.vocabulary.scheduling import ScheduledStep
 from kvgate.workload.deployment import Deployment
 from kvgate.workload.lockstep import scheduler_arm
 from kvgate.workload.plan import Workload
@@ -382,8 +382,8 @@ def test_a_driver_that_drifts_from_the_schedulers_connector_branch_diverges(
     case: Case,
     seen: str,
 ) -> None:
-    from kvgate.conformance import kv_loads
-    from kvgate.conformance.driver import OpDriver
+    from kvgate.driver import kv_loads
+    from kvgate.driver.op_driver import OpDriver
     from kvgate.model import scheduler as scheduler_model
 
     if drift == "reserved":
@@ -422,7 +422,7 @@ def test_an_ended_request_frees_its_skipped_states_before_the_connector_sees_it(
     frees its state two steps back first, which moves it in the free queue.
     A 100-token prompt with 30 output tokens ends at 129 computed tokens,
     one past the fourth 32-token block."""
-    from kvgate.conformance.driver import OpDriver
+    from kvgate.driver.op_driver import OpDriver
     from kvgate.impl.vllm_scheduler import VllmScheduler
     from kvgate.workload.deployment import Serving
     from kvgate.workload.lockstep import run_on_scheduler
@@ -538,11 +538,11 @@ def test_a_failed_async_load_under_policy_fail_ends_the_request_as_the_driver_do
     same pool: the same free queue, every block at ref 0, no table."""
     from vllm.v1.request import RequestStatus
 
-    from kvgate.conformance.ops import Segment, Step
     from kvgate.conformance.trace import parse_trace
     from kvgate.conformance.writer import dump_trace
     from kvgate.impl.vllm_scheduler import ConnectorSettings, VllmScheduler
     from kvgate.model import ModelTarget
+    from kvgate.vocabulary.ops import Segment, Step
 
     config = dataclasses.replace(CONFIG, kv_connector=True, kv_load_failure_policy="fail")
     real = VllmScheduler(

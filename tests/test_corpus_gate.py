@@ -15,12 +15,12 @@ from contextlib import closing
 
 import pytest
 
-from kvgate.conformance.ops import Step
 from kvgate.conformance.replay import HOLD_NOTE, RETIRE_NOTE, ReplayResult, replay
-from kvgate.conformance.target import Target, WatchedTarget
 from kvgate.conformance.trace import Trace, bundled_corpus, load_corpus
 from kvgate.invariants.predicates import check_snapshot
 from kvgate.model import ModelTarget
+from kvgate.vocabulary.ops import Step
+from kvgate.vocabulary.target import Target, WatchedTarget
 
 # Refusal traces (`expect_refused`) replay nothing: tests/test_refusals.py judges them.
 CORPUS = [t for t in load_corpus(bundled_corpus()) if t.expect_refused is None]

@@ -20,7 +20,7 @@ import pytest
 from docs_reference import stale_parts
 
 from kvgate import cli
-from kvgate.conformance.schema import CONFIG_KEYS, GROUP_KEYS
+from kvgate.vocabulary.schema import CONFIG_KEYS, GROUP_KEYS
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"

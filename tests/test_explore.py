@@ -15,11 +15,7 @@ from conftest import Found
 from hypothesis import Phase
 
 from kvgate import cli
-from kvgate.conformance.config import Config, GroupConfig
-from kvgate.conformance.ops import FREE_HOW, PRIMITIVE_OPS, Segment, Step
 from kvgate.conformance.replay import replay
-from kvgate.conformance.snapshot import BlockView, Snapshot
-from kvgate.conformance.tokens import MmItem
 from kvgate.conformance.trace import Trace, load_trace
 from kvgate.explore.command import parse_budget
 from kvgate.explore.mode import Mode
@@ -42,6 +38,10 @@ from kvgate.model import ModelTarget
 from kvgate.model.groups import GroupManager
 from kvgate.model.hold import Holds
 from kvgate.model.pool import BlockPool
+from kvgate.vocabulary.config import Config, GroupConfig
+from kvgate.vocabulary.ops import FREE_HOW, PRIMITIVE_OPS, Segment, Step
+from kvgate.vocabulary.snapshot import BlockView, Snapshot
+from kvgate.vocabulary.tokens import MmItem
 
 # The seed's config: the hold under test is off here; modes set it.
 SEED = hybrid_config(

@@ -83,7 +83,7 @@ def test_a_stratum_fixes_its_knobs_in_every_drawn_config() -> None:
     @settings(max_examples=30, database=None, deadline=None)
     @given(configs(stratum))
     def check(config: object) -> None:
-        from kvgate.conformance.config import Config
+        from kvgate.vocabulary.config import Config
 
         assert isinstance(config, Config)
         assert len(config.mamba_group_ids) == 2 and not config.eagle

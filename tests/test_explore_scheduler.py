@@ -16,15 +16,15 @@ from configs import EXAMPLE_CONFIG, needs_vllm
 from hypothesis import Phase
 
 from kvgate import cli
-from kvgate.conformance.config import GroupConfig
-from kvgate.conformance.ops import Segment
-from kvgate.conformance.scheduling import EngineSettings, EngineStep
 from kvgate.conformance.trace import load_trace
 from kvgate.conformance.writer import save_engine_trace
 from kvgate.explore.profiles import profile
 from kvgate.explore.scheduler_machine import SchedulerMode, explore_scheduler
 from kvgate.mutate.faults import BY_NAME
 from kvgate.mutate.inject import injected
+from kvgate.vocabulary.config import GroupConfig
+from kvgate.vocabulary.ops import Segment
+from kvgate.vocabulary.scheduling import EngineSettings, EngineStep
 
 # A fault in the Scheduler's align-mode split (the prompt's last chunk
 # floored to a block boundary): found in the ci profile's first examples.

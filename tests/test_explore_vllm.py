@@ -13,7 +13,6 @@ from configs import needs_vllm
 from conftest import Found
 from hypothesis import Phase
 
-from kvgate.conformance.ops import FREE_HOW, PRIMITIVE_OPS
 from kvgate.conformance.replay import replay
 from kvgate.conformance.trace import load_trace
 from kvgate.explore.differential import (
@@ -26,6 +25,7 @@ from kvgate.explore.profiles import profile
 from kvgate.explore.runner import explore
 from kvgate.model import ModelTarget
 from kvgate.model.pool import BlockPool
+from kvgate.vocabulary.ops import FREE_HOW, PRIMITIVE_OPS
 
 pytestmark = needs_vllm
 

@@ -16,11 +16,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvgate.cli import main
-from kvgate.conformance.events import KvEvent
-from kvgate.conformance.tokens import HashInputs, MmItem, prefix_keys
 from kvgate.conformance.trace import parse_trace
 from kvgate.conformance.writer import dump_trace
 from kvgate.explore.hash_inputs import VARY_EVERY, RequestInputs
+from kvgate.vocabulary.events import KvEvent
+from kvgate.vocabulary.tokens import HashInputs, MmItem, prefix_keys
 
 PROMPT = "- {op: arrive, req: A, prompt: [{fresh: 40}]"
 

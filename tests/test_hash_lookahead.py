@@ -14,10 +14,8 @@ import pytest
 from configs import hybrid_config, needs_vllm, small_trace
 from test_align_knobs import model_hits
 
-from kvgate.conformance.config import GroupConfig, UnsupportedConfig, validate
 from kvgate.conformance.replay import ReplayResult, replay
 from kvgate.conformance.scheduler_replay import replay_scheduler
-from kvgate.conformance.tokens import prefix_keys
 from kvgate.conformance.trace import (
     TraceError,
     bundled_corpus,
@@ -30,6 +28,9 @@ from kvgate.model import ModelTarget
 from kvgate.model import scheduler as scheduler_model
 from kvgate.model.mamba import checkpoint_position
 from kvgate.model.scheduler import SchedulerModel
+from kvgate.model.scope import validate
+from kvgate.vocabulary.config import GroupConfig, UnsupportedConfig
+from kvgate.vocabulary.tokens import prefix_keys
 
 CORPUS = {t.name: t for t in load_corpus(bundled_corpus())}
 LOOKAHEAD_TRACES = sorted(name for name in CORPUS if name.startswith("mtp-lookahead-"))
@@ -261,8 +262,8 @@ def test_a_single_group_keys_only_what_the_drafter_cannot_prefill_again(
     """vLLM's unitary coordinator keys a pure Mamba request's computed tokens
     less the K - 1 a multi-module drafter may prefill again; a model keying
     them all diverges at the first chunk's blocks."""
-    from kvgate.conformance.config import Config
     from kvgate.impl.vllm_target import VllmTarget
+    from kvgate.vocabulary.config import Config
 
     trace = CORPUS["mtp2-single-group-keys-finalized"]
 

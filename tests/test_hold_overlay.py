@@ -21,12 +21,12 @@ import pytest
 from configs import hybrid_config, needs_vllm
 
 from kvgate import cli
-from kvgate.conformance.ops import Step
 from kvgate.conformance.replay import HOLD_NOTE, RETIRE_NOTE, ReplayResult, replay
-from kvgate.conformance.snapshot import Snapshot
-from kvgate.conformance.target import Target, WatchedTarget
 from kvgate.conformance.trace import Trace, TraceError, bundled_corpus, load_corpus
 from kvgate.model import ModelTarget
+from kvgate.vocabulary.ops import Step
+from kvgate.vocabulary.snapshot import Snapshot
+from kvgate.vocabulary.target import Target, WatchedTarget
 
 pytestmark = needs_vllm
 
@@ -236,8 +236,8 @@ def test_entry_point_loads_the_overlay(overlay: Any) -> None:
 
 
 def test_one_startup_line_when_the_hold_is_active(overlay: Any) -> None:
-    from kvgate.conformance.config import Config, GroupConfig
     from kvgate.impl.vllm_target import VllmTarget
+    from kvgate.vocabulary.config import Config, GroupConfig
 
     def config(unit: int, hold: bool) -> Config:
         return hybrid_config(

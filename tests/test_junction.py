@@ -23,12 +23,12 @@ from typing import Any
 import pytest
 from configs import EXAMPLE_CONFIG
 
-from kvgate.conformance.config import Config, GroupConfig
-from kvgate.conformance.driver import OpDriver, chunk_offer
-from kvgate.conformance.ops import Segment, Step
+from kvgate.driver.op_driver import OpDriver, chunk_offer
 from kvgate.model import ModelTarget
 from kvgate.model.request import Request
 from kvgate.model.split import chunk_tokens
+from kvgate.vocabulary.config import Config, GroupConfig
+from kvgate.vocabulary.ops import Segment, Step
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 

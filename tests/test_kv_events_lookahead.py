@@ -16,16 +16,16 @@ import pytest
 from configs import needs_vllm
 from hypothesis import Phase
 
-from kvgate.conformance.config import Config
-from kvgate.conformance.events import KvEvent
 from kvgate.conformance.replay import replay
-from kvgate.conformance.tokens import FIRST_FRESH_TOKEN, key_position
 from kvgate.conformance.trace import Trace, TraceError, bundled_corpus, load_corpus, parse_trace
 from kvgate.explore import knobs
 from kvgate.explore.differential import differential_mode
 from kvgate.explore.profiles import profile
 from kvgate.explore.runner import explore
 from kvgate.model import ModelTarget
+from kvgate.vocabulary.config import Config
+from kvgate.vocabulary.events import KvEvent
+from kvgate.vocabulary.tokens import FIRST_FRESH_TOKEN, key_position
 
 FAMILIES = ("gdn-triton", "gdn-flashinfer", "mamba2")
 

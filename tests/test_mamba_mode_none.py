@@ -18,18 +18,18 @@ from typing import cast
 import pytest
 from configs import needs_vllm
 
-from kvgate.conformance.config import (
+from kvgate.conformance.replay import ReplayResult, replay
+from kvgate.conformance.trace import Trace, TraceError, bundled_corpus, load_corpus, parse_trace
+from kvgate.conformance.writer import dump_trace
+from kvgate.model import ModelTarget
+from kvgate.model.scope import validate
+from kvgate.vocabulary.config import (
     Config,
     MambaCacheMode,
     NotModelled,
     RefusedByVllm,
     UnsupportedConfig,
-    validate,
 )
-from kvgate.conformance.replay import ReplayResult, replay
-from kvgate.conformance.trace import Trace, TraceError, bundled_corpus, load_corpus, parse_trace
-from kvgate.conformance.writer import dump_trace
-from kvgate.model import ModelTarget
 
 CORPUS = {t.name: t for t in load_corpus(bundled_corpus())}
 MODE_NONE = [

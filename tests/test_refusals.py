@@ -1,6 +1,6 @@
 """Refusal conformance: kvgate refuses exactly the align-mode configs vLLM refuses.
 
-Two kinds of refusal (kvgate/conformance/config.py): `NotModelled`, kvgate's
+Two kinds of refusal (kvgate/vocabulary/config.py): `NotModelled`, kvgate's
 own (vLLM may serve the config), and `RefusedByVllm`, vLLM's (the model
 states the rule, the vLLM target leaves it to vLLM). The refusal traces of
 the corpus (`expect_refused`) and a grid of configs around every boundary
@@ -22,16 +22,16 @@ from typing import Any
 import pytest
 from configs import EXAMPLE_TRACE_CONFIG, hybrid_config, needs_vllm
 
-from kvgate.conformance.config import (
+from kvgate.conformance.refusal import ACCEPTED, judge_refusal, model_refusal, refusal_of
+from kvgate.conformance.trace import Trace, TraceError, bundled_corpus, load_corpus, parse_trace
+from kvgate.model import ModelTarget
+from kvgate.model.scope import validate
+from kvgate.vocabulary.config import (
     Config,
     GroupConfig,
     NotModelled,
     RefusedByVllm,
-    validate,
 )
-from kvgate.conformance.refusal import ACCEPTED, judge_refusal, model_refusal, refusal_of
-from kvgate.conformance.trace import Trace, TraceError, bundled_corpus, load_corpus, parse_trace
-from kvgate.model import ModelTarget
 
 REFUSALS = [t for t in load_corpus(bundled_corpus()) if t.expect_refused is not None]
 ATTENTION = GroupConfig("full_attention", 8)
@@ -213,9 +213,9 @@ def test_a_release_lacking_what_the_refused_config_needs_is_not_applicable() -> 
     """A release that cannot build the config for a capability it lacks (a
     plain refusal, by another field) cannot show vLLM's refusal: the trace
     is not applicable to it. vLLM refusing by another field still fails."""
-    from kvgate.conformance.config import UnsupportedConfig
     from kvgate.conformance.verdict import Verdict, verdict
     from kvgate.targets import run_trace
+    from kvgate.vocabulary.config import UnsupportedConfig
 
     trace = parse_trace(
         refusal_text(

@@ -26,7 +26,6 @@ from fake_target import (
 
 from kvgate import cli, targets
 from kvgate.conformance.compare import NOT_REPORTED, same
-from kvgate.conformance.config import Config
 from kvgate.conformance.replay import (
     HOLD_NOTE,
     Divergence,
@@ -43,8 +42,9 @@ from kvgate.conformance.report import (
     trace_line,
     write_junit,
 )
-from kvgate.conformance.target import Target
 from kvgate.conformance.trace import Trace, TraceError, parse_trace
+from kvgate.vocabulary.config import Config
+from kvgate.vocabulary.target import Target
 
 
 def make_trace(steps: str, *, num_blocks: int = 96, hold: bool = False, name: str = "t") -> Trace:

@@ -18,12 +18,13 @@ from typing import Any
 import pytest
 from configs import EXAMPLE_TRACE_CONFIG, hybrid_config, needs_vllm
 
-from kvgate.conformance.config import GroupConfig, NotModelled, validate
-from kvgate.conformance.ops import Segment, Step
-from kvgate.conformance.residency import Eviction, report, reuse_gaps
 from kvgate.conformance.trace import TraceError, parse_trace
 from kvgate.model import ModelTarget
 from kvgate.model.residency import Residency
+from kvgate.model.scope import validate
+from kvgate.vocabulary.config import GroupConfig, NotModelled
+from kvgate.vocabulary.ops import Segment, Step
+from kvgate.vocabulary.residency import Eviction, report, reuse_gaps
 
 CONFIG = hybrid_config(
     GroupConfig("full_attention", 8),

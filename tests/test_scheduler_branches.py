@@ -11,7 +11,6 @@ from configs import needs_vllm
 
 from kvgate.conformance.replay import Divergence, ReplayResult
 from kvgate.conformance.scheduler_replay import replay_scheduler
-from kvgate.conformance.scheduling import EngineStep
 from kvgate.conformance.trace import (
     Trace,
     TraceError,
@@ -20,6 +19,7 @@ from kvgate.conformance.trace import (
     parse_trace,
 )
 from kvgate.model.scheduler import SchedulerModel
+from kvgate.vocabulary.scheduling import EngineStep
 
 
 def bundled(name: str) -> Trace:

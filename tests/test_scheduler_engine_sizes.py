@@ -18,7 +18,7 @@ import pytest
 from configs import needs_vllm
 
 from kvgate import targets
-from kvgate.conformance.config import Config, UnsupportedConfig
+from kvgate.vocabulary.config import Config, UnsupportedConfig
 from kvgate.workload.deployment import Deployment
 
 pytestmark = needs_vllm

@@ -12,7 +12,6 @@ import pytest
 from configs import SMALL_SCHEDULER_TRACE_HEAD, needs_vllm
 from scheduler_runs import first_failure, run_model, run_vllm
 
-from kvgate.conformance.events import KvEvent
 from kvgate.conformance.scheduler_replay import replay_scheduler
 from kvgate.conformance.trace import (
     Trace,
@@ -22,6 +21,7 @@ from kvgate.conformance.trace import (
     parse_trace,
 )
 from kvgate.model.scheduler import SchedulerModel
+from kvgate.vocabulary.events import KvEvent
 
 CORPUS = {t.name: t for t in load_corpus(bundled_scheduler_corpus())}
 EVENTS_TRACE = CORPUS["sched-kv-events-store-evict-clear"]

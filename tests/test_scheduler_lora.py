@@ -23,9 +23,6 @@ from scheduler_runs import (
 )
 
 from kvgate import cli
-from kvgate.conformance.config import UnsupportedConfig
-from kvgate.conformance.ops import Segment
-from kvgate.conformance.tokens import HashInputs, lora_adapter_id
 from kvgate.conformance.trace import (
     Trace,
     TraceError,
@@ -33,6 +30,9 @@ from kvgate.conformance.trace import (
     parse_trace,
 )
 from kvgate.model.scheduler import LiveRequest, SchedulerModel
+from kvgate.vocabulary.config import UnsupportedConfig
+from kvgate.vocabulary.ops import Segment
+from kvgate.vocabulary.tokens import HashInputs, lora_adapter_id
 
 LIMIT = "sched-lora-limit-holds-a-third-adapter"
 

@@ -22,8 +22,8 @@ import pytest
 from configs import EXAMPLE_CONFIG, needs_vllm
 
 from kvgate import cli, targets
-from kvgate.conformance.config import Config, GroupConfig, UnsupportedConfig
 from kvgate.conformance.trace import load_trace
+from kvgate.vocabulary.config import Config, GroupConfig, UnsupportedConfig
 from kvgate.workload.deployment import Deployment, Serving
 from kvgate.workload.lockstep import SchedulerArm, run_on_scheduler
 from kvgate.workload.plan import Session, Turn, Workload, make_plan

@@ -8,9 +8,9 @@ import dataclasses
 import pytest
 from configs import EXAMPLE_CONFIG
 
-from kvgate.conformance.config import GroupConfig
-from kvgate.conformance.ops import Segment, Step
 from kvgate.model.scheduler import SchedulerModel, admission_fits
+from kvgate.vocabulary.config import GroupConfig
+from kvgate.vocabulary.ops import Segment, Step
 
 # A's first chunk leaves room for B's first chunk, not for B's whole prompt.
 CONFIG = dataclasses.replace(

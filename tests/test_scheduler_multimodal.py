@@ -13,8 +13,6 @@ from configs import SMALL_SCHEDULER_TRACE_HEAD, needs_vllm
 
 from kvgate.conformance.replay import ReplayResult
 from kvgate.conformance.scheduler_replay import replay_scheduler
-from kvgate.conformance.scheduling import SchedulerTarget
-from kvgate.conformance.tokens import NO_INPUTS, HashInputs, MmItem, extend_prefix_keys
 from kvgate.conformance.trace import (
     Trace,
     TraceError,
@@ -24,6 +22,8 @@ from kvgate.conformance.trace import (
 )
 from kvgate.model.encoder_cache import EncoderCache
 from kvgate.model.scheduler import SchedulerModel
+from kvgate.vocabulary.scheduling import SchedulerTarget
+from kvgate.vocabulary.tokens import NO_INPUTS, HashInputs, MmItem, extend_prefix_keys
 
 CUTS_CHUNK = "sched-mm-encoder-budget-cuts-chunk"
 OTHER_IMAGE = "sched-mm-same-tokens-other-image"

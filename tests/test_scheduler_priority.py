@@ -23,12 +23,12 @@ from scheduler_runs import (
 )
 
 from kvgate import cli
-from kvgate.conformance.config import NotModelled, UnsupportedConfig
 from kvgate.conformance.trace import (
     Trace,
     load_trace,
 )
 from kvgate.model.scheduler import LiveRequest, SchedulerModel, StepDecisions
+from kvgate.vocabulary.config import NotModelled, UnsupportedConfig
 
 LOWEST_PREEMPTS_ITSELF = "sched-priority-preempts-lowest-running"
 VICTIM_SCHEDULED_EARLIER = "sched-priority-victim-scheduled-earlier"

@@ -17,7 +17,6 @@ from scheduler_runs import run_model, run_vllm
 
 from kvgate.conformance.replay import HOLD_NOTE, ReplayResult
 from kvgate.conformance.scheduler_replay import replay_scheduler
-from kvgate.conformance.scheduling import EngineSettings, EngineStep, RemoteHit
 from kvgate.conformance.trace import (
     Trace,
     TraceError,
@@ -27,6 +26,7 @@ from kvgate.conformance.trace import (
 )
 from kvgate.conformance.writer import dump_engine_trace
 from kvgate.model.scheduler import SchedulerModel
+from kvgate.vocabulary.scheduling import EngineSettings, EngineStep, RemoteHit
 
 CORPUS = load_corpus(bundled_scheduler_corpus())
 ROOT = Path(__file__).resolve().parent.parent
@@ -421,8 +421,8 @@ def test_the_v2_model_runner_trace_runs_vllms_scheduler_with_it(
     (the switch not reaching vLLM) is refused by the field's name."""
     import os
 
-    from kvgate.conformance.config import UnsupportedConfig
     from kvgate.impl import vllm_scheduler
+    from kvgate.vocabulary.config import UnsupportedConfig
 
     trace = by_name("sched-model-runner-v2-preempt-and-resume")
     monkeypatch.delenv(vllm_scheduler.MODEL_RUNNER_SWITCH, raising=False)
@@ -508,7 +508,7 @@ def test_a_scheduler_whose_prefill_cadence_never_holds_diverges(
 
 
 def test_a_prefill_cadence_with_a_connector_is_refused_by_name() -> None:
-    from kvgate.conformance.config import NotModelled
+    from kvgate.vocabulary.config import NotModelled
 
     trace = by_name("sched-prefill-cadence")
     with pytest.raises(NotModelled) as refused:

@@ -22,9 +22,7 @@ import pytest
 from configs import needs_vllm
 
 from kvgate import cli
-from kvgate.conformance.ops import Segment
 from kvgate.conformance.replay import ReplayResult
-from kvgate.conformance.scheduling import EngineSettings, EngineStep
 from kvgate.conformance.shrink import ddmin, step_count
 from kvgate.conformance.trace import (
     Trace,
@@ -37,6 +35,8 @@ from kvgate.errors import EXIT_INPUT, EXIT_OK
 from kvgate.mutate.faults import Fault, load_faults
 from kvgate.mutate.inject import injected
 from kvgate.targets import gate_factories, run_scheduler_trace, run_trace, scheduler_factories
+from kvgate.vocabulary.ops import Segment
+from kvgate.vocabulary.scheduling import EngineSettings, EngineStep
 from kvgate.workload.deployment import Deployment
 from kvgate.workload.generator import generate
 from kvgate.workload.plan import Workload, make_plan

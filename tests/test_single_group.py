@@ -13,7 +13,6 @@ import pytest
 from configs import hybrid_config, needs_vllm
 from hypothesis import Phase
 
-from kvgate.conformance.config import Config, GroupConfig, UnsupportedConfig
 from kvgate.conformance.replay import replay
 from kvgate.conformance.trace import TraceError, bundled_corpus, load_corpus, parse_trace
 from kvgate.conformance.writer import dump_trace
@@ -21,6 +20,7 @@ from kvgate.explore.differential import differential_mode
 from kvgate.explore.profiles import profile
 from kvgate.explore.runner import explore
 from kvgate.model import ModelTarget
+from kvgate.vocabulary.config import Config, GroupConfig, UnsupportedConfig
 
 CORPUS = {t.name: t for t in load_corpus(bundled_corpus())}
 

@@ -1,4 +1,4 @@
-"""The strict view's abstraction (kvgate.conformance.snapshot.EXCLUSIONS),
+"""The strict view's abstraction (kvgate.vocabulary.snapshot.EXCLUSIONS),
 on its own and through the vLLM adapter's snapshot of the installed vLLM."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from dataclasses import replace
 import pytest
 from configs import EXAMPLE_CONFIG, needs_vllm
 
-from kvgate.conformance.ops import Segment, Step
-from kvgate.conformance.snapshot import (
+from kvgate.vocabulary.ops import Segment, Step
+from kvgate.vocabulary.snapshot import (
     EXCLUSIONS,
     NULL_BLOCK,
     BlockView,

@@ -11,8 +11,8 @@ import pytest
 from fake_target import HoldlessFake, LeakyFake, fake_trace_text
 
 from kvgate import cli, targets
-from kvgate.conformance.config import Config, UnsupportedConfig
 from kvgate.errors import EXIT_CODES, exit_code_table
+from kvgate.vocabulary.config import Config, UnsupportedConfig
 
 DOCS = Path(__file__).parents[1] / "docs" / "gate.md"
 

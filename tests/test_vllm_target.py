@@ -17,13 +17,13 @@ from typing import Any
 import pytest
 from configs import EXAMPLE_CONFIG, hybrid_config, needs_vllm
 
-from kvgate.conformance.config import Config, GroupConfig, UnsupportedConfig
-from kvgate.conformance.ops import Segment, Step
-from kvgate.conformance.snapshot import Snapshot
-from kvgate.conformance.target import StepRefused, Target
-from kvgate.conformance.tokens import prefix_keys
 from kvgate.impl.vllm_probe import probe
 from kvgate.impl.vllm_target import VllmTarget
+from kvgate.vocabulary.config import Config, GroupConfig, UnsupportedConfig
+from kvgate.vocabulary.ops import Segment, Step
+from kvgate.vocabulary.snapshot import Snapshot
+from kvgate.vocabulary.target import StepRefused, Target
+from kvgate.vocabulary.tokens import prefix_keys
 
 pytestmark = needs_vllm
 

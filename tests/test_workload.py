@@ -380,7 +380,7 @@ def test_a_turn_that_outgrows_the_pool_alone_is_stuck_not_a_livelock() -> None:
     too small for the plan; before, generation never ended)."""
     from configs import EXAMPLE_CONFIG
 
-    from kvgate.conformance.config import GroupConfig
+    from kvgate.vocabulary.config import GroupConfig
     from kvgate.workload.deployment import Serving
     from kvgate.workload.generator import WorkloadStuck
     from kvgate.workload.plan import Session, Turn

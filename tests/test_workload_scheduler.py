@@ -21,12 +21,12 @@ import pytest
 from configs import needs_vllm
 
 from kvgate import cli, targets
-from kvgate.conformance.config import Config, UnsupportedConfig
 from kvgate.conformance.replay import replay
-from kvgate.conformance.target import StepRefused
-from kvgate.conformance.tokens import HashInputs
 from kvgate.conformance.trace import TraceError, load_trace
 from kvgate.model import ModelTarget
+from kvgate.vocabulary.config import Config, UnsupportedConfig
+from kvgate.vocabulary.target import StepRefused
+from kvgate.vocabulary.tokens import HashInputs
 from kvgate.workload import command
 from kvgate.workload.deployment import Deployment
 from kvgate.workload.lockstep import SchedulerFactory, run_on_scheduler, scheduler_arm

@@ -32,13 +32,13 @@ from configs import hybrid_config
 from hypothesis import HealthCheck, Phase, event, given, settings
 from hypothesis import strategies as st
 
-from kvgate.conformance.config import Config, GroupConfig
-from kvgate.conformance.ops import LIVE, Segment, Step
-from kvgate.conformance.target import StepRefused
 from kvgate.conformance.writer import dump_trace
 from kvgate.invariants.z3.abstraction import Drift, acting, bounds_of, observe
 from kvgate.invariants.z3.vocabulary import RUNNING, Values
 from kvgate.model.target import ModelTarget
+from kvgate.vocabulary.config import Config, GroupConfig
+from kvgate.vocabulary.ops import LIVE, Segment, Step
+from kvgate.vocabulary.target import StepRefused
 
 MAX_REQUESTS = 3
 UNIT = 8

@@ -26,13 +26,13 @@ import z3
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvgate.conformance.config import Config
-from kvgate.conformance.ops import Segment, Step
 from kvgate.invariants.z3.embedding import admits_embedded
 from kvgate.invariants.z3.hooks import HOOK_NAMES, Hooks
 from kvgate.invariants.z3.transitions import ENCODED_OPS, MUTATIONS, Encoding
 from kvgate.invariants.z3.unbounded_transitions import UEncoding
 from kvgate.model import mutations as model_mutations
+from kvgate.vocabulary.config import Config
+from kvgate.vocabulary.ops import Segment, Step
 
 FULL = os.environ.get("KVGATE_FULL_PROOFS") == "1"
 full_only = pytest.mark.skipif(not FULL, reason="set KVGATE_FULL_PROOFS=1 (minutes)")

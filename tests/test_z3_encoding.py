@@ -16,7 +16,6 @@ import pytest
 import z3
 
 from kvgate import cli
-from kvgate.conformance.ops import PRIMITIVE_OPS
 from kvgate.conformance.trace import load_trace
 from kvgate.invariants.z3.checker import INIT, check_op, prove
 from kvgate.invariants.z3.properties import INVARIANTS, LEMMAS, PROPERTIES, PROPERTY_BY_NAME
@@ -29,6 +28,7 @@ from kvgate.invariants.z3.transitions import (
 )
 from kvgate.invariants.z3.vocabulary import Bounds, State
 from kvgate.model import mutations as model_mutations
+from kvgate.vocabulary.ops import PRIMITIVE_OPS
 
 SMALL = Bounds(blocks=5, requests=2, groups=3)
 

@@ -28,11 +28,11 @@ import yaml
 from yaml.nodes import CollectionNode, MappingNode, Node, ScalarNode, SequenceNode
 
 from kvgate.conformance.compare import holding, same, same_check
-from kvgate.conformance.ops import ACTIONS, Step
 from kvgate.conformance.replay import replay
-from kvgate.conformance.target import Target
 from kvgate.conformance.trace import Trace, TraceError, parse_trace
 from kvgate.conformance.writer import plain
+from kvgate.vocabulary.ops import ACTIONS, Step
+from kvgate.vocabulary.target import Target
 
 # A lookup's values that only a KV connector gives meaning to: not filled
 # into a trace without one (the model reports them as 0 there).

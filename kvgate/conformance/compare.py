@@ -17,8 +17,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from kvgate.conformance.ops import ACTIONS
-from kvgate.conformance.snapshot import Snapshot
+from kvgate.vocabulary.ops import ACTIONS
+from kvgate.vocabulary.snapshot import Snapshot
 
 PROMPT_DONE = "prompt_done"
 

@@ -11,24 +11,24 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, cast
 
-from kvgate.conformance.config import (
+from kvgate.conformance.field_reader import FieldReader, got, is_count
+from kvgate.conformance.limits import over
+from kvgate.conformance.trace_error import TraceError
+from kvgate.model.scope import validate
+from kvgate.vocabulary.config import (
     GROUP_KINDS,
     Config,
     GroupConfig,
     GroupKind,
     UnsupportedConfig,
-    validate,
 )
-from kvgate.conformance.field_reader import FieldReader, got, is_count
-from kvgate.conformance.limits import over
-from kvgate.conformance.schema import (
+from kvgate.vocabulary.schema import (
     CONFIG_FIELDS,
     CONFIG_KEYS,
     GROUP_KEYS,
     REQUIRED_KEYS,
     ConfigField,
 )
-from kvgate.conformance.trace_error import TraceError
 
 # The config keys as errors list them: the required ones first.
 LISTED_CONFIG_KEYS = REQUIRED_KEYS + tuple(k for k in CONFIG_KEYS if k not in REQUIRED_KEYS)

@@ -9,7 +9,7 @@ from typing import Any
 
 from kvgate.conformance.field_reader import FieldReader, got, is_count
 from kvgate.conformance.limits import LimitError
-from kvgate.conformance.scheduling import (
+from kvgate.vocabulary.scheduling import (
     ENGINE_EXPECT_KEYS,
     ENGINE_OPS,
     PAUSE_MODES,
@@ -19,7 +19,7 @@ from kvgate.conformance.scheduling import (
     EngineStep,
     RemoteHit,
 )
-from kvgate.conformance.tokens import MmItem
+from kvgate.vocabulary.tokens import MmItem
 
 # The keys of a scheduler-level trace's `scheduler` settings.
 _SCHEDULER_KEYS = ("spec", "max_num_seqs")

@@ -9,11 +9,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TypeGuard
 
-from kvgate.conformance.config import Config
 from kvgate.conformance.limits import TOKEN_ID_BOUND, LimitError, Limits, TraceBudget
-from kvgate.conformance.ops import Phase, Segment
-from kvgate.conformance.tokens import MmItem
 from kvgate.conformance.trace_error import TraceError
+from kvgate.vocabulary.config import Config
+from kvgate.vocabulary.ops import Phase, Segment
+from kvgate.vocabulary.tokens import MmItem
 
 _SEGMENT_KINDS = ("fresh", "all_of", "prompt_of", "tokens")
 

@@ -24,8 +24,8 @@ import stat
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
-from kvgate.conformance.ops import Segment
 from kvgate.errors import KvgateError
+from kvgate.vocabulary.ops import Segment
 
 # Token ids are int64 in vLLM and in the prefix keys' digest input.
 TOKEN_ID_BOUND = 2**63

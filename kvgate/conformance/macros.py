@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Generator
 from itertools import count
 
-from kvgate.conformance.ops import Step
+from kvgate.vocabulary.ops import Step
 
 
 def expand(step: Step) -> tuple[Step, ...]:

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import time
 
-from kvgate.conformance.config import Config, NotModelled, UnsupportedConfig, validate
-from kvgate.conformance.ops import CONFIG_STEP
 from kvgate.conformance.replay import (
     Divergence,
     DivergenceLevel,
@@ -24,8 +22,11 @@ from kvgate.conformance.replay import (
     TargetFactory,
     TraceRunError,
 )
-from kvgate.conformance.target import Capabilities
 from kvgate.conformance.trace import Trace, TraceError
+from kvgate.model.scope import validate
+from kvgate.vocabulary.config import Config, NotModelled, UnsupportedConfig
+from kvgate.vocabulary.ops import CONFIG_STEP
+from kvgate.vocabulary.target import Capabilities
 
 __all__ = ["NOT_BUILT", "judge_refusal", "refusal_of", "refused_for_lacking"]
 

@@ -34,12 +34,12 @@ from kvgate.conformance.compare import (
     same_check,
     snapshot_difference,
 )
-from kvgate.conformance.config import Config, UnsupportedConfig
 from kvgate.conformance.macros import prefill_steps
-from kvgate.conformance.ops import Step
-from kvgate.conformance.target import Capabilities, StepRefused, Target
 from kvgate.conformance.trace import Trace, TraceError
 from kvgate.errors import EXIT_KVGATE_BUG, KvgateError
+from kvgate.vocabulary.config import Config, UnsupportedConfig
+from kvgate.vocabulary.ops import Step
+from kvgate.vocabulary.target import Capabilities, StepRefused, Target
 
 Level = Literal["api", "strict"]
 LEVELS: tuple[Level, ...] = ("api", "strict")

@@ -26,8 +26,6 @@ from typing import TextIO
 from kvgate.conformance.differences import explain
 from kvgate.conformance.replay import Divergence, Outcome, ReplayResult, TraceRunError
 from kvgate.conformance.selection import INVALID_CLASSNAME, classname
-from kvgate.conformance.snapshot import EXCLUSIONS
-from kvgate.conformance.target import Capabilities
 from kvgate.conformance.trace import TraceError
 from kvgate.conformance.verdict import (
     CAPABILITIES,
@@ -39,6 +37,8 @@ from kvgate.conformance.verdict import (
     verdict,
 )
 from kvgate.errors import printable
+from kvgate.vocabulary.snapshot import EXCLUSIONS
+from kvgate.vocabulary.target import Capabilities
 
 # How much of one value a terminal line shows.
 WIDTH = 100

@@ -41,9 +41,6 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from kvgate.conformance.config import Config, UnsupportedConfig
-from kvgate.conformance.events import KvEvent, normalized
-from kvgate.conformance.ops import Step
 from kvgate.conformance.replay import (
     HOLD_NOTE,
     RETIRE_NOTE,
@@ -55,7 +52,11 @@ from kvgate.conformance.replay import (
     ReplayResult,
     one_line,
 )
-from kvgate.conformance.scheduling import (
+from kvgate.conformance.trace import Trace, TraceError
+from kvgate.vocabulary.config import Config, UnsupportedConfig
+from kvgate.vocabulary.events import KvEvent, normalized
+from kvgate.vocabulary.ops import Step
+from kvgate.vocabulary.scheduling import (
     ASYNC_BATCHES,
     PREFIX_CACHE_STATS_KEYS,
     EngineOutcome,
@@ -66,8 +67,7 @@ from kvgate.conformance.scheduling import (
     SchedulerTarget,
     step_differences,
 )
-from kvgate.conformance.target import Capabilities, StepRefused
-from kvgate.conformance.trace import Trace, TraceError
+from kvgate.vocabulary.target import Capabilities, StepRefused
 
 # Builds kvgate's scheduler model: (config, spec, max_num_seqs).
 SchedulerModelFactory = Callable[[Config, int, int], SchedulerModelRun]

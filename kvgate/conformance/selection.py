@@ -23,9 +23,9 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvgate.conformance.config import Config
 from kvgate.conformance.trace import Trace
 from kvgate.errors import KvgateError
+from kvgate.vocabulary.config import Config
 
 ARMS: tuple[str, ...] = ("hold-off", "hold-on", "fork")
 FAMILIES: tuple[str, ...] = ("gdn-triton", "gdn-flashinfer", "mamba2")

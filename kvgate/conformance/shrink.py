@@ -35,12 +35,12 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
-from kvgate.conformance.config import Config
-from kvgate.conformance.ops import Segment, Step
 from kvgate.conformance.replay import Divergence, ReplayResult
-from kvgate.conformance.scheduling import EngineSettings, EngineStep
 from kvgate.conformance.trace import Trace, TraceError, parse_trace
 from kvgate.conformance.writer import dump_engine_trace, dump_trace
+from kvgate.vocabulary.config import Config
+from kvgate.vocabulary.ops import Segment, Step
+from kvgate.vocabulary.scheduling import EngineSettings, EngineStep
 
 # A candidate's replay on the target: its result, or None when it got no
 # verdict (the target or the model refused a step, or the model raised).

@@ -17,7 +17,7 @@ from typing import Any
 
 from kvgate.conformance.field_reader import FieldReader, got, is_count
 from kvgate.conformance.limits import LimitError, over
-from kvgate.conformance.ops import (
+from kvgate.vocabulary.ops import (
     ACTIONS,
     CHECK_KEYS,
     CONNECTOR_FIELDS,
@@ -29,7 +29,7 @@ from kvgate.conformance.ops import (
     next_phase,
     out_of_phase,
 )
-from kvgate.conformance.tokens import MmItem
+from kvgate.vocabulary.tokens import MmItem
 
 # How the validator says when a request arrived, was popped or ended.
 _VERBS = {"arrive": "arrived", "pop": "popped", "release": "released"}

@@ -26,7 +26,6 @@ from typing import Any
 
 import yaml
 
-from kvgate.conformance.config import Config
 from kvgate.conformance.config_reader import LISTED_CONFIG_KEYS, ConfigReader
 from kvgate.conformance.engine_reader import EngineReader
 from kvgate.conformance.field_reader import got, is_count
@@ -39,12 +38,13 @@ from kvgate.conformance.limits import (
     read_bounded,
 )
 from kvgate.conformance.macros import expand
-from kvgate.conformance.ops import Step
-from kvgate.conformance.scheduling import EngineSettings, EngineStep
-from kvgate.conformance.schema import FORMAT
 from kvgate.conformance.step_reader import StepReader
 from kvgate.conformance.strict_yaml import load_document, load_flow_line
 from kvgate.conformance.trace_error import TraceError as TraceError  # importers name it here
+from kvgate.vocabulary.config import Config
+from kvgate.vocabulary.ops import Step
+from kvgate.vocabulary.scheduling import EngineSettings, EngineStep
+from kvgate.vocabulary.schema import FORMAT
 
 _REQUIRED_KEYS = ("format", "name", "config", "steps")
 _OPTIONAL_KEYS = ("about", "expect_refused", "tags")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvgate.conformance.config import UnsupportedConfig
 from kvgate.errors import KvgateError, printable
+from kvgate.vocabulary.config import UnsupportedConfig
 
 # How much of a field (a key path, perhaps a hostile key) an error line shows.
 FIELD_WIDTH = 80

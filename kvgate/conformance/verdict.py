@@ -26,9 +26,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
-from kvgate.conformance.config import Config
 from kvgate.conformance.replay import Divergence, Outcome, ReplayResult, TraceRunError
-from kvgate.conformance.target import Capabilities
+from kvgate.vocabulary.config import Config
+from kvgate.vocabulary.target import Capabilities
 
 
 class Verdict(Enum):

@@ -11,11 +11,11 @@ from typing import Any
 
 import yaml
 
-from kvgate.conformance.config import Config, GroupConfig
-from kvgate.conformance.ops import ACTIONS, Segment, Step
-from kvgate.conformance.scheduling import EngineSettings, EngineStep
-from kvgate.conformance.schema import CONFIG_FIELDS, FORMAT
-from kvgate.conformance.tokens import MmItem
+from kvgate.vocabulary.config import Config, GroupConfig
+from kvgate.vocabulary.ops import ACTIONS, Segment, Step
+from kvgate.vocabulary.scheduling import EngineSettings, EngineStep
+from kvgate.vocabulary.schema import CONFIG_FIELDS, FORMAT
+from kvgate.vocabulary.tokens import MmItem
 
 
 def config_dict(config: Config) -> dict[str, Any]:

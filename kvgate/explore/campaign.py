@@ -33,12 +33,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from kvgate.conformance.config import UnsupportedConfig
 from kvgate.conformance.replay import one_line
 from kvgate.errors import InputError
 from kvgate.explore.knobs import build, strata, stratum_name
 from kvgate.explore.mode import Mode
 from kvgate.explore.session import ExploreFailure
+from kvgate.vocabulary.config import UnsupportedConfig
 
 TargetName = Literal["model", "vllm", "vllm+overlay"]
 TARGET_NAMES: tuple[TargetName, ...] = ("model", "vllm", "vllm+overlay")

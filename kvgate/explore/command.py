@@ -51,7 +51,6 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from kvgate import options
-from kvgate.conformance.ops import FREE_HOW, PRIMITIVE_OPS
 from kvgate.errors import InputError
 from kvgate.explore.mode import Mode, Stats
 from kvgate.explore.profiles import PROFILES, SCHEDULER_PROFILES, profile
@@ -63,6 +62,7 @@ from kvgate.explore.scheduler_machine import (
     SchedulerOutcome,
     explore_scheduler,
 )
+from kvgate.vocabulary.ops import FREE_HOW, PRIMITIVE_OPS
 
 BAR_WIDTH = 30
 DEFAULT_OUT = Path("out/explore")  # beside out/workload; git ignores out/

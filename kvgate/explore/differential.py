@@ -10,10 +10,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from kvgate.conformance.config import Config
-from kvgate.conformance.driver import OpDriver
+from kvgate.driver.op_driver import OpDriver
 from kvgate.explore.mode import Mode
 from kvgate.explore.session import ALL_INVARIANTS, HOLD_ONLY_INVARIANTS
+from kvgate.vocabulary.config import Config
 
 # The overlay that gives upstream vLLM 0.33.0 the hold (kvgate.impl.hold_overlay).
 HOLD_OVERLAY = "kvgate.impl.hold_overlay"

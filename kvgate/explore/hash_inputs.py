@@ -1,5 +1,5 @@
 """The hash inputs exploration gives its requests (`arrive`'s `cache_salt`,
-`lora`, `mm`; see `kvgate.conformance.tokens.HashInputs`).
+`lora`, `mm`; see `kvgate.vocabulary.tokens.HashInputs`).
 
 Unlike the config knobs (`knobs.KNOBS`), these belong to requests: an
 example draws which of them it sets (`MODES`, counted with the knobs as
@@ -20,7 +20,7 @@ from collections import Counter
 from dataclasses import replace
 from itertools import count
 
-from kvgate.conformance.tokens import NO_INPUTS, HashInputs, MmItem
+from kvgate.vocabulary.tokens import NO_INPUTS, HashInputs, MmItem
 
 # Which inputs an example sets; the first (none) is what it shrinks to.
 MODES: tuple[str, ...] = ("none", "cache_salt", "lora", "mm", "all")

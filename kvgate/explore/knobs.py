@@ -25,8 +25,8 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from kvgate.conformance.config import Config, GroupConfig
-from kvgate.conformance.schema import BY_KEY
+from kvgate.vocabulary.config import Config, GroupConfig
+from kvgate.vocabulary.schema import BY_KEY
 
 HASH_UNIT = 8
 
@@ -267,7 +267,7 @@ KNOBS: tuple[Knob, ...] = (
 )
 KNOB_NAMES = tuple(k.name for k in KNOBS)
 
-# vLLM's own config rules (`config.vllm_rules`), broken on purpose one knob
+# vLLM's own config rules (`model.scope.vllm_rules`), broken on purpose one knob
 # at a time in a small share of a differential run's examples: the model and
 # vLLM must then refuse the config alike. One draw of 16 bits says whether
 # (its low bits, 1 in `REFUSAL_ODDS`: spread more evenly than a small

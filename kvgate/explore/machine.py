@@ -3,7 +3,7 @@ basic rules (`rules.py`) and the scenario rules (`scenarios.py`) in one
 class, subclassed per `Mode` (`mode.py`).
 
 The basic rules are the trace format's ops as a scheduler issues them; each
-hands `kvgate.conformance.ops.Step`s to a `Session`, which applies them (to
+hands `kvgate.vocabulary.ops.Step`s to a `Session`, which applies them (to
 vLLM too in differential mode), records them and checks every invariant
 after each, so a failure is a trace. The scenario rules string those ops
 into the situations that break managers like this one.

@@ -9,9 +9,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from kvgate.conformance.config import Config, GroupConfig
-from kvgate.conformance.driver import OpDriver
+from kvgate.driver.op_driver import OpDriver
 from kvgate.explore.knobs import Stratum
+from kvgate.vocabulary.config import Config, GroupConfig
 
 
 @dataclass

@@ -4,7 +4,7 @@ Rules are the trace format's ops as a scheduler issues them: a fresh request
 or a follow-up turn of an earlier one, lookup, a chunk of prefill (admission
 through `reserve` on the first one), a decode step with drafts, `step`,
 `drain`, every free path, and eviction bursts. Each rule hands
-`kvgate.conformance.ops.Step`s to a `Session`, which applies them (to vLLM
+`kvgate.vocabulary.ops.Step`s to a `Session`, which applies them (to vLLM
 too in differential mode), records them and checks every invariant after
 each, so a failure is a trace. The scenario rules (`scenarios.py`) string
 the same helpers into longer situations.
@@ -26,12 +26,8 @@ from hypothesis.control import current_build_context
 from hypothesis.internal.conjecture.data import Status
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
-from kvgate.conformance.config import Config, UnsupportedConfig
-from kvgate.conformance.driver import NothingToRun
-from kvgate.conformance.ops import Segment
 from kvgate.conformance.refusal import model_refusal, refusal_of
-from kvgate.conformance.target import StepRefused
-from kvgate.conformance.tokens import HashInputs
+from kvgate.driver.op_driver import NothingToRun
 from kvgate.explore.hash_inputs import MODES, RequestInputs, arrive_fields
 from kvgate.explore.knobs import configs
 from kvgate.explore.mode import Mode, knob_values
@@ -44,6 +40,10 @@ from kvgate.explore.session import (
 )
 from kvgate.model.mamba import checkpoint_position
 from kvgate.model.scheduler import admission_fits
+from kvgate.vocabulary.config import Config, UnsupportedConfig
+from kvgate.vocabulary.ops import Segment
+from kvgate.vocabulary.target import StepRefused
+from kvgate.vocabulary.tokens import HashInputs
 
 Landing = Literal["mid-block", "boundary", "whole blocks", "any"]
 Burst = Literal["all", "all but", "some", "none"]

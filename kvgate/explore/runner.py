@@ -16,12 +16,12 @@ from typing import Generic, TypeVar
 from hypothesis import settings as Settings
 from hypothesis.stateful import get_state_machine_test
 
-from kvgate.conformance.config import Config
 from kvgate.explore.machine import check_config_rules, machine_class
 from kvgate.explore.mode import Mode, Stats
 from kvgate.explore.profiles import draws_from_the_seed_alone
 from kvgate.explore.session import ALL_INVARIANTS, HOLD_ONLY_INVARIANTS, ExploreFailure, Session
 from kvgate.explore.session import shrink as shrink_trace
+from kvgate.vocabulary.config import Config
 
 FailureT = TypeVar("FailureT")
 StatsT = TypeVar("StatsT")

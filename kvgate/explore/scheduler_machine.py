@@ -47,17 +47,8 @@ from hypothesis.stateful import (
     rule,
 )
 
-from kvgate.conformance.config import MODEL_RUNNERS, Config, ModelRunner, UnsupportedConfig
-from kvgate.conformance.ops import Segment
 from kvgate.conformance.replay import Divergence, ModelBug
 from kvgate.conformance.scheduler_replay import SchedulerLockstep, model_config
-from kvgate.conformance.scheduling import (
-    EngineSettings,
-    EngineStep,
-    RemoteHit,
-    SchedulerTarget,
-)
-from kvgate.conformance.tokens import MmItem
 from kvgate.conformance.trace import Trace, TraceError
 from kvgate.conformance.writer import dump_engine_trace, engine_step_dicts, save_engine_trace
 from kvgate.explore import knobs
@@ -66,6 +57,15 @@ from kvgate.explore.profiles import draws_from_the_seed_alone
 from kvgate.explore.runner import RunOutcome
 from kvgate.model.scheduler import LiveRequest, SchedulerModel, SchedulerStuck
 from kvgate.targets import scheduler_factories
+from kvgate.vocabulary.config import MODEL_RUNNERS, Config, ModelRunner, UnsupportedConfig
+from kvgate.vocabulary.ops import Segment
+from kvgate.vocabulary.scheduling import (
+    EngineSettings,
+    EngineStep,
+    RemoteHit,
+    SchedulerTarget,
+)
+from kvgate.vocabulary.tokens import MmItem
 
 # Every explored request's prompt and output fit in this (a multiple of
 # every Mamba block the knobs draw, so it is also the Mamba block without

@@ -1,7 +1,7 @@
 """One exploration run: apply steps, check every invariant, record the trace.
 
 A `Session` is what the state machine drives: each rule hands it
-`kvgate.conformance.ops.Step`s, which it applies to the model (and, in
+`kvgate.vocabulary.ops.Step`s, which it applies to the model (and, in
 differential mode, to a second target in lockstep), records, and checks
 after every step. The first violation or divergence raises
 `ExploreFailure`, which carries the recorded steps and the witness that
@@ -30,13 +30,8 @@ from kvgate.conformance.compare import (
     same_check,
     snapshot_difference,
 )
-from kvgate.conformance.config import Config
-from kvgate.conformance.driver import OpDriver
-from kvgate.conformance.ops import ACTIONS, Phase, Segment, Step, next_phase, out_of_phase
-from kvgate.conformance.snapshot import Snapshot
-from kvgate.conformance.target import StepRefused
-from kvgate.conformance.tokens import prefix_keys
 from kvgate.conformance.writer import dump_trace, save_trace
+from kvgate.driver.op_driver import OpDriver
 from kvgate.invariants.lifecycle import TRACKERS, Event, Finding, Tracker, Witness
 from kvgate.invariants.predicates import (
     SNAPSHOT_INVARIANTS,
@@ -45,6 +40,11 @@ from kvgate.invariants.predicates import (
     one_hold,
 )
 from kvgate.model import ModelTarget
+from kvgate.vocabulary.config import Config
+from kvgate.vocabulary.ops import ACTIONS, Phase, Segment, Step, next_phase, out_of_phase
+from kvgate.vocabulary.snapshot import Snapshot
+from kvgate.vocabulary.target import StepRefused
+from kvgate.vocabulary.tokens import prefix_keys
 
 # `crash`: the model raised inside a step the machine chose as realistic (a
 # pool run dry inside an allocation its admission check passed, say): the

@@ -49,9 +49,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from kvgate.conformance.config import Config, GroupConfig, UnsupportedConfig, validate
-from kvgate.conformance.scheduling import EngineSettings
 from kvgate.conformance.writer import recording_end, recording_entry, recording_head
+from kvgate.model.scope import validate
+from kvgate.vocabulary.config import Config, GroupConfig, UnsupportedConfig
+from kvgate.vocabulary.scheduling import EngineSettings
 
 __all__ = [
     "RECORD_SWITCH",

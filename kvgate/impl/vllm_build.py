@@ -5,7 +5,7 @@ validation: the manager reads none of it), `KVCacheConfig` (pool, groups,
 retention) and a `KVCacheManager`, plus the attributes `Scheduler._mamba_block_aligned_split`
 reads, so the split can be called without a scheduler. Anything vLLM refuses
 while building becomes `RefusedByVllm` naming the trace field: the configs
-vLLM refuses are left to vLLM here (`config.vllm_rules` is only the model's
+vLLM refuses are left to vLLM here (`model.scope.vllm_rules` is only the model's
 statement of them), so the gate exercises vLLM's own validation.
 """
 
@@ -17,11 +17,11 @@ import inspect
 from types import SimpleNamespace
 from typing import Any
 
-from kvgate.conformance.config import Config, GroupConfig, RefusedByVllm, UnsupportedConfig
-from kvgate.conformance.tokens import HashInputs, lora_adapter_id
 from kvgate.impl._vllm_api import VllmApi
 from kvgate.impl.vllm_errors import config_field, describe
 from kvgate.impl.vllm_residency import metrics_collector
+from kvgate.vocabulary.config import Config, GroupConfig, RefusedByVllm, UnsupportedConfig
+from kvgate.vocabulary.tokens import HashInputs, lora_adapter_id
 
 __all__ = [
     "block_hasher",

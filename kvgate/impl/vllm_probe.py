@@ -15,11 +15,11 @@ from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
-from kvgate.conformance.config import Config, GroupConfig
 from kvgate.impl import _vllm_api
 from kvgate.impl._vllm_api import HOLD_ATTR, RETAIN_SWITCH, VllmApi
 from kvgate.impl.vllm_build import build_manager
 from kvgate.impl.vllm_errors import describe
+from kvgate.vocabulary.config import Config, GroupConfig
 
 __all__ = [
     "hold_source",

@@ -17,8 +17,8 @@ import functools
 import importlib
 from typing import Any
 
-from kvgate.conformance.config import Config
-from kvgate.conformance.residency import Eviction
+from kvgate.vocabulary.config import Config
+from kvgate.vocabulary.residency import Eviction
 
 __all__ = ["collector_class", "metrics_collector", "take_evictions"]
 

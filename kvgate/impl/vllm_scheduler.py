@@ -47,24 +47,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from kvgate.conformance.config import (
-    Config,
-    KvLoadFailurePolicy,
-    UnsupportedConfig,
-)
-from kvgate.conformance.events import KvEvent
-from kvgate.conformance.scheduling import (
-    ASYNC_BATCHES,
-    COW_RETENTION,
-    PREFIX_CACHE_STATS_KEYS,
-    DeferredFree,
-    PrefillStats,
-    PrefixCacheStats,
-    ScheduledStep,
-)
-from kvgate.conformance.snapshot import Snapshot
-from kvgate.conformance.target import Capabilities, StepRefused
-from kvgate.conformance.tokens import NO_INPUTS, HashInputs
 from kvgate.impl import _vllm_api
 from kvgate.impl.vllm_build import block_hasher, kv_cache_config, request_inputs, scheduler_config
 from kvgate.impl.vllm_connector import ConnectorScript, ExternalHit
@@ -76,6 +58,24 @@ from kvgate.impl.vllm_probe import (
     takes_streaming_input,
 )
 from kvgate.impl.vllm_view import ManagerView
+from kvgate.vocabulary.config import (
+    Config,
+    KvLoadFailurePolicy,
+    UnsupportedConfig,
+)
+from kvgate.vocabulary.events import KvEvent
+from kvgate.vocabulary.scheduling import (
+    ASYNC_BATCHES,
+    COW_RETENTION,
+    PREFIX_CACHE_STATS_KEYS,
+    DeferredFree,
+    PrefillStats,
+    PrefixCacheStats,
+    ScheduledStep,
+)
+from kvgate.vocabulary.snapshot import Snapshot
+from kvgate.vocabulary.target import Capabilities, StepRefused
+from kvgate.vocabulary.tokens import NO_INPUTS, HashInputs
 
 __all__ = ["ConnectorSettings", "VllmScheduler", "model_dir"]
 

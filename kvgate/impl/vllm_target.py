@@ -22,20 +22,21 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvgate.conformance.config import Config, check_modelled
-from kvgate.conformance.driver import OpDriver
-from kvgate.conformance.events import KvEvent
-from kvgate.conformance.ops import STATS_KEYS
-from kvgate.conformance.residency import Eviction
-from kvgate.conformance.snapshot import Snapshot
-from kvgate.conformance.target import Capabilities
-from kvgate.conformance.tokens import NO_INPUTS, HashInputs
+from kvgate.driver.op_driver import OpDriver
 from kvgate.impl import _vllm_api
 from kvgate.impl._vllm_api import VllmApi
 from kvgate.impl.vllm_build import block_hasher, build_manager, request_inputs, split_context
 from kvgate.impl.vllm_probe import hold_source, holds_partial_tails, retains_retired
 from kvgate.impl.vllm_residency import take_evictions
 from kvgate.impl.vllm_view import ManagerView
+from kvgate.model.scope import check_modelled
+from kvgate.vocabulary.config import Config
+from kvgate.vocabulary.events import KvEvent
+from kvgate.vocabulary.ops import STATS_KEYS
+from kvgate.vocabulary.residency import Eviction
+from kvgate.vocabulary.snapshot import Snapshot
+from kvgate.vocabulary.target import Capabilities
+from kvgate.vocabulary.tokens import NO_INPUTS, HashInputs
 
 __all__ = ["VllmTarget"]
 

@@ -3,7 +3,7 @@
 Shared by every target that owns a real manager: the manager-level adapter
 (`vllm_target.VllmTarget`) and the real `Scheduler` (`vllm_scheduler`). The
 view keys vLLM's block hashes by kvgate prefix keys (a chained digest of the
-tokens, `conformance.tokens`), so a snapshot compares directly with the
+tokens, `vocabulary.tokens`), so a snapshot compares directly with the
 model's: it keeps a hash -> prefix key index over every request it tracks,
 extended lazily as their tokens grow.
 
@@ -20,16 +20,16 @@ from itertools import compress
 from operator import ne
 from typing import Any
 
-from kvgate.conformance.events import KvEvent, event_extras
-from kvgate.conformance.snapshot import NULL_BLOCK, BlockView, Snapshot, kept_aside, null_view
-from kvgate.conformance.tokens import (
+from kvgate.impl._vllm_api import HOLD_ATTR, VllmApi
+from kvgate.vocabulary.events import KvEvent, event_extras
+from kvgate.vocabulary.snapshot import NULL_BLOCK, BlockView, Snapshot, kept_aside, null_view
+from kvgate.vocabulary.tokens import (
     NO_INPUTS,
     EventExtra,
     HashInputs,
     extend_prefix_keys,
     key_position,
 )
-from kvgate.impl._vllm_api import HOLD_ATTR, VllmApi
 
 __all__ = ["ManagerView", "block_ids"]
 
@@ -146,7 +146,7 @@ class ManagerView:
     def snapshot(self, popped: Mapping[str, Sequence[Any]]) -> Snapshot:
         """The manager's strict view; `popped`: blocks kept aside per request.
 
-        The abstraction of `kvgate.conformance.snapshot.EXCLUSIONS`: the null
+        The abstraction of `kvgate.vocabulary.snapshot.EXCLUSIONS`: the null
         block without its ref count, popped lists without null entries.
         """
         self._sync_index()

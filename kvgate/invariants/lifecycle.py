@@ -52,10 +52,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from kvgate.conformance.config import Config
-from kvgate.conformance.ops import Step
-from kvgate.conformance.snapshot import Snapshot
 from kvgate.invariants.predicates import Violation
+from kvgate.vocabulary.config import Config
+from kvgate.vocabulary.ops import Step
+from kvgate.vocabulary.snapshot import Snapshot
 
 
 @dataclass(frozen=True)

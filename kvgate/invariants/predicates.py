@@ -12,9 +12,9 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvgate.conformance.snapshot import Snapshot
-from kvgate.conformance.tokens import key_position
 from kvgate.model.pool import BlockPool
+from kvgate.vocabulary.snapshot import Snapshot
+from kvgate.vocabulary.tokens import key_position
 
 
 @dataclass(frozen=True)

@@ -11,12 +11,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvgate.conformance.config import Config, GroupConfig
 from kvgate.model.groups import FullAttentionManager, cdiv
 from kvgate.model.hold import Holds
 from kvgate.model.mamba import MambaManager, MambaNoneManager
 from kvgate.model.pool import Block, BlockPool
 from kvgate.model.request import Request
+from kvgate.vocabulary.config import Config, GroupConfig
 
 GroupManagerT = FullAttentionManager | MambaManager
 HitBlocks = tuple[list[Block], ...]

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
-from kvgate.conformance.tokens import MmItem
+from kvgate.vocabulary.tokens import MmItem
 
 
 @dataclass

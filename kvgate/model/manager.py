@@ -2,7 +2,7 @@
 allocation, the free paths and the copy hand-off.
 
 Method names follow the real `KVCacheManager` so the op driver
-(`kvgate.conformance.driver`) drives both the same way.
+(`kvgate.driver.op_driver`) drives both the same way.
 """
 
 from __future__ import annotations
@@ -10,12 +10,13 @@ from __future__ import annotations
 import copy
 from dataclasses import asdict, dataclass
 
-from kvgate.conformance.config import Config, validate
-from kvgate.conformance.events import KvEvent
-from kvgate.conformance.target import StepRefused
 from kvgate.model.coordinator import Coordinator, HitBlocks
 from kvgate.model.pool import Block, stored_event
 from kvgate.model.request import Request
+from kvgate.model.scope import validate
+from kvgate.vocabulary.config import Config
+from kvgate.vocabulary.events import KvEvent
+from kvgate.vocabulary.target import StepRefused
 
 
 @dataclass

@@ -21,11 +21,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from kvgate.conformance.ops import Step
 from kvgate.model.groups import GroupManager
 from kvgate.model.hold import Holds
 from kvgate.model.pool import Block, BlockPool
 from kvgate.model.target import ModelTarget
+from kvgate.vocabulary.ops import Step
 
 Patch = tuple[type, str, Callable[..., Any]]  # (class, method name, replacement)
 

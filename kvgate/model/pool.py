@@ -15,12 +15,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 
-from kvgate.conformance.events import KvEvent, event_extras
-from kvgate.conformance.tokens import EventExtra, lora_adapter_id
 from kvgate.model.request import Request
 from kvgate.model.residency import Residency
+from kvgate.vocabulary.events import KvEvent, event_extras
+from kvgate.vocabulary.tokens import EventExtra, lora_adapter_id
 
-HashKey = tuple[int, str]  # (group id, prefix key of kvgate.conformance.tokens)
+HashKey = tuple[int, str]  # (group id, prefix key of kvgate.vocabulary.tokens)
 
 
 class Block:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvgate.conformance.tokens import NO_INPUTS, HashInputs, extend_prefix_keys, prefix_keys
+from kvgate.vocabulary.tokens import NO_INPUTS, HashInputs, extend_prefix_keys, prefix_keys
 
 
 class Request:

@@ -11,7 +11,7 @@ residency and every event not yet drained.
 
 from __future__ import annotations
 
-from kvgate.conformance.residency import Eviction, reuse_gaps
+from kvgate.vocabulary.residency import Eviction, reuse_gaps
 
 
 class Residency:

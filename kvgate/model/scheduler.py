@@ -53,11 +53,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from kvgate.conformance.config import Config, NotModelled
-from kvgate.conformance.driver import chunk_offer, reserve_prefill_lookahead
-from kvgate.conformance.events import KvEvent
-from kvgate.conformance.ops import ACTIONS, Segment, Step
-from kvgate.conformance.scheduling import (
+from kvgate.driver.op_driver import chunk_offer, reserve_prefill_lookahead
+from kvgate.model.encoder_cache import EncoderCache, EncoderPlan
+from kvgate.model.request import Request
+from kvgate.model.split import chunk_tokens
+from kvgate.model.target import ModelTarget
+from kvgate.vocabulary.config import Config, NotModelled
+from kvgate.vocabulary.events import KvEvent
+from kvgate.vocabulary.ops import ACTIONS, Segment, Step
+from kvgate.vocabulary.scheduling import (
     ASYNC_BATCHES,
     COW_RETENTION,
     DeferredFree,
@@ -65,13 +69,9 @@ from kvgate.conformance.scheduling import (
     PrefixCacheStats,
     RemoteHit,
 )
-from kvgate.conformance.snapshot import Snapshot
-from kvgate.conformance.target import Capabilities, StepRefused
-from kvgate.conformance.tokens import HashInputs, MmItem
-from kvgate.model.encoder_cache import EncoderCache, EncoderPlan
-from kvgate.model.request import Request
-from kvgate.model.split import chunk_tokens
-from kvgate.model.target import ModelTarget
+from kvgate.vocabulary.snapshot import Snapshot
+from kvgate.vocabulary.target import Capabilities, StepRefused
+from kvgate.vocabulary.tokens import HashInputs, MmItem
 
 
 class SchedulerStuck(StepRefused):

@@ -13,9 +13,9 @@ tail stop.
 
 from __future__ import annotations
 
-from kvgate.conformance.config import Config
 from kvgate.model.mamba import checkpoint_position, prefill_checkpoint_valid
 from kvgate.model.request import Request
+from kvgate.vocabulary.config import Config
 
 
 def chunk_tokens(config: Config, request: Request, num_new: int, num_new_hit: int) -> int:

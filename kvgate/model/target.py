@@ -4,17 +4,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvgate.conformance.config import Config
-from kvgate.conformance.driver import OpDriver
-from kvgate.conformance.events import KvEvent
-from kvgate.conformance.residency import Eviction
-from kvgate.conformance.snapshot import BlockView, Snapshot, kept_aside
-from kvgate.conformance.target import Capabilities
-from kvgate.conformance.tokens import NO_INPUTS, HashInputs
+from kvgate.driver.op_driver import OpDriver
 from kvgate.model.manager import KVCacheManager
 from kvgate.model.pool import HashKey
 from kvgate.model.request import Request
 from kvgate.model.split import chunk_tokens
+from kvgate.vocabulary.config import Config
+from kvgate.vocabulary.events import KvEvent
+from kvgate.vocabulary.residency import Eviction
+from kvgate.vocabulary.snapshot import BlockView, Snapshot, kept_aside
+from kvgate.vocabulary.target import Capabilities
+from kvgate.vocabulary.tokens import NO_INPUTS, HashInputs
 
 
 def hash_name(key: HashKey) -> str:

@@ -37,17 +37,17 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Literal, cast
 
-from kvgate.conformance.ops import Step
 from kvgate.conformance.refusal import judge_refusal
 from kvgate.conformance.replay import Level, ReplayResult, one_line, replay
 from kvgate.conformance.report import divergence_summary
-from kvgate.conformance.target import Target, WatchedTarget
 from kvgate.conformance.trace import Trace, load_corpus
 from kvgate.errors import KvgateError
 from kvgate.invariants.predicates import check_snapshot
 from kvgate.mutate.faults import Fault
 from kvgate.mutate.inject import Edit, NotApplicable, apply
 from kvgate.output import VllmLogs, installed
+from kvgate.vocabulary.ops import Step
+from kvgate.vocabulary.target import Target, WatchedTarget
 
 # "not built": no stage caught the fault, and some stage's target (vLLM's
 # manager or its Scheduler), built unmutated, could not be built with it in

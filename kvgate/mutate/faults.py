@@ -59,7 +59,7 @@ class Fault:
     why: str  # why it is realistic
     symptom: str  # what it does to a deployment
     ports: tuple[Port, ...] = ()
-    # The strict view's exclusion (kvgate.conformance.snapshot.EXCLUSIONS)
+    # The strict view's exclusion (kvgate.vocabulary.snapshot.EXCLUSIONS)
     # under which this fault changes nothing a caller can observe: a gate
     # miss is then no miss, and the campaign lists it apart.
     equivalent_under: str = ""

@@ -31,14 +31,14 @@ from pathlib import Path
 from typing import Any, cast
 
 from kvgate import options
-from kvgate.conformance.config import KV_LOAD_FAILURE_POLICIES, Config, UnsupportedConfig
 from kvgate.conformance.replay import LEVELS, Level
 from kvgate.conformance.report import capabilities_line
-from kvgate.conformance.scheduling import SchedulerTarget
-from kvgate.conformance.schema import config_default
-from kvgate.conformance.target import Target
 from kvgate.errors import InputError
 from kvgate.targets import SCHEDULER_TARGETS
+from kvgate.vocabulary.config import KV_LOAD_FAILURE_POLICIES, Config, UnsupportedConfig
+from kvgate.vocabulary.scheduling import SchedulerTarget
+from kvgate.vocabulary.schema import config_default
+from kvgate.vocabulary.target import Target
 from kvgate.workload import report
 from kvgate.workload.deployment import BUILDS, Deployment
 from kvgate.workload.generator import WorkloadStuck

@@ -28,8 +28,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from kvgate.conformance.config import Config, GroupConfig, KvLoadFailurePolicy, validate
-from kvgate.conformance.schema import config_default
+from kvgate.model.scope import validate
+from kvgate.vocabulary.config import Config, GroupConfig, KvLoadFailurePolicy
+from kvgate.vocabulary.schema import config_default
 
 GIB = 1 << 30
 

@@ -32,10 +32,6 @@ import random
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from kvgate.conformance.config import Config
-from kvgate.conformance.ops import Segment, Step
-from kvgate.conformance.scheduling import RemoteHit
-from kvgate.conformance.tokens import NO_INPUTS, HashInputs
 from kvgate.model import ModelTarget
 from kvgate.model.scheduler import (
     LiveRequest,
@@ -44,6 +40,10 @@ from kvgate.model.scheduler import (
     StepDecisions,
     StepWriter,
 )
+from kvgate.vocabulary.config import Config
+from kvgate.vocabulary.ops import Segment, Step
+from kvgate.vocabulary.scheduling import RemoteHit
+from kvgate.vocabulary.tokens import NO_INPUTS, HashInputs
 from kvgate.workload.deployment import Serving
 from kvgate.workload.plan import Session
 

@@ -31,21 +31,21 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvgate.conformance.config import Config, UnsupportedConfig
-from kvgate.conformance.ops import Step
 from kvgate.conformance.replay import Divergence, Level, ReplayResult, one_line
-from kvgate.conformance.scheduling import (
+from kvgate.conformance.trace import TraceError, load_trace
+from kvgate.conformance.writer import save_trace
+from kvgate.errors import InputError
+from kvgate.model.scheduler import StepDecisions
+from kvgate.vocabulary.config import Config, UnsupportedConfig
+from kvgate.vocabulary.ops import Step
+from kvgate.vocabulary.scheduling import (
     RemoteHit,
     ScheduledStep,
     SchedulerTarget,
     step_differences,
 )
-from kvgate.conformance.target import StepRefused
-from kvgate.conformance.tokens import NO_INPUTS, HashInputs
-from kvgate.conformance.trace import TraceError, load_trace
-from kvgate.conformance.writer import save_trace
-from kvgate.errors import InputError
-from kvgate.model.scheduler import StepDecisions
+from kvgate.vocabulary.target import StepRefused
+from kvgate.vocabulary.tokens import NO_INPUTS, HashInputs
 from kvgate.workload.deployment import Deployment, Serving
 from kvgate.workload.generator import SessionRun
 from kvgate.workload.measure import ArmCounts, Seen, count_seen

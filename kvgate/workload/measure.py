@@ -25,11 +25,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvgate.conformance.config import Config
-from kvgate.conformance.driver import OpDriver
-from kvgate.conformance.ops import Step
-from kvgate.conformance.snapshot import Snapshot
+from kvgate.driver.op_driver import OpDriver
 from kvgate.model.mamba import checkpoint_position
+from kvgate.vocabulary.config import Config
+from kvgate.vocabulary.ops import Step
+from kvgate.vocabulary.snapshot import Snapshot
 
 
 @dataclass

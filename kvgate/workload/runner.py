@@ -17,12 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
 
-from kvgate.conformance.config import Config
-from kvgate.conformance.driver import OpDriver
 from kvgate.conformance.replay import Level, ReplayResult, TargetFactory, replay
-from kvgate.conformance.target import Capabilities, Target
 from kvgate.conformance.trace import Trace, TraceError, load_trace
 from kvgate.conformance.writer import save_trace
+from kvgate.driver.op_driver import OpDriver
+from kvgate.vocabulary.config import Config
+from kvgate.vocabulary.target import Capabilities, Target
 from kvgate.workload.deployment import Deployment
 from kvgate.workload.generator import generate
 from kvgate.workload.measure import ArmCounts, Recorder, count

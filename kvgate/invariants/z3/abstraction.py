@@ -20,9 +20,6 @@ from typing import Any
 
 import z3
 
-from kvgate.conformance.config import Config
-from kvgate.conformance.ops import LIVE
-from kvgate.conformance.tokens import key_position
 from kvgate.invariants.z3.properties import PROPERTIES, init
 from kvgate.invariants.z3.transitions import Encoding, acts_on_request
 from kvgate.invariants.z3.vocabulary import (
@@ -39,6 +36,9 @@ from kvgate.invariants.z3.vocabulary import (
 from kvgate.model.mamba import MambaManager
 from kvgate.model.mutations import superseded_holds
 from kvgate.model.target import ModelTarget
+from kvgate.vocabulary.config import Config
+from kvgate.vocabulary.ops import LIVE
+from kvgate.vocabulary.tokens import key_position
 
 GHOSTS = tuple(f.name for f in FIELDS if f.ghost)
 FIELD_NAMES = tuple(f.name for f in FIELDS)

@@ -41,9 +41,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path as FilePath
 from typing import Any
 
-from kvgate.conformance.config import Config, GroupConfig
-from kvgate.conformance.ops import LIVE, Segment, Step
-from kvgate.conformance.target import StepRefused
 from kvgate.conformance.writer import save_trace
 from kvgate.invariants.z3.abstraction import Drift, acting, observe
 from kvgate.invariants.z3.checker import AbstractStep, Path, bmc
@@ -54,6 +51,9 @@ from kvgate.invariants.z3.vocabulary import (
 )
 from kvgate.model.mutations import mutated
 from kvgate.model.target import ModelTarget
+from kvgate.vocabulary.config import Config, GroupConfig
+from kvgate.vocabulary.ops import LIVE, Segment, Step
+from kvgate.vocabulary.target import StepRefused
 
 NEXT_TURN = "next"  # the follow-up request of the no-total-miss epilogue
 

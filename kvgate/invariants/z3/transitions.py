@@ -1,7 +1,7 @@
 """The manager's transition relation: one Z3 transition per primitive trace op.
 
 `TRANSITIONS` maps every primitive op of the action table
-(`kvgate.conformance.ops.PRIMITIVE_OPS`) but `check`, which replays nothing,
+(`kvgate.vocabulary.ops.PRIMITIVE_OPS`) but `check`, which replays nothing,
 to one method of `Encoding`. A transition relates a pre-state `s` and a
 next state `t` (both `vocabulary.State`) for one acting request `r`; the ops
 that act on no request (`step`, `drain`, `evict`, `reset`, `events`,
@@ -91,7 +91,6 @@ from typing import Any
 
 import z3
 
-from kvgate.conformance.ops import ACTIONS, PRIMITIVE_OPS
 from kvgate.invariants.z3.hooks import Hooks
 from kvgate.invariants.z3.vocabulary import (
     ABORT,
@@ -108,6 +107,7 @@ from kvgate.invariants.z3.vocabulary import (
     phase_guard,
 )
 from kvgate.model.mutations import MUTATIONS as MODEL_MUTATIONS
+from kvgate.vocabulary.ops import ACTIONS, PRIMITIVE_OPS
 
 Clause = tuple[str, Any]  # (name, Z3 boolean)
 Counts = Mapping[int, Any]  # block id -> Z3 int (or bool) of how many times

@@ -56,7 +56,7 @@ this one abstracts:
   pending tail per life, the hold alone taking a retired sub-block state,
   admission's extra whatever the hit.
 
-A request's lifecycle is the action table's (`kvgate.conformance.ops`), as
+A request's lifecycle is the action table's (`kvgate.vocabulary.ops`), as
 in the bounded encoding: each op's guard admits the phases of its
 `valid_in` (`vocabulary.phase_guard`) and leaves its request in the table's
 `next_phase` (`vocabulary.phase_after`).

@@ -66,8 +66,8 @@ from typing import Any, Literal, NamedTuple
 
 import z3
 
-from kvgate.conformance.ops import ACTIONS, FREE_HOW, PHASES, Phase, next_phase
 from kvgate.errors import KvgateError
+from kvgate.vocabulary.ops import ACTIONS, FREE_HOW, PHASES, Phase, next_phase
 
 # Request phases: the action table's, with `decoding` folded into `running`
 # (the encoding does not track whether a prompt is computed).

@@ -14,11 +14,11 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from kvgate.conformance.events import KvEvent
-from kvgate.conformance.ops import STATS_KEYS, Segment
-from kvgate.conformance.snapshot import Snapshot
-from kvgate.conformance.target import Capabilities
-from kvgate.conformance.tokens import NO_INPUTS, HashInputs, MmItem
+from kvgate.vocabulary.events import KvEvent
+from kvgate.vocabulary.ops import STATS_KEYS, Segment
+from kvgate.vocabulary.snapshot import Snapshot
+from kvgate.vocabulary.target import Capabilities
+from kvgate.vocabulary.tokens import NO_INPUTS, HashInputs, MmItem
 
 
 @dataclass

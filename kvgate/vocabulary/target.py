@@ -11,8 +11,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from kvgate.conformance.ops import Step
-from kvgate.conformance.snapshot import Snapshot
+from kvgate.vocabulary.ops import Step
+from kvgate.vocabulary.snapshot import Snapshot
 
 
 @dataclass(frozen=True)

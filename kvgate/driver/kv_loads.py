@@ -1,19 +1,17 @@
-"""A KV connector's loads as vLLM's Scheduler handles them, for `OpDriver`:
+"""A KV connector's loads as vLLM's Scheduler handles them, for the op driver:
 what the connector's answer does to a lookup's hit, the admission of an
 asynchronous load, its completion, and a load that fails whole or in part
 (the recompute and fail policies). Each function takes the driver whose
-hooks it calls; the ops in `driver.py` call them where a connector is in play.
+hooks it calls; the ops in `op_driver.py` call them where a connector is in play.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
-from kvgate.conformance.ops import LIVE, Step
-from kvgate.conformance.target import StepRefused
-
-if TYPE_CHECKING:
-    from kvgate.conformance.driver import OpDriver, Pending
+from kvgate.driver.manager_calls import ManagerCalls, Pending
+from kvgate.vocabulary.ops import LIVE, Step
+from kvgate.vocabulary.target import StepRefused
 
 R = TypeVar("R")  # the target's request object
 
@@ -28,7 +26,7 @@ def refuse_while_loading(pending: Pending[R], step: Step, field: str = "req") ->
 
 
 def connector_answer(
-    driver: OpDriver[R],
+    driver: ManagerCalls[R],
     step: Step,
     pending: Pending[R],
     blocks: Any,
@@ -77,7 +75,7 @@ def connector_answer(
     return blocks, hit, junction, external, load_async and external > 0
 
 
-def fail_load(driver: OpDriver[R], pending: Pending[R]) -> None:
+def fail_load(driver: ManagerCalls[R], pending: Pending[R]) -> None:
     """The connector reported the request's load failed as a whole
     (`failed_recving`, the recompute policy: vLLM's for a model with
     several KV-cache groups): nothing it loaded counts, so when the
@@ -91,7 +89,7 @@ def fail_load(driver: OpDriver[R], pending: Pending[R]) -> None:
     pending.loading = False
 
 
-def complete_load(driver: OpDriver[R], pending: Pending[R]) -> None:
+def complete_load(driver: ManagerCalls[R], pending: Pending[R]) -> None:
     """The load finished (`_update_waiting_for_remote_kv`, which the
     Scheduler runs right before re-admitting the request): key what it
     loaded; a load of every token leaves the last one to compute."""
@@ -104,7 +102,7 @@ def complete_load(driver: OpDriver[R], pending: Pending[R]) -> None:
 
 
 def allocate_async_load(
-    driver: OpDriver[R], step: Step, pending: Pending[R], blocks: Any
+    driver: ManagerCalls[R], step: Step, pending: Pending[R], blocks: Any
 ) -> dict[str, Any]:
     """The admission of a request whose connector loads asynchronously:
     blocks for the local hit and the external tokens, nothing to compute
@@ -136,7 +134,7 @@ def allocate_async_load(
 
 
 def invalid_block_start(
-    driver: OpDriver[R], pending: Pending[R], hit: int, computed: int, invalid: tuple[int, ...]
+    driver: ManagerCalls[R], pending: Pending[R], hit: int, computed: int, invalid: tuple[int, ...]
 ) -> tuple[int, list[int]]:
     """The first invalid block's index in the request's table (the one
     group's) and the table's ids, once the indices are checked: each
@@ -172,7 +170,7 @@ def invalid_block_start(
 
 
 def truncate_at_invalid(
-    driver: OpDriver[R],
+    driver: ManagerCalls[R],
     pending: Pending[R],
     sync_load: tuple[int, int, bool] | None,
     invalid: tuple[int, ...],
@@ -199,7 +197,7 @@ def truncate_at_invalid(
 
 
 def complete_partial_load(
-    driver: OpDriver[R], pending: Pending[R], invalid: tuple[int, ...]
+    driver: ManagerCalls[R], pending: Pending[R], invalid: tuple[int, ...]
 ) -> None:
     """An async load completed with some blocks invalid (policy
     recompute): the computed tokens end at the first one, the valid

@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import MISSING, dataclass, fields
 from typing import Any, Literal
 
-from kvgate.conformance.config import (
+from kvgate.vocabulary.config import (
     KV_LOAD_FAILURE_POLICIES,
     MAMBA_CACHE_MODES,
     MODEL_RUNNERS,

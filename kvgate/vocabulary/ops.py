@@ -1,7 +1,7 @@
 """The action table: every trace op, its fields and the values a target reports.
 
 This table is the single source for what an op is. The trace parser validates
-against it, the op driver (`driver.py`, which both the model and the vLLM
+against it, the op driver (`driver/op_driver.py`, which both the model and the vLLM
 targets run) has one handler per primitive op, and each Z3 encoding has one
 transition per primitive op; tests check that each of those covers exactly
 the names listed here.
@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from kvgate.conformance.tokens import NO_INPUTS, HashInputs, MmItem
+from kvgate.vocabulary.tokens import NO_INPUTS, HashInputs, MmItem
 
 # A request's life, the same in every layer (the trace validator, the driver,
 # exploration's guards, the Z3 phases, the drift test's generator; the
@@ -137,7 +137,7 @@ STATS_KEYS: tuple[str, ...] = (
     "reset",
 )
 
-# What a `residency` op reports a trace may expect (kvgate.conformance.
+# What a `residency` op reports a trace may expect (kvgate.vocabulary.
 # residency): the eviction events drained, and how many carry 0..3 reuse gaps.
 RESIDENCY_KEYS: tuple[str, ...] = ("evicted", "reuse_gaps")
 
@@ -263,7 +263,7 @@ def next_phase(
 
 # The type of each `expect` value, as the parser checks it: "int" is an int
 # >= 0, "bool" a YAML boolean, "copies" a list of [src, dst] block-id pairs,
-# "events" a list of event lines (kvgate.conformance.events), "counts" a list
+# "events" a list of event lines (kvgate.vocabulary.events), "counts" a list
 # of ints >= 0.
 ExpectType = Literal["int", "bool", "copies", "events", "counts"]
 

@@ -3,7 +3,7 @@ both targets report them, and as a trace writes them.
 
 A target with `kv_events` on queues an event whenever prefix-cache entries
 appear or disappear; the `events` op takes the queue. Each event is a
-`KvEvent` over prefix keys (`kvgate.conformance.tokens`), so the model's and
+`KvEvent` over prefix keys (`kvgate.vocabulary.tokens`), so the model's and
 vLLM's compare directly. A trace's `expect: {events: [...]}` lists them as
 lines, positions instead of digests:
 
@@ -29,7 +29,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
-from kvgate.conformance.tokens import EventExtra, key_position
+from kvgate.vocabulary.tokens import EventExtra, key_position
 
 EventKind = Literal["stored", "removed", "cleared"]
 
