@@ -325,8 +325,8 @@ def test_an_unmodelled_input_in_a_run_is_one_line_naming_the_step(tmp_path: Path
         real: Any = _scheduler(None)(config, spec_tokens=spec_tokens, max_num_seqs=max_num_seqs)
         add = real.add_request
 
-        def with_adapter(*args: Any) -> None:
-            add(*args[:4], HashInputs(lora="ad-1"))
+        def with_adapter(*args: Any, **kwargs: Any) -> None:
+            add(*args[:4], HashInputs(lora="ad-1"), **kwargs)
 
         real.add_request = with_adapter
         return real
@@ -336,3 +336,43 @@ def test_an_unmodelled_input_in_a_run_is_one_line_naming_the_step(tmp_path: Path
     message = str(error.value)
     assert ": step 1: lora: vLLM's Scheduler refuses it: " in message, message
     assert "\n" not in message
+
+
+class _OneEventFewer:
+    """vLLM's Scheduler, each published batch of KV-cache events without its
+    last event."""
+
+    def __init__(self, real: Any) -> None:
+        self.real = real
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+    def take_kv_events(self) -> list[Any]:
+        return list(self.real.take_kv_events())[:-1]
+
+
+def test_a_wrong_kv_event_fails_the_workload_as_it_fails_the_gate(tmp_path: Path) -> None:
+    """The workload runs the gate's scheduler-level lockstep, so it compares
+    the KV-cache events a step publishes: with `kv_events` on the workload
+    conforms, and a Scheduler that publishes one event fewer per batch is
+    caught at the first step that publishes any, as the gate catches the
+    same fault on the bundled events trace."""
+    from dataclasses import replace
+
+    from scheduler_runs import first_failure, run_vllm, trace_of
+
+    events_trace = trace_of("sched-kv-events-store-evict-clear")
+    assert first_failure(run_vllm(events_trace, _OneEventFewer))[1:] == ("expect", "events")
+
+    deployment = Deployment(build="upstream").scaled(SCALE)
+    config = replace(deployment.config(UNITS[0], False, WORKLOAD.sessions), kv_events=True)
+    clean = _one_arm(tmp_path / "ok", _scheduler(None), config)
+    assert clean.replay.passed, clean.replay.divergence
+
+    def fewer(config: Config, **kwargs: Any) -> Any:
+        return _OneEventFewer(_scheduler(None)(config, **kwargs))
+
+    divergence = _one_arm(tmp_path / "fewer", fewer, config).replay.divergence
+    assert divergence is not None and divergence.level == "api"
+    assert divergence.what.endswith(": KV-cache events published"), divergence.what

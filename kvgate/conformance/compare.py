@@ -10,12 +10,15 @@ the replayer and for exploration's lockstep.
   caller sees (the replayer checks it where it ends a loop).
 - A `holds` value leaves out the requests that hold nothing.
 - Snapshots compare through `Snapshot.differences`, first difference first.
+- One manager-level step in lockstep (`step_difference`): the reported
+  values first (level api), then, at level strict, the two views; the gate's
+  replay and exploration's lockstep both judge a step by it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
 
 from kvgate.vocabulary.ops import ACTIONS
 from kvgate.vocabulary.snapshot import Snapshot
@@ -82,3 +85,23 @@ def observation_difference(
 def snapshot_difference(reference: Snapshot, other: Snapshot) -> Difference | None:
     """The first difference between two strict views, if any."""
     return next(iter(reference.differences(other)), None)
+
+
+def step_difference(
+    op: str,
+    modeled: Mapping[str, Any],
+    observed: Mapping[str, Any],
+    views: tuple[Callable[[], Snapshot], Callable[[], Snapshot]] | None,
+) -> tuple[Literal["api", "strict"], Difference] | None:
+    """Where a lockstep target first differs from the model in one
+    manager-level step: its reported values (`api`), then, when `views`
+    (the model's and the target's, read only if the values agree) are
+    given, its whole state (`strict`)."""
+    difference = observation_difference(op, modeled, observed)
+    if difference is not None:
+        return "api", difference
+    if views is None:
+        return None
+    model_view, target_view = views
+    difference = snapshot_difference(model_view(), target_view())
+    return None if difference is None else ("strict", difference)

@@ -29,10 +29,9 @@ from typing import Any, Literal, TypeVar
 from kvgate.conformance.compare import (
     NOT_REPORTED,
     PROMPT_DONE,
-    observation_difference,
     same,
     same_check,
-    snapshot_difference,
+    step_difference,
 )
 from kvgate.conformance.macros import prefill_steps
 from kvgate.conformance.trace import Trace, TraceError
@@ -183,11 +182,11 @@ class ModelBug(KvgateError):
 
     exit_code = EXIT_KVGATE_BUG
 
-    def __init__(self, trace: Trace, step: Step, error: BaseException) -> None:
-        self.trace = trace
+    def __init__(self, path: Path, step: Step, error: BaseException) -> None:
+        self.path = path
         self.step = step
         super().__init__(
-            f"{trace.path}: {step.where()}: the kvgate model raised {one_line(error)}; "
+            f"{path}: {step.where()}: the kvgate model raised {one_line(error)}; "
             "this is a bug in kvgate, not in the target: please report it with this trace"
         )
 
@@ -286,11 +285,20 @@ class _Lockstep:
             if not same(want, got):
                 self.miss(step, key, want, got)
         if modeled is not None:
-            difference = observation_difference(step.op, modeled, observed)
-            if difference is not None:
-                raise self.diverged(step, "api", *difference)
-        if self.level == "strict" and self.model is not None:
-            self.compare_snapshots(step, self.model)
+            model = self.model
+            assert model is not None
+            views = (
+                (
+                    lambda: self.guarded(step, "model", model.snapshot),
+                    lambda: self.guarded(step, "target", self.target.snapshot),
+                )
+                if self.level == "strict"
+                else None
+            )
+            found = step_difference(step.op, modeled, observed, views)
+            if found is not None:
+                level, difference = found
+                raise self.diverged(step, level, *difference)
         return observed, modeled
 
     def apply(self, side: Target, who: str, step: Step) -> dict[str, Any]:
@@ -323,17 +331,10 @@ class _Lockstep:
 
     def raised(self, step: Step, who: str, error: Exception) -> Exception:
         if who == "model" or self.target_is_model:
-            return ModelBug(self.trace, step, error)
+            return ModelBug(self.trace.path, step, error)
         return self.diverged(
             step, "api", "exception", "no exception", one_line(error), f"raised by the {who}"
         )
-
-    def compare_snapshots(self, step: Step, model: Target) -> None:
-        expected = self.guarded(step, "model", model.snapshot)
-        actual = self.guarded(step, "target", self.target.snapshot)
-        difference = snapshot_difference(expected, actual)
-        if difference is not None:
-            raise self.diverged(step, "strict", *difference)
 
     # -- macros and checks --------------------------------------------------
 

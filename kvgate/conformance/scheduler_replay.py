@@ -39,6 +39,7 @@ import functools
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from kvgate.conformance.replay import (
@@ -62,12 +63,14 @@ from kvgate.vocabulary.scheduling import (
     EngineOutcome,
     EngineStep,
     PrefillStats,
+    RemoteHit,
     ScheduledStep,
     SchedulerModelRun,
     SchedulerTarget,
     step_differences,
 )
 from kvgate.vocabulary.target import Capabilities, StepRefused
+from kvgate.vocabulary.tokens import HashInputs
 
 # Builds kvgate's scheduler model: (config, spec, max_num_seqs).
 SchedulerModelFactory = Callable[[Config, int, int], SchedulerModelRun]
@@ -106,7 +109,7 @@ def replay_scheduler(
         model = model_factory(config, trace.scheduler.spec, trace.scheduler.max_num_seqs)
     except UnsupportedConfig as error:
         raise TraceError.unsupported(trace.path, error) from None
-    run = _EngineLockstep(trace, model, real, level)
+    run = EngineLockstep(trace.name, trace.path, trace.config, model, real, level)
     failures = run.missed
     try:
         for event in trace.engine:
@@ -136,7 +139,7 @@ class SchedulerLockstep:
     def __init__(
         self, trace: Trace, model: SchedulerModelRun, real: SchedulerTarget, level: Level
     ) -> None:
-        self._run = _EngineLockstep(trace, model, real, level)
+        self._run = EngineLockstep(trace.name, trace.path, trace.config, model, real, level)
 
     def apply(self, event: EngineStep) -> Divergence | None:
         try:
@@ -146,11 +149,27 @@ class SchedulerLockstep:
         return None
 
 
-class _EngineLockstep:
+class EngineLockstep:
+    """The scheduler-level lockstep, the one every caller runs: a replay
+    (`replay_scheduler`), exploration (`SchedulerLockstep`) and the
+    workload on vLLM's real Scheduler. `engine_step` drives both sides with
+    one trace entry; a caller that drives the model itself (the workload's
+    sessions) hands the real side the same arrivals (`add_to_real`) and
+    each engine step's modelled outcome (`judge_step`), and is compared on
+    everything a replay compares."""
+
     def __init__(
-        self, trace: Trace, model: SchedulerModelRun, real: SchedulerTarget | None, level: Level
+        self,
+        name: str,
+        path: Path,
+        config: Config,
+        model: SchedulerModelRun,
+        real: SchedulerTarget | None,
+        level: Level,
     ) -> None:
-        self.trace = trace
+        self.name = name
+        self.path = path
+        self.config = config
         self.model = model
         self.real = real
         self.level = level
@@ -160,19 +179,21 @@ class _EngineLockstep:
         # Each request's cached tokens as the target first reported them,
         # whatever step that was: what a missed expectation cost.
         self.cached_tokens: dict[str, int] = {}
+        # Residency metrics' eviction events compared (`kv_cache_metrics`).
+        self.evictions_compared = 0
 
     def divergence(
         self, step: Step, level: DivergenceLevel, what: str, expected: object, actual: object
     ) -> Divergence:
-        return Divergence(self.trace.name, self.trace.path, step, level, what, expected, actual)
+        return Divergence(self.name, self.path, step, level, what, expected, actual)
 
     def on_model(self, step: Step, call: Callable[[], Any]) -> Any:
         try:
             return call()
         except StepRefused as refusal:
-            raise TraceError(self.trace.path, step.index, refusal.field, refusal.message) from None
+            raise TraceError(self.path, step.index, refusal.field, refusal.message) from None
         except Exception as error:
-            raise ModelBug(self.trace, step, error) from error
+            raise ModelBug(self.path, step, error) from error
 
     def on_real(self, step: Step, what: str, call: Callable[[], Any]) -> Any:
         try:
@@ -256,30 +277,61 @@ class _EngineLockstep:
         if self.real is None:
             return
         tokens, inputs = self.model.prompt_tokens(name)
+        self.add_to_real(
+            step,
+            name,
+            tokens,
+            inputs,
+            event.max_tokens,
+            event.follows,
+            event.remote,
+            resumable=event.resumable,
+            priority=event.priority,
+            skip_prefix_cache=event.skip_prefix_cache,
+        )
+
+    def add_to_real(
+        self,
+        step: Step,
+        name: str,
+        tokens: list[int],
+        inputs: HashInputs,
+        max_tokens: int,
+        follows: str | None,
+        remote: RemoteHit | None,
+        *,
+        resumable: bool = False,
+        priority: int = 0,
+        skip_prefix_cache: bool = False,
+    ) -> None:
+        """An arrival the model took, added to the real scheduler with the
+        token ids the model resolved (a refusal is the trace's `TraceError`)."""
         real = self.real
-        remote = event.remote
+        assert real is not None
         try:
             if remote is not None:
                 real.script_external(name, remote.tokens, remote.load_async, remote.undecided)
             real.add_request(
                 name,
                 tokens,
-                event.max_tokens,
-                event.follows,
+                max_tokens,
+                follows,
                 inputs,
-                resumable=event.resumable,
-                priority=event.priority,
-                skip_prefix_cache=event.skip_prefix_cache,
+                resumable=resumable,
+                priority=priority,
+                skip_prefix_cache=skip_prefix_cache,
             )
         except StepRefused as refusal:
             raise TraceError(
-                self.trace.path,
-                event.index,
+                self.path,
+                step.index,
                 refusal.field,
                 f"vLLM's Scheduler refuses it: {refusal.message}",
             ) from None
-        except UnsupportedConfig as error:
-            raise TraceError(self.trace.path, event.index, error.field, error.message) from None
+        except UnsupportedConfig as error:  # hash inputs the target does not model
+            raise TraceError(
+                self.path, step.index, error.field, f"vLLM's Scheduler refuses it: {error.message}"
+            ) from None
         except Exception as error:
             raise Diverged(
                 self.divergence(step, "api", "add_request raised", "no exception", one_line(error))
@@ -315,6 +367,12 @@ class _EngineLockstep:
         for name, drafts in event.accept.items():
             self.on_model(step, functools.partial(self.model.accept, name, drafts))
         modelled: EngineOutcome = self.on_model(step, self.model.step)
+        self.judge_step(event, step, modelled)
+
+    def judge_step(self, event: EngineStep, step: Step, modelled: EngineOutcome) -> ScheduledStep:
+        """The engine step the model took (`modelled`) run on the real
+        scheduler, checked against the entry's expectations and compared
+        with the model's; what the target showed of it."""
         where = f"engine step {self.engine_steps}"
         observed: ScheduledStep
         if self.real is None:
@@ -336,7 +394,7 @@ class _EngineLockstep:
             self.cached_tokens.setdefault(request, reported[0])
         self.expectations(event, step, observed, finished, stats, observed_events)
         if self.real is None:
-            return
+            return observed
         pairs: list[tuple[str, object, object]] = [
             *step_differences(modelled, observed),
             ("finished", modelled.finished, finished),
@@ -346,7 +404,7 @@ class _EngineLockstep:
                 stats,
             ),
         ]
-        if self.trace.config.async_scheduling:
+        if self.config.async_scheduling:
             pairs += [
                 (
                     "batches in flight",
@@ -359,7 +417,7 @@ class _EngineLockstep:
                     self.real.deferred_frees(),
                 ),
             ]
-        if self.trace.config.kv_events:
+        if self.config.kv_events:
             pairs.append(
                 (
                     "KV-cache events published",
@@ -369,7 +427,7 @@ class _EngineLockstep:
             )
         # What vLLM's engine reads for its load stats, logged or not.
         pairs.append(("KV-cache usage", self.model.kv_cache_usage(), self.real.kv_cache_usage()))
-        if self.trace.config.disable_log_stats:
+        if self.config.disable_log_stats:
             # Stats logging off: the update makes no stats to compare.
             pairs.append(("stats made with stats logging off", None, observed_cache_stats))
         elif observed_cache_stats is not None:
@@ -380,10 +438,21 @@ class _EngineLockstep:
                     observed_cache_stats,
                 )
             )
+        if self.config.kv_cache_metrics:
+            evictions = self.real.take_evictions()
+            self.evictions_compared += len(evictions)
+            pairs.append(
+                (
+                    "residency eviction events (reuse gaps each)",
+                    self.model.take_evictions(),
+                    evictions,
+                )
+            )
         for what, expected, actual in pairs:
             if expected != actual:
                 raise Diverged(self.divergence(step, "api", f"{where}: {what}", expected, actual))
         self.strict(step, where)
+        return observed
 
     def real_step(
         self, event: EngineStep, step: Step, real: SchedulerTarget, modelled: EngineOutcome
@@ -394,11 +463,12 @@ class _EngineLockstep:
         and the oldest batch's output processed (with the tokens the model
         sampled in that batch) only once `ASYNC_BATCHES` are in flight or
         nothing more was scheduled. (What it scheduled, what finished.)"""
+        where = f"engine step {self.engine_steps}"
         observed = ScheduledStep()
-        if not self.trace.config.async_scheduling:
-            observed = self.on_real(step, "schedule()", real.schedule)
+        if not self.config.async_scheduling:
+            observed = self.on_real(step, f"{where}: schedule()", real.schedule)
         elif real.has_requests():
-            observed = self.on_real(step, "schedule()", real.schedule)
+            observed = self.on_real(step, f"{where}: schedule()", real.schedule)
             executed = bool(observed.scheduled)
             if real.batches_in_flight() < ASYNC_BATCHES and (executed or real.has_requests()):
                 return observed, []
@@ -408,7 +478,7 @@ class _EngineLockstep:
             real.stop(name)
         finished: list[str] = self.on_real(
             step,
-            "update_from_output()",
+            f"{where}: update_from_output()",
             lambda: real.update(modelled.sampled, loaded=modelled.loaded, failed=modelled.failed),
         )
         return observed, finished

@@ -756,7 +756,7 @@ def is_exact_fit_defect(divergence: Divergence, model_left_one_waiting: bool) ->
     a step where the model left such an admission waiting."""
     return (
         model_left_one_waiting
-        and divergence.what == "schedule() raised"
+        and divergence.what.endswith(": schedule() raised")
         and str(divergence.actual).startswith("ValueError: Cannot get")
     )
 

@@ -26,9 +26,8 @@ from typing import Any, Literal
 
 from kvgate.conformance.compare import (
     NOT_REPORTED,
-    observation_difference,
     same_check,
-    snapshot_difference,
+    step_difference,
 )
 from kvgate.conformance.writer import dump_trace, save_trace
 from kvgate.driver.op_driver import OpDriver
@@ -363,25 +362,25 @@ class Session:
                 f"{step.where()}: {type(error).__name__}: {error}",
                 Witness(),
             ) from error
-        difference = observation_difference(step.op, modeled, observed)
-        if difference is not None:
-            key, want, got = difference
-            expect = {key: want} if key in ACTIONS[step.op].expect_keys else {}
+        other = self.other
+        found = step_difference(step.op, modeled, observed, (lambda: after, other.snapshot))
+        if found is None:
+            return
+        level, (what, want, got) = found
+        if level == "api":
+            expect = {what: want} if what in ACTIONS[step.op].expect_keys else {}
             raise self.fail(
                 "divergence",
-                f"api-{key}",
-                f"{step.where()}: {key}: model {want!r}, target {got!r}",
+                f"api-{what}",
+                f"{step.where()}: {what}: model {want!r}, target {got!r}",
                 Witness(step=len(self.steps) - 1, expect=expect),
             )
-        difference = snapshot_difference(after, self.other.snapshot())
-        if difference is not None:
-            what, want, got = difference
-            raise self.fail(
-                "divergence",
-                "strict",
-                f"{step.where()}: {what}: model {want!r}, target {got!r}",
-                Witness(),
-            )
+        raise self.fail(
+            "divergence",
+            "strict",
+            f"{step.where()}: {what}: model {want!r}, target {got!r}",
+            Witness(),
+        )
 
 
 def snapshot_witness(snapshot: Snapshot) -> Witness:

@@ -823,6 +823,9 @@ class SchedulerModel:
     def kv_cache_usage(self) -> float:
         return self.oracle.manager.usage
 
+    def take_evictions(self) -> list[int]:
+        return [eviction.reuse_gaps for eviction in self.oracle.stats_evictions() or []]
+
     def prompt_tokens(self, name: str) -> tuple[list[int], HashInputs]:
         request = self.oracle.requests[name].request
         return list(request.all_token_ids), request.inputs

@@ -326,6 +326,12 @@ class SchedulerModelRun(Protocol):
         when the step processed no output)."""
         ...
 
+    def take_evictions(self) -> list[int]:
+        """The residency metrics' eviction events the model's stats drained
+        since the last call, each as its number of reuse gaps, in order (as
+        `SchedulerTarget.take_evictions`)."""
+        ...
+
     def kv_cache_usage(self) -> float:
         """The pool's used fraction, the null block left out (the Scheduler's
         `get_kv_cache_usage()`)."""

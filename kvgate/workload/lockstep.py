@@ -4,18 +4,15 @@
 (kvgate's scheduler model over the model, writing the arm's trace as
 usual) and, beside it, through a `SchedulerTarget` (vLLM's own `Scheduler`
 owning a real `KVCacheManager`): every turn is added to both when it
-arrives; after each engine step of the model the real scheduler runs one
-`schedule()` and one `update()` with the tokens the model sampled, and the
-two are compared:
-
-- api level: which requests ran with how many tokens (in order), who was
-  preempted, every lookup's hit, each admission's hit, the attention check
-  before a follow-up's lookup, the copies, which requests finished; with a
-  KV connector also each question put to the connector and each allocation
-  from the waiting queue (local hit, external tokens, async), the real
-  connector scripted with each request's drawn hit and the loads reported
-  to the real Scheduler when the model's worker reports them;
-- strict level: also the owned manager's whole snapshot after the step.
+arrives; each engine step the model took is handed to the gate's
+scheduler-level lockstep (`conformance.scheduler_replay.EngineLockstep`),
+which runs it on the real scheduler as vLLM's engine core would and
+compares everything a scheduler-level replay compares (what ran, who was
+preempted, lookups, admissions, copies, connector questions, finished
+requests, prefill stats, prefix-cache stats, KV-cache events, usage, the
+residency metrics' evictions, async batches and deferred frees; at level
+strict the owned manager's whole snapshot). With a KV connector the real
+connector is scripted with each request's drawn hit.
 
 The first difference (or an exception inside vLLM) ends the arm as a
 divergence at that engine step, named by its last trace step. A request the
@@ -28,22 +25,18 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from kvgate.conformance.replay import Divergence, Level, ReplayResult, one_line
+from kvgate.conformance.replay import Diverged, Divergence, Level, ReplayResult
+from kvgate.conformance.scheduler_replay import EngineLockstep
 from kvgate.conformance.trace import TraceError, load_trace
 from kvgate.conformance.writer import save_trace
 from kvgate.errors import InputError
 from kvgate.model.scheduler import StepDecisions
 from kvgate.vocabulary.config import Config, UnsupportedConfig
 from kvgate.vocabulary.ops import Step
-from kvgate.vocabulary.scheduling import (
-    RemoteHit,
-    ScheduledStep,
-    SchedulerTarget,
-    step_differences,
-)
+from kvgate.vocabulary.scheduling import EngineStep, RemoteHit, SchedulerTarget
 from kvgate.vocabulary.target import StepRefused
 from kvgate.vocabulary.tokens import NO_INPUTS, HashInputs
 from kvgate.workload.deployment import Deployment, Serving
@@ -63,33 +56,15 @@ from kvgate.workload.runner import (
 NOTE = "vLLM's Scheduler vs kvgate's scheduler model, in lockstep"
 
 
-class _WorkloadDiverged(Exception):
-    def __init__(self, step: Step, level: str, what: str, expected: object, actual: object) -> None:
-        super().__init__(what)
-        self.step = step
-        self.level = level
-        self.what = what
-        self.expected = expected
-        self.actual = actual
-
-
-class _Refused(Exception):
-    def __init__(self, step_index: int, refusal: StepRefused, who: str) -> None:
-        super().__init__(refusal.message)
-        self.step_index = step_index
-        self.refusal = refusal
-        self.who = who
-
-
 @dataclass
 class _Lockstep:
-    """The observer that drives the real scheduler beside the model's."""
+    """The observer that hands the real scheduler each arrival and engine
+    step of the model's sessions, through the gate's scheduler-level
+    lockstep (`EngineLockstep`): the workload is compared on everything a
+    scheduler-level replay compares."""
 
-    real: SchedulerTarget
+    lockstep: EngineLockstep
     run: SessionRun
-    level: Level
-    engine_steps: int = 0
-    evictions_compared: int = 0
     seen: dict[str, Seen] = field(default_factory=dict)
     _checked: dict[str, int] = field(default_factory=dict)
 
@@ -104,63 +79,13 @@ class _Lockstep:
     ) -> None:
         self.seen[name] = Seen(prompt_tokens=len(tokens), follows=follows)
         step = self.run.writer.steps[-1]
-        try:
-            if remote is not None:
-                self.real.script_external(name, remote.tokens, remote.load_async)
-            self.real.add_request(name, tokens, max_tokens, follows, inputs)
-        except StepRefused as refusal:
-            raise _Refused(step.index, refusal, "vLLM's Scheduler") from None
-        except UnsupportedConfig as error:  # hash inputs the target does not model
-            unmodelled = StepRefused(error.field, error.message)
-            raise _Refused(step.index, unmodelled, "vLLM's Scheduler") from None
-        except Exception as error:
-            raise _WorkloadDiverged(
-                step, "api", "exception", "no exception", one_line(error)
-            ) from error
+        self.lockstep.add_to_real(step, name, tokens, inputs, max_tokens, follows, remote)
 
     def stepped(self, decisions: StepDecisions, last: Step) -> None:
-        self.engine_steps += 1
-        try:
-            real = self.real.schedule()
-        except Exception as error:
-            raise _WorkloadDiverged(
-                last, "api", "schedule() raised", "no exception", one_line(error)
-            ) from error
-        self._compare(decisions, real, last)
-        try:
-            finished = self.real.update(
-                decisions.sampled, loaded=decisions.loaded, failed=decisions.failed
-            )
-        except Exception as error:
-            raise _WorkloadDiverged(
-                last, "api", "update_from_output() raised", "no exception", one_line(error)
-            ) from error
-        if finished != decisions.finished:
-            raise _WorkloadDiverged(last, "api", "finished", decisions.finished, finished)
-        # The residency metrics the real update's stats drained, against
-        # the model's (the oracle's own collector; none without the metrics).
-        drained = self.run.oracle.stats_evictions() or []
-        modelled = [e.reuse_gaps for e in drained]
-        evictions = self.real.take_evictions()
-        if evictions != modelled:
-            raise _WorkloadDiverged(
-                last, "api", "residency eviction events (reuse gaps each)", modelled, evictions
-            )
-        self.evictions_compared += len(evictions)
-        self._record(real)
-        if self.level == "strict":
-            model_view = self.run.oracle.snapshot()
-            real_view = self.real.snapshot()
-            for what, expected, actual in model_view.differences(real_view):
-                raise _WorkloadDiverged(last, "strict", what, expected, actual)
-
-    def _compare(self, model: StepDecisions, real: ScheduledStep, last: Step) -> None:
-        for what, expected, actual in step_differences(model, real):
-            raise _WorkloadDiverged(last, "api", what, expected, actual)
-
-    def _record(self, real: ScheduledStep) -> None:
-        self._checked.update(real.checked)
-        for name, hit in real.admitted:
+        self.lockstep.engine_steps += 1
+        observed = self.lockstep.judge_step(EngineStep("step", last.index), last, decisions)
+        self._checked.update(observed.checked)
+        for name, hit in observed.admitted:
             seen = self.seen[name]
             seen.last_hit = hit
             if seen.admitted_hit is None:
@@ -198,42 +123,33 @@ def run_on_scheduler(
     """
     started = time.perf_counter()
     run = SessionRun(config, sessions, serving, progress=progress)
-    lockstep = _Lockstep(real, run, level)
-    run.observer = lockstep
-    diverged: _WorkloadDiverged | None = None
-    refused: _Refused | None = None
+    path = out / f"{name}.yaml"  # where `save_trace` writes the arm's trace
+    lockstep = EngineLockstep(name, path, config, run.scheduler, real, level)
+    observer = _Lockstep(lockstep, run)
+    run.observer = observer
+    divergence: Divergence | None = None
+    refused: TraceError | None = None
     try:
         run.run()
-    except _WorkloadDiverged as error:
-        diverged = error
-    except _Refused as error:
+    except Diverged as diverged:
+        divergence = replace(diverged.divergence, note=NOTE)
+    except TraceError as error:
         refused = error
     except StepRefused as refusal:
         # The model refuses the step being written (e.g. a prompt longer than
         # max_model_len): the plan does not fit the config.
-        refused = _Refused(len(run.writer.steps), refusal, "kvgate's model")
-    seconds = time.perf_counter() - started
-    path = save_trace(out, name, config, run.writer.steps, about)
-    if refused is not None:
-        raise TraceError(
+        refused = TraceError(
             path,
-            refused.step_index,
-            refused.refusal.field,
-            f"{refused.who} refuses it: {refused.refusal.message}",
+            len(run.writer.steps),
+            refusal.field,
+            f"kvgate's model refuses it: {refusal.message}",
         )
+    seconds = time.perf_counter() - started
+    saved = save_trace(out, name, config, run.writer.steps, about)
+    assert saved == path, (saved, path)
+    if refused is not None:
+        raise refused
     trace = load_trace(path)
-    divergence = None
-    if diverged is not None:
-        divergence = Divergence(
-            trace=trace.name,
-            path=path,
-            step=diverged.step,
-            level="api" if diverged.level == "api" else "strict",
-            what=f"engine step {lockstep.engine_steps}: {diverged.what}",
-            expected=diverged.expected,
-            actual=diverged.actual,
-            note=NOTE,
-        )
     result = ReplayResult(
         trace=trace,
         level=level,
@@ -245,7 +161,7 @@ def run_on_scheduler(
     )
     return SchedulerArm(
         path,
-        count_seen(lockstep.seen, config),
+        count_seen(observer.seen, config),
         result,
         lockstep.engine_steps,
         lockstep.evictions_compared,
