@@ -55,7 +55,7 @@ def test_an_engine_step_processes_the_batch_before_the_last() -> None:
     for event in TRACE.engine:
         if event.op == "arrive":
             assert event.req is not None
-            model.arrive(event.req, event.prompt, event.max_tokens)
+            model.arrive(event.arrival())
         elif event.op == "abort":
             assert event.req is not None
             model.abort(event.req)
@@ -182,7 +182,7 @@ def decisions_by_step(trace: Trace) -> list[tuple[int, Any]]:
     for event in trace.engine:
         if event.op == "arrive":
             assert event.req is not None
-            model.arrive(event.req, event.prompt, event.max_tokens)
+            model.arrive(event.arrival())
         elif event.op == "abort":
             assert event.req is not None
             model.abort(event.req)

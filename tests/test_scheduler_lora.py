@@ -32,6 +32,7 @@ from kvgate.conformance.trace import (
 from kvgate.model.scheduler import LiveRequest, SchedulerModel
 from kvgate.vocabulary.config import UnsupportedConfig
 from kvgate.vocabulary.ops import Segment
+from kvgate.vocabulary.scheduling import Arrival
 from kvgate.vocabulary.tokens import HashInputs, lora_adapter_id
 
 LIMIT = "sched-lora-limit-holds-a-third-adapter"
@@ -83,11 +84,11 @@ def test_the_model_passes_over_a_new_adapter_at_the_limit_and_admits_a_running_o
     once A and C have finished, B is admitted."""
     config = trace_of(LIMIT).config
     model = SchedulerModel(replace(config, max_loras=1), 0, 8)
-    model.arrive("A", fresh(40), 2, lora="a")
+    model.arrive(Arrival("A", fresh(40), 2, lora="a"))
     assert model.step().scheduled == [("A", 40)]
-    model.arrive("B", fresh(40), 1, lora="b")
-    model.arrive("C", fresh(40), 1, lora="a")
-    model.arrive("D", fresh(40), 1)
+    model.arrive(Arrival("B", fresh(40), 1, lora="b"))
+    model.arrive(Arrival("C", fresh(40), 1, lora="a"))
+    model.arrive(Arrival("D", fresh(40), 1))
     decisions = model.step()
     assert decisions.scheduled == [("A", 1), ("C", 40), ("D", 40)]
     assert [live.name for live in model.waiting] == ["B"]
@@ -98,7 +99,7 @@ def test_the_adapters_admitted_in_a_scan_count_against_the_limit() -> None:
     config = trace_of(LIMIT).config
     model = SchedulerModel(config, 0, 8)
     for name, lora in (("A", "a"), ("B", "b"), ("C", "c"), ("D", "b")):
-        model.arrive(name, fresh(40), 2, lora=lora)
+        model.arrive(Arrival(name, fresh(40), 2, lora=lora))
     assert model.step().scheduled == [("A", 40), ("B", 40), ("D", 40)]
     assert [live.name for live in model.waiting] == ["C"]
 

@@ -11,6 +11,7 @@ from configs import EXAMPLE_CONFIG
 from kvgate.model.scheduler import SchedulerModel, admission_fits
 from kvgate.vocabulary.config import GroupConfig
 from kvgate.vocabulary.ops import Segment, Step
+from kvgate.vocabulary.scheduling import Arrival
 
 # A's first chunk leaves room for B's first chunk, not for B's whole prompt.
 CONFIG = dataclasses.replace(
@@ -36,10 +37,10 @@ def test_the_admission_gate_refuses_what_the_allocation_would(gate_in_allocation
     `allocate` alone would admit (the chunk fits), so only the check gates."""
     config = dataclasses.replace(CONFIG, reserve_full_sequence=gate_in_allocation)
     model = SchedulerModel(config, spec=2, max_num_seqs=4)
-    model.arrive("A", (Segment("fresh", count=100),), max_tokens=20)
+    model.arrive(Arrival("A", (Segment("fresh", count=100),), max_tokens=20))
     while "A" not in model.step().sampled or not model.running[0].decoding:
         pass
-    model.arrive("B", (Segment("prompt_of", req="A"), Segment("fresh", count=150)), 4)
+    model.arrive(Arrival("B", (Segment("prompt_of", req="A"), Segment("fresh", count=150)), 4))
     decisions = model.step()
     assert [name for name, _ in decisions.scheduled] == ["A"]
     reserve = [s for s in model.writer.steps if s.op == "reserve"][-1]

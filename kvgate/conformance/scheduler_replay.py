@@ -258,22 +258,7 @@ class EngineLockstep:
     def arrive(self, event: EngineStep, step: Step) -> None:
         assert event.req is not None
         name = event.req
-        self.on_model(
-            step,
-            lambda: self.model.arrive(
-                name,
-                event.prompt,
-                event.max_tokens,
-                event.follows,
-                event.cache_salt,
-                event.remote,
-                event.resumable,
-                event.mm,
-                event.priority,
-                event.skip_prefix_cache,
-                event.lora,
-            ),
-        )
+        self.on_model(step, lambda: self.model.arrive(event.arrival()))
         if self.real is None:
             return
         tokens, inputs = self.model.prompt_tokens(name)

@@ -64,6 +64,7 @@ from kvgate.vocabulary.ops import ACTIONS, Segment, Step
 from kvgate.vocabulary.scheduling import (
     ASYNC_BATCHES,
     COW_RETENTION,
+    Arrival,
     DeferredFree,
     EngineOutcome,
     PrefixCacheStats,
@@ -71,7 +72,7 @@ from kvgate.vocabulary.scheduling import (
 )
 from kvgate.vocabulary.snapshot import Snapshot
 from kvgate.vocabulary.target import Capabilities, StepRefused
-from kvgate.vocabulary.tokens import HashInputs, MmItem
+from kvgate.vocabulary.tokens import HashInputs
 
 
 class SchedulerStuck(StepRefused):
@@ -329,25 +330,14 @@ class SchedulerModel:
     def capabilities(self) -> Capabilities:
         return self.oracle.capabilities
 
-    def arrive(
-        self,
-        name: str,
-        prompt: tuple[Segment, ...],
-        max_tokens: int,
-        follows: str | None = None,
-        cache_salt: str = "",
-        remote: RemoteHit | None = None,
-        resumable: bool = False,
-        mm: tuple[MmItem, ...] = (),
-        priority: int = 0,
-        skip_prefix_cache: bool = False,
-        lora: str = "",
-    ) -> LiveRequest:
+    def arrive(self, arrival: Arrival) -> LiveRequest:
         """A request arrives (`arrive`) and waits at the end of the queue
-        (under the priority policy, at its place); `remote`: what a KV
+        (under the priority policy, at its place); its `remote`: what a KV
         connector's external store holds of it; `resumable`: a
         streaming-input session; `mm`: its multimodal items; `lora`: its
         LoRA adapter (under `config.max_loras`)."""
+        name, prompt, max_tokens = arrival.name, arrival.prompt, arrival.max_tokens
+        remote, resumable, mm, lora = arrival.remote, arrival.resumable, arrival.mm, arrival.lora
         if lora and not self.config.max_loras:
             raise StepRefused(
                 "lora", f"{name}'s adapter {lora!r} needs config.max_loras of 1 or more"
@@ -365,18 +355,24 @@ class SchedulerModel:
         if self.async_scheduling and mm:
             raise AsyncNotModelled(f"{name}'s encoder inputs under async scheduling")
         # Written only when set: a trace without it reads as before.
-        skips = {"skip_prefix_cache": True} if skip_prefix_cache else {}
+        skips = {"skip_prefix_cache": True} if arrival.skip_prefix_cache else {}
         self.writer.run(
-            "arrive", req=name, prompt=prompt, cache_salt=cache_salt, lora=lora, mm=mm, **skips
+            "arrive",
+            req=name,
+            prompt=prompt,
+            cache_salt=arrival.cache_salt,
+            lora=lora,
+            mm=mm,
+            **skips,
         )
         live = LiveRequest(
             name,
             self.oracle.requests[name].request,
             max_tokens,
-            follows,
+            arrival.follows,
             remote=remote,
             resumable=resumable,
-            rank=(priority, self.arrivals),
+            rank=(arrival.priority, self.arrivals),
         )
         self.arrivals += 1
         self.waiting.append(live)

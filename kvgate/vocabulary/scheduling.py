@@ -188,6 +188,25 @@ class EngineSettings:
 
 
 @dataclass(frozen=True)
+class Arrival:
+    """A request arriving at the scheduler: its name, its prompt in the
+    format's segments, its output length, and what else its `arrive` entry
+    may say of it (see `EngineStep`'s fields of the same names)."""
+
+    name: str
+    prompt: tuple[Segment, ...]
+    max_tokens: int
+    follows: str | None = None
+    cache_salt: str = ""
+    remote: RemoteHit | None = None
+    resumable: bool = False
+    mm: tuple[MmItem, ...] = ()
+    priority: int = 0
+    skip_prefix_cache: bool = False
+    lora: str = ""
+
+
+@dataclass(frozen=True)
 class EngineStep:
     """One step of a scheduler-level trace: a request arriving (its prompt
     in the format's segments, its output length, its cache salt, the request
@@ -237,6 +256,23 @@ class EngineStep:
     mode: str = ""
     expect: dict[str, Any] = field(default_factory=dict)
 
+    def arrival(self) -> Arrival:
+        """An `arrive` entry's request, as the scheduler takes it."""
+        assert self.op == "arrive" and self.req is not None
+        return Arrival(
+            self.req,
+            self.prompt,
+            self.max_tokens,
+            self.follows,
+            self.cache_salt,
+            self.remote,
+            self.resumable,
+            self.mm,
+            self.priority,
+            self.skip_prefix_cache,
+            self.lora,
+        )
+
 
 @dataclass
 class EngineOutcome(ScheduledStep):
@@ -259,20 +295,7 @@ class SchedulerModelRun(Protocol):
     @property
     def capabilities(self) -> Capabilities: ...
 
-    def arrive(
-        self,
-        name: str,
-        prompt: tuple[Segment, ...],
-        max_tokens: int,
-        follows: str | None = None,
-        cache_salt: str = "",
-        remote: RemoteHit | None = None,
-        resumable: bool = False,
-        mm: tuple[MmItem, ...] = (),
-        priority: int = 0,
-        skip_prefix_cache: bool = False,
-        lora: str = "",
-    ) -> Any: ...
+    def arrive(self, arrival: Arrival) -> Any: ...
 
     def prompt_tokens(self, name: str) -> tuple[list[int], HashInputs]:
         """An arrived request's prompt token ids and hash inputs."""

@@ -42,7 +42,7 @@ from kvgate.model.scheduler import (
 )
 from kvgate.vocabulary.config import Config
 from kvgate.vocabulary.ops import Segment, Step
-from kvgate.vocabulary.scheduling import RemoteHit
+from kvgate.vocabulary.scheduling import Arrival, RemoteHit
 from kvgate.vocabulary.tokens import NO_INPUTS, HashInputs
 from kvgate.workload.deployment import Serving
 from kvgate.workload.plan import Session
@@ -213,7 +213,7 @@ class SessionRun:
             prompt = (fresh,)
         self._turns[name] = (session, turn)
         output = session.turns[turn].output
-        return self.scheduler.arrive(name, prompt, output, follows, session.cache_salt)
+        return self.scheduler.arrive(Arrival(name, prompt, output, follows, session.cache_salt))
 
 
 def generate(
