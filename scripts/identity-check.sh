@@ -78,7 +78,9 @@ for line in text.splitlines():
         # alone: compared without its indices
         line = re.sub(r"\[(?:[rgb]\d+,?)+\]", "[.]", line)
     elif kind == "gate":
-        line = re.sub(r"\((\d+) steps, \d+\.\d+s\)", r"(\1 steps)", line)
+        # a trace's wall time, whatever its verdict line says before it
+        # (`(N steps, T s)`, `(hold: N steps, T s)`, `(refusal by F, T s)`)
+        line = re.sub(r", \d+\.\d+s\)", ")", line)
         # the corpus sizes: traces added meanwhile are listed below, not failed
         line = re.sub(r"^corpora: .*", "corpora:", line)
     elif kind == "workload":
