@@ -29,7 +29,8 @@ from kvgate.conformance.trace import (
     load_trace,
     parse_trace,
 )
-from kvgate.model.scheduler import LiveRequest, SchedulerModel
+from kvgate.model.scheduler import SchedulerModel
+from kvgate.model.scheduler_state import LiveRequest
 from kvgate.vocabulary.config import UnsupportedConfig
 from kvgate.vocabulary.ops import Segment
 from kvgate.vocabulary.scheduling import Arrival

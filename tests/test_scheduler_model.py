@@ -8,7 +8,8 @@ import dataclasses
 import pytest
 from configs import EXAMPLE_CONFIG
 
-from kvgate.model.scheduler import SchedulerModel, admission_fits
+from kvgate.model.scheduler import SchedulerModel
+from kvgate.model.scheduler_state import admission_fits
 from kvgate.vocabulary.config import GroupConfig
 from kvgate.vocabulary.ops import Segment, Step
 from kvgate.vocabulary.scheduling import Arrival

@@ -27,7 +27,8 @@ from kvgate.conformance.trace import (
     Trace,
     load_trace,
 )
-from kvgate.model.scheduler import LiveRequest, SchedulerModel, StepDecisions
+from kvgate.model.scheduler import SchedulerModel
+from kvgate.model.scheduler_state import LiveRequest, StepDecisions
 from kvgate.vocabulary.config import NotModelled, UnsupportedConfig
 
 LOWEST_PREEMPTS_ITSELF = "sched-priority-preempts-lowest-running"

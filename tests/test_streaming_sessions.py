@@ -23,7 +23,8 @@ from kvgate.conformance.trace import (
     parse_trace,
 )
 from kvgate.model.request import Request
-from kvgate.model.scheduler import LiveRequest, SchedulerModel
+from kvgate.model.scheduler import SchedulerModel
+from kvgate.model.scheduler_state import LiveRequest
 
 SESSIONS = [t for t in load_corpus(bundled_scheduler_corpus()) if t.has_sessions]
 

@@ -39,7 +39,7 @@ from kvgate.explore.session import (
     fresh,
 )
 from kvgate.model.mamba import checkpoint_position
-from kvgate.model.scheduler import admission_fits
+from kvgate.model.scheduler_state import admission_fits
 from kvgate.vocabulary.config import Config, UnsupportedConfig
 from kvgate.vocabulary.ops import Segment
 from kvgate.vocabulary.target import StepRefused

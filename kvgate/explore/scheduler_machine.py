@@ -55,7 +55,8 @@ from kvgate.explore import knobs
 from kvgate.explore.differential import FAMILIES, HOLD_OVERLAY
 from kvgate.explore.profiles import draws_from_the_seed_alone
 from kvgate.explore.runner import RunOutcome
-from kvgate.model.scheduler import LiveRequest, SchedulerModel, SchedulerStuck
+from kvgate.model.scheduler import SchedulerModel
+from kvgate.model.scheduler_state import LiveRequest, SchedulerStuck
 from kvgate.targets import scheduler_factories
 from kvgate.vocabulary.config import MODEL_RUNNERS, Config, ModelRunner, UnsupportedConfig
 from kvgate.vocabulary.ops import Segment

@@ -50,23 +50,33 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any, Literal
 
 from kvgate.driver.op_driver import chunk_offer, reserve_prefill_lookahead
+from kvgate.model.async_batches import AsyncBatches, AsyncNotModelled
+from kvgate.model.connector_loads import ConnectorLoads
 from kvgate.model.encoder_cache import EncoderCache, EncoderPlan
 from kvgate.model.request import Request
+from kvgate.model.scheduler_state import (
+    SKIP,
+    Batch,
+    Chunk,
+    LiveRequest,
+    SchedulerStuck,
+    StepDecisions,
+    StepWriter,
+    admission_fits,
+)
+from kvgate.model.sessions import StreamingSessions
 from kvgate.model.split import chunk_tokens
 from kvgate.model.target import ModelTarget
 from kvgate.vocabulary.config import Config, NotModelled
 from kvgate.vocabulary.events import KvEvent
-from kvgate.vocabulary.ops import ACTIONS, Segment, Step
 from kvgate.vocabulary.scheduling import (
-    ASYNC_BATCHES,
     COW_RETENTION,
     Arrival,
     DeferredFree,
-    EngineOutcome,
     PrefixCacheStats,
     RemoteHit,
 )
@@ -75,158 +85,7 @@ from kvgate.vocabulary.target import Capabilities, StepRefused
 from kvgate.vocabulary.tokens import HashInputs
 
 
-class SchedulerStuck(StepRefused):
-    """The requests cannot run on this pool (a request never fits): the
-    trace's config cannot run it, as vLLM's Scheduler would loop for ever."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__("config.num_blocks", message)
-
-
-# A prefill chunk as the scheduler writes it: (the `allocate`'s `tokens`, the
-# tokens the step runs, the speculative padding rows among them).
-_Chunk = tuple[int | Literal["auto"], int, int]
-# No chunk this step because a multi-module MTP drafter's prefill lookahead
-# left nothing to run: vLLM's Scheduler passes over the request (a running
-# one, or a waiting one, which keeps its place) and goes on to the next.
-_SKIP: Literal["skip"] = "skip"
-
-
-def admission_fits(blocks: int, free_blocks: int) -> bool:
-    """The Scheduler's full-sequence admission gate (vLLM's
-    `scheduler_reserve_full_isl`, on by default): a waiting request is
-    admitted only while the blocks its whole sequence needs (the `reserve`
-    op's `blocks`) are free.
-
-    The scheduler model checks it before the admitting `allocate`, whatever
-    the config's `reserve_full_sequence` (which puts the same gate inside
-    that `allocate`, failing it), so its traces carry the gate either way
-    and never a refused admission's `allocate`. Exploration leaves it to the
-    `allocate` under `reserve_full_sequence`, to reach the manager's own
-    refusal (`tests/test_scheduler_model.py` shows both refuse alike)."""
-    return blocks <= free_blocks
-
-
-@dataclass
-class LiveRequest:
-    """A request as the scheduler tracks it."""
-
-    name: str
-    request: Request  # the oracle's request (prompt, output, progress)
-    max_tokens: int  # the output it generates before it finishes
-    follows: str | None  # the request whose output its prompt continues
-    # Its place under the priority policy: (priority, arrival number), the
-    # lowest first.
-    rank: tuple[int, int] = (0, 0)
-    admitted: bool = False  # past its first admission (its hit is the cached tokens)
-    # Its last run sampled (a completed prefill or a decode): it decodes next,
-    # with drafts, as vLLM's Scheduler runs a request that has them.
-    decoding: bool = False
-    # With a KV connector: what the external store holds of it (None: nothing).
-    remote: RemoteHit | None = None
-    # Its asynchronous load is in flight (the Scheduler's WAITING_FOR_REMOTE_KVS),
-    # since engine step `load_started`; `reported` once the worker said it
-    # finished. It holds blocks while it waits (`holds_blocks`), which puts it
-    # in the Scheduler's queue of such requests, scanned before the others.
-    loading: bool = False
-    load_started: int = 0
-    # Its computed tokens as the Scheduler holds them during this step's scan
-    # (it advances them only after the scan), and its output then.
-    sched_computed: int = 0
-    sched_outputs: int = 0
-    reported: bool = False
-    failed_reported: bool = False  # the worker reported its load failed
-    retried_load: bool = False  # a load of it failed; it was looked up again
-    holds_blocks: bool = False
-    # Its prefill stats as the Scheduler sets them at its first admission
-    # (the local and external tokens it was admitted with), then reports
-    # with its first output, the prefix cache's estimate then added.
-    cached_at_admission: int | None = None
-    cache_estimate: int = 0
-    stats_reported: bool = False
-    # A stop condition ends it with the token it samples next (`stop`).
-    stopping: bool = False
-    # Async scheduling: the last batch that scheduled it (in flight while
-    # the engine has not processed that batch's output), and the non-empty
-    # batch's number the Scheduler fences its deferred free with.
-    last_batch: int = 0
-    last_sched_seq: int = 0
-    ended: bool = False  # finished or aborted (an in-flight batch's output skips it)
-    # Async scheduling: preempted while a batch that scheduled it was in
-    # flight, the output of the batches up to number `stale_until` is
-    # stale: delivered when it comes in (its sampled token appended, which
-    # may finish it where it waits), or, after a prefix-cache reset's
-    # preemption (`drop_stale`), dropped: the reset lets it run again at
-    # once, and a late token would land at a position it computes anew.
-    stale_until: int = 0
-    drop_stale: bool = False
-    # A streaming-input session (vLLM's `resumable`): when it stops it keeps
-    # its blocks and takes its next input chunk (`chunks`, in arrival order,
-    # None for the session's end) or, with none queued, waits for one
-    # (`paused`, vLLM's WAITING_FOR_STREAMING_REQ) in the queue of waiting
-    # requests that hold blocks.
-    resumable: bool = False
-    chunks: deque[tuple[list[int], int] | None] = field(default_factory=deque)
-    paused: bool = False
-    # A scan passed over it (it was loading, paused, over the LoRA adapter
-    # limit, or could not run yet), or it paused: vLLM's Scheduler counts
-    # it deferred (the prefill cadence reads that) until it is admitted again.
-    deferred: bool = False
-
-
-@dataclass
-class StepWriter:
-    """Runs each step on the oracle and keeps it with what the oracle saw."""
-
-    oracle: ModelTarget
-    steps: list[Step] = field(default_factory=list)
-
-    def run(self, op: str, **fields: Any) -> dict[str, Any]:
-        step = Step(op, len(self.steps), **fields)
-        result = self.oracle.apply(step)
-        # `copies` are block ids: compared with the lockstep model anyway,
-        # and only noise in a trace people read.
-        keys = [k for k in ACTIONS[op].expect_keys if k != "copies" and k in result]
-        self.steps.append(replace(step, expect={k: result[k] for k in keys}))
-        return result
-
-    def check(self, query: dict[str, Any]) -> dict[str, Any]:
-        values = self.oracle.check_values(query)
-        self.steps.append(Step("check", len(self.steps), check=values))
-        return values
-
-
-@dataclass
-class StepDecisions(EngineOutcome):
-    """What the scheduler model did in one engine step: what vLLM's
-    `Scheduler` shows of a step (comparable step for step with the real one;
-    running requests are scheduled first, then admissions), what the model
-    runner and the finish check then did, and the connector's reports."""
-
-    # Requests ended with an error after their load failed (policy `fail`).
-    errored: list[str] = field(default_factory=list)
-
-
-class AsyncNotModelled(StepRefused):
-    """Under async scheduling, a path the scheduler model does not cover
-    (vLLM runs it): the trace cannot be replayed."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__("config.async_scheduling", message)
-
-
-@dataclass
-class _Batch:
-    """A scheduled batch whose output the engine has not processed yet."""
-
-    scheduled: list[tuple[str, int]]  # (request, tokens) it computes
-    sampled: dict[str, list[int]]  # the tokens each request samples in it
-    finished: list[LiveRequest]  # the requests it completes
-    executed: bool  # it ran tokens (only such batches advance the fences)
-    number: int  # its place among the batches scheduled (1 for the first)
-
-
-class SchedulerModel:
+class SchedulerModel(AsyncBatches, ConnectorLoads, StreamingSessions):
     """vLLM's `Scheduler` over the model manager, one engine step at a time."""
 
     def __init__(self, config: Config, spec: int, max_num_seqs: int) -> None:
@@ -266,7 +125,7 @@ class SchedulerModel:
                 "draft tokens under async scheduling (their output placeholders) are not "
                 "modelled: use scheduler spec 0",
             )
-        self.in_flight: deque[_Batch] = deque()
+        self.in_flight: deque[Batch] = deque()
         self.batches_scheduled = 0
         self.batches_processed = 0
         # With a consumer KV connector (kvgate's runs `kv_both`) and batches
@@ -323,10 +182,6 @@ class SchedulerModel:
         self._encoded: dict[str, list[int]] = {}
 
     @property
-    def oracle(self) -> ModelTarget:
-        return self.writer.oracle
-
-    @property
     def capabilities(self) -> Capabilities:
         return self.oracle.capabilities
 
@@ -379,78 +234,6 @@ class SchedulerModel:
         self._order_waiting()
         return live
 
-    def chunk(self, name: str, prompt: tuple[Segment, ...], max_tokens: int) -> list[int]:
-        """Session `name`'s next input chunk arrives (its token ids are
-        returned): a paused session takes it at once, one still running
-        queues it for its next stop."""
-        live = self._session(name)
-        tokens = self.oracle.resolve(prompt)
-        if live.paused:
-            self._take_chunk(live, tokens, max_tokens)
-        else:
-            live.chunks.append((tokens, max_tokens))
-        return tokens
-
-    def end_session(self, name: str) -> None:
-        """Session `name` ends: a paused one at once (vLLM aborts it, `free
-        abort`), one still running at its next stop (a plain finish)."""
-        live = self._session(name)
-        if live.paused:
-            self.holding.remove(live)
-            self._end(live, "abort")
-        else:
-            live.chunks.append(None)
-
-    def _session(self, name: str) -> LiveRequest:
-        for live in self._live():
-            if live.name == name and live.resumable:
-                return live
-        raise StepRefused("req", f"{name!r} is no streaming-input session still open")
-
-    def _take_chunk(self, live: LiveRequest, tokens: list[int], max_tokens: int) -> None:
-        """A stopped session takes its next input chunk: its tokens rewritten
-        as vLLM's Scheduler rewrites them (`Request.continue_session`), its
-        blocks kept; it waits to resume from its computed tokens."""
-        request = live.request
-        total = request.num_tokens - 1 + len(tokens)
-        if total + max_tokens > self.config.max_model_len:
-            raise StepRefused(
-                "max_tokens",
-                f"{live.name}'s session of {total:,} tokens + {max_tokens:,} output tokens, "
-                f"more than config.max_model_len {self.config.max_model_len:,}",
-            )
-        # Not a manager call: vLLM's Scheduler rewrites the request between
-        # manager calls, and the manager's state (blocks, references, keyed
-        # blocks) is unchanged by it. The manager steps written from here on
-        # therefore replay only beside this rewrite, not as a manager-level
-        # trace of their own (the workload, which saves them, sends no chunks).
-        request.continue_session(tokens)
-        # Its new prompt tokens are to compute: it is prefilling again.
-        self.oracle.requests[live.name].phase = "running"
-        live.max_tokens = max_tokens
-        live.paused = live.decoding = live.stopping = False
-
-    def _stop_session(self, live: LiveRequest) -> bool:
-        """A session stopped (its output generated, or a stop condition): it
-        keeps its blocks and takes its next queued chunk, or waits for one;
-        False when the chunk queued next is its end (it finishes)."""
-        live.stopping = live.decoding = False
-        if live.chunks:
-            queued = live.chunks.popleft()
-            if queued is None:
-                return False
-            self._take_chunk(live, *queued)
-        else:
-            # vLLM's Scheduler counts it deferred from now on.
-            live.paused = live.deferred = True
-        live.holds_blocks = True
-        return True
-
-    def paused_sessions(self) -> int:
-        """Sessions waiting for their next input chunk: each keeps a running
-        slot of the model runner (vLLM counts them against max_num_seqs)."""
-        return sum(live.paused for live in self.holding)
-
     def step(self) -> StepDecisions:
         """One engine step: `schedule`, the worker's load reports, `step` and
         `drain`, the output each scheduled request sampled, then `free
@@ -470,65 +253,6 @@ class SchedulerModel:
         self._process_output(decisions, sampled, finished)
         self.engine_step += 1
         return decisions
-
-    def _async_step(self) -> StepDecisions:
-        """One step of vLLM's engine with a batch queue: while it has
-        requests it schedules a batch (even an empty one); it then returns
-        at once unless `ASYNC_BATCHES` batches are in flight or nothing is
-        left to schedule, else it processes the oldest batch's output."""
-        decisions = StepDecisions()
-        self._output_processed = False
-        if self.has_requests():
-            finished, sampled = self._schedule_batch(decisions)
-            self._ended_since_schedule = False
-            executed = bool(decisions.scheduled)
-            self.batches_scheduled += 1
-            if executed and self.defer_block_free:
-                self.sched_seq += 1
-            for live in self._live():
-                if any(name == live.name for name, _ in decisions.scheduled):
-                    live.last_batch = self.batches_scheduled
-                    live.last_sched_seq = self.sched_seq
-            self.in_flight.append(
-                _Batch(decisions.scheduled, sampled, finished, executed, self.batches_scheduled)
-            )
-            if len(self.in_flight) < ASYNC_BATCHES and (executed or self.has_requests()):
-                self.engine_step += 1
-                return decisions
-        elif not self.in_flight:
-            self.engine_step += 1
-            return decisions
-        batch = self.in_flight.popleft()
-        self.batches_processed += 1
-        self._output_processed = True
-        if batch.executed and self.defer_block_free:
-            # Every write of the batches up to this one is done: deferred
-            # frees fenced by them go back to the pool, in order.
-            self.processed_seq += 1
-            while self.deferred and self.deferred[0][0] <= self.processed_seq:
-                _, name = self.deferred.popleft()
-                if name == COW_RETENTION:
-                    self.writer.run("drain", release_retained=True)
-                else:
-                    self.writer.run("release", req=name)
-        self._process_output(decisions, batch.sampled, batch.finished, batch.number)
-        self.engine_step += 1
-        return decisions
-
-    def has_requests(self) -> bool:
-        """vLLM's `has_requests`: unfinished requests, or requests ended since
-        the last `schedule()`."""
-        return bool(self.waiting or self.running or self.holding) or self._ended_since_schedule
-
-    def batches_in_flight(self) -> int:
-        return len(self.in_flight)
-
-    def deferred_frees(self) -> list[DeferredFree]:
-        """The deferred frees not yet released: (fence, request), in order."""
-        return list(self.deferred)
-
-    def _live(self) -> tuple[LiveRequest, ...]:
-        return (*self.running, *self.waiting, *self.holding)
 
     def _schedule_batch(
         self, decisions: StepDecisions
@@ -625,12 +349,6 @@ class SchedulerModel:
             self.aborted_loads.remove(live)
             writer.run("free", req=live.name, how="abort")
 
-    def _free_deferred(self, live: LiveRequest) -> bool:
-        """Freeing `live`'s blocks now would be deferred: a batch that may
-        still write them is in flight (with a KV connector under async
-        scheduling)."""
-        return self.defer_block_free and live.last_sched_seq > self.processed_seq
-
     def _end(self, live: LiveRequest, how: Literal["finish", "abort"]) -> None:
         """Free an ended request's blocks (`free`), or, while a batch that
         may still write them is in flight, keep them aside (`pop`) until
@@ -643,54 +361,6 @@ class SchedulerModel:
             self.deferred.append((self.sched_seq, live.name))
         else:
             self.writer.run("free", req=live.name, how=how)
-
-    def _in_flight_field(self, live: LiveRequest) -> dict[str, int]:
-        """An op's `in_flight`: the request's tokens the batches in flight
-        compute (written only when some)."""
-        tokens = sum(
-            n for batch in self.in_flight for name, n in batch.scheduled if name == live.name
-        )
-        return {"in_flight": tokens} if tokens else {}
-
-    @staticmethod
-    def _stale_output(live: LiveRequest, batch: int) -> bool:
-        """Batch number `batch`'s output for `live` is stale: the batch was
-        in flight when `live` was preempted (numbers start at 1; without
-        async scheduling no batch is in flight at a preemption)."""
-        return 0 < batch <= live.stale_until
-
-    def _stale(self, live: LiveRequest) -> bool:
-        """The output of a batch in flight when `live` was preempted is
-        still to come. (vLLM's Scheduler passes over such a request in its
-        waiting scan until a delivered output is in; with two batches in
-        flight the engine processes the victim's batch in the very step
-        that preempted it, before the next scan, so no scan meets one.)"""
-        return live.stale_until > self.batches_processed
-
-    def _drop_in_flight_output(self, live: LiveRequest) -> None:
-        """Take back what `live` sampled in the batches in flight (the model
-        samples when it schedules; vLLM, dropping their output, never sees
-        those tokens)."""
-        for batch in self.in_flight:
-            tokens = batch.sampled.pop(live.name, [])
-            if tokens:
-                live.request.truncate_output(len(live.request.output) - len(tokens))
-            if live in batch.finished:
-                batch.finished.remove(live)
-
-    def _refuse_preempting_in_flight(self, live: LiveRequest) -> None:
-        # Without a KV connector the blocks are freed at once and the
-        # batch's output turns stale; with one, vLLM defers the free, which
-        # a reset's preemption (the only one reaching here) does not model.
-        if self.defer_block_free and self._in_flight(live):
-            raise AsyncNotModelled(
-                f"preempting {live.name} while a batch that scheduled it is in flight "
-                "is not modelled"
-            )
-
-    def _in_flight(self, live: LiveRequest) -> bool:
-        """A batch that scheduled `live` is still in flight."""
-        return live.last_batch > self.batches_processed
 
     def _prefill_stats(self, live: LiveRequest, preempted: bool) -> tuple[int, int]:
         """A request's prefill stats as its first output reports them: the
@@ -829,10 +499,6 @@ class SchedulerModel:
     def snapshot(self) -> Snapshot:
         return self.oracle.snapshot()
 
-    def loading(self) -> bool:
-        """An async KV load is in flight (progress even when nothing runs)."""
-        return any(live.loading for live in self.holding)
-
     def schedule(self, decisions: StepDecisions) -> list[LiveRequest]:
         """One scheduler step's allocations, recorded in `decisions`; the
         requests that generated their whole output."""
@@ -892,7 +558,7 @@ class SchedulerModel:
                 run = self._decode(live, drafts)
             else:
                 chunk = self._chunk(request, 0, budget)
-                if chunk is None or chunk == _SKIP:
+                if chunk is None or chunk == SKIP:
                     index += 1
                     continue
                 cost = chunk[1]
@@ -1181,7 +847,7 @@ class SchedulerModel:
                     # encoder scheduling, whose holds a refusal gives back.
                     chunk = self._admission_chunk(live, hit + external, budget)
                     self._encoder_plan = None
-                    if chunk == _SKIP:
+                    if chunk == SKIP:
                         return "skipped"
                     if chunk is not None:
                         self.encoder.release_all(live.name)
@@ -1201,7 +867,7 @@ class SchedulerModel:
                 live.load_started = self.engine_step
                 return "loading"
             chunk = self._admission_chunk(live, hit + external, budget)
-            if chunk == _SKIP:
+            if chunk == SKIP:
                 return "skipped"
             if chunk is None:
                 return None
@@ -1261,75 +927,9 @@ class SchedulerModel:
         external = int(result["external"])
         return int(result["hit"]), external, remote.load_async and external > 0
 
-    def _admit_loaded(self, live: LiveRequest, budget: int, defer: bool) -> int | None:
-        """Admit a request that holds blocks, without a lookup. When the scan
-        first reaches it after the worker reported its load, the Scheduler
-        completes the load (its blocks keyed; a load of every token leaves the
-        last to compute) whatever follows: an `allocate complete_only` does
-        that. Then, as any admission, it passes the full-sequence gate and
-        allocates its chunk, unless `defer` (the prefill cadence) holds back
-        a request with more than its last token to compute. The tokens run,
-        or None when nothing runs (the scan stops; the request stays waiting
-        with its blocks)."""
-        if live.loading:
-            self._complete_load(live)
-        if defer and live.request.num_computed_tokens < live.request.num_tokens - 1:
-            return None
-        live.sched_computed = live.request.num_computed_tokens
-        chunk = self._admission_chunk(live, 0, budget)
-        # (Never a skip: a request holding blocks has a KV connector, whose
-        # legacy hashes rule out a multi-module drafter's lookahead.)
-        if chunk is None or chunk == _SKIP:
-            return None
-        need = self.writer.run("reserve", req=live.name)["blocks"]
-        if (
-            not admission_fits(need, self.oracle.num_free_blocks())
-            or not self._allocate(live, chunk)()
-        ):
-            self._encoder_plan = None
-            self.encoder.release_all(live.name)
-            return None
-        return chunk[1]
-
-    def _complete_load(self, live: LiveRequest) -> None:
-        """The Scheduler completes a load the worker reported when its scan
-        first reaches the request, whatever it then decides: its blocks
-        keyed, and a load of every token leaves the last to compute (an
-        `allocate complete_only`)."""
-        self.writer.run("allocate", req=live.name, tokens="auto", complete_only=True)
-        live.loading = False
-
-    def _reserved_blocks(self, skipped: list[LiveRequest]) -> int:
-        """The free blocks vLLM's Scheduler keeps when it admits an async KV
-        load: what each in-flight prefill (a running request still in its
-        prompt when the step began, even if this step's chunk completes it,
-        or a waiting one holding blocks) needs to finish, from the
-        computed tokens the Scheduler holds for it, plus a speculative step's
-        attention blocks."""
-        slots = 2 * self.spec + 1 if self.spec else 0  # 1 + K drafts + K lookahead
-        manager = self.writer.oracle.manager
-        # Waiting requests holding blocks, the ones this scan passed over too.
-        holding = [*skipped, *self.holding]
-        prefilling = self._prefilling_at_step_start
-        inflight = [
-            live for live in self.running if not live.decoding or live.name in prefilling
-        ] + holding
-        # Each as the Scheduler holds it during the scan: a token this step
-        # sampled is not in its sequence yet.
-        tokens = self._tokens_at_step_start
-        reserved = sum(
-            manager.blocks_to_finish(live.request, live.sched_computed, tokens[live.name], slots)
-            for live in inflight
-        )
-        return reserved + sum(
-            -(-slots // group.block_size)
-            for group in self.config.groups
-            if group.kind != "mamba_align"
-        )
-
     def _admission_chunk(
         self, live: LiveRequest, hit: int, budget: int
-    ) -> _Chunk | Literal["skip"] | None:
+    ) -> Chunk | Literal["skip"] | None:
         """The chunk of a request admitted from the waiting queue, `hit`
         tokens past its computed ones. With drafts, vLLM's Scheduler pads a
         chunk of one token to a whole speculative step (1 + K rows, the K
@@ -1360,39 +960,10 @@ class SchedulerModel:
                 return "auto", padded, self.spec
         return self._chunk(request, hit, budget)
 
-    def reported_loads(self) -> tuple[list[str], list[str]]:
-        """The async loads the worker reports in this engine step's output,
-        each `delay` steps after the step that started it: (finished,
-        failed)."""
-        loaded: list[str] = []
-        failed: list[str] = []
-        # Under `fail` vLLM's Scheduler frees each failed request's blocks in
-        # the order of the worker's set of finished receives, which no model
-        # can know: the worker reports one failure a step (a later one waits).
-        one_failure = self.config.kv_load_failure_policy == "fail"
-        # Likewise the blocks of aborted requests whose loads are reported:
-        # one a step.
-        aborted = 0
-        for live in (*self.holding, *self.aborted_loads):
-            remote = live.remote
-            if (
-                live.loading
-                and not live.reported
-                and remote is not None
-                and self.engine_step - live.load_started >= remote.delay
-                and not (remote.fails and one_failure and failed and not live.ended)
-                and not (live.ended and aborted)
-            ):
-                live.reported = True
-                live.failed_reported = remote.fails
-                aborted += live.ended
-                (failed if remote.fails else loaded).append(live.name)
-        return loaded, failed
-
-    def _chunk(self, request: Request, hit: int, budget: int) -> _Chunk | Literal["skip"] | None:
+    def _chunk(self, request: Request, hit: int, budget: int) -> Chunk | Literal["skip"] | None:
         """The next prefill chunk within `budget`: (as written, tokens run,
         padding rows); None when the split leaves nothing to run this step,
-        `_SKIP` when the prefill lookahead does."""
+        `SKIP` when the prefill lookahead does."""
         self._encoder_plan = None
         start = request.num_computed_tokens + hit
         remaining = request.num_tokens - start
@@ -1402,10 +973,10 @@ class SchedulerModel:
             return None
         tokens = self._plan_encoder(request, start, tokens)
         if tokens <= 0:
-            return _SKIP  # the encoder cannot run what the chunk starts with
+            return SKIP  # the encoder cannot run what the chunk starts with
         tokens = reserve_prefill_lookahead(self.config, request.num_tokens, start, tokens)
         if tokens <= 0:
-            return _SKIP
+            return SKIP
         # `auto` is the replayer's chunk: the full budget, the threshold by the
         # trace's live requests. Written only when it is this chunk.
         most = self.config.max_num_scheduled_tokens
@@ -1440,7 +1011,7 @@ class SchedulerModel:
         self._encoder_plan = plan
         return plan.tokens
 
-    def _allocate(self, live: LiveRequest, chunk: _Chunk, hit: int = 0) -> Callable[[], bool]:
+    def _allocate(self, live: LiveRequest, chunk: Chunk, hit: int = 0) -> Callable[[], bool]:
         written, tokens, pad = chunk
         request = live.request
         plan, self._encoder_plan = self._encoder_plan, None

@@ -33,13 +33,8 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from kvgate.model import ModelTarget
-from kvgate.model.scheduler import (
-    LiveRequest,
-    SchedulerModel,
-    SchedulerStuck,
-    StepDecisions,
-    StepWriter,
-)
+from kvgate.model.scheduler import SchedulerModel
+from kvgate.model.scheduler_state import LiveRequest, SchedulerStuck, StepDecisions, StepWriter
 from kvgate.vocabulary.config import Config
 from kvgate.vocabulary.ops import Segment, Step
 from kvgate.vocabulary.scheduling import Arrival, RemoteHit

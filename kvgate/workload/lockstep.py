@@ -33,7 +33,7 @@ from kvgate.conformance.scheduler_replay import EngineLockstep
 from kvgate.conformance.trace import TraceError, load_trace
 from kvgate.conformance.writer import save_trace
 from kvgate.errors import InputError
-from kvgate.model.scheduler import StepDecisions
+from kvgate.model.scheduler_state import StepDecisions
 from kvgate.vocabulary.config import Config, UnsupportedConfig
 from kvgate.vocabulary.ops import Step
 from kvgate.vocabulary.scheduling import EngineStep, RemoteHit, SchedulerTarget
