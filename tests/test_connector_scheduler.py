@@ -620,12 +620,13 @@ def test_the_workload_under_policy_fail_keeps_lockstep_and_a_drift_diverges(
     assert not any(s.load_failed for s in result.trace.primitives if s.op == "lookup")
     # A Scheduler that retries failed loads (policy recompute) beside the
     # same scheduler model: at the step the first failure is reported it
-    # keeps the request (waiting for its retry) where the model freed it.
+    # keeps the request's blocks (waiting for its retry) where the model
+    # freed them, which the pool's usage shows at once.
     drifted = _fail_arm(tmp_path / "drift", "recompute")
     assert drifted.replay is not None
     divergence = drifted.replay.divergence
-    assert divergence is not None
-    assert divergence.what.endswith("free queue"), divergence.what
+    assert divergence is not None and divergence.level == "api"
+    assert divergence.what.endswith("KV-cache usage"), divergence.what
     assert divergence.step.op == "free" and divergence.step.req == failed[0]
 
 
