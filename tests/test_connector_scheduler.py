@@ -55,7 +55,8 @@ def _fresh(n: int) -> list[int]:
 
 @pytest.fixture
 def scheduler() -> Iterator[object]:
-    from kvgate.impl.vllm_scheduler import ConnectorSettings, VllmScheduler
+    from kvgate.impl.vllm_scheduler import VllmScheduler
+    from kvgate.impl.vllm_scheduler_config import ConnectorSettings
 
     target = VllmScheduler(CONFIG, spec_tokens=SPEC, max_num_seqs=4, connector=ConnectorSettings())
     yield target
@@ -243,7 +244,8 @@ def test_a_vllm_without_connector_support_is_refused_by_name(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from kvgate.impl import vllm_connector
-    from kvgate.impl.vllm_scheduler import ConnectorSettings, VllmScheduler
+    from kvgate.impl.vllm_scheduler import VllmScheduler
+    from kvgate.impl.vllm_scheduler_config import ConnectorSettings
 
     monkeypatch.setattr(
         vllm_connector,
@@ -461,7 +463,8 @@ def test_a_failed_async_load_keeps_reserving_for_itself(num_blocks: int) -> None
     sequence. On a pool under about twice its need it is then never admitted:
     alone in the engine, nothing runs, step after step. With room for both,
     the retry loads."""
-    from kvgate.impl.vllm_scheduler import ConnectorSettings, VllmScheduler
+    from kvgate.impl.vllm_scheduler import VllmScheduler
+    from kvgate.impl.vllm_scheduler_config import ConnectorSettings
 
     config = dataclasses.replace(CONFIG, num_blocks=num_blocks)
     target = VllmScheduler(config, spec_tokens=SPEC, max_num_seqs=4, connector=ConnectorSettings())
@@ -540,7 +543,8 @@ def test_a_failed_async_load_under_policy_fail_ends_the_request_as_the_driver_do
 
     from kvgate.conformance.trace import parse_trace
     from kvgate.conformance.writer import dump_trace
-    from kvgate.impl.vllm_scheduler import ConnectorSettings, VllmScheduler
+    from kvgate.impl.vllm_scheduler import VllmScheduler
+    from kvgate.impl.vllm_scheduler_config import ConnectorSettings
     from kvgate.model import ModelTarget
     from kvgate.vocabulary.ops import Segment, Step
 
@@ -588,7 +592,8 @@ FAIL_WORKLOAD = Workload(sessions=4, turns=3, seed=4)
 def _fail_arm(tmp_path: Path, real_policy: Literal["recompute", "fail"]) -> ArmResult:
     """The `--kv-load-failure-policy fail` workload's arm on vLLM's real
     Scheduler, its connector built with `real_policy`."""
-    from kvgate.impl.vllm_scheduler import ConnectorSettings, VllmScheduler
+    from kvgate.impl.vllm_scheduler import VllmScheduler
+    from kvgate.impl.vllm_scheduler_config import ConnectorSettings
 
     deployment = Deployment(
         build="upstream", kv_connector=True, kv_load_failure_policy="fail"

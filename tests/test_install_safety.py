@@ -103,7 +103,7 @@ def test_the_hybrid_model_config_is_written_once_and_shared(
     leaves nothing else behind in the temporary directory."""
     import tempfile
 
-    from kvgate.impl.vllm_scheduler import model_dir
+    from kvgate.impl.vllm_scheduler_config import model_dir
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     model_dir.cache_clear()
@@ -112,7 +112,7 @@ def test_the_hybrid_model_config_is_written_once_and_shared(
     finally:
         model_dir.cache_clear()
     child = (
-        "import os; from kvgate.impl.vllm_scheduler import model_dir; "
+        "import os; from kvgate.impl.vllm_scheduler_config import model_dir; "
         "print(model_dir(), flush=True); os._exit(0)"
     )
     env = dict(os.environ, TMPDIR=str(tmp_path))

@@ -421,18 +421,19 @@ def test_the_v2_model_runner_trace_runs_vllms_scheduler_with_it(
     (the switch not reaching vLLM) is refused by the field's name."""
     import os
 
-    from kvgate.impl import vllm_scheduler
+    from kvgate.impl import vllm_scheduler, vllm_scheduler_config
     from kvgate.vocabulary.config import UnsupportedConfig
 
     trace = by_name("sched-model-runner-v2-preempt-and-resume")
-    monkeypatch.delenv(vllm_scheduler.MODEL_RUNNER_SWITCH, raising=False)
+    switch = vllm_scheduler_config.MODEL_RUNNER_SWITCH
+    monkeypatch.delenv(switch, raising=False)
     real = vllm_scheduler.VllmScheduler(trace.config, spec_tokens=0, max_num_seqs=4)
     try:
         assert real.scheduler.use_v2_model_runner is True
     finally:
         real.close()
-    assert vllm_scheduler.MODEL_RUNNER_SWITCH not in os.environ
-    monkeypatch.setattr(vllm_scheduler, "MODEL_RUNNER_SWITCH", "KVGATE_NOT_VLLMS_SWITCH")
+    assert switch not in os.environ
+    monkeypatch.setattr(vllm_scheduler_config, "MODEL_RUNNER_SWITCH", "KVGATE_NOT_VLLMS_SWITCH")
     with pytest.raises(UnsupportedConfig) as refused:
         vllm_scheduler.VllmScheduler(trace.config, spec_tokens=0, max_num_seqs=4)
     assert refused.value.field == "model_runner"
