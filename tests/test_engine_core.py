@@ -1,0 +1,194 @@
+"""vLLM's real `EngineCore` (async scheduling on, no drafts) with the scripted
+executor of `kvgate.impl.engine_core`: the Scheduler calls the engine core
+makes for a few concurrent multi-turn sessions are the ones kvgate's
+scheduler-level replay makes for the same history, and a drift of the
+replay's stepping is seen by that comparison."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from configs import needs_vllm
+
+from kvgate.conformance.replay import ReplayResult
+from kvgate.conformance.scheduler_replay import replay_scheduler
+from kvgate.conformance.trace import Trace, parse_trace
+from kvgate.model.scheduler import SchedulerModel
+
+pytestmark = needs_vllm
+
+MAX_NUM_SEQS = 4
+HEADER = """format: kvgate-trace/1
+name: engine-core-async-sessions
+tags: [scheduler, async]
+about: >
+  Written from a run of vLLM's EngineCore with the scripted executor.
+config:
+  num_blocks: 96
+  hash_unit: 8
+  eagle: false
+  retention_interval: 0
+  async_scheduling: true
+  max_num_scheduled_tokens: 64
+  max_model_len: 256
+  groups:
+    - {kind: full_attention, block_size: 32}
+    - {kind: mamba_align, block_size: 32}
+scheduler: {spec: 0, max_num_seqs: 4}
+engine:
+"""
+# Three sessions, their turns' fresh prompt tokens: every turn after the
+# first continues the last one's whole sequence. One token a turn (the
+# scheduler model covers no decode past an output in flight).
+SESSIONS = {"A": (100, 40, 24), "B": (70, 30), "C": (150, 20)}
+
+
+@dataclass
+class EngineRun:
+    """A history played on vLLM's EngineCore: the trace it is, the
+    Scheduler's calls, and the executor's."""
+
+    trace: Trace
+    calls: list[Any]
+    executor: list[Any]
+
+
+def _arrive(name: str, fresh: int, previous: str | None) -> str:
+    prompt = (
+        f"[{{all_of: {previous}}}, {{fresh: {fresh}}}]" if previous else f"[{{fresh: {fresh}}}]"
+    )
+    follows = f", follows: {previous}" if previous else ""
+    return f"  - {{op: arrive, req: {name}, prompt: {prompt}, max_tokens: 1{follows}}}\n"
+
+
+def play_on_engine(tmp: Path) -> EngineRun:
+    """Run the sessions on vLLM's EngineCore, each next turn arriving right
+    after the engine step that finished the last one, and write what
+    happened as a scheduler-level trace."""
+    from kvgate.impl.engine_core import SchedulerCalls, ScriptedEngine
+
+    text = HEADER
+    config = parse_trace(text + "  - {op: step}\n", tmp / "header.yaml").config
+    engine = ScriptedEngine(config, spec_tokens=0, max_num_seqs=MAX_NUM_SEQS)
+    calls = SchedulerCalls(engine.scheduler)
+    fresh_ids = iter(range(1, 1 << 20))
+    prompts: dict[str, list[int]] = {}
+
+    def arrive(session: str, turn: int) -> str:
+        name, previous = f"{session}{turn}", f"{session}{turn - 1}" if turn else None
+        fresh = SESSIONS[session][turn]
+        tokens = [] if previous is None else [*prompts[previous], *engine.output_tokens(previous)]
+        tokens += [next(fresh_ids) for _ in range(fresh)]
+        prompts[name] = tokens
+        engine.add_request(name, tokens, 1)
+        return _arrive(name, fresh, previous)
+
+    for session in SESSIONS:
+        text += arrive(session, 0)
+    steps = 0
+    while engine.has_work():
+        finished = engine.step()
+        steps += 1
+        assert steps < 200, "the engine never ran out of work"
+        text += "  - {op: step}\n"
+        for name in finished:
+            session, turn = name[0], int(name[1:])
+            if turn + 1 < len(SESSIONS[session]):
+                text += arrive(session, turn + 1)
+    path = tmp / "engine-core-async-sessions.yaml"
+    path.write_text(text)
+    engine.close()
+    return EngineRun(parse_trace(text, path), calls.calls, engine.calls)
+
+
+@pytest.fixture(scope="module")
+def engine_run(tmp_path_factory: pytest.TempPathFactory) -> EngineRun:
+    return play_on_engine(tmp_path_factory.mktemp("engine-core"))
+
+
+def replay_on_vllm(trace: Trace, real_step: Any = None) -> tuple[ReplayResult, list[Any]]:
+    """Replay `trace` on vLLM's Scheduler in lockstep with the model at
+    strict level: the result and the Scheduler's calls. `real_step`
+    replaces the replay's stepping of the real Scheduler."""
+    from kvgate.conformance import scheduler_replay
+    from kvgate.impl.engine_core import SchedulerCalls
+    from kvgate.impl.vllm_scheduler import VllmScheduler
+
+    assert trace.scheduler is not None
+    real = VllmScheduler(trace.config, spec_tokens=0, max_num_seqs=trace.scheduler.max_num_seqs)
+    calls = SchedulerCalls(real.scheduler)
+    try:
+        with _patched(scheduler_replay._EngineLockstep, "real_step", real_step):
+            result = replay_scheduler(trace, SchedulerModel, real, "strict")
+    finally:
+        real.close()
+    return result, calls.calls
+
+
+class _patched:
+    def __init__(self, owner: Any, name: str, value: Any) -> None:
+        self.owner, self.name, self.value = owner, name, value
+
+    def __enter__(self) -> None:
+        self.before = getattr(self.owner, self.name)
+        if self.value is not None:
+            setattr(self.owner, self.name, self.value)
+
+    def __exit__(self, *exc: object) -> None:
+        setattr(self.owner, self.name, self.before)
+
+
+def test_the_engine_core_runs_the_async_scheduler_with_its_batch_queue(
+    engine_run: EngineRun,
+) -> None:
+    schedules = [c for c in engine_run.calls if c.call == "schedule"]
+    updates = [c.batch for c in engine_run.calls if c.call == "update_from_output"]
+    # Every batch's output processed once, oldest first.
+    assert updates == [c.batch for c in schedules]
+    # Two batches in flight: a batch is scheduled before the last one's
+    # output is processed.
+    in_flight = 0
+    most = 0
+    for call in engine_run.calls:
+        in_flight += {"schedule": 1, "update_from_output": -1}.get(call.call, 0)
+        most = max(most, in_flight)
+    assert most == 2
+    # Each update's batch ran on the executor, and was sampled, before it.
+    ran = {c.batch for c in engine_run.executor if c.call == "execute_model"}
+    assert set(updates) <= ran
+    # Multi-turn: every session's every turn arrived and was served.
+    added = [c.requests[0] for c in engine_run.calls if c.call == "add_request"]
+    assert sorted(added) == sorted(
+        f"{s}{t}" for s, turns in SESSIONS.items() for t in range(len(turns))
+    )
+
+
+def test_the_replay_makes_the_scheduler_calls_the_engine_core_makes(
+    engine_run: EngineRun,
+) -> None:
+    result, calls = replay_on_vllm(engine_run.trace)
+    assert result.divergence is None, result.divergence
+    assert calls == engine_run.calls
+
+
+def test_a_replay_that_processes_each_batch_at_once_makes_other_calls(
+    engine_run: EngineRun,
+) -> None:
+    """The comparison sees stepping that is not the engine core's: here each
+    batch's output processed in the step that scheduled it (the engine
+    without its batch queue)."""
+    from kvgate.conformance.scheduler_replay import _EngineLockstep
+
+    original = _EngineLockstep.real_step
+
+    def at_once(self: Any, event: Any, step: Any, real: Any, modelled: Any) -> Any:
+        observed, finished = original(self, event, step, real, modelled)
+        while real.batches_in_flight():
+            finished += real.update({}, loaded=(), failed=())
+        return observed, finished
+
+    _, calls = replay_on_vllm(engine_run.trace, at_once)
+    assert calls != engine_run.calls
