@@ -192,3 +192,34 @@ def test_a_replay_that_processes_each_batch_at_once_makes_other_calls(
 
     _, calls = replay_on_vllm(engine_run.trace, at_once)
     assert calls != engine_run.calls
+
+
+def test_a_recording_of_the_engine_core_replays_on_the_model_and_on_vllm(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The recorder on (`KVGATE_RECORD`, as vLLM's plugin loading registers
+    it), the same sessions on the engine core: its recording, two batches
+    in flight, passes at strict level on the model and on vLLM."""
+    from kvgate import cli
+    from kvgate.impl import recorder
+
+    recordings = tmp_path / "recordings"
+    monkeypatch.setenv(recorder.RECORD_SWITCH, str(recordings))
+    recorder.register()
+    try:
+        run = play_on_engine(tmp_path)
+    finally:
+        recorder.uninstall()
+    [path] = sorted(recordings.iterdir())
+    recorded = parse_trace(path.read_text(), path)
+    assert recorded.config.async_scheduling
+    steps = [e for e in recorded.engine if e.op == "step"]
+    # One entry per engine step, each with what the engine's Scheduler scheduled.
+    assert len(steps) == len([e for e in run.trace.engine if e.op == "step"])
+    scheduled = [[(str(r), n) for r, n in c.scheduled] for c in run.calls if c.call == "schedule"]
+    assert sum(1 for s in steps if s.expect["scheduled"]) == sum(1 for s in scheduled if s)
+    for target in ("model", "vllm"):
+        code = cli.main(["replay", str(path), "--target", target, "--level", "strict"])
+        out = capsys.readouterr().out
+        assert code == 0, out
+        assert f"PASS {path.stem}" in out
