@@ -223,3 +223,123 @@ def test_a_recording_of_the_engine_core_replays_on_the_model_and_on_vllm(
         out = capsys.readouterr().out
         assert code == 0, out
         assert f"PASS {path.stem}" in out
+
+
+DRAFTS_HEADER = """format: kvgate-trace/1
+name: engine-core-async-drafts
+config:
+  num_blocks: 96
+  hash_unit: 8
+  eagle: true
+  hash_lookahead_tokens: 1
+  retention_interval: 0
+  async_scheduling: true
+  max_num_scheduled_tokens: 64
+  max_model_len: 256
+  groups:
+    - {kind: full_attention, block_size: 32}
+    - {kind: mamba_align, block_size: 32, speculative_blocks: 3}
+scheduler: {spec: 3, max_num_seqs: 4}
+engine:
+  - {op: step}
+"""
+# Each turn's drafts accepted at its decodes with drafts, in order: all,
+# none and some, around the Mamba block boundaries of the prompts.
+ACCEPTED = {"A0": (3, 0, 2), "A1": (1, 3), "B0": (0, 0, 3), "B1": (2,), "C0": (3, 3)}
+DRAFT_TURNS = {"A": ((40, 9), (30, 7)), "B": ((70, 8), (20, 5)), "C": ((33, 10),)}
+
+
+def test_the_engine_core_runs_mtp_drafts_under_async_scheduling(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A single MTP layer proposing three drafts, async scheduling on:
+    vLLM's engine core runs the async scheduler with output placeholders for
+    the drafts; each turn gets exactly its `max_tokens`, the tokens the
+    executor sampled (accepted drafts kept, rejected ones rolled back). The
+    recorder does not record it (its placeholders are not modelled yet) and
+    says so in one line; the engine serves on."""
+    import logging
+
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+    from kvgate.impl import recorder
+    from kvgate.impl.engine_core import Script, ScriptedEngine
+
+    config = parse_trace(DRAFTS_HEADER, tmp_path / "drafts.yaml").config
+    recorder.install(tmp_path / "recordings")
+    try:
+        with caplog.at_level(logging.WARNING, logger=recorder.LOGGER_NAME):
+            engine = ScriptedEngine(
+                config, spec_tokens=3, max_num_seqs=MAX_NUM_SEQS, script=Script(ACCEPTED)
+            )
+    finally:
+        recorder.uninstall()
+    assert "draft tokens under async scheduling" in caplog.text
+    scheduler = engine.scheduler
+    assert isinstance(scheduler, AsyncScheduler)
+    # vLLM's own derivation for one MTP layer reused for every draft: three
+    # lookahead slots, one prefill token read ahead, hashes one token ahead.
+    assert (scheduler.num_spec_tokens, scheduler.num_lookahead_tokens) == (3, 3)
+    assert (scheduler.num_prefill_lookahead, scheduler.num_hash_lookahead_tokens) == (1, 1)
+    calls = SchedulerCallsOf(engine)
+    prompts: dict[str, list[int]] = {}
+    fresh = iter(range(1, 1 << 20))
+
+    def arrive(session: str, turn: int) -> None:
+        name = f"{session}{turn}"
+        length, max_tokens = DRAFT_TURNS[session][turn]
+        previous = f"{session}{turn - 1}"
+        tokens = [*prompts[previous], *engine.output_tokens(previous)] if turn else []
+        prompts[name] = tokens + [next(fresh) for _ in range(length)]
+        engine.add_request(name, prompts[name], max_tokens)
+
+    for session in DRAFT_TURNS:
+        arrive(session, 0)
+    for _ in range(300):
+        if not engine.has_work():
+            break
+        for name in engine.step():
+            if int(name[1:]) + 1 < len(DRAFT_TURNS[name[0]]):
+                arrive(name[0], int(name[1:]) + 1)
+    assert not engine.has_work()
+    for session, turns in DRAFT_TURNS.items():
+        for turn, (_, max_tokens) in enumerate(turns):
+            name = f"{session}{turn}"
+            output = engine.output_tokens(name)
+            assert output == engine.executor_sampled[name][:max_tokens], name
+            assert len(output) == max_tokens
+    # Drafts were scheduled (as placeholders: the worker keeps their ids)
+    # while the batch before was in flight.
+    assert calls.spec_batches and all(set(d) == {-1} for d in calls.spec_batches)
+    # Mixed acceptance, as the Scheduler counted it.
+    assert 0 < calls.accepted < calls.drafts
+    engine.close()
+
+
+class SchedulerCallsOf:
+    """The draft token ids each batch scheduled, per request, and the drafts
+    and accepted drafts the Scheduler's stats counted."""
+
+    def __init__(self, engine: Any) -> None:
+        self.spec_batches: list[list[int]] = []
+        self.drafts = self.accepted = 0
+        scheduler = engine.scheduler
+        schedule, update = scheduler.schedule, scheduler.update_from_output
+
+        def logged(*args: Any, **kwargs: Any) -> Any:
+            output = schedule(*args, **kwargs)
+            self.spec_batches += [list(d) for d in output.scheduled_spec_decode_tokens.values()]
+            return output
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            outputs = update(*args, **kwargs)
+            for engine_outputs in outputs.values():
+                stats = engine_outputs.scheduler_stats
+                spec = None if stats is None else stats.spec_decoding_stats
+                if spec is not None:
+                    self.drafts += spec.num_draft_tokens
+                    self.accepted += spec.num_accepted_tokens
+            return outputs
+
+        scheduler.schedule = logged
+        scheduler.update_from_output = counted

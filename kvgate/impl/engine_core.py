@@ -103,6 +103,8 @@ class ScriptedExecutor:
 
     script: Script
     calls: list[ExecutorCall]
+    # Each request's tokens as sampled for it, a preemption's discarded ones dropped.
+    sampled: dict[str, list[int]]
     num_blocks: int
     layer_specs: dict[str, Any]
     page_bytes: int
@@ -110,7 +112,7 @@ class ScriptedExecutor:
 
     def _init_executor(self) -> None:
         self._known: dict[str, _Known] = {}
-        self._sampled: dict[str, list[int]] = {}
+        self._sampled = self.sampled
         self._batches = 0
         self._pending: Any = None
         self._drafts: Any = None
@@ -202,7 +204,6 @@ class ScriptedExecutor:
                 del self._sampled[name][kept:]
         for name in scheduler_output.finished_req_ids:
             self._known.pop(name, None)
-            self._sampled.pop(name, None)
         ids = [str(r) for r in scheduler_output.num_scheduled_tokens]
         drafts_of = scheduler_output.scheduled_spec_decode_tokens
         sampled: list[list[int]] = []
@@ -244,9 +245,10 @@ def _done(value: Any) -> Future[Any]:
 
 def _layer_specs(api: Any, config: Config) -> tuple[dict[str, Any], int]:
     """One KV layer per group of `config`, every page padded to the largest
-    (vLLM's hybrid models pad Mamba pages to the attention page), and the
-    page's bytes."""
+    (vLLM's hybrid models pad Mamba pages to the attention page), the
+    drafter's groups' layers marked as draft layers, and the page's bytes."""
     groups = kv_cache_config(api, config).kv_cache_groups
+    drafts = set(config.eagle_group_ids) if config.eagle and config.has_attention else set()
     pages = [int(g.kv_cache_spec.page_size_bytes) for g in groups]
     page = max(pages)
     specs: dict[str, Any] = {}
@@ -261,6 +263,10 @@ def _layer_specs(api: Any, config: Config) -> tuple[dict[str, Any], int]:
                     f"groups[{index}]",
                     f"its page ({spec.page_size_bytes} bytes) cannot be padded to {page}",
                 )
+        if index in drafts:
+            # The drafter's layer: an attention layer like the target's
+            # (vLLM flags the group holding it as the drafter's).
+            spec = dataclasses.replace(spec, is_draft=True)
         specs[f"model.layers.{index}.kv"] = spec
     return specs, page
 
@@ -285,6 +291,8 @@ class ScriptedEngine:
         self._api = api
         self.config = config
         self.calls: list[ExecutorCall] = []
+        # What the executor sampled for each request (see `ScriptedExecutor.sampled`).
+        self.executor_sampled: dict[str, list[int]] = {}
         specs, page = _layer_specs(api, config)
         executor = type(
             "ScriptedExecutor",
@@ -292,6 +300,7 @@ class ScriptedEngine:
             {
                 "script": script or Script(),
                 "calls": self.calls,
+                "sampled": self.executor_sampled,
                 "num_blocks": config.num_blocks,
                 "layer_specs": specs,
                 "page_bytes": page,
@@ -319,7 +328,7 @@ class ScriptedEngine:
                 envs.disable_envs_cache()
                 if not was_frozen:
                     gc.unfreeze()
-        self.sampled: dict[str, list[int]] = {}
+        self._outputs: dict[str, list[int]] = {}
 
     @property
     def scheduler(self) -> Any:
@@ -357,14 +366,14 @@ class ScriptedEngine:
         finished: list[str] = []
         for engine_outputs in (outputs or {}).values():
             for output in engine_outputs.outputs:
-                self.sampled.setdefault(output.request_id, []).extend(output.new_token_ids)
+                self._outputs.setdefault(output.request_id, []).extend(output.new_token_ids)
                 if output.finish_reason is not None:
                     finished.append(str(output.request_id))
         return finished
 
     def output_tokens(self, name: str) -> list[int]:
         """The tokens the engine output for `name` so far."""
-        return list(self.sampled.get(name, ()))
+        return list(self._outputs.get(name, ()))
 
     def close(self) -> None:
         self.engine.shutdown()
