@@ -64,13 +64,13 @@ def _arrive(name: str, fresh: int, previous: str | None) -> str:
     return f"  - {{op: arrive, req: {name}, prompt: {prompt}, max_tokens: 1{follows}}}\n"
 
 
-def play_on_engine(tmp: Path) -> EngineRun:
+def play_on_engine(tmp: Path, header: str = HEADER) -> EngineRun:
     """Run the sessions on vLLM's EngineCore, each next turn arriving right
     after the engine step that finished the last one, and write what
     happened as a scheduler-level trace."""
     from kvgate.impl.engine_core import SchedulerCalls, ScriptedEngine
 
-    text = HEADER
+    text = header
     config = parse_trace(text + "  - {op: step}\n", tmp / "header.yaml").config
     engine = ScriptedEngine(config, spec_tokens=0, max_num_seqs=MAX_NUM_SEQS)
     calls = SchedulerCalls(engine.scheduler)
@@ -343,3 +343,26 @@ class SchedulerCallsOf:
 
         scheduler.schedule = logged
         scheduler.update_from_output = counted
+
+
+def test_with_an_attention_block_below_the_mamba_block_the_engine_core_splits_otherwise(
+    tmp_path: Path,
+) -> None:
+    """A known difference, recorded so that it is resolved on purpose: fed
+    layers as kvgate builds its groups, with an attention block (8) below
+    the Mamba block (32), vLLM's engine core hands its Scheduler the smallest
+    group block as `cache_config.block_size`, which the align-mode split
+    reads as the Mamba block, where kvgate's real-Scheduler target sets the
+    Mamba block. The engine core then schedules a chunk the replay (model and
+    target agreeing) does not."""
+    header = HEADER.replace(
+        "{kind: full_attention, block_size: 32}", "{kind: full_attention, block_size: 8}"
+    )
+    run = play_on_engine(tmp_path, header)
+    result, calls = replay_on_vllm(run.trace)
+    assert result.divergence is None, result.divergence
+    first = next(i for i, (a, b) in enumerate(zip(calls, run.calls, strict=False)) if a != b)
+    replayed, engine = calls[first], run.calls[first]
+    assert replayed.call == engine.call == "schedule"
+    # The engine core fits a chunk of a third prompt in; the replay does not.
+    assert len(engine.scheduled) == len(replayed.scheduled) + 1
