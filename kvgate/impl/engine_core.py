@@ -282,12 +282,16 @@ class ScriptedEngine:
         max_num_seqs: int,
         script: Script | None = None,
         log_stats: bool = True,
+        plugin: str | None = None,
     ) -> None:
+        """`plugin`: a vLLM plugin module registered first (the hold
+        overlay, say), and the hold switches set as `config` asks, as the
+        scheduler-level target does."""
         from vllm import envs
         from vllm.v1.engine.core import EngineCore
         from vllm.v1.executor.abstract import Executor
 
-        api = _vllm_api.load()
+        api, _ = _vllm_api.load_with_hold(config.hold, config.retain_retired, plugin)
         self._api = api
         self.config = config
         self.calls: list[ExecutorCall] = []
