@@ -30,7 +30,13 @@ What is written (docs/how-to/record-and-replay.md is the user's page):
   and stops recording; a call the format cannot express (a stop string, an
   accepted draft, a KV connector, ...) ends the file before it, logs one
   line and stops recording. Nothing the recorder does raises into the
-  engine: every wrapper calls vLLM's own method whatever happens.
+  engine: every wrapper calls vLLM's own method whatever happens;
+- under async scheduling, one `step` entry per engine step as vLLM's engine
+  core steps its batch queue (`EngineCore.step_with_batch_queue`): a
+  `schedule()` ends its step unless two batches are then in flight or
+  nothing more can be scheduled, in which case the update of the oldest
+  batch ends it; an update with no `schedule()` before it in its step is a
+  step of its own.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ import math
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,7 +59,7 @@ from typing import IO, Any
 from kvgate.conformance.writer import recording_end, recording_entry, recording_head
 from kvgate.model.scope import validate
 from kvgate.vocabulary.config import Config, GroupConfig, UnsupportedConfig
-from kvgate.vocabulary.scheduling import EngineSettings
+from kvgate.vocabulary.scheduling import ASYNC_BATCHES, EngineSettings
 
 __all__ = [
     "RECORD_SWITCH",
@@ -322,6 +329,7 @@ def engine_config(scheduler: Any) -> tuple[Config, EngineSettings]:
         hash_lookahead_tokens=lookahead,
         prefix_caching=caching,
         mamba_cache_mode="none" if "none" in modes else "align",
+        async_scheduling=bool(getattr(scheduler.scheduler_config, "async_scheduling", False)),
     )
     if not any(is_mamba(api, m) for m in managers):
         raise NotExpressible("no Mamba group (kvgate models hybrid and Mamba models)")
@@ -333,6 +341,14 @@ def engine_config(scheduler: Any) -> tuple[Config, EngineSettings]:
         spec=int(getattr(scheduler, "num_spec_tokens", 0)),
         max_num_seqs=int(scheduler.max_num_running_reqs),
     )
+    if config.async_scheduling:
+        # A replay steps the Scheduler as an engine core with this many
+        # batches in flight does.
+        in_flight = int(getattr(scheduler.vllm_config, "max_concurrent_batches", 1))
+        if in_flight != ASYNC_BATCHES:
+            raise NotExpressible(f"async scheduling with {in_flight} batches in flight")
+        if settings.spec:
+            raise NotExpressible("draft tokens under async scheduling (their output placeholders)")
     return config, settings
 
 
@@ -436,7 +452,12 @@ class _Recording:
         self.last_arrival = -math.inf
         # Each LoRA adapter seen, by name: (its id, its path).
         self.adapters: dict[str, tuple[int, str]] = {}
+        # The engine step begun by a schedule() whose update is the same
+        # step's (the step's expectations so far), or None between steps.
         self.pending: dict[str, Any] | None = None
+        # The batches scheduled and not yet processed, oldest first (one at
+        # most without async scheduling).
+        self.in_flight: deque[dict[str, Any]] = deque()
         self.deferred: list[dict[str, Any]] = []
         self.open_part()
 
@@ -568,7 +589,15 @@ class _Recording:
         if call == "set_pause_state" and self.pending is not None:
             raise NotExpressible("a pause between schedule() and its update")
         if call == "schedule" and self.pending is not None:
-            raise NotExpressible("two schedule() calls before an update (async scheduling)")
+            raise NotExpressible("two schedule() calls in one engine step")
+        if call == "update_from_output":
+            # What each request of the batch had output before its update.
+            output = kwargs.get("scheduler_output", args[0] if args else None)
+            return id(output), {
+                r: len(self.requests[r].output_token_ids)
+                for r in map(str, getattr(output, "num_scheduled_tokens", ()))
+                if r in self.requests
+            }
         return None
 
     def after(
@@ -583,7 +612,7 @@ class _Recording:
         elif call == "schedule":
             self.scheduled(result)
         elif call == "update_from_output":
-            self.updated(result)
+            self.updated(result, *(before or (0, {})))
         elif call == "finish_requests":
             for request_id in before or ():
                 self.write({"op": "abort", "req": self.name(request_id)})
@@ -664,20 +693,38 @@ class _Recording:
         return _adapter(name)
 
     def scheduled(self, output: Any) -> None:
+        """A batch scheduled. Under async scheduling the engine step it
+        begins ends here unless the engine processes a batch's output in it
+        too: as vLLM's engine core steps its batch queue, when `ASYNC_BATCHES`
+        batches are in flight or nothing more can be scheduled."""
         scheduled = [[self.name(str(r)), int(n)] for r, n in output.num_scheduled_tokens.items()]
         preempted = sorted(self.name(str(r)) for r in output.preempted_req_ids)
         ids = [str(r) for r in output.num_scheduled_tokens]
-        self.pending = {
-            "scheduled": scheduled,
-            "preempted": preempted,
-            "ids": ids,
-            "outputs": [len(self.requests[r].output_token_ids) for r in ids],
-        }
+        self.in_flight.append({"output": id(output), "ids": ids})
+        step = {"scheduled": scheduled, "preempted": preempted}
+        executed = bool(output.total_num_scheduled_tokens)
+        if (
+            self.config.async_scheduling
+            and len(self.in_flight) < ASYNC_BATCHES
+            and (executed or self.scheduler.has_requests())
+        ):
+            self.write_step(step, {}, [])
+        else:
+            self.pending = step
 
-    def updated(self, outputs: Any) -> None:
+    def updated(self, outputs: Any, batch_id: int, before: dict[str, int]) -> None:
+        """A batch's output processed: the engine step's last call."""
         pending, self.pending = self.pending, None
-        if pending is None:
+        if pending is None and not self.config.async_scheduling:
             raise NotExpressible("an update without a schedule() before it")
+        if not self.in_flight:
+            raise NotExpressible("an update without a batch in flight")
+        batch = self.in_flight.popleft()
+        if batch["output"] != batch_id:
+            raise NotExpressible("a batch's output processed before an older batch's")
+        # Without a schedule in this step (nothing left to schedule), the
+        # step only processes the oldest batch.
+        step = pending if pending is not None else {"scheduled": [], "preempted": []}
         cached: dict[str, int] = {}
         for engine_output in outputs.values():
             for output in engine_output.outputs:
@@ -690,7 +737,9 @@ class _Recording:
         sessions_stopped = False
         # Finished by a stop condition (end of sequence, a stop token or string).
         stopped: list[str] = []
-        for request_id, before in zip(pending["ids"], pending["outputs"], strict=True):
+        # A request aborted while its batch ran is not the update's to finish.
+        ids = [r for r in batch["ids"] if r in before]
+        for request_id in ids:
             request = self.requests[request_id]
             if (
                 getattr(request, "resumable", False)
@@ -702,13 +751,13 @@ class _Recording:
                 raise NotExpressible("a streaming-input session stopped by a stop condition")
             if getattr(request, "resumable", False) and (
                 request.status == RequestStatus.WAITING_FOR_STREAMING_REQ
-                or len(request.output_token_ids) < before
+                or len(request.output_token_ids) < before[request_id]
             ):
                 # A session stopped and goes on: written as not finished.
                 sessions_stopped = True
             # The format's step samples at most one token a request: more is
             # an accepted draft.
-            if len(request.output_token_ids) - before > 1:
+            if len(request.output_token_ids) - before[request_id] > 1:
                 raise NotExpressible("an accepted draft (several tokens in one step)")
             if request.is_finished():
                 if request.status == RequestStatus.FINISHED_STOPPED:
@@ -716,19 +765,25 @@ class _Recording:
                 elif request.status != RequestStatus.FINISHED_LENGTH_CAPPED:
                     raise NotExpressible(f"a request finished as {request.status.name}")
                 finished.append(self.name(request_id))
-        expect: dict[str, Any] = {"scheduled": pending["scheduled"]}
-        if pending["preempted"]:
-            expect["preempted"] = pending["preempted"]
-        if cached:
-            expect["cached_tokens"] = cached
         if finished or sessions_stopped:
-            expect["finished"] = finished
-        for request_id in pending["ids"]:
+            step["finished"] = finished
+        for request_id in ids:
             request = self.requests[request_id]
             if request.is_finished():
                 sequence = [*request.prompt_token_ids, *request.output_token_ids]
                 self.renamer.finished(self.name(request_id), sequence)
                 self.forget(request_id)
+        self.write_step(step, cached, stopped)
+
+    def write_step(self, step: dict[str, Any], cached: dict[str, int], stopped: list[str]) -> None:
+        """One engine step's entry, then the arrivals it deferred."""
+        expect: dict[str, Any] = {"scheduled": step["scheduled"]}
+        if step["preempted"]:
+            expect["preempted"] = step["preempted"]
+        if cached:
+            expect["cached_tokens"] = cached
+        if "finished" in step:
+            expect["finished"] = step["finished"]
         # Written last: at a file's limit the write closes it.
         entry: dict[str, Any] = {"op": "step"}
         if stopped:
