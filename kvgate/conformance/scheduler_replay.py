@@ -314,7 +314,8 @@ class _EngineLockstep:
             self.on_model(step, functools.partial(self.model.stop, name))
         for name, drafts in event.accept.items():
             self.on_model(step, functools.partial(self.model.accept, name, drafts))
-        modelled: EngineOutcome = self.on_model(step, self.model.step)
+        aborted = event.aborted
+        modelled: EngineOutcome = self.on_model(step, lambda: self.model.step(aborted))
         where = f"engine step {self.engine_steps}"
         observed: ScheduledStep
         if self.real is None:
@@ -406,6 +407,9 @@ class _EngineLockstep:
             return observed, []
         for name in event.stop:
             real.stop(name)
+        for name in event.aborted:
+            # A client gone while the step ran: aborted before its output.
+            self.on_real(step, "abort", functools.partial(real.abort, name))
         finished: list[str] = self.on_real(
             step,
             "update_from_output()",
