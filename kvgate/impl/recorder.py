@@ -291,6 +291,17 @@ def engine_config(scheduler: Any) -> tuple[Config, EngineSettings]:
         raise NotExpressible(f"Mamba groups in several cache modes: {sorted(modes)}")
     cache = scheduler.cache_config
     caching = bool(cache.enable_prefix_caching)
+    split = int(getattr(cache, "block_size", 0) or 0)
+    if "align" in modes and split and split != int(scheduler.block_size):
+        # The Scheduler splits align-mode prefills at the cache config's block
+        # size, which the engine left apart from its own block size (vLLM's
+        # CPU platform sizes the attention block in the worker only); a
+        # trace has one block size for both.
+        raise NotExpressible(
+            f"prefills split at block size {split} while the Scheduler's block size is "
+            f"{int(scheduler.block_size)} (start the engine with --block-size "
+            f"{int(scheduler.block_size)})"
+        )
     lookahead = int(getattr(scheduler, "num_hash_lookahead_tokens", 0))
     attention = [g.block_size for g in groups if g.kind == "full_attention"]
     # A patched build without the per-manager flag: its switch, as its managers read it.
