@@ -23,6 +23,11 @@ export VLLM_TARGET_DEVICE=cpu
 
 stage() { echo "served-e2e: $1 took $(( SECONDS - $2 ))s"; }
 
+if [ ! -x "$GATE_VENV/bin/python" ]; then
+    echo "served-e2e: no environment with the pinned vLLM at $GATE_VENV: run scripts/setup.sh first, or set KVGATE_VENV" >&2
+    exit 2
+fi
+
 start=$SECONDS
 if [ ! -x "$SERVED/bin/python" ] || ! "$SERVED/bin/python" -c "import vllm, openai" 2>/dev/null; then
     python3 -m venv "$SERVED"
