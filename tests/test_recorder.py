@@ -346,34 +346,210 @@ def test_a_failed_write_stops_recording_and_the_engine_serves_on(
     finally:
         logger.removeHandler(caplog.handler)
         recorder.uninstall()
-    lines = [r.getMessage() for r in caplog.records if r.name == recorder.LOGGER_NAME]
+    lines = [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == recorder.LOGGER_NAME and r.levelno >= logging.WARNING
+    ]
     assert len(lines) == 1, lines
     assert "stopped recording" in lines[0] and "writing failed" in lines[0]
 
 
-def test_files_are_bounded_and_the_next_starts_from_an_empty_scheduler(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+def recorder_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == recorder.LOGGER_NAME]
+
+
+@pytest.fixture
+def recorder_log(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
+    """The recorder's log lines (vLLM's loggers do not propagate to the root
+    logger pytest listens on)."""
+    logger = logging.getLogger(recorder.LOGGER_NAME)
+    level = logger.level
+    logger.addHandler(caplog.handler)
+    # A served engine logs at INFO (vLLM's default level).
+    logger.setLevel(logging.INFO)
+    caplog.handler.setLevel(logging.INFO)
+    try:
+        yield caplog
+    finally:
+        logger.removeHandler(caplog.handler)
+        logger.setLevel(level)
+
+
+def test_a_recording_goes_on_in_parts_under_steady_load(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], recorder_log: pytest.LogCaptureFixture
 ) -> None:
-    """Three entries a file: the first file ends mid-prefill; the next starts
-    at the next arrival to an empty Scheduler (after the abort), with a warm
-    prefix cache, so without expectations; each replays on the model."""
-    trace = bundled_scheduler_corpus() / "sched-abort-mid-prefill.yaml"
+    """Five entries a file while two requests decode side by side, one
+    preempted: the Scheduler never empties, and the recording goes on in
+    parts, each following the one before it; each part replays (after the
+    parts before it) on the model and on vLLM at strict level, the gate over
+    the directory replays the recording once, and each file's end is logged
+    with why. After the file limit recording stops, saying so."""
+    trace = bundled_scheduler_corpus() / "sched-preempt-under-pressure-and-resume.yaml"
     recordings = tmp_path / "recordings"
-    recorder.install(recordings, recorder.RecordLimits(max_entries=3, max_files=2))
+    recorder.install(recordings, recorder.RecordLimits(max_entries=5, max_files=4))
     try:
         assert cli.main(["replay", str(trace), "--target", "vllm"]) == 0
     finally:
         recorder.uninstall()
-    first, second = (load_trace(p) for p in sorted(recordings.iterdir()))
-    assert [e.op for e in first.engine] == ["arrive", "step", "step"]
-    assert [e.op for e in second.engine] == ["arrive", "step", "step"]
-    # A run without the hold records the hold-off arm.
-    assert not first.config.hold
-    assert first.engine[1].expect == {"scheduled": [("r0", 64)]}
-    assert all(not e.expect for e in second.engine)
+    parts = sorted(recordings.iterdir())
+    assert len(parts) == 4
+    lines = recorder_lines(recorder_log)
+    for number, part in enumerate(parts, 1):
+        text = part.read_text()
+        assert text.endswith("end: {entries: 5}\n")
+        if number > 1:
+            assert f"follows: {parts[number - 2].name}" in text
+        assert any(part.name in line and "limit is reached" in line for line in lines), lines
+    assert "stopped recording" in lines[-1] and "the file limit (4)" in lines[-1]
+    # The later parts hold expectations: the Scheduler was never emptied.
+    last = load_trace(parts[-1])
+    assert len(last.engine) == 20 and last.engine[-1].expect
     capsys.readouterr()
-    assert cli.main(["gate", "--corpus", str(recordings), "--target", "model"]) == 0
-    assert "2 passed" in capsys.readouterr().out
+    for part in parts:
+        assert cli.main(["replay", str(part), "--target", "model"]) == 0
+        assert cli.main(["replay", str(part), "--target", "vllm", "--level", "strict"]) == 0
+    assert cli.main(["gate", "--corpus", str(recordings), "--target", "vllm"]) == 0
+    out = capsys.readouterr().out
+    assert f"PASS {parts[-1].stem} (" in out and "1 passed" in out
+    # A part whose predecessor is gone does not replay: one line naming it.
+    parts[0].unlink()
+    assert cli.main(["replay", str(parts[2]), "--target", "model"]) == 2
+    [error] = capsys.readouterr().err.strip().splitlines()
+    assert error.startswith(
+        f"kvgate: error: {parts[2]}: recording.follows: {parts[0].name}, which {parts[1].name} "
+        "follows, is not in"
+    )
+
+
+def serve_with_an_abort_inside_a_step(recordings: Path, abort: str) -> None:
+    """vLLM's Scheduler serves A and B side by side; while the step that runs
+    `abort`'s last prompt chunk is in flight its client goes away (vLLM's
+    engine core aborts it after `schedule()`, before the update); A runs to
+    its end. Recorded into `recordings`."""
+    from vllm.v1.request import RequestStatus
+
+    from kvgate.impl.vllm_scheduler import VllmScheduler
+
+    config = load_trace(bundled_scheduler_corpus() / "sched-abort-mid-prefill.yaml").config
+    recorder.install(recordings)
+    try:
+        real = VllmScheduler(config, spec_tokens=0, max_num_seqs=4)
+        real.add_request("A", list(range(1000, 1100)), 6, None)
+        real.add_request("B", list(range(2000, 2100)), 6, None)
+        requests = real.scheduler.requests
+        aborted = False
+        for _ in range(40):
+            if not requests:
+                break
+            scheduled = real.schedule().scheduled
+            sampled = {}
+            for name, _ in scheduled:
+                request = requests[name]
+                if request.num_computed_tokens >= request.num_tokens:
+                    sampled[name] = [5]
+            if not aborted and abort in sampled:
+                # Through the Scheduler's own entry point, as the engine calls it.
+                real.scheduler.finish_requests(abort, RequestStatus.FINISHED_ABORTED)
+                aborted = True
+            real.update(sampled)
+        assert aborted and not requests
+        real.scheduler.shutdown()
+        real.close()
+    finally:
+        recorder.uninstall()
+
+
+def test_an_abort_inside_a_step_is_recorded_and_replays(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], recorder_log: pytest.LogCaptureFixture
+) -> None:
+    recordings = tmp_path / "recordings"
+    serve_with_an_abort_inside_a_step(recordings, "B")
+    assert not any("stopped recording" in line for line in recorder_lines(recorder_log))
+    [path] = sorted(recordings.iterdir())
+    trace = load_trace(path)
+    [inside] = [e for e in trace.engine if e.aborted]
+    assert inside.aborted == ("r1",)
+    assert "r1" in dict(inside.expect["scheduled"])
+    assert not [e for e in trace.engine if e.op == "abort"]
+    assert cli.main(["replay", str(path), "--target", "model"]) == 0
+    assert cli.main(["replay", str(path), "--target", "vllm", "--level", "strict"]) == 0
+    # Written as an abort before the step instead, r1 is not scheduled in
+    # it: the step's recorded expectations disagree.
+    text = path.read_text()
+    line = next(x for x in text.splitlines() if "abort: [r1]" in x)
+    moved = "  - {op: abort, req: r1}\n" + line.replace("abort: [r1], ", "")
+    drifted = tmp_path / "drifted.yaml"
+    entries = len(trace.engine)
+    drifted.write_text(
+        text.replace(line, moved)
+        .replace(f"name: {path.stem}", "name: drifted")
+        .replace(f"end: {{entries: {entries}}}", f"end: {{entries: {entries + 1}}}")
+    )
+    capsys.readouterr()
+    assert cli.main(["replay", str(drifted), "--target", "model"]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL drifted" in out and "scheduled" in out
+
+
+def test_entries_reach_the_file_as_they_are_made_and_a_cut_is_reported(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Mid-run, before any file is closed, the file on disk already holds
+    every entry recorded (as a killed process leaves it): it replays with
+    `--partial`, and the report line and the JUnit case say where it was cut."""
+    from kvgate.impl.vllm_scheduler import VllmScheduler
+
+    config = load_trace(bundled_scheduler_corpus() / "sched-abort-mid-prefill.yaml").config
+    recordings = tmp_path / "recordings"
+    recorder.install(recordings)
+    try:
+        real = VllmScheduler(config, spec_tokens=0, max_num_seqs=4)
+        real.add_request("A", list(range(1000, 1100)), 30, None)
+        for _ in range(8):
+            scheduled = real.schedule().scheduled
+            request = real.scheduler.requests["A"]
+            done = request.num_computed_tokens >= request.num_tokens
+            real.update({name: [5] for name, _ in scheduled if done})
+        recording = getattr(real.scheduler, recorder.ATTR)
+        [path] = sorted(recordings.iterdir())
+        # Copied as the kill leaves it: every entry so far, no end line.
+        killed = tmp_path / "killed.yaml"
+        killed.write_text(path.read_text().replace(f"name: {path.stem}", "name: killed"))
+        real.close()
+    finally:
+        recorder.uninstall()
+    entries = recording.entries
+    assert entries == 9  # the arrival and eight steps
+    assert cli.main(["replay", str(killed), "--target", "model"]) == 2
+    [error] = capsys.readouterr().err.strip().splitlines()
+    assert f"the recording was cut after {entries} entries" in error
+    junit = tmp_path / "cut.xml"
+    code = cli.main(
+        ["replay", str(killed), "--target", "vllm", "--partial", "--junit-xml", str(junit)]
+    )
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert f"PASS killed ({entries} steps" in out
+    assert f"recording cut at entry {entries}: end: missing" in out
+    xml = junit.read_text()
+    assert f'<property name="cut" value="entry {entries}: end: missing' in xml
+    assert "<system-out>recording cut at entry" in xml
+
+
+@pytest.mark.parametrize("partial", [False, True])
+def test_a_recording_without_entries_is_one_clear_line(
+    small_recording: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], partial: bool
+) -> None:
+    head = small_recording.read_text().split("engine:\n")[0] + "engine:\n"
+    empty = tmp_path / "empty.yaml"
+    empty.write_text(head)
+    assert cli.main(["replay", str(empty), "--target", "model", *(["--partial"] * partial)]) == 2
+    [error] = capsys.readouterr().err.strip().splitlines()
+    assert error == (
+        f"kvgate: error: {empty}: engine: the recording holds no entries (the engine stopped "
+        "before the recorder wrote its first call): nothing to replay"
+    )
 
 
 needs_long = pytest.mark.skipif(
@@ -433,3 +609,78 @@ def test_the_long_recording_diverging_under_a_fault_shrinks_to_five_percent(
     assert code == 1 and "FAIL" in replayed, replayed
     assert len(load_trace(out).engine) <= 0.05 * len(load_trace(path).engine), account
     print(f"long recording shrunk: {account}", file=sys.stderr)
+
+
+def test_the_served_numbers_on_the_record_and_replay_page_are_the_measured_ones() -> None:
+    """The page's table of what a served engine recorded is rendered from the
+    measurements `scripts/served-e2e.sh` wrote (`served_e2e.py docs`), not typed."""
+    import importlib.util
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "served_e2e.py"
+    spec = importlib.util.spec_from_file_location("served_e2e", script)
+    assert spec is not None and spec.loader is not None
+    served = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(served)
+    import json
+
+    measured = json.loads(served.MEASURED.read_text())
+    part = served.PART.search(served.PAGE.read_text())
+    assert part is not None, "the page has no generated served-e2e part"
+    assert part.group(2) == served.served_table(measured)
+    # What the test asserts of the served run holds in the numbers kept.
+    assert measured["arrivals"] == measured["requests"]
+    assert measured["aborted_inside_a_step"] > 0 and measured["files"] > 1
+
+
+def test_an_engine_splitting_prefills_at_another_block_size_is_not_recorded() -> None:
+    """vLLM's CPU platform can leave the cache config's block size, where the
+    Scheduler splits align-mode prefills, apart from the Scheduler's own
+    block size; a trace has one, so the recorder refuses such an engine by
+    name rather than write a config its replay would split differently."""
+    from kvgate.impl.vllm_scheduler import VllmScheduler
+
+    config = load_trace(bundled_scheduler_corpus() / "sched-abort-mid-prefill.yaml").config
+    real = VllmScheduler(config, spec_tokens=0, max_num_seqs=4)
+    try:
+        recorder.engine_config(real.scheduler)  # the same sizes: expressible
+        block = int(real.scheduler.block_size)
+        real.scheduler.cache_config.block_size = block // 2
+        with pytest.raises(recorder.NotExpressible, match=f"--block-size {block}"):
+            recorder.engine_config(real.scheduler)
+    finally:
+        real.scheduler.cache_config.block_size = block
+        real.close()
+
+
+@pytest.mark.parametrize(
+    ("step", "field", "message"),
+    [
+        ("{op: step, steps: 2, abort: [A]}", "abort", "applies to one engine step"),
+        ("{op: step, abort: [Z]}", "abort[0]", "names no request that has arrived"),
+        ("{op: step, abort: [A, A]}", "abort", "names a request twice"),
+        ("{op: step, stop: [A], abort: [A]}", "abort[0]", "also stops in this step"),
+        ("{op: step, abort: A}", "abort", "must be a list of requests"),
+    ],
+)
+def test_a_steps_abort_is_refused_by_name_where_it_cannot_be(
+    tmp_path: Path, step: str, field: str, message: str
+) -> None:
+    """The reader's refusals of a step's `abort`, each one line naming it;
+    a request aborted inside a step has ended (a later abort of it is refused)."""
+    from kvgate.conformance.trace import TraceError, parse_trace
+
+    base = (bundled_scheduler_corpus() / "sched-abort-mid-prefill.yaml").read_text()
+    head = base.split("engine:\n")[0] + "engine:\n"
+    text = head + "  - {op: arrive, req: A, prompt: [{fresh: 300}], max_tokens: 2}\n"
+    with pytest.raises(TraceError) as refused:
+        parse_trace(text + f"  - {step}\n", tmp_path / "t.yaml")
+    assert refused.value.field == field and message in refused.value.message
+    aborted = parse_trace(text + "  - {op: step, abort: [A]}\n", tmp_path / "t.yaml")
+    assert aborted.engine[-1].aborted == ("A",)
+    with pytest.raises(TraceError, match="was aborted in step 1"):
+        parse_trace(text + "  - {op: step, abort: [A]}\n  - {op: abort, req: A}\n")
+    with pytest.raises(TraceError, match="under async scheduling"):
+        parse_trace(
+            text.replace("config:\n", "config:\n  async_scheduling: true\n")
+            + "  - {op: step, abort: [A]}\n"
+        )

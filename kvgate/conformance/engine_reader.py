@@ -109,11 +109,38 @@ class EngineReader(FieldReader):
         if "accept" in raw and repeats != 1:
             raise self.error(index, "accept", "applies to one engine step: write steps: 1")
         accept = self.accepted(index, raw.get("accept", {}), stop)
+        if "abort" in raw and repeats != 1:
+            raise self.error(index, "abort", "applies to one engine step: write steps: 1")
+        aborted = self.aborted_mid_step(index, raw.get("abort", []), stop)
         expect = self.engine_expect(index, raw.get("expect", {}))
         return [
-            EngineStep("step", index, expect=expect, stop=stop, accept=accept)
+            EngineStep("step", index, expect=expect, stop=stop, accept=accept, aborted=aborted)
             for _ in range(repeats)
         ]
+
+    def aborted_mid_step(self, index: int, raw: object, stop: tuple[str, ...]) -> tuple[str, ...]:
+        """A step's `abort`: requests that have arrived and not ended, each
+        named once, aborted after the step's `schedule()` (ended from then on)."""
+        if not isinstance(raw, list):
+            raise self.error(index, "abort", f"must be a list of requests, got {got(raw)}")
+        names = tuple(self.arrived(index, f"abort[{i}]", r) for i, r in enumerate(raw))
+        if len(set(names)) != len(names):
+            raise self.error(index, "abort", f"names a request twice: {got(raw)}")
+        assert self.config is not None
+        if names and self.config.async_scheduling:
+            raise self.error(
+                index,
+                "abort",
+                "under async scheduling write the abort as its own entry (a batch is in flight "
+                "between steps)",
+            )
+        for i, req in enumerate(names):
+            if req in stop:
+                raise self.error(index, f"abort[{i}]", f"{req!r} also stops in this step")
+            if self.requests[req][0] == "ended":
+                raise self.error(index, f"abort[{i}]", f"{req!r} was {self.requests[req][1]}")
+            self.requests[req] = ("ended", f"aborted in step {index}")
+        return names
 
     def accepted(self, index: int, raw: object, stop: tuple[str, ...]) -> dict[str, int]:
         """A step's `accept`: requests that have arrived, each with the drafts

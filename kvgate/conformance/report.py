@@ -26,7 +26,7 @@ from typing import TextIO
 from kvgate.conformance.differences import explain
 from kvgate.conformance.replay import Divergence, Outcome, ReplayResult, TraceRunError
 from kvgate.conformance.selection import INVALID_CLASSNAME, classname
-from kvgate.conformance.trace import TraceError
+from kvgate.conformance.trace import Trace, TraceError
 from kvgate.conformance.verdict import (
     CAPABILITIES,
     DEFAULT_REQUIRED,
@@ -182,7 +182,16 @@ def trace_line(result: Outcome) -> str:
     done = f"{result.steps_run} steps" if refused is None else f"refusal by {refused}"
     if cause is Verdict.LACKS:
         done = f"{' and '.join(c.name for c in lacking(result))}: {done}"
-    return f"{word} {result.trace.name} ({done}, {result.seconds:.2f}s)"
+    return f"{word} {result.trace.name} ({done}, {result.seconds:.2f}s){cut_note(result.trace)}"
+
+
+def cut_note(trace: Trace) -> str:
+    """What a trace line adds for a recording replayed up to its cut (`--partial`)."""
+    return f"; {cut_text(trace)}" if trace.cut else ""
+
+
+def cut_text(trace: Trace) -> str:
+    return f"recording cut at {trace.cut}; replayed the entries before the cut"
 
 
 def error_kind(error: TraceRunError) -> str:
@@ -389,6 +398,10 @@ def write_junit(
             time=f"{result.seconds:.3f}",
         )
         cause = verdict(result)
+        if result.trace.cut:
+            # A recording replayed up to its cut (`--partial`): where it was cut.
+            cut_properties = _element(case, "properties")
+            _element(cut_properties, "property", name="cut", value=result.trace.cut)
         if isinstance(result, TraceRunError):
             tag = "skipped" if cause is Verdict.NOT_APPLICABLE else "error"
             _element(case, tag, message=result.message, type=error_kind(result))
@@ -402,6 +415,8 @@ def write_junit(
                 tag, kind = "skipped", f"lacks a capability not required: {lacks}"
             failure = _element(case, tag, message=divergence_summary(result.divergence), type=kind)
             failure.text = "\n".join(printable(line) for line in divergence_lines(result))
+        if result.trace.cut:
+            _element(case, "system-out").text = printable(cut_text(result.trace))
     for file, reason in unloaded:
         case = _element(
             suite_element, "testcase", classname=INVALID_CLASSNAME, name=file, file=file, time="0"

@@ -351,7 +351,8 @@ class EngineLockstep:
             self.on_model(step, functools.partial(self.model.stop, name))
         for name, drafts in event.accept.items():
             self.on_model(step, functools.partial(self.model.accept, name, drafts))
-        modelled: EngineOutcome = self.on_model(step, self.model.step)
+        aborted = event.aborted
+        modelled: EngineOutcome = self.on_model(step, lambda: self.model.step(aborted))
         self.judge_step(event, step, modelled)
 
     def judge_step(self, event: EngineStep, step: Step, modelled: EngineOutcome) -> ScheduledStep:
@@ -461,6 +462,9 @@ class EngineLockstep:
             return observed, []
         for name in event.stop:
             real.stop(name)
+        for name in event.aborted:
+            # A client gone while the step ran: aborted before its output.
+            self.on_real(step, "abort", functools.partial(real.abort, name))
         finished: list[str] = self.on_real(
             step,
             f"{where}: update_from_output()",

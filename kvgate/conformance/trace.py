@@ -53,7 +53,12 @@ _ENGINE_REQUIRED_KEYS = ("format", "name", "config", "engine")
 _ENGINE_OPTIONAL_KEYS = ("about", "tags", "scheduler", "recording", "end")
 # A recording (kvgate's recorder wrote it): where it came from, and its last
 # line, `end`, which counts its `engine` entries so a cut file is detected.
-_RECORDING_KEYS = ("vllm", "part", "warm")
+# `follows`: the file of the part before this one (a later part of a
+# recording replays after its earlier parts); `warm`: an older recorder's
+# part started on a warm prefix cache, without expectations.
+_RECORDING_KEYS = ("vllm", "part", "follows", "warm")
+# How many parts one recording may chain.
+MAX_PARTS = 1024
 _END_KEYS = ("entries",)
 # A recording's entry lines, as the recorder writes them: one flow mapping each.
 _ENTRY_PREFIX = "  - {"
@@ -119,13 +124,93 @@ def load_trace(path: str | Path, limits: Limits = DEFAULT_LIMITS, partial: bool 
     limits: a FIFO or a device is refused without being read); `partial`: a
     recording cut short is read up to the cut (`parse_trace`)."""
     path = Path(path)
+    text = _read_text(path, limits)
+    if _RECORDING_HEAD.search(text):
+        text, parts = _with_earlier_parts(path, text, limits)
+        if parts > 1:
+            # The parts' entries are read as one document.
+            limits = replace(limits, file_bytes=limits.file_bytes * parts)
+    return parse_trace(text, path, limits, partial)
+
+
+def _read_text(path: Path, limits: Limits) -> str:
     try:
-        text = read_bounded(path, limits).decode("utf-8")
+        return read_bounded(path, limits).decode("utf-8")
     except UnicodeDecodeError:
         raise TraceError(path, None, "file", "is not UTF-8 text") from None
     except LimitError as error:
         raise TraceError(path, None, error.field, error.message) from None
-    return parse_trace(text, path, limits, partial)
+
+
+def _follows(path: Path, text: str, limits: Limits) -> str | None:
+    """The file a recording's part names as the part before it (`follows`)."""
+    head = text.split("\nengine:\n", 1)[0]
+    try:
+        doc = load_document(head, path, limits)
+    except TraceError:
+        return None  # the whole read reports it
+    recording = doc.get("recording") if isinstance(doc, dict) else None
+    follows = recording.get("follows") if isinstance(recording, dict) else None
+    if follows is None:
+        return None
+    if not isinstance(follows, str) or not follows or Path(follows).name != follows:
+        raise TraceError(
+            path, None, "recording.follows", f"must be a file name, got {got(follows)}"
+        )
+    return follows
+
+
+_END_LINE = re.compile(r"^end: \{entries: (\d+)\}\n\Z", re.MULTILINE)
+
+
+def _with_earlier_parts(path: Path, text: str, limits: Limits) -> tuple[str, int]:
+    """A recording's part with its earlier parts' entries before its own (as
+    one document: this part's head, every entry from the recording's first,
+    an end line counting them all), and how many parts that is. Each earlier
+    part (named by `follows`, in this file's directory) must be whole."""
+    earlier: list[tuple[str, int]] = []  # each earlier part's entry lines and count
+    seen = {path.name}
+    current, current_text = path, text
+    while (follows := _follows(current, current_text, limits)) is not None:
+        if follows in seen or len(seen) >= MAX_PARTS:
+            raise TraceError(
+                path,
+                None,
+                "recording.follows",
+                f"{follows}: the parts do not end in a first part within {MAX_PARTS} files",
+            )
+        seen.add(follows)
+        previous = path.parent / follows
+        if not previous.is_file():
+            raise TraceError(
+                path,
+                None,
+                "recording.follows",
+                f"{follows}, which {current.name} follows, is not in {path.parent}: a "
+                "recording's parts replay in order from its first",
+            )
+        previous_name = current.name
+        current, current_text = previous, _read_text(previous, limits)
+        _, lines, cut = _recording_lines(current_text)
+        end = _END_LINE.search(current_text)
+        if cut is not None or end is None or int(end.group(1)) != len(lines):
+            raise TraceError(
+                path,
+                None,
+                "recording.follows",
+                f"{follows}, which {previous_name} follows, is cut short (replay it alone "
+                "with --partial): the parts after it do not replay",
+            )
+        earlier.append(("".join(lines), len(lines)))
+    if not earlier:
+        return text, 1
+    head, _, body = text.partition("engine:\n")
+    before = sum(count for _, count in earlier)
+    end = _END_LINE.search(body)
+    if end is not None:
+        body = body[: end.start(1)] + str(int(end.group(1)) + before) + body[end.end(1) :]
+    entries = "".join(lines for lines, _ in reversed(earlier))
+    return head + "engine:\n" + entries + body, len(earlier) + 1
 
 
 def parse_trace(
@@ -149,6 +234,15 @@ def parse_trace(
         if not _RECORDING_HEAD.search(text):
             raise
         head, lines, cut = _recording_lines(text)
+        if error.field == "engine" and not lines and error.step_index is None:
+            # A head alone: the engine stopped before its first call was written.
+            raise TraceError(
+                path,
+                None,
+                "engine",
+                "the recording holds no entries (the engine stopped before the recorder wrote "
+                "its first call): nothing to replay",
+            ) from None
         if error.field == "yaml":
             if cut is None:  # the head itself is broken
                 raise
@@ -223,7 +317,40 @@ def read_corpus(
     paths = sorted(directory.glob("*.yaml"))
     if not paths:
         raise TraceError(directory, None, "corpus", "holds no *.yaml traces")
-    return read_traces(paths, limits, partial)
+    return read_traces(_last_parts(paths), limits, partial)
+
+
+# A recording's part file: its recording's stem and its part number.
+_PART_NAME = re.compile(r"(.+)\.(\d{3,})\.yaml")
+
+
+def _last_parts(paths: Sequence[Path]) -> list[Path]:
+    """`paths` without each recording's part that a later part in the same
+    directory follows: that later part replays it, before its own entries."""
+    kept: list[Path] = []
+    names = {path.name for path in paths}
+    for path in paths:
+        match = _PART_NAME.fullmatch(path.name)
+        if match is not None:
+            number = int(match.group(2))
+            successor = f"{match.group(1)}.{number + 1:0{len(match.group(2))}d}.yaml"
+            if successor in names and _names_as_follows(path.parent / successor, path.name):
+                continue
+        kept.append(path)
+    return kept
+
+
+def _names_as_follows(path: Path, name: str) -> bool:
+    """The head of the file at `path` says it follows file `name`."""
+    try:
+        with open(path, "rb") as stream:
+            head = stream.read(64 * 1024).decode("utf-8", "replace")
+    except OSError:
+        return False
+    return (
+        re.search(rf"^recording: \{{.*\bfollows: '?{re.escape(name)}'?[,}}]", head, re.M)
+        is not None
+    )
 
 
 def read_traces(
@@ -395,6 +522,10 @@ class _Reader(ConfigReader, StepReader, EngineReader):
         part = raw.get("part", 1)
         if not is_count(part) or part == 0:
             raise self.error(None, "recording.part", f"must be an integer >= 1, got {got(part)}")
+        if not isinstance(raw.get("follows", ""), str):
+            raise self.error(
+                None, "recording.follows", f"must be a file name, got {got(raw['follows'])}"
+            )
         if not isinstance(raw.get("warm", False), bool):
             raise self.error(
                 None, "recording.warm", f"must be true or false, got {got(raw['warm'])}"

@@ -100,11 +100,11 @@ def engine_step_dicts(engine: Iterable[EngineStep]) -> list[dict[str, Any]]:
     steps that expect nothing as one `{op: step, steps: N}`."""
     out: list[dict[str, Any]] = []
     for event in engine:
-        if event.op == "step" and not event.expect and not event.stop:
+        if event.op == "step" and not (event.expect or event.stop or event.aborted):
             last = out[-1] if out else {}
-            # Only a plain step takes the ones after it (`stop`, `accept` and
-            # `expect` apply to one step).
-            if last.get("op") == "step" and not {"expect", "stop", "accept"} & last.keys():
+            # Only a plain step takes the ones after it (`stop`, `accept`,
+            # `abort` and `expect` apply to one step).
+            if last.get("op") == "step" and not {"expect", "stop", "accept", "abort"} & last.keys():
                 last["steps"] = last.get("steps", 1) + 1
             else:
                 out.append({"op": "step"})
@@ -155,6 +155,8 @@ def engine_step_dicts(engine: Iterable[EngineStep]) -> list[dict[str, Any]]:
             entry["stop"] = list(event.stop)
         if event.accept:
             entry["accept"] = dict(event.accept)
+        if event.aborted:
+            entry["abort"] = list(event.aborted)
         if event.expect:
             entry["expect"] = plain(event.expect)
         out.append(entry)

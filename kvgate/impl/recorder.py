@@ -21,13 +21,20 @@ What is written (docs/how-to/record-and-replay.md is the user's page):
   sequence (its prompt and output) is written as `all_of` that request, then
   the renamed rest. Request ids are renamed in arrival order, cache salts
   are hashed;
-- each file ends with an `end` line counting its entries, so a file cut
-  short is detected by the reader (`kvgate replay --partial` replays the
-  entries before the cut);
-- bounded: a file is closed at a size or an entry limit, and the next one
-  starts when the Scheduler holds no request; after the last file allowed
-  recording stops. A write that fails (disk full, permissions) logs one line
-  and stops recording; a call the format cannot express (a stop string, an
+- an abort between a `schedule()` and its update (a client gone, or a stop
+  string the server's detokenizer met, while the step ran) is written in
+  that step's `abort`;
+- each entry is flushed to its file as it is made, and each file ends with
+  an `end` line counting its entries, so a file cut short (a killed
+  process) holds every entry before the cut and is detected by the reader
+  (`kvgate replay --partial` replays the entries before the cut); a file is
+  opened with its first entry, so none holds a head alone;
+- bounded: a file is closed at a size or an entry limit and the recording
+  goes on at once in the next part, which follows it (`follows`: its
+  requests and renamed tokens carry on, and a replay reads the parts in
+  order); after the last file allowed recording stops. Every file's end is
+  logged with why it ended. A write that fails (disk full, permissions) logs
+  one line and stops recording; a call the format cannot express (an
   accepted draft, a KV connector, ...) ends the file before it, logs one
   line and stops recording. Nothing the recorder does raises into the
   engine: every wrapper calls vLLM's own method whatever happens;
@@ -192,15 +199,15 @@ def uninstall() -> None:
         for name, original in _originals.items():
             setattr(Scheduler, name, original)
         _originals.clear()
-        _close_all()
+        _close_all("the recorder was uninstalled")
 
 
 _exit_registered: list[bool] = []
 
 
-def _close_all() -> None:
+def _close_all(why: str = "the process exits") -> None:
     for recording in list(_Recording.open_ones):
-        recording.close()
+        recording.close(why)
 
 
 def _open(path: Path) -> IO[str]:
@@ -292,6 +299,17 @@ def engine_config(scheduler: Any) -> tuple[Config, EngineSettings]:
         raise NotExpressible(f"Mamba groups in several cache modes: {sorted(modes)}")
     cache = scheduler.cache_config
     caching = bool(cache.enable_prefix_caching)
+    split = int(getattr(cache, "block_size", 0) or 0)
+    if "align" in modes and split and split != int(scheduler.block_size):
+        # The Scheduler splits align-mode prefills at the cache config's block
+        # size, which the engine left apart from its own block size (vLLM's
+        # CPU platform sizes the attention block in the worker only); a
+        # trace has one block size for both.
+        raise NotExpressible(
+            f"prefills split at block size {split} while the Scheduler's block size is "
+            f"{int(scheduler.block_size)} (start the engine with --block-size "
+            f"{int(scheduler.block_size)})"
+        )
     lookahead = int(getattr(scheduler, "num_hash_lookahead_tokens", 0))
     attention = [g.block_size for g in groups if g.kind == "full_attention"]
     # A patched build without the per-manager flag: its switch, as its managers read it.
@@ -435,12 +453,13 @@ class _Recording:
         self.stem = f"rec-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}-{number}"
         self.depth = 0
         self.stopped = False
-        self.part = 0
+        # The part being written (1 is the first file); its file is opened
+        # with its first entry, so no file holds a head without entries.
+        self.part = 1
+        self.files = 0  # files opened so far
         self.file: IO[str] | None = None
         self.bytes = 0
         self.entries = 0
-        # Waiting for the Scheduler to hold no request before the next file.
-        self.between_parts = False
         self.config, self.engine = engine_config(scheduler)
         import vllm
 
@@ -459,7 +478,7 @@ class _Recording:
         # most without async scheduling).
         self.in_flight: deque[dict[str, Any]] = deque()
         self.deferred: list[dict[str, Any]] = []
-        self.open_part()
+        _Recording.open_ones.add(self)
 
     # -- control ----------------------------------------------------------
 
@@ -484,75 +503,91 @@ class _Recording:
         _logger.warning(
             "kvgate recorder: stopped recording %s after %d files: %s",
             self.stem,
-            self.part,
+            self.files,
             why,
         )
-        self.close(wrote)
+        self.close("recording stopped", write_end=wrote)
+        # Nothing more is written: what the recording kept goes.
+        self.requests.clear()
+        self.renamer = _Renamer()
+        self.deferred.clear()
+        self.pending = None
 
-    def close(self, write_end: bool = True) -> None:
+    def close(self, why: str, write_end: bool = True, final: bool = True) -> None:
+        """End the file being written (its end line counts its entries),
+        logging `why`; `final`: nothing more is recorded."""
         file, self.file = self.file, None
-        _Recording.open_ones.discard(self)
+        if final:
+            _Recording.open_ones.discard(self)
         if file is None:
             return
         with contextlib.suppress(OSError):
             try:
-                if write_end and self.entries:
+                if write_end:
                     file.write(recording_end(self.entries))
             finally:
                 file.close()
-        if not self.entries:
-            # Nothing recorded: no file (a recording needs one entry).
-            with contextlib.suppress(OSError):
-                self.path.unlink()
+        _logger.info(
+            "kvgate recorder: %s ended (%d entries, %s): %s",
+            self.path.name,
+            self.entries,
+            "end line written" if write_end else "no end line: replay it with --partial",
+            why,
+        )
 
     @property
     def path(self) -> Path:
         return self.settings.directory / f"{self.stem}.{self.part:03d}.yaml"
 
     def open_part(self) -> None:
-        if self.part >= self.settings.limits.max_files:
-            self.stop(f"the file limit ({self.settings.limits.max_files}) is reached")
-            return
-        self.part += 1
-        self.names.clear()
-        self.renamer = _Renamer()
+        """Open the current part's file and write its head: part 1 starts the
+        recording; each later part follows the one before it (`follows`),
+        carrying on its requests' names and renamed tokens, so a replay reads
+        the parts in order (docs/how-to/record-and-replay.md)."""
+        self.settings.directory.mkdir(parents=True, exist_ok=True)
+        self.file = self.settings.opener(self.path)
+        self.files += 1
+        recording: dict[str, Any] = {"vllm": self.vllm_version, "part": self.part}
+        if self.part > 1:
+            recording["follows"] = f"{self.stem}.{self.part - 1:03d}.yaml"
+        head = recording_head(
+            self.path.stem,
+            self.config,
+            self.engine,
+            recording,
+            about=f"Recorded from vLLM {self.vllm_version}'s Scheduler, file {self.part}"
+            + (f" (follows file {self.part - 1})" if self.part > 1 else ""),
+        )
         self.entries = 0
-        self.between_parts = False
-        try:
-            self.settings.directory.mkdir(parents=True, exist_ok=True)
-            self.file = self.settings.opener(self.path)
-            _Recording.open_ones.add(self)
-            head = recording_head(
-                self.path.stem,
-                self.config,
-                self.engine,
-                {"vllm": self.vllm_version, "part": self.part, "warm": self.part > 1},
-                about=f"Recorded from vLLM {self.vllm_version}'s Scheduler, file {self.part}"
-                + (" (started with a warm prefix cache: no expectations)" if self.part > 1 else ""),
-            )
-            self.bytes = len(head.encode())
-            self.file.write(head)
-            self.file.flush()
-        except OSError as error:
-            self.stop(f"writing failed ({error})", wrote=False)
+        self.bytes = len(head.encode())
+        self.file.write(head)
 
     def write(self, entry: dict[str, Any]) -> None:
-        if self.file is None:
+        if self.stopped:
             return
-        if self.part > 1:
-            entry.pop("expect", None)
+        if self.file is None:
+            self.open_part()
+        assert self.file is not None
         line = recording_entry(entry)
-        # Not flushed: the buffer is written as it fills; a crash cuts the
-        # file short, which the reader detects (`kvgate replay --partial`).
         self.file.write(line)
+        # Each entry reaches the file as it is made: a process killed later
+        # leaves every entry before the kill (`kvgate replay --partial`).
+        self.file.flush()
         self.bytes += len(line.encode())
         self.entries += 1
         limits = self.settings.limits
         if self.bytes >= limits.max_bytes or self.entries >= limits.max_entries:
-            self.close()
-            # The next file starts from an empty Scheduler (`before`).
-            self.requests.clear()
-            self.between_parts = True
+            limit = "byte" if self.bytes >= limits.max_bytes else "entry"
+            if self.part >= limits.max_files:
+                self.close(f"its {limit} limit is reached", final=False)
+                self.stop(f"the file limit ({limits.max_files}) is reached")
+                return
+            self.close(
+                f"its {limit} limit is reached; the recording goes on in "
+                f"{self.stem}.{self.part + 1:03d}.yaml",
+                final=False,
+            )
+            self.part += 1
 
     def name(self, request_id: str) -> str:
         name = self.names.get(request_id)
@@ -563,19 +598,7 @@ class _Recording:
     # -- the calls --------------------------------------------------------
 
     def before(self, call: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        # After a file's limit, the next file starts when the Scheduler holds no request.
-        if (
-            self.between_parts
-            and call in ("add_request", "reset_prefix_cache")
-            and not self.requests
-            and not self.scheduler.requests
-        ):
-            self.open_part()
-        if self.file is None:
-            return None
         if call == "finish_requests":
-            if self.pending is not None:
-                raise NotExpressible("an abort between schedule() and its update")
             ids = kwargs.get("request_ids", args[0] if args else None)
             if isinstance(ids, str):
                 ids = (ids,)
@@ -603,10 +626,9 @@ class _Recording:
     def after(
         self, call: str, args: tuple[Any, ...], kwargs: dict[str, Any], before: Any, result: Any
     ) -> None:
-        if self.file is None:
-            return
         if call == "shutdown":
-            self.close()
+            self.close("the Scheduler shut down")
+            self.stopped = True
         elif call == "add_request":
             self.arrived(args[0] if args else kwargs["request"])
         elif call == "schedule":
@@ -615,7 +637,17 @@ class _Recording:
             self.updated(result, *(before or (0, {})))
         elif call == "finish_requests":
             for request_id in before or ():
-                self.write({"op": "abort", "req": self.name(request_id)})
+                name = self.name(request_id)
+                if self.pending is None:
+                    self.write({"op": "abort", "req": name})
+                elif any(e.get("req") == name for e in self.deferred):
+                    # It arrived after the schedule(): its arrival and its
+                    # abort follow the step.
+                    self.deferred.append({"op": "abort", "req": name})
+                else:
+                    # Aborted after the schedule(), before its update (a
+                    # client gone or a stop string met while the step ran).
+                    self.pending["aborted"].append(name)
                 self.forget(request_id)
         elif call == "set_pause_state":
             state = kwargs.get("pause_state", args[0] if args else None)
@@ -701,7 +733,7 @@ class _Recording:
         preempted = sorted(self.name(str(r)) for r in output.preempted_req_ids)
         ids = [str(r) for r in output.num_scheduled_tokens]
         self.in_flight.append({"output": id(output), "ids": ids})
-        step = {"scheduled": scheduled, "preempted": preempted}
+        step: dict[str, Any] = {"scheduled": scheduled, "preempted": preempted, "aborted": []}
         executed = bool(output.total_num_scheduled_tokens)
         if (
             self.config.async_scheduling
@@ -724,7 +756,7 @@ class _Recording:
             raise NotExpressible("a batch's output processed before an older batch's")
         # Without a schedule in this step (nothing left to schedule), the
         # step only processes the oldest batch.
-        step = pending if pending is not None else {"scheduled": [], "preempted": []}
+        step = pending if pending is not None else {"scheduled": [], "preempted": [], "aborted": []}
         cached: dict[str, int] = {}
         for engine_output in outputs.values():
             for output in engine_output.outputs:
@@ -768,8 +800,8 @@ class _Recording:
         if finished or sessions_stopped:
             step["finished"] = finished
         for request_id in ids:
-            request = self.requests[request_id]
-            if request.is_finished():
+            request = self.requests.get(request_id)
+            if request is not None and request.is_finished():
                 sequence = [*request.prompt_token_ids, *request.output_token_ids]
                 self.renamer.finished(self.name(request_id), sequence)
                 self.forget(request_id)
@@ -788,6 +820,8 @@ class _Recording:
         entry: dict[str, Any] = {"op": "step"}
         if stopped:
             entry["stop"] = stopped
+        if step.get("aborted"):
+            entry["abort"] = step["aborted"]
         entry["expect"] = expect
         self.write(entry)
         deferred, self.deferred = self.deferred, []
@@ -796,3 +830,7 @@ class _Recording:
 
     def forget(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
+        name = self.names.get(request_id)
+        if name is not None:
+            # An aborted request's prompt is no longer needed to rename its output.
+            self.renamer.prompts.pop(name, None)

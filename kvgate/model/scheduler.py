@@ -234,17 +234,23 @@ class SchedulerModel(AsyncBatches, ConnectorLoads, StreamingSessions):
         self._order_waiting()
         return live
 
-    def step(self) -> StepDecisions:
+    def step(self, aborted: tuple[str, ...] = ()) -> StepDecisions:
         """One engine step: `schedule`, the worker's load reports, `step` and
         `drain`, the output each scheduled request sampled, then `free
         finish` of the requests that generated their output (and, under
         load-failure policy `fail`, `free abort` of those whose load failed).
-        Under async scheduling, the engine's step with two batches in flight
+        `aborted`: requests the client aborts after the `schedule()`, before
+        the output is processed (their output is skipped). Under async
+        scheduling, the engine's step with two batches in flight
         (`_async_step`)."""
         if self.async_scheduling:
+            if aborted:
+                raise AsyncNotModelled("an abort inside a step under async scheduling")
             return self._async_step()
         decisions = StepDecisions()
         finished, sampled = self._schedule_batch(decisions)
+        for name in aborted:
+            self.abort(name)
         unused = next(iter(self._accept), None)
         if unused is not None:
             self._accept.clear()

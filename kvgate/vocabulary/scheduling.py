@@ -153,7 +153,7 @@ ENGINE_OPS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     # A streaming-input session's next input chunk (its prompt tokens and
     # the output it then generates), or its end (`end: true`).
     "chunk": (("req",), ("prompt", "max_tokens", "end")),
-    "step": ((), ("steps", "stop", "accept")),
+    "step": ((), ("steps", "stop", "accept", "abort")),
     "abort": (("req",), ()),
     "reset": ((), ("running", "connector")),
     # The engine paused (vLLM's `pause_generation`) and resumed.
@@ -252,6 +252,10 @@ class EngineStep:
     # step: requests whose drafts the model runner accepts in this step, each
     # with how many (the first N of the drafts it decodes with)
     accept: dict[str, int] = field(default_factory=dict)
+    # step: requests aborted after this step's `schedule()`, before its output
+    # is processed (a client gone, or a stop string the server's detokenizer
+    # met, while the step ran)
+    aborted: tuple[str, ...] = ()
     # pause: its mode (`PAUSE_MODES`)
     mode: str = ""
     expect: dict[str, Any] = field(default_factory=dict)
@@ -311,7 +315,9 @@ class SchedulerModelRun(Protocol):
         freed as an abort's), or when it next stops if it still runs."""
         ...
 
-    def step(self) -> EngineOutcome: ...
+    def step(self, aborted: tuple[str, ...] = ()) -> EngineOutcome:
+        """One engine step; `aborted`: requests aborted after its `schedule()`."""
+        ...
 
     def stop(self, name: str) -> None:
         """Request `name` finishes with the token it samples in the next
