@@ -1,0 +1,96 @@
+"""What differs between vLLM releases at the Scheduler level: the two
+Scheduler-level differences of vLLM 0.32.0, named exactly; and, where
+`scripts/vllm-matrix.sh` has made a release's environment
+(`.venvs/vllm-RELEASE`, or under `KVGATE_MATRIX_VENVS`), the gate on that
+release itself."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from scheduler_runs import CORPUS_DIR
+
+from kvgate.conformance.differences import explain
+from kvgate.conformance.ops import Step
+from kvgate.conformance.replay import Divergence
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _divergence(
+    trace: str, index: int, level: str, what: str, expected: object, actual: object
+) -> Divergence:
+    return Divergence(
+        trace=trace,
+        path=Path(f"{trace}.yaml"),
+        step=Step(op="step", index=index),
+        level=level,  # type: ignore[arg-type]
+        what=what,
+        expected=expected,
+        actual=actual,
+    )
+
+
+def test_accepted_drafts_keyed_late_explains_only_its_divergence() -> None:
+    def at(index: int, what: str, actual: tuple[str, ...]) -> Divergence:
+        return _divergence("sched-mtp-accepted-drafts", index, "strict", what, ("g0/64:k",), actual)
+
+    known = explain(at(3, "engine step 3: block 12 hashes", ()))
+    assert known is not None and known.name == "accepted-drafts-keyed-late"
+    assert "0.32.0 bug" in known.verdict
+    assert explain(at(4, "engine step 4: block 12 hashes", ())) is None  # another step
+    assert explain(at(3, "engine step 3: block 12 hashes", ("g0/64:x",))) is None
+    assert explain(at(3, "engine step 3: block 12 ref", ())) is None
+
+
+def test_priority_self_preemption_explains_only_its_divergence() -> None:
+    def at(index: int, expected: object, actual: object) -> Divergence:
+        return _divergence(
+            "sched-priority-preempts-lowest-running", index, "expect", "scheduled", expected, actual
+        )
+
+    known = explain(at(8, [("H", 1)], []))
+    assert known is not None and known.name == "priority-self-preemption-ends-scan"
+    assert "0.32.0 bug" in known.verdict
+    assert explain(at(8, [("H", 1)], [("L", 1)])) is None  # another schedule
+    assert explain(at(7, [("H", 1)], [])) is None  # another step
+
+
+def _release_venv(release: str) -> Path:
+    base = Path(os.environ.get("KVGATE_MATRIX_VENVS", ROOT / ".venvs"))
+    venv = base / f"vllm-{release}"
+    if not (venv / "bin" / "python").exists():
+        pytest.skip(
+            f"no environment for vLLM {release} (scripts/vllm-matrix.sh {release} makes it)"
+        )
+    return venv
+
+
+def _gate(release: str, *names: str) -> str:
+    """The gate's report on `names` (Scheduler-level traces) on that release."""
+    venv = _release_venv(release)
+    expr = " or ".join(names)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_TARGET_DEVICE": "cpu"}
+    done = subprocess.run(
+        [str(venv / "bin" / "python"), "-m", "kvgate", "gate", "--target", "vllm"]
+        + ["--require", "none", "--corpus", str(CORPUS_DIR), "-k", expr],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=600,
+    )
+    assert done.stdout.startswith(f"target: vllm {release} "), done.stdout + done.stderr
+    return done.stdout
+
+
+def test_vllm_0_32_0_fails_its_two_scheduler_differences_by_name() -> None:
+    out = _gate("0.32.0", "sched-mtp-accepted-drafts", "sched-priority-preempts-lowest-running")
+    assert "FAIL sched-mtp-accepted-drafts " in out
+    assert "FAIL sched-priority-preempts-lowest-running " in out
+    assert "known:    difference accepted-drafts-keyed-late:" in out
+    assert "known:    difference priority-self-preemption-ends-scan:" in out
+    assert out.rstrip().endswith("0 passed, 2 failed")
