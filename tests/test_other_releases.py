@@ -1,8 +1,10 @@
 """What differs between vLLM releases at the Scheduler level: the two
-Scheduler-level differences of vLLM 0.32.0, named exactly; and, where
-`scripts/vllm-matrix.sh` has made a release's environment
-(`.venvs/vllm-RELEASE`, or under `KVGATE_MATRIX_VENVS`), the gate on that
-release itself."""
+Scheduler-level differences of vLLM 0.32.0, named exactly; what kvgate
+gives the Scheduler of a release that needs Triton to build its engine
+config and has only the v2 model runner (vLLM 0.34.0), probed on the
+installed build's objects; and, where `scripts/vllm-matrix.sh` has made a
+release's environment (`.venvs/vllm-RELEASE`, or under
+`KVGATE_MATRIX_VENVS`), the gate on that release itself."""
 
 from __future__ import annotations
 
@@ -11,7 +13,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from scheduler_runs import CORPUS_DIR
+from configs import needs_vllm
+from scheduler_runs import CORPUS_DIR, trace_of
 
 from kvgate.conformance.differences import explain
 from kvgate.conformance.ops import Step
@@ -59,6 +62,47 @@ def test_priority_self_preemption_explains_only_its_divergence() -> None:
     assert explain(at(7, [("H", 1)], [])) is None  # another step
 
 
+@needs_vllm
+def test_the_model_runner_is_probed_on_the_scheduler() -> None:
+    """A build with both runners carries the engine's choice; one whose v1
+    runner was removed carries neither the choice nor the v1 runner's record
+    of last step's requests, and stands for a v1 trace's runner; one with the
+    v1 runner only cannot stand for the v2 one."""
+    from kvgate.impl.vllm_probe import model_runner
+    from kvgate.impl.vllm_scheduler import VllmScheduler, _runner_for
+
+    v2 = trace_of("sched-model-runner-v2-preempt-and-resume")
+    v1 = trace_of("sched-abort-mid-prefill")
+    for trace, runner in ((v1, "v1"), (v2, "v2")):
+        assert trace.config.model_runner == runner and trace.scheduler is not None
+        real = VllmScheduler(trace.config, spec_tokens=0, max_num_seqs=4)
+        try:
+            scheduler = real._scheduler
+            assert model_runner(scheduler) == (runner, True)
+            if hasattr(scheduler, "prev_step_scheduled_req_ids"):
+                del scheduler.use_v2_model_runner  # a build with the v1 runner only
+                assert model_runner(scheduler) == ("v1", False)
+                assert _runner_for(scheduler, v2.config) == "v1"
+                del scheduler.prev_step_scheduled_req_ids  # one without it
+                assert model_runner(scheduler) == ("v2", False)
+                assert _runner_for(scheduler, v1.config) == "v1"
+                assert _runner_for(scheduler, v2.config) == "v2"
+        finally:
+            real.close()
+
+
+@needs_vllm
+def test_triton_is_recorded_present_only_while_the_engine_config_is_built() -> None:
+    from vllm import triton_utils
+
+    from kvgate.impl.vllm_scheduler import _triton_as_on_a_gpu
+
+    before = triton_utils.HAS_TRITON
+    with _triton_as_on_a_gpu():
+        assert triton_utils.HAS_TRITON is True
+    assert triton_utils.HAS_TRITON is before
+
+
 def _release_venv(release: str) -> Path:
     base = Path(os.environ.get("KVGATE_MATRIX_VENVS", ROOT / ".venvs"))
     venv = base / f"vllm-{release}"
@@ -94,3 +138,10 @@ def test_vllm_0_32_0_fails_its_two_scheduler_differences_by_name() -> None:
     assert "known:    difference accepted-drafts-keyed-late:" in out
     assert "known:    difference priority-self-preemption-ends-scan:" in out
     assert out.rstrip().endswith("0 passed, 2 failed")
+
+
+def test_vllm_0_34_0_runs_the_scheduler_level_traces() -> None:
+    """Its engine config needs Triton and its Scheduler has the v2 model
+    runner only: traces for either runner run on it."""
+    out = _gate("0.34.0", "sched-abort-mid-prefill", "sched-model-runner-v2-preempt-and-resume")
+    assert out.rstrip().endswith("2 passed, 0 failed"), out

@@ -50,6 +50,7 @@ from typing import Any, Literal
 from kvgate.conformance.config import (
     Config,
     KvLoadFailurePolicy,
+    ModelRunner,
     UnsupportedConfig,
 )
 from kvgate.conformance.events import KvEvent
@@ -72,6 +73,7 @@ from kvgate.impl.vllm_errors import config_field, describe
 from kvgate.impl.vllm_probe import (
     hold_source,
     holds_partial_tails,
+    model_runner,
     retains_retired,
     takes_streaming_input,
 )
@@ -243,27 +245,31 @@ def _vllm_config(
             target_model_config=model,
             target_parallel_config=ParallelConfig(),
         )
-    vllm_config = VllmConfig(
-        model_config=model,
-        lora_config=_lora_config(config),
-        cache_config=cache,
-        scheduler_config=scheduler,
-        speculative_config=speculative,
-        kv_transfer_config=None if connector is None else _kv_transfer_config(connector),
-        # KV-cache events published as an engine with `--kv-events-config`
-        # publishes them, through the publisher that sends nothing anywhere:
-        # `VllmScheduler` captures each batch handed to it.
-        kv_events_config=(
-            KVEventsConfig(enable_kv_cache_events=True, publisher="null")
-            if config.kv_events
-            else None
-        ),
-        # The residency metrics: the Scheduler builds their collector itself.
-        observability_config=ObservabilityConfig(
-            kv_cache_metrics=config.kv_cache_metrics,
-            kv_cache_metrics_sample=config.kv_cache_metrics_sample,
-        ),
-    )
+    # vLLM's CPU platform refuses, on x86, a process without Triton (its
+    # model runner's kernels need it): the Scheduler under test is the one
+    # a GPU engine builds, where Triton is present.
+    with _triton_as_on_a_gpu():
+        vllm_config = VllmConfig(
+            model_config=model,
+            lora_config=_lora_config(config),
+            cache_config=cache,
+            scheduler_config=scheduler,
+            speculative_config=speculative,
+            kv_transfer_config=None if connector is None else _kv_transfer_config(connector),
+            # KV-cache events published as an engine with `--kv-events-config`
+            # publishes them, through the publisher that sends nothing anywhere:
+            # `VllmScheduler` captures each batch handed to it.
+            kv_events_config=(
+                KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+                if config.kv_events
+                else None
+            ),
+            # The residency metrics: the Scheduler builds their collector itself.
+            observability_config=ObservabilityConfig(
+                kv_cache_metrics=config.kv_cache_metrics,
+                kv_cache_metrics_sample=config.kv_cache_metrics_sample,
+            ),
+        )
     vllm_config.cache_config.num_gpu_blocks = config.num_blocks
     if config.async_scheduling:
         # vLLM's CPU platform turns async scheduling off (it gains nothing
@@ -304,6 +310,29 @@ def _scheduler_class(vllm_config: Any, config: Config) -> Any:
             f"vLLM's engine keeps {in_flight} batches in flight for it, not {wanted}",
         )
     return Scheduler if chosen is None else chosen()
+
+
+@contextlib.contextmanager
+def _triton_as_on_a_gpu() -> Iterator[None]:
+    """vLLM's record that Triton can run (`vllm.triton_utils.HAS_TRITON`)
+    set while the engine config is built, as on a GPU host, and put back
+    after. vLLM reads it then only to choose and check the model runner,
+    which needs Triton's kernels; the Scheduler's bookkeeping is CPU code
+    and runs no kernel. A build without the record is left as it is."""
+    try:
+        from vllm import triton_utils
+    except ImportError:
+        yield
+        return
+    before = getattr(triton_utils, "HAS_TRITON", None)
+    if before is None or before:
+        yield
+        return
+    triton_utils.HAS_TRITON = True
+    try:
+        yield
+    finally:
+        triton_utils.HAS_TRITON = before
 
 
 # vLLM's switch for the model runner: read whenever its config asks which
@@ -409,6 +438,21 @@ def _engine_sizes(vllm_config: Any, kv_config: Any, config: Config, as_engine: b
     return int(hash_block)
 
 
+def _runner_for(scheduler: Any, config: Config) -> ModelRunner:
+    """The model runner this Scheduler stands for, given the config's.
+
+    Where the build lets the engine choose, the one it was built for. Where
+    its v1 runner was removed, a trace for the v1 runner runs on the v2
+    one: the two differ only in what the Scheduler hands the worker (a
+    resumed request as a new one, the encoder inputs it holds), which is not
+    compared, and the model plays both alike. A build with the v1 runner
+    only cannot stand for the v2 one."""
+    runner, chosen = model_runner(scheduler)
+    if not chosen and runner == "v2":
+        return config.model_runner
+    return runner
+
+
 def _check_derived(scheduler: Any, config: Config, spec_tokens: int, hash_block: int) -> None:
     """What vLLM derived from the settings must be what the config says."""
     manager = scheduler.kv_cache_manager
@@ -446,11 +490,7 @@ def _check_derived(scheduler: Any, config: Config, spec_tokens: int, hash_block:
             int(getattr(scheduler, "local_prefill_interval", 1)),
             config.prefill_schedule_interval,
         ),
-        (
-            "model_runner",
-            "v2" if getattr(scheduler, "use_v2_model_runner", False) else "v1",
-            config.model_runner,
-        ),
+        ("model_runner", _runner_for(scheduler, config), config.model_runner),
         (
             "scheduling_policy",
             # A release without policies serves requests first come, first served.
@@ -934,11 +974,16 @@ class VllmScheduler:
         # Under async scheduling a request may have ended (aborted) while
         # this batch ran: only the ones this output finishes are reported.
         ended = {r for r in ids if self._requests[r].is_finished()}
+        # Each request's index in the batch: a release whose output has no
+        # such map reads it from the order of `req_ids`.
+        indices: dict[str, Any] = {}
+        if "req_id_to_index" in getattr(ModelRunnerOutput, "__dataclass_fields__", {}):
+            indices["req_id_to_index"] = {r: i for i, r in enumerate(ids)}
         runner_output = ModelRunnerOutput(
             req_ids=ids,
-            req_id_to_index={r: i for i, r in enumerate(ids)},
             sampled_token_ids=[list(sampled.get(r, ())) for r in ids],
             kv_connector_output=kv_output,
+            **indices,
         )
         outputs = self._scheduler.update_from_output(output, runner_output)
         for engine_output in outputs.values():
