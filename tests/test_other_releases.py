@@ -145,3 +145,15 @@ def test_vllm_0_34_0_runs_the_scheduler_level_traces() -> None:
     runner only: traces for either runner run on it."""
     out = _gate("0.34.0", "sched-abort-mid-prefill", "sched-model-runner-v2-preempt-and-resume")
     assert out.rstrip().endswith("2 passed, 0 failed"), out
+
+
+def test_the_how_to_lists_every_known_difference_with_its_trace() -> None:
+    from kvgate.conformance.differences import KNOWN
+
+    page = (ROOT / "docs" / "how-to" / "gate-another-release.md").read_text()
+    rows = {
+        line.split("|")[1].strip(" `"): line for line in page.splitlines() if line.startswith("| `")
+    }
+    assert set(rows) >= {known.name for known in KNOWN}
+    for known in KNOWN:
+        assert f"`{known.trace}`" in rows[known.name], known.name
