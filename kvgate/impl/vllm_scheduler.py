@@ -314,25 +314,28 @@ def _scheduler_class(vllm_config: Any, config: Config) -> Any:
 
 @contextlib.contextmanager
 def _triton_as_on_a_gpu() -> Iterator[None]:
-    """vLLM's record that Triton can run (`vllm.triton_utils.HAS_TRITON`)
+    """vLLM's record that Triton can run (`HAS_TRITON`, in
+    `vllm.triton_utils` and in the copy the engine config's module took)
     set while the engine config is built, as on a GPU host, and put back
     after. vLLM reads it then only to choose and check the model runner,
-    which needs Triton's kernels; the Scheduler's bookkeeping is CPU code
-    and runs no kernel. A build without the record is left as it is."""
-    try:
-        from vllm import triton_utils
-    except ImportError:
-        yield
-        return
-    before = getattr(triton_utils, "HAS_TRITON", None)
-    if before is None or before:
-        yield
-        return
-    triton_utils.HAS_TRITON = True
+    whose kernels need Triton; the Scheduler's bookkeeping is CPU code and
+    runs no kernel. A module without the record is left as it is."""
+    import importlib
+
+    saved: list[tuple[Any, bool]] = []
+    for name in ("vllm.triton_utils", "vllm.config.vllm"):
+        try:
+            module: Any = importlib.import_module(name)
+        except ImportError:
+            continue
+        if getattr(module, "HAS_TRITON", None) is False:
+            saved.append((module, False))
+            module.HAS_TRITON = True
     try:
         yield
     finally:
-        triton_utils.HAS_TRITON = before
+        for module, before in saved:
+            module.HAS_TRITON = before
 
 
 # vLLM's switch for the model runner: read whenever its config asks which
