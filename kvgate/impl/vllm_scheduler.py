@@ -245,8 +245,9 @@ def _vllm_config(
             target_model_config=model,
             target_parallel_config=ParallelConfig(),
         )
-    # vLLM's CPU platform refuses, on x86, a process without Triton (its
-    # model runner's kernels need it): the Scheduler under test is the one
+    # vLLM checks, while it builds the engine config, that Triton can run
+    # the model runner's kernels (on x86 CPUs 0.34.0 refuses the config
+    # without it, 0.32.0 the v2 runner): the Scheduler under test is the one
     # a GPU engine builds, where Triton is present.
     with _triton_as_on_a_gpu():
         vllm_config = VllmConfig(
