@@ -221,9 +221,13 @@ SECTIONS = (
         ('KVGATE_SKIP_SETUP=1 KVGATE_MATRIX_RUNS="gate overlay" bash scripts/vllm-matrix.sh',),
         render_tail(6),
         "The gate, without and with the hold overlay, on each vLLM release a user may "
-        "deploy (each in its own environment sharing the pinned dependencies). The fault "
-        "campaign and vLLM's own tests per release are left out here; "
-        "`scripts/vllm-matrix.sh` runs them by default.",
+        "deploy (each in its own environment sharing the pinned dependencies), on both "
+        "corpora, manager-level and Scheduler-level, on CPU. A `known "
+        "difference` is a failure kvgate has traced to a change between releases; the "
+        "gate's report explains each under the failing trace, and "
+        "[gate another release](how-to/gate-another-release.md) lists them with the "
+        "upstream change. The fault campaign and vLLM's own tests per release are left "
+        "out here; `scripts/vllm-matrix.sh` runs them by default.",
     ),
 )
 

@@ -266,7 +266,12 @@ def engine_config(scheduler: Any) -> tuple[Config, EngineSettings]:
     its own KV-cache config and settings. Raises `NotExpressible`."""
     from kvgate.impl import _vllm_api
     from kvgate.impl.hold_overlay import switch_on
-    from kvgate.impl.vllm_probe import holds_partial_tails, is_mamba, retains_retired
+    from kvgate.impl.vllm_probe import (
+        holds_partial_tails,
+        is_mamba,
+        model_runner,
+        retains_retired,
+    )
 
     api = _vllm_api.load()
     if getattr(scheduler, "connector", None) is not None:
@@ -328,7 +333,7 @@ def engine_config(scheduler: Any) -> tuple[Config, EngineSettings]:
         max_model_len=int(scheduler.max_model_len),
         max_num_scheduled_tokens=int(scheduler.max_num_scheduled_tokens),
         # The recorded engine's model runner, replayed the same.
-        model_runner="v2" if getattr(scheduler, "use_v2_model_runner", False) else "v1",
+        model_runner=model_runner(scheduler)[0],
         # The engine's LoRA adapter limit (0: no LoRA config).
         max_loras=int(getattr(getattr(scheduler, "lora_config", None), "max_loras", 0) or 0),
         # A release without policies serves requests first come, first served.

@@ -19,11 +19,12 @@ from kvgate.impl import _vllm_api
 from kvgate.impl._vllm_api import HOLD_ATTR, RETAIN_SWITCH, VllmApi
 from kvgate.impl.vllm_build import build_manager
 from kvgate.impl.vllm_errors import describe
-from kvgate.vocabulary.config import Config, GroupConfig
+from kvgate.vocabulary.config import Config, GroupConfig, ModelRunner
 
 __all__ = [
     "hold_source",
     "holds_partial_tails",
+    "model_runner",
     "probe",
     "retains_retired",
     "takes_streaming_input",
@@ -61,6 +62,21 @@ def takes_streaming_input(api: VllmApi, scheduler: Any) -> bool:
     except (TypeError, ValueError):
         return False
     return "resumable" in parameters and hasattr(scheduler, "num_waiting_for_streaming_input")
+
+
+def model_runner(scheduler: Any) -> tuple[ModelRunner, bool]:
+    """The model runner this Scheduler was built for (`v1` or `v2`), and
+    whether the build lets the engine choose it.
+
+    Probed on the Scheduler: a build with both runners carries the engine's
+    choice (`use_v2_model_runner`); a build with one runner carries none, and
+    keeps the record of last step's requests only where that one is the v1
+    runner (which alone is handed them again); a build without it, whose v1
+    runner was removed, hands the worker what the v2 runner takes."""
+    choice = getattr(scheduler, "use_v2_model_runner", None)
+    if choice is not None:
+        return ("v2" if choice else "v1"), True
+    return ("v1" if hasattr(scheduler, "prev_step_scheduled_req_ids") else "v2"), False
 
 
 def hold_source(managers: Sequence[Any], plugin: str | None, module: ModuleType | None) -> str:

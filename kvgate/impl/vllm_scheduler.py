@@ -496,11 +496,16 @@ class VllmScheduler:
         # Under async scheduling a request may have ended (aborted) while
         # this batch ran: only the ones this output finishes are reported.
         ended = {r for r in ids if self._requests[r].is_finished()}
+        # Each request's index in the batch: a release whose output has no
+        # such map reads it from the order of `req_ids`.
+        indices: dict[str, Any] = {}
+        if "req_id_to_index" in getattr(ModelRunnerOutput, "__dataclass_fields__", {}):
+            indices["req_id_to_index"] = {r: i for i, r in enumerate(ids)}
         runner_output = ModelRunnerOutput(
             req_ids=ids,
-            req_id_to_index={r: i for i, r in enumerate(ids)},
             sampled_token_ids=[list(sampled.get(r, ())) for r in ids],
             kv_connector_output=kv_output,
+            **indices,
         )
         outputs = self._scheduler.update_from_output(output, runner_output)
         for engine_output in outputs.values():

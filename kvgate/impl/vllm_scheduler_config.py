@@ -24,9 +24,11 @@ from typing import Any, Literal
 
 from kvgate.impl.vllm_build import scheduler_config
 from kvgate.impl.vllm_errors import describe
+from kvgate.impl.vllm_probe import model_runner as probed_runner
 from kvgate.vocabulary.config import (
     Config,
     KvLoadFailurePolicy,
+    ModelRunner,
     UnsupportedConfig,
 )
 from kvgate.vocabulary.scheduling import (
@@ -193,27 +195,32 @@ def vllm_config(
             target_model_config=model,
             target_parallel_config=ParallelConfig(),
         )
-    vllm_config = VllmConfig(
-        model_config=model,
-        lora_config=lora_config(config),
-        cache_config=cache,
-        scheduler_config=scheduler,
-        speculative_config=speculative,
-        kv_transfer_config=None if connector is None else kv_transfer_config(connector),
-        # KV-cache events published as an engine with `--kv-events-config`
-        # publishes them, through the publisher that sends nothing anywhere:
-        # `VllmScheduler` captures each batch handed to it.
-        kv_events_config=(
-            KVEventsConfig(enable_kv_cache_events=True, publisher="null")
-            if config.kv_events
-            else None
-        ),
-        # The residency metrics: the Scheduler builds their collector itself.
-        observability_config=ObservabilityConfig(
-            kv_cache_metrics=config.kv_cache_metrics,
-            kv_cache_metrics_sample=config.kv_cache_metrics_sample,
-        ),
-    )
+    # vLLM checks, while it builds the engine config, that Triton can run
+    # the model runner's kernels (on x86 CPUs 0.34.0 refuses the config
+    # without it, 0.32.0 the v2 runner): the Scheduler under test is the one
+    # a GPU engine builds, where Triton is present.
+    with _triton_as_on_a_gpu():
+        vllm_config = VllmConfig(
+            model_config=model,
+            lora_config=lora_config(config),
+            cache_config=cache,
+            scheduler_config=scheduler,
+            speculative_config=speculative,
+            kv_transfer_config=None if connector is None else kv_transfer_config(connector),
+            # KV-cache events published as an engine with `--kv-events-config`
+            # publishes them, through the publisher that sends nothing anywhere:
+            # `VllmScheduler` captures each batch handed to it.
+            kv_events_config=(
+                KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+                if config.kv_events
+                else None
+            ),
+            # The residency metrics: the Scheduler builds their collector itself.
+            observability_config=ObservabilityConfig(
+                kv_cache_metrics=config.kv_cache_metrics,
+                kv_cache_metrics_sample=config.kv_cache_metrics_sample,
+            ),
+        )
     vllm_config.cache_config.num_gpu_blocks = config.num_blocks
     if config.async_scheduling:
         # vLLM's CPU platform turns async scheduling off (it gains nothing
@@ -254,6 +261,32 @@ def scheduler_class(vllm_config: Any, config: Config) -> Any:
             f"vLLM's engine keeps {in_flight} batches in flight for it, not {wanted}",
         )
     return Scheduler if chosen is None else chosen()
+
+
+@contextlib.contextmanager
+def _triton_as_on_a_gpu() -> Iterator[None]:
+    """vLLM's record that Triton can run (`HAS_TRITON`, in
+    `vllm.triton_utils` and in the copy the engine config's module took)
+    set while the engine config is built, as on a GPU host, and put back
+    after. vLLM reads it then only to choose and check the model runner,
+    whose kernels need Triton; the Scheduler's bookkeeping is CPU code and
+    runs no kernel. A module without the record is left as it is."""
+    import importlib
+
+    saved: list[tuple[Any, bool]] = []
+    for name in ("vllm.triton_utils", "vllm.config.vllm"):
+        try:
+            module: Any = importlib.import_module(name)
+        except ImportError:
+            continue
+        if getattr(module, "HAS_TRITON", None) is False:
+            saved.append((module, False))
+            module.HAS_TRITON = True
+    try:
+        yield
+    finally:
+        for module, before in saved:
+            module.HAS_TRITON = before
 
 
 # vLLM's switch for the model runner: read whenever its config asks which
@@ -359,6 +392,21 @@ def engine_sizes(vllm_config: Any, kv_config: Any, config: Config, as_engine: bo
     return int(hash_block)
 
 
+def _runner_for(scheduler: Any, config: Config) -> ModelRunner:
+    """The model runner this Scheduler stands for, given the config's.
+
+    Where the build lets the engine choose, the one it was built for. Where
+    its v1 runner was removed, a trace for the v1 runner runs on the v2
+    one: the two differ only in what the Scheduler hands the worker (a
+    resumed request as a new one, the encoder inputs it holds), which is not
+    compared, and the model plays both alike. A build with the v1 runner
+    only cannot stand for the v2 one."""
+    runner, chosen = probed_runner(scheduler)
+    if not chosen and runner == "v2":
+        return config.model_runner
+    return runner
+
+
 def check_derived(scheduler: Any, config: Config, spec_tokens: int, hash_block: int) -> None:
     """What vLLM derived from the settings must be what the config says."""
     manager = scheduler.kv_cache_manager
@@ -396,11 +444,7 @@ def check_derived(scheduler: Any, config: Config, spec_tokens: int, hash_block: 
             int(getattr(scheduler, "local_prefill_interval", 1)),
             config.prefill_schedule_interval,
         ),
-        (
-            "model_runner",
-            "v2" if getattr(scheduler, "use_v2_model_runner", False) else "v1",
-            config.model_runner,
-        ),
+        ("model_runner", _runner_for(scheduler, config), config.model_runner),
         (
             "scheduling_policy",
             # A release without policies serves requests first come, first served.
