@@ -1,7 +1,7 @@
 """kvgate's command line: replay traces on a target, or gate a target on a corpus.
 
     kvgate replay TRACE... [--target vllm|model] [--level strict|api]
-    kvgate gate [--target vllm|model] [--corpus DIR] [--level strict|api]
+    kvgate gate [--target vllm|model] [--corpus DIR ...] [--no-bundled] [--level strict|api]
     (both) [--junit-xml PATH] [--overlay | --plugin MODULE|entry-points]
            [--require hold|retention|none ...] [--limit NAME=N ...] [-q | -v | -vv]
 
@@ -32,12 +32,13 @@ import importlib
 import importlib.metadata
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NoReturn, cast
 
 import kvgate
 from kvgate import options
+from kvgate.conformance.corpora import CorpusCount, read_corpora
 from kvgate.conformance.limits import DEFAULT_LIMITS, Limits
 from kvgate.conformance.replay import (
     LEVELS,
@@ -59,10 +60,6 @@ from kvgate.conformance.target import Capabilities
 from kvgate.conformance.trace import (
     Trace,
     TraceError,
-    bundled_corpus,
-    bundled_scheduler_corpus,
-    check_unique_names,
-    read_corpus,
     read_traces,
 )
 from kvgate.conformance.verdict import (
@@ -134,11 +131,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 logs.print_summary()
                 return code
             limits = _limits(args.limit)
+            counts: Callable[[Sequence[Trace]], list[CorpusCount]] | None = None
             if args.command == "replay":
                 traces, invalid = read_traces(args.traces, limits, args.partial)
             else:
-                traces, invalid = _read_gate_corpus(args.corpus, limits, args.partial)
-                traces = _select(traces, args)
+                if args.no_bundled and not args.corpus:
+                    raise InputError("--no-bundled: name at least one --corpus DIR to run")
+                corpora = read_corpora(args.corpus or (), not args.no_bundled, limits, args.partial)
+                traces, invalid = _select(corpora.traces, args), corpora.invalid
+                counts = corpora.counts
                 if args.list:
                     return list_traces(traces, invalid)
                 if not traces and not invalid:
@@ -153,6 +154,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 explain_lacking=args.command == "replay",
                 invalid=invalid,
                 logs=logs,
+                corpora=counts,
             )
     except _NothingValid as nothing:
         for error in nothing.invalid:
@@ -187,20 +189,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return EXIT_KVGATE_BUG
-
-
-def _read_gate_corpus(
-    corpus: Path | None, limits: Limits, partial: bool = False
-) -> tuple[list[Trace], list[TraceError]]:
-    """`--corpus DIR`, or the bundled corpora: the manager-level one and the
-    scheduler-level one beside it."""
-    if corpus is not None:
-        return read_corpus(corpus, limits, partial)
-    traces, invalid = read_corpus(bundled_corpus(), limits)
-    engine, engine_invalid = read_corpus(bundled_scheduler_corpus(), limits)
-    check = [*traces, *engine]
-    check_unique_names(check)
-    return check, [*invalid, *engine_invalid]
 
 
 def _limits(assignments: Sequence[str] | None) -> Limits:
@@ -279,7 +267,17 @@ def _parser() -> argparse.ArgumentParser:
     )
     options.add_target(gate_cmd, sorted(TARGETS), "vllm", TARGET_HELP)
     gate_cmd.add_argument(
-        "--corpus", type=Path, metavar="DIR", help="default: the corpus kvgate ships"
+        "--corpus",
+        type=Path,
+        action="append",
+        metavar="DIR",
+        help="also run the traces in DIR and its subfolders (repeatable; default: only the "
+        "corpus kvgate ships)",
+    )
+    gate_cmd.add_argument(
+        "--no-bundled",
+        action="store_true",
+        help="leave out the corpus kvgate ships: run only the --corpus folders",
     )
     gate_cmd.add_argument(
         "-k",
@@ -358,9 +356,11 @@ def run_traces(
     explain_lacking: bool = False,
     invalid: Sequence[TraceError] = (),
     logs: VllmLogs | None = None,
+    corpora: Callable[[Sequence[Trace]], list[CorpusCount]] | None = None,
 ) -> int:
     """Run `traces` and report each one's verdict, with every `invalid`
     trace's error listed and counted; the exit code (`errors.EXIT_CODES`).
+    `corpora` counts the traces of each corpus a gate read, for the header.
     `_NothingValid` when there is nothing to run: only errors to tell."""
     if not traces and invalid:
         raise _NothingValid(invalid)
@@ -371,8 +371,10 @@ def run_traces(
     if traces:
         report.target(_header_capabilities(factory, traces), target_name)
         scheduler_level = sum(trace.scheduler_level for trace in traces)
-        if scheduler_level:
-            report.corpora(len(traces) - scheduler_level, scheduler_level)
+        if corpora is not None:
+            report.corpora([count.line() for count in corpora(traces)])
+        elif scheduler_level:
+            report.corpora([CorpusCount("", len(traces) - scheduler_level, scheduler_level).line()])
     for error in invalid:
         print(f"kvgate: error: {printable(str(error))}", file=sys.stderr)
         report.add_invalid(error)

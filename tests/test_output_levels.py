@@ -36,7 +36,7 @@ def test_gate_on_vllm_keeps_vllms_lines_and_counts_them(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     corpus = _corpus(tmp_path, LOGGING_TRACE, QUIET_TRACE)
-    assert cli.main(["gate", "--target", "vllm", "--corpus", str(corpus)]) == 0
+    assert cli.main(["gate", "--target", "vllm", "--no-bundled", "--corpus", str(corpus)]) == 0
     out, err = capsys.readouterr()
     assert VLLM_LINE not in out + err
     assert "vllm WARNING" not in out + err
@@ -51,7 +51,9 @@ def test_gate_verbose_shows_vllms_lines_as_they_happen(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     corpus = _corpus(tmp_path, LOGGING_TRACE)
-    assert cli.main(["gate", "--target", "vllm", "--corpus", str(corpus), "-v"]) == 0
+    assert (
+        cli.main(["gate", "--target", "vllm", "--no-bundled", "--corpus", str(corpus), "-v"]) == 0
+    )
     out, err = capsys.readouterr()
     assert f"vllm WARNING: {VLLM_LINE}" in err
     assert "vLLM logged 1 warning (all from traces)" in out
@@ -67,7 +69,7 @@ def test_a_failing_trace_shows_the_vllm_lines_it_caused(
     drifted = text.replace("expect: {evicted: 17,", "expect: {evicted: 18,", 1)
     assert drifted != text
     (tmp_path / LOGGING_TRACE).write_text(drifted)
-    assert cli.main(["gate", "--target", "vllm", "--corpus", str(tmp_path)]) == 1
+    assert cli.main(["gate", "--target", "vllm", "--no-bundled", "--corpus", str(tmp_path)]) == 1
     out, err = capsys.readouterr()
     assert "vLLM logged during trace mamba2-residency-metrics.hold-off:" in err
     assert f"  vllm WARNING: {VLLM_LINE}" in err
@@ -80,7 +82,7 @@ def test_a_trace_lacking_a_capability_does_not_show_vllms_lines(
     """Upstream vLLM lacks the hold: the hold-on trace is reported as lacking
     it, not as failing, so its vLLM lines stay counted, not shown."""
     corpus = _corpus(tmp_path, LOGGING_TRACE.replace("hold-off", "hold-on"))
-    assert cli.main(["gate", "--target", "vllm", "--corpus", str(corpus)]) == 4
+    assert cli.main(["gate", "--target", "vllm", "--no-bundled", "--corpus", str(corpus)]) == 4
     out, err = capsys.readouterr()
     assert "vLLM logged during" not in err and VLLM_LINE not in err
     assert "vLLM logged 1 warning (all from traces); -v shows them" in out
@@ -89,7 +91,9 @@ def test_a_trace_lacking_a_capability_does_not_show_vllms_lines(
 @needs_vllm
 def test_quiet_prints_no_passing_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     corpus = _corpus(tmp_path, QUIET_TRACE)
-    assert cli.main(["gate", "--target", "vllm", "--corpus", str(corpus), "-q"]) == 0
+    assert (
+        cli.main(["gate", "--target", "vllm", "--no-bundled", "--corpus", str(corpus), "-q"]) == 0
+    )
     out, _ = capsys.readouterr()
     assert "PASS" not in out
     assert "1 passed, 0 failed" in out

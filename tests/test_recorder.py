@@ -372,7 +372,7 @@ def test_files_are_bounded_and_the_next_starts_from_an_empty_scheduler(
     assert first.engine[1].expect == {"scheduled": [("r0", 64)]}
     assert all(not e.expect for e in second.engine)
     capsys.readouterr()
-    assert cli.main(["gate", "--corpus", str(recordings), "--target", "model"]) == 0
+    assert cli.main(["gate", "--no-bundled", "--corpus", str(recordings), "--target", "model"]) == 0
     assert "2 passed" in capsys.readouterr().out
 
 
@@ -408,7 +408,18 @@ def test_a_recording_replays_on_the_model_and_on_vllm(
     # The arm is recorded: the run had the hold on.
     assert trace.config.hold
     assert cli.main(["replay", str(path), "--target", "model"]) == 0
-    code = cli.main(["gate", "--corpus", str(path.parent), "--target", "vllm", "--plugin", PLUGIN])
+    code = cli.main(
+        [
+            "gate",
+            "--no-bundled",
+            "--corpus",
+            str(path.parent),
+            "--target",
+            "vllm",
+            "--plugin",
+            PLUGIN,
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0, out
     assert f"PASS {trace.name}" in out

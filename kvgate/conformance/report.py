@@ -86,13 +86,11 @@ class TerminalReport:
         else:
             self._line(capabilities_line(capabilities))
 
-    def corpora(self, manager_level: int, scheduler_level: int) -> None:
-        """The header's second line: how many traces of each kind run."""
+    def corpora(self, counts: Sequence[str]) -> None:
+        """The header's second line: the corpora that run, and how many
+        traces of each kind each holds."""
         if not self.quiet:
-            self._line(
-                f"corpora: manager-level {manager_level} traces, "
-                f"scheduler-level {scheduler_level} traces"
-            )
+            self._line("corpora: " + "; ".join(counts))
 
     def add(self, result: Outcome) -> None:
         self.results.append(result)
