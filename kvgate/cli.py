@@ -121,6 +121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args: argparse.Namespace | None = None
     try:
         args = _parser().parse_args(argv)
+        options.check_output_paths(args)
         with vllm_logs(args.verbosity) as logs:
             args.vllm_logs = logs
             handler = getattr(args, "handler", None)
