@@ -265,8 +265,16 @@ def add_verbosity(parser: argparse.ArgumentParser) -> None:
         dest="verbosity",
         action="store_const",
         const=QUIET,
-        help="print only failures, errors and the summary",
+        help="print only failures and the verdict or summary: no progress, no header, no line "
+        "for what passed or is not a failure",
     )
+
+
+def quiet(args: argparse.Namespace) -> bool:
+    """`-q`, the same on every command: only failures (and what a failure
+    needs to be understood) and the verdict or summary; no progress, no
+    header, no line for what passed or is not a failure."""
+    return bool(getattr(args, "verbosity", 0) <= QUIET)
 
 
 # -- names -------------------------------------------------------------------

@@ -117,3 +117,46 @@ def test_summary_names_where_the_lines_came_from(capsys: pytest.CaptureFixture[s
     assert err == "vLLM logged during trace t:\n  vllm ERROR: three\n"
     # Uninstalled: vLLM's logger is as it was.
     assert all(not isinstance(h, VllmLogs) for h in logging.getLogger(VLLM_LOGGER).handlers)
+
+
+# -- -q means the same on every command: failures and the verdict or summary.
+
+
+def test_prove_quiet_prints_only_the_count(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["prove", "--blocks", "2", "--requests", "1"]) == 0
+    loud = capsys.readouterr().out.splitlines()
+    assert len(loud) > 10 and "proved" in loud[2]
+    assert cli.main(["prove", "--blocks", "2", "--requests", "1", "-q"]) == 0
+    [count] = capsys.readouterr().out.splitlines()
+    assert count.startswith(f"{loud[-1].split(' proved')[0]} proved in ")
+
+
+def test_workload_quiet_prints_no_progress(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["workload", "--target", "model", "--scale", "64", "--units", "4096", "--hold", "on"]
+    assert cli.main([*argv, "--sessions", "2", "--turns", "2", "--out", str(tmp_path), "-q"]) == 0
+    out, err = capsys.readouterr()
+    assert "done in" not in err and "[" not in err
+    assert out.startswith("kvgate workload: ")
+
+
+def test_explore_quiet_prints_the_count_and_the_verdict_and_the_budget_is_kept(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert cli.main(["explore", "--budget", "7", "-q"]) == 0
+    out, err = capsys.readouterr()
+    assert err == ""
+    count, verdict = out.splitlines()
+    assert count.startswith("7 examples, ") and verdict == "no failure found"
+
+
+@needs_vllm
+def test_the_scheduler_level_budget_counts_the_examples_that_ran(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Examples a side refused, or Hypothesis dropped, are counted apart.
+    assert cli.main(["explore", "--scope", "scheduler", "--budget", "4", "-q"]) == 0
+    count, verdict = capsys.readouterr().out.splitlines()
+    assert count.startswith("4 examples, ") and "dropped part-way" in count
+    assert verdict == "no divergence found"

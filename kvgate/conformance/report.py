@@ -94,8 +94,16 @@ class TerminalReport:
 
     def add(self, result: Outcome) -> None:
         self.results.append(result)
-        if not (self.quiet and result.passed):
+        if not (self.quiet and not self.fails(result)):
             self._line(trace_line(result))
+
+    def fails(self, result: Outcome) -> bool:
+        """Whether `result` fails the run (quiet shows only those): a
+        divergence, an error, or a capability `--require` names; not a
+        trace that passed, lacks what is not required, or does not apply."""
+        cause = verdict(result)
+        failing = (Verdict.DIVERGES, Verdict.ERROR, Verdict.BUG)
+        return cause in failing or fails_requirement(result, self.required)
 
     def add_invalid(self, error: TraceError) -> None:
         """A trace that could not be read: its line, and a count in the summary."""
