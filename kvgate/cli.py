@@ -34,7 +34,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import NoReturn, cast
+from typing import Any, NoReturn, cast
 
 import kvgate
 from kvgate import options
@@ -95,17 +95,22 @@ from kvgate.targets import (
     scheduler_factories,
 )
 
-# Further commands, each a module with `register(subparsers)` that adds its
-# parser and sets `handler(args) -> exit code` on it. A handler raises
-# TraceError or InputError for bad input (exit 2, one line).
-COMMAND_MODULES: tuple[str, ...] = (
-    "kvgate.explore.command",
-    "kvgate.workload.command",
-    "kvgate.mutate.command",
-    "kvgate.invariants.z3.command",
-    "kvgate.bless_command",
-    "kvgate.shrink_command",
-)
+# Further commands, by name, each a module with `register(subparsers)` that
+# adds its parser and sets `handler(args) -> exit code` on it. A handler
+# raises TraceError or InputError for bad input (exit 2, one line). Only the
+# module of the command run is imported: `kvgate gate` needs PyYAML alone.
+COMMAND_MODULES: dict[str, str] = {
+    "explore": "kvgate.explore.command",
+    "workload": "kvgate.workload.command",
+    "mutate": "kvgate.mutate.command",
+    "prove": "kvgate.invariants.z3.command",
+    "bless": "kvgate.bless_command",
+    "shrink": "kvgate.shrink_command",
+}
+
+# A package a command needs beyond the gate's, and the extra that installs it
+# (pyproject.toml's optional dependencies).
+OPTIONAL_PACKAGES: dict[str, str] = {"hypothesis": "explore", "z3": "prove"}
 
 
 TARGET_HELP = "model: kvgate's model alone; vllm: the installed vLLM, the model in lockstep"
@@ -120,7 +125,7 @@ class _Parser(argparse.ArgumentParser):
 def main(argv: Sequence[str] | None = None) -> int:
     args: argparse.Namespace | None = None
     try:
-        args = _parser().parse_args(argv)
+        args = _parser(_command_of(argv)).parse_args(argv)
         options.check_output_paths(args)
         with vllm_logs(args.verbosity) as logs:
             args.vllm_logs = logs
@@ -236,7 +241,36 @@ def _installed_vllm() -> str:
         return "no vLLM"
 
 
-def _parser() -> argparse.ArgumentParser:
+def _command_of(argv: Sequence[str] | None) -> str | None:
+    """The command `argv` names, when it is one kvgate has (None: build them
+    all, for `--help` or to say a command is unknown)."""
+    words = [word for word in (sys.argv[1:] if argv is None else argv) if not word.startswith("-")]
+    if words and (words[0] in COMMAND_MODULES or words[0] in ("replay", "gate")):
+        return words[0]
+    return None
+
+
+def _register(commands: Any, name: str, run: bool) -> None:
+    """Command `name`'s parser, from its module. A command whose optional
+    package is not installed refuses in one line when it is run (`run`), and
+    is listed as unavailable otherwise (`kvgate --help`)."""
+    try:
+        module = importlib.import_module(COMMAND_MODULES[name])
+    except ModuleNotFoundError as error:
+        package = (error.name or "").split(".")[0]
+        if package not in OPTIONAL_PACKAGES:
+            raise
+        extra = OPTIONAL_PACKAGES[package]
+        need = f"{package}, which is not installed here: pip install 'kvgate[{extra}]'"
+        if run:
+            raise InputError(f"kvgate {name} needs {need}") from None
+        commands.add_parser(name, help=f"(unavailable: needs {need})")
+        return
+    module.register(commands)
+
+
+def _parser(only: str | None = None) -> argparse.ArgumentParser:
+    """Every command's parser (`only`: the built-in ones and that one)."""
     parser = _Parser(
         prog="kvgate",
         description="Conformance gate for vLLM's KV-cache manager.",
@@ -334,8 +368,9 @@ def _parser() -> argparse.ArgumentParser:
             + ", ".join(Limits.names()),
         )
         options.add_partial(command)
-    for module in COMMAND_MODULES:
-        importlib.import_module(module).register(commands)
+    for name in COMMAND_MODULES:
+        if only is None or name == only:
+            _register(commands, name, run=name == only)
     for command in commands.choices.values():
         options.add_verbosity(command)
         options.finish(command)
