@@ -93,10 +93,12 @@ def replay_scheduler(
     model_factory: SchedulerModelFactory,
     real: SchedulerTarget | None,
     level: Level,
+    observe: EngineObserver | None = None,
 ) -> ReplayResult:
     """Replay scheduler-level `trace` (see the module's docstring); the caller
     owns `real`. Without `real` the model is the target, judged by the
-    trace's expectations alone."""
+    trace's expectations alone. `observe` is told what the target reported
+    at each `step` and `reset` (every key such an entry may expect)."""
     assert trace.scheduler is not None, "a scheduler-level trace"
     started = time.perf_counter()
     config, notes = model_config(trace, None if real is None else real.capabilities)
@@ -107,6 +109,7 @@ def replay_scheduler(
     except UnsupportedConfig as error:
         raise TraceError.unsupported(trace.path, error) from None
     run = _EngineLockstep(trace, model, real, level)
+    run.observe = observe
     failures = run.missed
     try:
         for event in trace.engine:
@@ -146,7 +149,13 @@ class SchedulerLockstep:
         return None
 
 
+# Told an engine entry and what the target reported there, by expect key.
+EngineObserver = Callable[[EngineStep, dict[str, Any]], None]
+
+
 class _EngineLockstep:
+    observe: EngineObserver | None = None
+
     def __init__(
         self, trace: Trace, model: SchedulerModelRun, real: SchedulerTarget | None, level: Level
     ) -> None:
@@ -220,6 +229,8 @@ class _EngineLockstep:
                 step, "reset_prefix_cache()", lambda: real.reset_prefix_cache(running, connector)
             )
         got = {"ok": observed[0], "waiting": observed[1]}
+        if self.observe is not None:
+            self.observe(event, dict(got))
         for key, want in event.expect.items():
             if want != got[key]:
                 self.missed.append(self.divergence(step, "expect", key, want, got[key]))
@@ -439,6 +450,12 @@ class _EngineLockstep:
             "finished": finished,
             "events": [e.line() for e in events],
         }
+        if self.observe is not None:
+            reported = {r: s[0] for r, s in stats.items()}
+            self.observe(
+                event,
+                {**observed, "cached_tokens": reported, "encoded": dict(scheduled.encoder_inputs)},
+            )
         for key, want in event.expect.items():
             if key == "cached_tokens":
                 got: object = {r: stats[r][0] if r in stats else NOT_REPORTED for r in want}
