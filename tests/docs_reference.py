@@ -24,6 +24,7 @@ import argparse  # noqa: E402
 
 from kvgate import cli  # noqa: E402
 from kvgate.conformance.limits import DEFAULT_LIMITS, Limits  # noqa: E402
+from kvgate.conformance.modelled import not_modelled_text  # noqa: E402
 from kvgate.conformance.schema import config_fields_table, group_fields_table  # noqa: E402
 from kvgate.errors import EXIT_CODES, EXIT_PRECEDENCE  # noqa: E402
 from kvgate.explore import command as explore_command  # noqa: E402
@@ -166,9 +167,11 @@ GENERATED: dict[str, dict[str, Callable[[], str]]] = {
     "README.md": {"exit-codes": exit_codes_table},
     "docs/reference/commands.md": {"commands": commands_reference},
     "docs/gate.md": {"gate-on-upstream": gate_on_upstream},
+    "docs/explanation/blind-spots.md": {"not-modelled": not_modelled_text},
     "docs/reference/knobs.md": {
         "config-fields": lambda: config_fields_table(knobs_by_field()),
         "group-fields": group_fields_table,
+        "not-modelled": not_modelled_text,
     },
     "docs/reference/limits.md": {
         "trace-limits": trace_limits_table,

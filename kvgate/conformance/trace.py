@@ -39,6 +39,7 @@ from kvgate.conformance.limits import (
     read_bounded,
 )
 from kvgate.conformance.macros import expand
+from kvgate.conformance.modelled import SCHEDULER_LEVEL_ONLY, scheduler_level_only
 from kvgate.conformance.ops import Step
 from kvgate.conformance.scheduling import EngineSettings, EngineStep
 from kvgate.conformance.schema import FORMAT
@@ -300,6 +301,8 @@ class _Reader(ConfigReader, StepReader, EngineReader):
         about = self.about(doc.get("about", ""))
         tags = self.tags(doc.get("tags", []))
         self.config = self.read_config(doc["config"], refused)
+        for key in scheduler_level_only(self.config):
+            raise self.error(None, f"config.{key}", SCHEDULER_LEVEL_ONLY[key])
         if refused is not None:
             return Trace(name, about, self.config, (), (), self.path, refused, tags)
         raw_steps = self.entries(doc, "steps")
