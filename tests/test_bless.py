@@ -352,3 +352,18 @@ def test_a_trace_asking_for_the_hold_that_nothing_shows_is_refused_in_one_line(
     # The same trace with the hold off is blessed.
     path.write_text(text.replace("retain_checkpoint: true", "retain_checkpoint: false"))
     assert cli.main(["bless", str(path)]) == 0
+
+
+def test_a_manager_level_trace_asking_for_the_hold_that_nothing_shows_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # One request aborted mid-prefill: nothing it does depends on the hold.
+    source = (bundled_corpus() / "abort-mid-prefill.yaml").read_text()
+    assert "retain_checkpoint: false" in source
+    path = tmp_path / "abort.yaml"
+    text = source.replace("retain_checkpoint: false", "retain_checkpoint: true")
+    path.write_text(text)
+    code, out, err = bless(capsys, str(path))
+    assert code == 2 and out == "" and path.read_text() == text
+    assert err.startswith(f"kvgate: error: {path}: config.retain_checkpoint: asks for the ")
+    assert len(err.splitlines()) == 1
