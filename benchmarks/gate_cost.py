@@ -17,6 +17,7 @@ import argparse
 import contextlib
 import io
 import statistics
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -28,13 +29,17 @@ PLUGIN = "kvgate.impl.hold_overlay"
 
 
 def gate_once(corpus: Path) -> tuple[float, float]:
-    """One gate run on `corpus`: (wall seconds, CPU seconds)."""
-    wall, cpu = time.perf_counter(), time.process_time()
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
-        code = cli.main(
-            ["gate", "--target", "vllm", "--plugin", PLUGIN, "--corpus", str(corpus), "-q"]
-        )
+    """One gate run on the traces directly in `corpus` (a corpus folder is
+    read with its subfolders: the manager-level one holds the scheduler-level
+    one): (wall seconds, CPU seconds)."""
+    with tempfile.TemporaryDirectory() as flat:
+        for trace in corpus.glob("*.yaml"):
+            (Path(flat) / trace.name).symlink_to(trace.resolve())
+        wall, cpu = time.perf_counter(), time.process_time()
+        out = io.StringIO()
+        argv = ["gate", "--target", "vllm", "--plugin", PLUGIN, "--no-bundled", "--corpus", flat]
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+            code = cli.main([*argv, "-q"])
     if code != 0:
         raise SystemExit(f"gate_cost: the gate on {corpus} exited {code}:\n{out.getvalue()}")
     return time.perf_counter() - wall, time.process_time() - cpu

@@ -5,10 +5,14 @@
 
 Every trace is read and validated first; an invalid one (or a refusal
 trace, which has no values) stops the command before anything runs or is
-written. Each trace's `expect` and `check` values
-are then taken from the model (`conformance.bless`). With `--target vllm`
-the blessed trace is also replayed on vLLM in lockstep with the model, and a
-trace where vLLM disagrees is refused: nothing is written for it. Each file
+written. Each trace's `expect` and `check` values (a scheduler-level
+trace's engine entries' `expect`) are then taken from the model
+(`conformance.bless`). A trace that asks for a capability (the hold, the
+retained-state retention) that none of its blessed values shows is refused
+in one line: a build without it would pass the trace. With `--target vllm`
+the blessed trace is also replayed on vLLM in lockstep with the model (a
+scheduler-level one on vLLM's Scheduler), and a trace where vLLM disagrees
+is refused: nothing is written for it. Each file
 is replaced whole (a temporary file renamed over it), never half-written.
 With `--check` nothing is written: the command says which files would change.
 With `-q`, traces already up to date go unmentioned.
@@ -29,13 +33,26 @@ from pathlib import Path
 from typing import Any
 
 from kvgate import options
-from kvgate.conformance.bless import Blessing, bless, check_blessable
-from kvgate.conformance.replay import LEVELS, Level, ModelBug, TargetFactory, replay
+from kvgate.conformance.bless import (
+    Blessing,
+    bless,
+    bless_engine,
+    check_blessable,
+    check_shows_capabilities,
+)
+from kvgate.conformance.replay import LEVELS, Level, ModelBug, ReplayResult, TargetFactory, replay
 from kvgate.conformance.report import show_pair
+from kvgate.conformance.scheduler_replay import replay_scheduler
 from kvgate.conformance.trace import Trace, TraceError, check_unique_names, load_trace
 from kvgate.errors import EXIT_DIVERGED, EXIT_INPUT, EXIT_KVGATE_BUG, InputError, printable
 from kvgate.output import QUIET
-from kvgate.targets import LOCKSTEP_MODEL, build_target, plugin_factory, target_factory
+from kvgate.targets import (
+    LOCKSTEP_MODEL,
+    build_target,
+    plugin_factory,
+    scheduler_factories,
+    target_factory,
+)
 
 
 def register(subparsers: Any) -> None:
@@ -73,19 +90,33 @@ def run(args: argparse.Namespace) -> int:
     for trace in traces:
         check_blessable(trace)
     model = target_factory(LOCKSTEP_MODEL)
-    chosen = plugin_factory(args.target, options.plugin_of(args))
+    plugin = options.plugin_of(args)
+    chosen = plugin_factory(args.target, plugin)
     vllm = None if args.target == LOCKSTEP_MODEL else chosen
+    engine = _Engine(args.target, plugin) if any(t.scheduler_level for t in traces) else None
 
     status = 0
     blessings: list[Blessing] = []
     for trace in traces:
         try:
-            oracle = build_target(model, trace)
-            try:
-                blessing = bless(trace, _read(trace.path), oracle)
-            finally:
-                oracle.close()
-            if vllm is not None:
+            if trace.scheduler_level:
+                assert engine is not None
+                blessing = bless_engine(trace, _read(trace.path), engine.model)
+                check_shows_capabilities(blessing.blessed, engine.meets)
+            else:
+                oracle = build_target(model, trace)
+                try:
+                    blessing = bless(trace, _read(trace.path), oracle)
+                finally:
+                    oracle.close()
+                check_shows_capabilities(blessing.blessed, lambda t: _model_meets(t, model))
+            if trace.scheduler_level and engine is not None and engine.real is not None:
+                disagreement = engine.disagreement(blessing.blessed, args.level)
+                if disagreement is not None:
+                    _error(f"refused to bless {trace.path}: {disagreement}")
+                    status = max(status, EXIT_DIVERGED)
+                    continue
+            elif not trace.scheduler_level and vllm is not None:
                 disagreement = _disagreement(blessing.blessed, vllm, model, args.level)
                 if disagreement is not None:
                     _error(f"refused to bless {trace.path}: {disagreement}")
@@ -115,6 +146,47 @@ def run(args: argparse.Namespace) -> int:
     return status
 
 
+def _model_meets(trace: Trace, model: TargetFactory) -> bool:
+    """Whether the model, replaying `trace`, meets every expectation of it."""
+    try:
+        target = build_target(model, trace)
+    except TraceError:
+        return False
+    try:
+        result = replay(trace, target, None, "strict", target_is_model=True)
+    except (TraceError, ModelBug):
+        return False
+    finally:
+        target.close()
+    return result.divergence is None and result.stopped is None
+
+
+class _Engine:
+    """Scheduler-level traces: kvgate's scheduler model, and vLLM's real
+    Scheduler with `--target vllm`."""
+
+    def __init__(self, target: str, plugin: str | None) -> None:
+        self.model, self.real = scheduler_factories(target, plugin)
+
+    def meets(self, trace: Trace) -> bool:
+        """Whether the scheduler model meets every expectation of `trace`."""
+        try:
+            result = replay_scheduler(trace, self.model, None, "strict")
+        except (TraceError, ModelBug):
+            return False
+        return result.divergence is None
+
+    def disagreement(self, blessed: Trace, level: Level) -> str | None:
+        """Where vLLM's Scheduler, in lockstep with the model, fails `blessed`."""
+        assert self.real is not None and blessed.scheduler is not None
+        real = self.real(blessed.config, blessed.scheduler.spec, blessed.scheduler.max_num_seqs)
+        try:
+            result = replay_scheduler(blessed, self.model, real, level)
+        finally:
+            real.close()
+        return _described(result)
+
+
 def _disagreement(
     blessed: Trace, vllm: TargetFactory, model: TargetFactory, level: Level
 ) -> str | None:
@@ -124,6 +196,11 @@ def _disagreement(
         result = replay(blessed, target, model, level)
     finally:
         target.close()
+    return _described(result)
+
+
+def _described(result: ReplayResult) -> str | None:
+    """A lockstep replay's first divergence, as a refusal's reason."""
     d = result.divergence
     if d is None:
         return None

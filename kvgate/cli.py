@@ -1,7 +1,7 @@
 """kvgate's command line: replay traces on a target, or gate a target on a corpus.
 
     kvgate replay TRACE... [--target vllm|model] [--level strict|api]
-    kvgate gate [--target vllm|model] [--corpus DIR] [--level strict|api]
+    kvgate gate [--target vllm|model] [--corpus DIR ...] [--no-bundled] [--level strict|api]
     (both) [--junit-xml PATH] [--overlay | --plugin MODULE|entry-points]
            [--require hold|retention|none ...] [--limit NAME=N ...] [-q | -v | -vv]
 
@@ -32,12 +32,13 @@ import importlib
 import importlib.metadata
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import NoReturn, cast
+from typing import Any, NoReturn, cast
 
 import kvgate
 from kvgate import options
+from kvgate.conformance.corpora import CorpusCount, read_corpora
 from kvgate.conformance.limits import DEFAULT_LIMITS, Limits
 from kvgate.conformance.replay import (
     LEVELS,
@@ -58,10 +59,6 @@ from kvgate.conformance.selection import (
 from kvgate.conformance.trace import (
     Trace,
     TraceError,
-    bundled_corpus,
-    bundled_scheduler_corpus,
-    check_unique_names,
-    read_corpus,
     read_traces,
 )
 from kvgate.conformance.verdict import (
@@ -98,17 +95,22 @@ from kvgate.targets import (
 )
 from kvgate.vocabulary.target import Capabilities
 
-# Further commands, each a module with `register(subparsers)` that adds its
-# parser and sets `handler(args) -> exit code` on it. A handler raises
-# TraceError or InputError for bad input (exit 2, one line).
-COMMAND_MODULES: tuple[str, ...] = (
-    "kvgate.explore.command",
-    "kvgate.workload.command",
-    "kvgate.mutate.command",
-    "kvgate.invariants.z3.command",
-    "kvgate.bless_command",
-    "kvgate.shrink_command",
-)
+# Further commands, by name, each a module with `register(subparsers)` that
+# adds its parser and sets `handler(args) -> exit code` on it. A handler
+# raises TraceError or InputError for bad input (exit 2, one line). Only the
+# module of the command run is imported: `kvgate gate` needs PyYAML alone.
+COMMAND_MODULES: dict[str, str] = {
+    "explore": "kvgate.explore.command",
+    "workload": "kvgate.workload.command",
+    "mutate": "kvgate.mutate.command",
+    "prove": "kvgate.invariants.z3.command",
+    "bless": "kvgate.bless_command",
+    "shrink": "kvgate.shrink_command",
+}
+
+# A package a command needs beyond the gate's, and the extra that installs it
+# (pyproject.toml's optional dependencies).
+OPTIONAL_PACKAGES: dict[str, str] = {"hypothesis": "explore", "z3": "prove"}
 
 
 TARGET_HELP = "model: kvgate's model alone; vllm: the installed vLLM, the model in lockstep"
@@ -123,7 +125,8 @@ class _Parser(argparse.ArgumentParser):
 def main(argv: Sequence[str] | None = None) -> int:
     args: argparse.Namespace | None = None
     try:
-        args = _parser().parse_args(argv)
+        args = _parser(_command_of(argv)).parse_args(argv)
+        options.check_output_paths(args)
         with vllm_logs(args.verbosity) as logs:
             args.vllm_logs = logs
             handler = getattr(args, "handler", None)
@@ -134,11 +137,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 logs.print_summary()
                 return code
             limits = _limits(args.limit)
+            counts: Callable[[Sequence[Trace]], list[CorpusCount]] | None = None
             if args.command == "replay":
                 traces, invalid = read_traces(args.traces, limits, args.partial)
             else:
-                traces, invalid = _read_gate_corpus(args.corpus, limits, args.partial)
-                traces = _select(traces, args)
+                if args.no_bundled and not args.corpus:
+                    raise InputError("--no-bundled: name at least one --corpus DIR to run")
+                corpora = read_corpora(args.corpus or (), not args.no_bundled, limits, args.partial)
+                traces, invalid = _select(corpora.traces, args), corpora.invalid
+                counts = corpora.counts
                 if args.list:
                     return list_traces(traces, invalid)
                 if not traces and not invalid:
@@ -153,6 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 explain_lacking=args.command == "replay",
                 invalid=invalid,
                 logs=logs,
+                corpora=counts,
             )
     except _NothingValid as nothing:
         for error in nothing.invalid:
@@ -187,20 +195,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return EXIT_KVGATE_BUG
-
-
-def _read_gate_corpus(
-    corpus: Path | None, limits: Limits, partial: bool = False
-) -> tuple[list[Trace], list[TraceError]]:
-    """`--corpus DIR`, or the bundled corpora: the manager-level one and the
-    scheduler-level one beside it."""
-    if corpus is not None:
-        return read_corpus(corpus, limits, partial)
-    traces, invalid = read_corpus(bundled_corpus(), limits)
-    engine, engine_invalid = read_corpus(bundled_scheduler_corpus(), limits)
-    check = [*traces, *engine]
-    check_unique_names(check)
-    return check, [*invalid, *engine_invalid]
 
 
 def _limits(assignments: Sequence[str] | None) -> Limits:
@@ -247,7 +241,36 @@ def _installed_vllm() -> str:
         return "no vLLM"
 
 
-def _parser() -> argparse.ArgumentParser:
+def _command_of(argv: Sequence[str] | None) -> str | None:
+    """The command `argv` names, when it is one kvgate has (None: build them
+    all, for `--help` or to say a command is unknown)."""
+    words = [word for word in (sys.argv[1:] if argv is None else argv) if not word.startswith("-")]
+    if words and (words[0] in COMMAND_MODULES or words[0] in ("replay", "gate")):
+        return words[0]
+    return None
+
+
+def _register(commands: Any, name: str, run: bool) -> None:
+    """Command `name`'s parser, from its module. A command whose optional
+    package is not installed refuses in one line when it is run (`run`), and
+    is listed as unavailable otherwise (`kvgate --help`)."""
+    try:
+        module = importlib.import_module(COMMAND_MODULES[name])
+    except ModuleNotFoundError as error:
+        package = (error.name or "").split(".")[0]
+        if package not in OPTIONAL_PACKAGES:
+            raise
+        extra = OPTIONAL_PACKAGES[package]
+        need = f"{package}, which is not installed here: pip install 'kvgate[{extra}]'"
+        if run:
+            raise InputError(f"kvgate {name} needs {need}") from None
+        commands.add_parser(name, help=f"(unavailable: needs {need})")
+        return
+    module.register(commands)
+
+
+def _parser(only: str | None = None) -> argparse.ArgumentParser:
+    """Every command's parser (`only`: the built-in ones and that one)."""
     parser = _Parser(
         prog="kvgate",
         description="Conformance gate for vLLM's KV-cache manager.",
@@ -279,7 +302,17 @@ def _parser() -> argparse.ArgumentParser:
     )
     options.add_target(gate_cmd, sorted(TARGETS), "vllm", TARGET_HELP)
     gate_cmd.add_argument(
-        "--corpus", type=Path, metavar="DIR", help="default: the corpus kvgate ships"
+        "--corpus",
+        type=Path,
+        action="append",
+        metavar="DIR",
+        help="also run the traces in DIR and its subfolders (repeatable; default: only the "
+        "corpus kvgate ships)",
+    )
+    gate_cmd.add_argument(
+        "--no-bundled",
+        action="store_true",
+        help="leave out the corpus kvgate ships: run only the --corpus folders",
     )
     gate_cmd.add_argument(
         "-k",
@@ -335,8 +368,9 @@ def _parser() -> argparse.ArgumentParser:
             + ", ".join(Limits.names()),
         )
         options.add_partial(command)
-    for module in COMMAND_MODULES:
-        importlib.import_module(module).register(commands)
+    for name in COMMAND_MODULES:
+        if only is None or name == only:
+            _register(commands, name, run=name == only)
     for command in commands.choices.values():
         options.add_verbosity(command)
         options.finish(command)
@@ -358,9 +392,11 @@ def run_traces(
     explain_lacking: bool = False,
     invalid: Sequence[TraceError] = (),
     logs: VllmLogs | None = None,
+    corpora: Callable[[Sequence[Trace]], list[CorpusCount]] | None = None,
 ) -> int:
     """Run `traces` and report each one's verdict, with every `invalid`
     trace's error listed and counted; the exit code (`errors.EXIT_CODES`).
+    `corpora` counts the traces of each corpus a gate read, for the header.
     `_NothingValid` when there is nothing to run: only errors to tell."""
     if not traces and invalid:
         raise _NothingValid(invalid)
@@ -371,8 +407,10 @@ def run_traces(
     if traces:
         report.target(_header_capabilities(factory, traces), target_name)
         scheduler_level = sum(trace.scheduler_level for trace in traces)
-        if scheduler_level:
-            report.corpora(len(traces) - scheduler_level, scheduler_level)
+        if corpora is not None:
+            report.corpora([count.line() for count in corpora(traces)])
+        elif scheduler_level:
+            report.corpora([CorpusCount("", len(traces) - scheduler_level, scheduler_level).line()])
     for error in invalid:
         print(f"kvgate: error: {printable(str(error))}", file=sys.stderr)
         report.add_invalid(error)

@@ -12,7 +12,9 @@ for one more release, with a one-line notice on stderr (`deprecated`).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -187,6 +189,63 @@ def add_out(parser: argparse.ArgumentParser, default: Path, help: str) -> None:
     parser.add_argument("--out", type=Path, default=default, metavar="DIR", help=help)
 
 
+def check_output_file(path: Path, flag: str) -> None:
+    """`path` is a file this process can write (opened for appending, and
+    removed again if it was not there), or `InputError` in one line: checked
+    before a run, not after it."""
+    if path.is_dir():
+        raise InputError(f"{flag}: cannot write {path}: it is a directory")
+    existed = path.exists()
+    try:
+        with open(path, "a", encoding="utf-8"):
+            pass
+    except OSError as error:
+        raise InputError(f"{flag}: cannot write {path}: {error.strerror}") from None
+    if not existed:
+        path.unlink()
+
+
+def check_output_dir(path: Path, flag: str) -> None:
+    """`path` is a directory this process can write in, or one it can
+    create (its nearest existing ancestor a writable directory; nothing is
+    created here), or `InputError` in one line: checked before a run."""
+    if path.exists() and not path.is_dir():
+        raise InputError(f"{flag}: {path} exists and is not a directory")
+    if path.is_dir():
+        try:
+            probe = path / ".kvgate-write-test"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as error:
+            raise InputError(f"{flag}: cannot write in {path}: {error.strerror}") from None
+        return
+    ancestor = path.absolute().parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise InputError(f"{flag}: cannot create {path}: {ancestor} is not a directory")
+    try:
+        # A real attempt (permissions alone do not say, for root or /proc).
+        os.rmdir(tempfile.mkdtemp(prefix=".kvgate-write-test", dir=ancestor))
+    except OSError as error:
+        raise InputError(f"{flag}: cannot write in {path}: {error.strerror}") from None
+
+
+def check_output_paths(args: argparse.Namespace) -> None:
+    """Every output path a command was given, checked before it runs:
+    `--junit-xml` (a file) and `--out` (a directory; a file where the
+    command's `--out` names one, as `kvgate shrink`'s does)."""
+    junit: Path | None = getattr(args, "junit_xml", None)
+    if junit is not None:
+        check_output_file(junit, "--junit-xml")
+    out: Path | None = getattr(args, "out", None)
+    if out is not None:
+        if getattr(args, "out_is_file", False):
+            check_output_file(out, "--out")
+        else:
+            check_output_dir(out, "--out")
+
+
 def add_verbosity(parser: argparse.ArgumentParser) -> None:
     """-q / -v / -vv (see kvgate/output.py)."""
     levels = parser.add_argument_group("output")
@@ -206,8 +265,16 @@ def add_verbosity(parser: argparse.ArgumentParser) -> None:
         dest="verbosity",
         action="store_const",
         const=QUIET,
-        help="print only failures, errors and the summary",
+        help="print only failures and the verdict or summary: no progress, no header, no line "
+        "for what passed or is not a failure",
     )
+
+
+def quiet(args: argparse.Namespace) -> bool:
+    """`-q`, the same on every command: only failures (and what a failure
+    needs to be understood) and the verdict or summary; no progress, no
+    header, no line for what passed or is not a failure."""
+    return bool(getattr(args, "verbosity", 0) <= QUIET)
 
 
 # -- names -------------------------------------------------------------------

@@ -1,12 +1,14 @@
 """A pytest plugin: `pytest --kvgate` runs kvgate's traces as tests.
 
-    pytest --kvgate [--kvgate-corpus DIR] [--kvgate-target vllm|model]
+    pytest --kvgate [--kvgate-corpus DIR ...] [--kvgate-no-bundled] [--kvgate-target vllm|model]
                     [--kvgate-require hold|retention|none] [--kvgate-plugin MODULE]
                     [-k EXPR] [-x] [--junit-xml PATH] ...
 
 Registered for every pytest run in the environment (entry point group
-`pytest11`) and inert unless `--kvgate` is given. With it, each trace of the
-corpus (by default the one kvgate ships) is a test item under
+`pytest11`) and inert unless `--kvgate` is given. With it, each trace the
+gate runs (the corpus kvgate ships, manager-level and scheduler-level, and
+each `--kvgate-corpus` folder with its subfolders, as `kvgate gate
+--corpus`) is a test item under
 `kvgate::<family>::<arm>` (JUnit class `kvgate.<family>.<arm>`), its tags
 are keywords, so pytest's `-k` selects by name, tag, family and arm, and
 `-x`, `--junit-xml`, `-q` and CI integrations work unchanged. Without test
@@ -29,10 +31,11 @@ from typing import Any
 
 import pytest
 
+from kvgate.conformance.corpora import read_corpora
 from kvgate.conformance.replay import LEVELS, Level, Outcome, ReplayResult, TargetFactory
 from kvgate.conformance.report import capability_lines, divergence_lines, trace_line
 from kvgate.conformance.selection import arm, family
-from kvgate.conformance.trace import Trace, TraceError, bundled_corpus, read_corpus
+from kvgate.conformance.trace import Trace, TraceError
 from kvgate.conformance.verdict import (
     CAPABILITY_NAMES,
     REQUIRE_NONE,
@@ -43,7 +46,14 @@ from kvgate.conformance.verdict import (
     verdict,
 )
 from kvgate.errors import InputError
-from kvgate.targets import LOCKSTEP_MODEL, TARGETS, gate_factories, run_trace
+from kvgate.targets import (
+    LOCKSTEP_MODEL,
+    TARGETS,
+    gate_factories,
+    run_scheduler_trace,
+    run_trace,
+    scheduler_factories,
+)
 
 _OUTCOMES = pytest.StashKey[list[Outcome]]()
 _RUN = pytest.StashKey["_GateRun"]()
@@ -58,7 +68,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--kvgate-corpus",
         metavar="DIR",
         type=Path,
-        help="the traces to collect (default: the corpus kvgate ships)",
+        action="append",
+        help="also collect the traces in DIR and its subfolders (repeatable; default: only "
+        "the corpus kvgate ships), as kvgate gate --corpus",
+    )
+    group.addoption(
+        "--kvgate-no-bundled",
+        action="store_true",
+        help="leave out the corpus kvgate ships: collect only the --kvgate-corpus folders",
     )
     group.addoption(
         "--kvgate-target",
@@ -91,7 +108,10 @@ class _GateRun:
     (`--kvgate-target vllm` imports vLLM only when a trace runs)."""
 
     def __init__(self, config: pytest.Config) -> None:
-        self.corpus: Path = config.getoption("kvgate_corpus") or bundled_corpus()
+        self.folders: list[Path] = config.getoption("kvgate_corpus") or []
+        self.bundled = not config.getoption("kvgate_no_bundled")
+        if not self.bundled and not self.folders:
+            raise pytest.UsageError("--kvgate-no-bundled: name at least one --kvgate-corpus DIR")
         self.target: str = config.getoption("kvgate_target")
         self.plugin: str | None = config.getoption("kvgate_plugin")
         self.level: Level = config.getoption("kvgate_level")
@@ -102,11 +122,27 @@ class _GateRun:
         if self.plugin is not None and self.target != "vllm":
             raise pytest.UsageError("--kvgate-plugin: only --kvgate-target vllm loads plugins")
         self._factories: tuple[TargetFactory, TargetFactory | None] | None = None
+        self._engine: tuple[Any, Any] | None = None
+
+    @property
+    def corpora(self) -> str:
+        names = (["bundled"] if self.bundled else []) + [str(f) for f in self.folders]
+        return ", ".join(names)
 
     def factories(self) -> tuple[TargetFactory, TargetFactory | None]:
         if self._factories is None:
             self._factories = gate_factories(self.target, self.plugin)
         return self._factories
+
+    def run(self, trace: Trace) -> Outcome:
+        """`trace`'s outcome, as `kvgate gate` runs it."""
+        if trace.scheduler_level:
+            if self._engine is None:
+                self._engine = scheduler_factories(self.target, self.plugin)
+            model, real = self._engine
+            return run_scheduler_trace(trace, model, real, self.level)
+        factory, model = self.factories()
+        return run_trace(trace, factory, model, self.level, self.target == LOCKSTEP_MODEL)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -121,7 +157,7 @@ def pytest_report_header(config: pytest.Config) -> str | None:
         return None
     required = ",".join(run.required) or REQUIRE_NONE
     plugin = f", plugin {run.plugin}" if run.plugin else ""
-    return f"kvgate: corpus {run.corpus}, target {run.target}{plugin}, require {required}"
+    return f"kvgate: corpora {run.corpora}, target {run.target}{plugin}, require {required}"
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
@@ -165,9 +201,10 @@ class Corpus(pytest.Collector):
     def collect(self) -> list[pytest.Item | pytest.Collector]:
         run = self.config.stash[_RUN]
         try:
-            traces, invalid = read_corpus(run.corpus)
+            corpora = read_corpora(run.folders, run.bundled)
         except TraceError as error:
             raise pytest.UsageError(f"--kvgate-corpus: {error}") from None
+        traces, invalid = corpora.traces, corpora.invalid
         nodes: list[pytest.Item | pytest.Collector] = [
             Group.from_parent(self, name=name, traces=group, by_arm=True)
             for name, group in _grouped(traces, lambda t: family(t.config) or "other")
@@ -245,10 +282,9 @@ class TraceItem(_Item):
     def runtest(self) -> None:
         run = self.config.stash[_RUN]
         try:
-            factory, model = run.factories()
+            outcome = run.run(self.trace)
         except InputError as error:
             raise TraceFailed([str(error)]) from None
-        outcome = run_trace(self.trace, factory, model, run.level, run.target == LOCKSTEP_MODEL)
         self.config.stash[_OUTCOMES].append(outcome)
         cause = verdict(outcome)
         if cause is Verdict.CONFORMS:

@@ -85,7 +85,8 @@ def register(subparsers: Any) -> None:
     options.add_plugin(cmd)
     options.add_level(cmd, LEVELS, "strict")
     options.add_partial(cmd)
-    cmd.set_defaults(handler=run)
+    # Its --out names the file to write, not a directory.
+    cmd.set_defaults(handler=run, out_is_file=True)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -84,7 +84,7 @@ run_covered explore "$py" -m kvgate explore --target vllm --hold off --profile c
 echo "== kvgate Scheduler-level gate (strict)" >&2
 scheduler_corpus="$("$py" -c 'from kvgate.conformance.trace import bundled_scheduler_corpus as c; print(c())')"
 run_covered sched-gate "$py" -m kvgate gate --target vllm --level strict \
-  --plugin kvgate.impl.hold_overlay --corpus "$scheduler_corpus"
+  --plugin kvgate.impl.hold_overlay --no-bundled --corpus "$scheduler_corpus"
 echo "== kvgate Scheduler-level exploration (ci profile)" >&2
 run_covered sched-explore "$py" -m kvgate explore --scope scheduler --target vllm --profile ci \
   --out "$out/sched-explore-traces"

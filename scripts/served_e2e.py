@@ -491,7 +491,8 @@ def check(out: Path, killed: bool) -> None:
         )
     junit = out / "gate-vllm.xml"
     for target in ("model", "vllm"):
-        args = ["gate", "--corpus", str(recordings), "--target", target, "--level", "strict"]
+        args = ["gate", "--no-bundled", "--corpus", str(recordings), "--target", target]
+        args += ["--level", "strict"]
         args += ["--junit-xml", str(out / f"gate-{target}.xml"), *partial]
         report = must(kvgate(*args), 0, f"gate on {target}")
         if "FAIL" in report or "ERROR" in report:

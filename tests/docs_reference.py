@@ -29,6 +29,7 @@ from kvgate.explore import command as explore_command  # noqa: E402
 from kvgate.explore.knobs import knobs_by_field  # noqa: E402
 from kvgate.invariants.catalogue import CATALOGUE, LEMMAS  # noqa: E402
 from kvgate.invariants.z3 import command as prove_command  # noqa: E402
+from kvgate.model.scope import not_modelled_text  # noqa: E402
 from kvgate.mutate import command as mutate_command  # noqa: E402
 from kvgate.vocabulary.schema import config_fields_table, group_fields_table  # noqa: E402
 from kvgate.workload import command as workload_command  # noqa: E402
@@ -83,6 +84,28 @@ def _default(action: argparse.Action) -> str:
     return f"`{action.default}`"
 
 
+def _help(action: argparse.Action) -> str:
+    """`action`'s help as `--help` shows it: its `%(default)s` and the
+    like filled in."""
+    text = action.help or ""
+    params = {**vars(action), "prog": "kvgate"}
+    params = {k: getattr(v, "__name__", v) for k, v in params.items() if v is not argparse.SUPPRESS}
+    return text % params if "%" in text else text
+
+
+def gate_on_upstream() -> str:
+    """The gate's summary on upstream vLLM, as docs/results.md publishes it
+    (its first run: the installed vLLM as it is), indented as a page shows
+    terminal output."""
+    results = (ROOT / "docs" / "results.md").read_text(encoding="utf-8")
+    section = results.split("<!-- results: gate -->", 1)[1].split("<!-- end: gate -->", 1)[0]
+    block = re.search(r"```text\n(.*?)```", section, re.S)
+    assert block is not None, "docs/results.md: the gate section has no output"
+    lines = [line for line in block.group(1).splitlines() if not line.startswith("exit ")]
+    # Blank lines around it: an indented block after a comment is code.
+    return "\n" + "\n".join(f"    {line}" if line else "" for line in lines) + "\n"
+
+
 def commands_reference() -> str:
     """A section per command: what it does, then a row per argument, all read
     from the parsers `kvgate` itself builds."""
@@ -93,9 +116,9 @@ def commands_reference() -> str:
     for name, command in subparsers.choices.items():
         rows = ["| argument | default | meaning |", "| --- | --- | --- |"]
         for action in command._actions:
-            if isinstance(action, argparse._HelpAction):
-                continue
-            rows.append(f"| {_flag(action)} | {_default(action)} | {_cell(action.help or '')} |")
+            if isinstance(action, argparse._HelpAction) or action.help == argparse.SUPPRESS:
+                continue  # a hidden option (an old spelling kept for a release)
+            rows.append(f"| {_flag(action)} | {_default(action)} | {_cell(_help(action))} |")
         parts.append(f"## `kvgate {name}`\n\n{_cell(helps.get(name, ''))}.\n\n" + "\n".join(rows))
     return "\n\n".join(parts)
 
@@ -143,9 +166,12 @@ def flag_ranges_table() -> str:
 GENERATED: dict[str, dict[str, Callable[[], str]]] = {
     "README.md": {"exit-codes": exit_codes_table},
     "docs/reference/commands.md": {"commands": commands_reference},
+    "docs/gate.md": {"gate-on-upstream": gate_on_upstream},
+    "docs/explanation/blind-spots.md": {"not-modelled": not_modelled_text},
     "docs/reference/knobs.md": {
         "config-fields": lambda: config_fields_table(knobs_by_field()),
         "group-fields": group_fields_table,
+        "not-modelled": not_modelled_text,
     },
     "docs/reference/limits.md": {
         "trace-limits": trace_limits_table,

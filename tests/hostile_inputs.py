@@ -401,7 +401,7 @@ def _several_traces(rng: random.Random) -> Variant:
     if command == "replay":
         argv = ["replay", *[f"{{dir}}/{f}" for f in files], "--target", "model"]
     else:
-        argv = ["gate", "--corpus", "{dir}", "--target", "model"]
+        argv = ["gate", "--no-bundled", "--corpus", "{dir}", "--target", "model"]
     argv += ["--junit-xml", "{dir}/out.xml"]
     return Variant("several-traces", argv, files, names, impossible, junit=True)
 

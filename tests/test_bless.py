@@ -5,6 +5,7 @@ vLLM disagrees."""
 from __future__ import annotations
 
 import difflib
+import re
 import textwrap
 from pathlib import Path
 
@@ -279,3 +280,90 @@ def test_values_shared_through_a_yaml_alias_are_refused_by_name(
         "text (a YAML alias); write them out to bless them\n"
     )
     assert path.read_text() == text
+
+
+# -- scheduler-level traces, and capabilities a trace must show ----------------
+
+SCHEDULER_HOLD = (
+    bundled_corpus() / "scheduler" / "sched-gdn-triton-next-turn-after-burst.hold-on.yaml"
+)
+
+
+def without_expectations(path: Path, name: str, cut_at: str | None = None) -> str:
+    """The trace at `path` renamed, every engine step's `expect` taken out
+    (and, with `cut_at`, the entries from that comment on left out)."""
+    text = re.sub(r"^name: .*$", f"name: {name}", path.read_text(), count=1, flags=re.M)
+    text = re.sub(r", expect: \{.*\}\}$", "}", text, flags=re.M)
+    if cut_at is not None:
+        text = text[: text.index(cut_at)]
+    assert "expect" not in text
+    return text
+
+
+def test_a_scheduler_level_trace_is_filled_with_what_the_engine_steps_report(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "mine.yaml"
+    path.write_text(without_expectations(SCHEDULER_HOLD, "mine-next-turn.hold-on"))
+    assert cli.main(["bless", str(path)]) == 0
+    assert capsys.readouterr().out.startswith(f"blessed {path}: ")
+    # What the bundled trace expects, filled from the model alone.
+    blessed, bundled = load_trace(path), load_trace(SCHEDULER_HOLD)
+    assert [e.expect for e in blessed.engine] == [e.expect for e in bundled.engine]
+    assert "cached_tokens: {A2: 168}" in path.read_text()
+    assert cli.main(["bless", str(path), "--check"]) == 0
+    assert cli.main(["replay", str(path), "--target", "model"]) == 0
+
+
+@needs_vllm
+def test_a_blessed_scheduler_level_hold_trace_lacks_the_hold_on_upstream_vllm(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "mine.yaml"
+    path.write_text(without_expectations(SCHEDULER_HOLD, "mine-next-turn.hold-on"))
+    assert cli.main(["bless", str(path)]) == 0
+    capsys.readouterr()
+    code = cli.main(["replay", str(path), "--target", "vllm", "--require", "hold"])
+    out = capsys.readouterr().out
+    if "hold: no" in out.splitlines()[0]:
+        assert code == 4 and "LACKS mine-next-turn.hold-on (hold: " in out
+    else:  # a build with the hold
+        assert code == 0, out
+    # With the overlay, vLLM's Scheduler agrees: bless confirms it there.
+    confirm = ["bless", str(path), "--target", "vllm", "--overlay", "--check"]
+    assert cli.main(confirm) == 0
+
+
+def test_a_trace_asking_for_the_hold_that_nothing_shows_is_refused_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Cut before the burst: no value differs with the hold off.
+    path = tmp_path / "short.yaml"
+    text = without_expectations(SCHEDULER_HOLD, "short.hold-on", cut_at="  # the burst")
+    path.write_text(text)
+    assert cli.main(["bless", str(path)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and path.read_text() == text
+    assert err == (
+        f"kvgate: error: {path}: config.retain_checkpoint: asks for the partial-tail hold, but "
+        "no expectation shows it: the model without it meets every one, so a build lacking it "
+        "would pass; expect a value that depends on it (a follow-up's hit or cached tokens, say)\n"
+    )
+    # The same trace with the hold off is blessed.
+    path.write_text(text.replace("retain_checkpoint: true", "retain_checkpoint: false"))
+    assert cli.main(["bless", str(path)]) == 0
+
+
+def test_a_manager_level_trace_asking_for_the_hold_that_nothing_shows_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # One request aborted mid-prefill: nothing it does depends on the hold.
+    source = (bundled_corpus() / "abort-mid-prefill.yaml").read_text()
+    assert "retain_checkpoint: false" in source
+    path = tmp_path / "abort.yaml"
+    text = source.replace("retain_checkpoint: false", "retain_checkpoint: true")
+    path.write_text(text)
+    code, out, err = bless(capsys, str(path))
+    assert code == 2 and out == "" and path.read_text() == text
+    assert err.startswith(f"kvgate: error: {path}: config.retain_checkpoint: asks for the ")
+    assert len(err.splitlines()) == 1

@@ -12,9 +12,10 @@ import yaml
 from configs import EXAMPLE_CONFIG
 from docs_reference import stale_parts
 
-from kvgate.conformance.trace import parse_trace
+from kvgate.conformance.trace import TraceError, parse_trace
 from kvgate.conformance.writer import dump_trace
 from kvgate.explore.knobs import KNOBS, build, knobs_by_field
+from kvgate.model.scope import SCHEDULER_LEVEL_ONLY
 from kvgate.vocabulary.config import Config, GroupConfig
 from kvgate.vocabulary.ops import Step
 from kvgate.vocabulary.schema import (
@@ -84,6 +85,14 @@ def test_each_field_round_trips_at_a_value_other_than_its_default(key: str) -> N
     config = replace(BASE, **needs, **{field.attribute: value})
     assert config != replace(BASE, **needs)
     text = dump_trace("round-trip", config, [Step("check", 0, check={"pool_clean": True})])
+    if key in SCHEDULER_LEVEL_ONLY:
+        # Only a scheduler-level trace models it (a manager-level one is refused).
+        from kvgate.conformance.writer import dump_engine_trace
+        from kvgate.vocabulary.scheduling import EngineSettings, EngineStep
+
+        with pytest.raises(TraceError, match=rf"config\.{key}: "):
+            parse_trace(text, "round-trip.yaml")
+        text = dump_engine_trace("round-trip", config, EngineSettings(), [EngineStep("step", 0)])
     written = yaml.safe_load(text)["config"]
     assert key in written
     assert parse_trace(text, "round-trip.yaml").config == config

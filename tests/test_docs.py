@@ -47,6 +47,20 @@ def test_generated_parts_match_the_code() -> None:
     assert not stale, f"regenerate with `python tests/docs_reference.py`: {stale}"
 
 
+def test_generated_parts_show_no_raw_placeholder() -> None:
+    """What argparse fills in (`%(default)s`) or hides (`==SUPPRESS==`)
+    never reaches a page as written."""
+    from docs_reference import GENERATED, part_pattern
+
+    for page, parts in GENERATED.items():
+        text = (ROOT / page).read_text(encoding="utf-8")
+        for name in parts:
+            found = part_pattern(name).search(text)
+            assert found is not None, f"{page}: no generated part {name}"
+            for raw in ("%(", ")s", "==SUPPRESS=="):
+                assert raw not in found.group(2), f"{page}: {name} shows {raw!r}"
+
+
 def knob_table_keys(section: str) -> set[str]:
     text = (DOCS / "reference" / "knobs.md").read_text(encoding="utf-8")
     body = text.split(f"## {section}\n", 1)[1].split("\n## ", 1)[0]
@@ -107,6 +121,13 @@ def test_the_tutorial_trace_replays_as_the_tutorial_says(
     path = tutorial_trace(tmp_path)
     code, printed = run_kvgate(["replay", str(path), "--target", "model"], monkeypatch)
     assert code == 0, printed
+    # The output the tutorial shows, and the step count its prose reads off it.
+    page = (DOCS / "tutorial" / "first-trace.md").read_text(encoding="utf-8")
+    section = page.split("## 3. Run it on the model", 1)[1]
+    [shown] = re.findall(r"```text\n(.*?)```", section.split("\n## ", 1)[0], re.S)
+    assert normalised(printed) == normalised(shown), printed
+    steps = re.search(r"\((\d+) steps, ", printed)
+    assert steps is not None and f"\n{steps.group(1)} steps: the macros expanded" in section
     hold_off = tmp_path / "my-next-turn.hold-off.yaml"
     hold_off.write_text(
         path.read_text()

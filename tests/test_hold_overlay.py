@@ -278,7 +278,9 @@ def test_gate_header_names_the_hold_source(
     for trace in (HOLD_OFF[0], HOLD_ON[0]):
         shutil.copy(trace.path, tmp_path / trace.path.name)
     assert sorted(p.name for p in tmp_path.iterdir())[0] == HOLD_OFF[0].path.name
-    code = cli.main(["gate", "--target", "vllm", "--corpus", str(tmp_path), "--plugin", PLUGIN])
+    code = cli.main(
+        ["gate", "--target", "vllm", "--no-bundled", "--corpus", str(tmp_path), "--plugin", PLUGIN]
+    )
     out = capsys.readouterr().out.splitlines()
     assert code == 0, out
     version = importlib.metadata.version("vllm")

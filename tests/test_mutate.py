@@ -563,6 +563,23 @@ def test_fast_subset_is_caught_by_the_expected_traces(
 
 
 @needs_vllm
+def test_quiet_prints_only_the_faults_not_caught_and_the_summary(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fault, trace = next(iter(FAST.items()))
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    shutil.copy(bundled_corpus() / f"{trace}.yaml", corpus)
+    argv = ["mutate", "--faults", fault, "--corpus", str(corpus), "--explore", "0"]
+    assert cli.main([*argv, "--scheduler-explore", "0", "-q"]) == 0
+    out = capsys.readouterr().out
+    assert not out.startswith("kvgate mutate:")
+    assert not any(line.startswith("baseline (no fault") for line in out.splitlines())
+    assert not any(line.startswith(fault) for line in out.splitlines())
+    assert "kill rate: 1/1 applicable faults caught (100.0%)" in out
+
+
+@needs_vllm
 def test_a_fault_that_hangs_the_gate_is_hung_not_caught(tmp_path: Path) -> None:
     corpus = tmp_path / "corpus"
     corpus.mkdir()

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvgate import cli, options
+from kvgate.conformance.trace import bundled_corpus
 from kvgate.explore import command as explore_command
 
 
@@ -140,3 +141,41 @@ def test_profile_help_lists_each_profiles_size_and_the_default() -> None:
     for name, settings in PROFILES.items():
         assert f"{name} {settings.max_examples}" in flat
     assert "(default: dev)" in flat
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["gate", "--target", "model", "--junit-xml", "{file}/gate.xml"],
+        ["gate", "--target", "model", "--junit-xml", "{missing}/gate.xml"],
+        ["replay", "{trace}", "--target", "model", "--junit-xml", "{dir}"],
+        ["explore", "--target", "model", "--budget", "1", "--out", "{file}/traces"],
+        ["workload", "--out", "{file}"],
+        ["prove", "--out", "{file}/sub"],
+        ["mutate", "--junit-xml", "{missing}/m.xml"],
+        ["shrink", "{trace}", "--target", "model", "--out", "{missing}/t.yaml"],
+    ],
+)
+def test_an_unwritable_output_path_is_one_line_before_anything_runs(
+    argv: list[str],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    file = tmp_path / "a-file"
+    file.write_text("")
+    trace = bundled_corpus() / "seed1-next-turn-after-burst.hold-on.yaml"
+    places = {"file": file, "missing": tmp_path / "missing", "dir": tmp_path, "trace": trace}
+    # Nothing may run: a replay, or a command's handler, would be a test failure.
+    monkeypatch.setattr(cli, "run_traces", _never)
+    code = cli.main([a.format(**places) for a in argv])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == ""
+    assert len(err.splitlines()) == 1, err
+    flag = "--out" if "--out" in argv else "--junit-xml"
+    assert err.startswith(f"kvgate: error: {flag}: "), err
+    assert not (tmp_path / "missing").exists()
+
+
+def _never(*args: object, **kwargs: object) -> int:
+    raise AssertionError("ran before its output path was checked")

@@ -36,7 +36,7 @@ def test_gate_on_vllm_keeps_vllms_lines_and_counts_them(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     corpus = _corpus(tmp_path, LOGGING_TRACE, QUIET_TRACE)
-    assert cli.main(["gate", "--target", "vllm", "--corpus", str(corpus)]) == 0
+    assert cli.main(["gate", "--target", "vllm", "--no-bundled", "--corpus", str(corpus)]) == 0
     out, err = capsys.readouterr()
     assert VLLM_LINE not in out + err
     assert "vllm WARNING" not in out + err
@@ -51,7 +51,9 @@ def test_gate_verbose_shows_vllms_lines_as_they_happen(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     corpus = _corpus(tmp_path, LOGGING_TRACE)
-    assert cli.main(["gate", "--target", "vllm", "--corpus", str(corpus), "-v"]) == 0
+    assert (
+        cli.main(["gate", "--target", "vllm", "--no-bundled", "--corpus", str(corpus), "-v"]) == 0
+    )
     out, err = capsys.readouterr()
     assert f"vllm WARNING: {VLLM_LINE}" in err
     assert "vLLM logged 1 warning (all from traces)" in out
@@ -67,7 +69,7 @@ def test_a_failing_trace_shows_the_vllm_lines_it_caused(
     drifted = text.replace("expect: {evicted: 17,", "expect: {evicted: 18,", 1)
     assert drifted != text
     (tmp_path / LOGGING_TRACE).write_text(drifted)
-    assert cli.main(["gate", "--target", "vllm", "--corpus", str(tmp_path)]) == 1
+    assert cli.main(["gate", "--target", "vllm", "--no-bundled", "--corpus", str(tmp_path)]) == 1
     out, err = capsys.readouterr()
     assert "vLLM logged during trace mamba2-residency-metrics.hold-off:" in err
     assert f"  vllm WARNING: {VLLM_LINE}" in err
@@ -80,7 +82,7 @@ def test_a_trace_lacking_a_capability_does_not_show_vllms_lines(
     """Upstream vLLM lacks the hold: the hold-on trace is reported as lacking
     it, not as failing, so its vLLM lines stay counted, not shown."""
     corpus = _corpus(tmp_path, LOGGING_TRACE.replace("hold-off", "hold-on"))
-    assert cli.main(["gate", "--target", "vllm", "--corpus", str(corpus)]) == 4
+    assert cli.main(["gate", "--target", "vllm", "--no-bundled", "--corpus", str(corpus)]) == 4
     out, err = capsys.readouterr()
     assert "vLLM logged during" not in err and VLLM_LINE not in err
     assert "vLLM logged 1 warning (all from traces); -v shows them" in out
@@ -89,7 +91,9 @@ def test_a_trace_lacking_a_capability_does_not_show_vllms_lines(
 @needs_vllm
 def test_quiet_prints_no_passing_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     corpus = _corpus(tmp_path, QUIET_TRACE)
-    assert cli.main(["gate", "--target", "vllm", "--corpus", str(corpus), "-q"]) == 0
+    assert (
+        cli.main(["gate", "--target", "vllm", "--no-bundled", "--corpus", str(corpus), "-q"]) == 0
+    )
     out, _ = capsys.readouterr()
     assert "PASS" not in out
     assert "1 passed, 0 failed" in out
@@ -113,3 +117,46 @@ def test_summary_names_where_the_lines_came_from(capsys: pytest.CaptureFixture[s
     assert err == "vLLM logged during trace t:\n  vllm ERROR: three\n"
     # Uninstalled: vLLM's logger is as it was.
     assert all(not isinstance(h, VllmLogs) for h in logging.getLogger(VLLM_LOGGER).handlers)
+
+
+# -- -q means the same on every command: failures and the verdict or summary.
+
+
+def test_prove_quiet_prints_only_the_count(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["prove", "--blocks", "2", "--requests", "1"]) == 0
+    loud = capsys.readouterr().out.splitlines()
+    assert len(loud) > 10 and "proved" in loud[2]
+    assert cli.main(["prove", "--blocks", "2", "--requests", "1", "-q"]) == 0
+    [count] = capsys.readouterr().out.splitlines()
+    assert count.startswith(f"{loud[-1].split(' proved')[0]} proved in ")
+
+
+def test_workload_quiet_prints_no_progress(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["workload", "--target", "model", "--scale", "64", "--units", "4096", "--hold", "on"]
+    assert cli.main([*argv, "--sessions", "2", "--turns", "2", "--out", str(tmp_path), "-q"]) == 0
+    out, err = capsys.readouterr()
+    assert "done in" not in err and "[" not in err
+    assert out.startswith("kvgate workload: ")
+
+
+def test_explore_quiet_prints_the_count_and_the_verdict_and_the_budget_is_kept(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert cli.main(["explore", "--budget", "7", "-q"]) == 0
+    out, err = capsys.readouterr()
+    assert err == ""
+    count, verdict = out.splitlines()
+    assert count.startswith("7 examples, ") and verdict == "no failure found"
+
+
+@needs_vllm
+def test_the_scheduler_level_budget_counts_the_examples_that_ran(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Examples a side refused, or Hypothesis dropped, are counted apart.
+    assert cli.main(["explore", "--scope", "scheduler", "--budget", "4", "-q"]) == 0
+    count, verdict = capsys.readouterr().out.splitlines()
+    assert count.startswith("4 examples, ") and "dropped part-way" in count
+    assert verdict == "no divergence found"

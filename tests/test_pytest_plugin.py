@@ -13,13 +13,15 @@ import pytest
 from configs import needs_vllm
 from fake_target import fake_trace_text
 
-from kvgate.conformance.trace import bundled_corpus, read_corpus
+from kvgate import cli
+from kvgate.conformance.corpora import read_corpora
 
 pytest_plugins = ("pytester",)
 
 PLUGIN = ("-p", "kvgate.pytest_plugin", "-p", "no:cacheprovider")
-# `--kvgate` collects the bundled manager-level corpus: one item per trace.
-CORPUS = len(read_corpus(bundled_corpus())[0])
+# `--kvgate` collects what the gate runs: one item per trace of the bundled
+# corpus, manager-level and scheduler-level.
+CORPUS = len(read_corpora().traces)
 DOCS = Path(__file__).parents[1] / "docs" / "gate.md"
 PLAIN = """\
 - {op: arrive, req: A, prompt: [{fresh: 40}]}
@@ -43,7 +45,7 @@ def test_k_selects_traces_and_junit_classes_are_family_and_arm(pytester: pytest.
     )
     # The traces only: the test file in the directory is not collected.
     result.assert_outcomes(passed=4, deselected=CORPUS - 4)
-    assert "kvgate: corpus " in result.stdout.str()
+    assert "kvgate: corpora bundled, target model" in result.stdout.str()
     result.stdout.fnmatch_lines(
         [f"collected {CORPUS} items / {CORPUS - 4} deselected / 4 selected"]
     )
@@ -66,6 +68,55 @@ def test_k_selects_traces_and_junit_classes_are_family_and_arm(pytester: pytest.
     named.assert_outcomes(passed=5, deselected=CORPUS - 4)
 
 
+def gate_lines(capsys: pytest.CaptureFixture[str], *args: str) -> list[str]:
+    """What `kvgate gate --target model ARGS` prints, line by line."""
+    capsys.readouterr()  # what pytester's runs printed before
+    cli.main(["gate", "--target", "model", *args])
+    return capsys.readouterr().out.splitlines()
+
+
+def test_it_collects_every_trace_the_gate_runs_with_the_gates_verdicts(
+    pytester: pytest.Pytester, capsys: pytest.CaptureFixture[str]
+) -> None:
+    listed = gate_lines(capsys, "--list")
+    assert listed[-1] == f"{CORPUS} traces selected"
+    collected = pytester.runpytest(*PLUGIN, "--kvgate", "--collect-only", "-q")
+    collected.stdout.fnmatch_lines([f"{CORPUS} tests collected*"])
+    # The Scheduler-level traces too, by name, with the verdicts the gate gives.
+    ran = gate_lines(capsys, "-k", "sched-async")
+    words = [line.split(" ") for line in ran]
+    verdicts = {w[1]: w[0] for w in words if w[0] in ("PASS", "FAIL", "LACKS", "SKIP", "ERROR")}
+    assert len(verdicts) >= 2 and set(verdicts.values()) == {"PASS"}, ran
+    selected = pytester.runpytest(
+        *PLUGIN, "--kvgate", "--kvgate-target", "model", "-k", "sched-async", "-rA"
+    )
+    selected.assert_outcomes(passed=len(verdicts), deselected=CORPUS - len(verdicts))
+    for name in verdicts:
+        selected.stdout.fnmatch_lines([f"PASSED kvgate::*::{name}"])
+
+
+def test_corpus_folders_add_to_the_bundled_corpus(pytester: pytest.Pytester) -> None:
+    corpus = pytester.path / "corpus" / "deeper"
+    corpus.mkdir(parents=True)
+    (corpus / "b.yaml").write_text(fake_trace_text(PLAIN, "b"))
+    both = pytester.runpytest(
+        *PLUGIN, "--kvgate", "--kvgate-corpus", str(pytester.path / "corpus"), "--collect-only"
+    )
+    both.stdout.fnmatch_lines([f"*{CORPUS + 1} tests collected*"])
+    alone = pytester.runpytest(
+        *PLUGIN,
+        "--kvgate",
+        "--kvgate-target",
+        "model",
+        "--kvgate-no-bundled",
+        "--kvgate-corpus",
+        str(corpus),
+    )
+    alone.assert_outcomes(passed=1)
+    neither = pytester.runpytest(*PLUGIN, "--kvgate", "--kvgate-no-bundled")
+    assert neither.ret == pytest.ExitCode.USAGE_ERROR
+
+
 def test_x_stops_at_the_first_failure_and_an_invalid_trace_fails_in_one_line(
     pytester: pytest.Pytester,
 ) -> None:
@@ -74,17 +125,37 @@ def test_x_stops_at_the_first_failure_and_an_invalid_trace_fails_in_one_line(
     (corpus / "a.yaml").write_text(fake_trace_text(PLAIN, "a").replace("num_blocks: 96", "x: 1"))
     (corpus / "b.yaml").write_text(fake_trace_text(PLAIN, "b"))
     result = pytester.runpytest(
-        *PLUGIN, "--kvgate", "--kvgate-target", "model", "--kvgate-corpus", str(corpus)
+        *PLUGIN,
+        "--kvgate",
+        "--kvgate-target",
+        "model",
+        "--kvgate-no-bundled",
+        "--kvgate-corpus",
+        str(corpus),
     )
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines(["*invalid trace: *a.yaml: config.x: unknown config key*"])
     stopped = pytester.runpytest(
-        *PLUGIN, "--kvgate", "--kvgate-target", "model", "--kvgate-corpus", str(corpus), "-x"
+        *PLUGIN,
+        "--kvgate",
+        "--kvgate-target",
+        "model",
+        "--kvgate-no-bundled",
+        "--kvgate-corpus",
+        str(corpus),
+        "-x",
     )
     stopped.assert_outcomes(passed=1, failed=1)
     shutil.copy(corpus / "a.yaml", corpus / "c.yaml")
     stopped = pytester.runpytest(
-        *PLUGIN, "--kvgate", "--kvgate-target", "model", "--kvgate-corpus", str(corpus), "-x"
+        *PLUGIN,
+        "--kvgate",
+        "--kvgate-target",
+        "model",
+        "--kvgate-no-bundled",
+        "--kvgate-corpus",
+        str(corpus),
+        "-x",
     )
     stopped.assert_outcomes(passed=1, failed=1)  # the second invalid trace never ran
 

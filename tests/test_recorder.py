@@ -409,7 +409,7 @@ def test_a_recording_goes_on_in_parts_under_steady_load(
     for part in parts:
         assert cli.main(["replay", str(part), "--target", "model"]) == 0
         assert cli.main(["replay", str(part), "--target", "vllm", "--level", "strict"]) == 0
-    assert cli.main(["gate", "--corpus", str(recordings), "--target", "vllm"]) == 0
+    assert cli.main(["gate", "--no-bundled", "--corpus", str(recordings), "--target", "vllm"]) == 0
     out = capsys.readouterr().out
     assert f"PASS {parts[-1].stem} (" in out and "1 passed" in out
     # A part whose predecessor is gone does not replay: one line naming it.
@@ -584,7 +584,18 @@ def test_a_recording_replays_on_the_model_and_on_vllm(
     # The arm is recorded: the run had the hold on.
     assert trace.config.hold
     assert cli.main(["replay", str(path), "--target", "model"]) == 0
-    code = cli.main(["gate", "--corpus", str(path.parent), "--target", "vllm", "--plugin", PLUGIN])
+    code = cli.main(
+        [
+            "gate",
+            "--no-bundled",
+            "--corpus",
+            str(path.parent),
+            "--target",
+            "vllm",
+            "--plugin",
+            PLUGIN,
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0, out
     assert f"PASS {trace.name}" in out

@@ -374,12 +374,22 @@ def test_gate_passes_a_conforming_corpus(
     write(tmp_path / "a.yaml", LIFE, "life")
     junit = tmp_path / "out.xml"
     code = cli.main(
-        ["gate", "--corpus", str(tmp_path), "--plugin", "my.hold", "--junit-xml", str(junit)]
+        [
+            "gate",
+            "--no-bundled",
+            "--corpus",
+            str(tmp_path),
+            "--plugin",
+            "my.hold",
+            "--junit-xml",
+            str(junit),
+        ]
     )
     out = capsys.readouterr().out.splitlines()
     assert code == 0
     assert out[0] == "target: fake (partial hits: yes, hold: yes (plugin my.hold))"
-    assert out[1].startswith("PASS life (20 steps, ")
+    assert out[1] == f"corpora: {tmp_path}: manager-level 1 traces, scheduler-level 0 traces"
+    assert out[2].startswith("PASS life (20 steps, ")
     assert out[-1] == "1 passed, 0 failed"
     assert junit.exists()
 
@@ -391,12 +401,12 @@ def test_gate_exits_1_on_a_divergence(
     monkeypatch.setitem(targets.TARGETS, "vllm", "fake_target:RaisingFake")
     write(tmp_path / "a.yaml", LIFE, "life")
     write(tmp_path / "b.yaml", FOLLOW_UP, "follow-up")
-    assert cli.main(["gate", "--corpus", str(tmp_path)]) == 1
+    assert cli.main(["gate", "--no-bundled", "--corpus", str(tmp_path)]) == 1
     captured = capsys.readouterr()
     assert "Traceback" not in captured.out + captured.err
     out = captured.out.splitlines()
-    assert out[1].startswith("FAIL life (")
-    assert out[2].startswith("PASS follow-up (")
+    assert out[2].startswith("FAIL life (")
+    assert out[3].startswith("PASS follow-up (")
     assert "  actual:   RuntimeError: boom in decode" in out
     assert out[-1] == "1 passed, 1 failed"
 

@@ -152,3 +152,55 @@ def test_the_page_reprints_as_published() -> None:
         text=True,
     )
     assert done.returncode == 0, done.stdout + done.stderr[-2000:]
+
+
+# -- every other page: a number the code prints is generated or checked --------
+
+# A count of something the code decides (traces, faults, verdicts, proofs, ...).
+COUNTED = re.compile(
+    r"\b\d[\d,]* (?:passed|failed|lacking|traces?|faults?|invariants?|lemmas?|proved|"
+    r"methods|errors|not applicable|examples)\b|\b\d+ of \d+\b"
+)
+# Where such a number may stand: a generated part (test_docs checks each
+# against its generator), an example report test_docs replays, this page's
+# sections (checked above), and the tutorial's run (test_docs replays it).
+CHECKED_PARTS = (
+    re.compile(r"<!-- generated: ([\w-]+) -->\n.*?<!-- end generated: \1 -->", re.S),
+    re.compile(r"<!-- example report: .*? -->\n```text\n.*?```", re.S),
+    re.compile(r"<!-- results: ([\w-]+) -->\n.*?<!-- end: \1 -->", re.S),
+    re.compile(r"## 3\. Run it on the model\n.*?\n## ", re.S),
+)
+
+
+def drifting_numbers(page: str, text: str) -> list[str]:
+    """Each count on `page` outside the parts a test checks."""
+    for part in CHECKED_PARTS:
+        text = part.sub("", text)
+    return [
+        f"{page}:{text[: m.start()].count(chr(10)) + 1}: {m.group(0)!r}"
+        for m in COUNTED.finditer(text)
+    ]
+
+
+def test_no_page_types_a_number_the_code_prints() -> None:
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    typed = [
+        line
+        for path in pages
+        for line in drifting_numbers(str(path.relative_to(ROOT)), path.read_text("utf-8"))
+    ]
+    assert not typed, (
+        "numbers typed into the docs, unchecked (generate them: tests/docs_reference.py, "
+        "benchmarks/results.py): " + "; ".join(typed)
+    )
+
+
+def test_a_typed_count_is_found() -> None:
+    page = (
+        "intro\n    182 passed, 0 failed\n"
+        "<!-- generated: x -->\n3 traces\n<!-- end generated: x -->\n"
+    )
+    assert drifting_numbers("docs/p.md", page) == [
+        "docs/p.md:2: '182 passed'",
+        "docs/p.md:2: '0 failed'",
+    ]

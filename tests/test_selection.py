@@ -146,7 +146,7 @@ def test_every_invalid_trace_is_listed_and_every_valid_one_runs(
     for i, (text, _) in enumerate(BROKEN):
         (tmp_path / f"b{i:02}.yaml").write_text(text)
     junit = tmp_path.parent / "gate.xml"
-    code = cli.main(["gate", "--corpus", str(tmp_path), "--junit-xml", str(junit)])
+    code = cli.main(["gate", "--no-bundled", "--corpus", str(tmp_path), "--junit-xml", str(junit)])
     captured = capsys.readouterr()
     assert code == 2 and "Traceback" not in captured.out + captured.err
     errors = captured.err.splitlines()
@@ -166,7 +166,7 @@ def test_every_invalid_trace_is_listed_and_every_valid_one_runs(
     classes = sorted({case.get("classname", "") for case in suite.iter("testcase")})
     assert classes == ["kvgate.gdn-triton.hold-off", "kvgate.gdn-triton.hold-on", "kvgate.invalid"]
     # `--list` lists them too, and exits 2 as pytest's collection does.
-    assert cli.main(["gate", "--corpus", str(tmp_path), "--list"]) == 2
+    assert cli.main(["gate", "--no-bundled", "--corpus", str(tmp_path), "--list"]) == 2
     listed = capsys.readouterr()
     assert listed.out.splitlines()[-1] == "2 traces selected, 10 invalid"
     assert len(listed.err.splitlines()) == len(BROKEN)

@@ -58,9 +58,13 @@ def gate(
 ) -> tuple[int, list[str], str]:
     monkeypatch.setitem(targets.TARGETS, "model", "fake_target:FakeTarget")
     monkeypatch.setitem(targets.TARGETS, "vllm", f"{__name__}:{target.__name__}")
-    code = cli.main(["gate", "--corpus", str(corpus), *args])
+    code = cli.main(["gate", "--no-bundled", "--corpus", str(corpus), *args])
     captured = capsys.readouterr()
-    return code, captured.out.splitlines(), captured.err
+    out = captured.out.splitlines()
+    # The corpora line (the test's folder alone) is left out.
+    if out[1:2] and out[1].startswith(f"corpora: {corpus}: manager-level "):
+        del out[1]
+    return code, out, captured.err
 
 
 @pytest.fixture
@@ -198,3 +202,16 @@ def test_a_kind_of_trace_none_of_which_ran_is_said_once() -> None:
     ran = parse_trace(SMALL_SCHEDULER_TRACE_HEAD.format(name="s3") + steps, "s3.yaml")
     failed = TraceRunError(ran, "s3.yaml: step 0: req: refused", bug=False)
     assert unrun_corpus_lines([*refused, failed]) == []
+
+
+def test_quiet_lists_a_lacking_trace_only_when_it_fails_the_gate(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], corpus: Path
+) -> None:
+    code, out, _ = gate(monkeypatch, capsys, corpus, HoldlessFake, "--require", "none", "-q")
+    assert code == 0
+    assert not any(line.startswith(("LACKS", "PASS", "target:", "corpora:")) for line in out)
+    assert any(line.startswith("lacks hold: 1 traces need ") for line in out)
+    assert out[-1] == "1 passed, 0 failed, 1 lacking a capability"
+    code, out, _ = gate(monkeypatch, capsys, corpus, HoldlessFake, "-q")
+    assert code == 4
+    assert [line.split(" ")[0] for line in out if line.startswith(("LACKS", "PASS"))] == ["LACKS"]

@@ -10,6 +10,19 @@ step observed), and what it reports becomes the steps' values:
 - a `check` step keeps its keys, their values refreshed;
 - ops that report nothing (`arrive`, `step`, `decode`, ...) are left alone.
 
+A scheduler-level trace's engine entries are blessed alike (`bless_engine`):
+an engine `step` with `expect` keeps its keys (`cached_tokens` and `encoded`
+their requests), one without gets what the step scheduled and every other
+value the step reported (its preemptions, finished requests, prefills'
+cached tokens, encoder inputs, KV-cache events); a prefix-cache `reset`
+gets whether it reset and the waiting queue. An entry of several steps
+(`steps: N`) expects nothing and is left alone.
+
+A trace that asks for a capability (the hold, the retained-state
+retention) must show it: `check_shows_capabilities` refuses one whose
+expectations the model meets without the capability too, since a build
+lacking it would pass such a trace.
+
 The file is edited as text, at the places PyYAML's node marks give, so
 comments, key order, macros and token notation stay as written. A value that
 did not change is not touched; a nested one (a `ref` check, a list of
@@ -20,8 +33,9 @@ values intended.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
 import yaml
@@ -29,9 +43,11 @@ from yaml.nodes import CollectionNode, MappingNode, Node, ScalarNode, SequenceNo
 
 from kvgate.conformance.compare import holding, same, same_check
 from kvgate.conformance.replay import replay
+from kvgate.conformance.scheduler_replay import SchedulerModelFactory, replay_scheduler
 from kvgate.conformance.trace import Trace, TraceError, parse_trace
 from kvgate.conformance.writer import plain
 from kvgate.vocabulary.ops import ACTIONS, Step
+from kvgate.vocabulary.scheduling import ENGINE_EXPECT_KEYS, RESET_EXPECT_KEYS, EngineStep
 from kvgate.vocabulary.target import Target
 
 # A lookup's values that only a KV connector gives meaning to: not filled
@@ -87,6 +103,114 @@ def bless(trace: Trace, text: str, model: Target) -> Blessing:
     blessed = parse_trace(new_text, trace.path)
     _read_back(blessed, wanted)
     return Blessing(trace, new_text, blessed, editor.filled, editor.changed, editor.kept)
+
+
+def bless_engine(trace: Trace, text: str, model: SchedulerModelFactory) -> Blessing:
+    """Scheduler-level `trace` (read from `text`) with its engine entries'
+    values from kvgate's scheduler model (`model`, its factory).
+
+    Raises `TraceError` for a trace the model refuses or cannot finish, and
+    `ModelBug` when the model raises."""
+    check_blessable(trace)
+    repeated = {i for i, n in Counter(e.index for e in trace.engine).items() if n > 1}
+    observed: dict[int, dict[str, Any]] = {}
+
+    def observe(event: EngineStep, values: dict[str, Any]) -> None:
+        if event.index not in repeated:
+            observed[event.index] = values
+
+    replay_scheduler(trace, model, None, "strict", observe)
+    editor = _Editor(text, trace)
+    wanted: dict[int, dict[str, Any]] = {}
+    for event in trace.engine:
+        values = _engine_wanted(trace, event, observed.get(event.index))
+        if not values:
+            continue
+        wanted[event.index] = values
+        if event.expect:
+            editor.refresh(event.index, values, check=False)
+        else:
+            editor.fill(event.index, values)
+    new_text = editor.result()
+    blessed = parse_trace(new_text, trace.path)
+    for event in blessed.engine:
+        if event.index in wanted and _engine_values(event.expect) != wanted[event.index]:
+            raise RuntimeError(
+                f"{blessed.path}: engine entry {event.index}: the edited trace reads back "
+                f"{event.expect!r}, not {wanted[event.index]!r}"
+            )
+    return Blessing(trace, new_text, blessed, editor.filled, editor.changed, editor.kept)
+
+
+def _engine_values(values: Mapping[str, Any]) -> dict[str, Any]:
+    """An engine entry's expected values in the trace's form (preemptions sorted)."""
+    return {k: plain(sorted(v) if k == "preempted" else v) for k, v in values.items()}
+
+
+def _engine_wanted(
+    trace: Trace, event: EngineStep, observed: Mapping[str, Any] | None
+) -> dict[str, Any]:
+    """The values to write at engine entry `event`, by key, in the trace's form."""
+    if observed is None:
+        return {}
+    if event.op == "reset":
+        return _engine_values({k: observed[k] for k in event.expect or RESET_EXPECT_KEYS})
+    if event.op != "step":
+        return {}
+    if not event.expect:
+        # What the step scheduled, and every other value it reported.
+        filled = {k: observed[k] for k in ENGINE_EXPECT_KEYS if observed[k]}
+        return _engine_values({"scheduled": observed["scheduled"], **filled})
+    values: dict[str, Any] = {}
+    for key, written in event.expect.items():
+        if key == "cached_tokens":
+            unreported = [r for r in written if r not in observed[key]]
+            if unreported:
+                raise TraceError(
+                    trace.path,
+                    event.index,
+                    f"expect.cached_tokens.{unreported[0]}",
+                    "the model reports no prefill of it at this step",
+                )
+            values[key] = {r: observed[key][r] for r in written}
+        elif key == "encoded":
+            values[key] = {r: observed[key].get(r, []) for r in written}
+        else:
+            values[key] = observed[key]
+    return _engine_values(values)
+
+
+# The capabilities a trace may ask for: the config switch, its trace field,
+# and how a refusal names it.
+_CAPABILITIES: tuple[tuple[str, str, str], ...] = (
+    ("hold", "retain_checkpoint", "the partial-tail hold"),
+    ("retain_retired", "retain_retired", "the retained-state retention"),
+)
+
+
+def check_shows_capabilities(trace: Trace, meets: Callable[[Trace], bool]) -> None:
+    """`TraceError` when `trace` asks for a capability none of its
+    expectations shows: `meets(t)` (the model replaying `t` meets all of its
+    expectations) holds with the capability switched off too, so a build
+    without it would pass the trace."""
+    for switch, field_name, name in _CAPABILITIES:
+        if not getattr(trace.config, switch):
+            continue
+        if switch == "hold":
+            # The retention is under the hold's switch.
+            config = replace(trace.config, hold=False, retain_retired=False)
+        else:
+            config = replace(trace.config, retain_retired=False)
+        without = replace(trace, config=config)
+        if meets(without):
+            raise TraceError(
+                trace.path,
+                None,
+                f"config.{field_name}",
+                f"asks for {name}, but no expectation shows it: the model without it meets "
+                "every one, so a build lacking it would pass; expect a value that depends "
+                "on it (a follow-up's hit or cached tokens, say)",
+            )
 
 
 def check_blessable(trace: Trace) -> None:
@@ -177,7 +301,7 @@ class _Editor:
         # The reader has validated the text: one mapping with a `steps` list.
         root = yaml.compose(self.text, Loader=yaml.SafeLoader)
         assert isinstance(root, MappingNode)
-        steps = _value_node(root, "steps")
+        steps = _value_node(root, "engine" if self.trace.scheduler_level else "steps")
         assert isinstance(steps, SequenceNode)
         self.steps: list[Node] = steps.value
 

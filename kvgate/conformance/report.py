@@ -86,18 +86,24 @@ class TerminalReport:
         else:
             self._line(capabilities_line(capabilities))
 
-    def corpora(self, manager_level: int, scheduler_level: int) -> None:
-        """The header's second line: how many traces of each kind run."""
+    def corpora(self, counts: Sequence[str]) -> None:
+        """The header's second line: the corpora that run, and how many
+        traces of each kind each holds."""
         if not self.quiet:
-            self._line(
-                f"corpora: manager-level {manager_level} traces, "
-                f"scheduler-level {scheduler_level} traces"
-            )
+            self._line("corpora: " + "; ".join(counts))
 
     def add(self, result: Outcome) -> None:
         self.results.append(result)
-        if not (self.quiet and result.passed):
+        if not (self.quiet and not self.fails(result)):
             self._line(trace_line(result))
+
+    def fails(self, result: Outcome) -> bool:
+        """Whether `result` fails the run (quiet shows only those): a
+        divergence, an error, or a capability `--require` names; not a
+        trace that passed, lacks what is not required, or does not apply."""
+        cause = verdict(result)
+        failing = (Verdict.DIVERGES, Verdict.ERROR, Verdict.BUG)
+        return cause in failing or fails_requirement(result, self.required)
 
     def add_invalid(self, error: TraceError) -> None:
         """A trace that could not be read: its line, and a count in the summary."""

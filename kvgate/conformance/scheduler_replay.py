@@ -96,10 +96,12 @@ def replay_scheduler(
     model_factory: SchedulerModelFactory,
     real: SchedulerTarget | None,
     level: Level,
+    observe: EngineObserver | None = None,
 ) -> ReplayResult:
     """Replay scheduler-level `trace` (see the module's docstring); the caller
     owns `real`. Without `real` the model is the target, judged by the
-    trace's expectations alone."""
+    trace's expectations alone. `observe` is told what the target reported
+    at each `step` and `reset` (every key such an entry may expect)."""
     assert trace.scheduler is not None, "a scheduler-level trace"
     started = time.perf_counter()
     config, notes = model_config(trace, None if real is None else real.capabilities)
@@ -110,6 +112,7 @@ def replay_scheduler(
     except UnsupportedConfig as error:
         raise TraceError.unsupported(trace.path, error) from None
     run = EngineLockstep(trace.name, trace.path, trace.config, model, real, level)
+    run.observe = observe
     failures = run.missed
     try:
         for event in trace.engine:
@@ -149,6 +152,10 @@ class SchedulerLockstep:
         return None
 
 
+# Told an engine entry and what the target reported there, by expect key.
+EngineObserver = Callable[[EngineStep, dict[str, Any]], None]
+
+
 class EngineLockstep:
     """The scheduler-level lockstep, the one every caller runs: a replay
     (`replay_scheduler`), exploration (`SchedulerLockstep`) and the
@@ -156,7 +163,10 @@ class EngineLockstep:
     one trace entry; a caller that drives the model itself (the workload's
     sessions) hands the real side the same arrivals (`add_to_real`) and
     each engine step's modelled outcome (`judge_step`), and is compared on
-    everything a replay compares."""
+    everything a replay compares. `observe` is told what the target
+    reported at each `step` and `reset` (bless fills expectations from it)."""
+
+    observe: EngineObserver | None = None
 
     def __init__(
         self,
@@ -241,6 +251,8 @@ class EngineLockstep:
                 step, "reset_prefix_cache()", lambda: real.reset_prefix_cache(running, connector)
             )
         got = {"ok": observed[0], "waiting": observed[1]}
+        if self.observe is not None:
+            self.observe(event, dict(got))
         for key, want in event.expect.items():
             if want != got[key]:
                 self.missed.append(self.divergence(step, "expect", key, want, got[key]))
@@ -498,6 +510,12 @@ class EngineLockstep:
             "finished": finished,
             "events": [e.line() for e in events],
         }
+        if self.observe is not None:
+            reported = {r: s[0] for r, s in stats.items()}
+            self.observe(
+                event,
+                {**observed, "cached_tokens": reported, "encoded": dict(scheduled.encoder_inputs)},
+            )
         for key, want in event.expect.items():
             if key == "cached_tokens":
                 got: object = {r: stats[r][0] if r in stats else NOT_REPORTED for r in want}

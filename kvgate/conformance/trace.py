@@ -41,6 +41,7 @@ from kvgate.conformance.macros import expand
 from kvgate.conformance.step_reader import StepReader
 from kvgate.conformance.strict_yaml import load_document, load_flow_line
 from kvgate.conformance.trace_error import TraceError as TraceError  # importers name it here
+from kvgate.model.scope import SCHEDULER_LEVEL_ONLY, scheduler_level_only
 from kvgate.vocabulary.config import Config
 from kvgate.vocabulary.ops import Step
 from kvgate.vocabulary.scheduling import EngineSettings, EngineStep
@@ -427,6 +428,8 @@ class _Reader(ConfigReader, StepReader, EngineReader):
         about = self.about(doc.get("about", ""))
         tags = self.tags(doc.get("tags", []))
         self.config = self.read_config(doc["config"], refused)
+        for key in scheduler_level_only(self.config):
+            raise self.error(None, f"config.{key}", SCHEDULER_LEVEL_ONLY[key])
         if refused is not None:
             return Trace(name, about, self.config, (), (), self.path, refused, tags)
         raw_steps = self.entries(doc, "steps")

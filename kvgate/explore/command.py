@@ -44,9 +44,11 @@ steps that reproduce it and saved in DIR as a scheduler-level trace that
 from __future__ import annotations
 
 import argparse
+import io
 import re
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -213,17 +215,24 @@ def handle(args: argparse.Namespace) -> int:
         raise InputError(f"--budget {args.budget}: profile {args.profile} is one fixed run")
     total = None if seconds is not None else settings.max_examples
     progress = Progress(sys.stderr, total, seconds)
-    print(
-        f"explore: target {args.target}, hold {args.hold}, retired {args.retired}, "
-        f"profile {args.profile}, "
-        + (f"{seconds:g}s" if seconds is not None else f"{settings.max_examples} examples"),
-        flush=True,
-    )
+    if not options.quiet(args):
+        print(
+            f"explore: target {args.target}, hold {args.hold}, retired {args.retired}, "
+            f"profile {args.profile}, "
+            + (f"{seconds:g}s" if seconds is not None else f"{settings.max_examples} examples"),
+            flush=True,
+        )
     outcome = explore(
-        mode, settings, out=args.out, seed=args.seed, seconds=seconds, on_example=progress
+        mode,
+        settings,
+        out=args.out,
+        seed=args.seed,
+        seconds=seconds,
+        on_example=None if options.quiet(args) else progress,
     )
-    progress.done()
-    write_summary(sys.stdout, outcome)
+    if not options.quiet(args):
+        progress.done()
+    _summary(args, write_summary, outcome)
     return 0 if outcome.passed else 1
 
 
@@ -260,6 +269,25 @@ class Progress:
     def done(self) -> None:
         if self.tty:
             print(file=self.out)
+
+
+# Where a summary's verdict part starts: what `-q` keeps, after the count line.
+_VERDICT_STARTS = ("no failure found", "no divergence found", "first ", "FAIL ")
+
+
+def _summary(args: argparse.Namespace, write: Callable[[TextIO, Any], None], outcome: Any) -> None:
+    """The run's summary; with `-q` only its count line and its verdict (no
+    failure, or the failure and how to replay it), not what it exercised."""
+    if not options.quiet(args):
+        write(sys.stdout, outcome)
+        return
+    text = io.StringIO()
+    write(text, outcome)
+    lines = text.getvalue().splitlines()
+    start = next(
+        (i for i, line in enumerate(lines) if line.startswith(_VERDICT_STARTS)), len(lines)
+    )
+    print("\n".join([lines[0], *lines[start:]]), flush=True)
 
 
 def write_summary(out: TextIO, outcome: Outcome) -> None:
@@ -457,14 +485,15 @@ def handle_scheduler(args: argparse.Namespace) -> int:
     if seconds is not None and settings.derandomize:
         raise InputError(f"--budget {args.budget}: profile {args.profile} is one fixed run")
     mode = SchedulerMode(hold=hold == "on", retain_retired=retired == "on")
-    print(
-        f"explore: scope scheduler, target {target}, hold {hold}, retired {retired}, "
-        f"profile {args.profile}, "
-        + (f"{seconds:g}s" if seconds is not None else f"{settings.max_examples} examples"),
-        flush=True,
-    )
+    if not options.quiet(args):
+        print(
+            f"explore: scope scheduler, target {target}, hold {hold}, retired {retired}, "
+            f"profile {args.profile}, "
+            + (f"{seconds:g}s" if seconds is not None else f"{settings.max_examples} examples"),
+            flush=True,
+        )
     outcome = explore_scheduler(mode, settings, out=args.out, seed=args.seed, seconds=seconds)
-    write_scheduler_summary(sys.stdout, outcome)
+    _summary(args, write_scheduler_summary, outcome)
     return 0 if outcome.passed else 1
 
 
@@ -473,7 +502,8 @@ def write_scheduler_summary(out: TextIO, outcome: SchedulerOutcome) -> None:
     stats = outcome.stats
     print(
         f"{stats.examples} examples, {stats.engine_steps} engine steps, "
-        f"{outcome.rounds} round(s), {outcome.seconds:.1f}s",
+        f"{outcome.rounds} round(s), {outcome.seconds:.1f}s (besides: {stats.discarded} "
+        f"dropped part-way, {stats.shrinking} while shrinking)",
         file=out,
     )
     ops = stats.ops

@@ -34,11 +34,13 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NoReturn
 
 from hypothesis import reject
 from hypothesis import settings as Settings
 from hypothesis import strategies as st
+from hypothesis.control import current_build_context
+from hypothesis.internal.conjecture.data import Status
 from hypothesis.stateful import (
     RuleBasedStateMachine,
     get_state_machine_test,
@@ -168,6 +170,10 @@ class SchedulerStats:
     """What one run exercised."""
 
     examples: int = 0
+    # Examples dropped part-way (refused, or past Hypothesis's buffer), and
+    # the runs while Hypothesis shrinks a failure: not among `examples`.
+    discarded: int = 0
+    shrinking: int = 0
     engine_steps: int = 0
     ops: Counter[str] = field(default_factory=Counter)
     families: Counter[str] = field(default_factory=Counter)
@@ -300,7 +306,16 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.config: Config | None = None
         self.settings = EngineSettings()
         self.cap = 0
-        self.stats.examples += 1
+        # Dropped (refused by a side, or drawn past Hypothesis's buffer): not
+        # counted among the examples `--budget` asks for, as Hypothesis does not.
+        self.dropped = False
+        self.failing = False
+
+    def _drop(self, field: str) -> NoReturn:
+        """Drop this example: a config or request a side refused, by field."""
+        self.stats.refused[field] += 1
+        self.dropped = True
+        reject()
 
     # -- setup ----------------------------------------------------------------
 
@@ -381,15 +396,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.settings = EngineSettings(spec, max_num_seqs)
         self.cap = request_cap(config, spec)
         if self.cap < 2:
-            self.stats.refused["num_blocks"] += 1
-            reject()
+            self._drop("num_blocks")
         model_factory, real_factory = scheduler_factories("vllm", self.mode.plugin)
         assert real_factory is not None
         try:
             self.real = real_factory(config, spec, max_num_seqs)
         except UnsupportedConfig as error:
-            self.stats.refused[error.field] += 1
-            reject()
+            self._drop(error.field)
         trace = Trace(
             name="explore",
             about="",
@@ -404,8 +417,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         try:
             model = model_factory(modelled, spec, max_num_seqs)
         except UnsupportedConfig as error:
-            self.stats.refused[error.field] += 1
-            reject()
+            self._drop(error.field)
         assert isinstance(model, SchedulerModel)
         self.model = model
         self.config = config
@@ -423,6 +435,16 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.stats.ops[f"engine:max_loras:{max_loras}"] += 1
 
     def teardown(self) -> None:
+        # Counted as the manager's exploration counts (kvgate/explore/rules.py).
+        if self.stats.first_failure is not None and not self.failing:
+            self.stats.shrinking += 1
+        elif self.dropped or current_build_context().data.status in (
+            Status.OVERRUN,
+            Status.INVALID,
+        ):
+            self.stats.discarded += 1
+        else:
+            self.stats.examples += 1
         if self.model is not None:
             self.stats.preemptions += sum(
                 r.request.num_preemptions for r in self.model.oracle.requests.values()
@@ -455,26 +477,24 @@ class SchedulerMachine(RuleBasedStateMachine):
         except TraceError as error:
             # A request the real Scheduler refused: not one the machine
             # means to draw; counted and dropped.
-            self.stats.refused[error.field or "request"] += 1
-            reject()
+            self._drop(error.field or "request")
         except ModelBug as bug:
             if isinstance(bug.__cause__, SchedulerStuck):
-                self.stats.refused["stuck"] += 1
-                reject()
+                self._drop("stuck")
             self.fail("crash", str(bug))
         if divergence is not None and is_exact_fit_defect(
             divergence, manager.external_admissions_refused > refused_before
         ):
             # A vLLM defect found already (docs/explanation/blind-spots.md):
             # counted and dropped, so a run explores past it.
-            self.stats.refused[KNOWN_DEFECT] += 1
-            reject()
+            self._drop(KNOWN_DEFECT)
         if divergence is not None:
             self.fail("divergence", describe(divergence))
 
     def fail(self, kind: str, message: str) -> None:
         assert self.config is not None
         if self.stats.first_failure is None:
+            self.failing = True
             self.stats.first_failure = time.perf_counter() - self.stats.started
         raise SchedulerExploreFailure(
             kind, message, self.config, self.settings, self.events, self.mode

@@ -171,7 +171,7 @@ def handle(args: argparse.Namespace) -> int:
             explore_seed=args.seed,
             timeout=args.timeout or 300.0,
         )
-        campaign = gate_campaign(out, faults, settings, args.jobs)
+        campaign = gate_campaign(out, faults, settings, args.jobs, options.quiet(args))
     if args.suite in ("vllm-own", "both"):
         suite_results = own_campaign(out, faults, args)
     if campaign is not None and suite_results is not None:
@@ -191,42 +191,63 @@ def handle(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------ the gate
 
 
-def gate_campaign(out: TextIO, faults: Sequence[Fault], settings: Settings, jobs: int) -> Campaign:
+def gate_campaign(
+    out: TextIO, faults: Sequence[Fault], settings: Settings, jobs: int, quiet: bool = False
+) -> Campaign:
+    """The campaign against the gate, a row per fault as it ends; `quiet`
+    (`-q`): only the faults not caught (under the table's header) and the
+    summary."""
+    headed = [False]
+
+    def header() -> None:
+        if not headed[0]:
+            headed[0] = True
+            _line(out, row_header())
+
     def baseline_lines(baseline: Baseline) -> None:
+        if quiet:
+            return
         for line in describe_baseline(baseline):
             _line(out, line)
         _line(out, "")
-        _line(out, row_header())
+        header()
 
-    _line(
-        out,
-        f"kvgate mutate: {len(faults)} faults, gate = corpus {settings.corpus} "
-        f"({settings.level}) + snapshot invariants"
-        + (
-            f" + exploration ({settings.explore_examples} examples, "
+    def result_line(result: Any) -> None:
+        if quiet and result.verdict in ("caught", "not applicable"):
+            return
+        header()
+        _line(out, result_row(result))
+
+    if not quiet:
+        _line(
+            out,
+            f"kvgate mutate: {len(faults)} faults, gate = corpus {settings.corpus} "
+            f"({settings.level}) + snapshot invariants"
             + (
-                "derandomized)"
-                if settings.explore_seed is None
-                else f"seed {settings.explore_seed})"
+                f" + exploration ({settings.explore_examples} examples, "
+                + (
+                    "derandomized)"
+                    if settings.explore_seed is None
+                    else f"seed {settings.explore_seed})"
+                )
+                if settings.explore_examples
+                else ""
             )
-            if settings.explore_examples
-            else ""
+            + (
+                f" + Scheduler-level exploration ({settings.scheduler_explore_examples} examples)"
+                if settings.scheduler_explore_examples
+                else ""
+            )
+            + (" + the real Scheduler without prefix caching" if settings.scheduler_stage else "")
+            + f"; {jobs} job(s)",
         )
-        + (
-            f" + Scheduler-level exploration ({settings.scheduler_explore_examples} examples)"
-            if settings.scheduler_explore_examples
-            else ""
-        )
-        + (" + the real Scheduler without prefix caching" if settings.scheduler_stage else "")
-        + f"; {jobs} job(s)",
-    )
     # A CampaignError (a KvgateError) reaches the command line as one line, exit 2.
     campaign = run_campaign(
         faults,
         settings,
         jobs,
         on_baseline=baseline_lines,
-        on_result=lambda r: _line(out, result_row(r)),
+        on_result=result_line,
     )
     for line in summary_lines(campaign):
         _line(out, line)

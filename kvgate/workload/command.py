@@ -230,7 +230,7 @@ def run(args: argparse.Namespace) -> int:
             deployment.config(arm.unit, arm.hold, workload.sessions)
     except ValueError as error:
         raise InputError(str(error)) from None
-    progress = Progress()
+    progress = Progress(quiet=options.quiet(args))
     if args.target in SCHEDULER_TARGETS:
         scheduler = cast(SchedulerFactory, target_factory(args.target))
         if args.plugin is not None:

@@ -15,9 +15,13 @@ WIDTH = 30
 
 
 class Progress:
-    def __init__(self, stream: TextIO | None = None, interval: float = 0.1) -> None:
+    def __init__(
+        self, stream: TextIO | None = None, interval: float = 0.1, quiet: bool = False
+    ) -> None:
+        """`quiet` (`-q`): phases are timed, nothing is printed."""
         self.stream = stream if stream is not None else sys.stderr
-        self.live = self.stream.isatty()
+        self.quiet = quiet
+        self.live = self.stream.isatty() and not quiet
         self.interval = interval
         self.label = ""
         self.total = 0
@@ -44,6 +48,8 @@ class Progress:
         seconds = time.perf_counter() - self.started
         self.done = self.total
         tail = f" {note}" if note else ""
+        if self.quiet:
+            return seconds
         if self.live:
             self._draw(f" {seconds:.1f}s{tail}\n")
         else:

@@ -27,6 +27,7 @@ Exit codes: 0 every cell proved, 1 some cell failed, 2 bad input (one line).
 from __future__ import annotations
 
 import argparse
+import io
 import multiprocessing
 import os
 import sys
@@ -128,6 +129,7 @@ def handle(args: argparse.Namespace) -> int:
         args.cores,
         args.unbounded,
         args.search_timeout,
+        quiet=options.quiet(args),
     )
 
 
@@ -141,6 +143,7 @@ def run(
     cores: bool = False,
     unbounded: bool = False,
     search_timeout: float = DEFAULT_SEARCH_TIMEOUT,
+    quiet: bool = False,
 ) -> int:
     """The table, bounded or (`unbounded`) for every pool size: prove every
     cell, printing each op's rows as they are decided; then search a trace
@@ -152,7 +155,10 @@ def run(
     With `unbounded`, a failed cell's counterexample to induction is a
     finite model of some size; the trace comes from bounded model checking
     of the same mutation and property from `init` (at `bounds`, reduced
-    first), as in the bounded mode."""
+    first), as in the bounded mode.
+
+    `quiet` (`-q`): only the cells not proved (under the table's header)
+    and the count."""
     started = time.perf_counter()
     if unbounded:
         title = "kvgate prove --unbounded: every pool size, every request count, "
@@ -160,12 +166,14 @@ def run(
     else:
         title = f"kvgate prove: {bounds}"
     title += "" if mutation == "clean" else f", mutation {options.kebab(mutation)}"
-    print(title, file=stream, flush=True)
-    table = _Table(stream)
-    table.row("invariant", "op", "result", "seconds")
+    if not quiet:
+        print(title, file=stream, flush=True)
+    table = _Table(stream, header=not quiet)
 
     def decided(cells: Sequence[Result | UResult]) -> None:
         for row in cells:
+            if row.proved and quiet:
+                continue
             if row.proved:
                 cell = "proved"
             elif row.prop in PROPERTY_BY_NAME:
@@ -184,14 +192,16 @@ def run(
     searches = list(dict.fromkeys([*searchable, *([target] if target else [])]))
     found: dict[str, Found] = {}
     for number, prop in enumerate(searches, 1):
-        print(
-            f"searching for a counterexample to {prop} ({number} of {len(searches)}, "
-            f"at most {search_timeout:g}s)",
-            file=stream,
-            flush=True,
-        )
+        if not quiet:
+            print(
+                f"searching for a counterexample to {prop} ({number} of {len(searches)}, "
+                f"at most {search_timeout:g}s)",
+                file=stream,
+                flush=True,
+            )
         search_started = time.perf_counter()
-        found[prop] = _search(bounds, mutation, prop, out, depth, search_timeout, stream)
+        progress = io.StringIO() if quiet else stream
+        found[prop] = _search(bounds, mutation, prop, out, depth, search_timeout, progress)
         seconds = f"{time.perf_counter() - search_started:.2f}"
         for row in rows:
             if row.prop == prop and not row.proved:
@@ -321,13 +331,21 @@ class _Table:
     """The proof table, a row at a time: the columns are as wide as the
     longest name and op there can be, so rows printed apart still line up."""
 
-    def __init__(self, stream: TextIO) -> None:
+    def __init__(self, stream: TextIO, header: bool = True) -> None:
+        """The header now (`header`), or before the first row printed."""
         self.stream = stream
         props = {p.name for p in PROPERTIES} | {p.name for p in UPROPERTIES}
         names = [*props, *(f"{name} (lemma)" for name in props)]
         self.widths = (max(map(len, names)), max(len(op) for op in (INIT, *ENCODED_OPS)), 9)
+        self.headed = False
+        if header:
+            self.row("invariant", "op", "result", "seconds")
 
     def row(self, name: str, op: str, result: str, seconds: str) -> None:
+        if not self.headed:
+            self.headed = True
+            if name != "invariant":
+                self.row("invariant", "op", "result", "seconds")
         cells = [
             text.ljust(width) for text, width in zip((name, op, result), self.widths, strict=True)
         ]
