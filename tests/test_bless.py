@@ -317,7 +317,7 @@ def test_a_scheduler_level_trace_is_filled_with_what_the_engine_steps_report(
 
 @needs_vllm
 def test_a_blessed_scheduler_level_hold_trace_lacks_the_hold_on_upstream_vllm(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], hold_overlay_plugin: str
 ) -> None:
     path = tmp_path / "mine.yaml"
     path.write_text(without_expectations(SCHEDULER_HOLD, "mine-next-turn.hold-on"))
@@ -330,7 +330,7 @@ def test_a_blessed_scheduler_level_hold_trace_lacks_the_hold_on_upstream_vllm(
     else:  # a build with the hold
         assert code == 0, out
     # With the overlay, vLLM's Scheduler agrees: bless confirms it there.
-    confirm = ["bless", str(path), "--target", "vllm", "--overlay", "--check"]
+    confirm = ["bless", str(path), "--target", "vllm", "--plugin", hold_overlay_plugin, "--check"]
     assert cli.main(confirm) == 0
 
 

@@ -93,6 +93,9 @@ def test_the_command_line_exits_with_the_class_code(
         raise Raised()
 
     class Parser:
+        def __init__(self, only: str | None = None) -> None:
+            """The command line's parser, for the command `only` or all."""
+
         def parse_args(self, argv: Any) -> argparse.Namespace:
             return argparse.Namespace(command="x", verbosity=0, handler=handler)
 
