@@ -32,9 +32,10 @@ from kvgate.explore.differential import FAMILIES, differential_mode
 from kvgate.explore.knobs import stratum_name
 from kvgate.explore.profiles import profile
 from kvgate.explore.runner import run_once
-from kvgate.mutate.campaign import EXPLORE_EXAMPLES, EXPLORE_STEPS, warm_up
+from kvgate.mutate.campaign import warm_up
 from kvgate.mutate.faults import select
 from kvgate.mutate.inject import apply
+from kvgate.mutate.stages import EXPLORE_EXAMPLES, EXPLORE_STEPS
 
 DEFAULT_FAULTS = (
     "lookup-hits-last-token",

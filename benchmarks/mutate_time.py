@@ -24,8 +24,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvgate.conformance.trace import bundled_corpus
-from kvgate.mutate.campaign import Baseline, FaultResult, Settings, run_campaign, warm_up
+from kvgate.mutate.campaign import Baseline, FaultResult, run_campaign, warm_up
 from kvgate.mutate.faults import select
+from kvgate.mutate.stages import Settings
 
 
 def main(argv: Sequence[str] | None = None) -> int:

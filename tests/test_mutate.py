@@ -8,10 +8,12 @@ that catch them, so the default test run stays short.
 from __future__ import annotations
 
 import inspect
+import io
 import json
 import shutil
 import textwrap
 import xml.etree.ElementTree as ET
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -22,20 +24,7 @@ from configs import needs_vllm
 from kvgate import cli
 from kvgate.conformance.trace import bundled_corpus
 from kvgate.mutate import own_suite
-from kvgate.mutate.campaign import (
-    STAGES,
-    Baseline,
-    ExploreOutcome,
-    GateRun,
-    SchedulerOutcome,
-    Settings,
-    TraceOutcome,
-    explore_stage,
-    gate_run,
-    judge,
-    run_campaign,
-    scheduler_stage,
-)
+from kvgate.mutate.campaign import Baseline, GateRun, gate_run, judge, run_campaign
 from kvgate.mutate.faults import (
     BY_NAME,
     FAULT_ENV,
@@ -48,6 +37,24 @@ from kvgate.mutate.faults import (
 )
 from kvgate.mutate.inject import NotApplicable, apply, at_site, find_edit, injected, locate
 from kvgate.mutate.own_suite import SuiteRun, judge_suite
+from kvgate.mutate.stages import (
+    EXPLORATION,
+    MANAGER_GATE,
+    SCHEDULER_EXPLORATION,
+    SCHEDULER_GATE,
+    STAGES,
+    WORKLOAD,
+    Catch,
+    Child,
+    ExploreOutcome,
+    Judgement,
+    SchedulerOutcome,
+    Settings,
+    Stage,
+    TraceOutcome,
+    explore_stage,
+    scheduler_stage,
+)
 
 # A fast subset: one fault per area, each with the trace that catches it.
 FAST = {
@@ -155,10 +162,10 @@ def test_a_port_applies_where_the_own_anchor_moved() -> None:
 
 def test_a_miss_of_an_equivalent_fault_is_not_counted() -> None:
     fault = replace(fake("x"), equivalent_under="null-block-kept-aside")
-    missed = GateRun(None, None, "", (_outcome("a"),), None)
+    missed = _run(None, (_outcome("a"),), None)
     result = judge(fault, missed, "", _baseline(), 0.1)
     assert result.verdict == "not applicable" and "null-block-kept-aside" in result.note
-    caught = GateRun(None, None, "", (_outcome("a", passed=False),), None)
+    caught = _run(None, (_outcome("a", passed=False),), None)
     assert judge(fault, caught, "", _baseline(), 0.1).verdict == "caught"
 
 
@@ -167,7 +174,7 @@ def test_a_not_applicable_fault_is_never_counted() -> None:
     fault = fake("this text is not in vLLM")
     settings = Settings(corpus=bundled_corpus(), explore_examples=0)
     run = gate_run(fault, settings, None, None)
-    assert run.not_applicable and run.traces == () and run.edit is None
+    assert run.not_applicable and run.outcomes == {} and run.edit is None
     result = judge(fault, run, "", _baseline(), 0.1)
     assert result.verdict == "not applicable" and result.catch is None
 
@@ -181,42 +188,75 @@ def _outcome(trace: str, passed: bool = True, invariant: str = "") -> TraceOutco
     )
 
 
+# A child's report by what its stages reported: the keywords name the stages.
+STAGE_OF = {
+    "traces": MANAGER_GATE.name,
+    "scheduler_traces": SCHEDULER_GATE.name,
+    "exploration": EXPLORATION.name,
+    "scheduler_exploration": SCHEDULER_EXPLORATION.name,
+    "scheduler": WORKLOAD.name,
+}
+NAMES = [stage.name for stage in STAGES]
+
+
+def _run(
+    fault: str | None,
+    traces: tuple[TraceOutcome, ...],
+    exploration: ExploreOutcome | None,
+    **others: object,
+) -> GateRun:
+    """A child's report: the manager-level traces, the exploration (None:
+    it did not run), and any other stage's outcome by keyword."""
+    return _with(GateRun(fault, None, ""), traces=traces, exploration=exploration, **others)
+
+
+def _with(run: GateRun, **changes: object) -> GateRun:
+    """`run` with some stages' outcomes changed (None: the stage did not run)."""
+    outcomes = dict(run.outcomes)
+    for key, outcome in changes.items():
+        outcomes.pop(STAGE_OF[key], None)
+        if outcome is not None:
+            outcomes[STAGE_OF[key]] = outcome
+    # In the order the stages run, as a child reports them.
+    return replace(run, outcomes={n: outcomes[n] for n in NAMES if n in outcomes})
+
+
 def _baseline(*outcomes: TraceOutcome, exploration: ExploreOutcome | None = None) -> Baseline:
     traces = outcomes or (_outcome("a"), _outcome("held", passed=False))
-    return Baseline(GateRun(None, None, "", traces, exploration), 1.0)
+    return Baseline(_run(None, traces, exploration), 1.0)
 
 
 def test_only_traces_that_pass_unmutated_can_catch() -> None:
     fault = FAULTS[0]
     baseline = _baseline(_outcome("a"), _outcome("held", passed=False))
-    run = GateRun(fault.name, None, "", (_outcome("a"), _outcome("held", passed=False)), None)
+    run = _run(fault.name, (_outcome("a"), _outcome("held", passed=False)), None)
     assert judge(fault, run, "", baseline, 1.0).verdict == "missed"
-    run = GateRun(fault.name, None, "", (_outcome("a", passed=False),), None)
+    run = _run(fault.name, (_outcome("a", passed=False),), None)
     result = judge(fault, run, "", baseline, 1.0)
     assert result.verdict == "caught" and result.catch is not None
-    assert (result.catch.stage, result.catch.source) == ("trace", "a")
+    assert (result.catch.kind, result.catch.source) == ("trace", "a")
 
 
 def test_an_invariant_only_catch_names_the_invariant() -> None:
     fault = FAULTS[0]
     baseline = _baseline(_outcome("a"), _outcome("b", invariant="free_queue_exact"))
     # On "b" the invariant already fails unmutated: it cannot catch.
-    run = GateRun(fault.name, None, "", (_outcome("b", invariant="free_queue_exact"),), None)
+    run = _run(fault.name, (_outcome("b", invariant="free_queue_exact"),), None)
     assert judge(fault, run, "", baseline, 1.0).verdict == "missed"
-    run = GateRun(fault.name, None, "", (_outcome("a", invariant="no_leak"),), None)
+    run = _run(fault.name, (_outcome("a", invariant="no_leak"),), None)
     result = judge(fault, run, "", baseline, 1.0)
     assert result.catch is not None
-    assert (result.catch.stage, result.catch.source) == ("invariant", "no_leak")
+    assert (result.catch.kind, result.catch.source) == ("invariant", "no_leak")
     assert result.invariants == ("no_leak",)
 
 
 def test_exploration_counts_only_when_it_passes_unmutated() -> None:
     fault = FAULTS[0]
     found = ExploreOutcome(True, "divergence api hit", 20, 1.0)
-    run = GateRun(fault.name, None, "", (_outcome("a"),), found)
+    run = _run(fault.name, (_outcome("a"),), found)
     clean = ExploreOutcome(True, "", 20, 1.0)
     result = judge(fault, run, "", _baseline(_outcome("a"), exploration=clean), 1.0)
-    assert result.catch is not None and result.catch.stage == "exploration"
+    assert result.catch is not None and result.catch.kind == "exploration"
     failing = _baseline(_outcome("a"), exploration=found)
     assert judge(fault, run, "", failing, 1.0).verdict == "missed"
 
@@ -225,12 +265,13 @@ def test_the_real_scheduler_stage_counts_only_when_it_passes_unmutated() -> None
     fault = FAULTS[0]
     diverged = SchedulerOutcome(True, "engine step 10: scheduled (request, tokens)", 3.0)
     in_lockstep = SchedulerOutcome(True, "", 3.0)
-    run = replace(GateRun(fault.name, None, "", (_outcome("a"),), None), scheduler=diverged)
-    usable = Baseline(replace(_baseline(_outcome("a")).run, scheduler=in_lockstep), 1.0)
+    run = _with(_run(fault.name, (_outcome("a"),), None), scheduler=diverged)
+    usable = Baseline(_with(_baseline(_outcome("a")).run, scheduler=in_lockstep), 1.0)
     result = judge(fault, run, "", usable, 1.0)
-    assert result.catch is not None and result.catch.stage == "scheduler"
-    assert result.catch.detail.startswith("engine step 10") and not result.corpus_caught
-    failing = Baseline(replace(usable.run, scheduler=diverged), 1.0)
+    assert result.catch is not None and result.catch.kind == "scheduler"
+    assert result.catch.detail.startswith("engine step 10")
+    assert result.said[MANAGER_GATE.name] is False
+    failing = Baseline(_with(usable.run, scheduler=diverged), 1.0)
     assert judge(fault, run, "", failing, 1.0).verdict == "missed"
 
 
@@ -239,7 +280,7 @@ def test_a_mode_none_fault_in_the_scheduler_is_caught_by_its_stage_not_the_corpu
     """The Scheduler splitting chunks for Mamba in mode none: no manager-level
     trace reaches the Scheduler's own code, the real-Scheduler stage does."""
     from kvgate.conformance.trace import load_trace
-    from kvgate.mutate.campaign import _replay_with_invariants
+    from kvgate.mutate.stages import _replay_with_invariants
 
     clean = scheduler_stage()
     assert clean.passed, clean.failure
@@ -261,27 +302,24 @@ def test_exploration_alone_is_counted_beside_the_corpus() -> None:
     clean = ExploreOutcome(True, "", 20, 1.0)
     found = ExploreOutcome(True, "divergence api hit", 20, 1.0)
     baseline = _baseline(_outcome("a"), exploration=clean)
-    both = judge(
-        FAULTS[0], GateRun("x", None, "", (_outcome("a", False),), found), "", baseline, 1.0
-    )
-    corpus_only = judge(
-        FAULTS[1], GateRun("y", None, "", (_outcome("a", False),), clean), "", baseline, 1.0
-    )
-    explore_only = judge(
-        FAULTS[2], GateRun("z", None, "", (_outcome("a"),), found), "", baseline, 1.0
-    )
-    assert (both.explored, both.corpus_caught) == (True, True)
-    assert (corpus_only.explored, explore_only.corpus_caught) == (False, False)
+    both = judge(FAULTS[0], _run("x", (_outcome("a", False),), found), "", baseline, 1.0)
+    corpus_only = judge(FAULTS[1], _run("y", (_outcome("a", False),), clean), "", baseline, 1.0)
+    explore_only = judge(FAULTS[2], _run("z", (_outcome("a"),), found), "", baseline, 1.0)
+    said = [
+        (r.said[EXPLORATION.name], r.said[MANAGER_GATE.name])
+        for r in (both, corpus_only, explore_only)
+    ]
+    assert said == [(True, True), (False, True), (True, False)]
     campaign = Campaign(baseline, [both, corpus_only, explore_only])
-    assert campaign.corpus_kill_rate() == (2, 3)
-    assert campaign.exploration_kill_rate() == (2, 3)
+    assert campaign.stage_kill_rate(MANAGER_GATE.name) == (2, 3)
+    assert campaign.stage_kill_rate(EXPLORATION.name) == (2, 3)
     lines = summary_lines(campaign)
     assert any("exploration alone (no corpus) 2/3 (66.7%)" in line for line in lines)
     assert f"not caught by exploration alone: {FAULTS[1].name}" in lines
     # Not run on every fault: no rate claimed.
-    skipped = judge(FAULTS[3], GateRun("w", None, "", (_outcome("a", False),), None), "",
+    skipped = judge(FAULTS[3], _run("w", (_outcome("a", False),), None), "",
                     baseline, 1.0)  # fmt: skip
-    assert Campaign(baseline, [both, skipped]).exploration_kill_rate() is None
+    assert Campaign(baseline, [both, skipped]).stage_kill_rate(EXPLORATION.name) is None
 
 
 def test_the_stage_table_counts_each_stage_and_names_the_first_catch() -> None:
@@ -295,21 +333,21 @@ def test_the_stage_table_counts_each_stage_and_names_the_first_catch() -> None:
     in_lockstep = SchedulerOutcome(True, "", 1.0)
     diverged = SchedulerOutcome(True, "engine step 3: scheduled differ", 1.0)
     baseline = Baseline(
-        replace(_baseline(_outcome("a"), exploration=clean).run, scheduler=in_lockstep), 1.0
+        _with(_baseline(_outcome("a"), exploration=clean).run, scheduler=in_lockstep), 1.0
     )
 
     def run(name: str, passed: bool, explore: ExploreOutcome | None,
             workload: SchedulerOutcome | None) -> GateRun:  # fmt: skip
-        return GateRun(name, None, "", (_outcome("a", passed),), explore, scheduler=workload)
+        return _run(name, (_outcome("a", passed),), explore, scheduler=workload)
 
     by_corpus = judge(FAULTS[0], run("w", False, None, None), "", baseline, 1.0)
     by_exploration = judge(FAULTS[1], run("x", True, found, None), "", baseline, 1.0)
     by_workload = judge(FAULTS[2], run("y", True, clean, diverged), "", baseline, 1.0)
     by_none = judge(FAULTS[3], run("z", True, clean, in_lockstep), "", baseline, 1.0)
     assert [r.first_stage for r in (by_corpus, by_exploration, by_workload, by_none)] == [
-        STAGES[0],
-        STAGES[2],
-        STAGES[4],
+        NAMES[0],
+        NAMES[2],
+        NAMES[4],
         "",
     ]
     lines = stage_table(Campaign(baseline, [by_corpus, by_exploration, by_workload, by_none]))
@@ -318,54 +356,151 @@ def test_the_stage_table_counts_each_stage_and_names_the_first_catch() -> None:
     # exploration ran on the three the corpus missed; the Scheduler-level
     # exploration did not run here; the workload ran on the two both missed.
     assert rows == {
-        STAGES[0]: ["4", "1", "1"],
-        STAGES[1]: ["0", "0", "0"],
-        STAGES[2]: ["3", "1", "1"],
-        STAGES[3]: ["0", "0", "0"],
-        STAGES[4]: ["2", "1", "1"],
+        NAMES[0]: ["4", "1", "1"],
+        NAMES[1]: ["0", "0", "0"],
+        NAMES[2]: ["3", "1", "1"],
+        NAMES[3]: ["0", "0", "0"],
+        NAMES[4]: ["2", "1", "1"],
     }
     assert lines[7].split()[-1] == "1"  # caught by no stage
     assert f"  {FAULTS[3].name:<38} none" in lines
-    assert f"  {FAULTS[2].name:<38} {STAGES[4]}" in lines
+    assert f"  {FAULTS[2].name:<38} {NAMES[4]}" in lines
     # A scheduler-level trace that passes unmutated and diverges with the
     # fault catches it, after the manager-level corpus and before the rest.
     passes, diverges = _outcome("s"), _outcome("s", False)
-    with_traces = Baseline(replace(baseline.run, scheduler_traces=(passes,)), 1.0)
+    with_traces = Baseline(_with(baseline.run, scheduler_traces=(passes,)), 1.0)
     caught = judge(
-        FAULTS[4], replace(run("v", True, None, None), scheduler_traces=(diverges,)), "",
+        FAULTS[4], _with(run("v", True, None, None), scheduler_traces=(diverges,)), "",
         with_traces, 1.0,
     )  # fmt: skip
-    assert caught.catch is not None and caught.catch.stage == "scheduler trace"
-    assert caught.first_stage == STAGES[1]
+    assert caught.catch is not None and caught.catch.kind == "scheduler trace"
+    assert caught.first_stage == NAMES[1]
     # The Scheduler-level exploration, clean unmutated, finding a divergence
     # with the fault: its own row says so, after the manager-level exploration;
     # not counted where it failed unmutated.
-    with_found = replace(run("u", True, clean, None), scheduler_exploration=found)
+    with_found = _with(run("u", True, clean, None), scheduler_exploration=found)
     by_engine_steps, uncounted = (
-        judge(FAULTS[5], with_found, "", Baseline(replace(base, scheduler_exploration=x), 1.0), 1.0)
+        judge(FAULTS[5], with_found, "", Baseline(_with(base, scheduler_exploration=x), 1.0), 1.0)
         for base in (baseline.run,)
         for x in (clean, found)  # unmutated: clean, or failing already
     )  # fmt: skip
     assert by_engine_steps.catch is not None
-    assert by_engine_steps.catch.stage == "scheduler exploration"
-    assert by_engine_steps.first_stage == STAGES[3]
-    assert by_engine_steps.stages_caught()[STAGES[3]] is True
+    assert by_engine_steps.catch.kind == "scheduler exploration"
+    assert by_engine_steps.first_stage == NAMES[3]
+    assert by_engine_steps.said.get(NAMES[3]) is True
     # A fault an earlier stage caught first still shows the later catch.
-    counting = Baseline(replace(baseline.run, scheduler_exploration=clean), 1.0)
-    caught_early = replace(with_found, traces=(_outcome("a", False),))
+    counting = Baseline(_with(baseline.run, scheduler_exploration=clean), 1.0)
+    caught_early = _with(with_found, traces=(_outcome("a", False),))
     both = judge(FAULTS[6], caught_early, "", counting, 1.0)
-    assert both.first_stage == STAGES[0]
-    assert f"  {FAULTS[6].name:<38} {STAGES[0]} (also: {STAGES[3]})" in stage_table(
+    assert both.first_stage == NAMES[0]
+    assert f"  {FAULTS[6].name:<38} {NAMES[0]} (also: {NAMES[3]})" in stage_table(
         Campaign(baseline, [both])
     )
-    assert uncounted.stages_caught()[STAGES[3]] is None and uncounted.verdict == "missed"
+    assert uncounted.said.get(NAMES[3]) is None and uncounted.verdict == "missed"
+
+
+def toy_total(values: Sequence[int]) -> int:
+    """What the toy stage below checks; the toy faults edit its one line."""
+    total = 0
+    for value in values:
+        total += value
+    return total
+
+
+class ToySum(Stage[int]):
+    """A stage added as one class and nothing else: it sums a list in the
+    fault's child, and a sum other than the baseline's catches the fault."""
+
+    name = "toy sum check"
+    uses_vllm = False
+    caught_only = "caught by the toy sum only"
+
+    def wanted(self, child: Child) -> bool:
+        return True
+
+    def run(self, child: Child) -> int:
+        child.progress("(toy sum)")
+        return toy_total([1, 2, 3])
+
+    def judge(self, outcome: int | None, baseline: int | None) -> Judgement:
+        if outcome is None or baseline is None:
+            return Judgement(None)
+        if outcome == baseline:
+            return Judgement(False)
+        return Judgement(True, Catch("toy", "sum", f"{outcome} instead of {baseline}"))
+
+    def headline(self, settings: Settings) -> str:
+        return "a toy sum"
+
+    def describe(self, baseline: int | None) -> list[str]:
+        return [f"the toy sum is {baseline}"]
+
+
+def test_a_stage_added_as_one_class_runs_and_shows_in_the_per_stage_table(
+    tmp_path: Path,
+) -> None:
+    """A campaign of the toy stage alone (no vLLM): its faults applied in
+    child processes, judged against the baseline, each reported in its row,
+    the summary and the per-stage table; beside the five stages, its row
+    comes last."""
+    from kvgate.mutate.campaign import Campaign
+    from kvgate.mutate.command import gate_campaign, stage_table
+
+    def toy(name: str, replacement: str) -> Fault:
+        return replace(
+            fake("total += value", qualname="toy_total", module=__name__, ports=()),
+            name=name,
+            area="toy",
+            replacement=replacement,
+        )
+
+    subtracts, same = (
+        toy("toy-sum-subtracts", "total -= value"),
+        toy("toy-sum-same", "total += +value"),
+    )
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    shutil.copy(bundled_corpus() / "abort-mid-prefill.yaml", corpus)
+    settings = Settings(corpus=corpus, timeout=60.0, stages=(ToySum(),))
+    out = io.StringIO()
+    campaign = gate_campaign(out, [subtracts, same], settings, 1)
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "kvgate mutate: 2 faults, gate = a toy sum; 1 job(s)"
+    assert lines[1].endswith("s): the toy sum is 6")
+    rows = {line.split()[0]: line.split(maxsplit=4)[2:] for line in lines[3:6] if line}
+    assert rows["toy-sum-subtracts"][0] == "caught"
+    assert rows["toy-sum-subtracts"][2].endswith("toy sum: -6 instead of 6")
+    assert rows["toy-sum-same"][0] == "missed"
+    assert "caught by the toy sum only: toy-sum-subtracts" in lines
+    [row] = [line.split() for line in lines if line.startswith("  toy sum check ")]
+    assert row[-3:] == ["2", "1", "1"]  # ran on, caught, caught first
+    assert f"  {'toy-sum-subtracts':<38} toy sum check" in lines
+    assert f"  {'toy-sum-same':<38} none" in lines
+    assert [r.said for r in campaign.results] == [{"toy sum check": True}, {"toy sum check": False}]
+    # Beside the five stages: the table gains its row, after theirs.
+    stages = (*STAGES, ToySum())
+    baseline = Baseline(
+        GateRun(None, None, "", {MANAGER_GATE.name: (_outcome("a"),), ToySum.name: 6}), 1.0
+    )
+    caught = judge(
+        subtracts,
+        GateRun("t", None, "", {MANAGER_GATE.name: (_outcome("a"),), ToySum.name: -6}),
+        "",
+        baseline,
+        1.0,
+        stages,
+    )
+    assert caught.verdict == "caught" and caught.first_stage == ToySum.name
+    table = stage_table(Campaign(baseline, [caught], stages=stages))
+    assert [line.split("  ")[1].strip() for line in table[2:8]] == [*NAMES, ToySum.name]
+    assert table[7].split()[-3:] == ["1", "1", "1"]
 
 
 def test_the_baseline_says_whether_the_scheduler_level_exploration_counts() -> None:
     from kvgate.mutate.command import describe_baseline
 
     def line(found: ExploreOutcome | None) -> str:
-        run = replace(_baseline().run, scheduler_exploration=found)
+        run = _with(_baseline().run, scheduler_exploration=found)
         [said] = [x for x in describe_baseline(Baseline(run, 1.0)) if "Scheduler-level" in x]
         return said
 
@@ -382,7 +517,7 @@ def test_the_baseline_says_whether_the_scheduler_level_exploration_counts() -> N
 def test_the_scheduler_level_exploration_stage_catches_a_scheduler_fault() -> None:
     """The stage as a fault's child runs it: the fault in effect, vLLM's
     real Scheduler explored in lockstep; it finds the planted divergence."""
-    from kvgate.mutate.campaign import SCHEDULER_EXPLORE_EXAMPLES, scheduler_explore_stage
+    from kvgate.mutate.stages import SCHEDULER_EXPLORE_EXAMPLES, scheduler_explore_stage
 
     with injected(BY_NAME["sched-split-aligns-last-chunk"]):
         outcome = scheduler_explore_stage(SCHEDULER_EXPLORE_EXAMPLES)
@@ -394,7 +529,7 @@ def test_the_scheduler_level_exploration_stage_catches_a_scheduler_fault() -> No
 def test_the_scheduler_level_corpus_catches_a_scheduler_fault_the_manager_corpus_cannot() -> None:
     """Preempting the oldest running request instead of the newest: a trace
     of preemption under pressure passes on stock vLLM and diverges with it."""
-    from kvgate.mutate.campaign import _replay_on_scheduler, _scheduler_corpus
+    from kvgate.mutate.stages import _replay_on_scheduler, _scheduler_corpus
 
     [trace] = [
         t
@@ -417,16 +552,16 @@ def test_a_target_the_fault_keeps_from_being_built_is_not_a_catch() -> None:
     passes = _outcome("s")
     refused = replace(_outcome("s", False), failure="config refused", built=False)
     baseline = Baseline(
-        replace(_baseline(_outcome("a")).run, scheduler=in_lockstep, scheduler_traces=(passes,)),
+        _with(_baseline(_outcome("a")).run, scheduler=in_lockstep, scheduler_traces=(passes,)),
         1.0,
     )
     runs = {
-        "real-Scheduler stage": GateRun(fault.name, None, "", (_outcome("a"),), None,
+        "real-Scheduler stage": _run(fault.name, (_outcome("a"),), None,
                                         scheduler=unbuilt),
-        "scheduler-level trace": GateRun(fault.name, None, "", (_outcome("a"),), None,
+        "scheduler-level trace": _run(fault.name, (_outcome("a"),), None,
                                          scheduler_traces=(refused,)),
-        "manager-level trace": GateRun(
-            fault.name, None, "",
+        "manager-level trace": _run(
+            fault.name,
             (replace(_outcome("a", False), failure="target not built: y", built=False),), None,
         ),
     }  # fmt: skip
@@ -435,11 +570,11 @@ def test_a_target_the_fault_keeps_from_being_built_is_not_a_catch() -> None:
         assert (result.verdict, result.catch) == ("not built", None), stage
         assert "not built" in result.note or "config refused" in result.note, stage
     # Caught by a trace that was built, beside one that was not: caught.
-    both = replace(runs["manager-level trace"], traces=(
+    both = _with(runs["manager-level trace"], traces=(
         replace(_outcome("a", False), failure="target not built: y", built=False),
         _outcome("b", False),
     ))  # fmt: skip
-    with_b = Baseline(replace(baseline.run, traces=(_outcome("a"), _outcome("b"))), 1.0)
+    with_b = Baseline(_with(baseline.run, traces=(_outcome("a"), _outcome("b"))), 1.0)
     assert judge(fault, both, "", with_b, 1.0).verdict == "caught"
 
 
@@ -447,7 +582,7 @@ def test_a_target_the_fault_keeps_from_being_built_is_not_a_catch() -> None:
 def test_a_fault_that_breaks_the_schedulers_construction_is_reported_not_built() -> None:
     """A fault raising in `Scheduler.__init__`: the real-Scheduler stage and a
     scheduler-level trace both say not built, and the verdict says so."""
-    from kvgate.mutate.campaign import _replay_on_scheduler, _scheduler_corpus
+    from kvgate.mutate.stages import _replay_on_scheduler, _scheduler_corpus
 
     broken = replace(
         BY_NAME["sched-preempts-oldest"],
@@ -466,11 +601,11 @@ def test_a_fault_that_breaks_the_schedulers_construction_is_reported_not_built()
     assert not mutated_trace.built and "broken on purpose" in mutated_trace.failure
     assert not mutated_stage.built and "broken on purpose" in mutated_stage.failure
     baseline = Baseline(
-        GateRun(None, None, "", (_outcome("a"),), None, scheduler=stock_stage,
+        _run(None, (_outcome("a"),), None, scheduler=stock_stage,
                 scheduler_traces=(stock_trace,)),
         1.0,
     )  # fmt: skip
-    run = GateRun(broken.name, None, "", (_outcome("a"),), None, scheduler=mutated_stage,
+    run = _run(broken.name, (_outcome("a"),), None, scheduler=mutated_stage,
                   scheduler_traces=(mutated_trace,))  # fmt: skip
     result = judge(broken, run, "", baseline, 1.0)
     assert result.verdict == "not built" and result.catch is None

@@ -35,18 +35,7 @@ from kvgate import options
 from kvgate.conformance.replay import LEVELS
 from kvgate.conformance.trace import bundled_corpus
 from kvgate.errors import InputError
-from kvgate.mutate.campaign import (
-    EXPLORE_EXAMPLES,
-    SCHEDULER_EXPLORE_EXAMPLES,
-    STAGES,
-    Baseline,
-    Campaign,
-    ExploreOutcome,
-    FaultResult,
-    SchedulerOutcome,
-    Settings,
-    run_campaign,
-)
+from kvgate.mutate.campaign import Baseline, Campaign, FaultResult, run_campaign
 from kvgate.mutate.faults import BY_NAME, Fault, select
 from kvgate.mutate.own_suite import (
     SELECTION_ROOT,
@@ -54,6 +43,16 @@ from kvgate.mutate.own_suite import (
     SuiteResult,
     SuiteRun,
     run_suite_campaign,
+)
+from kvgate.mutate.stages import (
+    DETAIL_WIDTH,
+    EXPLORATION,
+    EXPLORE_EXAMPLES,
+    MANAGER_GATE,
+    SCHEDULER_EXPLORE_EXAMPLES,
+    STAGES,
+    Settings,
+    Stage,
 )
 
 SUITES = ("gate", "vllm-own", "both")
@@ -64,8 +63,6 @@ DEFAULT_TESTS_DIR = Path(".cache/vllm-0.33.0-tests")
 MAX_JOBS = 64
 MAX_EXPLORE = 100_000
 MAX_TIMEOUT = 86_400.0
-# How much of a catch's description a table row shows.
-DETAIL_WIDTH = 96
 
 
 def register(subparsers: Any) -> None:
@@ -207,7 +204,7 @@ def gate_campaign(
     def baseline_lines(baseline: Baseline) -> None:
         if quiet:
             return
-        for line in describe_baseline(baseline):
+        for line in describe_baseline(baseline, settings.stages):
             _line(out, line)
         _line(out, "")
         header()
@@ -219,28 +216,8 @@ def gate_campaign(
         _line(out, result_row(result))
 
     if not quiet:
-        _line(
-            out,
-            f"kvgate mutate: {len(faults)} faults, gate = corpus {settings.corpus} "
-            f"({settings.level}) + snapshot invariants"
-            + (
-                f" + exploration ({settings.explore_examples} examples, "
-                + (
-                    "derandomized)"
-                    if settings.explore_seed is None
-                    else f"seed {settings.explore_seed})"
-                )
-                if settings.explore_examples
-                else ""
-            )
-            + (
-                f" + Scheduler-level exploration ({settings.scheduler_explore_examples} examples)"
-                if settings.scheduler_explore_examples
-                else ""
-            )
-            + (" + the real Scheduler without prefix caching" if settings.scheduler_stage else "")
-            + f"; {jobs} job(s)",
-        )
+        gate = " + ".join(h for h in (s.headline(settings) for s in settings.stages) if h)
+        _line(out, f"kvgate mutate: {len(faults)} faults, gate = {gate}; {jobs} job(s)")
     # A CampaignError (a KvgateError) reaches the command line as one line, exit 2.
     campaign = run_campaign(
         faults,
@@ -254,49 +231,12 @@ def gate_campaign(
     return campaign
 
 
-def describe_baseline(baseline: Baseline) -> list[str]:
-    run = baseline.run
-    failing = [t.trace for t in run.traces if not t.passed]
-    lines = [
-        f"baseline (no fault, {baseline.seconds:.1f}s): {len(baseline.passing)} of "
-        f"{len(run.traces)} traces pass and count"
-        + (f"; {len(failing)} fail unmutated and are left out" if failing else ""),
-        f"  invariants hold after every step of {len(baseline.invariant_clean)} of those",
-    ]
-    if failing:
-        lines.append(f"  left out: {', '.join(failing)}")
-    scheduler_traces = run.scheduler_traces
-    if scheduler_traces:
-        lines.append(
-            f"  scheduler-level traces on the real Scheduler: {len(baseline.scheduler_passing)} "
-            f"of {len(scheduler_traces)} pass and count"
-        )
-    examples = run.exploration.examples if run.exploration else 0
-    lines.append(_stage_line("exploration", run.exploration, f"{examples} examples pass unmutated"))
-    engine = run.scheduler_exploration
-    lines.append(
-        _stage_line(
-            "Scheduler-level exploration",
-            engine,
-            f"{engine.examples if engine else 0} examples in lockstep unmutated",
-        )
-    )
-    lines.append(
-        _stage_line("real Scheduler (prefix caching off)", run.scheduler, "in lockstep unmutated")
-    )
-    return lines
-
-
-def _stage_line(title: str, stage: ExploreOutcome | SchedulerOutcome | None, passed: str) -> str:
-    """A baseline stage's line: off, not run (why), failing unmutated (so
-    left out), or passing (`passed` says how) in so many seconds."""
-    if stage is None:
-        return f"  {title}: off"
-    if not stage.ran:
-        return f"  {title}: not run ({stage.note})"
-    if stage.failure:
-        return f"  {title}: fails unmutated, left out ({stage.failure[:DETAIL_WIDTH]})"
-    return f"  {title}: {passed} ({stage.seconds:.1f}s)"
+def describe_baseline(baseline: Baseline, stages: Sequence[Stage[Any]] = STAGES) -> list[str]:
+    """Each stage's lines about the baseline run, the first continuing the
+    baseline's own line."""
+    lines = [line for s in stages for line in s.describe(s.outcome(baseline.run.outcomes))]
+    head = f"baseline (no fault, {baseline.seconds:.1f}s)"
+    return [f"{head}: {lines[0]}", *lines[1:]] if lines else [head]
 
 
 def row_header() -> str:
@@ -306,8 +246,8 @@ def row_header() -> str:
 def result_row(result: FaultResult) -> str:
     if result.catch is not None:
         catch = result.catch
-        more = f" (+{result.catching_traces - 1} more)" if result.catching_traces > 1 else ""
-        by = f"{catch.stage} {catch.source}{more}: {catch.detail}"
+        more = f" (+{catch.more} more)" if catch.more else ""
+        by = f"{catch.kind} {catch.source}{more}: {catch.detail}"
     else:
         by = result.note or "-"
     return (
@@ -321,8 +261,7 @@ def summary_lines(campaign: Campaign) -> list[str]:
     rate = f"{100.0 * caught / applicable:.1f}%" if applicable else "-"
     not_applicable = [r.fault.name for r in campaign.results if r.verdict == "not applicable"]
     uncaught = [r for r in campaign.applicable if r.verdict != "caught"]
-    only_invariant = [r for r in campaign.caught if r.catch and r.catch.stage == "invariant"]
-    by_exploration = [r for r in campaign.caught if r.catch and r.catch.stage == "exploration"]
+    only_invariant = [r for r in campaign.caught if r.catch and r.catch.kind == "invariant"]
     fired: Counter[str] = Counter(i for r in campaign.caught for i in r.invariants)
     lines = [
         "",
@@ -339,32 +278,22 @@ def summary_lines(campaign: Campaign) -> list[str]:
         "invariants that also fired: "
         + (", ".join(f"{name} ({n} faults)" for name, n in fired.most_common()) or "none"),
     ]
-    if by_exploration:
+    for stage in campaign.stages:
+        alone = [r.fault.name for r in campaign.caught if r.first_stage == stage.name]
+        if stage.caught_only and alone:
+            lines.append(f"{stage.caught_only}: {', '.join(alone)}")
+    # With --explore-every-fault: the exploration's rate alone beside the corpus's.
+    explored = campaign.stage_kill_rate(EXPLORATION.name)
+    corpus = campaign.stage_kill_rate(MANAGER_GATE.name)
+    if explored is not None and corpus is not None:
         lines.append(
-            "caught by exploration only: " + ", ".join(r.fault.name for r in by_exploration)
-        )
-    by_engine_steps = [
-        r for r in campaign.caught if r.catch and r.catch.stage == "scheduler exploration"
-    ]
-    if by_engine_steps:
-        lines.append(
-            "caught by the Scheduler-level exploration only: "
-            + ", ".join(r.fault.name for r in by_engine_steps)
-        )
-    by_scheduler = [r for r in campaign.caught if r.catch and r.catch.stage == "scheduler"]
-    if by_scheduler:
-        lines.append(
-            "caught by the real Scheduler only: " + ", ".join(r.fault.name for r in by_scheduler)
-        )
-    explored = campaign.exploration_kill_rate()
-    if explored is not None:
-        corpus_caught, corpus_applicable = campaign.corpus_kill_rate()
-        lines.append(
-            f"by stage alone: corpus (traces + invariants) {corpus_caught}/{corpus_applicable} "
-            f"({_pct(corpus_caught, corpus_applicable)}); exploration alone (no corpus) "
+            f"by stage alone: corpus (traces + invariants) {corpus[0]}/{corpus[1]} "
+            f"({_pct(*corpus)}); exploration alone (no corpus) "
             f"{explored[0]}/{explored[1]} ({_pct(*explored)})"
         )
-        missed = [r.fault.name for r in campaign.applicable if r.explored is False]
+        missed = [
+            r.fault.name for r in campaign.applicable if r.said.get(EXPLORATION.name) is False
+        ]
         lines.append("not caught by exploration alone: " + (", ".join(missed) or "none"))
     lines.extend(stage_table(campaign))
     per_fault = [r.seconds for r in campaign.results]
@@ -382,10 +311,11 @@ def stage_table(campaign: Campaign) -> list[str]:
     runs only on what the earlier ones missed (unless --explore-every-fault),
     so 'caught' counts what it saw."""
     judged = [r for r in campaign.results if r.verdict in ("caught", "missed")]
-    width = max(len(s) for s in STAGES) + 2
+    names = [s.name for s in campaign.stages]
+    width = max(len(s) for s in names) + 2
     lines = ["", f"{'per stage':<{width}} {'ran on':>7} {'caught':>7} {'first':>7}"]
-    for stage in STAGES:
-        said = [r.stages_caught()[stage] for r in judged]
+    for stage in names:
+        said = [r.said.get(stage) for r in judged]
         ran = sum(s is not None for s in said)
         caught = sum(bool(s) for s in said)
         first = sum(r.first_stage == stage for r in judged)
@@ -395,9 +325,7 @@ def stage_table(campaign: Campaign) -> list[str]:
     lines.append("first stage to catch each fault (and the later stages that caught it too):")
     for result in judged:
         also = [
-            stage
-            for stage, said in result.stages_caught().items()
-            if said and stage != result.first_stage
+            stage for stage, said in result.said.items() if said and stage != result.first_stage
         ]
         more = f" (also: {', '.join(also)})" if also else ""
         lines.append(f"  {result.fault.name:<38} {result.first_stage or 'none'}{more}")
@@ -504,7 +432,7 @@ def write_junit(path: Path, campaign: Campaign | None, suite: Sequence[SuiteResu
                 r.fault.name,
                 r.verdict,
                 r.seconds,
-                f"{r.catch.stage} {r.catch.source}: {r.catch.detail}" if r.catch else r.note,
+                f"{r.catch.kind} {r.catch.source}: {r.catch.detail}" if r.catch else r.note,
             )
             for r in campaign.results
         ]
