@@ -1,10 +1,12 @@
 """The known vLLM defects: each standalone reproduction under findings/ run on
 the installed (pinned) vLLM in a subprocess, which must still show what
 findings/results.json and docs/findings.md say it shows there; the page must
-be what benchmarks/findings.py renders from that record; and a reproduction
-must need nothing of kvgate.
+be what benchmarks/findings.py renders from that record; a reproduction
+must need nothing of kvgate; and `kvgate gate` reports the defects it probes
+on the build as its --known-defects policy says.
 
-Each reproduction builds a real vLLM Scheduler on CPU: about 10 s apiece.
+Each reproduction builds a real vLLM Scheduler on CPU: about 10 s apiece on
+an idle machine; the gate's test runs all four again.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from __future__ import annotations
 import ast
 import importlib.metadata
 import importlib.util
+import os
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -114,3 +118,76 @@ def test_said_keeps_the_expected_and_actual_lines_with_their_continuations() -> 
     out = "vLLM 1\nstep 1\nexpected: a\nactual:   b\n          c\nstep 2\n"
     assert GENERATOR.said(out) == ["expected: a", "actual:   b", "          c"]
 
+
+# -- kvgate gate's group of known defects --------------------------------------
+
+
+def _fake_findings(folder: Path, exits: dict[str, str]) -> None:
+    """A findings folder whose reproductions exit as `exits` says (Python
+    source of the exit), each with a finding.yaml."""
+    for slug, body in exits.items():
+        (folder / slug).mkdir()
+        (folder / slug / "finding.yaml").write_text(
+            f"title: defect {slug}\neffect: costs {slug}\n", encoding="utf-8"
+        )
+        (folder / slug / "repro.py").write_text(body, encoding="utf-8")
+
+
+def test_the_probe_reads_each_reproductions_exit_code(tmp_path: Path) -> None:
+    from kvgate.known_defects import DefectProbe, fails, lines
+
+    _fake_findings(
+        tmp_path,
+        {
+            "a": "print('expected: x')\nprint('actual:   it broke')\nraise SystemExit(10)\n",
+            "b": "raise SystemExit(0)\n",
+            "c": "print('could not run here: no Triton')\nraise SystemExit(77)\n",
+            "d": "raise RuntimeError('a bug')\n",
+        },
+    )
+    probes = DefectProbe(tmp_path).finish()
+    assert [(p.slug, p.status, p.detail) for p in probes] == [
+        ("a", "present", "it broke"),
+        ("b", "absent", ""),
+        ("c", "not probed", "no Triton"),
+        ("d", "not probed", "its reproduction exited 1"),
+    ]
+    shown = lines(probes, "report")
+    assert shown[0].startswith("known vLLM defects: 1 of 4 present on this build; reported only")
+    assert shown[1:] == [
+        "  present: defect a (impact: costs a)",
+        "  absent: defect b",
+        "  not probed: defect c: no Triton",
+        "  not probed: defect d: its reproduction exited 1",
+    ]
+    assert fails(probes, "fail") and not fails(probes, "report")
+    assert not fails([p for p in probes if p.status != "present"], "fail")
+
+
+def test_the_model_target_and_skip_probe_nothing() -> None:
+    from kvgate.known_defects import start
+
+    assert start("skip", "vllm") is None
+    assert start("report", "model") is None
+
+
+def test_the_gate_on_the_pinned_release_lists_the_defects_and_fails_by_policy() -> None:
+    """`--known-defects fail` on vLLM 0.33.0: every known defect present,
+    with its impact, and exit 1 though the one trace selected passes."""
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, "-m", "kvgate", "gate", "--target", "vllm", "-k", "admission-exact-fit"]
+        + ["--known-defects", "fail"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        check=False,
+    )
+    out = done.stdout
+    assert done.returncode == 1, out[-3000:] + done.stderr[-2000:]
+    assert "1 passed, 0 failed" in out
+    assert f"known vLLM defects: {len(FINDINGS)} of {len(FINDINGS)} present on this build" in out
+    for finding in FINDINGS:
+        assert f"  present: {finding.title} (impact: {finding.effect})" in out
