@@ -372,9 +372,9 @@ def run_traces(
     `defects`: the known vLLM defects' policy (probed while the traces run)."""
     if not traces and invalid:
         raise _NothingValid(invalid)
-    probe = known_defects.start(defects, target_name) if traces else None
     logs = logs or VllmLogs()
     factory, model = gate_factories(target_name, plugin)
+    probe = known_defects.start(defects, target_name) if traces else None
 
     report = TerminalReport(sys.stdout, required, explain_lacking, quiet=logs.verbosity <= QUIET)
     if traces:

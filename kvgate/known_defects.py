@@ -13,6 +13,7 @@ what it costs in production; absent; or not probed, with why. The policy
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
 import subprocess
 import sys
@@ -101,6 +102,16 @@ class DefectProbe:
                 stdin=subprocess.DEVNULL,
             )
             self._running.append((path.parent.name, title, impact, child, out))
+        # A gate that stops before reading them (an error, an interrupt)
+        # leaves no reproduction running behind it.
+        atexit.register(self.close)
+
+    def close(self) -> None:
+        """Stop every reproduction still running (its verdict is lost)."""
+        for _, _, _, child, _ in self._running:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
 
     def finish(self) -> list[Probe]:
         probes = []

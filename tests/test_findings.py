@@ -164,6 +164,16 @@ def test_the_probe_reads_each_reproductions_exit_code(tmp_path: Path) -> None:
     assert not fails([p for p in probes if p.status != "present"], "fail")
 
 
+def test_closing_the_probe_stops_a_reproduction_still_running(tmp_path: Path) -> None:
+    from kvgate.known_defects import DefectProbe
+
+    _fake_findings(tmp_path, {"slow": "import time\ntime.sleep(600)\n"})
+    probe = DefectProbe(tmp_path)
+    probe.close()
+    [slow] = probe.finish()
+    assert slow.status == "not probed" and slow.detail.startswith("its reproduction exited -")
+
+
 def test_the_model_target_and_skip_probe_nothing() -> None:
     from kvgate.known_defects import start
 
