@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, NoReturn, cast
 
 import kvgate
-from kvgate import options
+from kvgate import known_defects, options
 from kvgate.conformance.corpora import CorpusCount, read_corpora
 from kvgate.conformance.limits import DEFAULT_LIMITS, Limits
 from kvgate.conformance.replay import (
@@ -161,6 +161,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 invalid=invalid,
                 logs=logs,
                 corpora=counts,
+                defects=known_defects.policy_of(args),
             )
     except _NothingValid as nothing:
         for error in nothing.invalid:
@@ -343,6 +344,11 @@ def _parser(only: str | None = None) -> argparse.ArgumentParser:
         action="store_true",
         help="print the selected traces (and every invalid one) and exit without running them",
     )
+    gate_cmd.add_argument(
+        "--known-defects",
+        choices=known_defects.POLICIES,
+        help=known_defects.POLICY_HELP,
+    )
 
     for command in (replay_cmd, gate_cmd):
         options.add_level(command, LEVELS, "strict")
@@ -393,15 +399,18 @@ def run_traces(
     invalid: Sequence[TraceError] = (),
     logs: VllmLogs | None = None,
     corpora: Callable[[Sequence[Trace]], list[CorpusCount]] | None = None,
+    defects: known_defects.Policy = "skip",
 ) -> int:
     """Run `traces` and report each one's verdict, with every `invalid`
     trace's error listed and counted; the exit code (`errors.EXIT_CODES`).
     `corpora` counts the traces of each corpus a gate read, for the header.
-    `_NothingValid` when there is nothing to run: only errors to tell."""
+    `_NothingValid` when there is nothing to run: only errors to tell.
+    `defects`: the known vLLM defects' policy (probed while the traces run)."""
     if not traces and invalid:
         raise _NothingValid(invalid)
     logs = logs or VllmLogs()
     factory, model = gate_factories(target_name, plugin)
+    probe = known_defects.start(defects, target_name) if traces else None
 
     report = TerminalReport(sys.stdout, required, explain_lacking, quiet=logs.verbosity <= QUIET)
     if traces:
@@ -443,7 +452,13 @@ def run_traces(
             assert isinstance(result, TraceRunError)
             print(f"kvgate: error: {printable(result.message)}", file=sys.stderr)
     logged = logs.summary() if logs.verbosity > QUIET else None
-    report.finish(f"verdict: exit {code}: {dict(EXIT_CODES)[code]}", [logged] if logged else [])
+    notes = [logged] if logged else []
+    if probe is not None:
+        probes = probe.finish()
+        notes = [*known_defects.lines(probes, defects), *notes]
+        if known_defects.fails(probes, defects):
+            code = next(c for c in EXIT_PRECEDENCE if c in (code, EXIT_DIVERGED))
+    report.finish(f"verdict: exit {code}: {dict(EXIT_CODES)[code]}", notes)
 
     if junit_xml is not None:
         unloaded = [(str(error.path), str(error)) for error in invalid]

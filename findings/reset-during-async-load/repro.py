@@ -1,0 +1,240 @@
+"""A prefix-cache reset that preempts running requests raises while a KV
+connector's asynchronous load is in flight.
+
+Standalone reproduction: needs only vLLM (CPU is enough; no model weights,
+no worker). The Scheduler of a tiny Qwen3-Next-class hybrid (one attention
+layer, one gated-delta-net layer) in Mamba "align" mode, prefix caching on,
+with a KV connector defined below whose external store holds R's whole
+prompt, loaded asynchronously.
+
+  1. A (40 tokens) starts its prefill.
+  2. R arrives; the connector has its 40 tokens, to load asynchronously: R
+     waits for its load, holding its blocks, while A decodes.
+  3. The prefix cache is reset with reset_running_requests=True (as the
+     engine's reset_prefix_cache(reset_running_requests=True) asks).
+
+Expected: the reset preempts A and either resets the cache or reports that
+it could not (returns False), leaving the Scheduler as it found it.
+Actual (defect): A is preempted, then the reset raises RuntimeError, because
+R's load still holds blocks.
+Exit codes: 10 the defect is present, 0 it is absent (fixed),
+77 this vLLM cannot run the reproduction here (reason printed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from typing import Any
+
+PRESENT, ABSENT, CANNOT_RUN = 10, 0, 77
+CONNECTOR = "ReproLoadingConnector"
+# Requests whose whole prompt the external store holds (loaded asynchronously).
+EXTERNAL = {"R": 40}
+
+
+def connector_class() -> type:
+    """A scheduler-side KV connector: the store holds EXTERNAL's prompts."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorBase_V1,
+        KVConnectorMetadata,
+        SupportsHMA,
+    )
+
+    class ReproLoadingConnector(KVConnectorBase_V1, SupportsHMA):
+        def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Any:
+            held = EXTERNAL.get(request.request_id, 0)
+            new = max(0, held - num_computed_tokens)
+            return new, new > 0  # (tokens to load, asynchronously)
+
+        def update_state_after_alloc(
+            self, request: Any, blocks: Any, num_external_tokens: int
+        ) -> None:
+            pass
+
+        def build_connector_meta(self, scheduler_output: Any) -> Any:
+            return KVConnectorMetadata()
+
+        def request_finished_all_groups(self, request: Any, block_ids: Any) -> Any:
+            return False, None
+
+        def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+            raise NotImplementedError("scheduler side only")
+
+        def wait_for_layer_load(self, layer_name: str) -> None:
+            raise NotImplementedError("scheduler side only")
+
+        def save_kv_layer(
+            self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
+        ) -> None:
+            raise NotImplementedError("scheduler side only")
+
+        def wait_for_save(self) -> None:
+            raise NotImplementedError("scheduler side only")
+
+    return ReproLoadingConnector
+
+
+def __getattr__(name: str) -> Any:
+    # vLLM's connector factory looks the class up in this module by name.
+    if name == CONNECTOR:
+        return connector_class()
+    raise AttributeError(name)
+
+
+def build_scheduler(model_dir: str) -> Any:
+    import torch
+    from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        MambaSpec,
+    )
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    vllm_config = VllmConfig(
+        model_config=ModelConfig(model=model_dir, skip_tokenizer_init=True, max_model_len=512),
+        cache_config=CacheConfig(block_size=32, enable_prefix_caching=True, mamba_block_size=32),
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=4,
+            max_num_batched_tokens=512,
+            max_model_len=512,
+            enable_chunked_prefill=True,
+            is_encoder_decoder=False,
+        ),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector=CONNECTOR,
+            kv_connector_module_path=__name__,
+            kv_role="kv_both",
+        ),
+    )
+    vllm_config.cache_config.num_gpu_blocks = 32
+    groups = [
+        KVCacheGroupSpec(
+            ["attention"],
+            FullAttentionSpec(block_size=8, num_kv_heads=1, head_size=1, dtype=torch.float32),
+        ),
+        KVCacheGroupSpec(
+            ["linear_attention"],
+            MambaSpec(
+                block_size=32,
+                shapes=((1, 1),),
+                dtypes=(torch.float32,),
+                mamba_cache_mode="align",
+            ),
+        ),
+    ]
+    kv_cache_config = KVCacheConfig(num_blocks=32, kv_cache_tensors=[], kv_cache_groups=groups)
+    return Scheduler(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=32,
+        hash_block_size=8,
+    )
+
+
+def write_model(folder: str) -> None:
+    """A tiny Qwen3-Next config.json (no weights)."""
+    config = {
+        "model_type": "qwen3_next",
+        "architectures": ["Qwen3NextForCausalLM"],
+        "vocab_size": 1024,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "layer_types": ["linear_attention", "full_attention"],
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 32,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 2,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 32,
+        "max_position_embeddings": 4096,
+    }
+    with open(os.path.join(folder, "config.json"), "w") as out:
+        json.dump(config, out)
+
+
+def main() -> int:
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    try:
+        import vllm
+        from vllm.sampling_params import SamplingParams
+        from vllm.utils.hashing import sha256
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+        from vllm.v1.outputs import ModelRunnerOutput
+        from vllm.v1.request import Request
+    except Exception as error:  # noqa: BLE001 - any import failure means "cannot run here"
+        print(f"could not run here: importing vLLM failed: {type(error).__name__}: {error}")
+        return CANNOT_RUN
+    print(f"vLLM {vllm.__version__}")
+    with tempfile.TemporaryDirectory() as folder:
+        write_model(folder)
+        try:
+            scheduler = build_scheduler(folder)
+        except Exception as error:  # noqa: BLE001
+            print(
+                "could not run here: building the Scheduler failed: "
+                f"{type(error).__name__}: {error}"
+            )
+            return CANNOT_RUN
+    init_none_hash(sha256)
+    hasher = get_request_block_hasher(8, sha256)
+
+    def request(name: str, first: int) -> Request:
+        return Request(
+            request_id=name,
+            prompt_token_ids=list(range(first, first + 40)),
+            sampling_params=SamplingParams(max_tokens=8, ignore_eos=True),
+            pooling_params=None,
+            block_hasher=hasher,
+        )
+
+    def step(number: int) -> None:
+        output = scheduler.schedule()
+        ids = list(output.num_scheduled_tokens)
+        scheduler.update_from_output(
+            output,
+            ModelRunnerOutput(
+                req_ids=ids,
+                req_id_to_index={r: i for i, r in enumerate(ids)},
+                # A token only for a request whose prompt is all computed.
+                sampled_token_ids=[
+                    [7] if scheduler.requests[r].num_computed_tokens >= 40 else [] for r in ids
+                ],
+            ),
+        )
+        print(f"step {number} scheduled {dict(output.num_scheduled_tokens)}")
+
+    scheduler.add_request(request("A", 1))
+    step(1)
+    scheduler.add_request(request("R", 100))
+    step(2)  # R's load starts; it waits for it, holding its blocks
+    status = scheduler.requests["R"].status
+    print(f"R is {status.name}; running: {[r.request_id for r in scheduler.running]}")
+    print("reset_prefix_cache(reset_running_requests=True)")
+    print("expected: the reset returns (True, or False when it cannot reset now)")
+    try:
+        result = scheduler.reset_prefix_cache(reset_running_requests=True)
+    except RuntimeError as error:
+        waiting = [r.request_id for r in scheduler.waiting]
+        print(f"actual:   RuntimeError: {error}")
+        print(f"          (after preempting the running requests: waiting now {waiting})")
+        return PRESENT
+    print(f"actual:   it returned {result}")
+    return ABSENT
+
+
+if __name__ == "__main__":
+    sys.exit(main())
