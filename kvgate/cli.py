@@ -108,6 +108,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "kvgate.invariants.z3.command",
     "kvgate.bless_command",
     "kvgate.shrink_command",
+    "kvgate.deployment_command",
 )
 
 
