@@ -109,6 +109,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "kvgate.bless_command",
     "kvgate.shrink_command",
     "kvgate.deployment_command",
+    "kvgate.hold_check_command",
 )
 
 

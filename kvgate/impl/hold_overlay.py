@@ -137,6 +137,11 @@ def is_registered() -> bool:
     return bool(_originals)
 
 
+# The overlay's two refusals, logged once at startup instead of installing
+# (`kvgate hold-check` reads all three lines from a server's log).
+NOT_INSTALLED_LINE = "kvgate hold overlay not installed: this vLLM build has %s itself"
+REFUSED_LINE = "kvgate hold overlay refused: vLLM %s lacks %s"
+
 # Set to 1, it installs the overlay from the entry point with the hold switch
 # off (managers then run vLLM's own code until one is built with it on).
 OPT_IN_SWITCH = "KVGATE_HOLD_OVERLAY"
@@ -169,17 +174,14 @@ def install() -> None:
 
         logger = init_logger(LOGGER_NAME)
         if RETAIN_SWITCH in getattr(envs, "environment_variables", {}):
-            logger.warning(
-                "kvgate hold overlay not installed: this vLLM build has %s itself",
-                RETAIN_SWITCH,
-            )
+            logger.warning(NOT_INSTALLED_LINE, RETAIN_SWITCH)
             return
         missing = missing_internals()
         if missing:
             import vllm
 
             logger.warning(
-                "kvgate hold overlay refused: vLLM %s lacks %s",
+                REFUSED_LINE,
                 getattr(vllm, "__version__", "unknown"),
                 ", ".join(missing),
             )
