@@ -14,6 +14,7 @@ import yaml
 from kvgate.conformance.writer import config_dict
 from kvgate.errors import EXIT_OK, InputError, printable
 from kvgate.impl.serve_flags import Deployment, resolve
+from kvgate.output import QUIET
 
 # Words a command line copied whole starts with; dropped before parsing.
 _SERVE_PREFIX = ("vllm", "serve")
@@ -70,6 +71,11 @@ def run(args: argparse.Namespace) -> int:
     deployment = resolve(serve_args(args.serve), args.num_blocks)
     if args.trace_config:
         print(trace_config(deployment), end="")
+        # Standard output is the config block alone, ready to paste or pipe:
+        # the count of vLLM's lines is left out (-v still shows the lines).
+        logs = getattr(args, "vllm_logs", None)
+        if logs is not None:
+            logs.verbosity = min(logs.verbosity, QUIET)
     else:
         print("\n".join(lines(deployment)))
     return EXIT_OK

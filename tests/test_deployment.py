@@ -178,8 +178,16 @@ def test_three_command_lines_resolve_as_vllm_resolves_them(
     assert values["model"].endswith("(NemotronHForCausalLM)")
 
 
-def test_the_trace_config_block_reads_back(capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_trace_config_block_builds_vllms_scheduler(capsys: pytest.CaptureFixture[str]) -> None:
+    """The printed config block is a trace config (standard output holds it
+    alone), and vLLM's real Scheduler built from it by the gate's
+    scheduler-level target derives every size and setting it states (the
+    target refuses, by name, any it resolves otherwise)."""
+    import yaml
+
+    from kvgate import targets
     from kvgate.conformance.trace import parse_trace
+    from kvgate.conformance.writer import config_dict
 
     argv = [
         "--trace-config",
@@ -191,20 +199,33 @@ def test_the_trace_config_block_reads_back(capsys: pytest.CaptureFixture[str]) -
         "256",
         "--prefix-match-unit",
         "64",
+        "--max-model-len",
+        "32768",
         "--num-gpu-blocks-override",
         "512",
+        "--max-num-seqs",
+        "8",
         "--speculative-config",
         MTP,
     ]
     assert cli.main(["deployment", *argv]) == 0
+    out = capsys.readouterr().out
+    block = yaml.safe_load(out)
+    assert list(block) == ["config"]
     # The block, as a trace's config, read by the trace reader.
     head = "format: kvgate-trace/1\nname: deployment\n"
     steps = "steps:\n  - {op: arrive, req: A, prompt: [{fresh: 8}]}\n  - {op: lookup, req: A}\n"
-    out = capsys.readouterr().out.splitlines()
-    block = "".join(f"{line}\n" for line in out if line.startswith(("config:", "  ")))
-    config = parse_trace(head + block + steps).config
+    config = parse_trace(head + out + steps).config
+    assert config_dict(config) == block["config"]
     assert (config.num_blocks, config.hash_unit, config.scheduler_block_size) == (512, 64, 256)
     assert config.hash_lookahead_tokens == 3 and config.async_scheduling
+
+    factory: Any = targets.target_factory("vllm-scheduler")
+    scheduler = factory(config, spec_tokens=3, max_num_seqs=8)
+    real = scheduler.scheduler
+    assert int(real.num_prefill_lookahead) == 3
+    assert int(real.hash_block_size) == 64
+    scheduler.close()
 
 
 def test_bad_command_lines_are_one_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
