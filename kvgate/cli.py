@@ -106,6 +106,8 @@ COMMAND_MODULES: dict[str, str] = {
     "prove": "kvgate.invariants.z3.command",
     "bless": "kvgate.bless_command",
     "shrink": "kvgate.shrink_command",
+    "deployment": "kvgate.deployment_command",
+    "hold-check": "kvgate.hold_check_command",
 }
 
 # A package a command needs beyond the gate's, and the extra that installs it

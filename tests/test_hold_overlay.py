@@ -224,10 +224,14 @@ def test_the_switch_is_read_per_manager(overlay: Any) -> None:
         target.close()
 
 
-def test_entry_point_loads_the_overlay(overlay: Any) -> None:
-    """vLLM's own plugin loader finds the overlay by its entry point."""
+def test_entry_point_loads_the_overlay(overlay: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's own plugin loader finds the overlay by its entry point (the
+    hold switch on, as a server with the hold is started)."""
     from kvgate.impl.vllm_target import VllmTarget
 
+    # Spelled unlike kvgate's own "1", so it reads as the user's setting even
+    # after earlier tests in this process had kvgate write the switch.
+    monkeypatch.setenv("VLLM_E2_MAMBA_RETAIN_CHECKPOINT", "true")
     found = importlib.metadata.entry_points(group="vllm.general_plugins", name="kvgate_hold")
     assert [e.value for e in found] == [f"{PLUGIN}:register"]
     target = VllmTarget(HOLD_ON[0].config, plugin="entry-points")

@@ -179,7 +179,7 @@ def test_a_missing_hold_fails_when_required_and_is_skipped_when_not(
     required.stdout.fnmatch_lines(
         ["LACKS seed1-next-turn-after-burst.hold-on (hold: *", "lacks hold: 1 traces need *"]
     )
-    assert "--kvgate-plugin kvgate.impl.hold_overlay" in required.stdout.str()
+    assert "(gate that with --kvgate-plugin entry-points)" in required.stdout.str()
     optional = pytester.runpytest(*PLUGIN, *selection, "--kvgate-require", "none")
     optional.assert_outcomes(skipped=1, deselected=CORPUS - 1)
 

@@ -86,8 +86,8 @@ def test_a_build_without_the_hold_lacks_it_and_fails_by_default(
     lacks = next(line for line in out if line.startswith("lacks hold: "))
     assert lacks.startswith("lacks hold: 1 traces need the partial-tail hold, which this build")
     assert "cost: 1 lookups miss their cached prefix entirely (8 cached tokens" in lacks
-    assert "remedy: a vLLM build with the hold" in lacks
-    assert "--plugin kvgate.impl.hold_overlay" in lacks
+    assert "remedy: serve with kvgate's hold overlay" in lacks
+    assert "VLLM_E2_MAMBA_RETAIN_CHECKPOINT=1 (gate that with --plugin entry-points)" in lacks
     assert lacks.endswith("required (--require hold): fails the gate")
     assert out[-2].startswith("verdict: exit 4: ")
     assert out[-1] == "1 passed, 0 failed, 1 lacking a capability"

@@ -57,8 +57,9 @@ CAPABILITIES: tuple[Capability, ...] = (
         what="the partial-tail hold",
         asked=lambda config: config.hold,
         offered=lambda capabilities: capabilities.hold,
-        remedy="a vLLM build with the hold (VLLM_E2_MAMBA_RETAIN_CHECKPOINT=1), "
-        "or --plugin kvgate.impl.hold_overlay",
+        remedy="serve with kvgate's hold overlay: install kvgate in the serving environment "
+        "and start vllm serve with VLLM_E2_MAMBA_RETAIN_CHECKPOINT=1 (gate that with "
+        "--plugin entry-points), or a vLLM build carrying the hold",
     ),
     Capability(
         name="retention",

@@ -9,10 +9,11 @@ its environment or builds a manager.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, cast
@@ -26,6 +27,8 @@ RETIRE_SWITCH = "KVGATE_RETAIN_RETIRED"
 RETIRE_ATTR = "_kvgate_retain_retired"
 # The attribute such a build gives every MambaManager instance.
 HOLD_ATTR = "_retained_checkpoints"
+# The values that turn a switch on, as the overlay reads them.
+SWITCH_ON_VALUES = ("1", "true", "yes", "on")
 
 
 @dataclass(frozen=True)
@@ -129,9 +132,59 @@ def set_retain_switch(on: bool, retain_retired: bool = False) -> None:
     Safe before vLLM is imported (nothing is read yet) and after (vLLM's
     environment cache, when enabled, is dropped so the new value is seen).
     """
-    os.environ[RETAIN_SWITCH] = "1" if on else "0"
-    os.environ[RETIRE_SWITCH] = "1" if retain_retired else "0"
+    _write(RETAIN_SWITCH, "1" if on else "0")
+    _write(RETIRE_SWITCH, "1" if retain_retired else "0")
     clear_env_cache()
+
+
+# What kvgate last wrote to a switch, and the value it found there before:
+# the environment a serving process started here would see.
+_written: dict[str, str] = {}
+_found: dict[str, str | None] = {}
+
+
+def _write(name: str, value: str) -> None:
+    current = os.environ.get(name)
+    if _written.get(name) != current:  # the user's value (set since kvgate's last write)
+        _found[name] = current
+    os.environ[name] = value
+    _written[name] = value
+
+
+def serving_value(name: str) -> str | None:
+    """A switch as the user set it, kvgate's own writes set aside."""
+    current = os.environ.get(name)
+    if name in _written and _written[name] == current:
+        return _found.get(name)
+    return current
+
+
+def serving_switch_on(name: str) -> bool:
+    """A switch is on in the environment a serving process would start in."""
+    return (serving_value(name) or "0").strip().lower() in SWITCH_ON_VALUES
+
+
+@contextlib.contextmanager
+def _serving_environment() -> Iterator[None]:
+    """The switches as the user set them, while vLLM's plugin loader runs."""
+    names = (RETAIN_SWITCH, RETIRE_SWITCH)
+    saved = {name: os.environ.get(name) for name in names}
+    for name in names:
+        value = serving_value(name)
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    clear_env_cache()
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        clear_env_cache()
 
 
 def clear_env_cache() -> None:
@@ -206,7 +259,19 @@ def load_with_hold(
 ) -> tuple[VllmApi, ModuleType | None]:
     """vLLM with the hold switch as a config asks (set before vLLM reads its
     environment, vLLM's env cache dropped after), `plugin` registered:
-    (the API, the plugin's module or None)."""
+    (the API, the plugin's module or None).
+
+    With `ENTRY_POINTS` the hold is exactly a serving process's in this
+    environment: vLLM's loader runs with the switches as the user set them
+    (so kvgate's entry point installs the overlay only if a server started
+    here would), and a trace's hold is on only where the user's switch is."""
+    if plugin == ENTRY_POINTS:
+        serving_hold = serving_switch_on(RETAIN_SWITCH)
+        serving_retire = serving_switch_on(RETIRE_SWITCH)
+        with _serving_environment():
+            load()
+            register_plugin(plugin)
+        hold, retain_retired = hold and serving_hold, retain_retired and serving_retire
     set_retain_switch(hold, retain_retired)
     api = load()
     clear_env_cache()

@@ -57,7 +57,13 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvgate.impl._vllm_api import HOLD_ATTR, RETAIN_SWITCH, RETIRE_ATTR, RETIRE_SWITCH
+from kvgate.impl._vllm_api import (
+    HOLD_ATTR,
+    RETAIN_SWITCH,
+    RETIRE_ATTR,
+    RETIRE_SWITCH,
+    SWITCH_ON_VALUES,
+)
 
 __all__ = [
     "HOLD_SOURCE",
@@ -79,7 +85,6 @@ STARTUP_LINE = (
     "kvgate hold overlay on (%s=1): each request keeps its newest partial-tail "
     "Mamba state referenced until it is freed (hash unit %d < Mamba block %d)"
 )
-_SWITCH_ON = ("1", "true", "yes", "on")
 # What the wrappers wrap and read, probed before installing (never a version
 # string): (class, method) -> parameters the wrapper passes by name;
 # attributes the wrappers read on a Mamba manager or a block.
@@ -125,12 +130,17 @@ stats: Counter[str] = Counter()
 
 def switch_on(name: str = RETAIN_SWITCH) -> bool:
     """An environment switch, as a manager built now reads it."""
-    return os.environ.get(name, "0").strip().lower() in _SWITCH_ON
+    return os.environ.get(name, "0").strip().lower() in SWITCH_ON_VALUES
 
 
 def is_registered() -> bool:
     return bool(_originals)
 
+
+# The overlay's two refusals, logged once at startup instead of installing
+# (`kvgate hold-check` reads all three lines from a server's log).
+NOT_INSTALLED_LINE = "kvgate hold overlay not installed: this vLLM build has %s itself"
+REFUSED_LINE = "kvgate hold overlay refused: vLLM %s lacks %s"
 
 # Set to 1, it installs the overlay from the entry point with the hold switch
 # off (managers then run vLLM's own code until one is built with it on).
@@ -164,17 +174,14 @@ def install() -> None:
 
         logger = init_logger(LOGGER_NAME)
         if RETAIN_SWITCH in getattr(envs, "environment_variables", {}):
-            logger.warning(
-                "kvgate hold overlay not installed: this vLLM build has %s itself",
-                RETAIN_SWITCH,
-            )
+            logger.warning(NOT_INSTALLED_LINE, RETAIN_SWITCH)
             return
         missing = missing_internals()
         if missing:
             import vllm
 
             logger.warning(
-                "kvgate hold overlay refused: vLLM %s lacks %s",
+                REFUSED_LINE,
                 getattr(vllm, "__version__", "unknown"),
                 ", ".join(missing),
             )
