@@ -43,6 +43,7 @@ SMOKE: dict[str, tuple[list[str], str, bool]] = {
         "per fault: wall mean ",
         True,
     ),
+    "findings.py": (["--check"], "findings: the record, the page and vLLM ", True),
     "gate_cost.py": (
         ["--rounds", "1", "--manager", "{corpus}", "--scheduler", "{corpus}"],
         "scheduler-level / manager-level: ",

@@ -214,8 +214,12 @@ def test_the_trace_config_block_builds_vllms_scheduler(capsys: pytest.CaptureFix
     assert list(block) == ["config"]
     # The block, as a trace's config, read by the trace reader.
     head = "format: kvgate-trace/1\nname: deployment\n"
-    steps = "steps:\n  - {op: arrive, req: A, prompt: [{fresh: 8}]}\n  - {op: lookup, req: A}\n"
-    config = parse_trace(head + out + steps).config
+    # Async scheduling on: a scheduler-level trace (engine steps).
+    engine = (
+        "scheduler: {spec: 3, max_num_seqs: 8}\nengine:\n"
+        "  - {op: arrive, req: A, prompt: [{fresh: 8}], max_tokens: 1}\n  - {op: step}\n"
+    )
+    config = parse_trace(head + out + engine).config
     assert config_dict(config) == block["config"]
     assert (config.num_blocks, config.hash_unit, config.scheduler_block_size) == (512, 64, 256)
     assert config.hash_lookahead_tokens == 3 and config.async_scheduling
