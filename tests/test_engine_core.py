@@ -345,24 +345,71 @@ class SchedulerCallsOf:
         scheduler.update_from_output = counted
 
 
-def test_with_an_attention_block_below_the_mamba_block_the_engine_core_splits_otherwise(
-    tmp_path: Path,
-) -> None:
-    """A known difference, recorded so that it is resolved on purpose: fed
-    layers as kvgate builds its groups, with an attention block (8) below
-    the Mamba block (32), vLLM's engine core hands its Scheduler the smallest
-    group block as `cache_config.block_size`, which the align-mode split
-    reads as the Mamba block, where kvgate's real-Scheduler target sets the
-    Mamba block. The engine core then schedules a chunk the replay (model and
-    target agreeing) does not."""
+def test_no_engine_core_runs_an_attention_block_below_the_mamba_block(tmp_path: Path) -> None:
+    """In align mode vLLM's worker sets the Mamba block to the attention
+    block, so no worker reports an attention block (8) below the Mamba block
+    (32); the scripted executor, standing in for one, refuses to, by name."""
+    from kvgate.impl.engine_core import ScriptedEngine
+    from kvgate.vocabulary.config import UnsupportedConfig
+
     header = HEADER.replace(
         "{kind: full_attention, block_size: 32}", "{kind: full_attention, block_size: 8}"
     )
-    run = play_on_engine(tmp_path, header)
+    config = parse_trace(header + "  - {op: step}\n", tmp_path / "header.yaml").config
+    with pytest.raises(UnsupportedConfig) as refused:
+        ScriptedEngine(config, spec_tokens=0, max_num_seqs=MAX_NUM_SEQS)
+    assert refused.value.field == "groups"
+    assert "[8, 32]" in str(refused.value)
+
+
+# A deployment asking for a 64-token attention block, a 256-token Mamba
+# block and a 64-token hash unit: vLLM's worker runs its attention and Mamba
+# layers at one block (the attention block, raised until its page holds a
+# Mamba state; the asked Mamba block is overridden), hashing every 64 tokens.
+# Here that block is 256.
+SEED_LIKE = (
+    HEADER.replace("hash_unit: 8", "hash_unit: 64")
+    .replace("{kind: full_attention, block_size: 32}", "{kind: full_attention, block_size: 256}")
+    .replace("{kind: mamba_align, block_size: 32}", "{kind: mamba_align, block_size: 256}")
+)
+
+
+def _block_settings(scheduler: Any) -> dict[str, Any]:
+    cache = scheduler.cache_config
+    return {
+        "cache_config.block_size": int(cache.block_size),
+        "mamba_block_size": int(cache.mamba_block_size),
+        "prefix_match_unit": cache.prefix_match_unit,
+        "block_size": int(scheduler.block_size),
+        "hash_block_size": int(scheduler.hash_block_size),
+        "groups": [
+            int(m.block_size) for m in scheduler.kv_cache_manager.coordinator.single_type_managers
+        ],
+    }
+
+
+def test_the_target_and_the_engine_core_build_the_seed_like_scheduler_alike(
+    tmp_path: Path,
+) -> None:
+    """For the seed-like config as vLLM's worker reports it, kvgate's
+    real-Scheduler target and vLLM's EngineCore build the Scheduler with the
+    same block settings (the align split reads the 256-token block, hashes
+    every 64 tokens), and the replay makes the engine core's calls."""
+    from kvgate.impl.engine_core import ScriptedEngine
+    from kvgate.impl.vllm_scheduler import VllmScheduler
+
+    config = parse_trace(SEED_LIKE + "  - {op: step}\n", tmp_path / "header.yaml").config
+    engine = ScriptedEngine(config, spec_tokens=0, max_num_seqs=MAX_NUM_SEQS)
+    target = VllmScheduler(config, spec_tokens=0, max_num_seqs=MAX_NUM_SEQS)
+    try:
+        settings = _block_settings(engine.scheduler)
+        assert settings == _block_settings(target.scheduler)
+    finally:
+        engine.close()
+        target.close()
+    assert settings["cache_config.block_size"] == settings["mamba_block_size"] == 256
+    assert settings["hash_block_size"] == 64
+    run = play_on_engine(tmp_path, SEED_LIKE)
     result, calls = replay_on_vllm(run.trace)
     assert result.divergence is None, result.divergence
-    first = next(i for i, (a, b) in enumerate(zip(calls, run.calls, strict=False)) if a != b)
-    replayed, engine = calls[first], run.calls[first]
-    assert replayed.call == engine.call == "schedule"
-    # The engine core fits a chunk of a third prompt in; the replay does not.
-    assert len(engine.scheduled) == len(replayed.scheduled) + 1
+    assert calls == run.calls

@@ -48,6 +48,7 @@ from kvgate.impl import _vllm_api
 from kvgate.impl import vllm_scheduler_config as engine_config
 from kvgate.impl.vllm_build import kv_cache_config
 from kvgate.impl.vllm_errors import config_field, describe
+from kvgate.impl.worker_specs import check_worker_blocks
 from kvgate.vocabulary.config import Config, UnsupportedConfig
 
 __all__ = [
@@ -291,6 +292,9 @@ class ScriptedEngine:
         from vllm.v1.engine.core import EngineCore
         from vllm.v1.executor.abstract import Executor
 
+        # The executor stands in for a real worker: it reports only the
+        # layer specs one reports.
+        check_worker_blocks(config)
         api, _ = _vllm_api.load_with_hold(config.hold, config.retain_retired, plugin)
         self._api = api
         self.config = config
