@@ -85,6 +85,11 @@ def check(values: dict[str, str], config: Any) -> None:
     assert f"mamba_align block {cache.mamba_block_size}" in values["groups"]
     if cache.prefix_match_unit is not None:
         assert values["hash unit"] == str(cache.prefix_match_unit)
+    if cache.mamba_cache_mode == "align":
+        # The worker's block update, after the model loads, is named as the
+        # serving machine's: it overrides the configured Mamba block.
+        served = values["attention and Mamba blocks"]
+        assert "update_block_size_for_backend" in served and "--mamba-block-size" in served
 
 
 def test_three_command_lines_resolve_as_vllm_resolves_them(

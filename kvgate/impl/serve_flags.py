@@ -383,6 +383,17 @@ def _unresolved(out: Deployment, vllm_config: Any, has_mamba: bool) -> None:
                 f"(--gpu-memory-utilization {cache.gpu_memory_utilization}, the weights)",
             )
         )
+    if has_mamba and str(getattr(cache, "mamba_cache_mode", "")) == "align":
+        out.unresolved.append(
+            (
+                "attention and Mamba blocks",
+                "once the model is loaded, the worker raises the attention block until one "
+                "attention page holds a Mamba state, in multiples of the serving GPU's "
+                "attention-kernel block sizes, and in align mode sets the Mamba block to the "
+                "attention block (Platform.update_block_size_for_backend): --mamba-block-size "
+                "is overridden there, and the groups above are the blocks as configured",
+            )
+        )
     if has_mamba:
         out.unresolved.append(
             (
