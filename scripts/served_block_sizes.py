@@ -23,34 +23,11 @@ from typing import Any
 
 
 def write_model(directory: Path) -> None:
-    from transformers import Qwen3NextConfig
+    # The same tiny model the served end-to-end test serves (eos: token 1).
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from served_e2e import tiny_qwen3_next
 
-    config = Qwen3NextConfig(  # type: ignore[call-arg]
-        architectures=["Qwen3NextForCausalLM"],
-        vocab_size=512,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=4,
-        layer_types=["linear_attention"] * 3 + ["full_attention"],
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=64,
-        linear_num_key_heads=1,
-        linear_num_value_heads=1,
-        linear_key_head_dim=128,
-        linear_value_head_dim=128,
-        linear_conv_kernel_dim=4,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=64,
-        shared_expert_intermediate_size=64,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
-        max_position_embeddings=4096,
-        eos_token_id=1,
-        torch_dtype="bfloat16",
-    )
-    config.save_pretrained(directory)
+    tiny_qwen3_next(eos_token_id=1).save_pretrained(directory)
 
 
 def main() -> None:

@@ -61,13 +61,14 @@ def words(rng: random.Random, n: int) -> str:
 # ------------------------------------------------------------------ prepare
 
 
-def prepare(model: Path) -> None:
-    """The tiny model's config and tokenizer, written into `model`."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen3NextConfig
+def tiny_qwen3_next(eos_token_id: int) -> Any:
+    """A tiny Qwen3-Next as vLLM's CPU build serves it: three Gated DeltaNet
+    layers (head dim 128, which its kernels require) and one full-attention
+    layer, MoE feed-forward layers (vLLM finds no Qwen3-Next layer without
+    them), weights never loaded (`load_format=dummy`)."""
+    from transformers import Qwen3NextConfig
 
-    model.mkdir(parents=True, exist_ok=True)
-    config = Qwen3NextConfig(  # type: ignore[call-arg]
+    return Qwen3NextConfig(  # type: ignore[call-arg]
         architectures=["Qwen3NextForCausalLM"],
         vocab_size=512,
         hidden_size=128,
@@ -89,9 +90,18 @@ def prepare(model: Path) -> None:
         decoder_sparse_step=1,
         mlp_only_layers=[],
         max_position_embeddings=4096,
-        eos_token_id=SPECIAL.index("<eos>"),
+        eos_token_id=eos_token_id,
         torch_dtype="bfloat16",
     )
+
+
+def prepare(model: Path) -> None:
+    """The tiny model's config and tokenizer, written into `model`."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    model.mkdir(parents=True, exist_ok=True)
+    config = tiny_qwen3_next(SPECIAL.index("<eos>"))
     config.save_pretrained(model)
     vocab = {word: i for i, word in enumerate(SPECIAL)}
     for i in range(VOCAB_WORDS):
