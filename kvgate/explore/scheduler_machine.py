@@ -659,10 +659,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert self.model is not None
         for name in self.open_sessions():
             live = self.session(name)
-            queue = not live.paused and not live.chunks
+            queue = not live.waiting_for_streaming_req and not live.chunks
             if queue and not (name == stop or steps in (1, 5)):
                 continue
-            if not (live.paused or queue):
+            if not (live.waiting_for_streaming_req or queue):
                 continue
             # At its stop the session holds at most its prompt and output.
             room = self.cap - live.request.num_prompt_tokens - live.max_tokens

@@ -18,7 +18,15 @@ class ConnectorLoads(SchedulerState):
 
     def loading(self) -> bool:
         """An async KV load is in flight (progress even when nothing runs)."""
-        return any(live.loading for live in self.holding)
+        return any(live.waiting_for_remote_kvs for live in self.holding)
+
+    def _loads_in_flight(self) -> list[LiveRequest]:
+        """The requests whose asynchronous KV load the worker has not
+        reported yet: those waiting for it, then those aborted meanwhile
+        (an aborted request stays in `aborted_loads` until its load is
+        reported)."""
+        waiting = [live for live in self.holding if live.load_in_flight]
+        return waiting + [live for live in self.aborted_loads if not live.load_reported]
 
     def _admit_loaded(self, live: LiveRequest, budget: int, defer: bool) -> int | None:
         """Admit a request that holds blocks, without a lookup. When the scan
@@ -30,7 +38,7 @@ class ConnectorLoads(SchedulerState):
         a request with more than its last token to compute. The tokens run,
         or None when nothing runs (the scan stops; the request stays waiting
         with its blocks)."""
-        if live.loading:
+        if live.waiting_for_remote_kvs:
             self._complete_load(live)
         if defer and live.request.num_computed_tokens < live.request.num_tokens - 1:
             return None
@@ -56,7 +64,7 @@ class ConnectorLoads(SchedulerState):
         keyed, and a load of every token leaves the last to compute (an
         `allocate complete_only`)."""
         self.writer.run("allocate", req=live.name, tokens="auto", complete_only=True)
-        live.loading = False
+        live.end_remote_wait()
 
     def _reserved_blocks(self, skipped: list[LiveRequest]) -> int:
         """The free blocks vLLM's Scheduler keeps when it admits an async KV
@@ -99,18 +107,16 @@ class ConnectorLoads(SchedulerState):
         # Likewise the blocks of aborted requests whose loads are reported:
         # one a step.
         aborted = 0
-        for live in (*self.holding, *self.aborted_loads):
+        for live in self._loads_in_flight():
             remote = live.remote
             if (
-                live.loading
-                and not live.reported
-                and remote is not None
+                remote is not None
                 and self.engine_step - live.load_started >= remote.delay
-                and not (remote.fails and one_failure and failed and not live.ended)
-                and not (live.ended and aborted)
+                and not (remote.fails and one_failure and failed and not live.is_finished)
+                and not (live.is_finished and aborted)
             ):
-                live.reported = True
-                live.failed_reported = remote.fails
-                aborted += live.ended
+                live.load_reported = True
+                live.load_failed = remote.fails
+                aborted += live.is_finished
                 (failed if remote.fails else loaded).append(live.name)
         return loaded, failed

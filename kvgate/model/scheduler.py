@@ -301,10 +301,10 @@ class SchedulerModel(AsyncBatches, ConnectorLoads, StreamingSessions):
         by_name = {live.name: live for live in self._live()}
         for name, tokens in sampled.items():
             live = by_name.get(name)
-            if live is None or live.ended:
+            if live is None or live.is_finished:
                 continue
             stale = self._stale_output(live, batch)
-            if stale and live.drop_stale:
+            if stale and live.drop_stale_output:
                 continue
             decisions.sampled[name] = tokens
             # The items whose tokens are computed go back to the encoder
@@ -314,8 +314,8 @@ class SchedulerModel(AsyncBatches, ConnectorLoads, StreamingSessions):
             )
             if live in finished:
                 self.encoder.release_all(name)
-            if tokens and not live.stats_reported:
-                live.stats_reported = True
+            if tokens and not live.prefill_stats_reported:
+                live.prefill_stats_reported = True
                 decisions.prefill_stats[name] = self._prefill_stats(live, stale)
         # Under `fail`, a failed load ends its request with an error once
         # the step's finishes are freed (vLLM frees its blocks with the
@@ -323,7 +323,7 @@ class SchedulerModel(AsyncBatches, ConnectorLoads, StreamingSessions):
         errored = [
             live
             for live in self.holding
-            if live.failed_reported and self.config.kv_load_failure_policy == "fail"
+            if live.load_failed and self.config.kv_load_failure_policy == "fail"
         ]
         for live in errored:
             self.holding.remove(live)
@@ -331,7 +331,7 @@ class SchedulerModel(AsyncBatches, ConnectorLoads, StreamingSessions):
         # requests holding blocks, in output order, after the step's frees.
         continuing: list[LiveRequest] = []
         for live in finished:
-            if live.ended or (self._stale_output(live, batch) and live.drop_stale):
+            if live.is_finished or (self._stale_output(live, batch) and live.drop_stale_output):
                 continue
             if live in self.running:
                 self.running.remove(live)
@@ -347,11 +347,11 @@ class SchedulerModel(AsyncBatches, ConnectorLoads, StreamingSessions):
         self.holding.extend(continuing)
         for live in errored:
             writer.run("free", req=live.name, how="abort", load_failed=True)
-            live.ended = True
+            live.finish("error")
             self._ended_since_schedule = True
             decisions.errored.append(live.name)
         # An aborted request's load the worker reported: its blocks freed last.
-        for live in [live for live in self.aborted_loads if live.reported]:
+        for live in [live for live in self.aborted_loads if live.load_reported]:
             self.aborted_loads.remove(live)
             writer.run("free", req=live.name, how="abort")
 
@@ -359,7 +359,7 @@ class SchedulerModel(AsyncBatches, ConnectorLoads, StreamingSessions):
         """Free an ended request's blocks (`free`), or, while a batch that
         may still write them is in flight, keep them aside (`pop`) until
         that batch's output is processed (`release`)."""
-        live.ended = True
+        live.finish(how)
         self._ended_since_schedule = True
         self.encoder.release_all(live.name)
         if self._free_deferred(live):
@@ -392,7 +392,7 @@ class SchedulerModel(AsyncBatches, ConnectorLoads, StreamingSessions):
         for queue in (self.running, self.waiting, self.holding):
             for live in queue:
                 if live.name == name:
-                    live.stopping = True
+                    live.stops_at_next_token = True
 
     def abort(self, name: str) -> None:
         """The client aborts `name` between engine steps (`free abort`);
@@ -403,8 +403,8 @@ class SchedulerModel(AsyncBatches, ConnectorLoads, StreamingSessions):
             for live in queue:
                 if live.name == name:
                     queue.remove(live)
-                    if live.loading and not live.reported:
-                        live.ended = True
+                    if live.load_in_flight:
+                        live.finish("abort")
                         self._ended_since_schedule = True
                         self.aborted_loads.append(live)
                         return
@@ -428,15 +428,18 @@ class SchedulerModel(AsyncBatches, ConnectorLoads, StreamingSessions):
         and its store forgets every request it held; (whether it reset, the
         waiting queue after)."""
         if connector:
-            live = (*self._live(), *self.aborted_loads)
-            loading = next((r.name for r in live if r.loading and not r.reported), None)
+            # An aborted request's load is in flight until it is reported.
+            in_flight = [r for r in self._live() if r.load_in_flight] + [
+                r for r in self.aborted_loads if not r.load_reported
+            ]
+            loading = next((r.name for r in in_flight), None)
             if loading is not None:
                 raise StepRefused(
                     "connector",
                     f"a connector reset while {loading}'s asynchronous KV load is in flight "
                     "is not modelled",
                 )
-            for request in live:
+            for request in (*self._live(), *self.aborted_loads):
                 request.remote = None
         if running:
             holder = self.blocks_held_off_the_running_queue()
@@ -463,9 +466,9 @@ class SchedulerModel(AsyncBatches, ConnectorLoads, StreamingSessions):
         when nothing does): a reset can free every block only by preempting
         the running requests, never these."""
         for live in self.holding:
-            if live.paused:
+            if live.waiting_for_streaming_req:
                 return f"streaming-input session {live.name} is paused holding its blocks"
-            if live.loading and not live.reported:
+            if live.load_in_flight:
                 return f"{live.name}'s asynchronous KV load is in flight"
             return f"{live.name} holds the blocks of its finished KV load"
         if self.aborted_loads:
@@ -526,7 +529,7 @@ class SchedulerModel(AsyncBatches, ConnectorLoads, StreamingSessions):
         self.num_eligible = len(self.waiting) + len(self.holding) + len(self.running)
         for live in (*self.running, *self.holding):
             # A load reported failed has nothing computed for the Scheduler.
-            failed = live.failed_reported
+            failed = live.load_failed
             live.sched_computed = 0 if failed else live.request.num_computed_tokens
             live.sched_outputs = len(live.request.output)
         # The running requests still in their prompt: vLLM's Scheduler counts
@@ -608,7 +611,9 @@ class SchedulerModel(AsyncBatches, ConnectorLoads, StreamingSessions):
             decisions.scheduled.append((live.name, cost))
             prefill_scheduled |= prefilling
             live.decoding = len(request.output) > outputs  # it sampled
-            if len(request.output) >= live.max_tokens or (live.stopping and live.decoding):
+            if len(request.output) >= live.max_tokens or (
+                live.stops_at_next_token and live.decoding
+            ):
                 finished.append(live)
         if preempted or self.paused == "keep":
             # vLLM admits nothing in a step that preempted, nor while paused so.
@@ -636,23 +641,23 @@ class SchedulerModel(AsyncBatches, ConnectorLoads, StreamingSessions):
             if not queue:
                 break
             live = queue[0]
-            if (live.loading and not live.reported) or live.paused:
+            if live.load_in_flight or live.waiting_for_streaming_req:
                 # Its KV is not here yet, or it waits for its next input chunk.
-                live.deferred = True
+                live.counted_deferred = True
                 skipped.append(queue.popleft())
                 continue
             if self._over_lora_limit(live, adapters):
                 # Before any lookup: it keeps its place, counted deferred.
                 # vLLM's Scheduler has by then completed a reported load.
-                if live.failed_reported:
+                if live.load_failed:
                     raise StepRefused(
                         "lora",
                         f"{live.name}'s failed asynchronous KV load, held back by the LoRA "
                         "adapter limit, is not modelled",
                     )
-                if live.loading:
+                if live.waiting_for_remote_kvs:
                     self._complete_load(live)
-                live.deferred = True
+                live.counted_deferred = True
                 (skipped if queue is self.holding else passed_over).append(queue.popleft())
                 continue
             outputs = len(live.request.output)
@@ -667,22 +672,25 @@ class SchedulerModel(AsyncBatches, ConnectorLoads, StreamingSessions):
             if admitted is None:
                 break
             if admitted == "loading":
-                live.deferred = True
+                live.counted_deferred = True
                 skipped.append(queue.popleft())
                 continue
             if admitted == "skipped":
-                live.deferred = True
+                live.counted_deferred = True
                 passed_over.append(queue.popleft())
                 continue
             queue.popleft()
             self.running.append(live)
             if live.request.inputs.lora:
                 adapters.add(live.request.inputs.lora)
-            live.admitted = True
-            live.holds_blocks = live.deferred = False
+            live.admit()
+            live.ever_admitted = True
+            live.holds_blocks = live.counted_deferred = False
             budget -= admitted
             live.decoding = len(live.request.output) > outputs  # it sampled
-            if len(live.request.output) >= live.max_tokens or (live.stopping and live.decoding):
+            if len(live.request.output) >= live.max_tokens or (
+                live.stops_at_next_token and live.decoding
+            ):
                 finished.append(live)
         self.holding.extendleft(reversed(skipped))
         self.waiting.extendleft(reversed(passed_over))
@@ -692,7 +700,7 @@ class SchedulerModel(AsyncBatches, ConnectorLoads, StreamingSessions):
             # passed over since their last admission (vLLM counts those
             # deferred, in this step's scan or an earlier one): the cadence
             # holds none back.
-            deferred = sum(live.deferred for live in (*self.waiting, *self.holding))
+            deferred = sum(live.counted_deferred for live in (*self.waiting, *self.holding))
             waiting_left = len(self.waiting) + len(self.holding) - deferred
             self.prefill_capacity_bound = waiting_left > 0
         self._cadence_after(decisions, prefill_scheduled, admitted_prefill)
@@ -757,15 +765,16 @@ class SchedulerModel(AsyncBatches, ConnectorLoads, StreamingSessions):
         self.running.remove(victim)
         self._refuse_preempting_in_flight(victim)
         # An undrained dropped share stays dropped: its positions run again.
-        victim.drop_stale = drop_stale or (victim.drop_stale and self._stale(victim))
+        victim.drop_stale_output = drop_stale or (victim.drop_stale_output and self._stale(victim))
         victim.stale_until = victim.last_batch if self._in_flight(victim) else 0
-        if victim.drop_stale:
+        if victim.drop_stale_output:
             self._drop_in_flight_output(victim)
         self.writer.run("free", req=victim.name, how="preempt")
         self.encoder.release_all(victim.name)
         self.waiting.appendleft(victim)
         self._order_waiting()
         victim.decoding = False
+        victim.preempt()
 
     def _order_waiting(self) -> None:
         """Under the priority policy vLLM's waiting queue is a heap served
@@ -814,9 +823,10 @@ class SchedulerModel(AsyncBatches, ConnectorLoads, StreamingSessions):
         # The scan reaching a failed load frees its blocks and looks it up
         # again right away (`lookup load_failed`), asking the connector
         # again: its retry loads.
-        load_failed = live.failed_reported
+        load_failed = live.load_failed
         if load_failed:
-            live.loading = live.holds_blocks = live.failed_reported = False
+            live.end_remote_wait()
+            live.holds_blocks = live.load_failed = False
             live.retried_load = True
             if live.remote is not None:
                 live.remote = replace(live.remote, fails=False)
@@ -828,7 +838,7 @@ class SchedulerModel(AsyncBatches, ConnectorLoads, StreamingSessions):
             if self.config.kv_connector:
                 decisions.taken.append((live.name, 0, 0, False))
         else:
-            if not live.admitted and live.follows is not None:
+            if not live.ever_admitted and live.follows is not None:
                 # Recorded for the manager-level trace, whose decode appends
                 # the token it samples as it runs; the Scheduler sees the
                 # request as this step found it.
@@ -869,7 +879,8 @@ class SchedulerModel(AsyncBatches, ConnectorLoads, StreamingSessions):
                     return None
                 decisions.taken.append((live.name, hit, external, True))
                 self._set_prefill_stats(live, hit + external)
-                live.loading, live.reported, live.holds_blocks = True, False, True
+                live.wait_for_remote_kvs()
+                live.load_reported, live.holds_blocks = False, True
                 live.load_started = self.engine_step
                 return "loading"
             chunk = self._admission_chunk(live, hit + external, budget)

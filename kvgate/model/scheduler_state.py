@@ -6,9 +6,9 @@ deferred frees) and the calls they make into the scheduling pass; the parts
 are the async batches (`async_batches.py`), a KV connector's loads
 (`connector_loads.py`) and streaming-input sessions (`sessions.py`), and
 `scheduler.py`'s `SchedulerModel` puts them together with the scheduling
-pass. The records: a request as the scheduler tracks it (`LiveRequest`), a
-batch in flight (`Batch`), what one engine step did (`StepDecisions`), the
-writer of the manager calls (`StepWriter`).
+pass. The records: a request as the scheduler tracks it (`LiveRequest`, its
+lifecycle one `RequestStatus`), a batch in flight (`Batch`), what one engine
+step did (`StepDecisions`), the writer of the manager calls (`StepWriter`).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from enum import Enum, auto
 from typing import Any, Literal
 
 from kvgate.model.encoder_cache import EncoderCache, EncoderPlan
@@ -60,9 +61,44 @@ def admission_fits(blocks: int, free_blocks: int) -> bool:
     return blocks <= free_blocks
 
 
+class RequestStatus(Enum):
+    """Where a request is in its life, named as vLLM's `RequestStatus` names
+    it. The model reaches these of vLLM's statuses; it never waits for a
+    structured-output grammar, nor ends a request as ignored or for
+    repetition."""
+
+    WAITING = auto()
+    # Its asynchronous KV load is in flight, or reported and not yet
+    # completed by the scan; it holds the load's blocks.
+    WAITING_FOR_REMOTE_KVS = auto()
+    # A streaming-input session between chunks: it keeps its blocks.
+    WAITING_FOR_STREAMING_REQ = auto()
+    RUNNING = auto()
+    PREEMPTED = auto()
+    FINISHED_STOPPED = auto()  # a stop condition met
+    FINISHED_LENGTH_CAPPED = auto()  # its output generated (`max_tokens`)
+    FINISHED_ABORTED = auto()  # the client aborted it
+    FINISHED_ERROR = auto()  # its load failed, under load-failure policy `fail`
+
+
+FINISHED = frozenset(
+    {
+        RequestStatus.FINISHED_STOPPED,
+        RequestStatus.FINISHED_LENGTH_CAPPED,
+        RequestStatus.FINISHED_ABORTED,
+        RequestStatus.FINISHED_ERROR,
+    }
+)
+
+
 @dataclass
 class LiveRequest:
-    """A request as the scheduler tracks it."""
+    """A request as the scheduler tracks it.
+
+    Its lifecycle is `status`, set only by the transition methods below,
+    each at the one point of the scheduler model where vLLM's Scheduler
+    makes that transition; the other fields are facts about it, not
+    states."""
 
     name: str
     request: Request  # the oracle's request (prompt, output, progress)
@@ -71,24 +107,25 @@ class LiveRequest:
     # Its place under the priority policy: (priority, arrival number), the
     # lowest first.
     rank: tuple[int, int] = (0, 0)
-    admitted: bool = False  # past its first admission (its hit is the cached tokens)
+    status: RequestStatus = RequestStatus.WAITING
+    ever_admitted: bool = False  # past its first admission (its hit is the cached tokens)
     # Its last run sampled (a completed prefill or a decode): it decodes next,
     # with drafts, as vLLM's Scheduler runs a request that has them.
     decoding: bool = False
     # With a KV connector: what the external store holds of it (None: nothing).
     remote: RemoteHit | None = None
-    # Its asynchronous load is in flight (the Scheduler's WAITING_FOR_REMOTE_KVS),
-    # since engine step `load_started`; `reported` once the worker said it
-    # finished. It holds blocks while it waits (`holds_blocks`), which puts it
-    # in the Scheduler's queue of such requests, scanned before the others.
-    loading: bool = False
+    # Its asynchronous load (status WAITING_FOR_REMOTE_KVS) started at engine
+    # step `load_started`; `load_reported` once the worker said it finished,
+    # `load_failed` when it said the load failed. Waiting, it holds blocks
+    # (`holds_blocks`), which puts it in the Scheduler's queue of such
+    # requests, scanned before the others.
     load_started: int = 0
     # Its computed tokens as the Scheduler holds them during this step's scan
     # (it advances them only after the scan), and its output then.
     sched_computed: int = 0
     sched_outputs: int = 0
-    reported: bool = False
-    failed_reported: bool = False  # the worker reported its load failed
+    load_reported: bool = False
+    load_failed: bool = False
     retried_load: bool = False  # a load of it failed; it was looked up again
     holds_blocks: bool = False
     # Its prefill stats as the Scheduler sets them at its first admission
@@ -96,35 +133,100 @@ class LiveRequest:
     # with its first output, the prefix cache's estimate then added.
     cached_at_admission: int | None = None
     cache_estimate: int = 0
-    stats_reported: bool = False
+    prefill_stats_reported: bool = False
     # A stop condition ends it with the token it samples next (`stop`).
-    stopping: bool = False
+    stops_at_next_token: bool = False
     # Async scheduling: the last batch that scheduled it (in flight while
     # the engine has not processed that batch's output), and the non-empty
     # batch's number the Scheduler fences its deferred free with.
     last_batch: int = 0
     last_sched_seq: int = 0
-    ended: bool = False  # finished or aborted (an in-flight batch's output skips it)
     # Async scheduling: preempted while a batch that scheduled it was in
     # flight, the output of the batches up to number `stale_until` is
     # stale: delivered when it comes in (its sampled token appended, which
     # may finish it where it waits), or, after a prefix-cache reset's
-    # preemption (`drop_stale`), dropped: the reset lets it run again at
-    # once, and a late token would land at a position it computes anew.
+    # preemption (`drop_stale_output`), dropped: the reset lets it run again
+    # at once, and a late token would land at a position it computes anew.
     stale_until: int = 0
-    drop_stale: bool = False
+    drop_stale_output: bool = False
     # A streaming-input session (vLLM's `resumable`): when it stops it keeps
     # its blocks and takes its next input chunk (`chunks`, in arrival order,
     # None for the session's end) or, with none queued, waits for one
-    # (`paused`, vLLM's WAITING_FOR_STREAMING_REQ) in the queue of waiting
-    # requests that hold blocks.
+    # (WAITING_FOR_STREAMING_REQ) in the queue of waiting requests that hold
+    # blocks.
     resumable: bool = False
     chunks: deque[tuple[list[int], int] | None] = field(default_factory=deque)
-    paused: bool = False
     # A scan passed over it (it was loading, paused, over the LoRA adapter
     # limit, or could not run yet), or it paused: vLLM's Scheduler counts
     # it deferred (the prefill cadence reads that) until it is admitted again.
-    deferred: bool = False
+    counted_deferred: bool = False
+
+    # -- questions about its status ---------------------------------------
+
+    @property
+    def is_finished(self) -> bool:
+        """Finished or aborted (an in-flight batch's output skips it)."""
+        return self.status in FINISHED
+
+    @property
+    def waiting_for_remote_kvs(self) -> bool:
+        return self.status is RequestStatus.WAITING_FOR_REMOTE_KVS
+
+    @property
+    def load_in_flight(self) -> bool:
+        """It waits for its asynchronous KV load, which the worker has not
+        reported yet (an aborted request's load is in the scheduler's
+        `aborted_loads` until reported)."""
+        return self.waiting_for_remote_kvs and not self.load_reported
+
+    @property
+    def waiting_for_streaming_req(self) -> bool:
+        """A paused streaming-input session: it waits for its next chunk."""
+        return self.status is RequestStatus.WAITING_FOR_STREAMING_REQ
+
+    # -- its transitions, one method each ---------------------------------
+
+    def admit(self) -> None:
+        """Admitted from a waiting queue: it runs."""
+        self.status = RequestStatus.RUNNING
+
+    def preempt(self) -> None:
+        """Preempted: back in the waiting queue, its blocks freed."""
+        self.status = RequestStatus.PREEMPTED
+
+    def wait_for_remote_kvs(self) -> None:
+        """Its asynchronous KV load started: it waits for it, holding the
+        load's blocks."""
+        self.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+
+    def end_remote_wait(self) -> None:
+        """The scan took its reported load (completed or failed): it waits
+        as before the load, preempted if it ever was (as vLLM's Scheduler
+        promotes it)."""
+        self.status = (
+            RequestStatus.PREEMPTED if self.request.num_preemptions else RequestStatus.WAITING
+        )
+
+    def wait_for_streaming_req(self) -> None:
+        """A session stopped with no chunk queued: it waits for one."""
+        self.status = RequestStatus.WAITING_FOR_STREAMING_REQ
+
+    def take_streaming_req(self) -> None:
+        """A session took its next input chunk: it waits to run it."""
+        self.status = RequestStatus.WAITING
+
+    def finish(self, how: Literal["finish", "abort", "error"]) -> None:
+        """It ends: its output generated or a stop condition met
+        (`finish`), aborted by the client, or its load failed under policy
+        `fail` (`error`)."""
+        if how == "abort":
+            self.status = RequestStatus.FINISHED_ABORTED
+        elif how == "error":
+            self.status = RequestStatus.FINISHED_ERROR
+        elif self.stops_at_next_token:
+            self.status = RequestStatus.FINISHED_STOPPED
+        else:
+            self.status = RequestStatus.FINISHED_LENGTH_CAPPED
 
 
 @dataclass

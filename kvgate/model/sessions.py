@@ -21,7 +21,7 @@ class StreamingSessions(SchedulerState):
         queues it for its next stop."""
         live = self._session(name)
         tokens = self.oracle.resolve(prompt)
-        if live.paused:
+        if live.waiting_for_streaming_req:
             self._take_chunk(live, tokens, max_tokens)
         else:
             live.chunks.append((tokens, max_tokens))
@@ -31,7 +31,7 @@ class StreamingSessions(SchedulerState):
         """Session `name` ends: a paused one at once (vLLM aborts it, `free
         abort`), one still running at its next stop (a plain finish)."""
         live = self._session(name)
-        if live.paused:
+        if live.waiting_for_streaming_req:
             self.holding.remove(live)
             self._end(live, "abort")
         else:
@@ -64,25 +64,30 @@ class StreamingSessions(SchedulerState):
         # Its new prompt tokens are to compute: it is prefilling again.
         self.oracle.requests[live.name].phase = "running"
         live.max_tokens = max_tokens
-        live.paused = live.decoding = live.stopping = False
+        live.decoding = live.stops_at_next_token = False
+        live.take_streaming_req()
 
     def _stop_session(self, live: LiveRequest) -> bool:
         """A session stopped (its output generated, or a stop condition): it
         keeps its blocks and takes its next queued chunk, or waits for one;
-        False when the chunk queued next is its end (it finishes)."""
-        live.stopping = live.decoding = False
+        False when the chunk queued next is its end (it finishes, with its
+        stop's status)."""
+        if live.chunks and live.chunks[0] is None:
+            live.chunks.popleft()
+            return False
+        live.stops_at_next_token = live.decoding = False
         if live.chunks:
             queued = live.chunks.popleft()
-            if queued is None:
-                return False
+            assert queued is not None
             self._take_chunk(live, *queued)
         else:
             # vLLM's Scheduler counts it deferred from now on.
-            live.paused = live.deferred = True
+            live.counted_deferred = True
+            live.wait_for_streaming_req()
         live.holds_blocks = True
         return True
 
     def paused_sessions(self) -> int:
         """Sessions waiting for their next input chunk: each keeps a running
         slot of the model runner (vLLM counts them against max_num_seqs)."""
-        return sum(live.paused for live in self.holding)
+        return sum(live.waiting_for_streaming_req for live in self.holding)
