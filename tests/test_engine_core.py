@@ -1,8 +1,9 @@
-"""vLLM's real `EngineCore` (async scheduling on, no drafts) with the scripted
-executor of `kvgate.impl.engine_core`: the Scheduler calls the engine core
-makes for a few concurrent multi-turn sessions are the ones kvgate's
-scheduler-level replay makes for the same history, and a drift of the
-replay's stepping is seen by that comparison."""
+"""vLLM's real `EngineCore` (async scheduling on) with the scripted executor
+of `kvgate.impl.engine_core`: the Scheduler calls the engine core makes for
+a few concurrent multi-turn sessions, without drafts and with MTP drafts
+of mixed acceptance, are the ones kvgate's scheduler-level replay makes for
+the same history, and a drift of the replay's stepping is seen by that
+comparison."""
 
 from __future__ import annotations
 
@@ -56,49 +57,70 @@ class EngineRun:
     executor: list[Any]
 
 
-def _arrive(name: str, fresh: int, previous: str | None) -> str:
+def _arrive(name: str, fresh: int, previous: str | None, max_tokens: int = 1) -> str:
     prompt = (
         f"[{{all_of: {previous}}}, {{fresh: {fresh}}}]" if previous else f"[{{fresh: {fresh}}}]"
     )
     follows = f", follows: {previous}" if previous else ""
-    return f"  - {{op: arrive, req: {name}, prompt: {prompt}, max_tokens: 1{follows}}}\n"
+    return f"  - {{op: arrive, req: {name}, prompt: {prompt}, max_tokens: {max_tokens}{follows}}}\n"
 
 
-def play_on_engine(tmp: Path, header: str = HEADER) -> EngineRun:
-    """Run the sessions on vLLM's EngineCore, each next turn arriving right
-    after the engine step that finished the last one, and write what
-    happened as a scheduler-level trace."""
+def config_name(header: str) -> str:
+    return next(line for line in header.splitlines() if line.startswith("name: "))[6:]
+
+
+def play_on_engine(
+    tmp: Path,
+    header: str = HEADER,
+    sessions: dict[str, tuple[tuple[int, int], ...]] | None = None,
+    spec: int = 0,
+    script: Any = None,
+) -> EngineRun:
+    """Run the sessions (each turn's fresh prompt tokens and max_tokens; by
+    default `SESSIONS`, one token a turn) on vLLM's EngineCore, each next
+    turn arriving right after the engine step that finished the last one,
+    and write what happened as a scheduler-level trace: with drafts, each
+    step's `accept` says what the executor accepted in the batch the step
+    scheduled."""
     from kvgate.impl.engine_core import SchedulerCalls, ScriptedEngine
 
+    turns = sessions or {s: tuple((fresh, 1) for fresh in t) for s, t in SESSIONS.items()}
     text = header
     config = parse_trace(text + "  - {op: step}\n", tmp / "header.yaml").config
-    engine = ScriptedEngine(config, spec_tokens=0, max_num_seqs=MAX_NUM_SEQS)
+    engine = ScriptedEngine(config, spec_tokens=spec, max_num_seqs=MAX_NUM_SEQS, script=script)
     calls = SchedulerCalls(engine.scheduler)
     fresh_ids = iter(range(1, 1 << 20))
     prompts: dict[str, list[int]] = {}
 
     def arrive(session: str, turn: int) -> str:
         name, previous = f"{session}{turn}", f"{session}{turn - 1}" if turn else None
-        fresh = SESSIONS[session][turn]
+        fresh, max_tokens = turns[session][turn]
         tokens = [] if previous is None else [*prompts[previous], *engine.output_tokens(previous)]
         tokens += [next(fresh_ids) for _ in range(fresh)]
         prompts[name] = tokens
-        engine.add_request(name, tokens, 1)
-        return _arrive(name, fresh, previous)
+        engine.add_request(name, tokens, max_tokens)
+        return _arrive(name, fresh, previous, max_tokens)
 
-    for session in SESSIONS:
+    for session in turns:
         text += arrive(session, 0)
     steps = 0
     while engine.has_work():
+        scheduled_before = sum(c.call == "schedule" for c in calls.calls)
         finished = engine.step()
         steps += 1
-        assert steps < 200, "the engine never ran out of work"
-        text += "  - {op: step}\n"
+        assert steps < 300, "the engine never ran out of work"
+        batch = sum(c.call == "schedule" for c in calls.calls)
+        accepted = {r: n for r, n in engine.accepted.get(batch, {}).items() if n}
+        if batch > scheduled_before and accepted:
+            pairs = ", ".join(f"{r}: {n}" for r, n in accepted.items())
+            text += f"  - {{op: step, accept: {{{pairs}}}}}\n"
+        else:
+            text += "  - {op: step}\n"
         for name in finished:
             session, turn = name[0], int(name[1:])
-            if turn + 1 < len(SESSIONS[session]):
+            if turn + 1 < len(turns[session]):
                 text += arrive(session, turn + 1)
-    path = tmp / "engine-core-async-sessions.yaml"
+    path = tmp / f"{config_name(header)}.yaml"
     path.write_text(text)
     engine.close()
     return EngineRun(parse_trace(text, path), calls.calls, engine.calls)
@@ -118,7 +140,11 @@ def replay_on_vllm(trace: Trace, real_step: Any = None) -> tuple[ReplayResult, l
     from kvgate.impl.vllm_scheduler import VllmScheduler
 
     assert trace.scheduler is not None
-    real = VllmScheduler(trace.config, spec_tokens=0, max_num_seqs=trace.scheduler.max_num_seqs)
+    real = VllmScheduler(
+        trace.config,
+        spec_tokens=trace.scheduler.spec,
+        max_num_seqs=trace.scheduler.max_num_seqs,
+    )
     calls = SchedulerCalls(real.scheduler)
     try:
         with _patched(scheduler_replay.EngineLockstep, "real_step", real_step):
@@ -413,3 +439,37 @@ def test_the_target_and_the_engine_core_build_the_seed_like_scheduler_alike(
     result, calls = replay_on_vllm(run.trace)
     assert result.divergence is None, result.divergence
     assert calls == run.calls
+
+
+# Several concurrent multi-turn sessions, MTP drafts with mixed acceptance:
+# each turn's (fresh prompt tokens, max_tokens).
+DRAFT_SESSIONS: dict[str, tuple[tuple[int, int], ...]] = {
+    "A": ((40, 9), (30, 7)),
+    "B": ((70, 8), (20, 5)),
+    "C": ((33, 10), (12, 6)),
+}
+
+
+@pytest.fixture(scope="module")
+def drafts_run(tmp_path_factory: pytest.TempPathFactory) -> EngineRun:
+    from kvgate.impl.engine_core import Script
+
+    return play_on_engine(
+        tmp_path_factory.mktemp("engine-core-drafts"),
+        DRAFTS_HEADER.removesuffix("  - {op: step}\n"),
+        DRAFT_SESSIONS,
+        spec=3,
+        script=Script(ACCEPTED),
+    )
+
+
+def test_the_replay_makes_the_engine_cores_calls_with_mtp_drafts(drafts_run: EngineRun) -> None:
+    """Async scheduling with MTP drafts, mixed acceptance, concurrent
+    sessions: the replay on vLLM's AsyncScheduler, in strict lockstep with
+    the model (placeholders, tokens in flight and stale tokens compared per
+    request), makes exactly the engine core's Scheduler calls."""
+    accepts = [e.accept for e in drafts_run.trace.engine if e.op == "step" and e.accept]
+    assert accepts, "the run accepted some drafts"
+    result, calls = replay_on_vllm(drafts_run.trace)
+    assert result.divergence is None, result.divergence
+    assert calls == drafts_run.calls

@@ -449,6 +449,20 @@ class EngineLockstep:
         for what, expected, actual in pairs:
             if expected != actual:
                 raise Diverged(self.divergence(step, "api", f"{where}: {what}", expected, actual))
+        if self.config.async_scheduling and self.level == "strict":
+            modelled_counts = self.model.output_accounting()
+            observed_counts = self.real.output_accounting()
+            if modelled_counts != observed_counts:
+                raise Diverged(
+                    self.divergence(
+                        step,
+                        "strict",
+                        f"{where}: output accounting (request: [placeholders, tokens in flight, "
+                        "stale tokens in flight])",
+                        modelled_counts,
+                        observed_counts,
+                    )
+                )
         self.strict(step, where)
         return observed
 

@@ -106,6 +106,8 @@ class ScriptedExecutor:
     calls: list[ExecutorCall]
     # Each request's tokens as sampled for it, a preemption's discarded ones dropped.
     sampled: dict[str, list[int]]
+    # Each executed batch's drafts accepted, by request (batches numbered from 1).
+    accepted: dict[int, dict[str, int]]
     num_blocks: int
     layer_specs: dict[str, Any]
     page_bytes: int
@@ -221,6 +223,7 @@ class ScriptedExecutor:
                 step = known.decodes_with_drafts
                 accepted = min(plan[step], drafts) if step < len(plan) else 0
                 known.decodes_with_drafts += 1
+                self.accepted.setdefault(self._batches, {})[name] = accepted
             tokens = [sampled_token(name, known.length + i) for i in range(accepted + 1)]
             known.length += len(tokens)
             self._sampled[name] += tokens
@@ -301,6 +304,8 @@ class ScriptedEngine:
         self.calls: list[ExecutorCall] = []
         # What the executor sampled for each request (see `ScriptedExecutor.sampled`).
         self.executor_sampled: dict[str, list[int]] = {}
+        # The drafts each executed batch accepted, by request.
+        self.accepted: dict[int, dict[str, int]] = {}
         specs, page = _layer_specs(api, config)
         executor = type(
             "ScriptedExecutor",
@@ -309,6 +314,7 @@ class ScriptedEngine:
                 "script": script or Script(),
                 "calls": self.calls,
                 "sampled": self.executor_sampled,
+                "accepted": self.accepted,
                 "num_blocks": config.num_blocks,
                 "layer_specs": specs,
                 "page_bytes": page,

@@ -46,6 +46,7 @@ from kvgate.vocabulary.scheduling import (
     COW_RETENTION,
     PREFIX_CACHE_STATS_KEYS,
     DeferredFree,
+    OutputAccounting,
     PrefillStats,
     PrefixCacheStats,
     ScheduledStep,
@@ -602,6 +603,18 @@ class VllmScheduler:
             (int(fence), owners.get(id(blocks), COW_RETENTION))
             for fence, blocks in getattr(self._scheduler, "deferred_frees", ())
         ]
+
+    def output_accounting(self) -> dict[str, OutputAccounting]:
+        counts = {
+            str(name): (
+                int(request.num_output_placeholders),
+                int(request.num_in_flight_tokens),
+                int(request.num_stale_output_tokens),
+            )
+            for name, request in self._scheduler.requests.items()
+            if not request.is_finished()
+        }
+        return {name: c for name, c in counts.items() if any(c)}
 
     def snapshot(self) -> Snapshot:
         owners = {id(blocks): name for name, blocks in self._popped}

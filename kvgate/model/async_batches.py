@@ -9,10 +9,10 @@ that may still write them is done."""
 
 from __future__ import annotations
 
+from kvgate.model.output_placeholders import OutputPlaceholders
 from kvgate.model.scheduler_state import (
     Batch,
     LiveRequest,
-    SchedulerState,
     StepDecisions,
 )
 from kvgate.vocabulary.scheduling import ASYNC_BATCHES, COW_RETENTION, DeferredFree
@@ -27,8 +27,9 @@ class AsyncNotModelled(StepRefused):
         super().__init__("config.async_scheduling", message)
 
 
-class AsyncBatches(SchedulerState):
-    """The engine's steps with batches in flight, and what they defer."""
+class AsyncBatches(OutputPlaceholders):
+    """The engine's steps with batches in flight, and what they defer; each
+    batch's output settled on the output placeholders (`OutputPlaceholders`)."""
 
     def _async_step(self) -> StepDecisions:
         """One step of vLLM's engine with a batch queue: while it has
@@ -38,7 +39,11 @@ class AsyncBatches(SchedulerState):
         decisions = StepDecisions()
         self._output_processed = False
         if self.has_requests():
-            finished, sampled = self._schedule_batch(decisions)
+            self._start_batch()
+            # Nothing is sampled at the schedule under async scheduling: the
+            # output comes with the batch's update (`_settle`).
+            self._schedule_batch(decisions)
+            samples, drafts, accepted = self._take_batch()
             self._ended_since_schedule = False
             executed = bool(decisions.scheduled)
             self.batches_scheduled += 1
@@ -49,13 +54,20 @@ class AsyncBatches(SchedulerState):
                     live.last_batch = self.batches_scheduled
                     live.last_sched_seq = self.sched_seq
             self.in_flight.append(
-                Batch(decisions.scheduled, sampled, finished, executed, self.batches_scheduled)
+                Batch(
+                    decisions.scheduled,
+                    executed,
+                    self.batches_scheduled,
+                    samples,
+                    drafts,
+                    accepted,
+                )
             )
             if len(self.in_flight) < ASYNC_BATCHES and (executed or self.has_requests()):
-                self.engine_step += 1
+                self._no_output_processed()
                 return decisions
         elif not self.in_flight:
-            self.engine_step += 1
+            self._no_output_processed()
             return decisions
         batch = self.in_flight.popleft()
         self.batches_processed += 1
@@ -70,9 +82,20 @@ class AsyncBatches(SchedulerState):
                     self.writer.run("drain", release_retained=True)
                 else:
                     self.writer.run("release", req=name)
-        self._process_output(decisions, batch.sampled, batch.finished, batch.number)
+        self._settle(decisions, batch)
         self.engine_step += 1
         return decisions
+
+    def _no_output_processed(self) -> None:
+        """The step ends without processing an output: a stop condition it
+        names has no output to meet."""
+        stopping = next((live.name for live in self._live() if live.stops_at_next_token), None)
+        if stopping is not None:
+            raise AsyncNotModelled(
+                f"{stopping}'s stop: this engine step processes no batch's output (under async "
+                "scheduling a stop applies to the output the step processes)"
+            )
+        self.engine_step += 1
 
     def batches_in_flight(self) -> int:
         return len(self.in_flight)
@@ -90,17 +113,8 @@ class AsyncBatches(SchedulerState):
     def _in_flight_field(self, live: LiveRequest) -> dict[str, int]:
         """An op's `in_flight`: the request's tokens the batches in flight
         compute (written only when some)."""
-        tokens = sum(
-            n for batch in self.in_flight for name, n in batch.scheduled if name == live.name
-        )
+        tokens = self._in_flight_tokens(live)
         return {"in_flight": tokens} if tokens else {}
-
-    @staticmethod
-    def _stale_output(live: LiveRequest, batch: int) -> bool:
-        """Batch number `batch`'s output for `live` is stale: the batch was
-        in flight when `live` was preempted (numbers start at 1; without
-        async scheduling no batch is in flight at a preemption)."""
-        return 0 < batch <= live.stale_until
 
     def _stale(self, live: LiveRequest) -> bool:
         """The output of a batch in flight when `live` was preempted is
@@ -109,17 +123,6 @@ class AsyncBatches(SchedulerState):
         flight the engine processes the victim's batch in the very step
         that preempted it, before the next scan, so no scan meets one.)"""
         return live.stale_until > self.batches_processed
-
-    def _drop_in_flight_output(self, live: LiveRequest) -> None:
-        """Take back what `live` sampled in the batches in flight (the model
-        samples when it schedules; vLLM, dropping their output, never sees
-        those tokens)."""
-        for batch in self.in_flight:
-            tokens = batch.sampled.pop(live.name, [])
-            if tokens:
-                live.request.truncate_output(len(live.request.output) - len(tokens))
-            if live in batch.finished:
-                batch.finished.remove(live)
 
     def _refuse_preempting_in_flight(self, live: LiveRequest) -> None:
         # Without a KV connector the blocks are freed at once and the

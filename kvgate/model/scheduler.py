@@ -119,12 +119,6 @@ class SchedulerModel(AsyncBatches, ConnectorLoads, StreamingSessions):
         # Async scheduling: the engine schedules the next batch while the
         # last one runs, so up to `ASYNC_BATCHES` batches are in flight.
         async_scheduling = self.async_scheduling = config.async_scheduling
-        if async_scheduling and spec:
-            raise NotModelled(
-                "async_scheduling",
-                "draft tokens under async scheduling (their output placeholders) are not "
-                "modelled: use scheduler spec 0",
-            )
         self.in_flight: deque[Batch] = deque()
         self.batches_scheduled = 0
         self.batches_processed = 0
@@ -162,8 +156,10 @@ class SchedulerModel(AsyncBatches, ConnectorLoads, StreamingSessions):
         # Each live request's tokens when this step began (what vLLM's
         # Scheduler has of it until the step's output is processed).
         self._tokens_at_step_start: dict[str, int] = {}
-        # Drafts the model runner accepts in the next step, by request (`accept`).
+        # Drafts the model runner accepts in the next step, by request (`accept`);
+        # under async scheduling, in the batch the next step schedules.
         self._accept: dict[str, int] = {}
+        self._start_batch()
         self._running_scheduled = False
         self._prefill_scheduled = False
         # The prefill cadence (`prefill_schedule_interval`): the non-empty
@@ -376,7 +372,7 @@ class SchedulerModel(AsyncBatches, ConnectorLoads, StreamingSessions):
         the prefill's allocation left: under lookahead hashes, and for a
         request preempted (`preempted`) while the batch ran."""
         cached = live.cached_at_admission or 0
-        if self.config.hash_lookahead_tokens or preempted:
+        if self.config.hash_lookahead_tokens or preempted or self.async_scheduling:
             # Lookahead hashes: the output's re-cache keys the prompt's last
             # block (its lookahead token is the one sampled), at the drain.
             # Preempted: its blocks are freed, so the estimate finds none.
@@ -387,8 +383,6 @@ class SchedulerModel(AsyncBatches, ConnectorLoads, StreamingSessions):
     def stop(self, name: str) -> None:
         """`name` finishes with the token it samples in the next step (a stop
         condition); only its finish moves: the step schedules it as before."""
-        if self.async_scheduling:
-            raise AsyncNotModelled("a stop condition under async scheduling is not modelled")
         for queue in (self.running, self.waiting, self.holding):
             for live in queue:
                 if live.name == name:
@@ -549,18 +543,19 @@ class SchedulerModel(AsyncBatches, ConnectorLoads, StreamingSessions):
             if defer and prefilling:
                 index += 1  # its next chunk waits for the cadence
                 continue
-            if live.decoding and self._in_flight(live):
-                # Async scheduling: its last token is still being sampled.
-                # vLLM's Scheduler skips it when that token is its last, and
-                # otherwise decodes past it on an output placeholder.
-                if len(request.output) < live.max_tokens:
-                    raise AsyncNotModelled(
-                        f"{live.name} decodes while its previous output is in flight "
-                        "(output placeholders are not modelled): give it max_tokens 1"
-                    )
-                index += 1
-                continue
-            if live.decoding:
+            if live.decoding and self.async_scheduling:
+                # Past its prompt under async scheduling: on its output
+                # placeholders, unless its batches in flight reach max_tokens.
+                planned = (
+                    None
+                    if self._reaches_max_tokens(live)
+                    else (self._placeholder_decode(live, budget))
+                )
+                if planned is None:
+                    index += 1
+                    continue
+                cost, run = planned
+            elif live.decoding:
                 # vLLM schedules what the budget leaves of 1 + K: fewer drafts.
                 drafts = min(self.spec, budget - 1)
                 cost = 1 + drafts
@@ -610,6 +605,9 @@ class SchedulerModel(AsyncBatches, ConnectorLoads, StreamingSessions):
             index += 1
             decisions.scheduled.append((live.name, cost))
             prefill_scheduled |= prefilling
+            if self.async_scheduling:
+                self._placed(live, cost)
+                continue
             live.decoding = len(request.output) > outputs  # it sampled
             if len(request.output) >= live.max_tokens or (
                 live.stops_at_next_token and live.decoding
@@ -687,6 +685,9 @@ class SchedulerModel(AsyncBatches, ConnectorLoads, StreamingSessions):
             live.ever_admitted = True
             live.holds_blocks = live.counted_deferred = False
             budget -= admitted
+            if self.async_scheduling:
+                self._placed(live, admitted)
+                continue
             live.decoding = len(live.request.output) > outputs  # it sampled
             if len(live.request.output) >= live.max_tokens or (
                 live.stops_at_next_token and live.decoding
@@ -767,8 +768,8 @@ class SchedulerModel(AsyncBatches, ConnectorLoads, StreamingSessions):
         # An undrained dropped share stays dropped: its positions run again.
         victim.drop_stale_output = drop_stale or (victim.drop_stale_output and self._stale(victim))
         victim.stale_until = victim.last_batch if self._in_flight(victim) else 0
-        if victim.drop_stale_output:
-            self._drop_in_flight_output(victim)
+        # Its placeholders go (the stale output moves no counter).
+        victim.placeholders = victim.placeholder_drafts = 0
         self.writer.run("free", req=victim.name, how="preempt")
         self.encoder.release_all(victim.name)
         self.waiting.appendleft(victim)
@@ -1032,8 +1033,10 @@ class SchedulerModel(AsyncBatches, ConnectorLoads, StreamingSessions):
         written, tokens, pad = chunk
         request = live.request
         plan, self._encoder_plan = self._encoder_plan, None
-        # The chunk that computes every token samples the step's output token.
-        sample = int(request.num_computed_tokens + hit + tokens - pad >= request.num_tokens)
+        # The chunk that computes every token samples the step's output token
+        # (under async scheduling it comes with the batch's update instead).
+        completes = request.num_computed_tokens + hit + tokens - pad >= request.num_tokens
+        sample = int(completes and not self.async_scheduling)
         # Written only when padded: a trace without padding reads as before.
         extra = {"pad": pad} if pad else {}
         # The output's re-cache (with lookahead hashes) once the step is done.
@@ -1052,6 +1055,8 @@ class SchedulerModel(AsyncBatches, ConnectorLoads, StreamingSessions):
             )
             if "cached_tokens" in result:  # the chunk completed the request's tokens
                 live.cache_estimate = int(result["cached_tokens"])
+            if result["ok"] and pad and self.async_scheduling:
+                self._pad_computed(live, pad)
             if result["ok"] and plan is not None:
                 # Scheduled: its items encoded, the encoder budget spent.
                 self.encoder.commit(live.name, request.inputs.mm, plan)

@@ -149,6 +149,13 @@ class LiveRequest:
     # at once, and a late token would land at a position it computes anew.
     stale_until: int = 0
     drop_stale_output: bool = False
+    # Async scheduling's output placeholders (vLLM's `num_output_placeholders`):
+    # output tokens (the sampled one and the drafts) scheduled in batches
+    # whose output is not processed yet; and the placeholder drafts its next
+    # decode schedules (vLLM's `spec_token_ids` of -1s, set after a schedule
+    # that was not a prefill chunk, cleared when a schedule takes them).
+    placeholders: int = 0
+    placeholder_drafts: int = 0
     # A streaming-input session (vLLM's `resumable`): when it stops it keeps
     # its blocks and takes its next input chunk (`chunks`, in arrival order,
     # None for the session's end) or, with none queued, waits for one
@@ -267,10 +274,14 @@ class Batch:
     """A scheduled batch whose output the engine has not processed yet."""
 
     scheduled: list[tuple[str, int]]  # (request, tokens) it computes
-    sampled: dict[str, list[int]]  # the tokens each request samples in it
-    finished: list[LiveRequest]  # the requests it completes
     executed: bool  # it ran tokens (only such batches advance the fences)
     number: int  # its place among the batches scheduled (1 for the first)
+    # Async scheduling: the requests whose output it samples (not a prefill
+    # chunk), the drafts each was scheduled with, and how many of those the
+    # model runner accepts (the trace's `accept` on the step that scheduled it).
+    samples: set[str] = field(default_factory=set)
+    drafts: dict[str, int] = field(default_factory=dict)
+    accepted: dict[str, int] = field(default_factory=dict)
 
 
 class SchedulerState(ABC):

@@ -82,6 +82,14 @@ def step_differences(
     return [(what, e, a) for what, e, a in pairs if e != a]
 
 
+# A request's output accounting under async scheduling, as vLLM's Request
+# keeps it: (output placeholders: output tokens scheduled whose batch's
+# output is not processed yet; tokens in flight: its tokens the batches in
+# flight compute; stale tokens: those of them scheduled before a preemption,
+# whose output moves no counter).
+OutputAccounting = tuple[int, int, int]
+
+
 @dataclass(frozen=True)
 class RemoteHit:
     """What a KV connector's external store holds of a request: its first
@@ -375,6 +383,11 @@ class SchedulerModelRun(Protocol):
         """Deferred frees not yet released, in order."""
         ...
 
+    def output_accounting(self) -> dict[str, OutputAccounting]:
+        """Under async scheduling, each unfinished request's output
+        accounting, for those with any (see `OutputAccounting`)."""
+        ...
+
     def snapshot(self) -> Snapshot: ...
 
 
@@ -429,6 +442,10 @@ class SchedulerTarget(Protocol):
 
     def deferred_frees(self) -> list[DeferredFree]:
         """The Scheduler's deferred frees not yet released, in order."""
+        ...
+
+    def output_accounting(self) -> dict[str, OutputAccounting]:
+        """Each unfinished request's output accounting, for those with any."""
         ...
 
     def schedule(self) -> ScheduledStep: ...
