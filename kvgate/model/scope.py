@@ -276,6 +276,45 @@ NOT_MODELLED: tuple[tuple[str, str], ...] = (
 )
 
 
+# Under async scheduling (`async_scheduling`), what a scheduler-level trace
+# may not ask for, and why: (what, the reason). Output placeholders, decodes
+# past an output in flight, drafts and their acceptance, preemption, abort,
+# stop conditions and prefix-cache resets with outputs in flight are modelled.
+NOT_MODELLED_UNDER_ASYNC: tuple[tuple[str, str], ...] = (
+    (
+        "a pause (`pause`)",
+        "vLLM's engine does not step its batch queue as usual while paused, which the "
+        "scheduler model does not follow",
+    ),
+    (
+        "an abort inside a step (`abort` on a `step`)",
+        "with a batch always in flight, an abort between two engine steps is the same "
+        "event: write it as its own `abort` entry",
+    ),
+    (
+        "an asynchronous KV load (`remote_async`)",
+        "the worker's load reports are not interleaved with the batch queue in the model",
+    ),
+    (
+        "encoder inputs (`mm`)",
+        "the encoder cache's frees at each batch's update are not modelled with batches in flight",
+    ),
+    (
+        "a prefix-cache reset's preemption of a request in flight with a KV connector",
+        "vLLM defers such a request's free, which a reset's preemption would have to follow",
+    ),
+    (
+        "the priority policy and a prefill cadence",
+        "their victim choice and admission rules are modelled with one batch in flight",
+    ),
+    (
+        "structured output",
+        "no trace field stands for it; with it vLLM hands the drafts to the Scheduler "
+        "under async scheduling",
+    ),
+)
+
+
 def scheduler_level_only(config: Any) -> list[str]:
     """The `SCHEDULER_LEVEL_ONLY` fields `config` sets (to a value other
     than off)."""
@@ -295,5 +334,11 @@ def not_modelled_text() -> str:
         "refusal it is: vLLM's own (the target must refuse it too) or kvgate's "
         "(`NotModelled`: vLLM may serve it, kvgate cannot judge it). "
         f"Some fields only a scheduler-level trace models ({only}): a manager-level "
-        "trace that sets one is refused in one line naming it."
+        "trace that sets one is refused in one line naming it. Under async scheduling "
+        "a scheduler-level trace models output placeholders, decodes past an output in "
+        "flight, drafts and their acceptance, and preemptions, aborts, stop conditions "
+        "and prefix-cache resets with outputs in flight; it is refused in one line "
+        "naming the field for "
+        + "; ".join(f"{what} ({why})" for what, why in NOT_MODELLED_UNDER_ASYNC)
+        + "."
     )

@@ -362,9 +362,11 @@ CONFIG_FIELDS: tuple[ConfigField, ...] = (
         "`--async-scheduling` (`SchedulerConfig.async_scheduling`)",
         (
             "scheduler-level traces: each engine step schedules a batch while the last one runs "
-            "(two in flight), and with a KV connector a request's blocks are freed only once no "
-            "batch in flight may write them ([async scheduling](../scheduler-traces.md"
-            "#async-scheduling)); a manager-level trace's calls are the same either way"
+            "(two in flight), a request decodes past its output in flight on output "
+            "placeholders, with drafts accepted as each step's `accept` says, and with a KV "
+            "connector a request's blocks are freed only once no batch in flight may write "
+            "them ([async scheduling](../scheduler-traces.md#async-scheduling)); a "
+            "manager-level trace's calls are the same either way"
         ),
         not_explored=(
             "the Scheduler-level exploration draws it with each engine (prefill-only "
