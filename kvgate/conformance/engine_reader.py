@@ -156,7 +156,10 @@ class EngineReader(FieldReader):
             )
         accept = {self.arrived(index, "accept", r): n for r, n in raw.items()}
         stopped = [r for r in accept if r in stop]
-        if stopped:
+        assert self.config is not None
+        # Under async scheduling the two name different batches: the one this
+        # step schedules, and the one whose output it processes.
+        if stopped and not self.config.async_scheduling:
             raise self.error(
                 index,
                 "accept",

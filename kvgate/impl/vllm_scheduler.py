@@ -485,9 +485,10 @@ class VllmScheduler:
             raise RuntimeError("KV loads reported to a Scheduler without a connector")
         ids = [str(r) for r in output.num_scheduled_tokens]
         for name in self._stopping:
-            # The token it samples now is its last: vLLM's stop check ends it.
+            # The last token it gets in this output is its last: vLLM's stop
+            # check ends it there.
             request = self._requests[name]
-            request.max_tokens = request.num_output_tokens + 1
+            request.max_tokens = request.num_output_tokens + max(1, len(sampled.get(name, ())))
         self._stopping.clear()
         kv_output = None
         if loaded or failed:

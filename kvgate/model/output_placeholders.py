@@ -13,8 +13,9 @@ schedule set (vLLM's `spec_token_ids` of -1s), less its computed tokens.
 When the batch's output is processed: the drafts the model runner rejected
 roll back the computed tokens and the placeholders; the sampled tokens (the
 accepted drafts and one of its own) are appended one at a time, each
-checked for a stop (`max_tokens`, `max_model_len`, a stop condition), the
-tokens past a stop trimmed and taken back from the computed ones; the
+checked for a stop (`max_tokens`, `max_model_len`; a stop condition the
+trace names is met at the last of them), the tokens past a stop trimmed
+and taken back from the computed ones; the
 placeholders drop by every token returned; then the request is re-cached up
 to the tokens whose batches are processed (`cache_blocks(computed -
 in_flight)`). A preempted request's output from before its preemption is
@@ -203,8 +204,9 @@ class OutputPlaceholders(SchedulerState):
             for token in returned:
                 kept.append(token)
                 outputs = len(request.output) + len(kept)
+                # A stop condition (`stop`) is met at the last token returned.
                 if (
-                    live.stops_at_next_token
+                    (live.stops_at_next_token and len(kept) == len(returned))
                     or outputs >= live.max_tokens
                     or request.num_tokens + len(kept) >= self.config.max_model_len
                 ):
