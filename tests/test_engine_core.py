@@ -275,32 +275,19 @@ ACCEPTED = {"A0": (3, 0, 2), "A1": (1, 3), "B0": (0, 0, 3), "B1": (2,), "C0": (3
 DRAFT_TURNS = {"A": ((40, 9), (30, 7)), "B": ((70, 8), (20, 5)), "C": ((33, 10),)}
 
 
-def test_the_engine_core_runs_mtp_drafts_under_async_scheduling(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_the_engine_core_runs_mtp_drafts_under_async_scheduling(tmp_path: Path) -> None:
     """A single MTP layer proposing three drafts, async scheduling on:
     vLLM's engine core runs the async scheduler with output placeholders for
     the drafts; each turn gets exactly its `max_tokens`, the tokens the
-    executor sampled (accepted drafts kept, rejected ones rolled back). The
-    recorder does not record it (its placeholders are not modelled yet) and
-    says so in one line; the engine serves on."""
-    import logging
-
+    executor sampled (accepted drafts kept, rejected ones rolled back)."""
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 
-    from kvgate.impl import recorder
     from kvgate.impl.engine_core import Script, ScriptedEngine
 
     config = parse_trace(DRAFTS_HEADER, tmp_path / "drafts.yaml").config
-    recorder.install(tmp_path / "recordings")
-    try:
-        with caplog.at_level(logging.WARNING, logger=recorder.LOGGER_NAME):
-            engine = ScriptedEngine(
-                config, spec_tokens=3, max_num_seqs=MAX_NUM_SEQS, script=Script(ACCEPTED)
-            )
-    finally:
-        recorder.uninstall()
-    assert "draft tokens under async scheduling" in caplog.text
+    engine = ScriptedEngine(
+        config, spec_tokens=3, max_num_seqs=MAX_NUM_SEQS, script=Script(ACCEPTED)
+    )
     scheduler = engine.scheduler
     assert isinstance(scheduler, AsyncScheduler)
     # vLLM's own derivation for one MTP layer reused for every draft: three
@@ -473,3 +460,54 @@ def test_the_replay_makes_the_engine_cores_calls_with_mtp_drafts(drafts_run: Eng
     result, calls = replay_on_vllm(drafts_run.trace)
     assert result.divergence is None, result.divergence
     assert calls == drafts_run.calls
+
+
+def test_a_recording_of_the_engine_core_with_mtp_drafts_replays_on_the_model_and_on_vllm(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The recorder on, the engine core with async scheduling and MTP drafts
+    of mixed acceptance over concurrent multi-turn sessions: each batch's
+    accepted drafts are written on the step that scheduled it, and the
+    recording passes at strict level on the model and on vLLM."""
+    from kvgate import cli
+    from kvgate.impl import recorder
+    from kvgate.impl.engine_core import Script
+
+    recordings = tmp_path / "recordings"
+    monkeypatch.setenv(recorder.RECORD_SWITCH, str(recordings))
+    recorder.register()
+    try:
+        run = play_on_engine(
+            tmp_path,
+            DRAFTS_HEADER.removesuffix("  - {op: step}\n"),
+            DRAFT_SESSIONS,
+            spec=3,
+            script=Script(ACCEPTED),
+        )
+    finally:
+        recorder.uninstall()
+    [path] = sorted(recordings.iterdir())
+    recorded = parse_trace(path.read_text(), path)
+    assert recorded.config.async_scheduling and recorded.scheduler is not None
+    assert recorded.scheduler.spec == 3
+    steps = [e for e in recorded.engine if e.op == "step"]
+    assert len(steps) == len([e for e in run.trace.engine if e.op == "step"])
+    # The same drafts accepted, step for step, as the engine core's run
+    # (requests renamed in arrival order).
+    renamed = dict(
+        zip(
+            [e.req for e in run.trace.engine if e.op == "arrive"],
+            [e.req for e in recorded.engine if e.op == "arrive"],
+            strict=True,
+        )
+    )
+    played = [e.accept for e in run.trace.engine if e.op == "step"]
+    assert any(played)
+    assert [e.accept for e in steps] == [
+        {renamed[r]: n for r, n in accept.items()} for accept in played
+    ]
+    for target in ("model", "vllm"):
+        code = cli.main(["replay", str(path), "--target", target, "--level", "strict"])
+        out = capsys.readouterr().out
+        assert code == 0, out
+        assert f"PASS {path.stem}" in out

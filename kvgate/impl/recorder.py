@@ -24,7 +24,10 @@ What is written (docs/how-to/record-and-replay.md is the user's page):
 - an abort between a `schedule()` and its update (a client gone, or a stop
   string the server's detokenizer met, while the step ran) is written in
   that step's `abort`;
-- each entry is flushed to its file as it is made, and each file ends with
+- each entry is flushed to its file as it is made (under async scheduling
+  with drafts, a step entry once its batch's update says how many drafts
+  were accepted, which it carries as `accept`, and the entries made
+  meanwhile after it), and each file ends with
   an `end` line counting its entries, so a file cut short (a killed
   process) holds every entry before the cut and is detected by the reader
   (`kvgate replay --partial` replays the entries before the cut); a file is
@@ -35,7 +38,8 @@ What is written (docs/how-to/record-and-replay.md is the user's page):
   order); after the last file allowed recording stops. Every file's end is
   logged with why it ended. A write that fails (disk full, permissions) logs
   one line and stops recording; a call the format cannot express (an
-  accepted draft, a KV connector, ...) ends the file before it, logs one
+  accepted draft without async scheduling, a KV connector, ...) ends the
+  file before it, logs one
   line and stops recording. Nothing the recorder does raises into the
   engine: every wrapper calls vLLM's own method whatever happens;
 - under async scheduling, one `step` entry per engine step as vLLM's engine
@@ -370,9 +374,25 @@ def engine_config(scheduler: Any) -> tuple[Config, EngineSettings]:
         in_flight = int(getattr(scheduler.vllm_config, "max_concurrent_batches", 1))
         if in_flight != ASYNC_BATCHES:
             raise NotExpressible(f"async scheduling with {in_flight} batches in flight")
-        if settings.spec:
-            raise NotExpressible("draft tokens under async scheduling (their output placeholders)")
     return config, settings
+
+
+def _returned_with_drafts(output: Any, runner: Any) -> dict[str, tuple[int, int]]:
+    """For each request `output` scheduled with drafts: (its drafts, the
+    tokens the model runner's output `runner` returned for it)."""
+    drafts = {
+        str(r): len(ids)
+        for r, ids in (getattr(output, "scheduled_spec_decode_tokens", None) or {}).items()
+        if ids
+    }
+    if not drafts or runner is None:
+        return {}
+    sampled = getattr(runner, "sampled_token_ids", None) or []
+    index = getattr(runner, "req_id_to_index", None) or {}
+    return {
+        r: (n, len(sampled[index[r]]) if r in index and index[r] < len(sampled) else 0)
+        for r, n in drafts.items()
+    }
 
 
 # ------------------------------------------------------------- the recording
@@ -483,6 +503,13 @@ class _Recording:
         # most without async scheduling).
         self.in_flight: deque[dict[str, Any]] = deque()
         self.deferred: list[dict[str, Any]] = []
+        # Under async scheduling with drafts: the entries made but not yet
+        # written, in order, and the step entries among them that scheduled a
+        # batch with drafts whose output is not processed yet (by the batch's
+        # output id): each gets its `accept` at that update, then is written
+        # with the entries behind it.
+        self.held: list[dict[str, Any]] = []
+        self.awaiting_accept: dict[int, dict[str, Any]] = {}
         _Recording.open_ones.add(self)
 
     # -- control ----------------------------------------------------------
@@ -504,6 +531,14 @@ class _Recording:
     def stop(self, why: str, wrote: bool = True) -> None:
         if self.stopped:
             return
+        if wrote:
+            # What was made before the inexpressible call, up to a step whose
+            # accepted drafts are not known yet.
+            self.write_held()
+            if self.stopped:
+                return
+        self.held.clear()
+        self.awaiting_accept.clear()
         self.stopped = True
         _logger.warning(
             "kvgate recorder: stopped recording %s after %d files: %s",
@@ -520,7 +555,10 @@ class _Recording:
 
     def close(self, why: str, write_end: bool = True, final: bool = True) -> None:
         """End the file being written (its end line counts its entries),
-        logging `why`; `final`: nothing more is recorded."""
+        logging `why`; `final`: nothing more is recorded (the entries held
+        are written first, up to a step whose accepted drafts are not known)."""
+        if final and write_end and not self.stopped:
+            self.write_held()
         file, self.file = self.file, None
         if final:
             _Recording.open_ones.discard(self)
@@ -566,6 +604,33 @@ class _Recording:
         self.entries = 0
         self.bytes = len(head.encode())
         self.file.write(head)
+
+    def emit(self, entry: dict[str, Any]) -> None:
+        """An entry made: written now, or held behind a step whose accepted
+        drafts are not known yet."""
+        self.held.append(entry)
+        if len(self.held) == 1 and not self.awaiting(entry):
+            self.held.clear()
+            self.write(entry)
+
+    def awaiting(self, entry: dict[str, Any]) -> bool:
+        return any(entry is e for e in self.awaiting_accept.values())
+
+    def write_held(self) -> None:
+        """Write the entries held, up to the first still awaiting its accept."""
+        while self.held and not self.awaiting(self.held[0]) and not self.stopped:
+            self.write(self.held.pop(0))
+
+    def accepted(self, batch_id: int, accept: dict[str, int]) -> None:
+        """The drafts accepted in a batch, on the step entry that scheduled it."""
+        entry = self.awaiting_accept.pop(batch_id, None)
+        if entry is None:
+            return
+        if accept:
+            expect = entry.pop("expect")
+            entry["accept"] = accept
+            entry["expect"] = expect
+        self.write_held()
 
     def write(self, entry: dict[str, Any]) -> None:
         if self.stopped:
@@ -619,13 +684,19 @@ class _Recording:
         if call == "schedule" and self.pending is not None:
             raise NotExpressible("two schedule() calls in one engine step")
         if call == "update_from_output":
-            # What each request of the batch had output before its update.
+            # What each request of the batch had output before its update,
+            # and, with drafts, how many tokens the model runner returned.
             output = kwargs.get("scheduler_output", args[0] if args else None)
-            return id(output), {
-                r: len(self.requests[r].output_token_ids)
-                for r in map(str, getattr(output, "num_scheduled_tokens", ()))
-                if r in self.requests
-            }
+            runner = kwargs.get("model_runner_output", args[1] if len(args) > 1 else None)
+            return (
+                id(output),
+                {
+                    r: len(self.requests[r].output_token_ids)
+                    for r in map(str, getattr(output, "num_scheduled_tokens", ()))
+                    if r in self.requests
+                },
+                _returned_with_drafts(output, runner),
+            )
         return None
 
     def after(
@@ -639,12 +710,12 @@ class _Recording:
         elif call == "schedule":
             self.scheduled(result)
         elif call == "update_from_output":
-            self.updated(result, *(before or (0, {})))
+            self.updated(result, *(before or (0, {}, {})))
         elif call == "finish_requests":
             for request_id in before or ():
                 name = self.name(request_id)
                 if self.pending is None:
-                    self.write({"op": "abort", "req": name})
+                    self.emit({"op": "abort", "req": name})
                 elif any(e.get("req") == name for e in self.deferred):
                     # It arrived after the schedule(): its arrival and its
                     # abort follow the step.
@@ -657,7 +728,7 @@ class _Recording:
         elif call == "set_pause_state":
             state = kwargs.get("pause_state", args[0] if args else None)
             mode = {"PAUSED_ALL": "keep", "PAUSED_NEW": "wait"}.get(getattr(state, "name", ""))
-            self.write({"op": "pause", "mode": mode} if mode else {"op": "resume"})
+            self.emit({"op": "pause", "mode": mode} if mode else {"op": "resume"})
         elif call == "reset_prefix_cache":
             running = bool(kwargs.get("reset_running_requests", args[0] if args else False))
             connector = bool(kwargs.get("reset_connector", args[1] if len(args) > 1 else False))
@@ -668,7 +739,7 @@ class _Recording:
             if connector:
                 entry["connector"] = True
             entry["expect"] = {"ok": bool(result), "waiting": waiting}
-            self.write(entry)
+            self.emit(entry)
 
     def arrived(self, request: Any) -> None:
         request_id = str(request.request_id)
@@ -712,7 +783,7 @@ class _Recording:
         if self.pending is not None:
             self.deferred.append(entry)
         else:
-            self.write(entry)
+            self.emit(entry)
 
     def adapter(self, lora_request: Any) -> str:
         """A request's LoRA adapter as the trace names it ("" for none): a
@@ -739,6 +810,10 @@ class _Recording:
         ids = [str(r) for r in output.num_scheduled_tokens]
         self.in_flight.append({"output": id(output), "ids": ids})
         step: dict[str, Any] = {"scheduled": scheduled, "preempted": preempted, "aborted": []}
+        if self.config.async_scheduling and any(
+            getattr(output, "scheduled_spec_decode_tokens", None) or {}
+        ):
+            step["drafts_batch"] = id(output)
         executed = bool(output.total_num_scheduled_tokens)
         if (
             self.config.async_scheduling
@@ -749,8 +824,16 @@ class _Recording:
         else:
             self.pending = step
 
-    def updated(self, outputs: Any, batch_id: int, before: dict[str, int]) -> None:
-        """A batch's output processed: the engine step's last call."""
+    def updated(
+        self,
+        outputs: Any,
+        batch_id: int,
+        before: dict[str, int],
+        returned: dict[str, tuple[int, int]],
+    ) -> None:
+        """A batch's output processed: the engine step's last call.
+        `returned`: for each request the batch scheduled with drafts, (its
+        drafts, the tokens the model runner returned for it)."""
         pending, self.pending = self.pending, None
         if pending is None and not self.config.async_scheduling:
             raise NotExpressible("an update without a schedule() before it")
@@ -792,9 +875,10 @@ class _Recording:
             ):
                 # A session stopped and goes on: written as not finished.
                 sessions_stopped = True
-            # The format's step samples at most one token a request: more is
-            # an accepted draft.
-            if len(request.output_token_ids) - before[request_id] > 1:
+            # Without async scheduling the format's step samples at most one
+            # token a request: more is an accepted draft.
+            got = len(request.output_token_ids) - before[request_id]
+            if got > 1 and not self.config.async_scheduling:
                 raise NotExpressible("an accepted draft (several tokens in one step)")
             if request.is_finished():
                 if request.status == RequestStatus.FINISHED_STOPPED:
@@ -804,6 +888,20 @@ class _Recording:
                 finished.append(self.name(request_id))
         if finished or sessions_stopped:
             step["finished"] = finished
+        # The drafts accepted in this batch, on the step that scheduled it. A
+        # stop condition met among them is written as the drafts before it
+        # accepted and a stop at the last token, which leaves the Scheduler
+        # as the real stop does.
+        accept: dict[str, int] = {}
+        for request_id, (drafts, tokens) in returned.items():
+            if request_id not in before:
+                continue  # aborted while its batch ran: its output is skipped
+            name = self.name(request_id)
+            if name in stopped:
+                tokens = len(self.requests[request_id].output_token_ids) - before[request_id]
+            if min(drafts, tokens - 1) > 0:
+                accept[name] = min(drafts, tokens - 1)
+        self.accepted(batch_id, accept)
         for request_id in ids:
             request = self.requests.get(request_id)
             if request is not None and request.is_finished():
@@ -828,10 +926,13 @@ class _Recording:
         if step.get("aborted"):
             entry["abort"] = step["aborted"]
         entry["expect"] = expect
-        self.write(entry)
+        if step.get("drafts_batch") is not None:
+            # Its accepted drafts are known at its batch's update: held till then.
+            self.awaiting_accept[step["drafts_batch"]] = entry
+        self.emit(entry)
         deferred, self.deferred = self.deferred, []
         for entry in deferred:
-            self.write(entry)
+            self.emit(entry)
 
     def forget(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
