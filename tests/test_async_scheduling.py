@@ -281,3 +281,81 @@ def test_the_output_of_a_preempted_requests_batch_is_checked_both_ways() -> None
     keeps = functools.partial(_PreemptionSetsStaleOutput, drop=False)
     index, level, what = where(run_vllm(keeps, RESET_IN_FLIGHT, "api"))
     assert (index, level, what) == (7, "expect", "scheduled")
+
+
+BLOCK_BOUNDARY = CORPUS["sched-mtp-async-drafts-around-a-mamba-block-boundary"]
+
+
+class _RejectedDraftsKept:
+    """vLLM's AsyncScheduler that does not take rejected drafts back from a
+    request's output placeholders (`placeholders`) or its computed tokens
+    (`computed`) when a batch's output is processed."""
+
+    def __init__(self, real: Any, counter: str) -> None:
+        self.real = real
+        scheduler = real.scheduler
+        update = scheduler.update_from_output
+
+        def drifted(output: Any, runner: Any) -> Any:
+            rejected = {
+                r: len(drafts) - (len(runner.sampled_token_ids[runner.req_id_to_index[r]]) - 1)
+                for r, drafts in output.scheduled_spec_decode_tokens.items()
+                if r in scheduler.requests and drafts
+            }
+            result = update(output, runner)
+            for r, n in rejected.items():
+                request = scheduler.requests.get(r)
+                if request is None or request.is_finished() or n <= 0:
+                    continue
+                if counter == "placeholders":
+                    request.num_output_placeholders += n
+                else:
+                    request.num_computed_tokens += n
+            return result
+
+        scheduler.update_from_output = drifted
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+
+def run_with_drafts(
+    wrap: Callable[[Any], SchedulerTarget] | None, trace: Trace, level: Level = "strict"
+) -> ReplayResult:
+    from kvgate.impl.vllm_scheduler import VllmScheduler
+
+    assert trace.scheduler is not None
+    real = VllmScheduler(
+        trace.config, spec_tokens=trace.scheduler.spec, max_num_seqs=trace.scheduler.max_num_seqs
+    )
+    try:
+        return replay_scheduler(trace, SchedulerModel, real if wrap is None else wrap(real), level)
+    finally:
+        real.close()
+
+
+@needs_vllm
+def test_rejected_drafts_kept_in_flight_diverge_at_their_update() -> None:
+    """Drafts rejected in a batch must come off the request's placeholders
+    and computed tokens at its update: keeping either diverges, the
+    placeholders in the per-request output accounting at that very step,
+    the computed tokens in what the next step schedules."""
+    assert run_with_drafts(None, BLOCK_BOUNDARY).passed
+    kept = run_with_drafts(
+        functools.partial(_RejectedDraftsKept, counter="placeholders"), BLOCK_BOUNDARY
+    )
+    diverged = lockstep_divergence(kept)
+    assert diverged.level == "strict" and "output accounting" in diverged.what
+    computed = run_with_drafts(
+        functools.partial(_RejectedDraftsKept, counter="computed"), BLOCK_BOUNDARY
+    )
+    # Computed tokens kept show in the next batch: one token, not 1 + 3.
+    later = lockstep_divergence(computed)
+    assert later.step.index == diverged.step.index + 1
+    assert later.what.endswith("scheduled (request, tokens)")
+
+
+def lockstep_divergence(result: ReplayResult) -> Any:
+    """The replay's divergence from the model (not an expectation missed)."""
+    [diverged] = [d for d in (result.divergence, *result.also) if d and d.level != "expect"]
+    return diverged
