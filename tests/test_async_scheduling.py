@@ -5,6 +5,7 @@ flight when its request was preempted, and drifts the lockstep catches."""
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -359,3 +360,39 @@ def lockstep_divergence(result: ReplayResult) -> Any:
     """The replay's divergence from the model (not an expectation missed)."""
     [diverged] = [d for d in (result.divergence, *result.also) if d and d.level != "expect"]
     return diverged
+
+
+def _with_drafts(trace: Trace) -> Trace:
+    """`trace` with an eagle drafter proposing 3 drafts (legacy hashes, the
+    eagle block drop), 6 output tokens a request, its expectations dropped
+    (the lockstep judges it) and more steps to finish."""
+    lines = []
+    for line in trace.path.read_text().splitlines():
+        line = re.sub(r", expect: \{.*\}\}$", "}", line)
+        line = line.replace("max_tokens: 1}", "max_tokens: 6}").replace(
+            "max_tokens: 1,", "max_tokens: 6,"
+        )
+        lines.append(line)
+    text = "\n".join(lines) + "\n" + "  - {op: step, steps: 12}\n"
+    text = (
+        text.replace("eagle: false", "eagle: true")
+        .replace(
+            "{kind: mamba_align, block_size: 32}",
+            "{kind: mamba_align, block_size: 32, speculative_blocks: 3}",
+        )
+        .replace("spec: 0", "spec: 3")
+    )
+    return parse_trace(text, trace.path)
+
+
+@needs_vllm
+def test_deferred_frees_with_drafts_in_flight() -> None:
+    """With a KV connector, drafts and async scheduling, the deferred frees
+    of requests aborted with a batch in flight follow vLLM's; returning them
+    head first diverges."""
+    trace = _with_drafts(UNDER_PRESSURE)
+    assert trace.scheduler is not None and trace.scheduler.spec == 3
+    result = run_with_drafts(None, trace)
+    assert result.passed, result.divergence
+    assert result.steps_run == len(trace.engine)
+    assert run_with_drafts(_FreesHeadFirst, trace).divergence is not None
