@@ -80,7 +80,11 @@ class Deployment:
     state_dtype_bytes: int = 2  # bf16 SSM and conv state
     # -- serving ----------------------------------------------------------------
     mamba_block_size: int = 4096  # align-mode Mamba block = scheduler block
-    spec_tokens: int = 3  # MTP K=3: spec 3, lookahead 3
+    spec_tokens: int = 3  # MTP K=3: 3 drafts a decode, 3 lookahead slots
+    # Qwen3-Next ships one MTP layer, run once per draft: vLLM then reads one
+    # prefill token ahead (a multi-module MTP drafter, one layer per draft,
+    # reads K).
+    mtp_layers: int = 1
     eagle: bool = True  # the MTP/eagle block drop
     retention_interval: int | None = 0  # sparse retention (deployed default)
     max_num_scheduled_tokens: int = 8192  # token budget per step (2 Mamba blocks)
@@ -101,6 +105,12 @@ class Deployment:
     prefix_caching: bool = config_default("prefix_caching")
     # Every token quantity below is divided by this (see `scaled`).
     scale: int = 1
+
+    @property
+    def prefill_lookahead(self) -> int:
+        """vLLM's `num_prefill_lookahead_tokens` for this drafter: the draft
+        count for a multi-module MTP drafter, else 1."""
+        return self.spec_tokens if self.mtp_layers > 1 else 1
 
     # -- derived memory arithmetic (full size, per GPU) -------------------------
 
@@ -252,8 +262,9 @@ class Deployment:
             + ", state "
             f"{self.mamba_state_bytes / mib:.1f} MiB/GPU; pool adds {concurrency} sessions x "
             f"{self.mamba_footprint} blocks (state + {self.spec_tokens} scratch)",
-            f"serving: MTP K={self.spec_tokens} (spec {self.spec_tokens}, lookahead "
-            f"{self.spec_tokens}), eagle {self.eagle}, retention interval "
+            f"serving: MTP K={self.spec_tokens} (spec {self.spec_tokens}, lookahead slots "
+            f"{self.spec_tokens}, prefill lookahead {self.prefill_lookahead}), eagle "
+            f"{self.eagle}, retention interval "
             f"{self.retention_interval}, {self.max_num_scheduled_tokens} tokens/step, "
             f"max {self.max_num_seqs} seqs, max_model_len {self.max_model_len}"
             + (f"; every token count / {self.scale}" if self.scale > 1 else ""),
