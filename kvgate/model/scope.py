@@ -296,6 +296,10 @@ NOT_MODELLED_UNDER_ASYNC: tuple[tuple[str, str], ...] = (
         "the worker's load reports are not interleaved with the batch queue in the model",
     ),
     (
+        "a streaming-input session (`resumable`)",
+        "a session's stop and next chunk with its output still in flight are not modelled",
+    ),
+    (
         "encoder inputs (`mm`)",
         "the encoder cache's frees at each batch's update are not modelled with batches in flight",
     ),
