@@ -382,7 +382,9 @@ class SchedulerModel(AsyncBatches, ConnectorLoads, StreamingSessions):
 
     def stop(self, name: str) -> None:
         """`name` finishes with the token it samples in the next step (a stop
-        condition); only its finish moves: the step schedules it as before."""
+        condition); only its finish moves: the step schedules it as before.
+        Under async scheduling: with the last token it gets in the output
+        the next step processes (`OutputPlaceholders._settle`)."""
         for queue in (self.running, self.waiting, self.holding):
             for live in queue:
                 if live.name == name:
