@@ -203,7 +203,7 @@ def save_trace(
     about: str | None = None,
     expect_refused: str | None = None,
 ) -> Path:
-    return _save(directory, name, dump_trace(name, config, steps, about, expect_refused))
+    return save_text(directory, name, dump_trace(name, config, steps, about, expect_refused))
 
 
 def save_engine_trace(
@@ -214,10 +214,11 @@ def save_engine_trace(
     engine: Iterable[EngineStep],
     about: str | None = None,
 ) -> Path:
-    return _save(directory, name, dump_engine_trace(name, config, settings, engine, about))
+    return save_text(directory, name, dump_engine_trace(name, config, settings, engine, about))
 
 
-def _save(directory: Path, name: str, text: str) -> Path:
+def save_text(directory: Path, name: str, text: str) -> Path:
+    """A trace's `text` saved as `directory/name.yaml` (the folder made)."""
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{name}.yaml"
     path.write_text(text)
