@@ -54,16 +54,11 @@ from typing import Any, TextIO
 
 from kvgate import options
 from kvgate.errors import InputError
-from kvgate.explore.mode import Mode, Stats
+from kvgate.explore.mode import Mode, SchedulerMode, Stats
 from kvgate.explore.profiles import PROFILES, SCHEDULER_PROFILES, profile
 from kvgate.explore.runner import Outcome, explore, model_mode
-from kvgate.explore.scheduler_machine import (
-    ABORT_PLACES,
-    SHAPES,
-    SchedulerMode,
-    SchedulerOutcome,
-    explore_scheduler,
-)
+from kvgate.explore.scheduler_draws import ABORT_PLACES, SHAPES
+from kvgate.explore.scheduler_runner import SchedulerOutcome, explore_scheduler
 from kvgate.vocabulary.ops import FREE_HOW, PRIMITIVE_OPS
 
 BAR_WIDTH = 30

@@ -638,8 +638,9 @@ def scheduler_explore_stage(examples: int, seed: int | None = None) -> ExploreOu
     try:
         from hypothesis import Phase
 
+        from kvgate.explore.mode import SchedulerMode
         from kvgate.explore.profiles import profile
-        from kvgate.explore.scheduler_machine import SchedulerMode, explore_scheduler
+        from kvgate.explore.scheduler_runner import explore_scheduler
     except ImportError as missing:
         return ExploreOutcome(False, "", 0, 0.0, f"kvgate.explore not available ({missing})")
     settings = profile(
