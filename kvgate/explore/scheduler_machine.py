@@ -356,7 +356,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         model = self.model
         if not paused:
             return [r for r in model.running if r.name in self.sessions and not r.chunks]
-        return [r for r in (*model.waiting, *model.holding) if r.name in self.sessions and r.waiting_for_streaming_req]
+        parked = (*model.waiting, *model.holding)
+        return [r for r in parked if r.name in self.sessions and r.waiting_for_streaming_req]
 
     def send_chunk(self, live: LiveRequest, chunk: ChunkDraw) -> None:
         """To the session `live`: a chunk, or its end, also when the chunk
