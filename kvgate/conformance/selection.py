@@ -20,7 +20,7 @@ insensitive) of its name, one of its tags, its family or its arm.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from kvgate.conformance.trace import Trace
@@ -124,18 +124,20 @@ class _Parser:
         return token
 
     def expression(self) -> Matcher:
-        parts = [self.conjunction()]
-        while self.peek() == "or":
-            self.take()
-            parts.append(self.conjunction())
-        return parts[0] if len(parts) == 1 else lambda k: any(p(k) for p in parts)
+        return self.joined("or", self.conjunction, any)
 
     def conjunction(self) -> Matcher:
-        parts = [self.negation()]
-        while self.peek() == "and":
+        return self.joined("and", self.negation, all)
+
+    def joined(
+        self, word: str, operand: Callable[[], Matcher], combine: Callable[[Iterable[bool]], bool]
+    ) -> Matcher:
+        """Operands joined by `word` (or, and): one matcher, `combine` of theirs."""
+        parts = [operand()]
+        while self.peek() == word:
             self.take()
-            parts.append(self.negation())
-        return parts[0] if len(parts) == 1 else lambda k: all(p(k) for p in parts)
+            parts.append(operand())
+        return parts[0] if len(parts) == 1 else lambda k: combine(p(k) for p in parts)
 
     def negation(self) -> Matcher:
         token = self.take()
