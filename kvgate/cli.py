@@ -337,7 +337,8 @@ def _parser(only: str | None = None) -> argparse.ArgumentParser:
         action="append",
         choices=FAMILIES,
         help="only the traces of this deployment family, from their config's Mamba "
-        "checkpoint (repeatable; default: every trace, of a family or not)",
+        "checkpoint and a recording's device (repeatable; default: every trace, of a "
+        "family or not)",
     )
     gate_cmd.add_argument(
         "--list",

@@ -136,6 +136,15 @@ def test_with_the_recorder_off_nothing_is_wrapped(
     assert wrapped_methods() == []
 
 
+def test_the_recording_names_the_device_its_engine_ran_on(small_recording: Path) -> None:
+    """The header names the device of vLLM's platform (a CPU build's
+    recording is then of the `gdn-cpu` family, not `gdn-triton`)."""
+    from vllm.platforms import current_platform
+
+    assert current_platform.device_type
+    assert load_trace(small_recording).device == current_platform.device_type
+
+
 def test_the_recorded_arm_is_gated(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A run with the hold, where the hold decides a follow-up's cached
     tokens, records the hold-on arm: the recording conforms on the model
