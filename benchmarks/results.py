@@ -208,10 +208,27 @@ SECTIONS = (
         render_whole,
         "Ratios measured within one run, so the machine's speed cancels out: the corpus "
         "replayed on the model against vLLM (below 1: the model is faster), the "
-        "production workload on each target alone (time and peak memory), and the "
-        "recorder's overhead: the time inside vLLM's Scheduler calls with the recorder on "
-        "against off, replaying one recorded workload; and what each bundled corpus costs "
-        "a gate run (wall and CPU time, vLLM imported once).",
+        "production workload on each target alone (time and peak memory), the "
+        "recorder's own time inside vLLM's Scheduler calls against the Scheduler's time in "
+        "them, measured in the same calls while one recorded workload is replayed, over "
+        "many rounds (min, median, max; the floor is what the timing itself costs); and "
+        "what each bundled corpus costs a gate run (wall and CPU time, vLLM imported once).",
+        stable=mask_benchmarks,
+    ),
+    Section(
+        "served-overhead",
+        "Recorder overhead on a served engine",
+        "seconds (it prints the record; measuring it again takes about 10 minutes)",
+        (f"{PY} benchmarks/served_overhead.py --render",),
+        render_whole,
+        "Tokens per second of vLLM's OpenAI server (the registry's CPU build, the tiny "
+        "Qwen3-Next of the served end-to-end test) with the recorder on against off, the "
+        "same load run several times on each, the two arms interleaved, engine start-up "
+        "not timed. The numbers come from the record benchmarks/served_overhead.json, "
+        "written by the measurement itself (`bash scripts/served-env.sh`, then "
+        "`.venvs/served/bin/python benchmarks/served_overhead.py`); the command below "
+        "prints that record. Each arm's min, median and max show the spread between its "
+        "runs, which the machine's load sets as much as the recorder does.",
         stable=mask_benchmarks,
     ),
     Section(

@@ -125,12 +125,14 @@ def prepare(model: Path) -> None:
 class Server:
     """vLLM's OpenAI server in its own session, on 127.0.0.1."""
 
-    def __init__(self, model: Path, out: Path, port: int, blocks: int) -> None:
+    def __init__(self, model: Path, out: Path, port: int, blocks: int, record: bool = True) -> None:
         self.out = out
         self.port = port
         env = dict(os.environ)
+        env.pop("KVGATE_RECORD", None)
+        if record:
+            env["KVGATE_RECORD"] = str(out / "recordings")
         env.update(
-            KVGATE_RECORD=str(out / "recordings"),
             # Parts end at this many entries: a load this long goes on in parts.
             KVGATE_RECORD_MAX_STEPS=env.get("KVGATE_RECORD_MAX_STEPS", "150"),
             KVGATE_RECORD_MAX_FILES=env.get("KVGATE_RECORD_MAX_FILES", "64"),

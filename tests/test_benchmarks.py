@@ -51,9 +51,12 @@ SMOKE: dict[str, tuple[list[str], str, bool]] = {
     ),
     "recorder_overhead.py": (
         ["--scale", "64", "--sessions", "1", "--turns", "2", "--rounds", "1"],
-        "recorder overhead ratio: ",
+        "recorder time / Scheduler's own time: ",
         True,
     ),
+    # Measuring needs the served environment and two servers (minutes):
+    # the smoke run prints the record.
+    "served_overhead.py": (["--render"], "recorder on / off, median tokens per second: ", False),
     "prove_scaling.py": (
         ["--blocks", "4", "--requests", "1", "--groups", "2"]
         + ["--props", "no_leak", "--ops", "arrive"],

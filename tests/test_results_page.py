@@ -113,6 +113,29 @@ def test_the_benchmark_section_replays_today_s_corpora(
     assert re.search(rf"^manager-level\s+{manager}\s", text, re.M), hint
 
 
+def test_the_served_overhead_section_prints_the_measured_record(
+    results: ModuleType, page: dict[str, str]
+) -> None:
+    """The section is the record benchmarks/served_overhead.py measured,
+    rendered: every run of both arms, each arm's spread, none typed."""
+    import importlib.util
+    import json
+
+    script = ROOT / "benchmarks" / "served_overhead.py"
+    spec = importlib.util.spec_from_file_location("served_overhead", script)
+    assert spec is not None and spec.loader is not None
+    served = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(served)
+    record = json.loads(served.RECORD.read_text())
+    text = printed(results, page, "served-overhead")
+    hint = REGENERATE.format("served-overhead")
+    assert text == served.render(record) + "\nexit 0\n", hint
+    runs = {arm: [r for r in record["runs"] if r["arm"] == arm] for arm in ("on", "off")}
+    assert all(len(arm_runs) >= 3 for arm_runs in runs.values()), runs
+    # Interleaved: the arms alternate run by run.
+    assert [r["arm"] for r in record["runs"]] == ["on", "off"] * len(runs["on"])
+
+
 def test_check_finds_a_changed_count_and_ignores_a_changed_timing(
     results: ModuleType,
 ) -> None:
