@@ -650,6 +650,9 @@ def test_the_served_numbers_on_the_record_and_replay_page_are_the_measured_ones(
     # What the test asserts of the served run holds in the numbers kept.
     assert measured["arrivals"] == measured["requests"]
     assert measured["aborted_inside_a_step"] > 0 and measured["files"] > 1
+    assert measured["preempted"] > 0
+    sharing = sum(shares for _, shares in measured["follow_ups"].values())
+    assert measured["follow_ups_written_as_continuations"] == sharing
 
 
 def test_an_engine_splitting_prefills_at_another_block_size_is_not_recorded() -> None:
