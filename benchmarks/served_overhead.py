@@ -210,7 +210,7 @@ def render(record: dict[str, Any]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--render", action="store_true", help="print the record; run nothing")
-    parser.add_argument("--runs", type=int, default=5, help="runs each way (5)")
+    parser.add_argument("--runs", type=int, default=8, help="runs each way (8)")
     parser.add_argument("--sessions", type=int, default=4, help="(4)")
     parser.add_argument("--turns", type=int, default=3, help="(3)")
     parser.add_argument("--max-tokens", type=int, default=192, help="tokens a reply (192)")
