@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import importlib
 import json
 import os
 import platform
@@ -53,9 +54,7 @@ PORTS = {"on": 18441, "off": 18442}
 def _served_e2e() -> Any:
     """scripts/served_e2e.py: the model, the server and the client it drives."""
     sys.path.insert(0, str(ROOT / "scripts"))
-    import served_e2e
-
-    return served_e2e
+    return importlib.import_module("served_e2e")
 
 
 def run_load(base: str, sessions: int, turns: int, max_tokens: int, seed: int) -> dict[str, Any]:
