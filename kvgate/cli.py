@@ -139,10 +139,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                 logs.print_summary()
                 return code
             limits = _limits(args.limit)
+            deployment_lines: list[str] = []
             counts: Callable[[Sequence[Trace]], list[CorpusCount]] | None = None
             if args.command == "replay":
                 traces, invalid = read_traces(args.traces, limits, args.partial)
             else:
+                if args.deployment is not None:
+                    # Only here: resolving a serve command line needs vLLM.
+                    from kvgate.deployment_gate import prepare
+
+                    deployment = prepare(args)
+                    args.corpus = [*(args.corpus or ()), deployment.folder]
+                    deployment_lines = deployment.lines
                 if args.no_bundled and not args.corpus:
                     raise InputError("--no-bundled: name at least one --corpus DIR to run")
                 corpora = read_corpora(args.corpus or (), not args.no_bundled, limits, args.partial)
@@ -164,6 +172,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 logs=logs,
                 corpora=counts,
                 defects=known_defects.policy_of(args),
+                notes=deployment_lines,
             )
     except _NothingValid as nothing:
         for error in nothing.invalid:
@@ -352,6 +361,23 @@ def _parser(only: str | None = None) -> argparse.ArgumentParser:
         choices=known_defects.POLICIES,
         help=known_defects.POLICY_HELP,
     )
+    gate_cmd.add_argument(
+        "--deployment-traces",
+        type=Path,
+        metavar="DIR",
+        help="with --deployment: write the traces generated at the deployment there, and keep "
+        "them (default: a temporary folder, removed at exit)",
+    )
+    options.add_serving_machine(gate_cmd)
+    gate_cmd.add_argument(
+        "--deployment",
+        nargs=argparse.REMAINDER,
+        metavar="SERVE-ARGS",
+        help="gate the deployment this vllm serve command line resolves to (the rest of the "
+        "command line: MODEL-DIR [FLAG...], a leading 'vllm serve' dropped): the scenario "
+        "families generated at its config run beside the corpus "
+        "(docs/how-to/gate-your-deployment.md)",
+    )
 
     for command in (replay_cmd, gate_cmd):
         options.add_level(command, LEVELS, "strict")
@@ -403,12 +429,14 @@ def run_traces(
     logs: VllmLogs | None = None,
     corpora: Callable[[Sequence[Trace]], list[CorpusCount]] | None = None,
     defects: known_defects.Policy = "skip",
+    notes: Sequence[str] = (),
 ) -> int:
     """Run `traces` and report each one's verdict, with every `invalid`
     trace's error listed and counted; the exit code (`errors.EXIT_CODES`).
     `corpora` counts the traces of each corpus a gate read, for the header.
     `_NothingValid` when there is nothing to run: only errors to tell.
-    `defects`: the known vLLM defects' policy (probed while the traces run)."""
+    `defects`: the known vLLM defects' policy (probed while the traces run);
+    `notes`: lines shown before the verdict (the deployment gated)."""
     if not traces and invalid:
         raise _NothingValid(invalid)
     logs = logs or VllmLogs()
@@ -455,7 +483,7 @@ def run_traces(
             assert isinstance(result, TraceRunError)
             print(f"kvgate: error: {printable(result.message)}", file=sys.stderr)
     logged = logs.summary() if logs.verbosity > QUIET else None
-    notes = [logged] if logged else []
+    notes = [*notes, logged] if logged else list(notes)
     if probe is not None:
         probes = probe.finish()
         notes = [*known_defects.lines(probes, defects), *notes]

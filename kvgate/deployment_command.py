@@ -11,6 +11,7 @@ from typing import Any
 
 import yaml
 
+from kvgate import options
 from kvgate.conformance.writer import config_dict
 from kvgate.errors import EXIT_OK, InputError, printable
 from kvgate.impl.serve_flags import Deployment, resolve
@@ -43,6 +44,7 @@ def register(subparsers: Any) -> None:
         help="the pool size for --trace-config when the serve command line does not fix it "
         "(--num-gpu-blocks-override); vLLM sizes the pool from the serving GPU's memory",
     )
+    options.add_serving_machine(cmd)
     cmd.add_argument(
         "serve",
         nargs=argparse.REMAINDER,
@@ -68,7 +70,13 @@ def serve_args(words: list[str]) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     if args.num_blocks is not None and args.num_blocks < 2:
         raise InputError(f"--num-blocks: {args.num_blocks} is too small (at least 2)")
-    deployment = resolve(serve_args(args.serve), args.num_blocks)
+    options.check_serving_machine(args)
+    deployment = resolve(
+        serve_args(args.serve),
+        args.num_blocks,
+        args.assume_attention_backend,
+        args.assume_checkpoint_alignment,
+    )
     if args.trace_config:
         print(trace_config(deployment), end="")
         # Standard output is the config block alone, ready to paste or pipe:

@@ -95,11 +95,17 @@ def dump_trace(
     return _Dumper.dump(doc)
 
 
-def engine_step_dicts(engine: Iterable[EngineStep]) -> list[dict[str, Any]]:
+def engine_step_dicts(
+    engine: Iterable[EngineStep], each_step: bool = False
+) -> list[dict[str, Any]]:
     """Engine steps as written in a scheduler-level trace: a run of engine
-    steps that expect nothing as one `{op: step, steps: N}`."""
+    steps that expect nothing as one `{op: step, steps: N}`, unless
+    `each_step` (an entry each, for `bless` to fill)."""
     out: list[dict[str, Any]] = []
     for event in engine:
+        if each_step and event.op == "step" and not (event.expect or event.stop or event.aborted):
+            out.append({"op": "step"})
+            continue
         if event.op == "step" and not (event.expect or event.stop or event.aborted):
             last = out[-1] if out else {}
             # Only a plain step takes the ones after it (`stop`, `accept`,
@@ -170,10 +176,12 @@ def dump_engine_trace(
     engine: Iterable[EngineStep],
     about: str | None = None,
     tags: Iterable[str] = (),
+    each_step: bool = False,
 ) -> str:
-    """A scheduler-level trace's text (docs/scheduler-traces.md)."""
+    """A scheduler-level trace's text (docs/scheduler-traces.md); `each_step`:
+    every engine step an entry of its own."""
     doc = _engine_head(name, config, settings, about, tags)
-    doc["engine"] = engine_step_dicts(engine)
+    doc["engine"] = engine_step_dicts(engine, each_step)
     return _Dumper.dump(doc)
 
 

@@ -5,7 +5,9 @@ own `EngineArgs.create_engine_config`, with the model's local `config.json`
 (no weights, no tokenizer, no hub). What the engine decides only on its
 serving machine is said so by name rather than guessed: the pool size (GPU
 memory), the prefill checkpoint columns (the Mamba layers' kernels, known
-once the layers are built), the model runner (Triton). One decision of this
+once the layers are built), the model runner (Triton). The blocks a
+hybrid's worker serves are computed as that worker does
+(`served_blocks.py`), on a stated attention backend. One decision of this
 machine's platform is set aside: vLLM's CPU platform turns async scheduling
 off (it gains nothing there), and a GPU engine does not, so the value vLLM
 resolved before the platform's say is the one kept and everything derived
@@ -27,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from kvgate.errors import InputError
+from kvgate.impl.served_blocks import ServedBlocks, served_blocks
 from kvgate.impl.vllm_errors import describe
 from kvgate.model.scope import check_modelled
 from kvgate.vocabulary.config import Config, GroupConfig, UnsupportedConfig
@@ -58,6 +61,8 @@ class Deployment:
     config_missing: str = ""
     # The resolved values by name, for a caller that checks them.
     values: dict[str, Any] = field(default_factory=dict)
+    # The worker's block update for a hybrid (None for a single layer kind).
+    served: ServedBlocks | None = None
 
     def add(self, name: str, value: Any, source: str) -> None:
         self.values[name] = value
@@ -196,10 +201,17 @@ def _hash_unit(vllm_config: Any, groups: tuple[GroupConfig, ...]) -> tuple[int, 
     return int(scheduler_block), int(hash_block)
 
 
-def resolve(argv: Sequence[str], num_blocks: int | None = None) -> Deployment:
+def resolve(
+    argv: Sequence[str],
+    num_blocks: int | None = None,
+    assumed_backend: str | None = None,
+    checkpoint_alignment: int | None = None,
+) -> Deployment:
     """The deployment a serve command line resolves to; `num_blocks` is the
     pool size for the trace config when the command line does not fix it
-    (`--num-gpu-blocks-override`)."""
+    (`--num-gpu-blocks-override`); `assumed_backend` and
+    `checkpoint_alignment` are what the serving machine's worker reads from
+    its built layers (`served_blocks`)."""
     vllm_config, args, seen = engine_config(argv)
     cache = vllm_config.cache_config
     scheduler = vllm_config.scheduler_config
@@ -222,11 +234,39 @@ def resolve(argv: Sequence[str], num_blocks: int | None = None) -> Deployment:
         "--mamba-cache-mode is deprecated and has no effect)",
     )
     drafts = int(spec.num_speculative_tokens) if spec is not None else 0
+    attention_block = int(cache.block_size)
     mamba_block = int(cache.mamba_block_size or cache.block_size) if has_mamba else 0
+    attention_source = "--block-size (CacheConfig.block_size)"
+    mamba_source = "--mamba-block-size (CacheConfig.mamba_block_size)"
+    if has_attention and has_mamba:
+        served = served_blocks(vllm_config, assumed_backend, checkpoint_alignment)
+        out.served = served
+        out.add("attention backend", served.backend, served.backend_source)
+        attention_block, mamba_block = served.attention_block, served.mamba_block
+        configured = (
+            f"--block-size {served.configured_attention_block}"
+            if cache.user_specified_block_size
+            else f"vLLM's default block {served.configured_attention_block} (no --block-size)"
+        )
+        attention_source = (
+            configured
+            + (
+                " raised by "
+                if attention_block != served.configured_attention_block
+                else " kept by "
+            )
+            + served.describe()
+        )
+        if mode == "align":
+            mamba_source = "set to the attention block by the same update in align mode" + (
+                f" (--mamba-block-size {served.configured_mamba_block} is overridden)"
+                if served.configured_mamba_block != mamba_block
+                else ""
+            )
     speculative_blocks = drafts if has_mamba and not getattr(cache, "use_replayssm", False) else 0
     groups: list[GroupConfig] = []
     if has_attention:
-        groups.append(GroupConfig("full_attention", int(cache.block_size)))
+        groups.append(GroupConfig("full_attention", attention_block))
     if has_mamba:
         # The trace format's Mamba group kind; its mode is `mamba_cache_mode`.
         groups.append(GroupConfig("mamba_align", mamba_block, speculative_blocks))
@@ -237,13 +277,13 @@ def resolve(argv: Sequence[str], num_blocks: int | None = None) -> Deployment:
             + (f" (speculative blocks {g.speculative_blocks})" if g.speculative_blocks else "")
             for g in groups
         ),
-        "the model's layer types; --block-size (CacheConfig.block_size, "
-        "aligned by the platform's attention backend), --mamba-block-size "
-        "(CacheConfig.mamba_block_size); speculative blocks: MambaSpec."
+        "the model's layer types; the blocks as served (below); speculative blocks: MambaSpec."
         "num_speculative_blocks from --speculative-config num_speculative_tokens",
     )
+    if has_attention:
+        out.add("attention block", attention_block, attention_source)
     if has_mamba:
-        out.add("mamba block", mamba_block, "--mamba-block-size (CacheConfig.mamba_block_size)")
+        out.add("mamba block", mamba_block, mamba_source)
     scheduler_block, hash_unit = _hash_unit(vllm_config, tuple(groups)) if groups else (0, 0)
     out.add(
         "hash unit",
@@ -381,17 +421,6 @@ def _unresolved(out: Deployment, vllm_config: Any, has_mamba: bool) -> None:
                 "pool size",
                 "vLLM sizes the KV-cache pool at startup from the serving GPU's memory "
                 f"(--gpu-memory-utilization {cache.gpu_memory_utilization}, the weights)",
-            )
-        )
-    if has_mamba and str(getattr(cache, "mamba_cache_mode", "")) == "align":
-        out.unresolved.append(
-            (
-                "attention and Mamba blocks",
-                "once the model is loaded, the worker raises the attention block until one "
-                "attention page holds a Mamba state, in multiples of the serving GPU's "
-                "attention-kernel block sizes, and in align mode sets the Mamba block to the "
-                "attention block (Platform.update_block_size_for_backend): --mamba-block-size "
-                "is overridden there, and the groups above are the blocks as configured",
             )
         )
     if has_mamba:

@@ -1,0 +1,101 @@
+"""`kvgate gate --deployment SERVE-ARGS...`: the gate on the deployment a
+`vllm serve` command line resolves to.
+
+The command line is resolved as `kvgate deployment` resolves it
+(`impl/serve_flags.py`, the served blocks included); the bundled scenario
+families are generated at exactly that config, their expectations written
+by kvgate's scheduler model (`conformance/deployment_families.py`), into a
+folder the gate then runs beside the bundled corpus, on the same target and
+in the same lockstep. What the gate could not run as the deployment runs is
+said in a line of its own before the verdict.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import shutil
+import tempfile
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from kvgate import options
+from kvgate.conformance.deployment_families import generate
+from kvgate.deployment_command import serve_args
+from kvgate.errors import InputError
+from kvgate.impl.serve_flags import resolve
+from kvgate.targets import scheduler_factories
+from kvgate.vocabulary.scheduling import EngineSettings
+
+# The pool resolve() needs for a config; each family sizes its own.
+_ANY_POOL = 64
+
+
+@dataclass(frozen=True)
+class DeploymentRun:
+    """The folder of generated traces, and the lines the report shows."""
+
+    folder: Path
+    lines: list[str]
+
+
+def prepare(args: argparse.Namespace) -> DeploymentRun:
+    """Resolve `args.deployment` and write its families into a folder."""
+    options.check_serving_machine(args)
+    deployment = resolve(
+        serve_args(list(args.deployment)),
+        _ANY_POOL,
+        args.assume_attention_backend,
+        args.assume_checkpoint_alignment,
+    )
+    config = deployment.config
+    if config is None:  # resolve() builds one whenever a pool is given
+        raise InputError(f"--deployment: kvgate needs {deployment.config_missing}")
+    values = deployment.values
+    drafts = int(values["drafts"])
+    lines: list[str] = []
+    for name, why in deployment.unmodelled:
+        lines.append(
+            f"deployment: kvgate cannot model {name} ({why}): the verdict says nothing of it"
+        )
+    if config.async_scheduling and drafts:
+        config = replace(config, async_scheduling=False)
+        lines.append(
+            "deployment: run synchronously: the deployment schedules asynchronously with "
+            f"{drafts} drafts, which kvgate does not model yet"
+        )
+    folder = args.deployment_traces
+    if folder is None:
+        folder = Path(tempfile.mkdtemp(prefix="kvgate-deployment-"))
+        atexit.register(shutil.rmtree, folder, True)
+        kept = "pass --deployment-traces DIR to keep them"
+    else:
+        kept = f"kept in {folder}"
+    model, _ = scheduler_factories("model", None)
+    traces, skipped = generate(
+        config, EngineSettings(spec=drafts, max_num_seqs=int(values["max_num_seqs"])), model, folder
+    )
+    group = config.groups[0].block_size
+    mamba = config.groups[-1].block_size
+    lines.insert(
+        0,
+        f"deployment: {values['model']}: attention block {group}, Mamba block {mamba} "
+        f"({values.get('attention backend', 'no attention layers')}), hash unit "
+        f"{config.hash_unit}, {drafts} drafts (prefill lookahead {values['prefill lookahead']}, "
+        f"hash lookahead {config.hash_lookahead_tokens}), token budget "
+        f"{config.max_num_scheduled_tokens}, max_num_seqs {values['max_num_seqs']}, "
+        f"max_model_len {config.max_model_len}",
+    )
+    lines.insert(
+        1,
+        f"deployment: {len(traces)} traces of {len({t.name.split('.')[0] for t in traces})} "
+        "scenario families generated at that config, their expectations from kvgate's model, "
+        f"each family's pool the smallest its pressure shows in ({kept})",
+    )
+    if config.kv_connector:
+        lines.append(
+            "deployment: the KV connector's paths run in the bundled corpus's connector traces, "
+            "not generated at this config"
+        )
+    lines.extend(f"deployment: {line}" for line in skipped)
+    return DeploymentRun(folder, lines)
