@@ -140,6 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return code
             limits = _limits(args.limit)
             deployment_lines: list[str] = []
+            explored_failure = False
             counts: Callable[[Sequence[Trace]], list[CorpusCount]] | None = None
             if args.command == "replay":
                 traces, invalid = read_traces(args.traces, limits, args.partial)
@@ -151,6 +152,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     deployment = prepare(args)
                     args.corpus = [*(args.corpus or ()), deployment.folder]
                     deployment_lines = deployment.lines
+                    explored_failure = deployment.explored_failure
                 if args.no_bundled and not args.corpus:
                     raise InputError("--no-bundled: name at least one --corpus DIR to run")
                 corpora = read_corpora(args.corpus or (), not args.no_bundled, limits, args.partial)
@@ -173,6 +175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 corpora=counts,
                 defects=known_defects.policy_of(args),
                 notes=deployment_lines,
+                failed_elsewhere=explored_failure,
             )
     except _NothingValid as nothing:
         for error in nothing.invalid:
@@ -370,6 +373,13 @@ def _parser(only: str | None = None) -> argparse.ArgumentParser:
     )
     options.add_serving_machine(gate_cmd)
     gate_cmd.add_argument(
+        "--explore-seed",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --deployment: the seed of the short exploration at the deployment's config",
+    )
+    gate_cmd.add_argument(
         "--deployment",
         nargs=argparse.REMAINDER,
         metavar="SERVE-ARGS",
@@ -430,13 +440,16 @@ def run_traces(
     corpora: Callable[[Sequence[Trace]], list[CorpusCount]] | None = None,
     defects: known_defects.Policy = "skip",
     notes: Sequence[str] = (),
+    failed_elsewhere: bool = False,
 ) -> int:
     """Run `traces` and report each one's verdict, with every `invalid`
     trace's error listed and counted; the exit code (`errors.EXIT_CODES`).
     `corpora` counts the traces of each corpus a gate read, for the header.
     `_NothingValid` when there is nothing to run: only errors to tell.
     `defects`: the known vLLM defects' policy (probed while the traces run);
-    `notes`: lines shown before the verdict (the deployment gated)."""
+    `notes`: lines shown before the verdict (the deployment gated);
+    `failed_elsewhere`: a check besides the traces failed (the exploration
+    at a deployment, which its note names): the gate fails as on a divergence."""
     if not traces and invalid:
         raise _NothingValid(invalid)
     logs = logs or VllmLogs()
@@ -489,6 +502,8 @@ def run_traces(
         notes = [*known_defects.lines(probes, defects), *notes]
         if known_defects.fails(probes, defects):
             code = next(c for c in EXIT_PRECEDENCE if c in (code, EXIT_DIVERGED))
+    if failed_elsewhere:
+        code = next(c for c in EXIT_PRECEDENCE if c in (code, EXIT_DIVERGED))
     report.finish(f"verdict: exit {code}: {dict(EXIT_CODES)[code]}", notes)
 
     if junit_xml is not None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import dataclasses
 import shutil
 import tempfile
 from dataclasses import dataclass, replace
@@ -25,18 +26,62 @@ from kvgate.deployment_command import serve_args
 from kvgate.errors import InputError
 from kvgate.impl.serve_flags import resolve
 from kvgate.targets import scheduler_factories
+from kvgate.vocabulary.config import Config
 from kvgate.vocabulary.scheduling import EngineSettings
 
 # The pool resolve() needs for a config; each family sizes its own.
 _ANY_POOL = 64
 
 
+# The exploration's budget: examples of this many steps each, seeded.
+EXPLORE_EXAMPLES = 12
+EXPLORE_STEPS = 20
+
+
 @dataclass(frozen=True)
 class DeploymentRun:
-    """The folder of generated traces, and the lines the report shows."""
+    """The folder of generated traces, the lines the report shows, and
+    whether the exploration at the deployment failed."""
 
     folder: Path
     lines: list[str]
+    explored_failure: bool = False
+
+
+def explore_at(
+    config: Config, target: str, plugin: str | None, seed: int, folder: Path
+) -> tuple[bool, str]:
+    """A short seeded manager-level exploration at `config` (its pool one a
+    family's pressure shows in), in lockstep with vLLM on `--target vllm`
+    (with the hold overlay under `--plugin` naming it): (failed, its line)."""
+    try:
+        from kvgate.explore import differential, profiles, runner
+    except ImportError:
+        return False, "exploration: not run: it needs Hypothesis (pip install kvgate[explore])"
+    if target == "model":
+        mode = runner.model_mode(hold=False, check_hold_only=False)
+        against = "on the model"
+    elif plugin == options.OVERLAY_PLUGIN:
+        mode = differential.overlay_differential_mode()
+        against = "on the model and vLLM with the hold overlay in lockstep"
+    else:
+        mode = differential.differential_mode()
+        against = "on the model and vLLM in lockstep"
+    mode = dataclasses.replace(mode, config=config, swarm=False)
+    settings = profiles.profile(
+        "dev", max_examples=EXPLORE_EXAMPLES, stateful_step_count=EXPLORE_STEPS
+    )
+    outcome = runner.explore(mode, settings, out=folder / "explored", seed=seed)
+    budget = (
+        f"{EXPLORE_EXAMPLES} examples of up to {EXPLORE_STEPS} steps, seed {seed}, "
+        f"pool {config.num_blocks} blocks, {against}"
+    )
+    if outcome.failure is None:
+        return False, f"exploration: clean at that config ({budget})"
+    saved = f", saved as {outcome.saved}" if outcome.saved is not None else ""
+    return True, (
+        f"exploration: FAILED at that config ({budget}): {outcome.failure.summary()}{saved}"
+    )
 
 
 def prepare(args: argparse.Namespace) -> DeploymentRun:
@@ -98,4 +143,10 @@ def prepare(args: argparse.Namespace) -> DeploymentRun:
             "not generated at this config"
         )
     lines.extend(f"deployment: {line}" for line in skipped)
-    return DeploymentRun(folder, lines)
+    pools = [t.trace.config.num_blocks for t in traces if "next-turn" in t.name]
+    explored = replace(config, num_blocks=pools[0] if pools else _ANY_POOL, hold=False)
+    failed, line = explore_at(
+        explored, args.target, options.plugin_of(args), args.explore_seed, folder
+    )
+    lines.append(f"deployment: {line}")
+    return DeploymentRun(folder, lines, failed)

@@ -102,9 +102,12 @@ def test_the_deployment_gate_runs_its_families_on_vllms_scheduler(
         assert config["max_num_scheduled_tokens"] == resolved.max_num_scheduled_tokens
         # The worker's served blocks (a Mamba page of the real shapes over
         # four GPUs raises the 64-token block), not the asked 64 and 256.
-        assert config["scheduler_block_size"] == resolved.scheduler_block_size == 576
+        assert config["scheduler_block_size"] == resolved.scheduler_block_size == 320
         assert "async_scheduling" not in config  # run synchronously, and said so
     assert "run synchronously" in out and "3 drafts" in out
+    # The short seeded exploration at the deployment's config, in lockstep.
+    assert "deployment: exploration: clean at that config" in out
+    assert "on the model and vLLM in lockstep" in out
     # Upstream lacks the hold; the hold arm of the next turn after a burst
     # asks for it, and the gate's default requires it: exit 4.
     assert verdicts["deploy-next-turn-after-burst.hold-on"] == "LACKS"

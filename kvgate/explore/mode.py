@@ -59,6 +59,9 @@ class Mode:
     retain_retired: bool = False  # the production fork's retention of retired states
     # Config features fixed for every example (a campaign's stratum).
     stratum: Stratum = field(default_factory=dict)
+    # One config for every example instead of drawn ones: a deployment's
+    # (`kvgate gate --deployment`); the rules size their prompts in its blocks.
+    config: Config | None = None
     # Swarm testing of config features: each example varies a random subset
     # of the knobs (Hypothesis already enables a random subset of the rules
     # per example: its stateful rule strategy draws feature flags).

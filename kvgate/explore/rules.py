@@ -185,7 +185,11 @@ class BasicRules(RuleBasedStateMachine):
     @initialize(data=st.data())
     def start(self, data: st.DataObject) -> None:
         mode = self.mode
-        drawn = configs(mode.stratum, mode.swarm, mode.refusals)
+        drawn = (
+            configs(mode.stratum, mode.swarm, mode.refusals)
+            if mode.config is None
+            else st.just(mode.config)
+        )
         config = mode.apply(data.draw(drawn, label="config"))
         inputs = data.draw(st.sampled_from(MODES), label="hash inputs")
         self._hash = RequestInputs(inputs, mode.stats.ops, config.hash_unit)

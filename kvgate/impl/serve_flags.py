@@ -11,7 +11,10 @@ hybrid's worker serves are computed as that worker does
 machine's platform is set aside: vLLM's CPU platform turns async scheduling
 off (it gains nothing there), and a GPU engine does not, so the value vLLM
 resolved before the platform's say is the one kept and everything derived
-after it sees that value, as on the serving machine.
+after it sees that value, as on the serving machine. Likewise the SSM
+state's dtype, which the CPU platform stores in float32 for its GDN
+kernels: kept as a GPU resolves it, unless the served blocks are asked for
+vLLM's CPU backend.
 
 `resolve` returns every resolved setting with the vLLM setting it came
 from, the settings kvgate cannot model, and a kvgate trace `Config` when
@@ -115,20 +118,25 @@ def _parse(argv: Sequence[str]) -> Any:
 
 @contextlib.contextmanager
 def _gpu_async_decision(seen: dict[str, Any]) -> Iterator[None]:
-    """vLLM's CPU platform's override of async scheduling set aside while
-    the engine config resolves: what vLLM decided before the platform's say
-    stays (a GPU engine keeps it), and `seen["platform"]` records what the
-    platform would have set."""
+    """vLLM's CPU platform's overrides of async scheduling and of the SSM
+    state's dtype (float32 for its GDN kernels) set aside while the engine
+    config resolves: what vLLM decided before the platform's say stays (a
+    GPU engine keeps it), and `seen["platform"]` and `seen["cpu_ssm_dtype"]`
+    record what the platform would have set."""
     from vllm.platforms import current_platform
 
     original = current_platform.check_and_update_config
 
     def check_and_update_config(vllm_config: Any) -> None:
         scheduler = vllm_config.scheduler_config
+        cache = vllm_config.cache_config
         before = scheduler.async_scheduling
+        ssm_dtype = cache.mamba_ssm_cache_dtype
         original(vllm_config)
         seen["platform"] = scheduler.async_scheduling
+        seen["cpu_ssm_dtype"] = cache.mamba_ssm_cache_dtype
         scheduler.async_scheduling = before
+        cache.mamba_ssm_cache_dtype = ssm_dtype
 
     current_platform.check_and_update_config = check_and_update_config
     try:
@@ -239,7 +247,9 @@ def resolve(
     attention_source = "--block-size (CacheConfig.block_size)"
     mamba_source = "--mamba-block-size (CacheConfig.mamba_block_size)"
     if has_attention and has_mamba:
-        served = served_blocks(vllm_config, assumed_backend, checkpoint_alignment)
+        served = served_blocks(
+            vllm_config, assumed_backend, checkpoint_alignment, seen.get("cpu_ssm_dtype")
+        )
         out.served = served
         out.add("attention backend", served.backend, served.backend_source)
         attention_block, mamba_block = served.attention_block, served.mamba_block

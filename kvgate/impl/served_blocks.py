@@ -173,11 +173,14 @@ def served_blocks(
     vllm_config: Any,
     assumed_backend: str | None = None,
     checkpoint_alignment: int | None = None,
+    cpu_ssm_dtype: str | None = None,
 ) -> ServedBlocks:
     """The attention and Mamba blocks the serving worker runs a hybrid
     model's resolved `vllm_config` with. The backend is the command line's
     `--attention-backend`, else `assumed_backend`, else FlashAttention on a
-    CUDA GPU; `checkpoint_alignment` is the Mamba layers' (None: none)."""
+    CUDA GPU; `checkpoint_alignment` is the Mamba layers' (None: none);
+    `cpu_ssm_dtype` the SSM state dtype vLLM's CPU platform sets, which a
+    worker on the CPU backend stores its states in."""
     chosen = vllm_config.attention_config.backend
     if chosen is not None:
         name, source = str(chosen.name), "--attention-backend"
@@ -202,10 +205,12 @@ def served_blocks(
     # vLLM's update edits the cache config in place: it runs on a copy.
     served = copy.copy(vllm_config)
     served.cache_config = copy.copy(cache)
+    if name == CPU_BACKEND and cpu_ssm_dtype is not None:
+        served.cache_config.mamba_ssm_cache_dtype = cpu_ssm_dtype
     try:
         with _checkpoint_alignment(checkpoint_alignment):
             _platform(name, backend).update_block_size_for_backend(served)
-        mamba_page, per_token = _pages(vllm_config, backend)
+        mamba_page, per_token = _pages(served, backend)
         kernel = _kernel_block(vllm_config, backend)
     except InputError:
         raise
