@@ -372,12 +372,8 @@ def _parser(only: str | None = None) -> argparse.ArgumentParser:
         "them (default: a temporary folder, removed at exit)",
     )
     options.add_serving_machine(gate_cmd)
-    gate_cmd.add_argument(
-        "--explore-seed",
-        type=int,
-        default=0,
-        metavar="N",
-        help="with --deployment: the seed of the short exploration at the deployment's config",
+    options.add_seed(
+        gate_cmd, 0, "with --deployment: the exploration at the deployment's config draws from N"
     )
     gate_cmd.add_argument(
         "--deployment",

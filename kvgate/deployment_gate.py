@@ -146,7 +146,7 @@ def prepare(args: argparse.Namespace) -> DeploymentRun:
     pools = [t.trace.config.num_blocks for t in traces if "next-turn" in t.name]
     explored = replace(config, num_blocks=pools[0] if pools else _ANY_POOL, hold=False)
     failed, line = explore_at(
-        explored, args.target, options.plugin_of(args), args.explore_seed, folder
+        explored, args.target, options.plugin_of(args), args.seed, folder
     )
     lines.append(f"deployment: {line}")
     return DeploymentRun(folder, lines, failed)
