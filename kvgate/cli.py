@@ -32,7 +32,7 @@ import importlib
 import importlib.metadata
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn, cast
 
@@ -141,6 +141,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             limits = _limits(args.limit)
             deployment_lines: list[str] = []
             explored_failure = False
+            measured_costs: dict[str, str] = {}
             counts: Callable[[Sequence[Trace]], list[CorpusCount]] | None = None
             if args.command == "replay":
                 traces, invalid = read_traces(args.traces, limits, args.partial)
@@ -153,6 +154,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     args.corpus = [*(args.corpus or ()), deployment.folder]
                     deployment_lines = deployment.lines
                     explored_failure = deployment.explored_failure
+                    measured_costs = deployment.costs
                 if args.no_bundled and not args.corpus:
                     raise InputError("--no-bundled: name at least one --corpus DIR to run")
                 corpora = read_corpora(args.corpus or (), not args.no_bundled, limits, args.partial)
@@ -176,6 +178,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 defects=known_defects.policy_of(args),
                 notes=deployment_lines,
                 failed_elsewhere=explored_failure,
+                measured_costs=measured_costs,
             )
     except _NothingValid as nothing:
         for error in nothing.invalid:
@@ -437,6 +440,7 @@ def run_traces(
     defects: known_defects.Policy = "skip",
     notes: Sequence[str] = (),
     failed_elsewhere: bool = False,
+    measured_costs: Mapping[str, str] | None = None,
 ) -> int:
     """Run `traces` and report each one's verdict, with every `invalid`
     trace's error listed and counted; the exit code (`errors.EXIT_CODES`).
@@ -445,14 +449,21 @@ def run_traces(
     `defects`: the known vLLM defects' policy (probed while the traces run);
     `notes`: lines shown before the verdict (the deployment gated);
     `failed_elsewhere`: a check besides the traces failed (the exploration
-    at a deployment, which its note names): the gate fails as on a divergence."""
+    at a deployment, which its note names): the gate fails as on a divergence;
+    `measured_costs`: what lacking each capability costs at that deployment."""
     if not traces and invalid:
         raise _NothingValid(invalid)
     logs = logs or VllmLogs()
     factory, model = gate_factories(target_name, plugin)
     probe = known_defects.start(defects, target_name) if traces else None
 
-    report = TerminalReport(sys.stdout, required, explain_lacking, quiet=logs.verbosity <= QUIET)
+    report = TerminalReport(
+        sys.stdout,
+        required,
+        explain_lacking,
+        quiet=logs.verbosity <= QUIET,
+        measured_costs=measured_costs,
+    )
     if traces:
         report.target(_header_capabilities(factory, traces), target_name)
         scheduler_level = sum(trace.scheduler_level for trace in traces)

@@ -14,11 +14,8 @@ import yaml
 from kvgate import options
 from kvgate.conformance.writer import config_dict
 from kvgate.errors import EXIT_OK, InputError, printable
-from kvgate.impl.serve_flags import Deployment, resolve
+from kvgate.impl.serve_flags import Deployment, resolve, serve_args
 from kvgate.output import QUIET
-
-# Words a command line copied whole starts with; dropped before parsing.
-_SERVE_PREFIX = ("vllm", "serve")
 
 
 def register(subparsers: Any) -> None:
@@ -52,19 +49,6 @@ def register(subparsers: Any) -> None:
         help="the vllm serve command line: MODEL-DIR [FLAG...] (a leading 'vllm serve' is dropped)",
     )
     cmd.set_defaults(handler=run)
-
-
-def serve_args(words: list[str]) -> list[str]:
-    """The serve command line without a leading `--`, `vllm` or `serve`."""
-    rest = list(words)
-    if rest[:1] == ["--"]:
-        rest = rest[1:]
-    for word in _SERVE_PREFIX:
-        if rest[:1] == [word]:
-            rest = rest[1:]
-    if not rest:
-        raise InputError("deployment: no serve command line given (MODEL-DIR [FLAG...])")
-    return rest
 
 
 def run(args: argparse.Namespace) -> int:

@@ -21,10 +21,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kvgate import options
-from kvgate.conformance.deployment_families import generate
-from kvgate.deployment_command import serve_args
+from kvgate.conformance.deployment_families import FamilyTrace, generate
+from kvgate.conformance.trace import Trace
 from kvgate.errors import InputError
-from kvgate.impl.serve_flags import resolve
+from kvgate.impl.serve_flags import resolve, serve_args
 from kvgate.targets import scheduler_factories
 from kvgate.vocabulary.config import Config
 from kvgate.vocabulary.scheduling import EngineSettings
@@ -46,6 +46,47 @@ class DeploymentRun:
     folder: Path
     lines: list[str]
     explored_failure: bool = False
+    # Capability name -> what lacking it costs at the deployment.
+    costs: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
+def _cached(trace: Trace) -> dict[str, int]:
+    """Each request's cached tokens at its first prefill, as the trace expects."""
+    found: dict[str, int] = {}
+    for entry in trace.engine:
+        for req, tokens in entry.expect.get("cached_tokens", {}).items():
+            found.setdefault(req, int(tokens))
+    return found
+
+
+def hold_cost(traces: list[FamilyTrace]) -> str | None:
+    """What the hold saves at the deployment: over the families generated in
+    both hold arms, the lookups that miss their cached prefix entirely
+    without it and the cached tokens computed again, as the model expects
+    them in the two arms (None when the hold changes no hit there)."""
+    arms = {t.name: t.trace for t in traces}
+    misses = tokens = 0
+    families: list[str] = []
+    for name, on in arms.items():
+        if not name.endswith(".hold-on"):
+            continue
+        off = arms.get(name.removesuffix(".hold-on") + ".hold-off")
+        if off is None:
+            continue
+        with_hold, without = _cached(on), _cached(off)
+        lost = {r: with_hold[r] - without.get(r, 0) for r in with_hold}
+        lost = {r: n for r, n in lost.items() if n > 0}
+        if lost:
+            families.append(name.removeprefix("deploy-").removesuffix(".hold-on"))
+        misses += sum(1 for r in lost if without.get(r, 0) == 0)
+        tokens += sum(lost.values())
+    if not families:
+        return None
+    return (
+        f"at the deployment: {misses} lookups miss their cached prefix entirely without it "
+        f"({tokens} cached tokens to compute again) in the families generated at its config "
+        f"({', '.join(families)}), as the model expects them in their two hold arms"
+    )
 
 
 def explore_at(
@@ -145,8 +186,7 @@ def prepare(args: argparse.Namespace) -> DeploymentRun:
     lines.extend(f"deployment: {line}" for line in skipped)
     pools = [t.trace.config.num_blocks for t in traces if "next-turn" in t.name]
     explored = replace(config, num_blocks=pools[0] if pools else _ANY_POOL, hold=False)
-    failed, line = explore_at(
-        explored, args.target, options.plugin_of(args), args.seed, folder
-    )
+    failed, line = explore_at(explored, args.target, options.plugin_of(args), args.seed, folder)
     lines.append(f"deployment: {line}")
-    return DeploymentRun(folder, lines, failed)
+    cost = hold_cost(traces)
+    return DeploymentRun(folder, lines, failed, {"hold": cost} if cost else {})

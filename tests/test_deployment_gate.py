@@ -1,8 +1,9 @@
-"""`kvgate gate --deployment`: the scenario families generated at the
-config a serve command line resolves to (Qwen3-Next's
-shapes over four GPUs, three MTP drafts, prefix caching in align mode, unit
+"""`kvgate gate --deployment` and `kvgate workload --deployment`: the
+scenario families generated at the config a serve command line resolves to
+(Qwen3-Next's shapes over four GPUs, three MTP drafts, prefix caching in align mode, unit
 64, eight sequences)
-run in strict lockstep on vLLM's real Scheduler, with one verdict."""
+run in strict lockstep on vLLM's real Scheduler, with one verdict; the
+workload measured at that deployment's pool."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def qwen3_next_dir() -> Path:
 
     folder = Path(tempfile.mkdtemp(prefix="kvgate-qwen3-next-"))
     atexit.register(shutil.rmtree, folder, True)
-    config = Qwen3NextConfig(architectures=["Qwen3NextForCausalLM"])
+    config = Qwen3NextConfig(architectures=["Qwen3NextForCausalLM"], max_position_embeddings=262144)
     config.num_nextn_predict_layers = 1
     config.save_pretrained(folder)
     return folder
@@ -58,7 +59,7 @@ def serve_line() -> list[str]:
         "--max-num-seqs",
         "8",
         "--max-model-len",
-        "4096",
+        "131072",
         "--speculative-config",
         MTP,
     ]
@@ -113,6 +114,9 @@ def test_the_deployment_gate_runs_its_families_on_vllms_scheduler(
     assert verdicts["deploy-next-turn-after-burst.hold-on"] == "LACKS"
     assert verdicts["deploy-next-turn-after-burst.hold-off"] == "PASS"
     assert code == EXIT_LACKS_REQUIRED
+    # The hold's cost, measured at the deployment, on the lacks line.
+    lacks = next(line for line in out.splitlines() if line.startswith("lacks hold: "))
+    assert "; at the deployment: " in lacks and "(next-turn-after-burst" in lacks
     assert f"verdict: exit {EXIT_LACKS_REQUIRED}" in out
 
 
@@ -150,3 +154,26 @@ def test_a_bad_serve_line_is_one_line(capsys: pytest.CaptureFixture[str], tmp_pa
     assert cli.main(["gate", "--deployment", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "not a local directory holding config.json" in err and "Traceback" not in err
+
+
+def test_the_workload_at_the_deployment(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """`kvgate workload --deployment` sizes the pool from the deployment's own
+    GPUs, utilization, layers and pages (the memory no flag says from its
+    options) and measures at its served block and hash unit."""
+    argv = ["workload", "--target", "model", "--scale", "16", "--sessions", "2"]
+    argv += ["--turns", "3", "--out", str(tmp_path), "--gpu-memory-gib", "80", "-q"]
+    assert cli.main([*argv, "--deployment", *serve_line()]) == 0
+    out = capsys.readouterr().out
+    assert "served: " in out and "80 GiB a GPU (--gpu-memory-gib)" in out
+    assert "deployment: 4x80 GiB, utilization 0.92" in out
+    assert "lookahead hashes 1" in out and "max 8 seqs" in out
+    # The served block (320 tokens) and hash unit (64), divided by --scale.
+    traces = sorted(tmp_path.glob("*.yaml"))
+    assert traces
+    for path in traces:
+        config = yaml.safe_load(path.read_text())["config"]
+        assert config["hash_unit"] == 64 // 16
+        assert [g["block_size"] for g in config["groups"]] == [320 // 16, 320 // 16]
+    pool = next(line for line in out.splitlines() if line.startswith("pool: "))
+    assert pool.endswith("at unit 4") or " blocks at unit 4;" in pool
+    assert any(line.split()[:2] == ["4", "off"] for line in out.splitlines())

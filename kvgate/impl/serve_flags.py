@@ -37,7 +37,10 @@ from kvgate.impl.vllm_errors import describe
 from kvgate.model.scope import check_modelled
 from kvgate.vocabulary.config import Config, GroupConfig, UnsupportedConfig
 
-__all__ = ["Deployment", "Setting", "resolve"]
+__all__ = ["Deployment", "Setting", "resolve", "serve_args"]
+
+# Words a command line copied whole starts with; dropped before parsing.
+_SERVE_PREFIX = ("vllm", "serve")
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,19 @@ class Deployment:
         self.values[name] = value
         shown = value if isinstance(value, str) else json.dumps(value)
         self.settings.append(Setting(name, shown, source))
+
+
+def serve_args(words: list[str]) -> list[str]:
+    """The serve command line without a leading `--`, `vllm` or `serve`."""
+    rest = list(words)
+    if rest[:1] == ["--"]:
+        rest = rest[1:]
+    for word in _SERVE_PREFIX:
+        if rest[:1] == [word]:
+            rest = rest[1:]
+    if not rest:
+        raise InputError("deployment: no serve command line given (MODEL-DIR [FLAG...])")
+    return rest
 
 
 def model_path(argv: Sequence[str]) -> Path:
@@ -354,6 +370,22 @@ def resolve(
         "after the draft slots' share)",
     )
     out.add("max_num_seqs", int(scheduler.max_num_seqs), "--max-num-seqs")
+    parallel = vllm_config.parallel_config
+    out.add("GPUs", int(parallel.tensor_parallel_size), "--tensor-parallel-size")
+    out.add(
+        "GPU memory utilization",
+        float(cache.gpu_memory_utilization),
+        "--gpu-memory-utilization (CacheConfig.gpu_memory_utilization)",
+    )
+    layers = int(model.get_num_layers(parallel))
+    attention_layers = int(model.get_num_layers_by_block_type(parallel, "attention"))
+    out.values["attention layers"] = attention_layers
+    out.values["mamba layers"] = layers - attention_layers if has_mamba else 0
+    out.add(
+        "layers",
+        f"{layers}: {attention_layers} attention, {out.values['mamba layers']} Mamba",
+        "the model's config.json (ModelConfig.get_num_layers_by_block_type)",
+    )
     out.add("max_model_len", int(model.max_model_len), "--max-model-len (else the model's config)")
     transfer = vllm_config.kv_transfer_config
     connector = "none" if transfer is None else (f"{transfer.kv_connector} ({transfer.kv_role})")
