@@ -205,7 +205,10 @@ class Deployment:
                 GroupConfig("mamba_align", block, speculative_blocks=self.spec_tokens),
             ),
             eagle=self.eagle,
-            hash_lookahead_tokens=self.hash_lookahead_tokens if self.eagle else 0,
+            # vLLM hashes ahead only with prefix caching.
+            hash_lookahead_tokens=(
+                self.hash_lookahead_tokens if self.eagle and self.prefix_caching else 0
+            ),
             retention_interval=self.retention_interval,
             hold=hold,
             # The fork's retention, like the hold, acts only with prefix caching.
