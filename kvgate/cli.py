@@ -42,6 +42,7 @@ from kvgate.conformance.corpora import CorpusCount, read_corpora
 from kvgate.conformance.limits import DEFAULT_LIMITS, Limits
 from kvgate.conformance.replay import (
     LEVELS,
+    WHOLE_VIEW_EVERY,
     Level,
     Outcome,
     TargetFactory,
@@ -179,6 +180,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 notes=deployment_lines,
                 failed_elsewhere=explored_failure,
                 measured_costs=measured_costs,
+                whole_view_every=args.whole_view_every,
             )
     except _NothingValid as nothing:
         for error in nothing.invalid:
@@ -213,6 +215,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return EXIT_KVGATE_BUG
+
+
+def _at_least_one(text: str) -> int:
+    """A count of steps, 1 or more (argparse turns the error into its one line)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
 
 
 def _limits(assignments: Sequence[str] | None) -> Limits:
@@ -412,6 +425,16 @@ def _parser(only: str | None = None) -> argparse.ArgumentParser:
             + ", ".join(Limits.names()),
         )
         options.add_partial(command)
+        command.add_argument(
+            "--whole-view-every",
+            type=_at_least_one,
+            default=WHOLE_VIEW_EVERY,
+            metavar="N",
+            help="at level strict, compare the whole manager state every N steps and after the "
+            "last; each step in between compares the blocks and requests it changed, and a "
+            "difference found by the whole comparison names the steps since the last one "
+            "(1: the whole state after every step)",
+        )
     for name in COMMAND_MODULES:
         if only is None or name == only:
             _register(commands, name, run=name == only)
@@ -441,6 +464,7 @@ def run_traces(
     notes: Sequence[str] = (),
     failed_elsewhere: bool = False,
     measured_costs: Mapping[str, str] | None = None,
+    whole_view_every: int = WHOLE_VIEW_EVERY,
 ) -> int:
     """Run `traces` and report each one's verdict, with every `invalid`
     trace's error listed and counted; the exit code (`errors.EXIT_CODES`).
@@ -486,7 +510,9 @@ def run_traces(
                 result = run_scheduler_trace(trace, *engine, level)
             else:
                 is_model = target_name == LOCKSTEP_MODEL
-                result = run_trace(trace, factory, model, level, is_model, excluded)
+                result = run_trace(
+                    trace, factory, model, level, is_model, excluded, whole_view_every
+                )
         report.exclusions(trace.name, excluded)
         if isinstance(result, TraceRunError) and not result.config_refused:
             kind = "internal error" if result.bug else "error"
