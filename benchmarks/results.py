@@ -139,7 +139,7 @@ def mask_benchmarks(text: str) -> str:
     return "\n".join(lines)
 
 
-SECTIONS = (
+SECTIONS: tuple[Section, ...] = (
     Section(
         "gate",
         "The gate on the bundled corpus",
@@ -247,6 +247,53 @@ SECTIONS = (
         "out here; `scripts/vllm-matrix.sh` runs them by default.",
     ),
 )
+
+
+# -- the scale section --------------------------------------------------------
+# Its own block: `benchmarks/scale.py` writes its numbers and plot beside the
+# page, and the section shows its output with the plot under it.
+
+SCALE_JSON = "docs/results/scale.json"
+SCALE_PLOT = "docs/results/scale.png"
+
+
+def render_scale(outputs: list[str]) -> str:
+    plot = Path(ROOT / SCALE_PLOT)
+    image = f"\n![Time and peak memory against history and pool]({SCALE_PLOT[5:]})\n"
+    return render_whole(outputs) + (image if plot.exists() else "")
+
+
+def mask_scale(text: str) -> str:
+    """Every number of a timing, memory or ratio line masked: the counts of
+    blocks and steps stay."""
+    lines = []
+    for line in mask_seconds(text).splitlines():
+        if line.startswith("ratio "):
+            line = re.sub(r": .*$", ": #", line)
+        elif re.match(r"^\s+(full|history|pool)\s", line):
+            line = re.sub(r"\S+ MB .*$", "# MB # s # MiB", line)
+        lines.append(line)
+    return "\n".join(lines)
+
+
+SCALE_SECTION = Section(
+    "scale",
+    "Replay at production scale",
+    "about 20 minutes",
+    (f"{PY} benchmarks/scale.py --full-scale --scale 64 --json {SCALE_JSON} --plot {SCALE_PLOT}",),
+    render_scale,
+    "The production workload's traces replayed by `kvgate replay`, each run a process of "
+    "its own (its time includes importing vLLM and reading the trace; its peak memory is "
+    "the process's maximum resident set): the full-scale trace on the model alone and on "
+    "vLLM in lockstep with the model at levels api and strict; the workload's day repeated "
+    "into a longer history at level strict (read entry by entry); and the pool's size "
+    "from the coarsest hash unit to the finest. The numbers are also in "
+    "`docs/results/scale.json`.",
+    stable=mask_scale,
+)
+
+
+SECTIONS = (*SECTIONS, SCALE_SECTION)
 
 
 def machine() -> str:

@@ -66,6 +66,12 @@ SMOKE: dict[str, tuple[list[str], str, bool]] = {
     # It regenerates the docs' results page from the commands (minutes):
     # the smoke run lists its sections.
     "results.py": (["--list"], "benchmarks   Benchmark ratios (about ", False),
+    "scale.py": (
+        ["--scale", "64", "--lengths", "1,2", "--units", "4096", "--history-unit", "4096"]
+        + ["--model-only", "--out", "{corpus}/scale", "--plot", "{corpus}/scale.png"],
+        "ratio history: x2 / x1 (peak memory): ",
+        False,
+    ),
     "workload.py": (
         ["--scale", "64", "--units", "4096", "--sessions", "1", "--turns", "2"],
         "ratio ",
