@@ -57,6 +57,7 @@ from kvgate.conformance.selection import (
     SelectionError,
     describe,
 )
+from kvgate.conformance.stream import read_streamed
 from kvgate.conformance.trace import (
     Trace,
     TraceError,
@@ -144,7 +145,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             explored_failure = False
             measured_costs: dict[str, str] = {}
             counts: Callable[[Sequence[Trace]], list[CorpusCount]] | None = None
-            if args.command == "replay":
+            if args.command == "replay" and args.stream:
+                traces, invalid = read_streamed(args.traces, limits)
+            elif args.command == "replay":
                 traces, invalid = read_traces(args.traces, limits, args.partial)
             else:
                 if args.deployment is not None:
@@ -323,6 +326,13 @@ def _parser(only: str | None = None) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     replay_cmd.add_argument("traces", nargs="+", type=Path, metavar="TRACE")
+    replay_cmd.add_argument(
+        "--stream",
+        action="store_true",
+        help="read each manager-level trace written one step a line entry by entry: "
+        "validated whole first, then read again as it replays, holding only what a later "
+        "step needs (for histories too long to hold; other traces are read whole)",
+    )
     options.add_target(replay_cmd, sorted(TARGETS), "vllm", TARGET_HELP)
 
     gate_cmd = commands.add_parser(

@@ -278,13 +278,22 @@ class _Lockstep:
         )
 
     def all_steps(self) -> None:
-        for step in self.trace.primitives:
+        stream = self.trace.stream
+        steps = self.trace.primitives if stream is None else stream.primitives(self.forget)
+        for step in steps:
             if step.op == "prefill":
                 self.prefill(step)
             elif step.op == "check":
                 self.check(step)
             else:
                 self.primitive(step)
+
+    def forget(self, names: list[str]) -> None:
+        """Both sides may drop these ended requests: no later step names them."""
+        for side in (self.model, self.target):
+            forget = getattr(side, "forget", None)
+            if forget is not None:
+                forget(names)
 
     def diverged(
         self,

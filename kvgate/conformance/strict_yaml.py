@@ -127,6 +127,29 @@ def _load_with_libyaml(text: str) -> list[object] | None:
         return None
 
 
+def load_flow_entry(text: str) -> object:
+    """One flow mapping line (`{...}`) as `load_flow_body` reads a body's
+    line, or by the strict YAML loader; `ValueError` naming what does not
+    parse."""
+    line = text.rstrip("\n")
+    if _PLAIN_LINE.fullmatch(line) and not _NOT_JSON.search(line):
+        parts = _WORD.split(line)
+        if _YAML_WORDS.isdisjoint(parts[1::2]):
+            quoted = '"'.join(parts)
+            for word in _JSON_WORDS:
+                quoted = quoted.replace(f'"{word}"', word)
+            try:
+                return json.loads(quoted, object_pairs_hook=_unique_keys)
+            except (_NotFlow, ValueError, RecursionError):
+                pass
+    try:
+        return load_flow_line(line)
+    except yaml.MarkedYAMLError as error:
+        raise ValueError(str(error.problem or error)) from None
+    except yaml.YAMLError as error:
+        raise ValueError(str(error)) from None
+
+
 def load_flow_line(text: str) -> object:
     """One line of YAML (a recording's entry line) read by the strict loader;
     raises `yaml.YAMLError` when it does not parse."""
@@ -146,6 +169,7 @@ def load_flow_line(text: str) -> object:
 # the YAML loader's.
 
 _BODY_KEYS = ("steps", "engine")
+_PLAIN_LINE = re.compile(r"\{[\[\]{}:, A-Za-z0-9_-]*\}")
 # Lines of the body: `  - {...}` of bare words, integers and punctuation.
 _FLOW_LINES = re.compile(r"(?:  - \{[\[\]{}:, A-Za-z0-9_-]*\}\n)+")
 # A bare word, captured: splitting on it alternates between the text around

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -109,6 +109,10 @@ class Trace:
     # A recording: the device its engine ran on (`recording.device`); empty
     # when the recording does not say, or for a trace written by hand.
     device: str = ""
+    # A trace read entry by entry (`conformance.stream.StepStream`): its
+    # steps are read from its file as they run; `steps` and `primitives`
+    # are then empty.
+    stream: Any = field(default=None, compare=False)
 
     @property
     def scheduler_level(self) -> bool:

@@ -283,6 +283,9 @@ class VllmTarget(OpDriver[Any]):
     def snapshot(self) -> Snapshot:
         return self._view.snapshot(self.popped)
 
+    def forgotten(self, name: str) -> None:
+        self._view.forget(name)
+
     def take_changed_blocks(self) -> set[int]:
         return self._view.take_changed_blocks()
 

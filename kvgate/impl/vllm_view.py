@@ -97,6 +97,7 @@ class ManagerView:
         # The same index by the 64-bit ints KV-cache events carry.
         self._key_of_int: dict[int, str] = {}
         self._last_views: _Views | None = None
+        self._forgotten = 0
         # The strict view's exclusions that hid something here (the raw
         # state differed from the view): what the gate names as differences.
         self.exclusions_applied: set[str] = set()
@@ -137,6 +138,32 @@ class ManagerView:
     def touched(self, name: str) -> None:
         """`name`'s tokens may have grown: re-index it at the next snapshot."""
         self._dirty.add(name)
+
+    def forget(self, name: str) -> None:
+        """Stop tracking `name` (ended, named by no later step); now and then
+        the hash index keeps only what the pool and the tracked requests
+        still hold, so it follows them rather than the history's length."""
+        if self._keys.pop(name, None) is None:
+            return
+        self._dirty.discard(name)
+        self._forgotten += 1
+        # KV-cache events name hashes of blocks already evicted: kept whole.
+        if self._forgotten % 64 == 0 and not getattr(self._pool, "enable_kv_cache_events", True):
+            self._prune_index()
+
+    def _prune_index(self) -> None:
+        get_hash = self._api.get_block_hash
+        held: set[bytes] = set()
+        for block in self._pool.blocks:
+            if block.block_hash is not None:
+                held.add(bytes(get_hash(block.block_hash)))
+        for hashes in self._pool.cached_block_hashes_by_block.values():
+            held.update(bytes(get_hash(h)) for h in hashes)
+        for entry in self._keys.values():
+            held.update(bytes(h) for h in entry.request.block_hashes[: entry.mapped])
+        self._key_of = {h: k for h, k in self._key_of.items() if h in held}
+        self._key_of_int = {}
+        self._names = {}
 
     def index_now(self, name: str) -> None:
         """Index `name`'s hashes now, from its tokens as they are (before a

@@ -96,8 +96,8 @@ class WatchedTarget:
         self.inner.close()
 
     def __getattr__(self, name: str) -> Any:
-        # The inner target's step views, when it has them.
-        if name in ("take_changed_blocks", "step_view"):
+        # The inner target's step views and `forget`, when it has them.
+        if name in ("take_changed_blocks", "step_view", "forget"):
             return getattr(self.inner, name)
         raise AttributeError(name)
 
