@@ -17,8 +17,8 @@ on a loaded machine. The traces are the production workload's
   model's.
 - `history`: the workload divided by K (`--scale`), its day repeated N times
   for each N of `--lengths` (each day's requests renamed, so a day's
-  prompts are its own), replayed on vLLM at level strict: time and peak
-  memory against the 1x run's.
+  prompts are its own), replayed on vLLM at level strict, read entry by
+  entry (`--stream`): time and peak memory against the 1x run's.
 - `pool`: the 1x day at each hash unit of `--units` (a finer unit, a larger
   pool), on the model and on vLLM at api and strict.
 
@@ -108,10 +108,12 @@ def blocks_of(trace: Path) -> int:
     raise SystemExit(f"{trace}: no num_blocks")
 
 
-def replay_child(trace: Path, target: str, level: str) -> tuple[float, float]:
+def replay_child(
+    trace: Path, target: str, level: str, extra: Sequence[str] = ()
+) -> tuple[float, float]:
     """`kvgate replay` in a child process: (wall seconds, peak RSS in MiB)."""
     command = [PY, "-m", "kvgate", "replay", "--target", target, "--level", level]
-    command += ["--require", "none", "-q", str(trace)]
+    command += ["--require", "none", "-q", *extra, str(trace)]
     started = time.perf_counter()
     child = subprocess.Popen(
         command, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
@@ -296,7 +298,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     day = workload_trace(args.out / f"div{args.scale}", args.scale, base_unit)
     for length in lengths:
         trace = repeated(day, length, args.out / f"div{args.scale}")
-        runs.append(measure("history", trace, *history, length, base_unit))
+        # Read entry by entry; the file is as long as the history.
+        streamed = ["--stream", "--limit", f"file_bytes={trace.stat().st_size}"]
+        runs.append(measure("history", trace, *history, length, base_unit, streamed))
     for unit in units:
         trace = workload_trace(args.out / f"div{args.scale}", args.scale, unit)
         for target, level in kinds:
