@@ -130,8 +130,16 @@ def replay_child(
     return seconds, usage.ru_maxrss / 1024
 
 
-def measure(part: str, trace: Path, target: str, level: str, length: int, unit: int) -> Run:
-    seconds, peak = replay_child(trace, target, level)
+def measure(
+    part: str,
+    trace: Path,
+    target: str,
+    level: str,
+    length: int,
+    unit: int,
+    extra: Sequence[str] = (),
+) -> Run:
+    seconds, peak = replay_child(trace, target, level, extra)
     run = Run(
         part,
         target,
