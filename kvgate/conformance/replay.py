@@ -47,7 +47,7 @@ LEVELS: tuple[Level, ...] = ("api", "strict")
 # At level strict, how many primitive steps apart the whole views are
 # compared (and always after the last step); in between, each step compares
 # the view of what it touched, when both sides can show one (`StepView`).
-WHOLE_VIEW_EVERY = 256
+WHOLE_VIEW_EVERY = 1000
 # Where a divergence was seen: against the trace's own values, or the model's.
 DivergenceLevel = Literal["expect", "api", "strict"]
 
