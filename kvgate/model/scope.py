@@ -23,6 +23,7 @@ from kvgate.vocabulary.config import (
     MAMBA_CACHE_MODES,
     MODEL_RUNNERS,
     SCHEDULING_POLICIES,
+    VLLM_DEFECT_ARMS,
     Config,
     NotModelled,
     RefusedByVllm,
@@ -123,6 +124,11 @@ def check_modelled(config: Config) -> None:
             raise NotModelled(
                 field, f"{value!r} is not one of {', '.join(values)} (vLLM 0.33.0's {what})"
             )
+    if config.vllm_defects not in VLLM_DEFECT_ARMS:
+        raise NotModelled(
+            "vllm_defects",
+            f"{config.vllm_defects!r} is not one of {', '.join(VLLM_DEFECT_ARMS)}",
+        )
     if config.prefill_schedule_interval < 1:
         raise NotModelled(
             "prefill_schedule_interval",
