@@ -232,6 +232,22 @@ SECTIONS: tuple[Section, ...] = (
         stable=mask_benchmarks,
     ),
     Section(
+        "hunting",
+        "Hunting for vLLM defects",
+        "about 10 minutes",
+        (f"{PY} benchmarks/hunting.py",),
+        render_whole,
+        "A long exploration on stock vLLM, as a routine hunt for defects in vLLM itself: "
+        "whole engine steps on vLLM's real Scheduler in lockstep with kvgate's scheduler "
+        "model, over the deployment families it draws, then manager calls on vLLM's "
+        "KV-cache manager in lockstep with kvgate's model, each for a fixed time. The "
+        "counts are one run's, kept in `findings/hunting.json` (`python "
+        "benchmarks/hunting.py --render` prints them again): examples, steps (engine "
+        "steps at the Scheduler level), divergences on stock vLLM, and the known vLLM "
+        "defects ([known vLLM defects](findings.md)) the run reached and explored past. "
+        "Each divergence is triaged into a new finding or a fix of kvgate's model.",
+    ),
+    Section(
         "matrix",
         "Other vLLM releases",
         "about 10 minutes, plus downloading two vLLM wheels the first time",

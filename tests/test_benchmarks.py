@@ -44,6 +44,9 @@ SMOKE: dict[str, tuple[list[str], str, bool]] = {
         True,
     ),
     "findings.py": (["--check"], "findings: the record, the page and vLLM ", True),
+    # The hunt itself is minutes on vLLM (benchmarks/results.py hunting): here,
+    # its record printed as the results page shows it.
+    "hunting.py": (["--render"], "divergences on stock vLLM: ", False),
     "gate_cost.py": (
         ["--rounds", "1", "--manager", "{corpus}", "--scheduler", "{corpus}"],
         "scheduler-level / manager-level: ",
