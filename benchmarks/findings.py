@@ -232,7 +232,8 @@ def render(findings: Sequence[Finding], record: dict[str, Any]) -> str:
         "# Known vLLM defects",
         "",
         "kvgate's explorations found these behaviours of vLLM's Scheduler that look like "
-        "defects in vLLM itself. kvgate's model follows each on purpose (see "
+        "defects in vLLM itself. kvgate's model follows each on purpose (but the connector "
+        "admission at an exact fit, where vLLM raises and the model lets the request wait; see "
         "[what the gate cannot see](explanation/blind-spots.md#vllm-behaviours-kvgate-follows"
         "-but-does-not-vouch-for)), so a build that has them still passes the gate. Each has "
         "a standalone reproduction that needs only vLLM and runs on CPU (no GPU, no model "
