@@ -58,6 +58,7 @@ class Finding:
     effect: str
     impact: str
     expected: str
+    fixed: str  # what a fixed vLLM does, and kvgate's model's arm for it
 
     @property
     def folder(self) -> Path:
@@ -77,7 +78,7 @@ def load_findings() -> list[Finding]:
     found = []
     for path in sorted(FINDINGS.glob("*/finding.yaml")):
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
-        fields = ("title", "what", "effect", "impact", "expected")
+        fields = ("title", "what", "effect", "impact", "expected", "fixed")
         missing = [f for f in fields if not isinstance(data.get(f), str)]
         if missing:
             raise SystemExit(f"{path.relative_to(ROOT)}: {missing[0]}: missing or not text")
@@ -231,13 +232,18 @@ def render(findings: Sequence[Finding], record: dict[str, Any]) -> str:
         "# Known vLLM defects",
         "",
         "kvgate's explorations found these behaviours of vLLM's Scheduler that look like "
-        "defects in vLLM itself. kvgate's model follows each on purpose (see "
+        "defects in vLLM itself. kvgate's model follows each on purpose (but the connector "
+        "admission at an exact fit, where vLLM raises and the model lets the request wait; see "
         "[what the gate cannot see](explanation/blind-spots.md#vllm-behaviours-kvgate-follows"
         "-but-does-not-vouch-for)), so a build that has them still passes the gate. Each has "
         "a standalone reproduction that needs only vLLM and runs on CPU (no GPU, no model "
         "weights); it exits 10 "
         "when the defect is present, 0 when it is fixed, 77 when it cannot run on the machine "
-        "(it prints why); beside it is the kvgate trace it came from.",
+        "(it prints why); beside it is the kvgate trace it came from. A trace's "
+        "`vllm_defects: fixed` (see [the trace format](trace-format.md)) has the model "
+        "behave as a fixed vLLM would instead, as each finding's **Fixed** paragraph says; "
+        "`kvgate gate` probes each defect on the build and says which behaviour the build "
+        "has.",
         "",
         "This page is written by `python benchmarks/findings.py`, never by hand: it runs every "
         "reproduction on every release below, each in a venv of its own beside the pinned "
@@ -269,6 +275,8 @@ def render(findings: Sequence[Finding], record: dict[str, Any]) -> str:
             f"**Expected.** {finding.expected}",
             "",
             f"**In production.** {finding.impact}",
+            "",
+            f"**Fixed.** {finding.fixed}",
             "",
             "**Releases checked.**",
             "",

@@ -1,4 +1,4 @@
-"""The recorder's overhead: vLLM's Scheduler steps recorded against unrecorded, one process.
+"""The recorder's overhead: its own time inside vLLM's Scheduler calls, one process.
 
     python benchmarks/recorder_overhead.py [--scale K] [--sessions N] [--turns T]
                                            [--seed S] [--rounds R]
@@ -6,24 +6,32 @@
 The workload (upstream build, hold off, the smallest unit) is first served
 once on vLLM's real `Scheduler` with the recorder on, untimed: that gives a
 recording, a scheduler-level trace of the whole history. The recording is
-then replayed R rounds on a fresh `Scheduler` each, alternately with the
-recorder off and on (writing to a temporary directory), beside kvgate's
-scheduler model at level api. Only the time spent inside the Scheduler's
-calls is counted (adding requests, `schedule()`, the update, aborts,
-resets): the model's share of the replay is left out, so the ratio is what
-recording adds to the Scheduler's own work. Prints both times summed over
-the rounds, the engine steps, and recorded / unrecorded as a ratio.
+then replayed R rounds with the recorder on and R with it off, interleaved,
+each on a fresh `Scheduler`, beside kvgate's scheduler model at level api.
+
+Each of the Scheduler's entry points the recorder wraps (adding requests,
+`schedule()`, the update, aborts, resets, pauses) is timed twice in the
+same call: around vLLM's own method (the Scheduler's work) and around the
+whole call as the engine makes it (the recorder's wrapper around vLLM's
+method). The difference is the recorder's time, measured in the same call
+as the work it is compared with, so the machine's load moves both alike;
+with the recorder off the difference is the timing's own cost (the floor).
+Prints, over the rounds, the recorder's time per engine step and as a share
+of the Scheduler's own time in its calls (min, median, max), and the floor.
+A share of the Scheduler's time alone is an upper bound of what recording
+adds to a served engine's step, which also runs the model.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import io
 import os
+import statistics
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -34,29 +42,54 @@ from kvgate.workload.plan import Workload
 from kvgate.workload.progress import Progress
 from kvgate.workload.runner import Arm
 
-# The Scheduler's calls a replay makes through the target.
-TIMED = ("add_request", "schedule", "update", "abort", "reset_prefix_cache")
+# The Scheduler's entry points timed: those the recorder wraps that an
+# engine step calls (its constructor and shutdown are left out).
+TIMED = (
+    "add_request",
+    "schedule",
+    "update_from_output",
+    "finish_requests",
+    "reset_prefix_cache",
+    "set_pause_state",
+)
 
 
-class _Timed:
-    """A scheduler target whose calls into vLLM are timed (the rest passes through)."""
+class _Clock:
+    """Seconds spent in the outermost of the calls it times (a call the
+    Scheduler makes from inside another is counted once, in the outer)."""
 
-    def __init__(self, real: Any) -> None:
-        self._real = real
+    def __init__(self) -> None:
         self.seconds = 0.0
+        self.depth = 0
 
-    def __getattr__(self, name: str) -> Any:
-        value = getattr(self._real, name)
-        if name not in TIMED:
-            return value
-        return functools.partial(self._timed, value)
+    def timed(self, call: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if self.depth:
+                return call(*args, **kwargs)
+            self.depth += 1
+            started = time.perf_counter()
+            try:
+                return call(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - started
+                self.depth -= 1
 
-    def _timed(self, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        started = time.perf_counter()
-        try:
-            return call(*args, **kwargs)
-        finally:
-            self.seconds += time.perf_counter() - started
+        return wrapper
+
+
+@contextmanager
+def _timed_layer(scheduler_class: Any, clock: _Clock) -> Iterator[None]:
+    """Time the class's entry points as they are now; put them back after."""
+    saved = {
+        name: scheduler_class.__dict__[name] for name in TIMED if name in scheduler_class.__dict__
+    }
+    for name, method in saved.items():
+        setattr(scheduler_class, name, clock.timed(method))
+    try:
+        yield
+    finally:
+        for name, method in saved.items():
+            setattr(scheduler_class, name, method)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -65,10 +98,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--sessions", type=int, default=8, help="(8)")
     parser.add_argument("--turns", type=int, default=5, help="(5)")
     parser.add_argument("--seed", type=int, default=0, help="(0)")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds each way (3)")
+    parser.add_argument("--rounds", type=int, default=12, help="rounds each way (12)")
     args = parser.parse_args(argv)
 
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    from vllm.v1.core.sched.scheduler import Scheduler
+
     from kvgate import targets
     from kvgate.impl import recorder
     from kvgate.impl.vllm_scheduler import VllmScheduler
@@ -99,38 +134,58 @@ def main(argv: Sequence[str] | None = None) -> int:
         assert trace.scheduler is not None
         steps = sum(e.op == "step" for e in trace.engine)
 
-        def replay_once(recorded: bool, round_: int) -> float:
-            if recorded:
-                recorder.install(out / f"round-{round_}")
-            try:
-                assert trace.scheduler is not None
-                real: Any = _Timed(
-                    VllmScheduler(
-                        trace.config,
-                        spec_tokens=trace.scheduler.spec,
-                        max_num_seqs=trace.scheduler.max_num_seqs,
-                    )
-                )
-                result = replay_scheduler(trace, model, real, "api")
-                real.close()
-            finally:
-                recorder.uninstall()
+        def replay_once(recorded: bool, round_: int) -> tuple[float, float]:
+            """(the Scheduler's own seconds, the seconds around them) in its calls."""
+            work, whole = _Clock(), _Clock()
+            with _timed_layer(Scheduler, work):
+                if recorded:
+                    recorder.install(out / f"round-{round_}")
+                try:
+                    with _timed_layer(Scheduler, whole):
+                        assert trace.scheduler is not None
+                        real = VllmScheduler(
+                            trace.config,
+                            spec_tokens=trace.scheduler.spec,
+                            max_num_seqs=trace.scheduler.max_num_seqs,
+                        )
+                        result = replay_scheduler(trace, model, real, "api")
+                        real.close()
+                finally:
+                    recorder.uninstall()
             if not result.passed:
                 raise SystemExit(f"the recording diverged: {result.divergence}")
-            return float(real.seconds)
+            if recorded and not any((out / f"round-{round_}").glob("*.yaml")):
+                raise SystemExit("the recorder wrote nothing")
+            return work.seconds, whole.seconds
 
-        replay_once(False, -1)  # warm up, untimed
-        totals = {False: 0.0, True: 0.0}
+        replay_once(True, -1)  # warm up, untimed
+        shares: dict[bool, list[float]] = {False: [], True: []}
+        per_step: list[float] = []
+        work_seconds: list[float] = []
         for round_ in range(args.rounds):
-            for recorded in (False, True):
-                totals[recorded] += replay_once(recorded, round_)
+            for recorded in (True, False):
+                work, whole = replay_once(recorded, round_)
+                shares[recorded].append((whole - work) / work)
+                if recorded:
+                    per_step.append((whole - work) / steps * 1e6)
+                    work_seconds.append(work)
+
+    def spread(values: list[float], scale: float, unit: str) -> str:
+        low, mid, high = min(values), statistics.median(values), max(values)
+        return ", ".join(
+            f"{what} {value * scale:.1f}{unit}"
+            for what, value in (("min", low), ("median", mid), ("max", high))
+        )
+
     print(
         f"workload: {workload.sessions} sessions x {workload.turns} turns, seed {args.seed}, "
-        f"tokens / {args.scale}; {steps} engine steps, {args.rounds} rounds each way"
+        f"tokens / {args.scale}; {steps} engine steps; {args.rounds} rounds with the recorder "
+        "on and off, interleaved"
     )
-    print(f"Scheduler calls unrecorded: {totals[False]:.3f} s")
-    print(f"Scheduler calls recorded:   {totals[True]:.3f} s")
-    print(f"recorder overhead ratio: {totals[True] / totals[False]:.2f} (recorded / unrecorded)")
+    print(f"Scheduler's own time in its calls, a round: {spread(work_seconds, 1e3, ' ms')}")
+    print(f"recorder time per engine step: {spread(per_step, 1, ' us')}")
+    print(f"recorder time / Scheduler's own time: {spread(shares[True], 100, ' %')}")
+    print(f"timing floor (recorder off): {spread(shares[False], 100, ' %')}")
     return 0
 
 

@@ -139,7 +139,7 @@ def mask_benchmarks(text: str) -> str:
     return "\n".join(lines)
 
 
-SECTIONS = (
+SECTIONS: tuple[Section, ...] = (
     Section(
         "gate",
         "The gate on the bundled corpus",
@@ -208,11 +208,44 @@ SECTIONS = (
         render_whole,
         "Ratios measured within one run, so the machine's speed cancels out: the corpus "
         "replayed on the model against vLLM (below 1: the model is faster), the "
-        "production workload on each target alone (time and peak memory), and the "
-        "recorder's overhead: the time inside vLLM's Scheduler calls with the recorder on "
-        "against off, replaying one recorded workload; and what each bundled corpus costs "
-        "a gate run (wall and CPU time, vLLM imported once).",
+        "production workload on each target alone (time and peak memory), the "
+        "recorder's own time inside vLLM's Scheduler calls against the Scheduler's time in "
+        "them, measured in the same calls while one recorded workload is replayed, over "
+        "many rounds (min, median, max; the floor is what the timing itself costs); and "
+        "what each bundled corpus costs a gate run (wall and CPU time, vLLM imported once).",
         stable=mask_benchmarks,
+    ),
+    Section(
+        "served-overhead",
+        "Recorder overhead on a served engine",
+        "seconds (it prints the record; measuring it again takes about 10 minutes)",
+        (f"{PY} benchmarks/served_overhead.py --render",),
+        render_whole,
+        "Tokens per second of vLLM's OpenAI server (the registry's CPU build, the tiny "
+        "Qwen3-Next of the served end-to-end test) with the recorder on against off, the "
+        "same load run several times on each, the two arms interleaved, engine start-up "
+        "not timed. The numbers come from the record benchmarks/served_overhead.json, "
+        "written by the measurement itself (`bash scripts/served-env.sh`, then "
+        "`.venvs/served/bin/python benchmarks/served_overhead.py`); the command below "
+        "prints that record. Each arm's min, median and max show the spread between its "
+        "runs, which the machine's load sets as much as the recorder does.",
+        stable=mask_benchmarks,
+    ),
+    Section(
+        "hunting",
+        "Hunting for vLLM defects",
+        "about 10 minutes",
+        (f"{PY} benchmarks/hunting.py",),
+        render_whole,
+        "A long exploration on stock vLLM, as a routine hunt for defects in vLLM itself: "
+        "whole engine steps on vLLM's real Scheduler in lockstep with kvgate's scheduler "
+        "model, over the deployment families it draws, then manager calls on vLLM's "
+        "KV-cache manager in lockstep with kvgate's model, each for a fixed time. The "
+        "counts are one run's, kept in `findings/hunting.json` (`python "
+        "benchmarks/hunting.py --render` prints them again): examples, steps (engine "
+        "steps at the Scheduler level), divergences on stock vLLM, and the known vLLM "
+        "defects ([known vLLM defects](findings.md)) the run reached and explored past. "
+        "Each divergence is triaged into a new finding or a fix of kvgate's model.",
     ),
     Section(
         "matrix",
@@ -230,6 +263,53 @@ SECTIONS = (
         "out here; `scripts/vllm-matrix.sh` runs them by default.",
     ),
 )
+
+
+# -- the scale section --------------------------------------------------------
+# Its own block: `benchmarks/scale.py` writes its numbers and plot beside the
+# page, and the section shows its output with the plot under it.
+
+SCALE_JSON = "docs/results/scale.json"
+SCALE_PLOT = "docs/results/scale.png"
+
+
+def render_scale(outputs: list[str]) -> str:
+    plot = Path(ROOT / SCALE_PLOT)
+    image = f"\n![Time and peak memory against history and pool]({SCALE_PLOT[5:]})\n"
+    return render_whole(outputs) + (image if plot.exists() else "")
+
+
+def mask_scale(text: str) -> str:
+    """Every number of a timing, memory or ratio line masked: the counts of
+    blocks and steps stay."""
+    lines = []
+    for line in mask_seconds(text).splitlines():
+        if line.startswith("ratio "):
+            line = re.sub(r": .*$", ": #", line)
+        elif re.match(r"^\s+(full|history|pool)\s", line):
+            line = re.sub(r"\S+ MB .*$", "# MB # s # MiB", line)
+        lines.append(line)
+    return "\n".join(lines)
+
+
+SCALE_SECTION = Section(
+    "scale",
+    "Replay at production scale",
+    "about 20 minutes",
+    (f"{PY} benchmarks/scale.py --full-scale --scale 64 --json {SCALE_JSON} --plot {SCALE_PLOT}",),
+    render_scale,
+    "The production workload's traces replayed by `kvgate replay`, each run a process of "
+    "its own (its time includes importing vLLM and reading the trace; its peak memory is "
+    "the process's maximum resident set): the full-scale trace on the model alone and on "
+    "vLLM in lockstep with the model at levels api and strict; the workload's day repeated "
+    "into a longer history at level strict (read entry by entry); and the pool's size "
+    "from the coarsest hash unit to the finest. The numbers are also in "
+    "`docs/results/scale.json`.",
+    stable=mask_scale,
+)
+
+
+SECTIONS = (*SECTIONS, SCALE_SECTION)
 
 
 def machine() -> str:

@@ -32,7 +32,7 @@ import importlib
 import importlib.metadata
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn, cast
 
@@ -42,6 +42,7 @@ from kvgate.conformance.corpora import CorpusCount, read_corpora
 from kvgate.conformance.limits import DEFAULT_LIMITS, Limits
 from kvgate.conformance.replay import (
     LEVELS,
+    WHOLE_VIEW_EVERY,
     Level,
     Outcome,
     TargetFactory,
@@ -56,6 +57,7 @@ from kvgate.conformance.selection import (
     SelectionError,
     describe,
 )
+from kvgate.conformance.stream import read_streamed
 from kvgate.conformance.trace import (
     Trace,
     TraceError,
@@ -139,10 +141,24 @@ def main(argv: Sequence[str] | None = None) -> int:
                 logs.print_summary()
                 return code
             limits = _limits(args.limit)
+            deployment_lines: list[str] = []
+            explored_failure = False
+            measured_costs: dict[str, str] = {}
             counts: Callable[[Sequence[Trace]], list[CorpusCount]] | None = None
-            if args.command == "replay":
+            if args.command == "replay" and args.stream:
+                traces, invalid = read_streamed(args.traces, limits)
+            elif args.command == "replay":
                 traces, invalid = read_traces(args.traces, limits, args.partial)
             else:
+                if args.deployment is not None:
+                    # Only here: resolving a serve command line needs vLLM.
+                    from kvgate.deployment_gate import prepare
+
+                    deployment = prepare(args)
+                    args.corpus = [*(args.corpus or ()), deployment.folder]
+                    deployment_lines = deployment.lines
+                    explored_failure = deployment.explored_failure
+                    measured_costs = deployment.costs
                 if args.no_bundled and not args.corpus:
                     raise InputError("--no-bundled: name at least one --corpus DIR to run")
                 corpora = read_corpora(args.corpus or (), not args.no_bundled, limits, args.partial)
@@ -164,6 +180,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 logs=logs,
                 corpora=counts,
                 defects=known_defects.policy_of(args),
+                notes=deployment_lines,
+                failed_elsewhere=explored_failure,
+                measured_costs=measured_costs,
+                whole_view_every=args.whole_view_every,
             )
     except _NothingValid as nothing:
         for error in nothing.invalid:
@@ -198,6 +218,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return EXIT_KVGATE_BUG
+
+
+def _at_least_one(text: str) -> int:
+    """A count of steps, 1 or more (argparse turns the error into its one line)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
 
 
 def _limits(assignments: Sequence[str] | None) -> Limits:
@@ -295,6 +326,13 @@ def _parser(only: str | None = None) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     replay_cmd.add_argument("traces", nargs="+", type=Path, metavar="TRACE")
+    replay_cmd.add_argument(
+        "--stream",
+        action="store_true",
+        help="read each manager-level trace written one step a line entry by entry: "
+        "validated whole first, then read again as it replays, holding only what a later "
+        "step needs (for histories too long to hold; other traces are read whole)",
+    )
     options.add_target(replay_cmd, sorted(TARGETS), "vllm", TARGET_HELP)
 
     gate_cmd = commands.add_parser(
@@ -337,7 +375,8 @@ def _parser(only: str | None = None) -> argparse.ArgumentParser:
         action="append",
         choices=FAMILIES,
         help="only the traces of this deployment family, from their config's Mamba "
-        "checkpoint (repeatable; default: every trace, of a family or not)",
+        "checkpoint and a recording's device (repeatable; default: every trace, of a "
+        "family or not)",
     )
     gate_cmd.add_argument(
         "--list",
@@ -350,6 +389,26 @@ def _parser(only: str | None = None) -> argparse.ArgumentParser:
         "--known-defects",
         choices=known_defects.POLICIES,
         help=known_defects.POLICY_HELP,
+    )
+    gate_cmd.add_argument(
+        "--deployment-traces",
+        type=Path,
+        metavar="DIR",
+        help="with --deployment: write the traces generated at the deployment there, and keep "
+        "them (default: a temporary folder, removed at exit)",
+    )
+    options.add_serving_machine(gate_cmd)
+    options.add_seed(
+        gate_cmd, 0, "with --deployment: the exploration at the deployment's config draws from N"
+    )
+    gate_cmd.add_argument(
+        "--deployment",
+        nargs=argparse.REMAINDER,
+        metavar="SERVE-ARGS",
+        help="gate the deployment this vllm serve command line resolves to (the rest of the "
+        "command line: MODEL-DIR [FLAG...], a leading 'vllm serve' dropped): the scenario "
+        "families generated at its config run beside the corpus "
+        "(docs/how-to/gate-your-deployment.md)",
     )
 
     for command in (replay_cmd, gate_cmd):
@@ -376,6 +435,16 @@ def _parser(only: str | None = None) -> argparse.ArgumentParser:
             + ", ".join(Limits.names()),
         )
         options.add_partial(command)
+        command.add_argument(
+            "--whole-view-every",
+            type=_at_least_one,
+            default=WHOLE_VIEW_EVERY,
+            metavar="N",
+            help="at level strict, compare the whole manager state every N steps and after the "
+            "last; each step in between compares the blocks and requests it changed, and a "
+            "difference found by the whole comparison names the steps since the last one "
+            "(1: the whole state after every step)",
+        )
     for name in COMMAND_MODULES:
         if only is None or name == only:
             _register(commands, name, run=name == only)
@@ -402,19 +471,33 @@ def run_traces(
     logs: VllmLogs | None = None,
     corpora: Callable[[Sequence[Trace]], list[CorpusCount]] | None = None,
     defects: known_defects.Policy = "skip",
+    notes: Sequence[str] = (),
+    failed_elsewhere: bool = False,
+    measured_costs: Mapping[str, str] | None = None,
+    whole_view_every: int = WHOLE_VIEW_EVERY,
 ) -> int:
     """Run `traces` and report each one's verdict, with every `invalid`
     trace's error listed and counted; the exit code (`errors.EXIT_CODES`).
     `corpora` counts the traces of each corpus a gate read, for the header.
     `_NothingValid` when there is nothing to run: only errors to tell.
-    `defects`: the known vLLM defects' policy (probed while the traces run)."""
+    `defects`: the known vLLM defects' policy (probed while the traces run);
+    `notes`: lines shown before the verdict (the deployment gated);
+    `failed_elsewhere`: a check besides the traces failed (the exploration
+    at a deployment, which its note names): the gate fails as on a divergence;
+    `measured_costs`: what lacking each capability costs at that deployment."""
     if not traces and invalid:
         raise _NothingValid(invalid)
     logs = logs or VllmLogs()
     factory, model = gate_factories(target_name, plugin)
     probe = known_defects.start(defects, target_name) if traces else None
 
-    report = TerminalReport(sys.stdout, required, explain_lacking, quiet=logs.verbosity <= QUIET)
+    report = TerminalReport(
+        sys.stdout,
+        required,
+        explain_lacking,
+        quiet=logs.verbosity <= QUIET,
+        measured_costs=measured_costs,
+    )
     if traces:
         report.target(_header_capabilities(factory, traces), target_name)
         scheduler_level = sum(trace.scheduler_level for trace in traces)
@@ -437,7 +520,9 @@ def run_traces(
                 result = run_scheduler_trace(trace, *engine, level)
             else:
                 is_model = target_name == LOCKSTEP_MODEL
-                result = run_trace(trace, factory, model, level, is_model, excluded)
+                result = run_trace(
+                    trace, factory, model, level, is_model, excluded, whole_view_every
+                )
         report.exclusions(trace.name, excluded)
         if isinstance(result, TraceRunError) and not result.config_refused:
             kind = "internal error" if result.bug else "error"
@@ -454,12 +539,14 @@ def run_traces(
             assert isinstance(result, TraceRunError)
             print(f"kvgate: error: {printable(result.message)}", file=sys.stderr)
     logged = logs.summary() if logs.verbosity > QUIET else None
-    notes = [logged] if logged else []
+    notes = [*notes, logged] if logged else list(notes)
     if probe is not None:
         probes = probe.finish()
         notes = [*known_defects.lines(probes, defects), *notes]
         if known_defects.fails(probes, defects):
             code = next(c for c in EXIT_PRECEDENCE if c in (code, EXIT_DIVERGED))
+    if failed_elsewhere:
+        code = next(c for c in EXIT_PRECEDENCE if c in (code, EXIT_DIVERGED))
     report.finish(f"verdict: exit {code}: {dict(EXIT_CODES)[code]}", notes)
 
     if junit_xml is not None:

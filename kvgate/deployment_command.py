@@ -11,13 +11,11 @@ from typing import Any
 
 import yaml
 
+from kvgate import options
 from kvgate.conformance.writer import config_dict
 from kvgate.errors import EXIT_OK, InputError, printable
-from kvgate.impl.serve_flags import Deployment, resolve
+from kvgate.impl.serve_flags import Deployment, resolve, serve_args
 from kvgate.output import QUIET
-
-# Words a command line copied whole starts with; dropped before parsing.
-_SERVE_PREFIX = ("vllm", "serve")
 
 
 def register(subparsers: Any) -> None:
@@ -43,6 +41,7 @@ def register(subparsers: Any) -> None:
         help="the pool size for --trace-config when the serve command line does not fix it "
         "(--num-gpu-blocks-override); vLLM sizes the pool from the serving GPU's memory",
     )
+    options.add_serving_machine(cmd)
     cmd.add_argument(
         "serve",
         nargs=argparse.REMAINDER,
@@ -52,23 +51,16 @@ def register(subparsers: Any) -> None:
     cmd.set_defaults(handler=run)
 
 
-def serve_args(words: list[str]) -> list[str]:
-    """The serve command line without a leading `--`, `vllm` or `serve`."""
-    rest = list(words)
-    if rest[:1] == ["--"]:
-        rest = rest[1:]
-    for word in _SERVE_PREFIX:
-        if rest[:1] == [word]:
-            rest = rest[1:]
-    if not rest:
-        raise InputError("deployment: no serve command line given (MODEL-DIR [FLAG...])")
-    return rest
-
-
 def run(args: argparse.Namespace) -> int:
     if args.num_blocks is not None and args.num_blocks < 2:
         raise InputError(f"--num-blocks: {args.num_blocks} is too small (at least 2)")
-    deployment = resolve(serve_args(args.serve), args.num_blocks)
+    options.check_serving_machine(args)
+    deployment = resolve(
+        serve_args(args.serve),
+        args.num_blocks,
+        args.assume_attention_backend,
+        args.assume_checkpoint_alignment,
+    )
     if args.trace_config:
         print(trace_config(deployment), end="")
         # Standard output is the config block alone, ready to paste or pipe:

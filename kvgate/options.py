@@ -338,3 +338,29 @@ def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentP
         if isinstance(action, argparse._SubParsersAction):
             return dict(action.choices)
     return {}
+
+
+def add_serving_machine(cmd: Any) -> None:
+    """What only the serving machine's built model says, assumed by name."""
+    cmd.add_argument(
+        "--assume-attention-backend",
+        metavar="NAME",
+        help="the attention backend the serving worker runs, when the serve command line has "
+        "no --attention-backend (vLLM's name, e.g. FLASH_ATTN, TRITON_ATTN, CPU_ATTN); its "
+        "kernel block sizes set how the worker raises a hybrid's attention block "
+        "(default: FLASH_ATTN, as on a CUDA GPU)",
+    )
+    cmd.add_argument(
+        "--assume-checkpoint-alignment",
+        type=int,
+        metavar="TOKENS",
+        help="the prefill checkpoint alignment the serving model's Mamba layers declare "
+        "(64: Gated DeltaNet prefill on FlashInfer); the worker keeps blocks on it "
+        "(default: none, as Triton GDN and Mamba2 kernels declare)",
+    )
+
+
+def check_serving_machine(args: argparse.Namespace) -> None:
+    alignment = args.assume_checkpoint_alignment
+    if alignment is not None and alignment < 1:
+        raise InputError(f"--assume-checkpoint-alignment: {alignment} is not a token count")

@@ -34,7 +34,7 @@ import pytest
 from kvgate.conformance.corpora import read_corpora
 from kvgate.conformance.replay import LEVELS, Level, Outcome, ReplayResult, TargetFactory
 from kvgate.conformance.report import capability_lines, divergence_lines, trace_line
-from kvgate.conformance.selection import arm, family
+from kvgate.conformance.selection import arm, trace_family
 from kvgate.conformance.trace import Trace, TraceError
 from kvgate.conformance.verdict import (
     CAPABILITY_NAMES,
@@ -207,7 +207,7 @@ class Corpus(pytest.Collector):
         traces, invalid = corpora.traces, corpora.invalid
         nodes: list[pytest.Item | pytest.Collector] = [
             Group.from_parent(self, name=name, traces=group, by_arm=True)
-            for name, group in _grouped(traces, lambda t: family(t.config) or "other")
+            for name, group in _grouped(traces, lambda t: trace_family(t) or "other")
         ]
         if invalid:
             nodes.append(Invalid.from_parent(self, name="invalid", invalid=invalid))

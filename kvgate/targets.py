@@ -18,6 +18,7 @@ from typing import cast
 
 from kvgate.conformance.refusal import judge_refusal, refused_for_lacking
 from kvgate.conformance.replay import (
+    WHOLE_VIEW_EVERY,
     Level,
     ModelBug,
     Outcome,
@@ -102,9 +103,11 @@ def run_trace(
     level: Level,
     target_is_model: bool,
     excluded: list[str] | None = None,
+    whole_view_every: int = WHOLE_VIEW_EVERY,
 ) -> Outcome:
     """One trace's verdict, or the error that kept it from getting one;
-    `excluded` gets the strict-view exclusions that hid the target's raw state."""
+    `excluded` gets the strict-view exclusions that hid the target's raw state;
+    `whole_view_every`: how often a strict lockstep compares whole views."""
     started = time.perf_counter()
     if trace.expect_refused is not None:
         return refused_for_lacking(factory, trace) or judge_refusal(trace, factory, level)
@@ -116,7 +119,14 @@ def run_trace(
         return TraceRunError(trace, str(error), bug=False, seconds=seconds, config_refused=True)
     try:
         try:
-            result = replay(trace, target, model, level, target_is_model=target_is_model)
+            result = replay(
+                trace,
+                target,
+                model,
+                level,
+                target_is_model=target_is_model,
+                whole_view_every=whole_view_every,
+            )
             if excluded is not None:
                 excluded.extend(getattr(target, "exclusions_applied", ()))
             return result

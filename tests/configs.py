@@ -32,18 +32,22 @@ EXAMPLE_CONFIG = Config(
     scheduler_block_size=32,
 )
 
+
+def trace_config(
+    num_blocks: int = 96, *, speculative_blocks: int = 3, hold: bool = False, extra: str = ""
+) -> str:
+    """The seed scenario as a trace's `config` block, with another pool size,
+    speculative blocks or hold; `extra` adds config keys (indented lines)."""
+    return (
+        f"config:\n  num_blocks: {num_blocks}\n  hash_unit: 8\n  eagle: true\n"
+        f"  retention_interval: 0\n  retain_checkpoint: {'true' if hold else 'false'}\n"
+        f"{extra}  groups:\n    - {{kind: full_attention, block_size: 8}}\n"
+        f"    - {{kind: mamba_align, block_size: 32, speculative_blocks: {speculative_blocks}}}\n"
+    )
+
+
 # The seed scenario as a trace's `config` block, the hold off.
-EXAMPLE_TRACE_CONFIG = """\
-config:
-  num_blocks: 96
-  hash_unit: 8
-  eagle: true
-  retention_interval: 0
-  retain_checkpoint: false
-  groups:
-    - {kind: full_attention, block_size: 8}
-    - {kind: mamba_align, block_size: 32, speculative_blocks: 3}
-"""
+EXAMPLE_TRACE_CONFIG = trace_config()
 
 
 def trace_text(

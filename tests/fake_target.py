@@ -8,10 +8,11 @@ Subclasses each break one thing, so a test can tell which comparison caught it.
 
 from __future__ import annotations
 
-import textwrap
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from configs import trace_config, trace_text
 
 from kvgate.vocabulary.config import Config, UnsupportedConfig
 from kvgate.vocabulary.ops import Step
@@ -24,23 +25,7 @@ FOLLOW_UP_HIT = 8
 
 def fake_trace_text(steps: str, name: str, *, hold: bool = False, num_blocks: int = 96) -> str:
     """A trace whose config these targets run, with `steps` (YAML list items)."""
-    header = textwrap.dedent(
-        f"""\
-        format: kvgate-trace/1
-        name: {name}
-        config:
-          num_blocks: {num_blocks}
-          hash_unit: 8
-          eagle: true
-          retention_interval: 0
-          retain_checkpoint: {"true" if hold else "false"}
-          groups:
-            - {{kind: full_attention, block_size: 8}}
-            - {{kind: mamba_align, block_size: 32, speculative_blocks: 3}}
-        steps:
-        """
-    )
-    return header + textwrap.indent(textwrap.dedent(steps), "  ")
+    return trace_text(steps, trace_config(num_blocks, hold=hold), name)
 
 
 @dataclass

@@ -1,8 +1,8 @@
 """Replaying scheduler-level traces in tests: a bundled trace by name (its
 text, or the trace read from it, edited or not), a replay on kvgate's
 scheduler model alone or on vLLM's real `Scheduler` in lockstep with it
-(with the recorder on, too), where a replay first failed, and the error a
-bad trace reads as."""
+(with the recorder on, too), where a replay first failed, the error a bad
+trace reads as, and vLLM's `Scheduler` wrapped to plant a drift."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvgate.conformance.replay import ReplayResult
+from kvgate.conformance.replay import Level, ReplayResult
 from kvgate.conformance.scheduler_replay import replay_scheduler
 from kvgate.conformance.trace import Trace, TraceError, bundled_scheduler_corpus, parse_trace
 from kvgate.model.scheduler import SchedulerModel
@@ -36,9 +36,11 @@ def run_model(trace: Trace) -> ReplayResult:
     return replay_scheduler(trace, SchedulerModel, None, "strict")
 
 
-def run_vllm(trace: Trace, wrap: Callable[[Any], SchedulerTarget] | None = None) -> ReplayResult:
+def run_vllm(
+    trace: Trace, wrap: Callable[[Any], SchedulerTarget] | None = None, level: Level = "strict"
+) -> ReplayResult:
     """`trace` on vLLM's `Scheduler` (`wrap`ped, to plant a drift) in
-    lockstep with the model, at level strict."""
+    lockstep with the model, at `level`."""
     from kvgate.impl.vllm_scheduler import VllmScheduler
 
     assert trace.scheduler is not None
@@ -49,9 +51,7 @@ def run_vllm(trace: Trace, wrap: Callable[[Any], SchedulerTarget] | None = None)
         plugin=PLUGIN if trace.config.hold or trace.config.retain_retired else None,
     )
     try:
-        return replay_scheduler(
-            trace, SchedulerModel, real if wrap is None else wrap(real), "strict"
-        )
+        return replay_scheduler(trace, SchedulerModel, real if wrap is None else wrap(real), level)
     finally:
         real.close()
 
@@ -86,3 +86,14 @@ def recorded(trace: Trace, out: Path) -> Path:
         recorder.uninstall()
     [path] = sorted(out.iterdir())
     return path
+
+
+class Wrapped:
+    """vLLM's `Scheduler` target with the calls a subclass overrides changed
+    (a drift planted for a test); every other call goes to `real`."""
+
+    def __init__(self, real: Any) -> None:
+        self.real = real
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)

@@ -6,84 +6,70 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Callable
+from collections.abc import Iterator
 from typing import Any
 
 from configs import needs_vllm
+from scheduler_runs import Wrapped, first_failure, run_vllm, text_of, trace_of
 
-from kvgate.conformance.replay import Level, ReplayResult
-from kvgate.conformance.scheduler_replay import replay_scheduler
 from kvgate.conformance.trace import (
     Trace,
-    bundled_scheduler_corpus,
-    load_corpus,
     parse_trace,
 )
 from kvgate.model.scheduler import SchedulerModel
-from kvgate.vocabulary.scheduling import DeferredFree, SchedulerTarget
+from kvgate.vocabulary.scheduling import DeferredFree, EngineStep
 
-CORPUS = {t.name: t for t in load_corpus(bundled_scheduler_corpus())}
-TRACE = CORPUS["sched-async-abort-frees-after-batch"]
-UNDER_PRESSURE = CORPUS["sched-async-deferred-frees-under-pressure"]
-PREEMPTED_IN_FLIGHT = CORPUS["sched-async-preempted-request-finishes-with-its-in-flight-token"]
-RESET_IN_FLIGHT = CORPUS["sched-async-reset-drops-in-flight-output"]
-
-
-def run_vllm(
-    wrap: Callable[[Any], SchedulerTarget] | None = None,
-    trace: Trace = TRACE,
-    level: Level = "strict",
-) -> ReplayResult:
-    from kvgate.impl.vllm_scheduler import VllmScheduler
-
-    real = VllmScheduler(trace.config, spec_tokens=0, max_num_seqs=4)
-    try:
-        return replay_scheduler(trace, SchedulerModel, real if wrap is None else wrap(real), level)
-    finally:
-        real.close()
+TRACE = trace_of("sched-async-abort-frees-after-batch")
+UNDER_PRESSURE = trace_of("sched-async-deferred-frees-under-pressure")
+PREEMPTED_IN_FLIGHT = trace_of("sched-async-preempted-request-finishes-with-its-in-flight-token")
+RESET_IN_FLIGHT = trace_of("sched-async-reset-drops-in-flight-output")
 
 
-def where(result: ReplayResult) -> tuple[int, str, str]:
-    divergence = result.divergence
-    assert divergence is not None
-    return divergence.step.index, divergence.level, divergence.what
-
-
-def test_an_engine_step_processes_the_batch_before_the_last() -> None:
-    model = SchedulerModel(TRACE.config, 0, 4)
-    for event in TRACE.engine:
+def stepped(trace: Trace) -> Iterator[tuple[SchedulerModel, EngineStep, Any]]:
+    """kvgate's scheduler model driven through `trace`'s engine entries: after
+    each, the model, the entry and, for an engine step, its decisions (None
+    for any other entry)."""
+    model = SchedulerModel(trace.config, 0, 4)
+    for event in trace.engine:
+        step = None
         if event.op == "arrive":
             assert event.req is not None
             model.arrive(event.arrival())
         elif event.op == "abort":
             assert event.req is not None
             model.abort(event.req)
-            # A's second chunk is still running: its blocks wait for it.
-            assert model.deferred_frees() == [(2, "A")]
+        elif event.op == "reset":
+            model.reset_prefix_cache(running=True)
         else:
             step = model.step()
-            if event.index == 5:  # the batch A ran in is done: A's blocks are back
-                assert model.deferred_frees() == []
-    # B's last batch processed (nothing left to schedule), its copy's
-    # endpoints back; an empty batch is still in flight.
-    assert step.scheduled == [] and model.deferred_frees() == []
+        yield model, event, step
+
+
+def test_an_engine_step_processes_the_batch_before_the_last() -> None:
+    for model, event, step in stepped(TRACE):
+        if event.op == "abort":
+            # A's second chunk is still running: its blocks wait for it.
+            assert model.deferred_frees() == [(2, "A")]
+        elif event.index == 5:  # the batch A ran in is done: A's blocks are back
+            assert step is not None and model.deferred_frees() == []
+    # The trace ends with a step: B's last batch processed (nothing left to
+    # schedule), its copy's endpoints back; an empty batch is still in flight.
+    assert step is not None and step.scheduled == [] and model.deferred_frees() == []
     assert model.batches_in_flight() == 1
 
 
-DECODES_IN_FLIGHT = parse_trace(
-    TRACE.path.read_text().replace(
-        "[{prompt_of: A}], max_tokens: 1", "[{fresh: 40}], max_tokens: 3"
-    ),
-    TRACE.path,
+DECODES_IN_FLIGHT = trace_of(
+    TRACE.name,
+    text_of(TRACE.name).replace("[{prompt_of: A}], max_tokens: 1", "[{fresh: 40}], max_tokens: 3"),
 )
 
 
-class _NoPlaceholderForAPrompt:
+class _NoPlaceholderForAPrompt(Wrapped):
     """vLLM's AsyncScheduler counting no output placeholder for the batch
     that completes a prompt (as if its sampled token were already in)."""
 
     def __init__(self, real: Any) -> None:
-        self.real = real
+        super().__init__(real)
         scheduler = real.scheduler
         after = scheduler._update_after_schedule
 
@@ -101,19 +87,16 @@ class _NoPlaceholderForAPrompt:
 
         scheduler._update_after_schedule = drifted
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.real, name)
-
 
 @needs_vllm
 def test_a_request_decodes_past_its_output_in_flight() -> None:
     """B decodes on its output placeholders while the batch before is in
     flight; the placeholder counts are compared per request at each step.
     (The trace's expectations are the original's: only they may miss.)"""
-    result = run_vllm(trace=DECODES_IN_FLIGHT)
+    result = run_vllm(DECODES_IN_FLIGHT)
     assert result.steps_run == len(DECODES_IN_FLIGHT.engine)
     assert all(d.level == "expect" for d in (result.divergence, *result.also) if d)
-    result = run_vllm(_NoPlaceholderForAPrompt, DECODES_IN_FLIGHT)
+    result = run_vllm(DECODES_IN_FLIGHT, _NoPlaceholderForAPrompt)
     [diverged] = [d for d in (result.divergence, *result.also) if d and d.level != "expect"]
     assert diverged.level == "strict" and "output accounting" in diverged.what
     assert (diverged.expected, diverged.actual) == ({"B": (1, 8, 0)}, {"B": (0, 8, 0)})
@@ -133,12 +116,12 @@ def test_the_real_scheduler_is_the_one_the_engine_builds_for_async_scheduling() 
         real.close()
 
 
-class _FreesHeadFirst:
+class _FreesHeadFirst(Wrapped):
     """vLLM's Scheduler returning deferred blocks head first (the order it
     popped them in), as if the reversal were dropped."""
 
     def __init__(self, real: Any) -> None:
-        self.real = real
+        super().__init__(real)
         scheduler = real.scheduler
 
         def drain() -> None:
@@ -150,31 +133,16 @@ class _FreesHeadFirst:
 
         scheduler._drain_deferred_frees = drain
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.real, name)
 
-
-class _ForgetsDeferredFrees:
+class _ForgetsDeferredFrees(Wrapped):
     """A Scheduler whose deferred-free queue shows nothing."""
-
-    def __init__(self, real: Any) -> None:
-        self.real = real
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.real, name)
 
     def deferred_frees(self) -> list[DeferredFree]:
         return []
 
 
-class _OneBatchAtATime:
+class _OneBatchAtATime(Wrapped):
     """An engine that processes each batch's output in the step that made it."""
-
-    def __init__(self, real: Any) -> None:
-        self.real = real
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.real, name)
 
     def batches_in_flight(self) -> int:
         return 2 if self.real.batches_in_flight() else 0
@@ -182,20 +150,24 @@ class _OneBatchAtATime:
 
 @needs_vllm
 def test_the_trace_conforms_and_catches_deferred_frees_in_the_wrong_order() -> None:
-    assert run_vllm().passed
+    assert run_vllm(TRACE).passed
     # A's blocks come back when the batch after its abort is processed.
-    assert where(run_vllm(_FreesHeadFirst)) == (5, "strict", "engine step 3: free queue")
+    assert first_failure(run_vllm(TRACE, _FreesHeadFirst)) == (
+        5,
+        "strict",
+        "engine step 3: free queue",
+    )
 
 
 @needs_vllm
 def test_deferred_frees_head_first_change_what_a_later_request_is_scheduled() -> None:
     # Under pool pressure the order A's blocks came back in decides what
     # is evicted before D sends A's prompt: visible at level api too.
-    assert run_vllm(trace=UNDER_PRESSURE).passed
-    result = run_vllm(_FreesHeadFirst, UNDER_PRESSURE, "api")
+    assert run_vllm(UNDER_PRESSURE).passed
+    result = run_vllm(UNDER_PRESSURE, _FreesHeadFirst, "api")
     assert result.divergence is not None
     assert (result.divergence.level, result.divergence.what) == ("expect", "scheduled")
-    assert where(run_vllm(_FreesHeadFirst, UNDER_PRESSURE))[1:] == (
+    assert first_failure(run_vllm(UNDER_PRESSURE, _FreesHeadFirst))[1:] == (
         "strict",
         "engine step 4: free queue",
     )
@@ -204,32 +176,19 @@ def test_deferred_frees_head_first_change_what_a_later_request_is_scheduled() ->
 @needs_vllm
 def test_a_scheduler_whose_deferred_frees_differ_diverges() -> None:
     # The copy of B's last chunk is the one deferred free left after a step.
-    index, level, what = where(run_vllm(_ForgetsDeferredFrees))
+    index, level, what = first_failure(run_vllm(TRACE, _ForgetsDeferredFrees))
     assert (index, level) == (11, "api") and what.endswith("deferred frees (fence, request)")
 
 
 @needs_vllm
 def test_an_engine_that_keeps_other_batches_in_flight_diverges() -> None:
-    index, level, what = where(run_vllm(_OneBatchAtATime))
+    index, level, what = first_failure(run_vllm(TRACE, _OneBatchAtATime))
     assert (index, level) == (1, "api") and what.endswith("batches in flight")
 
 
 def decisions_by_step(trace: Trace) -> list[tuple[int, Any]]:
     """The scheduler model's decisions at each engine step of `trace`."""
-    model = SchedulerModel(trace.config, 0, 4)
-    steps = []
-    for event in trace.engine:
-        if event.op == "arrive":
-            assert event.req is not None
-            model.arrive(event.arrival())
-        elif event.op == "abort":
-            assert event.req is not None
-            model.abort(event.req)
-        elif event.op == "reset":
-            model.reset_prefix_cache(running=True)
-        else:
-            steps.append((event.index, model.step()))
-    return steps
+    return [(event.index, step) for _, event, step in stepped(trace) if step is not None]
 
 
 def test_a_request_preempted_with_its_last_chunk_in_flight_finishes_with_that_token() -> None:
@@ -251,12 +210,12 @@ def test_a_resets_preemption_drops_the_output_in_flight() -> None:
     assert steps[9].finished == ["B"]
 
 
-class _PreemptionSetsStaleOutput:
+class _PreemptionSetsStaleOutput(Wrapped):
     """vLLM's Scheduler whose preemptions always drop (`drop`) or always
     deliver the output of a batch in flight, a reset's included."""
 
     def __init__(self, real: Any, drop: bool) -> None:
-        self.real = real
+        super().__init__(real)
         scheduler = real.scheduler
         preempt = scheduler._preempt_request
 
@@ -265,35 +224,32 @@ class _PreemptionSetsStaleOutput:
 
         scheduler._preempt_request = preempting
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.real, name)
-
 
 @needs_vllm
 def test_the_output_of_a_preempted_requests_batch_is_checked_both_ways() -> None:
-    assert run_vllm(trace=PREEMPTED_IN_FLIGHT).passed
-    assert run_vllm(trace=RESET_IN_FLIGHT).passed
+    assert run_vllm(PREEMPTED_IN_FLIGHT).passed
+    assert run_vllm(RESET_IN_FLIGHT).passed
     # Dropped where it is delivered: B is never reported finished there.
-    result = run_vllm(functools.partial(_PreemptionSetsStaleOutput, drop=True), PREEMPTED_IN_FLIGHT)
+    result = run_vllm(PREEMPTED_IN_FLIGHT, functools.partial(_PreemptionSetsStaleOutput, drop=True))
     assert result.divergence is not None
     assert (result.divergence.level, result.divergence.what) == ("expect", "finished")
     # Delivered where a reset drops it: the Scheduler then passes over the
     # reset's victims until that output is in, scheduling nothing after the reset.
     keeps = functools.partial(_PreemptionSetsStaleOutput, drop=False)
-    index, level, what = where(run_vllm(keeps, RESET_IN_FLIGHT, "api"))
+    index, level, what = first_failure(run_vllm(RESET_IN_FLIGHT, keeps, "api"))
     assert (index, level, what) == (7, "expect", "scheduled")
 
 
-BLOCK_BOUNDARY = CORPUS["sched-mtp-async-drafts-around-a-mamba-block-boundary"]
+BLOCK_BOUNDARY = trace_of("sched-mtp-async-drafts-around-a-mamba-block-boundary")
 
 
-class _RejectedDraftsKept:
+class _RejectedDraftsKept(Wrapped):
     """vLLM's AsyncScheduler that does not take rejected drafts back from a
     request's output placeholders (`placeholders`) or its computed tokens
     (`computed`) when a batch's output is processed."""
 
     def __init__(self, real: Any, counter: str) -> None:
-        self.real = real
+        super().__init__(real)
         scheduler = real.scheduler
         update = scheduler.update_from_output
 
@@ -316,24 +272,6 @@ class _RejectedDraftsKept:
 
         scheduler.update_from_output = drifted
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.real, name)
-
-
-def run_with_drafts(
-    wrap: Callable[[Any], SchedulerTarget] | None, trace: Trace, level: Level = "strict"
-) -> ReplayResult:
-    from kvgate.impl.vllm_scheduler import VllmScheduler
-
-    assert trace.scheduler is not None
-    real = VllmScheduler(
-        trace.config, spec_tokens=trace.scheduler.spec, max_num_seqs=trace.scheduler.max_num_seqs
-    )
-    try:
-        return replay_scheduler(trace, SchedulerModel, real if wrap is None else wrap(real), level)
-    finally:
-        real.close()
-
 
 @needs_vllm
 def test_rejected_drafts_kept_in_flight_diverge_at_their_update() -> None:
@@ -341,22 +279,18 @@ def test_rejected_drafts_kept_in_flight_diverge_at_their_update() -> None:
     and computed tokens at its update: keeping either diverges, the
     placeholders in the per-request output accounting at that very step,
     the computed tokens in what the next step schedules."""
-    assert run_with_drafts(None, BLOCK_BOUNDARY).passed
-    kept = run_with_drafts(
-        functools.partial(_RejectedDraftsKept, counter="placeholders"), BLOCK_BOUNDARY
-    )
+    assert run_vllm(BLOCK_BOUNDARY).passed
+    kept = run_vllm(BLOCK_BOUNDARY, functools.partial(_RejectedDraftsKept, counter="placeholders"))
     diverged = lockstep_divergence(kept)
     assert diverged.level == "strict" and "output accounting" in diverged.what
-    computed = run_with_drafts(
-        functools.partial(_RejectedDraftsKept, counter="computed"), BLOCK_BOUNDARY
-    )
+    computed = run_vllm(BLOCK_BOUNDARY, functools.partial(_RejectedDraftsKept, counter="computed"))
     # Computed tokens kept show in the next batch: one token, not 1 + 3.
     later = lockstep_divergence(computed)
     assert later.step.index == diverged.step.index + 1
     assert later.what.endswith("scheduled (request, tokens)")
 
 
-def lockstep_divergence(result: ReplayResult) -> Any:
+def lockstep_divergence(result: Any) -> Any:
     """The replay's divergence from the model (not an expectation missed)."""
     [diverged] = [d for d in (result.divergence, *result.also) if d and d.level != "expect"]
     return diverged
@@ -367,7 +301,7 @@ def _with_drafts(trace: Trace) -> Trace:
     eagle block drop), 6 output tokens a request, its expectations dropped
     (the lockstep judges it) and more steps to finish."""
     lines = []
-    for line in trace.path.read_text().splitlines():
+    for line in text_of(trace.name).splitlines():
         line = re.sub(r", expect: \{.*\}\}$", "}", line)
         line = line.replace("max_tokens: 1}", "max_tokens: 6}").replace(
             "max_tokens: 1,", "max_tokens: 6,"
@@ -392,7 +326,7 @@ def test_deferred_frees_with_drafts_in_flight() -> None:
     head first diverges."""
     trace = _with_drafts(UNDER_PRESSURE)
     assert trace.scheduler is not None and trace.scheduler.spec == 3
-    result = run_with_drafts(None, trace)
+    result = run_vllm(trace)
     assert result.passed, result.divergence
     assert result.steps_run == len(trace.engine)
-    assert run_with_drafts(_FreesHeadFirst, trace).divergence is not None
+    assert run_vllm(trace, _FreesHeadFirst).divergence is not None

@@ -44,6 +44,9 @@ SMOKE: dict[str, tuple[list[str], str, bool]] = {
         True,
     ),
     "findings.py": (["--check"], "findings: the record, the page and vLLM ", True),
+    # The hunt itself is minutes on vLLM (benchmarks/results.py hunting): here,
+    # its record printed as the results page shows it.
+    "hunting.py": (["--render"], "divergences on stock vLLM: ", False),
     "gate_cost.py": (
         ["--rounds", "1", "--manager", "{corpus}", "--scheduler", "{corpus}"],
         "scheduler-level / manager-level: ",
@@ -51,9 +54,12 @@ SMOKE: dict[str, tuple[list[str], str, bool]] = {
     ),
     "recorder_overhead.py": (
         ["--scale", "64", "--sessions", "1", "--turns", "2", "--rounds", "1"],
-        "recorder overhead ratio: ",
+        "recorder time / Scheduler's own time: ",
         True,
     ),
+    # Measuring needs the served environment and two servers (minutes):
+    # the smoke run prints the record.
+    "served_overhead.py": (["--render"], "recorder on / off, median tokens per second: ", False),
     "prove_scaling.py": (
         ["--blocks", "4", "--requests", "1", "--groups", "2"]
         + ["--props", "no_leak", "--ops", "arrive"],
@@ -63,6 +69,12 @@ SMOKE: dict[str, tuple[list[str], str, bool]] = {
     # It regenerates the docs' results page from the commands (minutes):
     # the smoke run lists its sections.
     "results.py": (["--list"], "benchmarks   Benchmark ratios (about ", False),
+    "scale.py": (
+        ["--scale", "64", "--lengths", "1,2", "--units", "4096", "--history-unit", "4096"]
+        + ["--model-only", "--out", "{corpus}/scale", "--plot", "{corpus}/scale.png"],
+        "ratio history: x2 / x1 (peak memory): ",
+        False,
+    ),
     "workload.py": (
         ["--scale", "64", "--units", "4096", "--sessions", "1", "--turns", "2"],
         "ratio ",

@@ -154,18 +154,34 @@ def test_a_block_style_list_is_refreshed_entry_by_entry(
     ]
 
 
-def test_keys_the_author_wrote_are_kept_and_no_others_added(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize(
+    ("old", "new", "blessed"),
+    [
+        # The keys the author wrote are kept and no others added.
+        (
+            "  - {op: prefill, req: A1, lookahead: 3}",
+            "  - {op: prefill, req: A1, lookahead: 3, expect: {junction: 0}}",
+            "  - {op: prefill, req: A1, lookahead: 3, expect: {junction: 144}}\n",
+        ),
+        # A ref check is refreshed number by number: the burst evicted A0's
+        # tail state (null: nothing keyed there); A1's first attention block
+        # waits in the free queue (ref count 0).
+        (
+            "    holds: {}\n",
+            "    holds: {}\n    ref: {A1: {1: {136: 3}, 0: {8: 2}}}  # A0's tail\n",
+            "    ref: {A1: {1: {136: null}, 0: {8: 0}}}  # A0's tail\n",
+        ),
+    ],
+    ids=["the author's keys kept, no others added", "a ref check refreshed number by number"],
+)
+def test_values_the_author_wrote_are_refreshed_in_place(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], old: str, new: str, blessed: str
 ) -> None:
-    text = NEW_TRACE.replace(
-        "  - {op: prefill, req: A1, lookahead: 3}",
-        "  - {op: prefill, req: A1, lookahead: 3, expect: {junction: 0}}",
-    )
-    path = write(tmp_path, text)
+    assert old in NEW_TRACE
+    path = write(tmp_path, NEW_TRACE.replace(old, new))
     assert bless(capsys, str(path))[0] == 0
-    assert "  - {op: prefill, req: A1, lookahead: 3, expect: {junction: 144}}\n" in (
-        path.read_text()
-    )
+    assert blessed in path.read_text()
+    assert cli.main(["replay", str(path), "--target", "model"]) == 0
 
 
 @pytest.mark.parametrize(
@@ -249,20 +265,6 @@ def test_vllm_disagreeing_refuses_the_trace_and_writes_nothing(
     )
     assert err.count("\n") == 1
     assert path.read_text() == NEW_TRACE
-
-
-def test_a_ref_check_is_refreshed_number_by_number(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    text = NEW_TRACE.replace(
-        "    holds: {}\n", "    holds: {}\n    ref: {A1: {1: {136: 3}, 0: {8: 2}}}  # A0's tail\n"
-    )
-    path = write(tmp_path, text)
-    assert bless(capsys, str(path))[0] == 0
-    # The burst evicted A0's tail state (null: nothing keyed there); A1's
-    # first attention block waits in the free queue (ref count 0).
-    assert "    ref: {A1: {1: {136: null}, 0: {8: 0}}}  # A0's tail\n" in path.read_text()
-    assert cli.main(["replay", str(path), "--target", "model"]) == 0
 
 
 def test_values_shared_through_a_yaml_alias_are_refused_by_name(

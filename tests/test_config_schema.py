@@ -60,6 +60,7 @@ NON_DEFAULT: dict[str, tuple[Any, dict[str, Any]]] = {
     "kv_cache_metrics_sample": (0.5, {}),
     "model_runner": ("v2", {}),
     "scheduling_policy": ("priority", {}),
+    "vllm_defects": ("fixed", {}),
     "max_loras": (2, {}),
     "prefill_schedule_interval": (3, {}),
     "encoder_compute_budget": (96, {}),

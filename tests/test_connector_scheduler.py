@@ -731,7 +731,7 @@ def test_exploration_tells_the_exact_fit_defect_apart() -> None:
     `schedule()` ran out of blocks, which exploration counts and drops; a
     ValueError in a step where the model left none waiting is not it."""
     from kvgate.conformance.scheduler_replay import SchedulerLockstep
-    from kvgate.explore.scheduler_machine import is_exact_fit_defect
+    from kvgate.explore.scheduler_triage import is_exact_fit_defect
     from kvgate.impl.vllm_scheduler import VllmScheduler
 
     trace = parse_trace(EXACT_FIT_WITH_EXTERNAL_TOKENS, "fit.yaml")

@@ -73,7 +73,6 @@ def check(values: dict[str, str], config: Any) -> None:
     spec = config.speculative_config
     assert values["prefix caching"] == json.dumps(bool(cache.enable_prefix_caching))
     assert values["mamba cache mode"] == str(cache.mamba_cache_mode)
-    assert values["mamba block"] == str(cache.mamba_block_size)
     assert values["drafts"] == str(spec.num_speculative_tokens if spec else 0)
     assert values["prefill lookahead"] == str(config.num_prefill_lookahead_tokens)
     assert values["hash lookahead"] == str(config.num_hash_lookahead_tokens)
@@ -81,15 +80,19 @@ def check(values: dict[str, str], config: Any) -> None:
     assert values["token budget"] == str(budget)
     assert values["max_num_seqs"] == str(scheduler.max_num_seqs)
     assert values["max_model_len"] == str(config.model_config.max_model_len)
-    assert values["groups"].startswith(f"full_attention block {cache.block_size}, ")
-    assert f"mamba_align block {cache.mamba_block_size}" in values["groups"]
     if cache.prefix_match_unit is not None:
         assert values["hash unit"] == str(cache.prefix_match_unit)
+    # The served blocks: the worker's update raises the attention block to
+    # hold a Mamba page, at least the configured block, and in align mode
+    # sets the Mamba block to it (checked against the worker's own update
+    # on real layers in the test below).
+    block = int(values["attention block"])
+    assert block >= cache.block_size
     if cache.mamba_cache_mode == "align":
-        # The worker's block update, after the model loads, is named as the
-        # serving machine's: it overrides the configured Mamba block.
-        served = values["attention and Mamba blocks"]
-        assert "update_block_size_for_backend" in served and "--mamba-block-size" in served
+        assert values["mamba block"] == str(block)
+        assert values["groups"].startswith(
+            f"full_attention block {block}, mamba_align block {block}"
+        )
 
 
 def test_three_command_lines_resolve_as_vllm_resolves_them(
@@ -130,6 +133,7 @@ def test_three_command_lines_resolve_as_vllm_resolves_them(
     check(values, vllm_resolved(model=qwen3, speculative_config=json.loads(MTP), **seed_flags))
     assert values["prefill lookahead"] == "3"  # a module per draft
     assert values["hash unit"] == "64"
+    assert values["attention backend"] == "FLASH_ATTN"  # assumed, and said so
     # vLLM's default on a GPU; the CPU platform's override is set aside.
     assert values["async scheduling"] == "true"
 
@@ -226,7 +230,10 @@ def test_the_trace_config_block_builds_vllms_scheduler(capsys: pytest.CaptureFix
     )
     config = parse_trace(head + out + engine).config
     assert config_dict(config) == block["config"]
-    assert (config.num_blocks, config.hash_unit, config.scheduler_block_size) == (512, 64, 256)
+    # The tiny model's Mamba page fits a 64-token attention page: the worker
+    # keeps 64 and serves the Mamba block at 64, over the asked 256.
+    assert (config.num_blocks, config.hash_unit, config.scheduler_block_size) == (512, 64, 64)
+    assert [g.block_size for g in config.groups] == [64, 64]
     assert config.hash_lookahead_tokens == 3 and config.async_scheduling
 
     factory: Any = targets.target_factory("vllm-scheduler")
@@ -245,3 +252,73 @@ def test_bad_command_lines_are_one_line(capsys: pytest.CaptureFixture[str], tmp_
     assert "vLLM's serve parser refuses it" in err and "Traceback" not in err
     assert cli.main(["deployment", "--trace-config", str(model_dir(1))]) == 2
     assert "pool size" in capsys.readouterr().err
+
+
+WORKER_BLOCK_UPDATE = Path(__file__).resolve().parent.parent / "scripts" / "worker_block_update.py"
+
+
+def test_served_blocks_are_what_vllms_worker_computes(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """The served blocks `kvgate deployment` prints are those vLLM's worker
+    computes: its platform's update run on the model's real layers (built
+    on the meta device by scripts/worker_block_update.py, in a child
+    process: it starts vLLM's distributed state), on this machine's CPU
+    attention backend, which kvgate is told to assume. The first command
+    line is the served CPU probe's (64/256/64 served as 320/320/64)."""
+    import subprocess
+    import sys
+
+    sys.path.insert(0, str(WORKER_BLOCK_UPDATE.parent))
+    from served_e2e import tiny_qwen3_next  # type: ignore[import-not-found]
+
+    qwen3 = tmp_path / "tiny-qwen3-next"
+    tiny_qwen3_next(eos_token_id=1).save_pretrained(qwen3)
+    hybrid = nemotron_h_dir(tmp_path / "nemotron-h")
+    lines: list[tuple[dict[str, Any], list[str]]] = [
+        (
+            dict(
+                model=str(qwen3),
+                enable_prefix_caching=True,
+                block_size=64,
+                mamba_block_size=256,
+                prefix_match_unit=64,
+            ),
+            [
+                str(qwen3),
+                "--enable-prefix-caching",
+                "--block-size",
+                "64",
+                "--mamba-block-size",
+                "256",
+                "--prefix-match-unit",
+                "64",
+            ],
+        ),
+        (
+            dict(model=str(qwen3), enable_prefix_caching=True, mamba_block_size=128),
+            [str(qwen3), "--enable-prefix-caching", "--mamba-block-size", "128"],
+        ),
+        (
+            dict(model=str(hybrid), enable_prefix_caching=True, mamba_block_size=128),
+            [str(hybrid), "--enable-prefix-caching", "--mamba-block-size", "128"],
+        ),
+    ]
+    child = subprocess.run(
+        [sys.executable, str(WORKER_BLOCK_UPDATE), *(json.dumps(s) for s, _ in lines)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert child.returncode == 0, child.stderr[-2000:]
+    workers = [json.loads(line) for line in child.stdout.splitlines() if line.startswith("{")]
+    assert len(workers) == len(lines)
+    for worker, (_, argv) in zip(workers, lines, strict=True):
+        assert worker["attention_backends"] == ["CPU_ATTN"]
+        values = printed(capsys, ["--assume-attention-backend", "CPU_ATTN", *argv])
+        assert values["attention block"] == str(worker["block_size"])
+        assert values["mamba block"] == str(worker["mamba_block_size"])
+        unit = worker["prefix_match_unit"] or worker["block_size"]
+        assert values["hash unit"] == str(unit)
+    # The served CPU probe's blocks for 64/256/64.
+    assert (workers[0]["block_size"], workers[0]["mamba_block_size"]) == (320, 320)

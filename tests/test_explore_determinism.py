@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvgate.explore import runner
+from kvgate.explore import machine_run
 from kvgate.explore.profiles import draws_from_the_seed_alone, profile
 from kvgate.explore.runner import explore, model_mode
 
@@ -95,6 +95,6 @@ def test_every_exploration_run_is_guarded(monkeypatch: pytest.MonkeyPatch) -> No
         with draws_from_the_seed_alone():
             yield
 
-    monkeypatch.setattr(runner, "draws_from_the_seed_alone", recording)
+    monkeypatch.setattr(machine_run, "draws_from_the_seed_alone", recording)
     explore(model_mode(hold=True), profile("dev", max_examples=2), seed=0)
     assert entered

@@ -1,13 +1,15 @@
 """Exploration at the Scheduler level: engine steps on kvgate's scheduler
 model and vLLM 0.33.0's real `Scheduler`, in strict lockstep.
 
-The ci profile is clean on stock vLLM, and finds from scratch a Scheduler
-fault of the campaign's applied in this process; the trace it saves replays
-as a divergence on vLLM with the fault, and conforms without it.
+The ci profile is clean on stock vLLM and reaches a list of behaviours, and
+finds from scratch a Scheduler fault of the campaign's applied in this
+process; the trace it saves replays as a divergence on vLLM with the fault,
+and conforms without it.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
@@ -18,8 +20,9 @@ from hypothesis import Phase
 from kvgate import cli
 from kvgate.conformance.trace import load_trace
 from kvgate.conformance.writer import save_engine_trace
+from kvgate.explore.mode import SchedulerMode, SchedulerStats
 from kvgate.explore.profiles import profile
-from kvgate.explore.scheduler_machine import SchedulerMode, explore_scheduler
+from kvgate.explore.scheduler_runner import SchedulerOutcome, explore_scheduler
 from kvgate.mutate.faults import BY_NAME
 from kvgate.mutate.inject import injected
 from kvgate.vocabulary.config import GroupConfig
@@ -75,32 +78,79 @@ def test_an_explored_history_is_a_scheduler_level_trace(tmp_path: Path) -> None:
     assert got == want
 
 
+# What the ci profile must reach on stock vLLM: each behaviour by the counts
+# that show it (reached when any is above 0), then pool pressure and breadth.
+BEHAVIOURS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("a fresh prompt", ("arrive:fresh",)),
+    ("a prompt sharing an earlier one", ("arrive:shared",)),
+    ("a conversation's next turn", ("arrive:next_turn",)),
+    ("another tenant's cache salt", ("arrive:salted",)),
+    ("an image", ("arrive:image",)),
+    ("an abort of a running request", ("abort:prefill", "abort:decode")),
+    ("a reset preempting running requests", ("reset:running:busy",)),
+    ("a reset keeping running requests", ("reset:kept:busy",)),
+    ("a KV connector's synchronous hit", ("arrive:remote:sync",)),
+    ("a KV connector's asynchronous hit", ("arrive:remote:async",)),
+    ("two batches in flight (async scheduling)", ("engine:async",)),
+    ("the priority policy", ("engine:priority",)),
+    ("a request of priority above 0", ("arrive:priority:1", "arrive:priority:2")),
+    ("a LoRA adapter", ("arrive:lora",)),
+    ("an adapter held back by the engine's limit", ("step:lora:held_back",)),
+    ("a streaming-input session", ("arrive:session",)),
+    ("a chunk sent to a paused session", ("chunk:paused",)),
+    ("a chunk queued while its session runs", ("chunk:queued",)),
+    ("KV-cache events of stores and removals", ("engine:kv_events:on",)),
+    ("KV-cache events with lookups' hits", ("engine:kv_events:full",)),
+    ("stats logging off", ("engine:stats_off",)),
+)
+PREEMPTION = "a preemption"
+FAMILIES = 5
+BREADTH = f"{FAMILIES} deployment families"
+
+
+def unreached(stats: SchedulerStats) -> list[str]:
+    """The behaviours a run did not reach."""
+    missing = [name for name, keys in BEHAVIOURS if not any(stats.ops[k] for k in keys)]
+    if not stats.preemptions:
+        missing.append(PREEMPTION)
+    if len(stats.families) < FAMILIES:
+        missing.append(BREADTH)
+    return missing
+
+
+@pytest.fixture(scope="module")
+def ci_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[SchedulerOutcome, Path]:
+    """The ci profile on stock vLLM, run once for the tests below, and the
+    folder it would save a failure in."""
+    out = tmp_path_factory.mktemp("explored")
+    return explore_scheduler(SchedulerMode(), profile("ci", "scheduler"), out=out), out
+
+
 @needs_vllm
-def test_scheduler_ci_profile_is_clean_on_stock_vllm(tmp_path: Path) -> None:
-    outcome = explore_scheduler(SchedulerMode(), profile("ci", "scheduler"), out=tmp_path)
+def test_scheduler_ci_profile_is_clean_on_stock_vllm(ci_run: tuple[SchedulerOutcome, Path]) -> None:
+    outcome, out = ci_run
     assert outcome.failure is None, str(outcome.failure)
-    assert list(tmp_path.iterdir()) == []
-    ops = outcome.stats.ops
-    # Every prompt shape, aborts of running requests, resets of both kinds
-    # with requests running, and pool pressure were reached.
-    assert all(ops[f"arrive:{shape}"] for shape in ("fresh", "shared", "next_turn"))
-    assert ops["arrive:salted"] and ops["arrive:image"]
-    assert ops["abort:prefill"] + ops["abort:decode"]
-    assert ops["reset:running:busy"] and ops["reset:kept:busy"]
-    assert ops["arrive:remote:sync"] and ops["arrive:remote:async"]
-    assert ops["engine:async"]  # two batches in flight
-    # The priority policy, with requests of more than one priority.
-    assert ops["engine:priority"] and ops["arrive:priority:1"] + ops["arrive:priority:2"]
-    # LoRA adapters, some held back by the engine's adapter limit.
-    assert ops["arrive:lora"] and ops["step:lora:held_back"]
-    # Streaming-input sessions, each kind of chunk.
-    assert ops["arrive:session"] and ops["chunk:paused"] and ops["chunk:queued"]
-    # Engines publishing KV-cache events (stores and removals; lookups' hits
-    # too), and engines with stats logging off.
-    assert ops["engine:kv_events:on"] and ops["engine:kv_events:full"]
-    assert ops["engine:stats_off"]
-    assert outcome.stats.preemptions
-    assert len(outcome.stats.families) >= 5
+    assert list(out.iterdir()) == []
+
+
+@needs_vllm
+def test_scheduler_ci_profile_reaches_every_behaviour(
+    ci_run: tuple[SchedulerOutcome, Path],
+) -> None:
+    assert unreached(ci_run[0].stats) == []
+
+
+@needs_vllm
+def test_a_behaviour_the_run_did_not_reach_is_named(ci_run: tuple[SchedulerOutcome, Path]) -> None:
+    """Each behaviour's check can fail: with its counts taken out of the
+    run's, exactly it is named."""
+    stats = ci_run[0].stats
+    for name, keys in BEHAVIOURS:
+        ops = Counter({k: v for k, v in stats.ops.items() if k not in keys})
+        assert unreached(replace(stats, ops=ops)) == [name]
+    assert unreached(replace(stats, preemptions=0)) == [PREEMPTION]
+    fewer = Counter(dict(list(stats.families.items())[: FAMILIES - 1]))
+    assert unreached(replace(stats, families=fewer)) == [BREADTH]
 
 
 @needs_vllm

@@ -17,6 +17,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -101,7 +102,7 @@ def test_each_reproduction_shows_on_the_pinned_release_what_the_page_says(
 def test_a_reproduction_that_fails_is_told_apart(tmp_path: Path) -> None:
     """An exit code that is none of the three is a failure, shown with the
     last line of its error output, never read as a status."""
-    finding = GENERATOR.Finding("x", "t", "w", "f", "i", "e")
+    finding = GENERATOR.Finding("x", "t", "w", "f", "i", "e", "x")
     script = tmp_path / "broken.py"
     script.write_text("raise SystemExit('no Scheduler here')\n", encoding="utf-8")
 
@@ -110,7 +111,7 @@ def test_a_reproduction_that_fails_is_told_apart(tmp_path: Path) -> None:
         def script(self) -> str:
             return str(script)
 
-    result = GENERATOR.run_reproduction(sys.executable, Broken("x", "t", "w", "f", "i", "e"))
+    result = GENERATOR.run_reproduction(sys.executable, Broken("x", "t", "w", "f", "i", "e", "x"))
     assert result == {"status": "failed (exit 1)", "said": ["no Scheduler here"]}
 
 
@@ -156,7 +157,8 @@ def test_the_probe_reads_each_reproductions_exit_code(tmp_path: Path) -> None:
     assert shown[0].startswith("known vLLM defects: 1 of 4 present on this build; reported only")
     assert shown[1:] == [
         "  present: defect a (impact: costs a)",
-        "  absent: defect b",
+        "  absent: defect b (this build behaves as a fixed vLLM, the model's "
+        "`vllm_defects: fixed`; the traces pass either way)",
         "  not probed: defect c: no Triton",
         "  not probed: defect d: its reproduction exited 1",
     ]
@@ -181,14 +183,60 @@ def test_the_model_target_and_skip_probe_nothing() -> None:
     assert start("report", "model") is None
 
 
-def test_the_gate_on_the_pinned_release_lists_the_defects_and_fails_by_policy() -> None:
-    """`--known-defects fail` on vLLM 0.33.0: every known defect present,
-    with its impact, and exit 1 though the one trace selected passes."""
-    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "PYTHONPATH": str(ROOT)}
+def test_the_source_tree_probes_the_reproductions_in_findings() -> None:
+    """One copy: the package's folder of reproductions is findings/ itself."""
+    from kvgate.known_defects import findings_dir
+
+    folder = findings_dir()
+    assert folder is not None and folder == (ROOT / "findings").resolve()
+
+
+def installed_wheel(into: Path) -> Path:
+    """kvgate built as a wheel from this checkout and unpacked (a wheel is
+    its installed tree): the folder to put on the path."""
+    wheels = into / "wheels"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q"]
+        + ["--wheel-dir", str(wheels), str(ROOT)],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
+    (wheel,) = wheels.glob("kvgate-*.whl")
+    site = into / "site"
+    zipfile.ZipFile(wheel).extractall(site)
+    return site
+
+
+def test_the_gate_from_an_installed_wheel_lists_the_defects_and_fails_by_policy(
+    tmp_path: Path,
+) -> None:
+    """`--known-defects fail` on vLLM 0.33.0, kvgate run from its wheel
+    outside the checkout: every known defect present, with its impact, and
+    exit 1 though the one trace selected passes."""
+    site = installed_wheel(tmp_path)
+    assert sorted(p.parent.name for p in (site / "kvgate" / "findings").glob("*/repro.py")) == (
+        sorted(SLUGS)
+    )
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "PYTHONPATH": str(site)}
+    env.pop("KVGATE_KNOWN_DEFECTS", None)
+    probed = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from kvgate import known_defects; print(known_defects.findings_dir())",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    assert probed == str((site / "kvgate" / "findings").resolve()), probed
     done = subprocess.run(
         [sys.executable, "-m", "kvgate", "gate", "--target", "vllm", "-k", "admission-exact-fit"]
         + ["--known-defects", "fail"],
-        cwd=ROOT,
+        cwd=tmp_path,
         env=env,
         capture_output=True,
         text=True,

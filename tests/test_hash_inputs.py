@@ -11,11 +11,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from command_runs import replay_text
 from configs import needs_vllm, trace_text
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvgate.cli import main
 from kvgate.conformance.trace import parse_trace
 from kvgate.conformance.writer import dump_trace
 from kvgate.explore.hash_inputs import VARY_EVERY, RequestInputs
@@ -70,10 +70,8 @@ MALFORMED: list[tuple[str, str, str]] = [
 def test_malformed_hash_inputs_are_one_line_errors(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], steps: str, where: str
 ) -> None:
-    path = tmp_path / "bad.yaml"
-    path.write_text(trace_text(steps))
-    assert main(["replay", str(path), "--target", "model"]) != 0
-    out, err = capsys.readouterr()
+    path, code, out, err = replay_text(tmp_path, trace_text(steps), capsys)
+    assert code != 0
     text = err or out
     assert f"{path}: {where}" in text, text
     assert "Traceback" not in text

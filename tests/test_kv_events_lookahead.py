@@ -13,7 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from configs import needs_vllm
+from configs import needs_vllm, trace_config, trace_text
 from hypothesis import Phase
 
 from kvgate.conformance.replay import replay
@@ -31,29 +31,22 @@ FAMILIES = ("gdn-triton", "gdn-flashinfer", "mamba2")
 
 # A Mamba sub-block hit (80, inside the block 64-96) on a request of 90
 # tokens: its last key is at 88, the hit list's copy source ends at 96.
-CRASH_TRACE = """\
-format: kvgate-trace/1
-name: full-report-past-the-keys
-config:
-  num_blocks: 40
-  hash_unit: 8
-  scheduler_block_size: 32
-  eagle: true
-  retention_interval: 0
-  retain_checkpoint: false
-  kv_events: true
-  kv_events_full: true
-  groups:
-    - {kind: full_attention, block_size: 8}
-    - {kind: mamba_align, block_size: 32, speculative_blocks: 2}
-steps:
-  - {op: arrive, req: A0, prompt: [{fresh: 90}]}
-  - {op: prefill, req: A0, lookahead: 2}
-  - {op: free, req: A0, how: finish}
-  - {op: drain}
-  - {op: arrive, req: A1, prompt: [{prompt_of: A0}]}
-  - {op: lookup, req: A1}
-"""
+CRASH_TRACE = trace_text(
+    """\
+    - {op: arrive, req: A0, prompt: [{fresh: 90}]}
+    - {op: prefill, req: A0, lookahead: 2}
+    - {op: free, req: A0, how: finish}
+    - {op: drain}
+    - {op: arrive, req: A1, prompt: [{prompt_of: A0}]}
+    - {op: lookup, req: A1}
+    """,
+    trace_config(
+        40,
+        speculative_blocks=2,
+        extra="  scheduler_block_size: 32\n  kv_events: true\n  kv_events_full: true\n",
+    ),
+    "full-report-past-the-keys",
+)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -16,7 +16,7 @@ from dataclasses import replace
 from typing import cast
 
 import pytest
-from configs import needs_vllm
+from configs import needs_vllm, trace_config, trace_text
 
 from kvgate.conformance.replay import ReplayResult, replay
 from kvgate.conformance.trace import Trace, TraceError, bundled_corpus, load_corpus, parse_trace
@@ -40,35 +40,28 @@ MODE_NONE = [
 
 # A GDN-style hybrid whose Mamba block (32) is finer than its prompts, so
 # each step frees the states below the running one.
-FINE_BLOCK = """\
-format: kvgate-trace/1
-name: mode-none-fine-block
-config:
-  num_blocks: 96
-  hash_unit: 8
-  eagle: true
-  retention_interval: 0
-  prefix_caching: false
-  mamba_cache_mode: none
-  max_num_scheduled_tokens: 48
-  groups:
-    - {kind: full_attention, block_size: 8}
-    - {kind: mamba_align, block_size: 32, speculative_blocks: 2}
-steps:
-  - {op: arrive, req: A, prompt: [{fresh: 150}]}
-  - {op: prefill, req: A, lookahead: 2}
-  - {op: decode, req: A, steps: 4, spec: 2}
-  - {op: arrive, req: B, prompt: [{prompt_of: A}, {fresh: 40}]}
-  - {op: prefill, req: B, lookahead: 2}
-  - {op: free, req: B, how: preempt}
-  - {op: evict, blocks: 4}
-  - {op: prefill, req: B, lookahead: 2}
-  - {op: decode, req: B, steps: 3, spec: 2}
-  - {op: free, req: A, how: finish}
-  - {op: free, req: B, how: abort}
-  - {op: drain}
-  - {op: check, pool_clean: true}
-"""
+FINE_BLOCK = trace_text(
+    """\
+    - {op: arrive, req: A, prompt: [{fresh: 150}]}
+    - {op: prefill, req: A, lookahead: 2}
+    - {op: decode, req: A, steps: 4, spec: 2}
+    - {op: arrive, req: B, prompt: [{prompt_of: A}, {fresh: 40}]}
+    - {op: prefill, req: B, lookahead: 2}
+    - {op: free, req: B, how: preempt}
+    - {op: evict, blocks: 4}
+    - {op: prefill, req: B, lookahead: 2}
+    - {op: decode, req: B, steps: 3, spec: 2}
+    - {op: free, req: A, how: finish}
+    - {op: free, req: B, how: abort}
+    - {op: drain}
+    - {op: check, pool_clean: true}
+    """,
+    trace_config(
+        speculative_blocks=2,
+        extra="  prefix_caching: false\n  mamba_cache_mode: none\n  max_num_scheduled_tokens: 48\n",
+    ),
+    "mode-none-fine-block",
+)
 
 
 def as_align(config: Config) -> ModelTarget:

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from command_runs import run_python
 
 import kvgate
 from kvgate import cli
@@ -49,13 +50,7 @@ def test_the_gate_imports_no_optional_dependency(tmp_path: Path) -> None:
         "optional = ('matplotlib', 'ray', 'pytest', '_pytest', 'vllm', 'torch')\n"
         "print(code, sorted({m.split('.')[0] for m in sys.modules} & set(optional)))\n"
     )
-    run = subprocess.run(
-        [sys.executable, "-c", program],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"},
-        timeout=300,
-    )
+    run = run_python("-c", program, timeout=300)
     assert run.stdout.splitlines()[-1] == "0 []", run.stdout[-2000:] + run.stderr[-2000:]
 
 
@@ -72,9 +67,7 @@ def test_the_gate_runs_with_hypothesis_and_z3_unimportable() -> None:
         "for command in ('explore', 'prove'):\n"
         "    print('exit', cli.main([command]))\n"
     )
-    run = subprocess.run(
-        [sys.executable, "-c", program], capture_output=True, text=True, timeout=300
-    )
+    run = run_python("-c", program, timeout=300)
     assert [line for line in run.stdout.splitlines() if line.startswith("exit")] == [
         "exit 0",
         "exit 2",

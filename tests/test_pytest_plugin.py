@@ -30,6 +30,16 @@ PLAIN = """\
 """
 
 
+def on_model(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
+    """`pytest --kvgate --kvgate-target model ARGS` in `pytester`'s folder."""
+    return pytester.runpytest(*PLUGIN, "--kvgate", "--kvgate-target", "model", *args)
+
+
+def corpus_alone(pytester: pytest.Pytester, corpus: Path, *args: str) -> pytest.RunResult:
+    """`on_model` over the traces of `corpus` alone (the bundled corpus left out)."""
+    return on_model(pytester, "--kvgate-no-bundled", "--kvgate-corpus", str(corpus), *args)
+
+
 def test_without_kvgate_the_plugin_is_inert(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_own="def test_own():\n    assert True\n")
     result = pytester.runpytest(*PLUGIN, "-q")
@@ -40,9 +50,7 @@ def test_without_kvgate_the_plugin_is_inert(pytester: pytest.Pytester) -> None:
 def test_k_selects_traces_and_junit_classes_are_family_and_arm(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_own="def test_own_seed1():\n    assert True\n")
     junit = pytester.path / "out.xml"
-    result = pytester.runpytest(
-        *PLUGIN, "--kvgate", "--kvgate-target", "model", "-k", "seed1", f"--junit-xml={junit}"
-    )
+    result = on_model(pytester, "-k", "seed1", f"--junit-xml={junit}")
     # The traces only: the test file in the directory is not collected.
     result.assert_outcomes(passed=4, deselected=CORPUS - 4)
     assert "kvgate: corpora bundled, target model" in result.stdout.str()
@@ -58,13 +66,9 @@ def test_k_selects_traces_and_junit_classes_are_family_and_arm(pytester: pytest.
     ]
     # Tags are keywords; a test path named runs beside the traces.
     # (No trace's name holds "multi-turn": only the seed1 traces' tags do both.)
-    tagged = pytester.runpytest(
-        *PLUGIN, "--kvgate", "--kvgate-target", "model", "-k", "multi-turn and seed and not fork"
-    )
+    tagged = on_model(pytester, "-k", "multi-turn and seed and not fork")
     tagged.assert_outcomes(passed=2, deselected=CORPUS - 2)
-    named = pytester.runpytest(
-        *PLUGIN, "--kvgate", "--kvgate-target", "model", "-k", "seed1", "test_own.py"
-    )
+    named = on_model(pytester, "-k", "seed1", "test_own.py")
     named.assert_outcomes(passed=5, deselected=CORPUS - 4)
 
 
@@ -87,9 +91,7 @@ def test_it_collects_every_trace_the_gate_runs_with_the_gates_verdicts(
     words = [line.split(" ") for line in ran]
     verdicts = {w[1]: w[0] for w in words if w[0] in ("PASS", "FAIL", "LACKS", "SKIP", "ERROR")}
     assert len(verdicts) >= 2 and set(verdicts.values()) == {"PASS"}, ran
-    selected = pytester.runpytest(
-        *PLUGIN, "--kvgate", "--kvgate-target", "model", "-k", "sched-async", "-rA"
-    )
+    selected = on_model(pytester, "-k", "sched-async", "-rA")
     selected.assert_outcomes(passed=len(verdicts), deselected=CORPUS - len(verdicts))
     for name in verdicts:
         selected.stdout.fnmatch_lines([f"PASSED kvgate::*::{name}"])
@@ -103,15 +105,7 @@ def test_corpus_folders_add_to_the_bundled_corpus(pytester: pytest.Pytester) -> 
         *PLUGIN, "--kvgate", "--kvgate-corpus", str(pytester.path / "corpus"), "--collect-only"
     )
     both.stdout.fnmatch_lines([f"*{CORPUS + 1} tests collected*"])
-    alone = pytester.runpytest(
-        *PLUGIN,
-        "--kvgate",
-        "--kvgate-target",
-        "model",
-        "--kvgate-no-bundled",
-        "--kvgate-corpus",
-        str(corpus),
-    )
+    alone = corpus_alone(pytester, corpus)
     alone.assert_outcomes(passed=1)
     neither = pytester.runpytest(*PLUGIN, "--kvgate", "--kvgate-no-bundled")
     assert neither.ret == pytest.ExitCode.USAGE_ERROR
@@ -124,39 +118,13 @@ def test_x_stops_at_the_first_failure_and_an_invalid_trace_fails_in_one_line(
     corpus.mkdir()
     (corpus / "a.yaml").write_text(fake_trace_text(PLAIN, "a").replace("num_blocks: 96", "x: 1"))
     (corpus / "b.yaml").write_text(fake_trace_text(PLAIN, "b"))
-    result = pytester.runpytest(
-        *PLUGIN,
-        "--kvgate",
-        "--kvgate-target",
-        "model",
-        "--kvgate-no-bundled",
-        "--kvgate-corpus",
-        str(corpus),
-    )
+    result = corpus_alone(pytester, corpus)
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines(["*invalid trace: *a.yaml: config.x: unknown config key*"])
-    stopped = pytester.runpytest(
-        *PLUGIN,
-        "--kvgate",
-        "--kvgate-target",
-        "model",
-        "--kvgate-no-bundled",
-        "--kvgate-corpus",
-        str(corpus),
-        "-x",
-    )
+    stopped = corpus_alone(pytester, corpus, "-x")
     stopped.assert_outcomes(passed=1, failed=1)
     shutil.copy(corpus / "a.yaml", corpus / "c.yaml")
-    stopped = pytester.runpytest(
-        *PLUGIN,
-        "--kvgate",
-        "--kvgate-target",
-        "model",
-        "--kvgate-no-bundled",
-        "--kvgate-corpus",
-        str(corpus),
-        "-x",
-    )
+    stopped = corpus_alone(pytester, corpus, "-x")
     stopped.assert_outcomes(passed=1, failed=1)  # the second invalid trace never ran
 
 

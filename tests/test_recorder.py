@@ -136,6 +136,15 @@ def test_with_the_recorder_off_nothing_is_wrapped(
     assert wrapped_methods() == []
 
 
+def test_the_recording_names_the_device_its_engine_ran_on(small_recording: Path) -> None:
+    """The header names the device of vLLM's platform (a CPU build's
+    recording is then of the `gdn-cpu` family, not `gdn-triton`)."""
+    from vllm.platforms import current_platform
+
+    assert current_platform.device_type
+    assert load_trace(small_recording).device == current_platform.device_type
+
+
 def test_the_recorded_arm_is_gated(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A run with the hold, where the hold decides a follow-up's cached
     tokens, records the hold-on arm: the recording conforms on the model
@@ -641,6 +650,9 @@ def test_the_served_numbers_on_the_record_and_replay_page_are_the_measured_ones(
     # What the test asserts of the served run holds in the numbers kept.
     assert measured["arrivals"] == measured["requests"]
     assert measured["aborted_inside_a_step"] > 0 and measured["files"] > 1
+    assert measured["preempted"] > 0
+    sharing = sum(shares for _, shares in measured["follow_ups"].values())
+    assert measured["follow_ups_written_as_continuations"] == sharing
 
 
 def test_an_engine_splitting_prefills_at_another_block_size_is_not_recorded() -> None:

@@ -46,6 +46,20 @@ def refusal_text(config: str, field: str, steps: str = "") -> str:
     return f"format: kvgate-trace/1\nname: r\n{config}expect_refused: {field}\n{steps}"
 
 
+def retention_refusal(interval: int) -> str:
+    """A refusal trace: the seed scenario with `retention_interval` at
+    `interval`, which vLLM refuses by that field."""
+    return refusal_text(
+        EXAMPLE_TRACE_CONFIG.replace("retention_interval: 0", f"retention_interval: {interval}"),
+        "retention_interval",
+    )
+
+
+def refuses_by_hash_unit(config: Config) -> Any:
+    """A target that refuses every config by another field than the trace's."""
+    raise RefusedByVllm("hash_unit", "a target that names another field")
+
+
 def test_the_corpus_has_a_refusal_trace_for_each_of_vllms_rules() -> None:
     fields = {t.expect_refused for t in REFUSALS}
     assert fields == {
@@ -172,12 +186,7 @@ def test_what_kvgate_refuses_by_name_vllm_serves() -> None:
 
 
 def test_a_refusal_trace_the_target_accepts_fails_and_says_so() -> None:
-    accepted = parse_trace(
-        refusal_text(
-            EXAMPLE_TRACE_CONFIG.replace("retention_interval: 0", "retention_interval: 32"),
-            "retention_interval",
-        )
-    )
+    accepted = parse_trace(retention_refusal(32))
     result = judge_refusal(accepted, ModelTarget)
     assert not result.passed and result.steps_run == 0
     first = result.failures[0]
@@ -186,15 +195,7 @@ def test_a_refusal_trace_the_target_accepts_fails_and_says_so() -> None:
 
 
 def test_a_refusal_by_another_field_fails_and_a_drifted_model_is_named() -> None:
-    trace = parse_trace(
-        refusal_text(
-            EXAMPLE_TRACE_CONFIG.replace("retention_interval: 0", "retention_interval: 48"),
-            "retention_interval",
-        )
-    )
-
-    def refuses_by_hash_unit(config: Config) -> Any:
-        raise RefusedByVllm("hash_unit", "a target that names another field")
+    trace = parse_trace(retention_refusal(48))
 
     def accepts(config: Config) -> Any:
         return ModelTarget(replace(config, retention_interval=0))
@@ -217,18 +218,10 @@ def test_a_release_lacking_what_the_refused_config_needs_is_not_applicable() -> 
     from kvgate.targets import run_trace
     from kvgate.vocabulary.config import UnsupportedConfig
 
-    trace = parse_trace(
-        refusal_text(
-            EXAMPLE_TRACE_CONFIG.replace("retention_interval: 0", "retention_interval: 48"),
-            "retention_interval",
-        )
-    )
+    trace = parse_trace(retention_refusal(48))
 
     def lacks_hashes(config: Config) -> Any:
         raise UnsupportedConfig("hash_unit", "this release has no such hashes")
-
-    def refuses_by_hash_unit(config: Config) -> Any:
-        raise RefusedByVllm("hash_unit", "a target that names another field")
 
     lacking = run_trace(trace, lacks_hashes, None, "strict", False)
     assert verdict(lacking) is Verdict.NOT_APPLICABLE
@@ -239,12 +232,7 @@ def test_a_release_lacking_what_the_refused_config_needs_is_not_applicable() -> 
 
 def test_the_gate_fails_an_accepted_refusal_trace(tmp_path: Path) -> None:
     path = tmp_path / "accepted.yaml"
-    path.write_text(
-        refusal_text(
-            EXAMPLE_TRACE_CONFIG.replace("retention_interval: 0", "retention_interval: 64"),
-            "retention_interval",
-        )
-    )
+    path.write_text(retention_refusal(64))
     run = subprocess.run(
         [sys.executable, "-m", "kvgate", "replay", "--target", "model", str(path)],
         capture_output=True,

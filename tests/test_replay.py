@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
+from command_runs import run_python
 from fake_target import (
     FakeTarget,
     HoldlessFake,
@@ -412,15 +410,32 @@ def test_gate_exits_1_on_a_divergence(
 
 
 @pytest.mark.usefixtures("fake_targets")
-def test_a_config_the_target_refuses_is_an_input_error(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(
+    ("target", "error"),
+    [
+        # The target refuses the trace's config.
+        (
+            "fake_target:GroupsRefusedFake",
+            "{path}: config.groups: this target runs no Mamba groups\n",
+        ),
+        # The target cannot be imported here.
+        ("kvgate.no_such_module:Target", "--target vllm: not available here (ModuleNotFoundError"),
+    ],
+    ids=["config refused", "unavailable"],
+)
+def test_a_target_that_cannot_run_the_trace_is_an_input_error(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    target: str,
+    error: str,
 ) -> None:
-    monkeypatch.setitem(targets.TARGETS, "vllm", "fake_target:GroupsRefusedFake")
+    monkeypatch.setitem(targets.TARGETS, "vllm", target)
     path = write(tmp_path / "a.yaml", LIFE, "life")
     assert cli.main(["replay", str(path), "--target", "vllm"]) == 2
-    assert capsys.readouterr().err == (
-        f"kvgate: error: {path}: config.groups: this target runs no Mamba groups\n"
-    )
+    err = capsys.readouterr().err
+    assert err.startswith("kvgate: error: " + error.format(path=path)), err
+    assert err.count("\n") == 1, err
 
 
 @pytest.mark.usefixtures("fake_targets")
@@ -428,17 +443,6 @@ def test_plugin_only_applies_to_vllm(tmp_path: Path, capsys: pytest.CaptureFixtu
     path = write(tmp_path / "a.yaml", LIFE, "life")
     assert cli.main(["replay", str(path), "--target", "model", "--plugin", "x"]) == 2
     assert capsys.readouterr().err == "kvgate: error: --plugin: only --target vllm loads plugins\n"
-
-
-def test_an_unavailable_target_is_an_input_error(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setitem(targets.TARGETS, "vllm", "kvgate.no_such_module:Target")
-    path = write(tmp_path / "a.yaml", LIFE, "life")
-    assert cli.main(["replay", str(path), "--target", "vllm"]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("kvgate: error: --target vllm: not available here (ModuleNotFoundError")
-    assert err.count("\n") == 1
 
 
 def test_target_model_does_not_import_vllm(tmp_path: Path) -> None:
@@ -454,11 +458,5 @@ def test_target_model_does_not_import_vllm(tmp_path: Path) -> None:
         print("exit", code, "loaded", loaded)
         """
     )
-    run_ = subprocess.run(
-        [sys.executable, "-c", program],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"},
-        timeout=120,
-    )
+    run_ = run_python("-c", program, timeout=120)
     assert run_.stdout.splitlines()[-1] == "exit 0 loaded []", run_.stdout + run_.stderr

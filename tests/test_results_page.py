@@ -15,6 +15,7 @@ when it no longer says what the code would print:
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
@@ -111,6 +112,80 @@ def test_the_benchmark_section_replays_today_s_corpora(
     assert f"corpus: {runs} traces," in text, hint
     assert re.search(rf"^scheduler-level\s+{scheduler}\s", text, re.M), hint
     assert re.search(rf"^manager-level\s+{manager}\s", text, re.M), hint
+
+
+def test_the_served_overhead_section_prints_the_measured_record(
+    results: ModuleType, page: dict[str, str]
+) -> None:
+    """The section is the record benchmarks/served_overhead.py measured,
+    rendered: every run of both arms, each arm's spread, none typed."""
+    import importlib.util
+    import json
+
+    script = ROOT / "benchmarks" / "served_overhead.py"
+    spec = importlib.util.spec_from_file_location("served_overhead", script)
+    assert spec is not None and spec.loader is not None
+    served = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(served)
+    record = json.loads(served.RECORD.read_text())
+    text = printed(results, page, "served-overhead")
+    hint = REGENERATE.format("served-overhead")
+    assert text == served.render(record) + "\nexit 0\n", hint
+    runs = {arm: [r for r in record["runs"] if r["arm"] == arm] for arm in ("on", "off")}
+    assert all(len(arm_runs) >= 3 for arm_runs in runs.values()), runs
+    # Interleaved: the arms alternate run by run.
+    assert [r["arm"] for r in record["runs"]] == ["on", "off"] * len(runs["on"])
+
+
+def test_the_hunting_section_is_its_record_rendered(
+    results: ModuleType, page: dict[str, str]
+) -> None:
+    """The hunt's counts come from findings/hunting.json (one real run's,
+    written by benchmarks/hunting.py), never typed: the page prints them as
+    the record renders them."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "hunting.py"), "--render"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert printed(results, page, "hunting") == done.stdout + "exit 0\n", REGENERATE.format(
+        "hunting"
+    )
+
+
+def test_the_hunt_reads_a_divergence_and_the_defects_it_explored_past() -> None:
+    """What benchmarks/hunting.py records of an exploration's summary: a
+    divergence on stock vLLM is counted and named, never lost."""
+    spec = importlib.util.spec_from_file_location("hunting", ROOT / "benchmarks" / "hunting.py")
+    assert spec is not None and spec.loader is not None
+    hunting = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hunting)
+    summary = (
+        "explore: scope scheduler, target vllm\n"
+        "7 examples, 120 engine steps, 1 round(s), 9.0s (besides: 0 dropped part-way)\n"
+        "  reset 3  (preempting running requests, not sent while a waiting request holds "
+        "blocks 2)\n"
+        "examples per deployment family:\n"
+        "  no drafter; prefill checkpoints (Mamba2): 7\n"
+        "examples dropped (config or request refused, by field): known vLLM defect "
+        "(connector admission at an exact fit) 4, num_blocks 1\n"
+        "first divergence after 3.2s\n"
+        "FAIL divergence (5 engine entries): engine step 2: scheduled\n"
+        "saved: out/hunting/scheduler/x.yaml\n"
+    )
+    run = hunting.read_run("scheduler", summary, 1)
+    assert (run["examples"], run["steps"], run["divergences"]) == (7, 120, 1)
+    assert run["divergence"] == "divergence (5 engine entries): engine step 2: scheduled"
+    assert (run["exact_fit_defect"], run["resets_held_back"]) == (4, 2)
+    assert run["families"] == {"no drafter; prefill checkpoints (Mamba2)": 7}
+    record = {
+        "generated": "g",
+        "machine": "m",
+        "vllm": "v",
+        "runs": {"scheduler": {"command": "kvgate explore", **run}},
+    }
+    assert hunting.render(record)[-1] == "divergences on stock vLLM: 1"
 
 
 def test_check_finds_a_changed_count_and_ignores_a_changed_timing(

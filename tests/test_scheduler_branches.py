@@ -7,7 +7,7 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
-from configs import needs_vllm
+from configs import needs_vllm, trace_config, trace_text
 
 from kvgate.conformance.replay import Divergence, ReplayResult
 from kvgate.conformance.scheduler_replay import replay_scheduler
@@ -149,21 +149,14 @@ def test_accepted_drafts_the_step_cannot_take_are_refused_by_name() -> None:
     assert refused.step_index == last and "past its max_tokens 12" in str(refused)
 
 
-MANAGER_ACCEPTS = """
-format: kvgate-trace/1
-name: decode-accepts-drafts
-config:
-  num_blocks: 64
-  hash_unit: 8
-  eagle: true
-  retention_interval: 0
-  groups:
-    - {kind: full_attention, block_size: 8}
-    - {kind: mamba_align, block_size: 32, speculative_blocks: 3}
-steps:
-  - {op: arrive, req: A, prompt: [{fresh: 60}]}
-  - {op: prefill, req: A, lookahead: 3}
-"""
+MANAGER_ACCEPTS = trace_text(
+    """\
+    - {op: arrive, req: A, prompt: [{fresh: 60}]}
+    - {op: prefill, req: A, lookahead: 3}
+    """,
+    trace_config(64),
+    "decode-accepts-drafts",
+)
 
 
 def manager_trace(accepted: list[int]) -> Trace:

@@ -10,22 +10,19 @@ from typing import Any
 
 import pytest
 from configs import SMALL_SCHEDULER_TRACE_HEAD, needs_vllm
-from scheduler_runs import first_failure, run_model, run_vllm
+from scheduler_runs import Wrapped, first_failure, run_model, run_vllm, trace_of
 
 from kvgate.conformance.scheduler_replay import replay_scheduler
 from kvgate.conformance.trace import (
     Trace,
     TraceError,
-    bundled_scheduler_corpus,
-    load_corpus,
     parse_trace,
 )
 from kvgate.model.scheduler import SchedulerModel
 from kvgate.vocabulary.events import KvEvent
 
-CORPUS = {t.name: t for t in load_corpus(bundled_scheduler_corpus())}
-EVENTS_TRACE = CORPUS["sched-kv-events-store-evict-clear"]
-STATS_OFF_TRACE = CORPUS["sched-stats-off-next-turn-after-preempted"]
+EVENTS_TRACE = trace_of("sched-kv-events-store-evict-clear")
+STATS_OFF_TRACE = trace_of("sched-stats-off-next-turn-after-preempted")
 
 
 def engine_step_with(trace: Trace, wanted: Callable[[list[str]], bool]) -> int:
@@ -151,14 +148,8 @@ def test_a_model_publishing_one_event_fewer_diverges_from_vllm() -> None:
     assert what == "engine step 1: KV-cache events published", what  # counted from 1
 
 
-class _NoClear:
+class _NoClear(Wrapped):
     """vLLM's Scheduler, its published batches without the reset's clear."""
-
-    def __init__(self, real: Any) -> None:
-        self.real = real
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.real, name)
 
     def take_kv_events(self) -> list[KvEvent]:
         return [e for e in self.real.take_kv_events() if e.kind != "cleared"]
@@ -177,15 +168,12 @@ def test_a_scheduler_that_publishes_no_clear_diverges_at_the_step_after_the_rese
     assert isinstance(expected, list) and expected[0] == "cleared"
 
 
-class _UsageOneBlockHigh:
+class _UsageOneBlockHigh(Wrapped):
     """vLLM's Scheduler, reporting one block more in use than it has."""
 
     def __init__(self, real: Any) -> None:
-        self.real = real
+        super().__init__(real)
         self.blocks: int = real.config.num_blocks - 1  # the null block left out
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.real, name)
 
     def kv_cache_usage(self) -> float:
         usage = float(self.real.kv_cache_usage())
@@ -200,14 +188,8 @@ def test_a_scheduler_reporting_a_wrong_usage_diverges_at_the_first_step() -> Non
     assert (index, level) == (first, "api") and what.endswith("KV-cache usage"), what
 
 
-class _StatsAnyway:
+class _StatsAnyway(Wrapped):
     """vLLM's Scheduler, reporting prefix-cache stats with stats logging off."""
-
-    def __init__(self, real: Any) -> None:
-        self.real = real
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.real, name)
 
     def take_prefix_cache_stats(self) -> dict[str, int | bool] | None:
         assert self.real.take_prefix_cache_stats() is None  # logging off: none made

@@ -10,34 +10,20 @@ from typing import Any
 import pytest
 import yaml
 from configs import SMALL_SCHEDULER_TRACE_HEAD, needs_vllm
+from scheduler_runs import first_failure, read_error, run_model, run_vllm, trace_of
 
 from kvgate.conformance.replay import ReplayResult
-from kvgate.conformance.scheduler_replay import replay_scheduler
 from kvgate.conformance.trace import (
     Trace,
-    TraceError,
-    bundled_scheduler_corpus,
-    load_trace,
     parse_trace,
 )
 from kvgate.model.encoder_cache import EncoderCache
-from kvgate.model.scheduler import SchedulerModel
 from kvgate.vocabulary.scheduling import SchedulerTarget
 from kvgate.vocabulary.tokens import NO_INPUTS, HashInputs, MmItem, extend_prefix_keys
 
 CUTS_CHUNK = "sched-mm-encoder-budget-cuts-chunk"
 OTHER_IMAGE = "sched-mm-same-tokens-other-image"
 PREEMPTED = "sched-mm-preempted-gives-back-image"
-
-
-def bundled(name: str) -> Trace:
-    return load_trace(bundled_scheduler_corpus() / f"{name}.yaml")
-
-
-def first_failure(result: ReplayResult) -> tuple[int, str, str]:
-    divergence = result.divergence
-    assert divergence is not None, "the replay passed"
-    return divergence.step.index, divergence.level, divergence.what
 
 
 # -- the reader ---------------------------------------------------------------
@@ -104,11 +90,8 @@ MALFORMED: dict[str, tuple[Callable[[dict[str, Any]], None], int, str]] = {
 @pytest.mark.parametrize("case", list(MALFORMED), ids=list(MALFORMED))
 def test_a_malformed_arrival_item_is_one_error_naming_step_and_field(case: str) -> None:
     edit, step, field = MALFORMED[case]
-    with pytest.raises(TraceError) as raised:
-        parse_trace(edited(edit), "bad.yaml")
-    error = raised.value
+    error = read_error(edited(edit))
     assert (error.step_index, error.field) == (step, field), str(error)
-    assert "\n" not in str(error) and str(error).startswith("bad.yaml: ")
 
 
 def test_arrival_items_and_encoder_sizes_read_and_write_back() -> None:
@@ -170,10 +153,6 @@ def test_an_item_a_request_repeats_stays_held_until_its_last_occurrence() -> Non
 # -- the bundled traces and drifts --------------------------------------------
 
 
-def run_model(trace: Trace) -> ReplayResult:
-    return replay_scheduler(trace, SchedulerModel, None, "strict")
-
-
 @pytest.fixture
 def blind_to_images(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """The model's requests hash their tokens without their images."""
@@ -194,7 +173,7 @@ def blind_to_images(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 
 def test_a_model_blind_to_images_shares_blocks_past_another_image(blind_to_images: None) -> None:
-    trace = bundled(OTHER_IMAGE)
+    trace = trace_of(OTHER_IMAGE)
     index, level, what = first_failure(run_model(trace))
     # B, another image, would share A's whole prefix.
     b_first = next(e for e in trace.engine if e.op == "step" and e.index > 3)
@@ -203,24 +182,19 @@ def test_a_model_blind_to_images_shares_blocks_past_another_image(blind_to_image
 
 def test_a_model_without_an_encoder_budget_misses_the_cut(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(EncoderCache, "fits", lambda self, length, budget, planned: True)
-    trace = bundled(CUTS_CHUNK)
+    trace = trace_of(CUTS_CHUNK)
     assert first_failure(run_model(trace)) == (1, "expect", "scheduled")
 
 
-def run_vllm(trace: Trace, edit: Callable[[Any], None] | None = None) -> ReplayResult:
-    from kvgate.impl.vllm_scheduler import VllmScheduler
+def run_edited(trace: Trace, edit: Callable[[Any], None]) -> ReplayResult:
+    """`trace` on vLLM's Scheduler with `edit` made to vLLM's own object."""
 
-    assert trace.scheduler is not None
-    real = VllmScheduler(
-        trace.config, spec_tokens=trace.scheduler.spec, max_num_seqs=trace.scheduler.max_num_seqs
-    )
-    if edit is not None:
+    def edited(real: Any) -> SchedulerTarget:
         edit(real.scheduler)
-    try:
         target: SchedulerTarget = real
-        return replay_scheduler(trace, SchedulerModel, target, "strict")
-    finally:
-        real.close()
+        return target
+
+    return run_vllm(trace, edited)
 
 
 @needs_vllm
@@ -228,7 +202,7 @@ def test_a_scheduler_without_its_encoder_budget_diverges_at_the_cut() -> None:
     def unbounded(scheduler: Any) -> None:
         scheduler.max_num_encoder_input_tokens = 10**6
 
-    result = run_vllm(bundled(CUTS_CHUNK), unbounded)
+    result = run_edited(trace_of(CUTS_CHUNK), unbounded)
     # The trace's own expectation misses, and the lockstep names the step.
     assert first_failure(result) == (1, "expect", "scheduled")
     [lockstep] = [d for d in result.also if d.level == "api"]
@@ -242,7 +216,7 @@ def test_a_scheduler_whose_encoder_cache_never_hits_diverges_on_the_encoded_item
     from vllm.v1.core.encoder_cache_manager import EncoderCacheManager
 
     monkeypatch.setattr(EncoderCacheManager, "check_and_update_cache", lambda *args: False)
-    trace = bundled(PREEMPTED)
+    trace = trace_of(PREEMPTED)
     index, level, what = first_failure(run_vllm(trace))
     resumed = [e for e in trace.engine if e.expect.get("encoded") == {}][0]
     assert (index, level) == (resumed.index, "api")

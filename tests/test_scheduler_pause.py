@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 from configs import needs_vllm
-from scheduler_runs import recorded, run_vllm, text_of, trace_of
+from scheduler_runs import Wrapped, recorded, run_vllm, text_of, trace_of
 
 from kvgate import cli, targets
 from kvgate.conformance.replay import TraceRunError
@@ -51,14 +51,8 @@ def test_the_model_without_pauses_misses_the_traces_expectations(
     assert (result.divergence.level, result.divergence.what) == ("expect", "scheduled")
 
 
-class _IgnoresPauses:
+class _IgnoresPauses(Wrapped):
     """vLLM's Scheduler whose engine never sets its pause state."""
-
-    def __init__(self, real: Any) -> None:
-        self.real = real
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.real, name)
 
     def pause(self, mode: str) -> None:
         return None

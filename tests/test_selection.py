@@ -11,7 +11,14 @@ import pytest
 from fake_target import fake_trace_text
 
 from kvgate import cli, targets
-from kvgate.conformance.selection import SelectionError, arm, family, keyword_matcher
+from kvgate.conformance.selection import (
+    SelectionError,
+    arm,
+    classname,
+    family,
+    keyword_matcher,
+    trace_family,
+)
 from kvgate.conformance.trace import TraceError, bundled_corpus, load_trace, parse_trace
 
 PLAIN = """\
@@ -72,6 +79,41 @@ def test_family_and_arm_come_from_the_config_not_the_file_name(tmp_path: Path) -
     assert (family(fork.config), arm(fork.config)) == ("gdn-triton", "fork")
     mamba2 = load_trace(bundled_corpus() / "mamba2-next-turn-after-burst.hold-off.yaml")
     assert (family(mamba2.config), arm(mamba2.config)) == ("mamba2", "hold-off")
+
+
+RECORDING = """\
+format: kvgate-trace/1
+name: rec
+config:
+  num_blocks: 16
+  hash_unit: 16
+  eagle: false
+  retention_interval: 0
+  retain_checkpoint: false
+  groups:
+  - {kind: mamba_align, block_size: 16, speculative_blocks: 0}
+  - {kind: full_attention, block_size: 16}
+scheduler: {spec: 0, max_num_seqs: 4}
+recording: {vllm: 0.32.0, part: 1, device: cpu}
+engine:
+  - {op: arrive, req: r0, prompt: [{fresh: 20}], max_tokens: 2}
+end: {entries: 1}
+"""
+
+
+def test_a_recording_of_vllm_s_cpu_build_is_of_the_gdn_cpu_family() -> None:
+    """A GDN hybrid without prefill checkpoints is `gdn-triton` by its config;
+    recorded on vLLM's CPU build (its header names the device) its layers ran
+    on the CPU kernels: `gdn-cpu`, in the JUnit class and for `--family`."""
+    cpu = parse_trace(RECORDING)
+    assert (family(cpu.config), trace_family(cpu)) == ("gdn-triton", "gdn-cpu")
+    assert classname(cpu) == "kvgate.gdn-cpu.hold-off"
+    unnamed = parse_trace(RECORDING.replace(", device: cpu", ""))
+    assert (unnamed.device, classname(unnamed)) == ("", "kvgate.gdn-triton.hold-off")
+    cuda = parse_trace(RECORDING.replace("device: cpu", "device: cuda"))
+    assert classname(cuda) == "kvgate.gdn-triton.hold-off"
+    with pytest.raises(TraceError, match=r"recording\.device: must be a device name"):
+        parse_trace(RECORDING.replace("device: cpu", "device: CPU!"))
 
 
 def test_list_prints_the_selection_and_runs_nothing(capsys: pytest.CaptureFixture[str]) -> None:

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from command_runs import replay_text, run_python
 from configs import EXAMPLE_TRACE_CONFIG, trace_text
 
 from kvgate.cli import main
@@ -146,11 +144,8 @@ MALFORMED: list[tuple[str, str, str]] = [
 def test_malformed_trace_is_one_line_exit_2(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, where: str
 ) -> None:
-    path = tmp_path / "bad.yaml"
-    path.write_text(text)
-    assert main(["replay", str(path), "--target", "model"]) == 2
-    out, err = capsys.readouterr()
-    assert out == ""
+    path, code, out, err = replay_text(tmp_path, text, capsys)
+    assert (code, out) == (2, "")
     assert err.count("\n") == 1, err
     assert err.startswith(f"kvgate: error: {path}: {where}: "), err
     assert "Traceback" not in err
@@ -164,13 +159,7 @@ def test_malformed_kinds_are_many_and_distinct() -> None:
 def test_error_through_python_dash_m(tmp_path: Path) -> None:
     path = tmp_path / "bad.yaml"
     path.write_text(trace_text(ARRIVE + "- {op: free, req: A, how: evaporate}\n"))
-    run = subprocess.run(
-        [sys.executable, "-m", "kvgate", "replay", str(path), "--target", "vllm"],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"},
-        timeout=120,
-    )
+    run = run_python("-m", "kvgate", "replay", str(path), "--target", "vllm", timeout=120)
     assert run.returncode == 2
     assert run.stdout == ""
     assert run.stderr.splitlines() == [

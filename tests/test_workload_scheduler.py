@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 from configs import needs_vllm
+from scheduler_runs import Wrapped
 
 from kvgate import cli, targets
 from kvgate.conformance.replay import replay
@@ -338,15 +339,9 @@ def test_an_unmodelled_input_in_a_run_is_one_line_naming_the_step(tmp_path: Path
     assert "\n" not in message
 
 
-class _OneEventFewer:
+class _OneEventFewer(Wrapped):
     """vLLM's Scheduler, each published batch of KV-cache events without its
     last event."""
-
-    def __init__(self, real: Any) -> None:
-        self.real = real
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.real, name)
 
     def take_kv_events(self) -> list[Any]:
         return list(self.real.take_kv_events())[:-1]

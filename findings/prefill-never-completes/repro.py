@@ -19,14 +19,52 @@ Exit codes: 10 the defect is present, 0 it is absent (fixed),
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 import tempfile
+from collections.abc import Iterator
 from typing import Any
 
 PRESENT, ABSENT, CANNOT_RUN = 10, 0, 77
 STEPS = 20  # steps B is given to finish once admitted
+
+
+@contextlib.contextmanager
+def triton_as_on_a_gpu() -> Iterator[None]:
+    """Some vLLM releases refuse, while the engine config is built, an x86
+    CPU without Triton, which only the model runner's kernels need. This
+    reproduction runs the Scheduler alone (CPU bookkeeping, no kernel), so
+    vLLM's record that Triton is importable (`HAS_TRITON`, wherever a module
+    holds it) reads True while the config is built, as on a GPU host, and
+    is put back after. A release without the record is left as it is."""
+    import importlib
+
+    flipped = []
+    for name in ("vllm.triton_utils", "vllm.config.vllm"):
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        if getattr(module, "HAS_TRITON", None) is False:
+            module.HAS_TRITON = True
+            flipped.append(module)
+    try:
+        yield
+    finally:
+        for module in flipped:
+            module.HAS_TRITON = False
+
+
+def runner_output(output_class: Any, ids: list[str], sampled: list[list[int]]) -> Any:
+    """The model runner's output for one step. Releases whose output names
+    each request's row (`req_id_to_index`) get it; others take the rows in
+    `req_ids` order alone."""
+    rows: dict[str, Any] = {}
+    if "req_id_to_index" in getattr(output_class, "__dataclass_fields__", {}):
+        rows["req_id_to_index"] = {r: i for i, r in enumerate(ids)}
+    return output_class(req_ids=ids, sampled_token_ids=sampled, **rows)
 
 
 def build_scheduler(model_dir: str) -> Any:
@@ -48,29 +86,32 @@ def build_scheduler(model_dir: str) -> Any:
     )
     from vllm.v1.structured_output import StructuredOutputManager
 
+    # The model's config is read (and its architecture inspected) before
+    # Triton is recorded present, so vLLM inspects it as this machine runs it.
     model = ModelConfig(model=model_dir, skip_tokenizer_init=True, max_model_len=512)
-    vllm_config = VllmConfig(
-        model_config=model,
-        cache_config=CacheConfig(
-            block_size=32,
-            enable_prefix_caching=True,
-            mamba_block_size=32,
-            prefix_match_unit=8,
-        ),
-        scheduler_config=SchedulerConfig(
-            max_num_seqs=4,
-            max_num_batched_tokens=8192,
-            max_model_len=512,
-            enable_chunked_prefill=True,
-            is_encoder_decoder=False,
-        ),
-        speculative_config=SpeculativeConfig(
-            method="mtp",
-            num_speculative_tokens=2,
-            target_model_config=model,
-            target_parallel_config=ParallelConfig(),
-        ),
-    )
+    with triton_as_on_a_gpu():
+        vllm_config = VllmConfig(
+            model_config=model,
+            cache_config=CacheConfig(
+                block_size=32,
+                enable_prefix_caching=True,
+                mamba_block_size=32,
+                prefix_match_unit=8,
+            ),
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=4,
+                max_num_batched_tokens=8192,
+                max_model_len=512,
+                enable_chunked_prefill=True,
+                is_encoder_decoder=False,
+            ),
+            speculative_config=SpeculativeConfig(
+                method="mtp",
+                num_speculative_tokens=2,
+                target_model_config=model,
+                target_parallel_config=ParallelConfig(),
+            ),
+        )
     vllm_config.cache_config.num_gpu_blocks = 32
     groups = [
         KVCacheGroupSpec(
@@ -177,10 +218,10 @@ def main() -> int:
         ]
         scheduler.update_from_output(
             output,
-            ModelRunnerOutput(
-                req_ids=ids,
-                req_id_to_index={r: i for i, r in enumerate(ids)},
-                sampled_token_ids=[[7] if r in finished_prefill else [] for r in ids],
+            runner_output(
+                ModelRunnerOutput,
+                ids,
+                [[7] if r in finished_prefill else [] for r in ids],
             ),
         )
         going_on = [r for r in ids if r in scheduler.requests]

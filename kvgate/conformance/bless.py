@@ -34,7 +34,7 @@ values intended.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
@@ -86,19 +86,14 @@ def bless(trace: Trace, text: str, model: Target) -> Blessing:
     """
     check_blessable(trace)
     observed = _observe(trace, model)
-    editor = _Editor(text, trace)
-    wanted: dict[int, dict[str, Any]] = {}
-    for step in trace.steps:
-        values = _wanted(trace, step, observed.get(step.index))
-        if not values:
-            continue
-        wanted[step.index] = values
-        if step.op == "check":
-            editor.refresh(step.index, values, check=True)
-        elif step.expect:
-            editor.refresh(step.index, values, check=False)
-        else:
-            editor.fill(step.index, values)
+    editor, wanted = _edit(
+        text,
+        trace,
+        (
+            (step.index, _wanted(trace, step, observed.get(step.index)), step.op, step.expect)
+            for step in trace.steps
+        ),
+    )
     new_text = editor.result()
     blessed = parse_trace(new_text, trace.path)
     _read_back(blessed, wanted)
@@ -120,17 +115,14 @@ def bless_engine(trace: Trace, text: str, model: SchedulerModelFactory) -> Bless
             observed[event.index] = values
 
     replay_scheduler(trace, model, None, "strict", observe)
-    editor = _Editor(text, trace)
-    wanted: dict[int, dict[str, Any]] = {}
-    for event in trace.engine:
-        values = _engine_wanted(trace, event, observed.get(event.index))
-        if not values:
-            continue
-        wanted[event.index] = values
-        if event.expect:
-            editor.refresh(event.index, values, check=False)
-        else:
-            editor.fill(event.index, values)
+    editor, wanted = _edit(
+        text,
+        trace,
+        (
+            (event.index, _engine_wanted(trace, event, observed.get(event.index)), "", event.expect)
+            for event in trace.engine
+        ),
+    )
     new_text = editor.result()
     blessed = parse_trace(new_text, trace.path)
     for event in blessed.engine:
@@ -263,6 +255,29 @@ def _wanted(trace: Trace, step: Step, observed: dict[str, Any] | None) -> dict[s
                 trace.path, step.index, f"expect.{key}", "the model does not report it"
             )
     return {k: plain(observed[k]) for k in keys}
+
+
+def _edit(
+    text: str,
+    trace: Trace,
+    rows: Iterable[tuple[int, dict[str, Any] | None, str, Mapping[str, Any]]],
+) -> tuple[_Editor, dict[int, dict[str, Any]]]:
+    """`text` edited with each row's values (index, values, op, expect): a
+    check step's refreshed, values the entry already expects refreshed, the
+    rest filled in; and the values written, by index, to read back."""
+    editor = _Editor(text, trace)
+    wanted: dict[int, dict[str, Any]] = {}
+    for index, values, op, expect in rows:
+        if not values:
+            continue
+        wanted[index] = values
+        if op == "check":
+            editor.refresh(index, values, check=True)
+        elif expect:
+            editor.refresh(index, values, check=False)
+        else:
+            editor.fill(index, values)
+    return editor, wanted
 
 
 def _read_back(blessed: Trace, wanted: Mapping[int, Mapping[str, Any]]) -> None:

@@ -9,7 +9,8 @@ the replayer and for exploration's lockstep.
   replayer's signal that a prefill's loop ends, not something a manager's
   caller sees (the replayer checks it where it ends a loop).
 - A `holds` value leaves out the requests that hold nothing.
-- Snapshots compare through `Snapshot.differences`, first difference first.
+- Snapshots compare through `Snapshot.differences`, first difference first;
+  the views of what one step touched through `StepView.differences`.
 - One manager-level step in lockstep (`step_difference`): the reported
   values first (level api), then, at level strict, the two views; the gate's
   replay and exploration's lockstep both judge a step by it.
@@ -21,7 +22,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 from kvgate.vocabulary.ops import ACTIONS
-from kvgate.vocabulary.snapshot import Snapshot
+from kvgate.vocabulary.snapshot import Snapshot, StepView
 
 PROMPT_DONE = "prompt_done"
 
@@ -84,6 +85,11 @@ def observation_difference(
 
 def snapshot_difference(reference: Snapshot, other: Snapshot) -> Difference | None:
     """The first difference between two strict views, if any."""
+    return next(iter(reference.differences(other)), None)
+
+
+def step_view_difference(reference: StepView, other: StepView) -> Difference | None:
+    """The first difference between two sides' views of what one step touched."""
     return next(iter(reference.differences(other)), None)
 
 

@@ -88,14 +88,8 @@ def over(name: str, value: int, limits: Limits, unit: str = "") -> str:
     )
 
 
-def read_bounded(path: Path, limits: Limits) -> bytes:
-    """The bytes of a regular file no larger than `limits.file_bytes`.
-
-    Checked with `stat` before the file is opened, so a FIFO (whose open
-    blocks until a writer comes) or a device such as /dev/zero is refused
-    without reading; the read itself stops one byte past the limit, for
-    files whose size `stat` does not tell (/proc).
-    """
+def check_file(path: Path, limits: Limits) -> None:
+    """A regular file no larger than `limits.file_bytes`, by `stat` alone."""
     try:
         info = os.stat(path)
     except OSError as error:
@@ -105,6 +99,17 @@ def read_bounded(path: Path, limits: Limits) -> bytes:
         raise LimitError("file", f"is {kind}; a trace is read from a regular file only")
     if info.st_size > limits.file_bytes:
         raise LimitError("file", over("file_bytes", info.st_size, limits, "bytes"))
+
+
+def read_bounded(path: Path, limits: Limits) -> bytes:
+    """The bytes of a regular file no larger than `limits.file_bytes`.
+
+    Checked with `stat` before the file is opened, so a FIFO (whose open
+    blocks until a writer comes) or a device such as /dev/zero is refused
+    without reading; the read itself stops one byte past the limit, for
+    files whose size `stat` does not tell (/proc).
+    """
+    check_file(path, limits)
     try:
         with open(path, "rb") as stream:
             data = stream.read(limits.file_bytes + 1)

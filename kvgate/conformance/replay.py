@@ -31,17 +31,23 @@ from kvgate.conformance.compare import (
     PROMPT_DONE,
     same,
     same_check,
+    snapshot_difference,
     step_difference,
+    step_view_difference,
 )
 from kvgate.conformance.macros import prefill_steps
 from kvgate.conformance.trace import Trace, TraceError
 from kvgate.errors import EXIT_KVGATE_BUG, KvgateError
 from kvgate.vocabulary.config import Config, UnsupportedConfig
 from kvgate.vocabulary.ops import Step
-from kvgate.vocabulary.target import Capabilities, StepRefused, Target
+from kvgate.vocabulary.target import Capabilities, StepRefused, StepViewing, Target, step_viewing
 
 Level = Literal["api", "strict"]
 LEVELS: tuple[Level, ...] = ("api", "strict")
+# At level strict, how many primitive steps apart the whole views are
+# compared (and always after the last step); in between, each step compares
+# the view of what it touched, when both sides can show one (`StepView`).
+WHOLE_VIEW_EVERY = 1000
 # Where a divergence was seen: against the trace's own values, or the model's.
 DivergenceLevel = Literal["expect", "api", "strict"]
 
@@ -114,6 +120,7 @@ def replay(
     *,
     target_is_model: bool = False,
     observe: Observer | None = None,
+    whole_view_every: int = WHOLE_VIEW_EVERY,
 ) -> ReplayResult:
     """Replay `trace` on `target`, with a lockstep model built by `model` if given.
 
@@ -127,7 +134,14 @@ def replay(
     refuses its config, and `ModelBug` when the model raises (with
     `target_is_model`, the target is the model: its exceptions are that too).
     `observe`, if given, is told what the target reported at every step.
+    `whole_view_every`: at level strict, the whole views are compared every
+    that many primitive steps and after the last (1: every step); the steps
+    in between compare what they touched. A difference the whole view finds
+    is named at the step it was found, its note naming the window of steps
+    since the views last agreed.
     """
+    if whole_view_every < 1:
+        raise ValueError(f"whole_view_every must be at least 1, not {whole_view_every}")
     if trace.scheduler_level:
         # Its engine steps are no manager calls: replaying none would pass it.
         raise TraceError(
@@ -152,11 +166,12 @@ def replay(
             lockstep = model(config)
         except UnsupportedConfig as error:
             raise TraceError.unsupported(trace.path, error) from None
-    run = _Lockstep(trace, target, lockstep, level, target_is_model, observe)
+    run = _Lockstep(trace, target, lockstep, level, target_is_model, observe, whole_view_every)
     failures: list[Divergence] = run.missed
     stopped: Divergence | None = None
     try:
         run.all_steps()
+        run.whole_views_agree()
     except Diverged as diverged:
         stopped = diverged.divergence
         failures = [*run.missed, stopped]
@@ -234,6 +249,7 @@ class _Lockstep:
         level: Level,
         target_is_model: bool = False,
         observe: Observer | None = None,
+        whole_view_every: int = WHOLE_VIEW_EVERY,
     ) -> None:
         self.trace = trace
         self.observe = observe
@@ -243,6 +259,18 @@ class _Lockstep:
         self.level = level
         self.steps_run = 0
         self.missed: list[Divergence] = []  # expectations missed so far
+        self.whole_view_every = whole_view_every
+        # Step views, when both sides show them (else the whole view every step).
+        self.step_views: tuple[StepViewing, StepViewing] | None = None
+        if level == "strict" and model is not None and whole_view_every > 1:
+            ours, theirs = step_viewing(model), step_viewing(target)
+            if ours is not None and theirs is not None:
+                self.step_views = (ours, theirs)
+        # The primitive steps since the whole views last agreed: the first
+        # one's place and how many.
+        self.window_start: Step | None = None
+        self.window_steps = 0
+        self.last_step: Step | None = None
 
     def miss(self, step: Step, what: str, expected: object, actual: object) -> None:
         self.missed.append(
@@ -250,13 +278,22 @@ class _Lockstep:
         )
 
     def all_steps(self) -> None:
-        for step in self.trace.primitives:
+        stream = self.trace.stream
+        steps = self.trace.primitives if stream is None else stream.primitives(self.forget)
+        for step in steps:
             if step.op == "prefill":
                 self.prefill(step)
             elif step.op == "check":
                 self.check(step)
             else:
                 self.primitive(step)
+
+    def forget(self, names: list[str]) -> None:
+        """Both sides may drop these ended requests: no later step names them."""
+        for side in (self.model, self.target):
+            forget = getattr(side, "forget", None)
+            if forget is not None:
+                forget(names)
 
     def diverged(
         self,
@@ -292,14 +329,56 @@ class _Lockstep:
                     lambda: self.guarded(step, "model", model.snapshot),
                     lambda: self.guarded(step, "target", self.target.snapshot),
                 )
-                if self.level == "strict"
+                if self.level == "strict" and self.step_views is None
                 else None
             )
             found = step_difference(step.op, modeled, observed, views)
             if found is not None:
                 level, difference = found
                 raise self.diverged(step, level, *difference)
+            if self.step_views is not None:
+                self.compare_step_views(step)
         return observed, modeled
+
+    # -- strict views a step at a time ------------------------------------------
+
+    def compare_step_views(self, step: Step) -> None:
+        """What `step` touched, on both sides; the whole views when due."""
+        assert self.step_views is not None
+        model, target = self.step_views
+        if self.window_start is None:
+            self.window_start = step
+        self.window_steps += 1
+        self.last_step = step
+        blocks = self.guarded(step, "model", model.take_changed_blocks)
+        blocks |= self.guarded(step, "target", target.take_changed_blocks)
+        requests = () if step.req is None else (step.req,)
+        ours = self.guarded(step, "model", lambda: model.step_view(blocks, requests))
+        theirs = self.guarded(step, "target", lambda: target.step_view(blocks, requests))
+        difference = step_view_difference(ours, theirs)
+        if difference is not None:
+            raise self.diverged(step, "strict", *difference)
+        if self.window_steps >= self.whole_view_every:
+            self.whole_views_agree()
+
+    def whole_views_agree(self) -> None:
+        """Compare the whole views (after the last step, or when due)."""
+        step, start = self.last_step, self.window_start
+        if self.step_views is None or step is None or start is None:
+            return
+        model = self.model
+        assert model is not None
+        difference = snapshot_difference(
+            self.guarded(step, "model", model.snapshot),
+            self.guarded(step, "target", self.target.snapshot),
+        )
+        window = (
+            f"found by the whole-view comparison after {self.window_steps} steps, "
+            f"from {start.where()} to {step.where()} (the views agreed before them)"
+        )
+        self.window_start, self.window_steps = None, 0
+        if difference is not None:
+            raise self.diverged(step, "strict", *difference, window)
 
     def apply(self, side: Target, who: str, step: Step) -> dict[str, Any]:
         try:

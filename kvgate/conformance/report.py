@@ -57,8 +57,12 @@ class TerminalReport:
         required: Sequence[str] = DEFAULT_REQUIRED,
         explain_lacking: bool = False,
         quiet: bool = False,
+        measured_costs: Mapping[str, str] | None = None,
     ) -> None:
         self.out = out
+        # Capability name -> what lacking it costs, measured elsewhere (at
+        # the deployment a gate was given), added to its line.
+        self.measured_costs = dict(measured_costs or {})
         # Quiet: no header and no line per passing trace; failures, errors
         # and the summary still print.
         self.quiet = quiet
@@ -124,7 +128,7 @@ class TerminalReport:
             self._line("")
         for line in difference_lines(self.excluded):
             self._line(line)
-        for line in capability_lines(self.results, self.required):
+        for line in capability_lines(self.results, self.required, self.measured_costs):
             self._line(line)
         for line in unrun_corpus_lines(self.results):
             self._line(line)
@@ -206,9 +210,15 @@ def error_kind(error: TraceRunError) -> str:
     return "not applicable, the target refuses the config" if error.config_refused else "refused"
 
 
-def capability_lines(results: Sequence[Outcome], required: Sequence[str]) -> list[str]:
+def capability_lines(
+    results: Sequence[Outcome],
+    required: Sequence[str],
+    measured_costs: Mapping[str, str] | None = None,
+) -> list[str]:
     """One line per capability some trace lacked: how many traces, what they
-    show it costs, the remedy, and whether the gate requires it."""
+    show it costs (and what it costs as `measured_costs` has it measured
+    elsewhere), the remedy, and whether the gate requires it."""
+    measured = measured_costs or {}
     lines: list[str] = []
     lacks = [r for r in results if isinstance(r, ReplayResult) and verdict(r) is Verdict.LACKS]
     for capability in CAPABILITIES:
@@ -222,7 +232,9 @@ def capability_lines(results: Sequence[Outcome], required: Sequence[str]) -> lis
         )
         lines.append(
             f"lacks {capability.name}: {len(group)} traces need {capability.what}, which "
-            f"this build lacks; cost: {cost(group).text()}; remedy: {capability.remedy}; "
+            f"this build lacks; cost: {cost(group).text()}"
+            + (f"; {measured[capability.name]}" if capability.name in measured else "")
+            + f"; remedy: {capability.remedy}; "
             f"{policy}"
         )
     if lines:

@@ -8,9 +8,11 @@ A trace's family and arm come from its config, never its file name:
 - the family is the deployment the Mamba groups' prefill checkpoint stands
   for: `mamba2` (a checkpoint block at alignment 1: Mamba2 layers),
   `gdn-flashinfer` (one on a grid of 64-token multiples: GDN on FlashInfer),
-  `gdn-triton` (a hybrid with none: GDN on Triton); a config that is none of
-  these (no Mamba group, a pure Mamba model without a checkpoint, another
-  grid) has no family.
+  `gdn-triton` (a hybrid with none: GDN on Triton), or `gdn-cpu` for a
+  recording of such a hybrid served by vLLM's CPU build (`recording.device`
+  is `cpu`: GDN on vLLM's CPU kernels); a config that is none of these (no
+  Mamba group, a pure Mamba model without a checkpoint, another grid) has no
+  family.
 
 `-k` is pytest's keyword expression: words joined by `and`, `or`, `not` and
 parentheses; a word matches a trace when it is a substring (case
@@ -20,7 +22,7 @@ insensitive) of its name, one of its tags, its family or its arm.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from kvgate.conformance.trace import Trace
@@ -28,7 +30,7 @@ from kvgate.errors import KvgateError
 from kvgate.vocabulary.config import Config
 
 ARMS: tuple[str, ...] = ("hold-off", "hold-on", "fork")
-FAMILIES: tuple[str, ...] = ("gdn-triton", "gdn-flashinfer", "mamba2")
+FAMILIES: tuple[str, ...] = ("gdn-triton", "gdn-flashinfer", "mamba2", "gdn-cpu")
 # What a FlashInfer GDN checkpoint's alignment is a multiple of.
 FLASHINFER_GRID = 64
 
@@ -56,9 +58,19 @@ def family(config: Config) -> str | None:
     return None
 
 
+def trace_family(trace: Trace) -> str | None:
+    """A trace's family: its config's, except that a hybrid without a
+    prefill checkpoint recorded on vLLM's CPU build runs its GDN layers on
+    the CPU kernels, not on Triton."""
+    found = family(trace.config)
+    if found == "gdn-triton" and trace.device == "cpu":
+        return "gdn-cpu"
+    return found
+
+
 def keywords(trace: Trace) -> tuple[str, ...]:
     """What `-k` matches a trace by: its name, tags, family and arm."""
-    found = family(trace.config)
+    found = trace_family(trace)
     return (trace.name, *trace.tags, *((found,) if found else ()), arm(trace.config))
 
 
@@ -124,18 +136,20 @@ class _Parser:
         return token
 
     def expression(self) -> Matcher:
-        parts = [self.conjunction()]
-        while self.peek() == "or":
-            self.take()
-            parts.append(self.conjunction())
-        return parts[0] if len(parts) == 1 else lambda k: any(p(k) for p in parts)
+        return self.joined("or", self.conjunction, any)
 
     def conjunction(self) -> Matcher:
-        parts = [self.negation()]
-        while self.peek() == "and":
+        return self.joined("and", self.negation, all)
+
+    def joined(
+        self, word: str, operand: Callable[[], Matcher], combine: Callable[[Iterable[bool]], bool]
+    ) -> Matcher:
+        """Operands joined by `word` (or, and): one matcher, `combine` of theirs."""
+        parts = [operand()]
+        while self.peek() == word:
             self.take()
-            parts.append(self.negation())
-        return parts[0] if len(parts) == 1 else lambda k: all(p(k) for p in parts)
+            parts.append(operand())
+        return parts[0] if len(parts) == 1 else lambda k: combine(p(k) for p in parts)
 
     def negation(self) -> Matcher:
         token = self.take()
@@ -168,7 +182,7 @@ class Selection:
         def selected(trace: Trace) -> bool:
             if self.arms and arm(trace.config) not in self.arms:
                 return False
-            if self.families and family(trace.config) not in self.families:
+            if self.families and trace_family(trace) not in self.families:
                 return False
             return matches(keywords(trace))
 
@@ -186,7 +200,7 @@ INVALID_CLASSNAME = "kvgate.invalid"
 def classname(trace: Trace) -> str:
     """`kvgate.<family>.<arm>`, so CI groups results by both; `other` when
     the config is of no family."""
-    return f"kvgate.{family(trace.config) or 'other'}.{arm(trace.config)}"
+    return f"kvgate.{trace_family(trace) or 'other'}.{arm(trace.config)}"
 
 
 def describe(trace: Trace) -> str:

@@ -4,6 +4,8 @@ deeper than the limit, each as one `TraceError`."""
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Hashable
 from pathlib import Path
 from typing import Any, cast
@@ -69,6 +71,9 @@ for _loader in (_StrictLoader, _StrictCLoader):
 
 def load_document(text: str, path: Path, limits: Limits) -> object:
     """The one YAML document in `text`, loaded strictly (`path` names errors)."""
+    fast = load_flow_body(text, limits)
+    if fast is not None:
+        return fast
     documents = _load_with_libyaml(text)
     try:
         if documents is None:
@@ -122,7 +127,142 @@ def _load_with_libyaml(text: str) -> list[object] | None:
         return None
 
 
+def load_flow_entry(text: str) -> object:
+    """One flow mapping line (`{...}`) as `load_flow_body` reads a body's
+    line, or by the strict YAML loader; `ValueError` naming what does not
+    parse."""
+    line = text.rstrip("\n")
+    if _PLAIN_LINE.fullmatch(line) and not _NOT_JSON.search(line):
+        parts = _WORD.split(line)
+        if _YAML_WORDS.isdisjoint(parts[1::2]):
+            quoted = '"'.join(parts)
+            for word in _JSON_WORDS:
+                quoted = quoted.replace(f'"{word}"', word)
+            try:
+                return json.loads(quoted, object_pairs_hook=_unique_keys)
+            except (_NotFlow, ValueError, RecursionError):
+                pass
+    try:
+        return load_flow_line(line)
+    except yaml.MarkedYAMLError as error:
+        raise ValueError(str(error.problem or error)) from None
+    except yaml.YAMLError as error:
+        raise ValueError(str(error)) from None
+
+
 def load_flow_line(text: str) -> object:
     """One line of YAML (a recording's entry line) read by the strict loader;
     raises `yaml.YAMLError` when it does not parse."""
     return yaml.load(text, Loader=_StrictCLoader if yaml.__with_libyaml__ else _StrictLoader)
+
+
+# -- one flow mapping a line --------------------------------------------------
+#
+# A trace's `steps` (a recording's `engine`) is written one flow mapping a
+# line, `  - {op: arrive, req: A, prompt: [{fresh: 48}]}`: most of a long
+# trace's text. When every such line uses only bare words, decimal integers
+# and flow punctuation, it is read as JSON after quoting the words (C speed,
+# several times faster than even libyaml's constructor); anything else (a
+# quoted or multi-word string, a word YAML reads as a bool or null, a float,
+# a comment, a long integer, a repeated key, deep nesting) leaves the whole
+# document to the YAML loader, so the values read and the errors told are
+# the YAML loader's.
+
+_BODY_KEYS = ("steps", "engine")
+_PLAIN_LINE = re.compile(r"\{[\[\]{}:, A-Za-z0-9_-]*\}")
+# Lines of the body: `  - {...}` of bare words, integers and punctuation.
+_FLOW_LINES = re.compile(r"(?:  - \{[\[\]{}:, A-Za-z0-9_-]*\}\n)+")
+# A bare word, captured: splitting on it alternates between the text around
+# words and the words.
+_WORD = re.compile(r"([A-Za-z_][A-Za-z0-9_-]*)")
+# What YAML reads otherwise than JSON does once the words are quoted: its
+# other spellings of bools and null, a colon not followed by a space, an
+# integer too long (the loader words that refusal).
+_YAML_WORDS = frozenset(
+    [
+        "yes",
+        "Yes",
+        "YES",
+        "no",
+        "No",
+        "NO",
+        "True",
+        "TRUE",
+        "False",
+        "FALSE",
+        "on",
+        "On",
+        "ON",
+        "off",
+        "Off",
+        "OFF",
+        "Null",
+        "NULL",
+    ]
+)
+_NOT_JSON = re.compile(r":(?! )|[0-9]{" + str(INT_DIGITS + 1) + ",}")
+
+
+class _NotFlow(Exception):
+    """The body is not one plain flow mapping a line."""
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    mapping = dict(pairs)
+    if len(mapping) != len(pairs):
+        raise _NotFlow
+    return mapping
+
+
+def load_flow_body(text: str, limits: Limits) -> dict[str, Any] | None:
+    """`text` read with its body (`steps:` or `engine:`, one flow mapping a
+    line) as JSON and its other lines as YAML; None when the text is not in
+    that form or anything in it could read otherwise as YAML (then the YAML
+    loader reads it all)."""
+    for key in _BODY_KEYS:
+        marker = f"\n{key}:\n"
+        start = text.find(marker)
+        if start >= 0:
+            break
+    else:
+        return None
+    body_start = start + len(marker)
+    lines = _FLOW_LINES.match(text, body_start)
+    if lines is None:
+        return None
+    body = text[body_start : lines.end()]
+    if _NOT_JSON.search(body):
+        return None
+    # Nesting as the YAML loader counts it: the document, the list, the line's.
+    deepest = max(line.count("{") + line.count("[") for line in body.splitlines())
+    if deepest + 2 > limits.nesting:
+        return None
+    # Around words and words in turn: quoted by joining on a quote.
+    parts = _WORD.split(body.replace("\n  - ", ",")[4:])
+    if not _YAML_WORDS.isdisjoint(parts[1::2]):
+        return None
+    quoted = '"'.join(parts)
+    for word in _JSON_WORDS:
+        quoted = quoted.replace(f'"{word}"', word)
+    try:
+        entries = json.loads("[" + quoted + "]", object_pairs_hook=_unique_keys)
+        head = _yaml_mapping(text[: start + 1])
+        tail = _yaml_mapping(text[lines.end() :]) if text[lines.end() :].strip() else {}
+    except (_NotFlow, ValueError, yaml.YAMLError, RecursionError):
+        return None
+    if head is None or tail is None or head.keys() & tail.keys():
+        return None
+    if any(k in head or k in tail for k in _BODY_KEYS):
+        return None
+    return {**head, key: entries, **tail}
+
+
+_JSON_WORDS = ("true", "false", "null")
+
+
+def _yaml_mapping(text: str) -> dict[Any, Any] | None:
+    """`text` by the strict libyaml loader, if PyYAML has it and it is a mapping."""
+    if not yaml.__with_libyaml__:
+        return None
+    loaded = yaml.load(text, Loader=_StrictCLoader)
+    return loaded if isinstance(loaded, dict) else None

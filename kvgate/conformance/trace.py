@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -56,8 +56,11 @@ _ENGINE_OPTIONAL_KEYS = ("about", "tags", "scheduler", "recording", "end")
 # line, `end`, which counts its `engine` entries so a cut file is detected.
 # `follows`: the file of the part before this one (a later part of a
 # recording replays after its earlier parts); `warm`: an older recorder's
-# part started on a warm prefix cache, without expectations.
-_RECORDING_KEYS = ("vllm", "part", "follows", "warm")
+# part started on a warm prefix cache, without expectations; `device`: the
+# device vLLM's platform ran the engine on (`cpu`, `cuda`, ...).
+_RECORDING_KEYS = ("vllm", "part", "follows", "warm", "device")
+# A device as a recording names it.
+_DEVICE = re.compile(r"[a-z][a-z0-9_]{0,31}")
 # How many parts one recording may chain.
 MAX_PARTS = 1024
 _END_KEYS = ("entries",)
@@ -103,6 +106,13 @@ class Trace:
     # A recording read with `partial`: what cut it short (its entries before
     # the cut are `engine`); empty for a whole trace.
     cut: str = ""
+    # A recording: the device its engine ran on (`recording.device`); empty
+    # when the recording does not say, or for a trace written by hand.
+    device: str = ""
+    # A trace read entry by entry (`conformance.stream.StepStream`): its
+    # steps are read from its file as they run; `steps` and `primitives`
+    # are then empty.
+    stream: Any = field(default=None, compare=False)
 
     @property
     def scheduler_level(self) -> bool:
@@ -495,7 +505,7 @@ class _Reader(ConfigReader, StepReader, EngineReader):
         settings = self.engine_settings(doc.get("scheduler", {}))
         raw_steps = self.entries(doc, "engine")
         engine = tuple(e for i, raw in enumerate(raw_steps) for e in self.engine_step(i, raw))
-        self.recording(doc, len(raw_steps))
+        device = self.recording(doc, len(raw_steps))
         return Trace(
             name=name,
             about=about,
@@ -506,16 +516,17 @@ class _Reader(ConfigReader, StepReader, EngineReader):
             tags=tags,
             engine=engine,
             scheduler=settings,
+            device=device,
         )
 
-    def recording(self, doc: Mapping[Any, Any], entries: int) -> None:
-        """A recording's `recording` header and its `end` line."""
+    def recording(self, doc: Mapping[Any, Any], entries: int) -> str:
+        """A recording's `recording` header and its `end` line; the device it names."""
         if "recording" not in doc:
             if "end" in doc:
                 raise self.error(
                     None, "end", "only a recording (with `recording:`) has an end line"
                 )
-            return
+            return ""
         raw = doc["recording"]
         if not isinstance(raw, dict):
             raise self.error(None, "recording", f"must be a mapping, got {got(raw)}")
@@ -533,8 +544,13 @@ class _Reader(ConfigReader, StepReader, EngineReader):
             raise self.error(
                 None, "recording.warm", f"must be true or false, got {got(raw['warm'])}"
             )
+        device = raw.get("device", "")
+        if device != "" and not (isinstance(device, str) and _DEVICE.fullmatch(device)):
+            raise self.error(
+                None, "recording.device", f"must be a device name like cpu, got {got(device)}"
+            )
         if self.partial:
-            return
+            return str(device)
         end = doc.get("end")
         if end is None:
             raise self.error(
@@ -552,6 +568,7 @@ class _Reader(ConfigReader, StepReader, EngineReader):
                 "end.entries",
                 f"says {got(end.get('entries'))} entries, the file holds {entries}",
             )
+        return str(device)
 
     def tags(self, raw: object) -> tuple[str, ...]:
         if not isinstance(raw, list):

@@ -95,11 +95,17 @@ def dump_trace(
     return _Dumper.dump(doc)
 
 
-def engine_step_dicts(engine: Iterable[EngineStep]) -> list[dict[str, Any]]:
+def engine_step_dicts(
+    engine: Iterable[EngineStep], each_step: bool = False
+) -> list[dict[str, Any]]:
     """Engine steps as written in a scheduler-level trace: a run of engine
-    steps that expect nothing as one `{op: step, steps: N}`."""
+    steps that expect nothing as one `{op: step, steps: N}`, unless
+    `each_step` (an entry each, for `bless` to fill)."""
     out: list[dict[str, Any]] = []
     for event in engine:
+        if each_step and event.op == "step" and not (event.expect or event.stop or event.aborted):
+            out.append({"op": "step"})
+            continue
         if event.op == "step" and not (event.expect or event.stop or event.aborted):
             last = out[-1] if out else {}
             # Only a plain step takes the ones after it (`stop`, `accept`,
@@ -170,10 +176,12 @@ def dump_engine_trace(
     engine: Iterable[EngineStep],
     about: str | None = None,
     tags: Iterable[str] = (),
+    each_step: bool = False,
 ) -> str:
-    """A scheduler-level trace's text (docs/scheduler-traces.md)."""
+    """A scheduler-level trace's text (docs/scheduler-traces.md); `each_step`:
+    every engine step an entry of its own."""
     doc = _engine_head(name, config, settings, about, tags)
-    doc["engine"] = engine_step_dicts(engine)
+    doc["engine"] = engine_step_dicts(engine, each_step)
     return _Dumper.dump(doc)
 
 
@@ -203,7 +211,7 @@ def save_trace(
     about: str | None = None,
     expect_refused: str | None = None,
 ) -> Path:
-    return _save(directory, name, dump_trace(name, config, steps, about, expect_refused))
+    return save_text(directory, name, dump_trace(name, config, steps, about, expect_refused))
 
 
 def save_engine_trace(
@@ -214,10 +222,11 @@ def save_engine_trace(
     engine: Iterable[EngineStep],
     about: str | None = None,
 ) -> Path:
-    return _save(directory, name, dump_engine_trace(name, config, settings, engine, about))
+    return save_text(directory, name, dump_engine_trace(name, config, settings, engine, about))
 
 
-def _save(directory: Path, name: str, text: str) -> Path:
+def save_text(directory: Path, name: str, text: str) -> Path:
+    """A trace's `text` saved as `directory/name.yaml` (the folder made)."""
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{name}.yaml"
     path.write_text(text)

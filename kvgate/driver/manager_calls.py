@@ -69,6 +69,18 @@ class ManagerCalls(ABC, Generic[R]):
         # Requests whose output's re-cache waits for the next `drain`.
         self.deferred_recaches: list[str] = []
 
+    def forget(self, names: list[str]) -> None:
+        """Drop what is kept of each ended request of `names`: no later step
+        names it (a trace read entry by entry says when)."""
+        for name in names:
+            pending = self.requests.get(name)
+            if pending is not None and pending.phase == "ended" and name not in self.popped:
+                del self.requests[name]
+                self.forgotten(name)
+
+    def forgotten(self, name: str) -> None:
+        """A target's hook: `name` was dropped from `requests`."""
+
     # -- hooks a target implements ------------------------------------------------
 
     @abstractmethod

@@ -52,18 +52,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
+from hypothesis import settings as Settings
+
 from kvgate import options
 from kvgate.errors import InputError
-from kvgate.explore.mode import Mode, Stats
+from kvgate.explore.mode import Mode, SchedulerMode, Stats
 from kvgate.explore.profiles import PROFILES, SCHEDULER_PROFILES, profile
 from kvgate.explore.runner import Outcome, explore, model_mode
-from kvgate.explore.scheduler_machine import (
-    ABORT_PLACES,
-    SHAPES,
-    SchedulerMode,
-    SchedulerOutcome,
-    explore_scheduler,
-)
+from kvgate.explore.scheduler_draws import ABORT_PLACES, SHAPES
+from kvgate.explore.scheduler_runner import SchedulerOutcome, explore_scheduler
 from kvgate.vocabulary.ops import FREE_HOW, PRIMITIVE_OPS
 
 BAR_WIDTH = 30
@@ -170,6 +167,36 @@ def _resolve_target(args: argparse.Namespace) -> None:
         args.target = "vllm+overlay"
 
 
+def _check_seed(args: argparse.Namespace) -> None:
+    if not 0 <= args.seed < 2**63:
+        raise InputError(f"--seed: {args.seed} is outside 0..2**63-1")
+
+
+def _settings(
+    args: argparse.Namespace, scope: str, examples: int | None, seconds: float | None
+) -> Settings:
+    """The run's Hypothesis settings: `--profile` of `scope`, `--budget`'s
+    examples in place of the profile's."""
+    overrides: dict[str, Any] = {} if examples is None else {"max_examples": examples}
+    settings = profile(args.profile, scope, **overrides)
+    if seconds is not None and settings.derandomize:
+        raise InputError(f"--budget {args.budget}: profile {args.profile} is one fixed run")
+    return settings
+
+
+def _announce(
+    args: argparse.Namespace, what: str, settings: Settings, seconds: float | None
+) -> None:
+    """The run's first line (not with `-q`): `what` it runs and its budget."""
+    if options.quiet(args):
+        return
+    print(
+        f"explore: {what}, profile {args.profile}, "
+        + (f"{seconds:g}s" if seconds is not None else f"{settings.max_examples} examples"),
+        flush=True,
+    )
+
+
 def handle(args: argparse.Namespace) -> int:
     _resolve_target(args)
     if args.scope == "scheduler":
@@ -183,8 +210,7 @@ def handle(args: argparse.Namespace) -> int:
     args.hold = args.hold or ("off" if args.target == "vllm" else "on")
     args.retired = args.retired or "off"
     examples, seconds = parse_budget(args.budget)
-    if not 0 <= args.seed < 2**63:
-        raise InputError(f"--seed: {args.seed} is outside 0..2**63-1")
+    _check_seed(args)
     if args.target == "vllm":
         if args.hold == "on":
             raise InputError(
@@ -207,21 +233,11 @@ def handle(args: argparse.Namespace) -> int:
         mode = overlay_differential_mode(retain_retired=args.retired == "on", refusals=True)
     else:
         mode = model_mode(hold=args.hold == "on", retain_retired=args.retired == "on")
-    overrides: dict[str, Any] = {}
-    if examples is not None:
-        overrides["max_examples"] = examples
-    settings = profile(args.profile, **overrides)
-    if seconds is not None and settings.derandomize:
-        raise InputError(f"--budget {args.budget}: profile {args.profile} is one fixed run")
+    settings = _settings(args, "manager", examples, seconds)
     total = None if seconds is not None else settings.max_examples
     progress = Progress(sys.stderr, total, seconds)
-    if not options.quiet(args):
-        print(
-            f"explore: target {args.target}, hold {args.hold}, retired {args.retired}, "
-            f"profile {args.profile}, "
-            + (f"{seconds:g}s" if seconds is not None else f"{settings.max_examples} examples"),
-            flush=True,
-        )
+    what = f"target {args.target}, hold {args.hold}, retired {args.retired}"
+    _announce(args, what, settings, seconds)
     outcome = explore(
         mode,
         settings,
@@ -477,21 +493,12 @@ def handle_scheduler(args: argparse.Namespace) -> int:
         )
     if overlay and hold == "off" and retired == "off":
         raise InputError("--hold off: the overlay is the hold; --target vllm runs hold off")
-    if not 0 <= args.seed < 2**63:
-        raise InputError(f"--seed: {args.seed} is outside 0..2**63-1")
+    _check_seed(args)
     examples, seconds = parse_budget(args.budget)
-    overrides: dict[str, Any] = {} if examples is None else {"max_examples": examples}
-    settings = profile(args.profile, "scheduler", **overrides)
-    if seconds is not None and settings.derandomize:
-        raise InputError(f"--budget {args.budget}: profile {args.profile} is one fixed run")
+    settings = _settings(args, "scheduler", examples, seconds)
     mode = SchedulerMode(hold=hold == "on", retain_retired=retired == "on")
-    if not options.quiet(args):
-        print(
-            f"explore: scope scheduler, target {target}, hold {hold}, retired {retired}, "
-            f"profile {args.profile}, "
-            + (f"{seconds:g}s" if seconds is not None else f"{settings.max_examples} examples"),
-            flush=True,
-        )
+    what = f"scope scheduler, target {target}, hold {hold}, retired {retired}"
+    _announce(args, what, settings, seconds)
     outcome = explore_scheduler(mode, settings, out=args.out, seed=args.seed, seconds=seconds)
     _summary(args, write_scheduler_summary, outcome)
     return 0 if outcome.passed else 1

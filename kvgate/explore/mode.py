@@ -1,5 +1,6 @@
 """What an exploration run checks and against what (`Mode`), and what it
-exercised (`Stats`, with the drawn configs counted per knob value)."""
+exercised (`Stats`, with the drawn configs counted per knob value); the same
+at the Scheduler level (`SchedulerMode`, `SchedulerStats`)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,12 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from kvgate.driver.op_driver import OpDriver
 from kvgate.explore.knobs import Stratum
+from kvgate.options import OVERLAY_PLUGIN
 from kvgate.vocabulary.config import Config, GroupConfig
 
 
@@ -56,6 +59,9 @@ class Mode:
     retain_retired: bool = False  # the production fork's retention of retired states
     # Config features fixed for every example (a campaign's stratum).
     stratum: Stratum = field(default_factory=dict)
+    # One config for every example instead of drawn ones: a deployment's
+    # (`kvgate gate --deployment`); the rules size their prompts in its blocks.
+    config: Config | None = None
     # Swarm testing of config features: each example varies a random subset
     # of the knobs (Hypothesis already enables a random subset of the rules
     # per example: its stateful rule strategy draws feature flags).
@@ -70,6 +76,43 @@ class Mode:
         the gate does on a trace with them)."""
         events = config.kv_events or self.lockstep is not None
         return replace(config, hold=self.hold, retain_retired=self.retain_retired, kv_events=events)
+
+
+@dataclass(frozen=True)
+class SchedulerMode:
+    """The arm the Scheduler level explores: vLLM's Scheduler as installed
+    (hold off), or with kvgate's hold overlay (hold on; `retain_retired`:
+    the fork's retention too)."""
+
+    hold: bool = False
+    retain_retired: bool = False
+
+    @property
+    def plugin(self) -> str | None:
+        return OVERLAY_PLUGIN if self.hold or self.retain_retired else None
+
+    def replay_command(self, path: Path) -> str:
+        plugin = f" --plugin {self.plugin}" if self.plugin else ""
+        return f"kvgate replay {path} --target vllm{plugin}"
+
+
+@dataclass
+class SchedulerStats:
+    """What one Scheduler-level run exercised."""
+
+    examples: int = 0
+    # Examples dropped part-way (refused, or past Hypothesis's buffer), and
+    # the runs while Hypothesis shrinks a failure: not among `examples`.
+    discarded: int = 0
+    shrinking: int = 0
+    engine_steps: int = 0
+    ops: Counter[str] = field(default_factory=Counter)
+    families: Counter[str] = field(default_factory=Counter)
+    # Configs or requests the real Scheduler refused (examples dropped), by field.
+    refused: Counter[str] = field(default_factory=Counter)
+    preemptions: int = 0
+    first_failure: float | None = None
+    started: float = field(default_factory=time.perf_counter)
 
 
 def knob_values(config: Config, refused: str | None = None) -> tuple[str, ...]:

@@ -22,14 +22,13 @@ from typing import Any, ClassVar, Literal
 
 from hypothesis import reject, target
 from hypothesis import strategies as st
-from hypothesis.control import current_build_context
-from hypothesis.internal.conjecture.data import Status
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
 from kvgate.conformance.refusal import model_refusal, refusal_of
 from kvgate.driver.op_driver import NothingToRun
 from kvgate.explore.hash_inputs import MODES, RequestInputs, arrive_fields
 from kvgate.explore.knobs import configs
+from kvgate.explore.machine_run import example_cut_short
 from kvgate.explore.mode import Mode, knob_values
 from kvgate.explore.session import (
     ExploreFailure,
@@ -186,7 +185,11 @@ class BasicRules(RuleBasedStateMachine):
     @initialize(data=st.data())
     def start(self, data: st.DataObject) -> None:
         mode = self.mode
-        drawn = configs(mode.stratum, mode.swarm, mode.refusals)
+        drawn = (
+            configs(mode.stratum, mode.swarm, mode.refusals)
+            if mode.config is None
+            else st.just(mode.config)
+        )
         config = mode.apply(data.draw(drawn, label="config"))
         inputs = data.draw(st.sampled_from(MODES), label="hash inputs")
         self._hash = RequestInputs(inputs, mode.stats.ops, config.hash_unit)
@@ -231,7 +234,7 @@ class BasicRules(RuleBasedStateMachine):
         stats = self.mode.stats
         if stats.first_failure is not None and not self.first_failing:
             stats.shrinking += 1
-        elif current_build_context().data.status in (Status.OVERRUN, Status.INVALID):
+        elif example_cut_short():
             stats.discarded += 1
         else:
             stats.examples += 1

@@ -14,11 +14,10 @@ from pathlib import Path
 from typing import Generic, TypeVar
 
 from hypothesis import settings as Settings
-from hypothesis.stateful import get_state_machine_test
 
 from kvgate.explore.machine import check_config_rules, machine_class
+from kvgate.explore.machine_run import run_machine
 from kvgate.explore.mode import Mode, Stats
-from kvgate.explore.profiles import draws_from_the_seed_alone
 from kvgate.explore.session import ALL_INVARIANTS, HOLD_ONLY_INVARIANTS, ExploreFailure, Session
 from kvgate.explore.session import shrink as shrink_trace
 from kvgate.vocabulary.config import Config
@@ -62,13 +61,8 @@ def model_mode(hold: bool, check_hold_only: bool = True, retain_retired: bool = 
 
 def run_once(mode: Mode, settings: Settings, seed: int | None = None) -> ExploreFailure | None:
     """One Hypothesis run of the machine; the (Hypothesis-shrunk) failure, if any."""
-    test = get_state_machine_test(machine_class(mode), settings=settings)
-    if seed is not None:
-        # What @seed does: get_state_machine_test returns the @given test.
-        test._hypothesis_internal_use_seed = seed  # type: ignore[attr-defined]
     try:
-        with draws_from_the_seed_alone():
-            test()
+        run_machine(machine_class(mode), settings, seed)
     except ExploreFailure as failure:
         return failure
     return None

@@ -16,12 +16,10 @@ generates one; the trace shrinker uses it to reject candidates).
 
 from __future__ import annotations
 
-import hashlib
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from dataclasses import fields as dataclass_fields
-from pathlib import Path
 from typing import Any, Literal
 
 from kvgate.conformance.compare import (
@@ -29,8 +27,9 @@ from kvgate.conformance.compare import (
     same_check,
     step_difference,
 )
-from kvgate.conformance.writer import dump_trace, save_trace
+from kvgate.conformance.writer import dump_trace
 from kvgate.driver.op_driver import OpDriver
+from kvgate.explore.failure import TraceFailure
 from kvgate.invariants.lifecycle import TRACKERS, Event, Finding, Tracker, Witness
 from kvgate.invariants.predicates import (
     SNAPSHOT_INVARIANTS,
@@ -72,7 +71,7 @@ class RequestState:
     phase: Phase = "waiting"
 
 
-class ExploreFailure(AssertionError):
+class ExploreFailure(TraceFailure):
     """An invariant violation, a divergence or a crash, with the run that led
     to it."""
 
@@ -114,10 +113,8 @@ class ExploreFailure(AssertionError):
             out.append(Step("check", len(out), check=dict(self.witness.check)))
         return out
 
-    @property
-    def name(self) -> str:
-        digest = hashlib.blake2b(self.yaml_body().encode(), digest_size=4).hexdigest()
-        return f"explore-{self.invariant.replace('_', '-')}-{digest}"
+    def name_prefix(self) -> str:
+        return f"explore-{self.invariant.replace('_', '-')}"
 
     def about(self) -> str:
         hold = "on" if self.config.hold else "off"
@@ -125,14 +122,8 @@ class ExploreFailure(AssertionError):
             f"Found by kvgate explore (hold {hold}): {self.kind} {self.invariant}: {self.message}"
         )
 
-    def yaml_body(self) -> str:
-        return dump_trace("explore", self.config, self.trace_steps())
-
-    def yaml(self) -> str:
-        return dump_trace(self.name, self.config, self.trace_steps(), self.about())
-
-    def save(self, directory: Path) -> Path:
-        return save_trace(directory, self.name, self.config, self.trace_steps(), self.about())
+    def trace_text(self, name: str, about: str | None) -> str:
+        return dump_trace(name, self.config, self.trace_steps(), about)
 
 
 class RefusalDivergence(ExploreFailure):
@@ -146,14 +137,8 @@ class RefusalDivergence(ExploreFailure):
         super().__init__("divergence", "config_refusal", message, config, (), Witness())
         self.field = field
 
-    def yaml_body(self) -> str:
-        return dump_trace("explore", self.config, (), expect_refused=self.field)
-
-    def yaml(self) -> str:
-        return dump_trace(self.name, self.config, (), self.about(), self.field)
-
-    def save(self, directory: Path) -> Path:
-        return save_trace(directory, self.name, self.config, (), self.about(), self.field)
+    def trace_text(self, name: str, about: str | None) -> str:
+        return dump_trace(name, self.config, (), about, self.field)
 
 
 class Session:

@@ -59,6 +59,7 @@ import hashlib
 import logging
 import math
 import os
+import re
 import threading
 import time
 from collections import deque
@@ -489,6 +490,12 @@ class _Recording:
         import vllm
 
         self.vllm_version = str(getattr(vllm, "__version__", "unknown"))
+        # The device vLLM's platform runs the engine on: a CPU build's
+        # recording names its deployment family by it.
+        from vllm.platforms import current_platform
+
+        device = str(getattr(current_platform, "device_type", "") or "")
+        self.device = device if re.fullmatch(r"[a-z][a-z0-9_]{0,31}", device) else ""
         self.names: dict[str, str] = {}
         self.requests: dict[str, Any] = {}
         self.renamer = _Renamer()
@@ -591,6 +598,8 @@ class _Recording:
         self.file = self.settings.opener(self.path)
         self.files += 1
         recording: dict[str, Any] = {"vllm": self.vllm_version, "part": self.part}
+        if self.device:
+            recording["device"] = self.device
         if self.part > 1:
             recording["follows"] = f"{self.stem}.{self.part - 1:03d}.yaml"
         head = recording_head(

@@ -5,11 +5,16 @@ own `EngineArgs.create_engine_config`, with the model's local `config.json`
 (no weights, no tokenizer, no hub). What the engine decides only on its
 serving machine is said so by name rather than guessed: the pool size (GPU
 memory), the prefill checkpoint columns (the Mamba layers' kernels, known
-once the layers are built), the model runner (Triton). One decision of this
+once the layers are built), the model runner (Triton). The blocks a
+hybrid's worker serves are computed as that worker does
+(`served_blocks.py`), on a stated attention backend. One decision of this
 machine's platform is set aside: vLLM's CPU platform turns async scheduling
 off (it gains nothing there), and a GPU engine does not, so the value vLLM
 resolved before the platform's say is the one kept and everything derived
-after it sees that value, as on the serving machine.
+after it sees that value, as on the serving machine. Likewise the SSM
+state's dtype, which the CPU platform stores in float32 for its GDN
+kernels: kept as a GPU resolves it, unless the served blocks are asked for
+vLLM's CPU backend.
 
 `resolve` returns every resolved setting with the vLLM setting it came
 from, the settings kvgate cannot model, and a kvgate trace `Config` when
@@ -27,11 +32,15 @@ from pathlib import Path
 from typing import Any
 
 from kvgate.errors import InputError
+from kvgate.impl.served_blocks import ServedBlocks, served_blocks
 from kvgate.impl.vllm_errors import describe
 from kvgate.model.scope import check_modelled
 from kvgate.vocabulary.config import Config, GroupConfig, UnsupportedConfig
 
-__all__ = ["Deployment", "Setting", "resolve"]
+__all__ = ["Deployment", "Setting", "resolve", "serve_args"]
+
+# Words a command line copied whole starts with; dropped before parsing.
+_SERVE_PREFIX = ("vllm", "serve")
 
 
 @dataclass(frozen=True)
@@ -58,11 +67,26 @@ class Deployment:
     config_missing: str = ""
     # The resolved values by name, for a caller that checks them.
     values: dict[str, Any] = field(default_factory=dict)
+    # The worker's block update for a hybrid (None for a single layer kind).
+    served: ServedBlocks | None = None
 
     def add(self, name: str, value: Any, source: str) -> None:
         self.values[name] = value
         shown = value if isinstance(value, str) else json.dumps(value)
         self.settings.append(Setting(name, shown, source))
+
+
+def serve_args(words: list[str]) -> list[str]:
+    """The serve command line without a leading `--`, `vllm` or `serve`."""
+    rest = list(words)
+    if rest[:1] == ["--"]:
+        rest = rest[1:]
+    for word in _SERVE_PREFIX:
+        if rest[:1] == [word]:
+            rest = rest[1:]
+    if not rest:
+        raise InputError("deployment: no serve command line given (MODEL-DIR [FLAG...])")
+    return rest
 
 
 def model_path(argv: Sequence[str]) -> Path:
@@ -110,20 +134,25 @@ def _parse(argv: Sequence[str]) -> Any:
 
 @contextlib.contextmanager
 def _gpu_async_decision(seen: dict[str, Any]) -> Iterator[None]:
-    """vLLM's CPU platform's override of async scheduling set aside while
-    the engine config resolves: what vLLM decided before the platform's say
-    stays (a GPU engine keeps it), and `seen["platform"]` records what the
-    platform would have set."""
+    """vLLM's CPU platform's overrides of async scheduling and of the SSM
+    state's dtype (float32 for its GDN kernels) set aside while the engine
+    config resolves: what vLLM decided before the platform's say stays (a
+    GPU engine keeps it), and `seen["platform"]` and `seen["cpu_ssm_dtype"]`
+    record what the platform would have set."""
     from vllm.platforms import current_platform
 
     original = current_platform.check_and_update_config
 
     def check_and_update_config(vllm_config: Any) -> None:
         scheduler = vllm_config.scheduler_config
+        cache = vllm_config.cache_config
         before = scheduler.async_scheduling
+        ssm_dtype = cache.mamba_ssm_cache_dtype
         original(vllm_config)
         seen["platform"] = scheduler.async_scheduling
+        seen["cpu_ssm_dtype"] = cache.mamba_ssm_cache_dtype
         scheduler.async_scheduling = before
+        cache.mamba_ssm_cache_dtype = ssm_dtype
 
     current_platform.check_and_update_config = check_and_update_config
     try:
@@ -196,10 +225,17 @@ def _hash_unit(vllm_config: Any, groups: tuple[GroupConfig, ...]) -> tuple[int, 
     return int(scheduler_block), int(hash_block)
 
 
-def resolve(argv: Sequence[str], num_blocks: int | None = None) -> Deployment:
+def resolve(
+    argv: Sequence[str],
+    num_blocks: int | None = None,
+    assumed_backend: str | None = None,
+    checkpoint_alignment: int | None = None,
+) -> Deployment:
     """The deployment a serve command line resolves to; `num_blocks` is the
     pool size for the trace config when the command line does not fix it
-    (`--num-gpu-blocks-override`)."""
+    (`--num-gpu-blocks-override`); `assumed_backend` and
+    `checkpoint_alignment` are what the serving machine's worker reads from
+    its built layers (`served_blocks`)."""
     vllm_config, args, seen = engine_config(argv)
     cache = vllm_config.cache_config
     scheduler = vllm_config.scheduler_config
@@ -222,11 +258,41 @@ def resolve(argv: Sequence[str], num_blocks: int | None = None) -> Deployment:
         "--mamba-cache-mode is deprecated and has no effect)",
     )
     drafts = int(spec.num_speculative_tokens) if spec is not None else 0
+    attention_block = int(cache.block_size)
     mamba_block = int(cache.mamba_block_size or cache.block_size) if has_mamba else 0
+    attention_source = "--block-size (CacheConfig.block_size)"
+    mamba_source = "--mamba-block-size (CacheConfig.mamba_block_size)"
+    if has_attention and has_mamba:
+        served = served_blocks(
+            vllm_config, assumed_backend, checkpoint_alignment, seen.get("cpu_ssm_dtype")
+        )
+        out.served = served
+        out.add("attention backend", served.backend, served.backend_source)
+        attention_block, mamba_block = served.attention_block, served.mamba_block
+        configured = (
+            f"--block-size {served.configured_attention_block}"
+            if cache.user_specified_block_size
+            else f"vLLM's default block {served.configured_attention_block} (no --block-size)"
+        )
+        attention_source = (
+            configured
+            + (
+                " raised by "
+                if attention_block != served.configured_attention_block
+                else " kept by "
+            )
+            + served.describe()
+        )
+        if mode == "align":
+            mamba_source = "set to the attention block by the same update in align mode" + (
+                f" (--mamba-block-size {served.configured_mamba_block} is overridden)"
+                if served.configured_mamba_block != mamba_block
+                else ""
+            )
     speculative_blocks = drafts if has_mamba and not getattr(cache, "use_replayssm", False) else 0
     groups: list[GroupConfig] = []
     if has_attention:
-        groups.append(GroupConfig("full_attention", int(cache.block_size)))
+        groups.append(GroupConfig("full_attention", attention_block))
     if has_mamba:
         # The trace format's Mamba group kind; its mode is `mamba_cache_mode`.
         groups.append(GroupConfig("mamba_align", mamba_block, speculative_blocks))
@@ -237,13 +303,13 @@ def resolve(argv: Sequence[str], num_blocks: int | None = None) -> Deployment:
             + (f" (speculative blocks {g.speculative_blocks})" if g.speculative_blocks else "")
             for g in groups
         ),
-        "the model's layer types; --block-size (CacheConfig.block_size, "
-        "aligned by the platform's attention backend), --mamba-block-size "
-        "(CacheConfig.mamba_block_size); speculative blocks: MambaSpec."
+        "the model's layer types; the blocks as served (below); speculative blocks: MambaSpec."
         "num_speculative_blocks from --speculative-config num_speculative_tokens",
     )
+    if has_attention:
+        out.add("attention block", attention_block, attention_source)
     if has_mamba:
-        out.add("mamba block", mamba_block, "--mamba-block-size (CacheConfig.mamba_block_size)")
+        out.add("mamba block", mamba_block, mamba_source)
     scheduler_block, hash_unit = _hash_unit(vllm_config, tuple(groups)) if groups else (0, 0)
     out.add(
         "hash unit",
@@ -304,6 +370,22 @@ def resolve(argv: Sequence[str], num_blocks: int | None = None) -> Deployment:
         "after the draft slots' share)",
     )
     out.add("max_num_seqs", int(scheduler.max_num_seqs), "--max-num-seqs")
+    parallel = vllm_config.parallel_config
+    out.add("GPUs", int(parallel.tensor_parallel_size), "--tensor-parallel-size")
+    out.add(
+        "GPU memory utilization",
+        float(cache.gpu_memory_utilization),
+        "--gpu-memory-utilization (CacheConfig.gpu_memory_utilization)",
+    )
+    layers = int(model.get_num_layers(parallel))
+    attention_layers = int(model.get_num_layers_by_block_type(parallel, "attention"))
+    out.values["attention layers"] = attention_layers
+    out.values["mamba layers"] = layers - attention_layers if has_mamba else 0
+    out.add(
+        "layers",
+        f"{layers}: {attention_layers} attention, {out.values['mamba layers']} Mamba",
+        "the model's config.json (ModelConfig.get_num_layers_by_block_type)",
+    )
     out.add("max_model_len", int(model.max_model_len), "--max-model-len (else the model's config)")
     transfer = vllm_config.kv_transfer_config
     connector = "none" if transfer is None else (f"{transfer.kv_connector} ({transfer.kv_role})")
@@ -381,17 +463,6 @@ def _unresolved(out: Deployment, vllm_config: Any, has_mamba: bool) -> None:
                 "pool size",
                 "vLLM sizes the KV-cache pool at startup from the serving GPU's memory "
                 f"(--gpu-memory-utilization {cache.gpu_memory_utilization}, the weights)",
-            )
-        )
-    if has_mamba and str(getattr(cache, "mamba_cache_mode", "")) == "align":
-        out.unresolved.append(
-            (
-                "attention and Mamba blocks",
-                "once the model is loaded, the worker raises the attention block until one "
-                "attention page holds a Mamba state, in multiples of the serving GPU's "
-                "attention-kernel block sizes, and in align mode sets the Mamba block to the "
-                "attention block (Platform.update_block_size_for_backend): --mamba-block-size "
-                "is overridden there, and the groups above are the blocks as configured",
             )
         )
     if has_mamba:

@@ -20,6 +20,7 @@ and `manager` (the vLLM `KVCacheManager` itself), for tests and debugging.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 from kvgate.driver.op_driver import OpDriver
@@ -34,7 +35,7 @@ from kvgate.vocabulary.config import Config
 from kvgate.vocabulary.events import KvEvent
 from kvgate.vocabulary.ops import STATS_KEYS
 from kvgate.vocabulary.residency import Eviction
-from kvgate.vocabulary.snapshot import Snapshot
+from kvgate.vocabulary.snapshot import Snapshot, StepView
 from kvgate.vocabulary.target import Capabilities
 from kvgate.vocabulary.tokens import NO_INPUTS, HashInputs
 
@@ -281,3 +282,12 @@ class VllmTarget(OpDriver[Any]):
 
     def snapshot(self) -> Snapshot:
         return self._view.snapshot(self.popped)
+
+    def forgotten(self, name: str) -> None:
+        self._view.forget(name)
+
+    def take_changed_blocks(self) -> set[int]:
+        return self._view.take_changed_blocks()
+
+    def step_view(self, blocks: Collection[int], requests: Collection[str]) -> StepView:
+        return self._view.step_view(self.popped, blocks, requests)

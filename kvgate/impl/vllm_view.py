@@ -14,7 +14,7 @@ snapshot). Nothing here calls the manager in a way that changes it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import compress
 from operator import ne
@@ -22,7 +22,16 @@ from typing import Any
 
 from kvgate.impl._vllm_api import HOLD_ATTR, VllmApi
 from kvgate.vocabulary.events import KvEvent, event_extras
-from kvgate.vocabulary.snapshot import NULL_BLOCK, BlockView, Snapshot, kept_aside, null_view
+from kvgate.vocabulary.snapshot import (
+    NULL_BLOCK,
+    BlockView,
+    Snapshot,
+    StepView,
+    kept_aside,
+    null_view,
+    table_ends,
+    tail_length,
+)
 from kvgate.vocabulary.tokens import (
     NO_INPUTS,
     EventExtra,
@@ -88,9 +97,14 @@ class ManagerView:
         # The same index by the 64-bit ints KV-cache events carry.
         self._key_of_int: dict[int, str] = {}
         self._last_views: _Views | None = None
+        self._forgotten = 0
         # The strict view's exclusions that hid something here (the raw
         # state differed from the view): what the gate names as differences.
         self.exclusions_applied: set[str] = set()
+        # Ids of the blocks the pool's own calls changed since the step view
+        # last asked (`take_changed_blocks`); every block at first.
+        self._changed: set[int] = set(range(len(self._pool.blocks)))
+        self._watch_pool()
 
     @property
     def managers(self) -> tuple[Any, ...]:
@@ -125,6 +139,32 @@ class ManagerView:
         """`name`'s tokens may have grown: re-index it at the next snapshot."""
         self._dirty.add(name)
 
+    def forget(self, name: str) -> None:
+        """Stop tracking `name` (ended, named by no later step); now and then
+        the hash index keeps only what the pool and the tracked requests
+        still hold, so it follows them rather than the history's length."""
+        if self._keys.pop(name, None) is None:
+            return
+        self._dirty.discard(name)
+        self._forgotten += 1
+        # KV-cache events name hashes of blocks already evicted: kept whole.
+        if self._forgotten % 64 == 0 and not getattr(self._pool, "enable_kv_cache_events", True):
+            self._prune_index()
+
+    def _prune_index(self) -> None:
+        get_hash = self._api.get_block_hash
+        held: set[bytes] = set()
+        for block in self._pool.blocks:
+            if block.block_hash is not None:
+                held.add(bytes(get_hash(block.block_hash)))
+        for hashes in self._pool.cached_block_hashes_by_block.values():
+            held.update(bytes(get_hash(h)) for h in hashes)
+        for entry in self._keys.values():
+            held.update(bytes(h) for h in entry.request.block_hashes[: entry.mapped])
+        self._key_of = {h: k for h, k in self._key_of.items() if h in held}
+        self._key_of_int = {}
+        self._names = {}
+
     def index_now(self, name: str) -> None:
         """Index `name`'s hashes now, from its tokens as they are (before a
         rewrite changes them)."""
@@ -140,6 +180,131 @@ class ManagerView:
         self._key_of_int.clear()
         self._names.clear()
         self._last_views = None
+
+    # ------------------------------------------------------- changed blocks
+
+    def _watch_pool(self) -> None:
+        """Note the blocks each of the pool's calls that change a block's
+        ref count, keys or place in the free queue is given or returns.
+
+        Instance attributes over the pool's methods, each calling the class's
+        method as it is at call time (a plugin's patch still applies). The
+        single-type managers' own writes (a copy-on-write's extra ref) are
+        not seen here: the other side's changes and the whole view's
+        comparison at intervals cover them."""
+        pool = self._pool
+        cls = type(pool)
+        changed = self._changed
+
+        def note(block: Any) -> None:
+            changed.add(block.block_id)
+
+        def get_new_blocks(num_blocks: int) -> Any:
+            blocks = cls.get_new_blocks(pool, num_blocks)
+            changed.update(b.block_id for b in blocks)
+            return blocks
+
+        def touch(blocks: Any) -> None:
+            blocks = list(blocks)
+            changed.update(b.block_id for b in blocks)
+            cls.touch(pool, blocks)
+
+        def free_blocks(ordered_blocks: Any) -> None:
+            blocks = list(ordered_blocks)
+            changed.update(b.block_id for b in blocks)
+            cls.free_blocks(pool, blocks)
+
+        def remove_hashes(block: Any, *args: Any, **kwargs: Any) -> Any:
+            note(block)
+            return cls._remove_cached_block_hashes(pool, block, *args, **kwargs)
+
+        def insert_hash(key: Any, block: Any, *args: Any, **kwargs: Any) -> Any:
+            note(block)
+            return cls._insert_block_hash(pool, key, block, *args, **kwargs)
+
+        def reset_prefix_cache(*args: Any, **kwargs: Any) -> Any:
+            changed.update(range(len(pool.blocks)))
+            return cls.reset_prefix_cache(pool, *args, **kwargs)
+
+        watched = {
+            "get_new_blocks": get_new_blocks,
+            "touch": touch,
+            "free_blocks": free_blocks,
+            "_remove_cached_block_hashes": remove_hashes,
+            "_insert_block_hash": insert_hash,
+            "reset_prefix_cache": reset_prefix_cache,
+        }
+        for name, wrapper in watched.items():
+            if callable(getattr(cls, name, None)):
+                setattr(pool, name, wrapper)
+            else:
+                # A build without this call: no step view's list is complete.
+                changed.update(range(len(pool.blocks)))
+
+    def take_changed_blocks(self) -> set[int]:
+        taken = set(self._changed)
+        self._changed.clear()
+        return taken
+
+    def step_view(
+        self, popped: Mapping[str, Sequence[Any]], blocks: Collection[int], requests: Iterable[str]
+    ) -> StepView:
+        """The strict view of `blocks` and `requests` (`StepView`); the hash
+        index is brought up to date only when a block's hash is new to it."""
+        pool = self._pool
+        all_blocks = pool.blocks
+        secondary = pool.cached_block_hashes_by_block
+        views: dict[int, BlockView] = {}
+        names_of = self._names
+        name = self._name
+        for bid in blocks:
+            if not 0 <= bid < len(all_blocks):
+                continue
+            block = all_blocks[bid]
+            primary = block.block_hash
+            names: tuple[str, ...] = (
+                () if primary is None else (names_of.get(primary) or name(primary),)
+            )
+            extra = secondary.get(bid)
+            if extra:
+                names += tuple(sorted(name(h) for h in extra))
+            view = BlockView(int(block.ref_cnt), names)
+            views[bid] = null_view(view) if bid == NULL_BLOCK else view
+        reach = len(blocks) + 1
+        keep = tail_length(len(blocks))
+        tables = {}
+        for rid in requests:
+            ends = []
+            for m in self._managers:
+                table = m.req_to_blocks.get(rid) or ()
+                ends.append((len(table), tuple([b.block_id for b in table[-keep:]])))
+            tables[rid] = table_ends(ends)
+        queue = pool.free_block_queue
+        head, tail = queue.fake_free_list_head, queue.fake_free_list_tail
+        forward: list[int] = []
+        block = head.next_free_block
+        while block is not None and block is not tail and len(forward) < reach:
+            forward.append(block.block_id)
+            block = block.next_free_block
+        backward: list[int] = []
+        block = tail.prev_free_block
+        while block is not None and block is not head and len(backward) < reach:
+            backward.append(block.block_id)
+            block = block.prev_free_block
+        backward.reverse()
+        return StepView(
+            blocks=views,
+            num_free=int(queue.num_free_blocks),
+            free_head=tuple(forward),
+            free_tail=tuple(backward),
+            tables=tables,
+            holds=self.holds(),
+            pending_copies=self.pending_copies(),
+            popped={
+                rid: kept_aside(block_ids(popped[rid])) if rid in popped else None
+                for rid in requests
+            },
+        )
 
     # ------------------------------------------------------------- the view
 
@@ -321,7 +486,12 @@ class ManagerView:
         name = self._names.get(hash_with_group)
         if name is None:
             api = self._api
-            key = self._key_of.get(bytes(api.get_block_hash(hash_with_group)))
+            block_hash = bytes(api.get_block_hash(hash_with_group))
+            key = self._key_of.get(block_hash)
+            if key is None and self._dirty:
+                # A hash of tokens grown since the index last saw them.
+                self._sync_index()
+                key = self._key_of.get(block_hash)
             if key is None:
                 raise RuntimeError(
                     f"block hash {bytes(hash_with_group).hex()[:16]}... is no prefix of "

@@ -111,6 +111,17 @@ class EncoderCache:
             self.evictable[identifier] = self.lengths[identifier]
             self.reclaimable += self.lengths[identifier]
 
+    def forget(self, req: str, index: int) -> None:
+        """`req`'s `index`-th item, stored for a chunk that then never ran,
+        given back and uncached once nobody holds it: its encoder output was
+        never computed, so no later chunk may find it cached."""
+        identifier = self.held.get(req, {}).get(index)
+        self.release(req, index)
+        if identifier is not None and identifier in self.evictable:
+            self.free += self.evictable.pop(identifier)
+            del self.holders[identifier]
+            del self.lengths[identifier]
+
     def release_all(self, req: str) -> None:
         """Every item `req` holds given back (preempted, finished, aborted)."""
         for index in sorted(self.held.get(req, {})):

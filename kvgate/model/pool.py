@@ -63,6 +63,24 @@ class FreeQueue:
             yield node
             node = self._next[node]
 
+    def head(self, n: int) -> tuple[int, ...]:
+        """The first `n` ids (fewer when the queue is shorter)."""
+        ids: list[int] = []
+        node = self._next[self._HEAD]
+        while node != self._TAIL and len(ids) < n:
+            ids.append(node)
+            node = self._next[node]
+        return tuple(ids)
+
+    def tail(self, n: int) -> tuple[int, ...]:
+        """The last `n` ids, in queue order."""
+        ids: list[int] = []
+        node = self._prev[self._TAIL]
+        while node != self._HEAD and len(ids) < n:
+            ids.append(node)
+            node = self._prev[node]
+        return tuple(reversed(ids))
+
     def _link_after(self, anchor: int, block_id: int) -> None:
         following = self._next[anchor]
         self._next[anchor] = block_id

@@ -440,6 +440,10 @@ class SchedulerModel(AsyncBatches, ConnectorLoads, StreamingSessions):
         if running:
             holder = self.blocks_held_off_the_running_queue()
             if holder is not None:
+                if self.config.vllm_defects == "fixed":
+                    # A fixed vLLM sees the cache cannot reset and says so
+                    # before preempting anyone.
+                    return False, [live.name for live in self.waiting]
                 # vLLM's Scheduler preempts every running request, finds the
                 # cache still in use and raises ("not supported yet").
                 raise StepRefused(
@@ -800,6 +804,11 @@ class SchedulerModel(AsyncBatches, ConnectorLoads, StreamingSessions):
         items = victim.request.inputs.mm
         encoded = self._encoded.pop(victim.name, [])
         self.encoder_budget += sum(items[index].length for index in encoded)
+        if self.config.vllm_defects == "fixed":
+            # vLLM keeps these entries cached though never encoded; fixed, it
+            # uncaches them, so the victim's chunk encodes them when it runs.
+            for index in encoded:
+                self.encoder.forget(victim.name, index)
         if victim in finished:
             finished.remove(victim)
         request = victim.request
@@ -995,6 +1004,15 @@ class SchedulerModel(AsyncBatches, ConnectorLoads, StreamingSessions):
         if tokens <= 0:
             return SKIP  # the encoder cannot run what the chunk starts with
         tokens = reserve_prefill_lookahead(self.config, request.num_tokens, start, tokens)
+        if (
+            tokens <= 0
+            and self.config.vllm_defects == "fixed"
+            and remaining <= budget
+            and self._plan_encoder(request, start, remaining) == remaining
+        ):
+            # vLLM cuts the chunk to nothing at every step; fixed, it runs the
+            # prompt to its end (its last chunk may end inside a block).
+            tokens = remaining
         if tokens <= 0:
             return SKIP
         # `auto` is the replayer's chunk: the full budget, the threshold by the

@@ -23,9 +23,18 @@ from kvgate.vocabulary.config import (
     MAMBA_CACHE_MODES,
     MODEL_RUNNERS,
     SCHEDULING_POLICIES,
+    VLLM_DEFECT_ARMS,
     Config,
     NotModelled,
     RefusedByVllm,
+)
+
+# The fields whose values vLLM 0.33.0 fixes as a closed set: the field, its
+# values, what the refusal calls them.
+_CLOSED_CHOICES: tuple[tuple[str, tuple[str, ...], str], ...] = (
+    ("kv_load_failure_policy", KV_LOAD_FAILURE_POLICIES, "policies"),
+    ("model_runner", MODEL_RUNNERS, "model runners"),
+    ("scheduling_policy", SCHEDULING_POLICIES, "scheduling policies"),
 )
 
 
@@ -109,23 +118,16 @@ def check_modelled(config: Config) -> None:
         raise NotModelled(
             "kv_connector_divergent_hits", "needs kv_connector: true (it is the connector's)"
         )
-    if config.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
+    for field, values, what in _CLOSED_CHOICES:
+        value = getattr(config, field)
+        if value not in values:
+            raise NotModelled(
+                field, f"{value!r} is not one of {', '.join(values)} (vLLM 0.33.0's {what})"
+            )
+    if config.vllm_defects not in VLLM_DEFECT_ARMS:
         raise NotModelled(
-            "kv_load_failure_policy",
-            f"{config.kv_load_failure_policy!r} is not one of "
-            f"{', '.join(KV_LOAD_FAILURE_POLICIES)} (vLLM 0.33.0's policies)",
-        )
-    if config.model_runner not in MODEL_RUNNERS:
-        raise NotModelled(
-            "model_runner",
-            f"{config.model_runner!r} is not one of {', '.join(MODEL_RUNNERS)} "
-            "(vLLM 0.33.0's model runners)",
-        )
-    if config.scheduling_policy not in SCHEDULING_POLICIES:
-        raise NotModelled(
-            "scheduling_policy",
-            f"{config.scheduling_policy!r} is not one of {', '.join(SCHEDULING_POLICIES)} "
-            "(vLLM 0.33.0's scheduling policies)",
+            "vllm_defects",
+            f"{config.vllm_defects!r} is not one of {', '.join(VLLM_DEFECT_ARMS)}",
         )
     if config.prefill_schedule_interval < 1:
         raise NotModelled(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 from kvgate.driver.op_driver import OpDriver
@@ -12,7 +13,16 @@ from kvgate.model.split import chunk_tokens
 from kvgate.vocabulary.config import Config
 from kvgate.vocabulary.events import KvEvent
 from kvgate.vocabulary.residency import Eviction
-from kvgate.vocabulary.snapshot import BlockView, Snapshot, kept_aside
+from kvgate.vocabulary.snapshot import (
+    NULL_BLOCK,
+    BlockView,
+    Snapshot,
+    StepView,
+    kept_aside,
+    null_view,
+    table_ends,
+    tail_length,
+)
 from kvgate.vocabulary.target import Capabilities
 from kvgate.vocabulary.tokens import NO_INPUTS, HashInputs
 
@@ -29,6 +39,10 @@ class ModelTarget(OpDriver[Request]):
         self.manager = KVCacheManager(config)
         self.pool = self.manager.block_pool
         self._views = [BlockView(0)] * self.pool.num_blocks
+        # The pool's changed blocks, as the two readers of them have yet to
+        # see them: the whole view's cache, and the step views.
+        self._stale_views: set[int] = set()
+        self._step_changed: set[int] = set()
         # None for a pure Mamba model (no attention group caches anything).
         self.attention_group: int | None = next(
             (i for i, g in enumerate(config.groups) if g.kind == "full_attention"), None
@@ -183,13 +197,64 @@ class ModelTarget(OpDriver[Request]):
             cached += size
         return cached
 
+    def _drain_changed(self) -> None:
+        changed = self.pool.take_changed()
+        self._stale_views |= changed
+        self._step_changed |= changed
+
+    def _block_view(self, block_id: int) -> BlockView:
+        block = self.pool.blocks[block_id]
+        primary = block.hash
+        secondary = self.pool.secondary.get(block_id)
+        if secondary:
+            return BlockView(block.ref, tuple(map(hash_name, self.pool.keys_of(block))))
+        return BlockView(block.ref, () if primary is None else (hash_name(primary),))
+
     def _block_views(self) -> tuple[BlockView, ...]:
         """Every block's view, re-reading only the blocks changed since the last."""
-        for block_id in self.pool.take_changed():
-            block = self.pool.blocks[block_id]
-            keys = tuple(hash_name(k) for k in self.pool.keys_of(block))
-            self._views[block_id] = BlockView(block.ref, keys)
+        self._drain_changed()
+        for block_id in self._stale_views:
+            self._views[block_id] = self._block_view(block_id)
+        self._stale_views = set()
         return tuple(self._views)
+
+    def take_changed_blocks(self) -> set[int]:
+        self._drain_changed()
+        changed, self._step_changed = self._step_changed, set()
+        return changed
+
+    def step_view(self, blocks: Collection[int], requests: Collection[str]) -> StepView:
+        coordinator = self.manager.coordinator
+        managers = coordinator.managers
+        pool = self.pool
+        reach = len(blocks) + 1
+        keep = tail_length(len(blocks))
+        tables = {}
+        for rid in requests:
+            ends = []
+            for m in managers:
+                table = m.tables.get(rid, [])
+                ends.append((len(table), tuple([b.block_id for b in table[-keep:]])))
+            tables[rid] = table_ends(ends)
+        return StepView(
+            blocks={
+                i: null_view(self._block_view(i)) if i == NULL_BLOCK else self._block_view(i)
+                for i in blocks
+                if 0 <= i < pool.num_blocks
+            },
+            num_free=pool.num_free(),
+            free_head=pool.free_queue.head(reach),
+            free_tail=pool.free_queue.tail(reach),
+            tables=tables,
+            holds=coordinator.holds.as_positions(),
+            pending_copies=tuple(
+                (m.group_id, s.block_id, d.block_id) for m in managers for s, d in m.pending_copies
+            ),
+            popped={
+                r: kept_aside(b.block_id for b in self.popped[r]) if r in self.popped else None
+                for r in requests
+            },
+        )
 
     def snapshot(self) -> Snapshot:
         coordinator = self.manager.coordinator

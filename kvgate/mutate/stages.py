@@ -358,7 +358,42 @@ class _OneRun(Stage[OneRunT]):
         return Judgement(True, Catch(self.kind, self.source, outcome.failure))
 
 
-class Exploration(_OneRun[ExploreOutcome]):
+class _Explore(_OneRun[ExploreOutcome]):
+    """An exploration stage: runs when it has examples to run, and on a fault
+    the stages before it miss (every fault with `--explore-every-fault`)."""
+
+    passes: str  # what its baseline line says of the examples unmutated
+
+    @abstractmethod
+    def examples(self, settings: Settings) -> int: ...
+
+    @abstractmethod
+    def explore(self, settings: Settings) -> ExploreOutcome: ...
+
+    def own_fault(self, child: Child) -> bool:
+        """Whether `child`'s fault is one this stage runs on whatever else caught it."""
+        return False
+
+    def wanted(self, child: Child) -> bool:
+        settings = child.settings
+        if self.examples(settings) <= 0:
+            return False
+        if child.baseline is None:
+            return True
+        return self.usable_in(child) and (
+            settings.explore_every_fault or self.own_fault(child) or child.missed_so_far()
+        )
+
+    def run(self, child: Child) -> ExploreOutcome:
+        child.progress(f"({self.title})")
+        return self.explore(child.settings)
+
+    def describe(self, baseline: ExploreOutcome | None) -> list[str]:
+        examples = baseline.examples if baseline else 0
+        return [baseline_line(self.title, baseline, f"{examples} examples {self.passes}")]
+
+
+class Exploration(_Explore):
     """A short differential exploration (model against vLLM) for a fault the
     gate's corpus misses, or for every fault with `--explore-every-fault`."""
 
@@ -367,18 +402,13 @@ class Exploration(_OneRun[ExploreOutcome]):
     kind = "exploration"
     source = "exploration"
     caught_only = "caught by exploration only"
+    passes = "pass unmutated"
 
-    def wanted(self, child: Child) -> bool:
-        settings = child.settings
-        if settings.explore_examples <= 0:
-            return False
-        if child.baseline is None:
-            return True
-        return self.usable_in(child) and (settings.explore_every_fault or child.missed_so_far())
+    def examples(self, settings: Settings) -> int:
+        return settings.explore_examples
 
-    def run(self, child: Child) -> ExploreOutcome:
-        child.progress("(exploration)")
-        return explore_stage(child.settings.explore_examples, child.settings.explore_seed)
+    def explore(self, settings: Settings) -> ExploreOutcome:
+        return explore_stage(settings.explore_examples, settings.explore_seed)
 
     def headline(self, settings: Settings) -> str:
         if not settings.explore_examples:
@@ -388,12 +418,8 @@ class Exploration(_OneRun[ExploreOutcome]):
             "derandomized)" if seed is None else f"seed {seed})"
         )
 
-    def describe(self, baseline: ExploreOutcome | None) -> list[str]:
-        examples = baseline.examples if baseline else 0
-        return [baseline_line(self.title, baseline, f"{examples} examples pass unmutated")]
 
-
-class SchedulerExploration(_OneRun[ExploreOutcome]):
+class SchedulerExploration(_Explore):
     """The Scheduler-level exploration (engine steps on vLLM's real
     Scheduler) for every fault in the Scheduler's own code and any other the
     stages before it miss (every fault with `--explore-every-fault`)."""
@@ -403,30 +429,20 @@ class SchedulerExploration(_OneRun[ExploreOutcome]):
     kind = "scheduler exploration"
     source = "Scheduler-level exploration"
     caught_only = "caught by the Scheduler-level exploration only"
+    passes = "in lockstep unmutated"
 
-    def wanted(self, child: Child) -> bool:
-        settings = child.settings
-        if settings.scheduler_explore_examples <= 0:
-            return False
-        if child.baseline is None:
-            return True
-        in_scheduler = child.fault is not None and child.fault.area == "scheduler"
-        return self.usable_in(child) and (
-            settings.explore_every_fault or in_scheduler or child.missed_so_far()
-        )
+    def examples(self, settings: Settings) -> int:
+        return settings.scheduler_explore_examples
 
-    def run(self, child: Child) -> ExploreOutcome:
-        child.progress("(Scheduler-level exploration)")
-        settings = child.settings
+    def explore(self, settings: Settings) -> ExploreOutcome:
         return scheduler_explore_stage(settings.scheduler_explore_examples, settings.explore_seed)
+
+    def own_fault(self, child: Child) -> bool:
+        return child.fault is not None and child.fault.area == "scheduler"
 
     def headline(self, settings: Settings) -> str:
         examples = settings.scheduler_explore_examples
         return f"Scheduler-level exploration ({examples} examples)" if examples else ""
-
-    def describe(self, baseline: ExploreOutcome | None) -> list[str]:
-        examples = baseline.examples if baseline else 0
-        return [baseline_line(self.title, baseline, f"{examples} examples in lockstep unmutated")]
 
 
 class RealSchedulerWorkload(_OneRun[SchedulerOutcome]):
@@ -638,8 +654,9 @@ def scheduler_explore_stage(examples: int, seed: int | None = None) -> ExploreOu
     try:
         from hypothesis import Phase
 
+        from kvgate.explore.mode import SchedulerMode
         from kvgate.explore.profiles import profile
-        from kvgate.explore.scheduler_machine import SchedulerMode, explore_scheduler
+        from kvgate.explore.scheduler_runner import explore_scheduler
     except ImportError as missing:
         return ExploreOutcome(False, "", 0, 0.0, f"kvgate.explore not available ({missing})")
     settings = profile(

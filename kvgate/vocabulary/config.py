@@ -25,6 +25,10 @@ MODEL_RUNNERS: tuple[ModelRunner, ...] = get_args(ModelRunner)
 # orders both by each request's (priority, arrival), the lowest value first.
 SchedulingPolicy = Literal["fcfs", "priority"]
 SCHEDULING_POLICIES: tuple[SchedulingPolicy, ...] = get_args(SchedulingPolicy)
+# How the model behaves at the known vLLM defects (docs/findings.md):
+# `follow` as vLLM 0.33.0 does, `fixed` as a vLLM that fixed them would.
+VllmDefects = Literal["follow", "fixed"]
+VLLM_DEFECT_ARMS: tuple[VllmDefects, ...] = get_args(VllmDefects)
 
 
 @dataclass(frozen=True)
@@ -144,6 +148,10 @@ class Config:
     # request's (priority, arrival) and a failed allocation preempts the
     # running request that comes last in that order.
     scheduling_policy: SchedulingPolicy = "fcfs"
+    # The model's arm at the known vLLM defects (trace field `vllm_defects`):
+    # `follow` behaves as vLLM 0.33.0 does there, `fixed` as a vLLM that
+    # fixed them would (docs/findings.md gives each fixed behaviour).
+    vllm_defects: VllmDefects = "follow"
     # The engine's LoRA adapter limit (trace field `max_loras`, vLLM's
     # `LoRAConfig.max_loras`; scheduler-level traces): the Scheduler admits a
     # waiting request with an adapter only while the running requests hold

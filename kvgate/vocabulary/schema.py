@@ -24,6 +24,7 @@ from kvgate.vocabulary.config import (
     MAMBA_CACHE_MODES,
     MODEL_RUNNERS,
     SCHEDULING_POLICIES,
+    VLLM_DEFECT_ARMS,
     Config,
     GroupConfig,
 )
@@ -463,6 +464,23 @@ CONFIG_FIELDS: tuple[ConfigField, ...] = (
         ),
         choices=SCHEDULING_POLICIES,
         not_explored="the Scheduler-level exploration draws it with each engine",
+    ),
+    ConfigField(
+        "vllm_defects",
+        "vllm_defects",
+        "word",
+        "not_default",
+        "none: which vLLM the model stands for at the known vLLM defects",
+        (
+            "scheduler-level traces: `follow` (the model behaves as vLLM 0.33.0 does at each "
+            "known vLLM defect), or `fixed` (as a vLLM that fixed them would: a preempted "
+            "request's image not encoded in the step it was dropped from is encoded when it "
+            "runs again; a prompt the drafter's prefill lookahead would cut to nothing runs to "
+            "its end; a reset that cannot free the cache returns false without preempting); "
+            "the page of known vLLM defects gives each"
+        ),
+        choices=VLLM_DEFECT_ARMS,
+        not_explored="exploration hunts on the arm vLLM has, `follow`",
     ),
     ConfigField(
         "max_loras",

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import NamedTuple
 
 # Block 0 of every pool: the null block, a placeholder in block tables for
 # positions a request holds no state at. It is never queued, never hashed,
@@ -22,8 +23,10 @@ from dataclasses import dataclass
 NULL_BLOCK = 0
 
 
-@dataclass(frozen=True)
-class BlockView:
+class BlockView(NamedTuple):
+    """One block as the strict view shows it (a tuple, so a whole pool's
+    views compare at C speed)."""
+
     ref: int
     # Hash keys as `g<group>/<prefix key>`: the primary first, then the
     # secondary ones in sorted order.
@@ -93,7 +96,10 @@ class Snapshot:
         """(what, this side's value, the other's), first difference first."""
         if self.free_queue != other.free_queue:
             yield "free queue", self.free_queue, other.free_queue
-        for i, (a, b) in enumerate(zip(self.blocks, other.blocks, strict=False)):
+        blocks = () if self.blocks == other.blocks else zip(self.blocks, other.blocks, strict=False)
+        for i, (a, b) in enumerate(blocks):
+            if a == b:
+                continue
             if a.ref != b.ref:
                 yield f"block {i} ref", a.ref, b.ref
             if a.hashes != b.hashes:
@@ -121,3 +127,92 @@ def _plain(
 def _plain_popped(popped: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
     # A request whose popped list held only null blocks kept nothing aside.
     return {r: ids for r, ids in popped.items() if ids}
+
+
+# How many block table entries, from each table's end, a step's view reads
+# beyond the blocks the step changed: a step appends to a table's end, and
+# what it changes elsewhere in a table shows as a changed block's ref count.
+TABLE_TAIL = 4
+
+
+@dataclass(frozen=True)
+class StepView:
+    """The strict view restricted to what one step touched.
+
+    A step changes a few blocks of a large pool: this view reads those
+    blocks (`blocks`, by id), the ends of the free queue as long as the
+    changed blocks could reach (`free_head`, `free_tail`: a freed block
+    joins the queue at one end) and its length, the touched requests' block
+    tables (each group's length and last entries) and popped lists, and the
+    holds and pending copies whole (a few entries per request). Built through
+    `null_view` and `kept_aside`, as `Snapshot` is. A state the step left
+    alone is compared by the whole view, which a lockstep reads at intervals
+    (see `kvgate.conformance.replay`).
+    """
+
+    blocks: Mapping[int, BlockView]
+    num_free: int
+    free_head: tuple[int, ...]
+    free_tail: tuple[int, ...]
+    # req -> per group (table length, its last entries); None: no table.
+    tables: Mapping[str, tuple[tuple[int, tuple[int, ...]], ...] | None]
+    holds: Mapping[str, Mapping[int, tuple[int, int]]]
+    pending_copies: tuple[tuple[int, int, int], ...]
+    popped: Mapping[str, tuple[int, ...] | None]
+
+    def differences(self, other: StepView) -> Iterator[tuple[str, object, object]]:
+        """(what, this side's value, the other's), named as `Snapshot.differences`
+        names them, in its order."""
+        if (self.num_free, self.free_head, self.free_tail) != (
+            other.num_free,
+            other.free_head,
+            other.free_tail,
+        ):
+            yield (
+                "free queue",
+                _queue_ends(self.num_free, self.free_head, self.free_tail),
+                _queue_ends(other.num_free, other.free_head, other.free_tail),
+            )
+        for i in sorted(self.blocks.keys() | other.blocks.keys()):
+            a, b = self.blocks.get(i), other.blocks.get(i)
+            if a is None or b is None:
+                yield "pool size", f"block {i}", "no such block"
+                continue
+            if a.ref != b.ref:
+                yield f"block {i} ref", a.ref, b.ref
+            if a.hashes != b.hashes:
+                yield f"block {i} hashes", a.hashes, b.hashes
+        for req in sorted(self.tables.keys() | other.tables.keys()):
+            a_t, b_t = self.tables.get(req), other.tables.get(req)
+            if a_t != b_t:
+                yield f"{req} block table (length and last entries per group)", a_t, b_t
+        if _plain(self.holds) != _plain(other.holds):
+            yield "holds", _plain(self.holds), _plain(other.holds)
+        if self.pending_copies != other.pending_copies:
+            yield "pending copies", self.pending_copies, other.pending_copies
+        for req in sorted(self.popped.keys() | other.popped.keys()):
+            a_p, b_p = self.popped.get(req) or None, other.popped.get(req) or None
+            if a_p != b_p:
+                yield "popped blocks", {req: a_p}, {req: b_p}
+
+
+def tail_length(changed: int) -> int:
+    """How many of each table's last entries a `StepView` reads, for a step
+    that changed `changed` blocks."""
+    return TABLE_TAIL + changed
+
+
+def table_ends(
+    per_group: Iterable[tuple[int, tuple[int, ...]]],
+) -> tuple[tuple[int, tuple[int, ...]], ...] | None:
+    """A request's tables as a `StepView` shows them, from each group's
+    (length, last `tail_length` entries); None when every table is empty."""
+    ends = tuple(per_group)
+    for n, _ in ends:
+        if n:
+            return ends
+    return None
+
+
+def _queue_ends(num_free: int, head: tuple[int, ...], tail: tuple[int, ...]) -> str:
+    return f"{num_free} free; head {list(head)}; tail {list(tail)}"

@@ -7,12 +7,12 @@ semantics of the trace format's table, one manager call per op.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kvgate.vocabulary.ops import Step
-from kvgate.vocabulary.snapshot import Snapshot
+from kvgate.vocabulary.snapshot import Snapshot, StepView
 
 
 @dataclass(frozen=True)
@@ -94,3 +94,32 @@ class WatchedTarget:
 
     def close(self) -> None:
         self.inner.close()
+
+    def __getattr__(self, name: str) -> Any:
+        # The inner target's step views and `forget`, when it has them.
+        if name in ("take_changed_blocks", "step_view", "forget"):
+            return getattr(self.inner, name)
+        raise AttributeError(name)
+
+
+class StepViewing(Protocol):
+    """A target whose strict view can be read a step at a time (`StepView`):
+    the lockstep then compares what each step touched, and the whole view at
+    intervals. A target without these methods is compared whole every step."""
+
+    def take_changed_blocks(self) -> set[int]:
+        """Ids of the blocks whose ref count, keys or place in the free queue
+        this target changed since the last call, as far as it can tell
+        cheaply (the lockstep adds the other side's)."""
+        ...
+
+    def step_view(self, blocks: Collection[int], requests: Collection[str]) -> StepView:
+        """The strict view of `blocks` and `requests` (see `StepView`)."""
+        ...
+
+
+def step_viewing(target: object) -> StepViewing | None:
+    """`target` as a `StepViewing` one, if it is."""
+    if hasattr(target, "take_changed_blocks") and hasattr(target, "step_view"):
+        return target
+    return None

@@ -27,6 +27,7 @@ import functools
 import importlib.util
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, cast
 
@@ -38,7 +39,7 @@ from kvgate.targets import SCHEDULER_TARGETS
 from kvgate.vocabulary.config import KV_LOAD_FAILURE_POLICIES, Config, UnsupportedConfig
 from kvgate.vocabulary.scheduling import SchedulerTarget
 from kvgate.vocabulary.schema import config_default
-from kvgate.vocabulary.target import Target
+from kvgate.vocabulary.target import StepRefused, Target
 from kvgate.workload import report
 from kvgate.workload.deployment import BUILDS, Deployment
 from kvgate.workload.generator import WorkloadStuck
@@ -73,7 +74,11 @@ def add_workload_arguments(parser: argparse.ArgumentParser, scale: int, units: s
     """The workload's own flags (sessions, turns, seed, scale, units, build),
     shared by `kvgate workload` and the workload benchmarks."""
     defaults = Workload()
-    parser.add_argument("--units", default=units, help=f"default {units}")
+    parser.add_argument(
+        "--units",
+        default=units,
+        help=f"default {units} (kvgate workload --deployment: the deployment's hash unit)",
+    )
     parser.add_argument(
         "--build",
         choices=BUILDS,
@@ -109,6 +114,29 @@ def add_workload_arguments(parser: argparse.ArgumentParser, scale: int, units: s
         help="serve without prefix caching, as vLLM's flag: Mamba in cache mode none, its "
         "block max_model_len long (as vLLM's engine config resolves them); every hold and "
         "retention then holds nothing",
+    )
+    seed = Deployment()
+    parser.add_argument(
+        "--gpu-memory-gib",
+        type=float,
+        default=seed.gpu_memory_gib,
+        metavar="GIB",
+        help="each GPU's memory, which no serve flag says",
+    )
+    parser.add_argument(
+        "--weights-gib",
+        type=float,
+        default=seed.weights_gib,
+        metavar="GIB",
+        help="the model's weights over all GPUs, which no serve flag says (the default: an "
+        "80B-parameter MoE at about 4.4 bits a weight)",
+    )
+    parser.add_argument(
+        "--runtime-overhead-gib",
+        type=float,
+        default=seed.runtime_overhead_gib,
+        metavar="GIB",
+        help="each GPU's activations, CUDA graphs and buffers",
     )
     parser.add_argument("--sessions", type=int, default=defaults.sessions)
     parser.add_argument("--turns", type=int, default=defaults.turns)
@@ -150,14 +178,67 @@ def workload_of(args: argparse.Namespace) -> tuple[Workload, Deployment]:
         args.kv_connector
     ):
         raise InputError("--kv-load-failure-policy: needs --kv-connector")
+    for flag in ("gpu_memory_gib", "weights_gib", "runtime_overhead_gib"):
+        if not 0 <= getattr(args, flag) < 1 << 20:
+            raise InputError(f"--{flag.replace('_', '-')}: {getattr(args, flag)} is not a size")
     deployment = Deployment(
         build=args.build,
         kv_connector=args.kv_connector,
         kv_connector_divergent_hits=args.kv_connector_divergent_hits,
         kv_load_failure_policy=args.kv_load_failure_policy,
         prefix_caching=not args.no_enable_prefix_caching,
+        gpu_memory_gib=args.gpu_memory_gib,
+        weights_gib=args.weights_gib,
+        runtime_overhead_gib=args.runtime_overhead_gib,
     )
+    if getattr(args, "deployment", None) is not None:
+        deployment = served_deployment(args, deployment)
     return workload, deployment.scaled(args.scale)
+
+
+def served_deployment(args: argparse.Namespace, base: Deployment) -> Deployment:
+    """`base` with everything a serve command line says replaced by what
+    vLLM resolves it to (`kvgate deployment`): the GPUs, the utilization,
+    the layers and their pages per GPU, the served block, the drafts and
+    their lookahead hashes, the budget, max_num_seqs, max_model_len, prefix
+    caching and the retention; sets `args.units` to its hash unit unless
+    given. The memory no flag says stays `base`'s (the options above)."""
+    # Only here: resolving a serve command line needs vLLM.
+    from kvgate.impl.serve_flags import resolve, serve_args
+
+    options.check_serving_machine(args)
+    resolved = resolve(
+        serve_args(list(args.deployment)),
+        64,
+        args.assume_attention_backend,
+        args.assume_checkpoint_alignment,
+    )
+    config, served, values = resolved.config, resolved.served, resolved.values
+    if config is None or served is None:
+        raise InputError(
+            "--deployment: kvgate's workload needs a hybrid model (attention and Mamba layers)"
+        )
+    if args.units is None:
+        args.units = str(config.hash_unit)
+    return replace(
+        base,
+        gpus=int(values["GPUs"]),
+        gpu_memory_utilization=float(values["GPU memory utilization"]),
+        attention_layers=int(values["attention layers"]),
+        mamba_layers=int(values["mamba layers"]),
+        attention_page_per_token=served.attention_page_bytes_per_token,
+        mamba_page_bytes=served.mamba_page_bytes,
+        mamba_block_size=config.scheduler_block_size,
+        spec_tokens=int(values["drafts"]),
+        eagle=config.eagle,
+        hash_lookahead_tokens=config.hash_lookahead_tokens,
+        retention_interval=config.retention_interval,
+        max_num_scheduled_tokens=config.max_num_scheduled_tokens,
+        max_num_seqs=int(values["max_num_seqs"]),
+        max_model_len=config.max_model_len,
+        prefix_caching=config.prefix_caching,
+        served_from=str(values["model"]),
+    )
 
 
 def register(subparsers: Any) -> None:
@@ -175,11 +256,24 @@ def register(subparsers: Any) -> None:
         "vLLM's real Scheduler run beside kvgate's scheduler model",
     )
     add_workload_arguments(cmd, scale=1, units=DEFAULT_UNITS)
+    # Left unset so that --deployment can tell a unit given from the default.
+    cmd.set_defaults(units=None)
     options.add_hold(cmd, "both", "the arms to run")
     options.add_out(cmd, DEFAULT_OUT, "where the traces, the plot and the numbers go")
     options.add_level(cmd, LEVELS, "api")
     options.add_overlay(cmd)
     options.add_plugin(cmd)
+    options.add_serving_machine(cmd)
+    cmd.add_argument(
+        "--deployment",
+        nargs=argparse.REMAINDER,
+        metavar="SERVE-ARGS",
+        help="measure at the deployment this vllm serve command line resolves to (the rest "
+        "of the command line: MODEL-DIR [FLAG...]): its GPUs, utilization, layers, served "
+        "blocks, drafts, budget, max_num_seqs and max_model_len from vLLM's resolution, "
+        "--units its hash unit unless given; the memory no flag says from --gpu-memory-gib, "
+        "--weights-gib, --runtime-overhead-gib",
+    )
     cmd.set_defaults(handler=run)
 
 
@@ -224,7 +318,7 @@ def run(args: argparse.Namespace) -> int:
     _check_out(args.out)
     try:
         workload, deployment = workload_of(args)
-        units = _units(args.units, args.scale)
+        units = _units(args.units or DEFAULT_UNITS, args.scale)
         arms = [Arm(u, h) for u in units for h in options.hold_values(args.hold)]
         for arm in arms:
             deployment.config(arm.unit, arm.hold, workload.sessions)
@@ -251,6 +345,8 @@ def run(args: argparse.Namespace) -> int:
             ]
         except WorkloadStuck as error:
             raise InputError(str(error)) from None
+        except StepRefused as refused:  # a session outgrows the deployment
+            raise InputError(f"the workload does not fit the deployment: {refused}") from None
         except OSError as error:
             raise InputError(f"--out: cannot write in {args.out}: {error.strerror}") from None
     else:
@@ -260,6 +356,8 @@ def run(args: argparse.Namespace) -> int:
             paths = write_traces(workload, deployment, arms, args.out, progress)
         except WorkloadStuck as error:
             raise InputError(str(error)) from None
+        except StepRefused as refused:  # a session outgrows the deployment
+            raise InputError(f"the workload does not fit the deployment: {refused}") from None
         except OSError as error:
             raise InputError(f"--out: cannot write in {args.out}: {error.strerror}") from None
         results = [

@@ -5,8 +5,11 @@ attention every fourth layer, Gated DeltaNet in the others) with tensor
 parallelism over four 24 GB GPUs. kvgate's trace format models one pool of
 uniform blocks shared by both groups, so the deployment is reduced to that:
 
-- an attention block holds `unit` tokens (attention block = hash unit), and
-  a block is one attention page of `unit` tokens;
+- with prefix caching (align mode) an attention block holds as many tokens
+  as a Mamba block, as vLLM's worker serves them (it sets the Mamba block to
+  the attention block, raised to hold a Mamba page), and the hash unit,
+  `unit`, is the finer grid prefixes are matched on; a block is one
+  attention page;
 - the attention capacity in tokens is what the per-GPU cache memory holds
   once the Mamba states of every concurrent session are set aside, the same
   at every unit;
@@ -78,14 +81,17 @@ class Deployment:
     linear_head_dim: int = 128
     conv_kernel: int = 4
     state_dtype_bytes: int = 2  # bf16 SSM and conv state
+    # A served model's pages as vLLM computes them for one layer on one GPU
+    # (`kvgate workload --deployment`), in place of the shapes above.
+    attention_page_per_token: int | None = None
+    mamba_page_bytes: int | None = None
     # -- serving ----------------------------------------------------------------
     mamba_block_size: int = 4096  # align-mode Mamba block = scheduler block
-    spec_tokens: int = 3  # MTP K=3: 3 drafts a decode, 3 lookahead slots
-    # Qwen3-Next ships one MTP layer, run once per draft: vLLM then reads one
-    # prefill token ahead (a multi-module MTP drafter, one layer per draft,
-    # reads K).
-    mtp_layers: int = 1
-    eagle: bool = True  # the MTP/eagle block drop
+    spec_tokens: int = 3  # MTP K=3: three drafts per decode step
+    eagle: bool = True  # an MTP/EAGLE drafter
+    # Qwen3-Next ships one MTP layer, reused for every draft: vLLM derives
+    # a prefill lookahead of 1 and lookahead block hashes over 1 token.
+    hash_lookahead_tokens: int = 1
     retention_interval: int | None = 0  # sparse retention (deployed default)
     max_num_scheduled_tokens: int = 8192  # token budget per step (2 Mamba blocks)
     max_num_seqs: int = 16
@@ -105,12 +111,9 @@ class Deployment:
     prefix_caching: bool = config_default("prefix_caching")
     # Every token quantity below is divided by this (see `scaled`).
     scale: int = 1
-
-    @property
-    def prefill_lookahead(self) -> int:
-        """vLLM's `num_prefill_lookahead_tokens` for this drafter: the draft
-        count for a multi-module MTP drafter, else 1."""
-        return self.spec_tokens if self.mtp_layers > 1 else 1
+    # The model a serve command line named (`kvgate workload --deployment`);
+    # "" for the bundled deployment.
+    served_from: str = ""
 
     # -- derived memory arithmetic (full size, per GPU) -------------------------
 
@@ -121,6 +124,8 @@ class Deployment:
     @property
     def attention_bytes_per_token(self) -> int:
         """K and V of every full-attention layer, on one GPU."""
+        if self.attention_page_per_token is not None:
+            return self.attention_layers * self.attention_page_per_token
         return (
             self.attention_layers * 2 * self.kv_heads_per_gpu * self.head_dim * self.kv_dtype_bytes
         )
@@ -128,6 +133,8 @@ class Deployment:
     @property
     def mamba_state_bytes(self) -> int:
         """One request state (SSM + conv) of every Gated DeltaNet layer, on one GPU."""
+        if self.mamba_page_bytes is not None:
+            return self.mamba_layers * self.mamba_page_bytes
         value_heads = self.linear_value_heads // self.gpus
         ssm = value_heads * self.linear_head_dim * self.linear_head_dim
         conv_dim = (2 * self.linear_key_heads + self.linear_value_heads) * self.linear_head_dim
@@ -164,14 +171,22 @@ class Deployment:
             raise ValueError(f"{n} tokens do not divide by scale {self.scale}")
         return n // self.scale
 
+    def attention_block(self, unit: int) -> int:
+        """The attention block at hash unit `unit` (scaled): the Mamba block
+        with prefix caching (align mode), as the worker serves it; the unit
+        without (no prefix is matched, and the Mamba block is max_model_len)."""
+        return self.tokens(self.mamba_block_size) if self.prefix_caching else unit
+
     def num_blocks(self, unit: int, concurrency: int) -> int:
         """Pool size at `unit` (a scaled unit): the same attention capacity at
         every unit, plus each concurrent session's Mamba footprint."""
-        attention = self.attention_capacity_tokens(concurrency) // self.scale // unit
+        block = self.attention_block(unit)
+        attention = self.attention_capacity_tokens(concurrency) // self.scale // block
         return attention + concurrency * self.mamba_footprint + 1  # + the null block
 
     def config(self, unit: int, hold: bool, concurrency: int) -> Config:
-        """The manager config of one arm: attention block = `unit` = hash unit."""
+        """The manager config of one arm: hash unit `unit`, the attention and
+        Mamba blocks as the worker serves them."""
         block = self.tokens(self.mamba_block_size)
         if block % unit:
             raise ValueError(f"unit {unit} does not divide the Mamba block {block}")
@@ -186,10 +201,14 @@ class Deployment:
             num_blocks=self.num_blocks(unit, concurrency),
             hash_unit=unit,
             groups=(
-                GroupConfig("full_attention", unit),
+                GroupConfig("full_attention", self.attention_block(unit)),
                 GroupConfig("mamba_align", block, speculative_blocks=self.spec_tokens),
             ),
             eagle=self.eagle,
+            # vLLM hashes ahead only with prefix caching.
+            hash_lookahead_tokens=(
+                self.hash_lookahead_tokens if self.eagle and self.prefix_caching else 0
+            ),
             retention_interval=self.retention_interval,
             hold=hold,
             # The fork's retention, like the hold, acts only with prefix caching.
@@ -245,7 +264,18 @@ class Deployment:
         footprint = concurrency * self.mamba_footprint
         # Blocks of sessions in a tool call serve attention meanwhile.
         idle = footprint * max(units) * self.scale / capacity
-        return [
+        served = (
+            [
+                f"served: {self.served_from}, as vLLM resolves the serve command line "
+                "(kvgate deployment shows each setting's source); not from its flags: "
+                f"{self.gpu_memory_gib:g} GiB a GPU (--gpu-memory-gib), weights "
+                f"{self.weights_gib:g} GiB (--weights-gib), overhead "
+                f"{self.runtime_overhead_gib:g} GiB a GPU (--runtime-overhead-gib)"
+            ]
+            if self.served_from
+            else []
+        )
+        return served + [
             f"deployment: {self.gpus}x{self.gpu_memory_gib:g} GiB, utilization "
             f"{self.gpu_memory_utilization:g}, weights {self.weights_gib:g} GiB, overhead "
             f"{self.runtime_overhead_gib:g} GiB/GPU -> {self.cache_bytes / GIB:.2f} GiB/GPU "
@@ -262,9 +292,9 @@ class Deployment:
             + ", state "
             f"{self.mamba_state_bytes / mib:.1f} MiB/GPU; pool adds {concurrency} sessions x "
             f"{self.mamba_footprint} blocks (state + {self.spec_tokens} scratch)",
-            f"serving: MTP K={self.spec_tokens} (spec {self.spec_tokens}, lookahead slots "
-            f"{self.spec_tokens}, prefill lookahead {self.prefill_lookahead}), eagle "
-            f"{self.eagle}, retention interval "
+            f"serving: MTP K={self.spec_tokens} (spec {self.spec_tokens}, lookahead hashes "
+            f"{self.hash_lookahead_tokens if self.eagle else 0}), eagle {self.eagle}, "
+            f"attention block = Mamba block, retention interval "
             f"{self.retention_interval}, {self.max_num_scheduled_tokens} tokens/step, "
             f"max {self.max_num_seqs} seqs, max_model_len {self.max_model_len}"
             + (f"; every token count / {self.scale}" if self.scale > 1 else ""),

@@ -1,0 +1,336 @@
+"""Replay at production scale: time and peak memory against the history's
+length and the pool's size, the model against vLLM, api against strict.
+
+    python benchmarks/scale.py [--scale K] [--lengths 1,10,100] [--units 4,16,64,256]
+                               [--full-scale] [--out DIR] [--json PATH] [--plot PATH]
+
+Every replay is `kvgate replay` in a child process of its own, so each time
+includes reading the trace and each peak memory is that process's maximum
+resident set (`os.wait4`'s `ru_maxrss`); the runs of one measurement follow
+one another in one run of this script, so its ratios compare like with like
+on a loaded machine. The traces are the production workload's
+(`kvgate workload`, hold off, vLLM 0.33.0's own behaviour):
+
+- `full`: with `--full-scale`, the workload at full scale (unit 64, 11,326
+  blocks), replayed on the model alone and on vLLM in lockstep with the
+  model at levels api and strict: vLLM's strict / api and vLLM's api / the
+  model's.
+- `history`: the workload divided by K (`--scale`), its day repeated N times
+  for each N of `--lengths` (each day's requests renamed, so a day's
+  prompts are its own), replayed on vLLM at level strict, read entry by
+  entry (`--stream`): time and peak memory against the 1x run's.
+- `pool`: the 1x day at each hash unit of `--units` (a finer unit, a larger
+  pool), on the model and on vLLM at api and strict.
+
+Prints a table per part and the ratios; writes the numbers as JSON
+(`--json`) and a plot of time and peak memory against the history's length
+and the pool's size (`--plot`, with matplotlib).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+PY = sys.executable
+# Request names in a workload trace: the system prompt and sNNtMM.
+_REQUEST = re.compile(r"(?<![A-Za-z0-9_-])(system|s\d+t\d+)(?![A-Za-z0-9_-])")
+
+
+@dataclass(frozen=True)
+class Run:
+    part: str
+    target: str  # model | vllm
+    level: str  # api | strict
+    length: int  # days of history
+    unit: int
+    blocks: int
+    steps: int  # written steps of the trace
+    trace_bytes: int
+    seconds: float
+    peak_mib: float
+
+
+def workload_trace(out: Path, scale: int, unit: int) -> Path:
+    """The workload's trace at the production `unit` divided by `scale`
+    (hold off, upstream), generated once."""
+    out.mkdir(parents=True, exist_ok=True)
+    pattern = f"workload-*-u{unit // scale}.upstream.hold-off.yaml"
+    found = sorted(out.glob(pattern))
+    if not found:
+        command = [PY, "-m", "kvgate", "workload", "--target", "model", "--units", str(unit)]
+        command += ["--hold", "off", "--build", "upstream", "--scale", str(scale), "-q"]
+        subprocess.run([*command, "--out", str(out)], check=True, capture_output=True, env=_env())
+        found = sorted(out.glob(pattern))
+    return found[0]
+
+
+def repeated(trace: Path, days: int, out: Path) -> Path:
+    """`trace` with its steps repeated `days` times, day d's requests named
+    `d<d>-<name>` (the first day's names kept), the pool checked clean after
+    each day as after the first."""
+    if days == 1:
+        return trace
+    path = out / f"{trace.stem}.x{days}.yaml"
+    if path.exists():
+        return path
+    text = trace.read_text()
+    head, marker, body = text.partition("\nsteps:\n")
+    head = re.sub(r"(?m)^name: (.*)$", rf"name: \1-x{days}", head)
+    with path.open("w") as file:
+        file.write(head + marker + body)
+        for day in range(1, days):
+            file.write(_REQUEST.sub(rf"d{day}-\1", body))
+    return path
+
+
+def count_steps(trace: Path) -> int:
+    with trace.open() as file:
+        return sum(1 for line in file if line.startswith("  - "))
+
+
+def blocks_of(trace: Path) -> int:
+    with trace.open() as file:
+        for line in file:
+            if line.strip().startswith("num_blocks:"):
+                return int(line.split(":")[1])
+    raise SystemExit(f"{trace}: no num_blocks")
+
+
+def replay_child(
+    trace: Path, target: str, level: str, extra: Sequence[str] = ()
+) -> tuple[float, float]:
+    """`kvgate replay` in a child process: (wall seconds, peak RSS in MiB)."""
+    command = [PY, "-m", "kvgate", "replay", "--target", target, "--level", level]
+    command += ["--require", "none", "-q", *extra, str(trace)]
+    started = time.perf_counter()
+    child = subprocess.Popen(
+        command, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    )
+    assert child.stdout is not None
+    output = child.stdout.read()
+    _, status, usage = os.wait4(child.pid, 0)
+    seconds = time.perf_counter() - started
+    code = os.waitstatus_to_exitcode(status)
+    child.returncode = code
+    if code != 0:
+        raise SystemExit(f"scale: {' '.join(command)} exited {code}:\n{output}")
+    # ru_maxrss is in KiB on Linux.
+    return seconds, usage.ru_maxrss / 1024
+
+
+def measure(
+    part: str,
+    trace: Path,
+    target: str,
+    level: str,
+    length: int,
+    unit: int,
+    extra: Sequence[str] = (),
+) -> Run:
+    seconds, peak = replay_child(trace, target, level, extra)
+    run = Run(
+        part,
+        target,
+        level,
+        length,
+        unit,
+        blocks_of(trace),
+        count_steps(trace),
+        trace.stat().st_size,
+        round(seconds, 2),
+        round(peak, 1),
+    )
+    print(
+        f"  {part:<8} {target:<6} {level:<7} x{length:<4} unit {unit:<5} {run.blocks:>7} blocks "
+        f"{run.steps:>9} steps {run.trace_bytes / 1e6:>8.1f} MB  {run.seconds:>8.2f} s "
+        f"{run.peak_mib:>8.1f} MiB",
+        flush=True,
+    )
+    return run
+
+
+def _env() -> dict[str, str]:
+    return dict(os.environ, VLLM_TARGET_DEVICE="cpu", PYTHONPATH=str(ROOT))
+
+
+def _find(runs: Sequence[Run], **match: Any) -> Run | None:
+    return next((r for r in runs if all(getattr(r, k) == v for k, v in match.items())), None)
+
+
+def ratios(runs: Sequence[Run], lengths: Sequence[int], units: Sequence[int]) -> dict[str, float]:
+    """Each ratio whose two runs were made."""
+    found: dict[str, float] = {}
+
+    def ratio(name: str, field: str, top: Run | None, bottom: Run | None) -> None:
+        if top is not None and bottom is not None:
+            found[name] = getattr(top, field) / getattr(bottom, field)
+
+    full = {(r.target, r.level): r for r in runs if r.part == "full"}
+    ratio(
+        "full: vllm strict / api (time)",
+        "seconds",
+        full.get(("vllm", "strict")),
+        full.get(("vllm", "api")),
+    )
+    ratio(
+        "full: vllm api / model api (time)",
+        "seconds",
+        full.get(("vllm", "api")),
+        full.get(("model", "api")),
+    )
+    first = _find(runs, part="history", length=lengths[0])
+    for length in lengths[1:]:
+        run = _find(runs, part="history", length=length)
+        name = f"history: x{length} / x{lengths[0]}"
+        ratio(f"{name} (peak memory)", "peak_mib", run, first)
+        ratio(f"{name} (time)", "seconds", run, first)
+    for unit in units:
+        pool = {(r.target, r.level): r for r in runs if r.part == "pool" and r.unit == unit}
+        if not pool:
+            continue
+        blocks = next(iter(pool.values())).blocks
+        ratio(
+            f"pool {blocks}: vllm strict / api (time)",
+            "seconds",
+            pool.get(("vllm", "strict")),
+            pool.get(("vllm", "api")),
+        )
+        ratio(
+            f"pool {blocks}: vllm api / model api (time)",
+            "seconds",
+            pool.get(("vllm", "api")),
+            pool.get(("model", "api")),
+        )
+    return found
+
+
+def plot(runs: Sequence[Run], path: Path) -> bool:
+    """Time and peak memory against the history's length and the pool's
+    size; False when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    figure, axes = plt.subplots(2, 2, figsize=(10, 7))
+    history = sorted((r for r in runs if r.part == "history"), key=lambda r: r.length)
+    for row, (field, label) in enumerate((("seconds", "time (s)"), ("peak_mib", "peak (MiB)"))):
+        ax = axes[row][0]
+        ax.plot(
+            [r.length for r in history],
+            [getattr(r, field) for r in history],
+            "o-",
+            label="vLLM strict",
+        )
+        ax.set_xscale("log")
+        ax.set_xlabel("history (days of the workload)")
+        ax.set_ylabel(label)
+        ax.legend()
+        ax = axes[row][1]
+        for target, level, style in (
+            ("model", "api", "s-"),
+            ("vllm", "api", "o-"),
+            ("vllm", "strict", "^-"),
+        ):
+            pool = sorted(
+                (r for r in runs if r.part == "pool" and r.target == target and r.level == level),
+                key=lambda r: r.blocks,
+            )
+            ax.plot(
+                [r.blocks for r in pool],
+                [getattr(r, field) for r in pool],
+                style,
+                label=f"{'vLLM' if target == 'vllm' else 'model'} {level}",
+            )
+        ax.set_xscale("log")
+        ax.set_xlabel("pool (blocks)")
+        ax.set_ylabel(label)
+        ax.legend()
+    figure.suptitle("kvgate replay of the production workload (each run a process of its own)")
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=80)
+    plt.close(figure)
+    return True
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--scale", type=int, default=16, help="divide the workload by K")
+    parser.add_argument("--lengths", default="1,10,100", help="days of history")
+    parser.add_argument(
+        "--units",
+        default="64,256,1024,4096",
+        help="the production hash units of the pool part (each divided by K, as the pool)",
+    )
+    parser.add_argument(
+        "--history-unit", type=int, default=1024, help="the production hash unit of the history"
+    )
+    parser.add_argument("--full-scale", action="store_true", help="also the full-scale trace")
+    parser.add_argument(
+        "--model-only", action="store_true", help="replay on the model alone (no vLLM)"
+    )
+    parser.add_argument("--out", type=Path, default=ROOT / "out" / "scale")
+    parser.add_argument("--json", type=Path, help="write the numbers there")
+    parser.add_argument("--plot", type=Path, help="write the plot there (PNG)")
+    args = parser.parse_args(argv)
+    lengths = [int(n) for n in args.lengths.split(",")]
+    units = [int(u) for u in args.units.split(",")]
+    runs: list[Run] = []
+    print(f"scale: the workload divided by {args.scale}; each replay a child process")
+    kinds = (
+        [("model", "api")]
+        if args.model_only
+        else [("model", "api"), ("vllm", "api"), ("vllm", "strict")]
+    )
+    history = ("model", "api") if args.model_only else ("vllm", "strict")
+    if args.full_scale:
+        full = workload_trace(args.out / "full", 1, 64)
+        for target, level in kinds:
+            runs.append(measure("full", full, target, level, 1, 64))
+    base_unit = args.history_unit
+    day = workload_trace(args.out / f"div{args.scale}", args.scale, base_unit)
+    for length in lengths:
+        trace = repeated(day, length, args.out / f"div{args.scale}")
+        # Read entry by entry; the file is as long as the history.
+        streamed = ["--stream", "--limit", f"file_bytes={trace.stat().st_size}"]
+        runs.append(measure("history", trace, *history, length, base_unit, streamed))
+    for unit in units:
+        trace = workload_trace(args.out / f"div{args.scale}", args.scale, unit)
+        for target, level in kinds:
+            runs.append(measure("pool", trace, target, level, 1, unit))
+    found = ratios(runs, lengths, units)
+    for name, value in found.items():
+        print(f"ratio {name}: {value:.2f}")
+    record = {
+        "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs, "
+        f"load average {os.getloadavg()[0]:.1f} at the end, Python {platform.python_version()}",
+        "scale": args.scale,
+        "runs": [asdict(r) for r in runs],
+        "ratios": {k: round(v, 3) for k, v in found.items()},
+    }
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(record, indent=1) + "\n")
+        print(f"wrote {args.json}")
+    if args.plot:
+        print(f"wrote {args.plot}" if plot(runs, args.plot) else "no plot: matplotlib missing")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
