@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Generic, TypeVar
 
@@ -68,6 +69,27 @@ def run_once(mode: Mode, settings: Settings, seed: int | None = None) -> Explore
     return None
 
 
+def run_rounds(
+    run_round: Callable[[int | None], FailureT | None],
+    settings: Settings,
+    seed: int | None,
+    seconds: float | None,
+    started: float,
+) -> tuple[FailureT | None, int]:
+    """Rounds at either level until one returns a failure or, with `seconds`,
+    the time since `started` is spent (one round otherwise, and one under a
+    derandomized profile, which draws the same examples every round). Round
+    k runs with seed `seed + k`. The failure, if any, and how many rounds ran."""
+    failure: FailureT | None = None
+    rounds = 0
+    while failure is None:
+        failure = run_round(None if seed is None else seed + rounds)
+        rounds += 1
+        if seconds is None or time.perf_counter() - started >= seconds or settings.derandomize:
+            break
+    return failure, rounds
+
+
 def explore(
     mode: Mode,
     settings: Settings,
@@ -89,12 +111,9 @@ def explore(
     if mode.refusals and mode.lockstep is not None:
         failure = check_config_rules(mode)
     rounds = 0
-    while failure is None:
-        round_seed = None if seed is None else seed + rounds
-        failure = run_once(mode, settings, round_seed)
-        rounds += 1
-        if seconds is None or time.perf_counter() - started >= seconds or settings.derandomize:
-            break
+    if failure is None:
+        one_round = partial(run_once, mode, settings)
+        failure, rounds = run_rounds(one_round, settings, seed, seconds, started)
     saved = None
     if failure is not None and shrink:
         failure = shrink_trace(failure, session_factory(mode))

@@ -13,7 +13,7 @@ from hypothesis import settings as Settings
 from kvgate.explore.failure import SchedulerExploreFailure
 from kvgate.explore.machine_run import MachineFactory, run_machine
 from kvgate.explore.mode import SchedulerMode, SchedulerStats
-from kvgate.explore.runner import RunOutcome
+from kvgate.explore.runner import RunOutcome, run_rounds
 from kvgate.explore.scheduler_machine import SchedulerMachine
 
 # The Scheduler-level exploration's.
@@ -42,19 +42,17 @@ def explore_scheduler(
     examples every run). The first failure, shrunk by Hypothesis, is saved
     in `out` as a scheduler-level trace."""
     stats = SchedulerStats()
-    failure: SchedulerExploreFailure | None = None
-    rounds = 0
-    while failure is None:
-        round_seed = None if seed is None else seed + rounds
+
+    def one_round(round_seed: int | None) -> SchedulerExploreFailure | None:
+        failure: SchedulerExploreFailure | None = None
         try:
             run_machine(machine_factory(mode, stats), settings, round_seed)
         except SchedulerExploreFailure as found:
             failure = found
-        rounds += 1
         if on_round is not None:
             on_round(stats)
-        spent = time.perf_counter() - stats.started
-        if seconds is None or spent >= seconds or settings.derandomize:
-            break
+        return failure
+
+    failure, rounds = run_rounds(one_round, settings, seed, seconds, stats.started)
     saved = failure.save(out) if failure is not None and out is not None else None
     return SchedulerOutcome(failure, saved, stats, time.perf_counter() - stats.started, rounds)
