@@ -260,17 +260,34 @@ def test_shrink_refuses_a_recording_cut_short_unless_partial(
     assert line == f"kvgate: error: {file}: does not diverge on --target model: nothing to shrink"
 
 
+def small_scheduler() -> Any:
+    """vLLM's Scheduler (a `VllmScheduler`) on a small bundled trace's config:
+    no drafts, four sequences at most."""
+    from kvgate.impl.vllm_scheduler import VllmScheduler
+
+    config = load_trace(bundled_scheduler_corpus() / "sched-abort-mid-prefill.yaml").config
+    return VllmScheduler(config, spec_tokens=0, max_num_seqs=4)
+
+
+def schedule_to_the_end(real: Any) -> list[str]:
+    """One `schedule()` on `real`: the requests scheduled in it whose chunk
+    reaches their sequence's end, the ones that sample a token."""
+    requests = real.scheduler.requests
+    return [
+        name
+        for name, _ in real.schedule().scheduled
+        if requests[name].num_computed_tokens >= requests[name].num_tokens
+    ]
+
+
 def serve_with_a_stop_token(recordings: Path) -> None:
     """vLLM's Scheduler serves A, whose client asked for a stop token that A
     samples as its 4th output token of 8, then B, which continues A's whole
     conversation; recorded into `recordings`."""
-    from kvgate.impl.vllm_scheduler import VllmScheduler
-
     stop_token = 7
-    config = load_trace(bundled_scheduler_corpus() / "sched-abort-mid-prefill.yaml").config
     recorder.install(recordings)
     try:
-        real = VllmScheduler(config, spec_tokens=0, max_num_seqs=4)
+        real = small_scheduler()
         real.add_request("A", list(range(1000, 1100)), 8, None)
         requests = real.scheduler.requests
         requests["A"].sampling_params.stop_token_ids = [stop_token]
@@ -281,14 +298,10 @@ def serve_with_a_stop_token(recordings: Path) -> None:
                 real.add_request("B", [*sequence_of_a, 9, 9, 9], 2, "A")
             if not requests:
                 break
-            scheduled = real.schedule().scheduled
             sampled = {}
-            for name, _ in scheduled:
-                request = requests[name]
-                # A chunk that reaches the sequence's end samples a token.
-                if request.num_computed_tokens >= request.num_tokens:
-                    last = name == "A" and request.num_output_tokens == 3
-                    sampled[name] = [stop_token if last else 5]
+            for name in schedule_to_the_end(real):
+                last = name == "A" and requests[name].num_output_tokens == 3
+                sampled[name] = [stop_token if last else 5]
             real.update(sampled)
         assert not requests, "both requests finished"
         # Shutting the Scheduler down ends its file (the recorder is still on).
@@ -438,12 +451,9 @@ def serve_with_an_abort_inside_a_step(recordings: Path, abort: str) -> None:
     its end. Recorded into `recordings`."""
     from vllm.v1.request import RequestStatus
 
-    from kvgate.impl.vllm_scheduler import VllmScheduler
-
-    config = load_trace(bundled_scheduler_corpus() / "sched-abort-mid-prefill.yaml").config
     recorder.install(recordings)
     try:
-        real = VllmScheduler(config, spec_tokens=0, max_num_seqs=4)
+        real = small_scheduler()
         real.add_request("A", list(range(1000, 1100)), 6, None)
         real.add_request("B", list(range(2000, 2100)), 6, None)
         requests = real.scheduler.requests
@@ -451,12 +461,7 @@ def serve_with_an_abort_inside_a_step(recordings: Path, abort: str) -> None:
         for _ in range(40):
             if not requests:
                 break
-            scheduled = real.schedule().scheduled
-            sampled = {}
-            for name, _ in scheduled:
-                request = requests[name]
-                if request.num_computed_tokens >= request.num_tokens:
-                    sampled[name] = [5]
+            sampled = {name: [5] for name in schedule_to_the_end(real)}
             if not aborted and abort in sampled:
                 # Through the Scheduler's own entry point, as the engine calls it.
                 real.scheduler.finish_requests(abort, RequestStatus.FINISHED_ABORTED)
@@ -507,19 +512,13 @@ def test_entries_reach_the_file_as_they_are_made_and_a_cut_is_reported(
     """Mid-run, before any file is closed, the file on disk already holds
     every entry recorded (as a killed process leaves it): it replays with
     `--partial`, and the report line and the JUnit case say where it was cut."""
-    from kvgate.impl.vllm_scheduler import VllmScheduler
-
-    config = load_trace(bundled_scheduler_corpus() / "sched-abort-mid-prefill.yaml").config
     recordings = tmp_path / "recordings"
     recorder.install(recordings)
     try:
-        real = VllmScheduler(config, spec_tokens=0, max_num_seqs=4)
+        real = small_scheduler()
         real.add_request("A", list(range(1000, 1100)), 30, None)
         for _ in range(8):
-            scheduled = real.schedule().scheduled
-            request = real.scheduler.requests["A"]
-            done = request.num_computed_tokens >= request.num_tokens
-            real.update({name: [5] for name, _ in scheduled if done})
+            real.update({name: [5] for name in schedule_to_the_end(real)})
         recording = getattr(real.scheduler, recorder.ATTR)
         [path] = sorted(recordings.iterdir())
         # Copied as the kill leaves it: every entry so far, no end line.
@@ -660,10 +659,7 @@ def test_an_engine_splitting_prefills_at_another_block_size_is_not_recorded() ->
     Scheduler splits align-mode prefills, apart from the Scheduler's own
     block size; a trace has one, so the recorder refuses such an engine by
     name rather than write a config its replay would split differently."""
-    from kvgate.impl.vllm_scheduler import VllmScheduler
-
-    config = load_trace(bundled_scheduler_corpus() / "sched-abort-mid-prefill.yaml").config
-    real = VllmScheduler(config, spec_tokens=0, max_num_seqs=4)
+    real = small_scheduler()
     try:
         recorder.engine_config(real.scheduler)  # the same sizes: expressible
         block = int(real.scheduler.block_size)
