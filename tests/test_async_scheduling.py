@@ -10,7 +10,15 @@ from collections.abc import Iterator
 from typing import Any
 
 from configs import needs_vllm
-from scheduler_runs import Wrapped, first_failure, run_vllm, text_of, trace_of
+from scheduler_runs import (
+    NoPlaceholderForAPrompt,
+    RejectedDraftsKept,
+    Wrapped,
+    first_failure,
+    run_vllm,
+    text_of,
+    trace_of,
+)
 
 from kvgate.conformance.trace import (
     Trace,
@@ -64,30 +72,6 @@ DECODES_IN_FLIGHT = trace_of(
 )
 
 
-class _NoPlaceholderForAPrompt(Wrapped):
-    """vLLM's AsyncScheduler counting no output placeholder for the batch
-    that completes a prompt (as if its sampled token were already in)."""
-
-    def __init__(self, real: Any) -> None:
-        super().__init__(real)
-        scheduler = real.scheduler
-        after = scheduler._update_after_schedule
-
-        def drifted(output: Any) -> None:
-            completing = {
-                r
-                for r, n in output.num_scheduled_tokens.items()
-                if scheduler.requests[r].num_output_placeholders == 0
-            }
-            after(output)
-            for r in completing:
-                request = scheduler.requests[r]
-                if request.num_output_placeholders:
-                    request.num_output_placeholders -= 1
-
-        scheduler._update_after_schedule = drifted
-
-
 @needs_vllm
 def test_a_request_decodes_past_its_output_in_flight() -> None:
     """B decodes on its output placeholders while the batch before is in
@@ -96,7 +80,7 @@ def test_a_request_decodes_past_its_output_in_flight() -> None:
     result = run_vllm(DECODES_IN_FLIGHT)
     assert result.steps_run == len(DECODES_IN_FLIGHT.engine)
     assert all(d.level == "expect" for d in (result.divergence, *result.also) if d)
-    result = run_vllm(DECODES_IN_FLIGHT, _NoPlaceholderForAPrompt)
+    result = run_vllm(DECODES_IN_FLIGHT, NoPlaceholderForAPrompt)
     [diverged] = [d for d in (result.divergence, *result.also) if d and d.level != "expect"]
     assert diverged.level == "strict" and "output accounting" in diverged.what
     assert (diverged.expected, diverged.actual) == ({"B": (1, 8, 0)}, {"B": (0, 8, 0)})
@@ -243,36 +227,6 @@ def test_the_output_of_a_preempted_requests_batch_is_checked_both_ways() -> None
 BLOCK_BOUNDARY = trace_of("sched-mtp-async-drafts-around-a-mamba-block-boundary")
 
 
-class _RejectedDraftsKept(Wrapped):
-    """vLLM's AsyncScheduler that does not take rejected drafts back from a
-    request's output placeholders (`placeholders`) or its computed tokens
-    (`computed`) when a batch's output is processed."""
-
-    def __init__(self, real: Any, counter: str) -> None:
-        super().__init__(real)
-        scheduler = real.scheduler
-        update = scheduler.update_from_output
-
-        def drifted(output: Any, runner: Any) -> Any:
-            rejected = {
-                r: len(drafts) - (len(runner.sampled_token_ids[runner.req_id_to_index[r]]) - 1)
-                for r, drafts in output.scheduled_spec_decode_tokens.items()
-                if r in scheduler.requests and drafts
-            }
-            result = update(output, runner)
-            for r, n in rejected.items():
-                request = scheduler.requests.get(r)
-                if request is None or request.is_finished() or n <= 0:
-                    continue
-                if counter == "placeholders":
-                    request.num_output_placeholders += n
-                else:
-                    request.num_computed_tokens += n
-            return result
-
-        scheduler.update_from_output = drifted
-
-
 @needs_vllm
 def test_rejected_drafts_kept_in_flight_diverge_at_their_update() -> None:
     """Drafts rejected in a batch must come off the request's placeholders
@@ -280,10 +234,10 @@ def test_rejected_drafts_kept_in_flight_diverge_at_their_update() -> None:
     placeholders in the per-request output accounting at that very step,
     the computed tokens in what the next step schedules."""
     assert run_vllm(BLOCK_BOUNDARY).passed
-    kept = run_vllm(BLOCK_BOUNDARY, functools.partial(_RejectedDraftsKept, counter="placeholders"))
+    kept = run_vllm(BLOCK_BOUNDARY, functools.partial(RejectedDraftsKept, counter="placeholders"))
     diverged = lockstep_divergence(kept)
     assert diverged.level == "strict" and "output accounting" in diverged.what
-    computed = run_vllm(BLOCK_BOUNDARY, functools.partial(_RejectedDraftsKept, counter="computed"))
+    computed = run_vllm(BLOCK_BOUNDARY, functools.partial(RejectedDraftsKept, counter="computed"))
     # Computed tokens kept show in the next batch: one token, not 1 + 3.
     later = lockstep_divergence(computed)
     assert later.step.index == diverged.step.index + 1

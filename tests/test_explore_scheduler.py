@@ -3,29 +3,36 @@ model and vLLM 0.33.0's real `Scheduler`, in strict lockstep.
 
 The ci profile is clean on stock vLLM and reaches a list of behaviours, and
 finds from scratch a Scheduler fault of the campaign's applied in this
-process; the trace it saves replays as a divergence on vLLM with the fault,
-and conforms without it.
+process (the trace it saves replays as a divergence on vLLM with the fault,
+and conforms without it), and each fault planted in the AsyncScheduler's
+output accounting under async scheduling with drafts.
 """
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 from configs import EXAMPLE_CONFIG, needs_vllm
 from hypothesis import Phase
+from scheduler_runs import NoPlaceholderForAPrompt, RejectedDraftsKept
 
 from kvgate import cli
 from kvgate.conformance.trace import load_trace
 from kvgate.conformance.writer import save_engine_trace
+from kvgate.explore import scheduler_machine
 from kvgate.explore.mode import SchedulerMode, SchedulerStats
 from kvgate.explore.profiles import profile
 from kvgate.explore.scheduler_runner import SchedulerOutcome, explore_scheduler
 from kvgate.mutate.faults import BY_NAME
 from kvgate.mutate.inject import injected
-from kvgate.vocabulary.config import GroupConfig
+from kvgate.targets import scheduler_factories
+from kvgate.vocabulary.config import Config, GroupConfig
 from kvgate.vocabulary.ops import Segment
 from kvgate.vocabulary.scheduling import EngineSettings, EngineStep
 
@@ -102,6 +109,13 @@ BEHAVIOURS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("KV-cache events of stores and removals", ("engine:kv_events:on",)),
     ("KV-cache events with lookups' hits", ("engine:kv_events:full",)),
     ("stats logging off", ("engine:stats_off",)),
+    ("a decode past its output in flight", ("step:decode_past_in_flight",)),
+    ("drafts accepted in flight", ("step:drafts_accepted",)),
+    ("rejected drafts taken back at their batch's update", ("step:drafts_rejected",)),
+    (
+        "a preemption with an output in flight",
+        ("step:preempted_in_flight", "reset:preempted_in_flight"),
+    ),
 )
 PREEMPTION = "a preemption"
 FAMILIES = 5
@@ -172,6 +186,53 @@ def test_scheduler_ci_profile_finds_a_planted_scheduler_fault(
     assert "DIVERGE" in shown or "FAIL" in shown
     # The divergence is the fault's: on stock vLLM the same trace conforms.
     assert cli.main(["replay", str(outcome.saved), "--target", "vllm"]) == 0
+
+
+# Faults planted in vLLM's AsyncScheduler (tests/scheduler_runs.py): no
+# output placeholder for the batch completing a prompt, rejected drafts kept
+# in the placeholders or in the computed tokens at their batch's update.
+ASYNC_FAULTS: dict[str, Callable[[Any], Any]] = {
+    "no placeholder for a prompt": NoPlaceholderForAPrompt,
+    "rejected drafts kept as placeholders": functools.partial(
+        RejectedDraftsKept, counter="placeholders"
+    ),
+    "rejected drafts kept as computed": functools.partial(RejectedDraftsKept, counter="computed"),
+}
+
+
+@needs_vllm
+@pytest.mark.parametrize("fault", ASYNC_FAULTS)
+def test_scheduler_ci_profile_finds_a_planted_async_fault(
+    fault: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ci profile, on vLLM with the fault planted in every
+    AsyncScheduler it builds (the Scheduler of an engine with async
+    scheduling), finds it from scratch: a divergence in the per-request
+    output accounting or in what a step schedules. Without shrinking (the
+    first failing history is enough to show it is found)."""
+    plant = ASYNC_FAULTS[fault]
+
+    def planted(target: str, plugin: str | None) -> Any:
+        model_factory, real_factory = scheduler_factories(target, plugin)
+        assert real_factory is not None
+
+        def real(config: Config, *rest: Any) -> Any:
+            built = real_factory(config, *rest)
+            return plant(built) if config.async_scheduling else built
+
+        return model_factory, real
+
+    monkeypatch.setattr(scheduler_machine, "scheduler_factories", planted)
+    settings = profile("ci", "scheduler", phases=(Phase.explicit, Phase.generate))
+    outcome = explore_scheduler(SchedulerMode(), settings)
+    assert outcome.failure is not None, fault
+    assert outcome.failure.kind == "divergence", str(outcome.failure)
+    # Found in the async engines with drafts, the only ones the fault shows in.
+    assert outcome.failure.config.async_scheduling
+    print(
+        f"{fault}: found at example {outcome.stats.examples + outcome.stats.discarded}, "
+        f"{outcome.seconds:.1f} s"
+    )
 
 
 def test_scheduler_scope_refuses_what_it_cannot_run(capsys: pytest.CaptureFixture[str]) -> None:

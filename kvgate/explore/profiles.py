@@ -46,7 +46,7 @@ PROFILES: dict[str, settings] = {
 SCHEDULER_PROFILES: dict[str, settings] = {
     "dev": settings(_BASE, max_examples=10, stateful_step_count=15),
     # The default test run: deterministic, seconds.
-    "ci": settings(_BASE, max_examples=70, stateful_step_count=25, derandomize=True),
+    "ci": settings(_BASE, max_examples=100, stateful_step_count=25, derandomize=True),
     "nightly": settings(_BASE, max_examples=1000, stateful_step_count=60),
 }
 

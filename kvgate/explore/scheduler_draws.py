@@ -213,8 +213,6 @@ def engines(draw: st.DrawFn) -> Engine:
         config = replace(config, hash_lookahead_tokens=mtp_modules)
         family = {**family, "hash_lookahead_tokens": mtp_modules}
         spec = mtp_modules
-    if async_scheduling and config.eagle:
-        async_scheduling = False  # the scheduler model runs it without drafts
     if config.kv_connector or async_scheduling:
         prefill_interval = 1
     config = replace(
@@ -233,9 +231,40 @@ def engines(draw: st.DrawFn) -> Engine:
     config = replace(config, scheduling_policy="priority" if followed else "fcfs")
     if config.eagle:
         spec = max(spec, 1)  # the eagle drop is for a drafter's blocks
-    if async_scheduling:
-        spec = 0
+    elif async_scheduling:
+        spec = 0  # drafts come from a drafter
     return Engine(family, config, EngineSettings(spec, max_num_seqs))
+
+
+# How the model runner takes the drafts of a step's decodes: it rejects
+# them all, accepts them all, or accepts a drawn number of each decode's.
+ACCEPTANCE = ("none", "all", "mixed")
+
+
+@dataclass(frozen=True)
+class AcceptanceDraw:
+    """The drafts the model runner accepts in the batches a `step` rule
+    schedules: `pattern` one of ACCEPTANCE; under `mixed`, the k-th decode
+    with drafts (counted over the rule's steps) accepts `counts[k % len]`
+    of them, at most as many as it has (0: none)."""
+
+    pattern: str
+    counts: tuple[int, ...]
+
+    def accepted(self, drafts: int, k: int) -> int:
+        """Of a decode's `drafts`, the k-th of the rule's, those accepted."""
+        if self.pattern == "none":
+            return 0
+        if self.pattern == "all":
+            return drafts
+        return min(drafts, self.counts[k % len(self.counts)])
+
+
+ACCEPTANCES: st.SearchStrategy[AcceptanceDraw] = st.builds(
+    AcceptanceDraw,
+    pattern=st.sampled_from(ACCEPTANCE),
+    counts=st.lists(st.integers(0, MAX_SPEC), min_size=1, max_size=4).map(tuple),
+)
 
 
 @dataclass(frozen=True)

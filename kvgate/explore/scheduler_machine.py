@@ -20,6 +20,7 @@ shrinks and `scheduler_runner` saves.
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -36,6 +37,7 @@ from kvgate.explore.failure import SchedulerExploreFailure
 from kvgate.explore.machine_run import example_cut_short
 from kvgate.explore.mode import SchedulerMode, SchedulerStats
 from kvgate.explore.scheduler_draws import (
+    ACCEPTANCES,
     ADAPTERS,
     ARRIVALS,
     CHUNK_UNIT,
@@ -48,6 +50,7 @@ from kvgate.explore.scheduler_draws import (
     MAX_STEPS,
     OTHER_TENANT,
     REMOTE_QUARTERS,
+    AcceptanceDraw,
     ArrivalDraw,
     ChunkDraw,
     Engine,
@@ -58,7 +61,7 @@ from kvgate.explore.scheduler_draws import (
 )
 from kvgate.explore.scheduler_triage import KNOWN_DEFECT, describe, is_exact_fit_defect
 from kvgate.model.scheduler import SchedulerModel
-from kvgate.model.scheduler_state import LiveRequest, SchedulerStuck
+from kvgate.model.scheduler_state import Batch, LiveRequest, SchedulerStuck
 from kvgate.targets import scheduler_factories
 from kvgate.vocabulary.config import Config, UnsupportedConfig
 from kvgate.vocabulary.ops import Segment
@@ -214,9 +217,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def arrive(self, arrival: ArrivalDraw) -> None:
         name = f"R{len(self.names)}"
         assert self.config is not None
-        # Under async scheduling the scheduler model runs prefills in flight,
-        # not decodes past an output still being sampled.
-        max_tokens = 1 if self.config.async_scheduling else min(arrival.max_tokens, self.cap - 1)
+        max_tokens = min(arrival.max_tokens, self.cap - 1)
         streaming = arrival.streaming and self.takes_sessions()
         if streaming:
             # Each input of a session gets a short answer, its first as its
@@ -389,14 +390,26 @@ class SchedulerMachine(RuleBasedStateMachine):
         stop=st.integers(0, 2 * MAX_SEQS - 1),
         resume=CHUNKS,
         answer_at_once=st.booleans(),
+        data=st.data(),
     )
-    def step(self, steps: int, stop: int, resume: ChunkDraw, answer_at_once: bool) -> None:
+    def step(
+        self,
+        steps: int,
+        stop: int,
+        resume: ChunkDraw,
+        answer_at_once: bool,
+        data: st.DataObject,
+    ) -> None:
         """`steps` engine steps; in the first, a stop condition ends the
         running request `stop` picks (in half the draws: none). Before them,
         the client of each paused streaming-input session answers with its
         next input, `resume` (a chunk, or the session's end); with
         `answer_at_once`, the sessions these steps paused get it after them
-        too (the others stay paused through the rules that follow)."""
+        too (the others stay paused through the rules that follow), and the
+        sessions still running get it queued. Under
+        async scheduling with drafts, the model runner takes each batch's
+        drafts as an acceptance drawn for the rule says (drawn there only,
+        so the other engines' examples draw as they did without it)."""
         assert self.model is not None and self.config is not None
         for live in self.open_sessions(True):
             self.send_chunk(live, resume)
@@ -404,17 +417,94 @@ class SchedulerMachine(RuleBasedStateMachine):
         stopped = (running[stop],) if stop < len(running) and stop < MAX_SEQS else ()
         if self.config.async_scheduling:
             stopped = ()  # a stop condition under async scheduling is not modelled
+        decodes = 0
+        drafting = self.config.async_scheduling and self.settings.spec > 0
+        acceptance: AcceptanceDraw | None = data.draw(ACCEPTANCES) if drafting else None
         for position in range(steps):
             self.stats.engine_steps += 1
             self.stats.ops["step"] += 1
             first = position == 0 and stopped
             if first:
                 self.stats.ops["step:stop"] += 1
-            self.apply(EngineStep("step", 0, stop=stopped if first else ()))
+            accept: dict[str, int] = {}
+            if acceptance is not None:
+                drafts = self.drafts_scheduled()
+                for name, count in drafts.items():
+                    accepted = acceptance.accepted(count, decodes)
+                    decodes += 1
+                    if accepted:
+                        accept[name] = accepted
+            in_flight = self.outputs_in_flight()
+            batches = list(self.model.in_flight)
+            self.apply(EngineStep("step", 0, stop=stopped if first else (), accept=accept))
+            self.count_in_flight(in_flight, batches)
             self.count_adapters_held_back()
         if answer_at_once:
             for live in self.open_sessions(True):
                 self.send_chunk(live, resume)
+            # An eager client queues its next input while its session runs.
+            for live in self.open_sessions(False):
+                self.send_chunk(live, resume)
+
+    def drafts_scheduled(self) -> dict[str, int]:
+        """Under async scheduling, the drafts each request decodes with in
+        the batch the next engine step schedules, as the scheduler model
+        schedules it (on a copy: a step's `accept` must name exactly the
+        decodes with drafts, which preemption and the token budget decide)."""
+        assert self.model is not None
+        probe = copy.deepcopy(self.model)
+        scheduled = probe.batches_scheduled
+        try:
+            probe.step(())
+        except Exception:
+            return {}  # the real step meets it (a refusal, a model bug) and says so
+        if probe.batches_scheduled == scheduled or not probe.in_flight:
+            return {}
+        batch = probe.in_flight[-1]
+        return dict(batch.drafts) if batch.number == probe.batches_scheduled else {}
+
+    def outputs_in_flight(self) -> dict[str, tuple[int, int]]:
+        """Each live request's preemptions and output placeholders (an output
+        in flight when above 0)."""
+        assert self.model is not None
+        return {
+            r.name: (r.request.num_preemptions, r.placeholders)
+            for r in (*self.model.running, *self.model.waiting, *self.model.holding)
+        }
+
+    def count_in_flight(self, before: dict[str, tuple[int, int]], batches: list[Batch]) -> None:
+        """Count what an engine step under async scheduling did with outputs
+        in flight (`before` and `batches`: each request's preemptions and
+        placeholders, and the batches in flight, before it): a request
+        decoding past its output in flight, one preempted with an output in
+        flight, a batch's output processed with drafts rejected (taken back
+        from what the request keeps) or accepted."""
+        assert self.model is not None and self.config is not None
+        if not self.config.async_scheduling:
+            return
+        model = self.model
+        self.count_preempted_in_flight(before, "step")
+        newest = model.in_flight[-1] if model.in_flight else None
+        scheduled = newest is not None and newest.number == model.batches_scheduled
+        if newest is not None and scheduled and all(b is not newest for b in batches):
+            past = [n for n in newest.samples if before.get(n, (0, 0))[1]]
+            self.stats.ops["step:decode_past_in_flight"] += bool(past)
+            batches = [*batches, newest]
+        for batch in batches:
+            if any(batch is b for b in model.in_flight):
+                continue
+            for name, drafts in batch.drafts.items():
+                accepted = batch.accepted.get(name, 0)
+                self.stats.ops["step:drafts_rejected"] += accepted < drafts
+                self.stats.ops["step:drafts_accepted"] += accepted > 0
+
+    def count_preempted_in_flight(self, before: dict[str, tuple[int, int]], rule: str) -> None:
+        """Count the requests `rule` preempted with an output in flight
+        (`before`: each request's preemptions and placeholders before it)."""
+        now = self.outputs_in_flight()
+        for name, (preemptions, placeholders) in before.items():
+            if placeholders and now.get(name, (preemptions, 0))[0] > preemptions:
+                self.stats.ops[f"{rule}:preempted_in_flight"] += 1
 
     def count_adapters_held_back(self) -> None:
         """Count a step after which a waiting request's adapter is held back
@@ -455,6 +545,16 @@ class SchedulerMachine(RuleBasedStateMachine):
             # does not ask for it, and neither does this.
             self.stats.ops["reset:skipped"] += 1
             return
+        config = self.config
+        assert config is not None
+        if running and config.async_scheduling and config.kv_connector and self.model.in_flight:
+            # Not modelled under async scheduling (vLLM defers the free of a
+            # request in flight with a KV connector, which the reset's
+            # preemption would have to follow): not drawn.
+            self.stats.ops["reset:skipped"] += 1
+            return
         busy = "busy" if self.model.running else "idle"
         self.stats.ops[f"reset:{'running' if running else 'kept'}:{busy}"] += 1
+        before = self.outputs_in_flight()
         self.apply(EngineStep("reset", 0, running=running))
+        self.count_preempted_in_flight(before, "reset")

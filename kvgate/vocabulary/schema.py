@@ -370,8 +370,9 @@ CONFIG_FIELDS: tuple[ConfigField, ...] = (
             "manager-level trace's calls are the same either way"
         ),
         not_explored=(
-            "the Scheduler-level exploration draws it with each engine (prefill-only "
-            "requests, no drafts, under it)"
+            "the Scheduler-level exploration draws it with each engine (under it, with a "
+            "drafter, 1 to 3 drafts per step and the drafts each batch accepts drawn: none, "
+            "all or some; none of what stays refused under it)"
         ),
     ),
     ConfigField(
