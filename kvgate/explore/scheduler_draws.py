@@ -213,6 +213,10 @@ def engines(draw: st.DrawFn) -> Engine:
         config = replace(config, hash_lookahead_tokens=mtp_modules)
         family = {**family, "hash_lookahead_tokens": mtp_modules}
         spec = mtp_modules
+    elif config.hash_lookahead_tokens > 1:
+        # One MTP module per draft (the knobs drew the modules): vLLM reads
+        # ahead as many tokens as it drafts, so it drafts one per module.
+        spec = config.hash_lookahead_tokens
     if config.kv_connector or async_scheduling:
         prefill_interval = 1
     config = replace(
