@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kvgate import options
-from kvgate.conformance.deployment_families import FamilyTrace, generate
+from kvgate.conformance.deployment_families import ACCEPTANCE, FamilyTrace, generate
 from kvgate.conformance.trace import Trace
 from kvgate.errors import InputError
 from kvgate.impl.serve_flags import resolve, serve_args
@@ -144,11 +144,12 @@ def prepare(args: argparse.Namespace) -> DeploymentRun:
         lines.append(
             f"deployment: kvgate cannot model {name} ({why}): the verdict says nothing of it"
         )
-    if config.async_scheduling and drafts:
-        config = replace(config, async_scheduling=False)
+    if config.async_scheduling:
+        accepting = f", {ACCEPTANCE}" if drafts else ""
         lines.append(
-            "deployment: run synchronously: the deployment schedules asynchronously with "
-            f"{drafts} drafts, which kvgate does not model yet"
+            "deployment: async scheduling, as the deployment schedules: the families run "
+            f"with a batch in flight on vLLM's AsyncScheduler{accepting}; an abort is its "
+            "own entry between steps"
         )
     folder = args.deployment_traces
     if folder is None:
@@ -185,7 +186,11 @@ def prepare(args: argparse.Namespace) -> DeploymentRun:
         )
     lines.extend(f"deployment: {line}" for line in skipped)
     pools = [t.trace.config.num_blocks for t in traces if "next-turn" in t.name]
-    explored = replace(config, num_blocks=pools[0] if pools else _ANY_POOL, hold=False)
+    # The exploration is manager-level, whose calls async scheduling does not
+    # change (only scheduler-level traces model it).
+    explored = replace(
+        config, num_blocks=pools[0] if pools else _ANY_POOL, hold=False, async_scheduling=False
+    )
     failed, line = explore_at(explored, args.target, options.plugin_of(args), args.seed, folder)
     lines.append(f"deployment: {line}")
     cost = hold_cost(traces)

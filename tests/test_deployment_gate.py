@@ -8,12 +8,12 @@ workload measured at that deployment's pool."""
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import functools
 import json
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -66,8 +66,20 @@ def serve_line() -> list[str]:
 
 
 def test_the_deployment_gate_runs_its_families_on_vllms_scheduler(
-    capsys: pytest.CaptureFixture[str], tmp_path: Path
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from kvgate.impl import vllm_scheduler_config
+
+    # The Scheduler class vLLM's engine picks for each replay, as it built it.
+    built: list[str] = []
+    pick = vllm_scheduler_config.scheduler_class
+
+    def recorded(vllm_config: Any, config: Any) -> Any:
+        chosen = pick(vllm_config, config)
+        built.append(chosen.__name__)
+        return chosen
+
+    monkeypatch.setattr(vllm_scheduler_config, "scheduler_class", recorded)
     code = cli.main(
         [
             "gate",
@@ -96,16 +108,25 @@ def test_the_deployment_gate_runs_its_families_on_vllms_scheduler(
 
     resolved = resolve(serve_line()[2:], 64).config
     assert resolved is not None and resolved.async_scheduling
+    accepted = 0
     for path in tmp_path.glob("deploy-*.yaml"):
-        config = yaml.safe_load(path.read_text())["config"]
+        trace = yaml.safe_load(path.read_text())
+        config = trace["config"]
         # One MTP layer reused for three drafts: lookahead 1.
         assert (config["hash_unit"], config["hash_lookahead_tokens"]) == (64, 1)
         assert config["max_num_scheduled_tokens"] == resolved.max_num_scheduled_tokens
         # The worker's served blocks (a Mamba page of the real shapes over
         # four GPUs raises the 64-token block), not the asked 64 and 256.
         assert config["scheduler_block_size"] == resolved.scheduler_block_size == 320
-        assert "async_scheduling" not in config  # run synchronously, and said so
-    assert "run synchronously" in out and "3 drafts" in out
+        # As the deployment schedules: asynchronously, with its three drafts.
+        assert config["async_scheduling"] is True and trace["scheduler"]["spec"] == 3
+        accepted += sum(len(e.get("accept", {})) for e in trace["engine"])
+        assert not any("abort" in e for e in trace["engine"] if e["op"] == "step")
+    assert accepted > 0  # drafts accepted in the families' decodes
+    # Every replay ran on vLLM's AsyncScheduler, and the report says how.
+    assert built and set(built) == {"AsyncScheduler"}, built
+    assert "AsyncScheduler" in out and "mixed acceptance" in out and "3 drafts" in out
+    assert "synchronously" not in out
     # The short seeded exploration at the deployment's config, in lockstep.
     assert "deployment: exploration: clean at that config" in out
     assert "on the model and vLLM in lockstep" in out
@@ -129,11 +150,9 @@ def test_the_hold_arm_shows_the_hold_at_the_deployment(tmp_path: Path) -> None:
     from kvgate.vocabulary.scheduling import EngineSettings
 
     deployment = resolve(serve_line()[2:], 64)
-    assert deployment.config is not None
-    # Run synchronously, as the gate runs drafts under async scheduling.
-    config = dataclasses.replace(deployment.config, async_scheduling=False)
+    assert deployment.config is not None and deployment.config.async_scheduling
     model, _ = scheduler_factories("model", None)
-    traces, skipped = generate(config, EngineSettings(3, 8), model, tmp_path)
+    traces, skipped = generate(deployment.config, EngineSettings(3, 8), model, tmp_path)
     assert not skipped
     by_name = {t.name: t.trace for t in traces}
 
@@ -148,6 +167,32 @@ def test_the_hold_arm_shows_the_hold_at_the_deployment(tmp_path: Path) -> None:
     off = follow_up_hit("deploy-next-turn-after-burst.hold-off")
     on = follow_up_hit("deploy-next-turn-after-burst.hold-on")
     assert on > off
+
+
+@pytest.mark.parametrize("asynchronous", [True, False])
+def test_a_deployment_without_drafts_runs_as_before(asynchronous: bool, tmp_path: Path) -> None:
+    """Without drafts nothing is accepted, and a synchronous deployment keeps
+    its abort inside a step."""
+    from kvgate.conformance.deployment_families import generate
+    from kvgate.impl.serve_flags import resolve
+    from kvgate.targets import scheduler_factories
+    from kvgate.vocabulary.scheduling import EngineSettings
+
+    line = serve_line()[2:-2]  # no speculative config
+    if not asynchronous:
+        line.append("--no-async-scheduling")
+    config = resolve(line, 64).config
+    assert config is not None and config.async_scheduling == asynchronous
+    model, _ = scheduler_factories("model", None)
+    traces, skipped = generate(config, EngineSettings(0, 8), model, tmp_path)
+    assert not skipped and {t.name.split(".")[0] for t in traces} == {
+        f"deploy-{name}" for name in FAMILY_NAMES
+    }
+    for t in traces:
+        assert t.trace.config.async_scheduling == asynchronous
+        assert not any(e.accept for e in t.trace.engine)
+    aborts = next(t.trace for t in traces if t.name == "deploy-aborts")
+    assert any(e.aborted for e in aborts.engine) != asynchronous
 
 
 def test_a_bad_serve_line_is_one_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

@@ -6,14 +6,18 @@ token budget, max_num_seqs, max_model_len): the prompts are sized in that
 config's blocks and units, the requests are stepped on kvgate's scheduler
 model until they finish (so the trace has as many engine steps as the
 deployment takes), and `bless_engine` then writes every step's
-expectations from the model. The pool is the one value a serve command line
-does not fix: each family takes the smallest pool in which its requests all
-finish, so its pressure (a burst's evictions, a preemption) happens at the
-deployment's block size, unless the caller fixes the pool.
+expectations from the model. Under async scheduling with drafts each
+decode's drafts are accepted in a mixed pattern (`ACCEPTANCE`), and an abort
+is its own entry between steps, as async scheduling has it. The pool is the
+one value a serve command line does not fix: each family takes the smallest
+pool in which its requests all finish, so its pressure (a burst's
+evictions, a preemption) happens at the deployment's block size, unless the
+caller fixes the pool.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -27,7 +31,7 @@ from kvgate.vocabulary.ops import Segment
 from kvgate.vocabulary.scheduling import EngineSettings, EngineStep, SchedulerModelRun
 from kvgate.vocabulary.target import StepRefused
 
-__all__ = ["FAMILY_NAMES", "FamilyTrace", "generate"]
+__all__ = ["ACCEPTANCE", "FAMILY_NAMES", "FamilyTrace", "generate"]
 
 # A family whose requests have not all finished after this many engine
 # steps does not fit the pool: the next pool size is tried.
@@ -36,6 +40,23 @@ _MAX_STEPS = 400
 
 class _DoesNotFit(Exception):
     """The family's requests cannot all run to their end in this pool."""
+
+
+class _NotModelled(Exception):
+    """The scheduler model does not model the family at this config (in
+    any pool)."""
+
+
+# Under async scheduling with drafts, the drafts accepted in a request's
+# successive decodes, cycling: all of them, none, then one.
+ACCEPTANCE = (
+    "mixed acceptance: each request's decodes accept all their drafts, then none, then one, in turn"
+)
+
+
+def _accepted(decode: int, drafts: int) -> int:
+    """Drafts accepted in a request's `decode`-th decode (from 0) of `drafts`."""
+    return (drafts, 0, min(1, drafts))[decode % 3]
 
 
 @dataclass(frozen=True)
@@ -52,8 +73,17 @@ class _Script:
     """A history being written: each entry applied to the scheduler model
     as it is added, so the history steps as long as the deployment takes."""
 
-    def __init__(self, run: SchedulerModelRun) -> None:
+    def __init__(self, run: SchedulerModelRun, accepting: bool, hold_arms: bool) -> None:
         self.run = run
+        # Under async scheduling with drafts: accept drafts as `_accepted`
+        # says, counting each request's decodes.
+        self.accepting = accepting
+        self.decodes: dict[str, int] = {}
+        # In a family with two hold arms, a request reading another's tokens
+        # from the cache accepts none: on a build lacking the hold its hit,
+        # and so its decodes, differ, and the hold arm must reach that hit.
+        self.hold_arms = hold_arms
+        self.rejecting: set[str] = set()
         self.entries: list[EngineStep] = []
         self.finished: set[str] = set()
         self.preempted: set[str] = set()
@@ -71,18 +101,41 @@ class _Script:
             max_tokens=max_tokens,
             follows=follows,
         )
+        if self.hold_arms and any(seg.kind != "fresh" for seg in prompt):
+            self.rejecting.add(req)
         try:
             self.run.arrive(entry.arrival())
         except (StepRefused, UnsupportedConfig) as refused:
             raise _DoesNotFit(str(refused)) from None
         self.entries.append(entry)
 
+    def _acceptance(self) -> dict[str, int]:
+        """The drafts to accept in the batch the next step schedules: the
+        step is first taken on a copy of the model, which says which
+        requests decode with drafts in it."""
+        preview = copy.deepcopy(self.run)
+        preview.step()
+        accept: dict[str, int] = {}
+        for name, drafts in preview.decode_drafts().items():
+            if name in self.rejecting:
+                continue
+            decode = self.decodes.get(name, 0)
+            self.decodes[name] = decode + 1
+            if _accepted(decode, drafts):
+                accept[name] = _accepted(decode, drafts)
+        return accept
+
     def step(self, aborted: tuple[str, ...] = ()) -> None:
         try:
+            accept = self._acceptance() if self.accepting else {}
+            for name, drafts in accept.items():
+                self.run.accept(name, drafts)
             outcome = self.run.step(aborted)
-        except StepRefused as stuck:  # the pool cannot run the family
-            raise _DoesNotFit(str(stuck)) from None
-        self.entries.append(EngineStep("step", len(self.entries), aborted=aborted))
+        except StepRefused as stuck:
+            if stuck.field == "config.async_scheduling":  # not modelled, in any pool
+                raise _NotModelled(f"{stuck.field}: {stuck.message}") from None
+            raise _DoesNotFit(str(stuck)) from None  # the pool cannot run the family
+        self.entries.append(EngineStep("step", len(self.entries), accept=accept, aborted=aborted))
         self.finished.update(outcome.finished)
         self.preempted.update(outcome.preempted)
         for req, hit in outcome.admitted:
@@ -122,6 +175,7 @@ class _Sizes:
     max_len: int  # max_model_len
     seqs: int  # max_num_seqs
     spec: int  # drafts per decode step
+    async_scheduling: bool
 
     @classmethod
     def of(cls, config: Config, settings: EngineSettings) -> _Sizes:
@@ -132,6 +186,7 @@ class _Sizes:
             config.max_model_len,
             settings.max_num_seqs,
             settings.spec,
+            config.async_scheduling,
         )
 
     def prompt(self, blocks: int, extra: int = 0) -> int:
@@ -188,8 +243,14 @@ def _aborts(s: _Script, z: _Sizes) -> None:
     s.step()
     s.abort("L")
     s.step()
-    s.step(aborted=("D",))
-    s.finished.add("D")
+    if z.async_scheduling:
+        # With a batch always in flight, an abort inside a step and one
+        # between steps are the same event: its own entry.
+        s.step()
+        s.abort("D")
+    else:
+        s.step(aborted=("D",))
+        s.finished.add("D")
     s.arrive("F", [Segment("prompt_of", req="D"), _fresh(z.unit // 2)], 2, follows="D")
     s.until_finished("F")
 
@@ -230,13 +291,13 @@ _FAMILIES: tuple[tuple[str, bool, Callable[[_Script, _Sizes], None]], ...] = (
 FAMILY_NAMES: tuple[str, ...] = tuple(name for name, _, _ in _FAMILIES)
 
 
-def _pools(config: Config, fixed: int | None) -> Iterator[int]:
-    """The pool sizes to try: the fixed one, else growing from the least
-    a request with drafts can hold."""
+def _pools(config: Config, fixed: int | None, start: int | None = None) -> Iterator[int]:
+    """The pool sizes to try: the fixed one, else growing from `start` or
+    the least a request with drafts can hold."""
     if fixed is not None:
         yield fixed
         return
-    size = 4 + 2 * config.groups[-1].speculative_blocks
+    size = start or 4 + 2 * config.groups[-1].speculative_blocks
     while size <= 4096:
         yield size
         size += max(1, size // 8)
@@ -248,10 +309,13 @@ def _fit(
     settings: EngineSettings,
     model: SchedulerModelFactory,
     size: int,
+    accepting: bool,
+    hold_arms: bool,
 ) -> _Script | str:
-    """The family played at pool `size`, or why it does not fit there."""
+    """The family played at pool `size` (drafts accepted when `accepting`),
+    or why it does not fit there."""
     sized = replace(config, num_blocks=size)
-    script = _Script(model(sized, settings.spec, settings.max_num_seqs))
+    script = _Script(model(sized, settings.spec, settings.max_num_seqs), accepting, hold_arms)
     try:
         build(script, _Sizes.of(sized, settings))
     except _DoesNotFit as reason:
@@ -269,14 +333,39 @@ def _generate_arms(
 ) -> tuple[dict[bool, _Script], int] | str:
     """Each hold arm played at one pool: the first pool where every arm fits
     and, with two arms, the hold changes a hit (what the family is about),
-    else the first where every arm fits. The scripts by arm, and the pool."""
+    else the first where every arm fits. The scripts by arm, and the pool.
+
+    Under async scheduling with drafts the pools are first searched with
+    every draft rejected (each accepted draft costs a copy of the model to
+    look ahead with), then again with the drafts accepted from the pool that
+    search found."""
+    found = _search_pools(build, config, settings, model, _pools(config, pool), False, arms)
+    if not (config.async_scheduling and settings.spec) or isinstance(found, str):
+        return found
+    pools = _pools(config, pool, start=found[1])
+    return _search_pools(build, config, settings, model, pools, True, arms)
+
+
+def _search_pools(
+    build: Callable[[_Script, _Sizes], None],
+    config: Config,
+    settings: EngineSettings,
+    model: SchedulerModelFactory,
+    pools: Iterator[int],
+    accepting: bool,
+    arms: tuple[bool, ...],
+) -> tuple[dict[bool, _Script], int] | str:
+    """`_generate_arms` over `pools`, drafts accepted when `accepting`."""
     first: tuple[dict[bool, _Script], int] | None = None
     why = "no pool tried"
-    for tried, size in enumerate(_pools(config, pool)):
+    for tried, size in enumerate(pools):
         if first is not None and tried > 48:
             break
         played = {
-            hold: _fit(build, replace(config, hold=hold), settings, model, size) for hold in arms
+            hold: _fit(
+                build, replace(config, hold=hold), settings, model, size, accepting, len(arms) > 1
+            )
+            for hold in arms
         }
         failed = [why for why in played.values() if isinstance(why, str)]
         if failed:
@@ -309,6 +398,8 @@ def generate(
             made = _generate_arms(build, config, settings, model, pool, arms)
         except UnsupportedConfig as refused:
             made = f"{refused.field}: {refused.message}"
+        except _NotModelled as refused:
+            made = f"kvgate's model does not model it: {refused}"
         if isinstance(made, str):
             skipped.append(f"deploy-{family}: not generated at this deployment: {made}")
             continue
@@ -316,10 +407,17 @@ def generate(
         for hold, script in scripts.items():
             name = f"deploy-{family}" + ((".hold-on" if hold else ".hold-off") if two_arms else "")
             sized = replace(config, hold=hold, num_blocks=size)
+            scheduling = (
+                f"async scheduling, {ACCEPTANCE}, "
+                if sized.async_scheduling and settings.spec
+                else "async scheduling, "
+                if sized.async_scheduling
+                else ""
+            )
             about = (
                 f"The {family.replace('-', ' ')} family at the deployment's config "
                 f"(block {sized.scheduler_block_size}, unit {sized.hash_unit}, "
-                f"{settings.spec} drafts, pool {size} blocks), "
+                f"{settings.spec} drafts, {scheduling}pool {size} blocks), "
                 "its expectations written by kvgate's model."
             )
             text = dump_engine_trace(

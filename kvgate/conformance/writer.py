@@ -103,10 +103,11 @@ def engine_step_dicts(
     `each_step` (an entry each, for `bless` to fill)."""
     out: list[dict[str, Any]] = []
     for event in engine:
-        if each_step and event.op == "step" and not (event.expect or event.stop or event.aborted):
+        plain = not (event.expect or event.stop or event.accept or event.aborted)
+        if each_step and event.op == "step" and plain:
             out.append({"op": "step"})
             continue
-        if event.op == "step" and not (event.expect or event.stop or event.aborted):
+        if event.op == "step" and plain:
             last = out[-1] if out else {}
             # Only a plain step takes the ones after it (`stop`, `accept`,
             # `abort` and `expect` apply to one step).

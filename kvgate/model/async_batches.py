@@ -100,6 +100,12 @@ class AsyncBatches(OutputPlaceholders):
     def batches_in_flight(self) -> int:
         return len(self.in_flight)
 
+    def decode_drafts(self) -> dict[str, int]:
+        if not self.in_flight:  # none under synchronous scheduling
+            return {}
+        batch = self.in_flight[-1]
+        return {name: n for name, n in batch.drafts.items() if name in batch.samples}
+
     def deferred_frees(self) -> list[DeferredFree]:
         """The deferred frees not yet released: (fence, request), in order."""
         return list(self.deferred)

@@ -379,6 +379,12 @@ class SchedulerModelRun(Protocol):
         scheduling; 0 otherwise)."""
         ...
 
+    def decode_drafts(self) -> dict[str, int]:
+        """Under async scheduling, the drafts each request decodes with in
+        the batch the last step scheduled (empty otherwise): the requests an
+        `accept` on that step may name, and how many drafts at most."""
+        ...
+
     def deferred_frees(self) -> list[DeferredFree]:
         """Deferred frees not yet released, in order."""
         ...
