@@ -103,11 +103,11 @@ def engine_step_dicts(
     `each_step` (an entry each, for `bless` to fill)."""
     out: list[dict[str, Any]] = []
     for event in engine:
-        plain = not (event.expect or event.stop or event.accept or event.aborted)
-        if each_step and event.op == "step" and plain:
+        bare = not (event.expect or event.stop or event.accept or event.aborted)
+        if each_step and event.op == "step" and bare:
             out.append({"op": "step"})
             continue
-        if event.op == "step" and plain:
+        if event.op == "step" and bare:
             last = out[-1] if out else {}
             # Only a plain step takes the ones after it (`stop`, `accept`,
             # `abort` and `expect` apply to one step).
