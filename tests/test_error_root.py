@@ -21,7 +21,8 @@ from kvgate.errors import EXIT_INPUT, EXIT_KVGATE_BUG, KvgateError
 # raised, as a signal between two parts of kvgate (a replay unwinding at its
 # first divergence, a target refusing a step, a fault that does not fit the
 # installed code, an exploration draw to discard, a Hypothesis failure at
-# either level, a test item's failure, a run Z3 found that does not
+# either level (and their common base, which names and saves the history
+# as a trace), a test item's failure, a run Z3 found that does not
 # concretize, the scheduler model finding no way forward, a recorded step
 # no trace can say, which stops the recording).
 SIGNALS = {
@@ -29,6 +30,7 @@ SIGNALS = {
     "StepRefused",
     "NotApplicable",
     "Unrealistic",
+    "TraceFailure",
     "ExploreFailure",
     "SchedulerExploreFailure",
     "TraceFailed",

@@ -28,7 +28,8 @@ UNIT = 4
 
 
 def _config() -> Config:
-    # Attention blocks of 4 (the hash unit), Mamba blocks of 64.
+    # Attention and Mamba blocks of 64, as a worker serves them in align
+    # mode, on a hash unit of 4.
     return Deployment(build="upstream").scaled(SCALE).config(UNIT, False, 2)
 
 
@@ -55,9 +56,9 @@ def test_sizes_are_passed_as_the_engine_flags_and_read_back() -> None:
     [
         # Not the groups' lcm: the engine's Scheduler block is 64.
         ({"scheduler_block_size": 128}, "scheduler_block_size"),
-        # A hash unit the attention blocks (4) do not divide by: the engine
-        # refuses the --prefix-match-unit.
-        ({"hash_unit": 16}, "hash_unit"),
+        # A hash unit the blocks (64) do not divide by: the engine refuses
+        # the --prefix-match-unit.
+        ({"hash_unit": 48}, "hash_unit"),
         # Not a multiple of the Scheduler block: the engine refuses it.
         ({"retention_interval": 32}, "retention_interval"),
     ],

@@ -205,9 +205,12 @@ class Deployment:
                 GroupConfig("mamba_align", block, speculative_blocks=self.spec_tokens),
             ),
             eagle=self.eagle,
-            # vLLM hashes ahead only with prefix caching.
+            # vLLM hashes ahead only with prefix caching, and keeps legacy
+            # block hashes (none ahead) under a KV connector.
             hash_lookahead_tokens=(
-                self.hash_lookahead_tokens if self.eagle and self.prefix_caching else 0
+                self.hash_lookahead_tokens
+                if self.eagle and self.prefix_caching and not self.kv_connector
+                else 0
             ),
             retention_interval=self.retention_interval,
             hold=hold,
