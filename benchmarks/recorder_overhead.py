@@ -37,6 +37,7 @@ from typing import Any
 
 from kvgate.conformance.scheduler_replay import replay_scheduler
 from kvgate.conformance.trace import load_trace
+from kvgate.impl.recorder import WRAPPED
 from kvgate.workload.deployment import Deployment
 from kvgate.workload.plan import Workload
 from kvgate.workload.progress import Progress
@@ -44,14 +45,7 @@ from kvgate.workload.runner import Arm
 
 # The Scheduler's entry points timed: those the recorder wraps that an
 # engine step calls (its constructor and shutdown are left out).
-TIMED = (
-    "add_request",
-    "schedule",
-    "update_from_output",
-    "finish_requests",
-    "reset_prefix_cache",
-    "set_pause_state",
-)
+TIMED = tuple(name for name in WRAPPED if name not in ("__init__", "shutdown"))
 
 
 class _Clock:

@@ -11,6 +11,7 @@ exploration's starting config, `kvgate.explore.knobs.SEED_CONFIG`, a
 from __future__ import annotations
 
 import importlib.util
+import json
 import textwrap
 from typing import Any
 
@@ -130,3 +131,18 @@ config:
 scheduler: {{spec: 0, max_num_seqs: 4}}
 engine:
 """
+
+
+# The block flags of the seed's kind of serve command line: prefix caching,
+# attention blocks of 64, Mamba blocks of 256, prefixes matched every 64
+# tokens; and its drafter, MTP proposing 3 drafts.
+SEED_BLOCK_FLAGS = (
+    "--enable-prefix-caching",
+    "--block-size",
+    "64",
+    "--mamba-block-size",
+    "256",
+    "--prefix-match-unit",
+    "64",
+)
+MTP = json.dumps({"method": "mtp", "num_speculative_tokens": 3})

@@ -12,14 +12,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from configs import needs_vllm
+from configs import MTP, SEED_BLOCK_FLAGS, needs_vllm
 
 from kvgate import cli
 from kvgate.impl.vllm_scheduler_config import model_dir
 
 pytestmark = needs_vllm
-
-MTP = json.dumps({"method": "mtp", "num_speculative_tokens": 3})
 
 
 def nemotron_h_dir(folder: Path) -> Path:
@@ -201,13 +199,7 @@ def test_the_trace_config_block_builds_vllms_scheduler(capsys: pytest.CaptureFix
     argv = [
         "--trace-config",
         str(model_dir(3)),
-        "--enable-prefix-caching",
-        "--block-size",
-        "64",
-        "--mamba-block-size",
-        "256",
-        "--prefix-match-unit",
-        "64",
+        *SEED_BLOCK_FLAGS,
         "--max-model-len",
         "32768",
         "--num-gpu-blocks-override",
@@ -286,13 +278,7 @@ def test_served_blocks_are_what_vllms_worker_computes(
             ),
             [
                 str(qwen3),
-                "--enable-prefix-caching",
-                "--block-size",
-                "64",
-                "--mamba-block-size",
-                "256",
-                "--prefix-match-unit",
-                "64",
+                *SEED_BLOCK_FLAGS,
             ],
         ),
         (

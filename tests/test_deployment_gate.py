@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import atexit
 import functools
-import json
 import shutil
 import tempfile
 from pathlib import Path
@@ -17,15 +16,13 @@ from typing import Any
 
 import pytest
 import yaml
-from configs import needs_vllm
+from configs import MTP, SEED_BLOCK_FLAGS, needs_vllm
 
 from kvgate import cli
 from kvgate.conformance.deployment_families import FAMILY_NAMES
 from kvgate.errors import EXIT_LACKS_REQUIRED
 
 pytestmark = needs_vllm
-
-MTP = json.dumps({"method": "mtp", "num_speculative_tokens": 3})
 
 
 @functools.cache
@@ -49,13 +46,7 @@ def serve_line() -> list[str]:
         str(qwen3_next_dir()),
         "--tensor-parallel-size",
         "4",
-        "--enable-prefix-caching",
-        "--block-size",
-        "64",
-        "--mamba-block-size",
-        "256",
-        "--prefix-match-unit",
-        "64",
+        *SEED_BLOCK_FLAGS,
         "--max-num-seqs",
         "8",
         "--max-model-len",

@@ -26,7 +26,7 @@ from typing import TextIO
 from kvgate.conformance.limits import DEFAULT_LIMITS, LimitError, Limits, check_file, over
 from kvgate.conformance.macros import expand
 from kvgate.conformance.strict_yaml import load_document, load_flow_entry
-from kvgate.conformance.trace import Trace, TraceError, _check_new_name, _Reader, load_trace
+from kvgate.conformance.trace import Trace, TraceError, _Reader, load_trace, read_each
 from kvgate.vocabulary.ops import Step
 
 _BODY = "steps:\n"
@@ -150,15 +150,4 @@ def read_streamed(
     paths: Sequence[str | Path], limits: Limits = DEFAULT_LIMITS
 ) -> tuple[list[Trace], list[TraceError]]:
     """`read_traces` for `--stream`: each trace validated entry by entry."""
-    traces: list[Trace] = []
-    invalid: list[TraceError] = []
-    first_path: dict[str, Path] = {}
-    for path in paths:
-        try:
-            trace = stream_trace(path, limits)
-            _check_new_name(trace, first_path)
-        except TraceError as error:
-            invalid.append(error)
-            continue
-        traces.append(trace)
-    return traces, invalid
+    return read_each(paths, lambda path: stream_trace(path, limits))

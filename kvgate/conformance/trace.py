@@ -19,7 +19,7 @@ the target's chunk split.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -369,12 +369,20 @@ def read_traces(
 ) -> tuple[list[Trace], list[TraceError]]:
     """The traces in `paths` that are valid, and each other one's error
     (`partial`: recordings cut short are read up to the cut)."""
+    return read_each(paths, lambda path: load_trace(path, limits, partial))
+
+
+def read_each(
+    paths: Sequence[str | Path], load: Callable[[str | Path], Trace]
+) -> tuple[list[Trace], list[TraceError]]:
+    """Each of `paths` read by `load`: the valid traces, and each other
+    one's error (a name already taken by an earlier path is one)."""
     traces: list[Trace] = []
     invalid: list[TraceError] = []
     first_path: dict[str, Path] = {}
     for path in paths:
         try:
-            trace = load_trace(path, limits, partial)
+            trace = load(path)
             _check_new_name(trace, first_path)
         except TraceError as error:
             invalid.append(error)
