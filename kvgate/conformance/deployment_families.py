@@ -17,7 +17,6 @@ caller fixes the pool.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -110,13 +109,10 @@ class _Script:
         self.entries.append(entry)
 
     def _acceptance(self) -> dict[str, int]:
-        """The drafts to accept in the batch the next step schedules: the
-        step is first taken on a copy of the model, which says which
-        requests decode with drafts in it."""
-        preview = copy.deepcopy(self.run)
-        preview.step()
+        """The drafts to accept in the batch the next step schedules, by
+        the requests that decode with drafts in it."""
         accept: dict[str, int] = {}
-        for name, drafts in preview.decode_drafts().items():
+        for name, drafts in self.run.next_batch_drafts().items():
             if name in self.rejecting:
                 continue
             decode = self.decodes.get(name, 0)

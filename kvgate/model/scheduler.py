@@ -48,6 +48,7 @@ oracle observed in its `expect`, are a fixed trace any target replays.
 
 from __future__ import annotations
 
+import copy
 from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
@@ -229,6 +230,16 @@ class SchedulerModel(AsyncBatches, ConnectorLoads, StreamingSessions):
         self.waiting.append(live)
         self._order_waiting()
         return live
+
+    def next_batch_drafts(self) -> dict[str, int]:
+        """The drafts each request decodes with in the batch the next engine
+        step schedules, found by taking that step on a copy: a step's
+        `accept` must name exactly those decodes, which preemption and the
+        token budget decide. Raises what the step would raise."""
+        probe = copy.deepcopy(self)
+        scheduled = probe.batches_scheduled
+        probe.step()
+        return probe.decode_drafts() if probe.batches_scheduled != scheduled else {}
 
     def step(self, aborted: tuple[str, ...] = ()) -> StepDecisions:
         """One engine step: `schedule`, the worker's load reports, `step` and

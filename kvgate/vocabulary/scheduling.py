@@ -379,9 +379,9 @@ class SchedulerModelRun(Protocol):
         scheduling; 0 otherwise)."""
         ...
 
-    def decode_drafts(self) -> dict[str, int]:
+    def next_batch_drafts(self) -> dict[str, int]:
         """Under async scheduling, the drafts each request decodes with in
-        the batch the last step scheduled (empty otherwise): the requests an
+        the batch the next step schedules (empty otherwise): the requests an
         `accept` on that step may name, and how many drafts at most."""
         ...
 
