@@ -111,6 +111,7 @@ BEHAVIOURS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("stats logging off", ("engine:stats_off",)),
     ("a decode past its output in flight", ("step:decode_past_in_flight",)),
     ("drafts accepted in flight", ("step:drafts_accepted",)),
+    ("a stop condition under async scheduling", ("step:stop:async",)),
     ("rejected drafts taken back at their batch's update", ("step:drafts_rejected",)),
     (
         "a preemption with an output in flight",

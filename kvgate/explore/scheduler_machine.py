@@ -413,9 +413,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         for live in self.open_sessions(True):
             self.send_chunk(live, resume)
         running = [r.name for r in self.model.running]
-        stopped = (running[stop],) if stop < len(running) and stop < MAX_SEQS else ()
         if self.config.async_scheduling:
-            stopped = ()  # a stop condition under async scheduling is not modelled
+            # A stop applies to the output the step processes: only a request
+            # sampling in that batch can meet one.
+            sampling = self.samples_processed()
+            running = [name for name in running if name in sampling]
+        stopped = (running[stop],) if stop < len(running) and stop < MAX_SEQS else ()
         decodes = 0
         drafting = self.config.async_scheduling and self.settings.spec > 0
         acceptance: AcceptanceDraw | None = data.draw(ACCEPTANCES) if drafting else None
@@ -425,6 +428,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             first = position == 0 and stopped
             if first:
                 self.stats.ops["step:stop"] += 1
+                if self.config.async_scheduling:
+                    self.stats.ops["step:stop:async"] += 1
             accept: dict[str, int] = {}
             if acceptance is not None:
                 drafts = self.drafts_scheduled()
@@ -454,6 +459,15 @@ class SchedulerMachine(RuleBasedStateMachine):
             return self.model.next_batch_drafts()
         except Exception:
             return {}  # the real step meets it (a refusal, a model bug) and says so
+
+    def samples_processed(self) -> set[str]:
+        """Under async scheduling, the requests sampling in the batch whose
+        output the next engine step processes, as the scheduler model runs it."""
+        assert self.model is not None
+        try:
+            return self.model.next_step_samples()
+        except Exception:
+            return set()  # the real step meets it (a refusal, a model bug) and says so
 
     def outputs_in_flight(self) -> dict[str, tuple[int, int]]:
         """Each live request's preemptions and output placeholders (an output

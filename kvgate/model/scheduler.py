@@ -241,6 +241,21 @@ class SchedulerModel(AsyncBatches, ConnectorLoads, StreamingSessions):
         probe.step()
         return probe.decode_drafts() if probe.batches_scheduled != scheduled else {}
 
+    def next_step_samples(self) -> set[str]:
+        """Under async scheduling, the requests sampling in the batch whose
+        output the next engine step processes (none when it processes
+        none): only those can meet a stop condition in that step. Found by
+        taking the step on a copy, as the batch queue decides whether the
+        step processes an output. Raises what the step would raise."""
+        if not self.in_flight:
+            # The step schedules first: a batch it processes at once ran nothing.
+            return set()
+        probe = copy.deepcopy(self)
+        probe.step()
+        if probe.batches_processed == self.batches_processed:
+            return set()
+        return set(self.in_flight[0].samples)
+
     def step(self, aborted: tuple[str, ...] = ()) -> StepDecisions:
         """One engine step: `schedule`, the worker's load reports, `step` and
         `drain`, the output each scheduled request sampled, then `free
