@@ -112,6 +112,7 @@ BEHAVIOURS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("a decode past its output in flight", ("step:decode_past_in_flight",)),
     ("drafts accepted in flight", ("step:drafts_accepted",)),
     ("a stop condition under async scheduling", ("step:stop:async",)),
+    ("drafts accepted without async scheduling", ("step:drafts_accepted:sync",)),
     ("rejected drafts taken back at their batch's update", ("step:drafts_rejected",)),
     (
         "a preemption with an output in flight",

@@ -528,7 +528,10 @@ def write_scheduler_summary(out: TextIO, outcome: SchedulerOutcome) -> None:
     )
     print(
         f"  step     {ops['step']:>7}  (preemptions {stats.preemptions}; a stop condition "
-        f"ended a running request {ops['step:stop']})",
+        f"ended a running request {ops['step:stop']}; steps accepting drafts without async "
+        f"scheduling {ops['step:drafts_accepted:sync']}; in {ops['engine:async']} examples "
+        f"under async scheduling: a stop {ops['step:stop:async']}, drafts accepted in flight "
+        f"{ops['step:drafts_accepted']}, rejected {ops['step:drafts_rejected']})",
         file=out,
     )
     chunks = sum(ops[f"chunk:{kind}"] for kind in ("queued", "paused", "end"))

@@ -420,7 +420,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             running = [name for name in running if name in sampling]
         stopped = (running[stop],) if stop < len(running) and stop < MAX_SEQS else ()
         decodes = 0
-        drafting = self.config.async_scheduling and self.settings.spec > 0
+        drafting = self.settings.spec > 0
         acceptance: AcceptanceDraw | None = data.draw(ACCEPTANCES) if drafting else None
         for position in range(steps):
             self.stats.engine_steps += 1
@@ -434,10 +434,13 @@ class SchedulerMachine(RuleBasedStateMachine):
             if acceptance is not None:
                 drafts = self.drafts_scheduled()
                 for name, count in drafts.items():
-                    accepted = acceptance.accepted(count, decodes)
+                    stopping = stopped if position == 0 else ()
+                    accepted = min(acceptance.accepted(count, decodes), self.room(name, stopping))
                     decodes += 1
                     if accepted:
                         accept[name] = accepted
+                if accept and not self.config.async_scheduling:
+                    self.stats.ops["step:drafts_accepted:sync"] += 1
             in_flight = self.outputs_in_flight()
             batches = list(self.model.in_flight)
             self.apply(EngineStep("step", 0, stop=stopped if first else (), accept=accept))
@@ -449,6 +452,21 @@ class SchedulerMachine(RuleBasedStateMachine):
             # An eager client queues its next input while its session runs.
             for live in self.open_sessions(False):
                 self.send_chunk(live, resume)
+
+    def room(self, name: str, stopping: tuple[str, ...]) -> int:
+        """The drafts `name` may accept in a synchronous step: the output
+        stays within its `max_tokens`, and a request a stop condition ends
+        in the step accepts none (vLLM's engine trims both). Under async
+        scheduling the Scheduler trims them itself."""
+        assert self.model is not None and self.config is not None
+        if self.config.async_scheduling:
+            return self.settings.spec
+        if name in stopping:
+            return 0
+        live = next((r for r in self.model.running if r.name == name), None)
+        if live is None:
+            return 0
+        return max(0, live.max_tokens - len(live.request.output) - 1)
 
     def drafts_scheduled(self) -> dict[str, int]:
         """Under async scheduling, the drafts each request decodes with in

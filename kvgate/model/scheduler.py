@@ -238,8 +238,17 @@ class SchedulerModel(AsyncBatches, ConnectorLoads, StreamingSessions):
         token budget decide. Raises what the step would raise."""
         probe = copy.deepcopy(self)
         scheduled = probe.batches_scheduled
-        probe.step()
-        return probe.decode_drafts() if probe.batches_scheduled != scheduled else {}
+        decisions = probe.step()
+        if self.async_scheduling:
+            return probe.decode_drafts() if probe.batches_scheduled != scheduled else {}
+        # A decode computes its sampled token and its drafts; a prefill
+        # (admitted or resumed in this step) has none.
+        decoding = {live.name for live in self.running if live.decoding}
+        return {
+            name: tokens - 1
+            for name, tokens in decisions.scheduled
+            if name in decoding and tokens > 1
+        }
 
     def next_step_samples(self) -> set[str]:
         """Under async scheduling, the requests sampling in the batch whose
