@@ -511,3 +511,44 @@ def test_a_recording_of_the_engine_core_with_mtp_drafts_replays_on_the_model_and
         out = capsys.readouterr().out
         assert code == 0, out
         assert f"PASS {path.stem}" in out
+
+
+SYNC_DRAFTS_HEADER = DRAFTS_HEADER.replace("async_scheduling: true", "async_scheduling: false")
+
+
+def test_a_recording_of_the_engine_core_with_drafts_without_async_scheduling_replays(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The recorder on, the engine core without async scheduling, MTP
+    drafts of mixed acceptance (some past a turn's max_tokens, which vLLM
+    trims) over concurrent multi-turn sessions: each step's kept drafts are
+    written as its `accept`, recording never stops, and the recording
+    passes at strict level on the model and on vLLM."""
+    from kvgate import cli
+    from kvgate.impl import recorder
+    from kvgate.impl.engine_core import Script
+
+    recordings = tmp_path / "recordings"
+    monkeypatch.setenv(recorder.RECORD_SWITCH, str(recordings))
+    recorder.register()
+    try:
+        run = play_on_engine(
+            tmp_path,
+            SYNC_DRAFTS_HEADER.removesuffix("  - {op: step}\n"),
+            DRAFT_SESSIONS,
+            spec=3,
+            script=Script(ACCEPTED),
+        )
+    finally:
+        recorder.uninstall()
+    [path] = sorted(recordings.iterdir())
+    recorded = parse_trace(path.read_text(), path)
+    assert not recorded.config.async_scheduling
+    steps = [e for e in recorded.engine if e.op == "step"]
+    assert len(steps) == len([e for e in run.trace.engine if e.op == "step"])
+    assert any(e.accept for e in steps), "the engine accepted some drafts"
+    for target in ("model", "vllm"):
+        code = cli.main(["replay", str(path), "--target", target, "--level", "strict"])
+        out = capsys.readouterr().out
+        assert code == 0, out
+        assert f"PASS {path.stem}" in out

@@ -113,6 +113,7 @@ BEHAVIOURS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("drafts accepted in flight", ("step:drafts_accepted",)),
     ("a stop condition under async scheduling", ("step:stop:async",)),
     ("drafts accepted without async scheduling", ("step:drafts_accepted:sync",)),
+    ("a stop met at an accepted draft's step", ("step:stop:accepting",)),
     ("rejected drafts taken back at their batch's update", ("step:drafts_rejected",)),
     (
         "a preemption with an output in flight",

@@ -108,7 +108,7 @@ class EngineReader(FieldReader):
         stop = self.stopped(index, raw.get("stop", []))
         if "accept" in raw and repeats != 1:
             raise self.error(index, "accept", "applies to one engine step: write steps: 1")
-        accept = self.accepted(index, raw.get("accept", {}), stop)
+        accept = self.accepted(index, raw.get("accept", {}))
         if "abort" in raw and repeats != 1:
             raise self.error(index, "abort", "applies to one engine step: write steps: 1")
         aborted = self.aborted_mid_step(index, raw.get("abort", []), stop)
@@ -142,7 +142,7 @@ class EngineReader(FieldReader):
             self.requests[req] = ("ended", f"aborted in step {index}")
         return names
 
-    def accepted(self, index: int, raw: object, stop: tuple[str, ...]) -> dict[str, int]:
+    def accepted(self, index: int, raw: object) -> dict[str, int]:
         """A step's `accept`: requests that have arrived, each with the drafts
         accepted, 1 to the drafts a step proposes (`scheduler.spec`)."""
         if not isinstance(raw, dict) or not all(
@@ -154,19 +154,10 @@ class EngineReader(FieldReader):
                 f"must map requests to draft tokens accepted, 1..{self.drafts} "
                 f"(scheduler.spec), got {got(raw)}",
             )
-        accept = {self.arrived(index, "accept", r): n for r, n in raw.items()}
-        stopped = [r for r in accept if r in stop]
-        assert self.config is not None
-        # Under async scheduling the two name different batches: the one this
-        # step schedules, and the one whose output it processes.
-        if stopped and not self.config.async_scheduling:
-            raise self.error(
-                index,
-                "accept",
-                f"{stopped[0]!r} also stops in this step: a stop condition met at an accepted "
-                "draft is not modelled",
-            )
-        return accept
+        # A request in both `stop` and `accept`: without async scheduling the
+        # stop is met at the last token it kept (its drafts accepted, then
+        # its own); under async scheduling the two name different batches.
+        return {self.arrived(index, "accept", r): n for r, n in raw.items()}
 
     def stopped(self, index: int, raw: object) -> tuple[str, ...]:
         """A step's `stop`: requests that have arrived, each named once."""

@@ -434,13 +434,14 @@ class SchedulerMachine(RuleBasedStateMachine):
             if acceptance is not None:
                 drafts = self.drafts_scheduled()
                 for name, count in drafts.items():
-                    stopping = stopped if position == 0 else ()
-                    accepted = min(acceptance.accepted(count, decodes), self.room(name, stopping))
+                    accepted = min(acceptance.accepted(count, decodes), self.room(name))
                     decodes += 1
                     if accepted:
                         accept[name] = accepted
                 if accept and not self.config.async_scheduling:
                     self.stats.ops["step:drafts_accepted:sync"] += 1
+                    if position == 0 and set(stopped) & accept.keys():
+                        self.stats.ops["step:stop:accepting"] += 1
             in_flight = self.outputs_in_flight()
             batches = list(self.model.in_flight)
             self.apply(EngineStep("step", 0, stop=stopped if first else (), accept=accept))
@@ -453,16 +454,13 @@ class SchedulerMachine(RuleBasedStateMachine):
             for live in self.open_sessions(False):
                 self.send_chunk(live, resume)
 
-    def room(self, name: str, stopping: tuple[str, ...]) -> int:
-        """The drafts `name` may accept in a synchronous step: the output
-        stays within its `max_tokens`, and a request a stop condition ends
-        in the step accepts none (vLLM's engine trims both). Under async
-        scheduling the Scheduler trims them itself."""
+    def room(self, name: str) -> int:
+        """The drafts `name` may accept in a synchronous step: its output
+        stays within its `max_tokens` (a trace writes the drafts vLLM's
+        engine keeps). Under async scheduling the Scheduler trims them."""
         assert self.model is not None and self.config is not None
         if self.config.async_scheduling:
             return self.settings.spec
-        if name in stopping:
-            return 0
         live = next((r for r in self.model.running if r.name == name), None)
         if live is None:
             return 0

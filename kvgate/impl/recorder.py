@@ -24,6 +24,9 @@ What is written (docs/how-to/record-and-replay.md is the user's page):
 - an abort between a `schedule()` and its update (a client gone, or a stop
   string the server's detokenizer met, while the step ran) is written in
   that step's `abort`;
+- drafts a request accepted: without async scheduling, on the step that
+  sampled them (`accept`: the drafts it kept, after a stop or its
+  `max_tokens` cut the rest);
 - each entry is flushed to its file as it is made (under async scheduling
   with drafts, a step entry once its batch's update says how many drafts
   were accepted, which it carries as `accept`, and the entries made
@@ -37,8 +40,8 @@ What is written (docs/how-to/record-and-replay.md is the user's page):
   requests and renamed tokens carry on, and a replay reads the parts in
   order); after the last file allowed recording stops. Every file's end is
   logged with why it ended. A write that fails (disk full, permissions) logs
-  one line and stops recording; a call the format cannot express (an
-  accepted draft without async scheduling, a KV connector, ...) ends the
+  one line and stops recording; a call the format cannot express (a
+  request that errors, a KV connector, ...) ends the
   file before it, logs one
   line and stops recording. Nothing the recorder does raises into the
   engine: every wrapper calls vLLM's own method whatever happens;
@@ -866,6 +869,8 @@ class _Recording:
         sessions_stopped = False
         # Finished by a stop condition (end of sequence, a stop token or string).
         stopped: list[str] = []
+        # Without async scheduling: the drafts each request kept in this step.
+        kept: dict[str, int] = {}
         # A request aborted while its batch ran is not the update's to finish.
         ids = [r for r in batch["ids"] if r in before]
         for request_id in ids:
@@ -884,11 +889,12 @@ class _Recording:
             ):
                 # A session stopped and goes on: written as not finished.
                 sessions_stopped = True
-            # Without async scheduling the format's step samples at most one
-            # token a request: more is an accepted draft.
+            # Without async scheduling, more than one token in a step is an
+            # accepted draft: written as the drafts the request kept (after a
+            # stop or its max_tokens trimmed the rest), on this same step.
             got = len(request.output_token_ids) - before[request_id]
             if got > 1 and not self.config.async_scheduling:
-                raise NotExpressible("an accepted draft (several tokens in one step)")
+                kept[self.name(request_id)] = got - 1
             if request.is_finished():
                 if request.status == RequestStatus.FINISHED_STOPPED:
                     stopped.append(self.name(request_id))
@@ -897,6 +903,8 @@ class _Recording:
                 finished.append(self.name(request_id))
         if finished or sessions_stopped:
             step["finished"] = finished
+        if kept:
+            step["accept"] = kept
         # The drafts accepted in this batch, on the step that scheduled it. A
         # stop condition met among them is written as the drafts before it
         # accepted and a stop at the last token, which leaves the Scheduler
@@ -934,6 +942,8 @@ class _Recording:
             entry["stop"] = stopped
         if step.get("aborted"):
             entry["abort"] = step["aborted"]
+        if step.get("accept"):
+            entry["accept"] = step["accept"]
         entry["expect"] = expect
         if step.get("drafts_batch") is not None:
             # Its accepted drafts are known at its batch's update: held till then.
