@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from kvgate.conformance.trace import parse_trace
 from kvgate.conformance.writer import dump_trace
 from kvgate.explore.hash_inputs import VARY_EVERY, RequestInputs
+from kvgate.model.request import Request
 from kvgate.vocabulary.events import KvEvent
 from kvgate.vocabulary.tokens import HashInputs, MmItem, prefix_keys
 
@@ -121,6 +122,26 @@ def test_keys_diverge_exactly_where_the_inputs_do() -> None:
     assert prefix_keys(tokens, 8, 0, image)[1] == prefix_keys(tokens, 8, 0, other)[1]
     la, lb = prefix_keys(tokens, 8, 1, image), prefix_keys(tokens, 8, 1, other)
     assert la[:1] == lb[:1] and la[1] != lb[1]
+
+
+def test_a_copied_prompt_gets_the_keys_its_tokens_hash_to() -> None:
+    """A prompt copying another request's tokens reuses its keys only where
+    they are what hashing its own tokens gives: under the same inputs, and
+    not from a session chunk's keys that still cover a replaced token."""
+    salted = HashInputs(cache_salt="t1")
+    source = Request("A", list(range(1000, 1045)), 8, 1, salted)
+    source.append_output([7, 8, 9])
+    for n, inputs in itertools.product((8, 9, 17, 40, 48), (salted, HashInputs())):
+        tokens = source.all_token_ids[:n] + [5] * 20
+        copy = Request("B", tokens, 8, 1, inputs, source.copied_keys(n, inputs))
+        assert copy.keys == prefix_keys(tokens, 8, 1, inputs), (n, inputs)
+    assert source.copied_keys(40, salted) == source.keys[:4]
+    assert source.copied_keys(40, HashInputs()) == []
+    # A session's next chunk keeps the key whose lookahead token it dropped.
+    source.continue_session([3] * 10)
+    assert source.copied_keys(40, salted) == []
+    source.rehash()
+    assert source.copied_keys(40, salted) == source.keys[:4]
 
 
 # -- against vLLM's own block hasher -------------------------------------------

@@ -90,11 +90,14 @@ class ManagerCalls(ABC, Generic[R]):
         tokens: list[int],
         skip_prefix_cache: bool = False,
         inputs: HashInputs = NO_INPUTS,
+        copied: tuple[R, int] | None = None,
     ) -> R:
         """A request; `skip_prefix_cache`: it never reads the prefix cache (vLLM's
         `skip_reading_prefix_cache`, set by prompt logprobs or pooling);
         `inputs`: its salt, adapter and multimodal items (its block hashes
-        cover them)."""
+        cover them); `copied`: the request whose first tokens the prompt
+        starts with, and how many (a prompt copying another's), which a
+        target may reuse what it derived from."""
 
     @abstractmethod
     def prompt_tokens(self, request: R) -> list[int]: ...

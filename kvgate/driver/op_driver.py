@@ -86,7 +86,13 @@ class OpDriver(ManagerCalls[R]):
 
     def resolve(self, segments: tuple[Segment, ...]) -> list[int]:
         """A prompt's segments as this target's token ids (`fresh` ones taken now)."""
+        return self._resolve(segments)[0]
+
+    def _resolve(self, segments: tuple[Segment, ...]) -> tuple[list[int], tuple[R, int] | None]:
+        """`resolve`, and the request the prompt's first segment copies with
+        the number of tokens copied (None: it copies none)."""
         tokens: list[int] = []
+        copied: tuple[R, int] | None = None
         for segment in segments:
             if segment.kind == "fresh":
                 tokens += self.fresh.take(segment.count)
@@ -101,13 +107,15 @@ class OpDriver(ManagerCalls[R]):
                     tokens += self.all_tokens(source.request)
                 else:
                     tokens += self.prompt_tokens(source.request)
-        return tokens
+                if segment is segments[0]:
+                    copied = (source.request, len(tokens))
+        return tokens, copied
 
     def _op_arrive(self, step: Step) -> dict[str, Any]:
         assert step.req is not None
         if step.req in self.requests:
             raise StepRefused("req", f"request {step.req!r} already arrived")
-        tokens = self.resolve(step.prompt)
+        tokens, copied = self._resolve(step.prompt)
         if not tokens:
             raise StepRefused("prompt", "the prompt is empty")
         if len(tokens) > self.config.max_model_len:
@@ -125,7 +133,9 @@ class OpDriver(ManagerCalls[R]):
                 f"placeholder {last.offset}..{last.end} ends past the prompt "
                 f"({len(tokens):,} tokens)",
             )
-        pending = Pending(self.new_request(step.req, tokens, step.skip_prefix_cache, inputs))
+        pending = Pending(
+            self.new_request(step.req, tokens, step.skip_prefix_cache, inputs, copied)
+        )
         pending.skips_cache = step.skip_prefix_cache
         self.requests[step.req] = pending
         return {}

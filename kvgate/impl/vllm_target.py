@@ -109,7 +109,9 @@ class VllmTarget(OpDriver[Any]):
         tokens: list[int],
         skip_prefix_cache: bool = False,
         inputs: HashInputs = NO_INPUTS,
+        copied: tuple[Any, int] | None = None,
     ) -> Any:
+        # vLLM's request hashes its whole prompt itself: `copied` is not read.
         request = self._api.Request(
             request_id=name,
             prompt_token_ids=tokens,

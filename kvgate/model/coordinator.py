@@ -292,19 +292,18 @@ class Coordinator:
             manager.remove_skipped(request_id, num_processed)
 
     def cacheable_tokens(self, num_computed: int, manager: GroupManagerT) -> int:
-        def aligned(n: int) -> int:
-            return n if self.partial_hits else n // self.scheduler_block * self.scheduler_block
-
         if len(self.managers) == 1:
             # A single group (vLLM's unitary coordinator) keys only finalized
             # tokens: a multi-module MTP drafter may prefill its last K - 1
             # again. (The hybrid coordinator subtracts them only where the
             # drop acts, which lookahead hashes of K > 1 turn off.)
             num_computed = max(0, num_computed - self.config.reprefillable_tokens)
-        cacheable = aligned(num_computed)
+        cacheable = num_computed  # aligned to the scheduler's block, without partial hits
+        if not self.partial_hits:
+            cacheable = num_computed // self.scheduler_block * self.scheduler_block
         if manager.use_eagle and cacheable > 0:
             # Eagle matches one block past the aligned boundary, then drops it.
-            return min(num_computed, aligned(num_computed) + manager.block_size)
+            return min(num_computed, cacheable + manager.block_size)
         return cacheable
 
     def cache(self, request: Request, num_computed: int) -> None:

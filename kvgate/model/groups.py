@@ -19,6 +19,14 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def num_evictable(blocks: Sequence[Block]) -> int:
+    """Blocks of a hit that sit in the free queue: taking them uses up free
+    blocks as new ones do."""
+    if not blocks:
+        return 0  # a step with no hit, the common case: no scan
+    return sum(1 for b in blocks if b.ref == 0 and not b.is_null)
+
+
 class GroupManager:
     def __init__(self, pool: BlockPool, group_id: int, block_size: int) -> None:
         self.pool = pool
@@ -214,10 +222,9 @@ class FullAttentionManager(GroupManager):
         if request_id in self.num_cached:
             return max(required - have, 0)
         num_new = max(required - (len(hit_blocks) + have), 0)
-        evictable = sum(b.ref == 0 and not b.is_null for b in hit_blocks)
         if self.has_partial_hit(hit_blocks, num_local_computed):
             num_new += 1  # the private copy of the shared partial block
-        return num_new + evictable
+        return num_new + num_evictable(hit_blocks)
 
     def allocate(self, request_id: str, num_tokens: int, num_tokens_main: int) -> list[Block]:
         new: list[Block] = []

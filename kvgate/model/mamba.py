@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvgate.model.groups import GroupManager, cdiv
+from kvgate.model.groups import GroupManager, cdiv, num_evictable
 from kvgate.model.hold import Holds
 from kvgate.model.pool import Block, BlockPool, HashKey
 from kvgate.model.request import Request
@@ -120,7 +120,12 @@ class MambaManager(GroupManager):
         unit, size, alignment = self.pool.hash_unit, self.block_size, self.alignment
         scale = size // unit
         if alignment < size and size % alignment == 0:
+            # Most boundaries hold no state: skip those the first group lacks
+            # without building the hit.
+            cached, first_group = self.pool.cached, group_ids[0]
             for fine_index in range(min(max_length // unit, len(keys)) - 1, -1, -1):
+                if (first_group, keys[fine_index]) not in cached:
+                    continue
                 found = self.pool.cached_block(keys[fine_index], group_ids)
                 if found:
                     index = fine_index // scale
@@ -193,13 +198,15 @@ class MambaManager(GroupManager):
         )
         if partial:
             num_new = max(num_new, 0) + 1
-        position = checkpoint_position(
-            num_tokens_main, self.alignment, self.drop_eagle_checkpoint, self.hash_lookahead
-        )
-        if not self.needs_internal_checkpoint(
-            request_id, query_start, num_tokens_main, position, prefill_end
-        ):
-            position = 0
+        position = 0
+        if self.has_prefill_checkpoints:
+            position = checkpoint_position(
+                num_tokens_main, self.alignment, self.drop_eagle_checkpoint, self.hash_lookahead
+            )
+            if not self.needs_internal_checkpoint(
+                request_id, query_start, num_tokens_main, position, prefill_end
+            ):
+                position = 0
         if record:
             # The per-step count decides this step's checkpoint; allocation
             # and keying read it.
@@ -213,8 +220,7 @@ class MambaManager(GroupManager):
             if request_id not in self.allocated:
                 cap += self.speculative_blocks
             num_new = min(num_new, cap)
-        evictable = sum(b.ref == 0 and not b.is_null for b in hit_blocks)
-        return num_new + evictable
+        return num_new + num_evictable(hit_blocks)
 
     def allocate(self, request_id: str, num_tokens: int, num_tokens_main: int) -> list[Block]:
         table = self.table(request_id)
@@ -476,10 +482,9 @@ class MambaNoneManager(MambaManager):
         num_skipped = self.skipped_tokens(query_start) // self.block_size
         num_new = max(required - max(num_skipped, len(hit_blocks) + have), 0)
         kept = hit_blocks[max(0, num_skipped - have) :]
-        evictable = sum(b.ref == 0 and not b.is_null for b in kept)
         if self.has_partial_hit(hit_blocks, num_local_computed):
             num_new += 1
-        return num_new + evictable
+        return num_new + num_evictable(kept)
 
     def allocate(self, request_id: str, num_tokens: int, num_tokens_main: int) -> list[Block]:
         table = self.table(request_id)

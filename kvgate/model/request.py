@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from kvgate.vocabulary.tokens import NO_INPUTS, HashInputs, extend_prefix_keys, prefix_keys
 
 
@@ -13,7 +15,10 @@ class Request:
         hash_unit: int,
         hash_lookahead: int = 0,
         inputs: HashInputs = NO_INPUTS,
+        known_keys: Sequence[str] = (),
     ) -> None:
+        """`known_keys`: the keys of a prefix of `prompt` already derived
+        under the same `inputs` (see `copied_keys`); only the rest is hashed."""
         self.request_id = request_id
         # Salt, adapter, multimodal items: they enter every key as in vLLM.
         self.inputs = inputs
@@ -25,8 +30,12 @@ class Request:
         # keys[i] names the prefix all_token_ids[: (i + 1) * hash_unit] under
         # `inputs`, once the `hash_lookahead` tokens after it (which it
         # covers too) exist.
-        self.keys: list[str] = []
+        self.keys: list[str] = list(known_keys)
         extend_prefix_keys(self.keys, self.all_token_ids, hash_unit, hash_lookahead, inputs)
+        # Every key derived from the tokens as they are now: false once a
+        # session's chunk kept a key whose lookahead tokens it replaced,
+        # until `rehash`.
+        self.keys_match_tokens = True
         self.num_computed_tokens = 0
         # Its tokens a batch still in flight computes (async scheduling): the
         # release of skipped blocks counts only the processed ones.
@@ -74,6 +83,8 @@ class Request:
         kept_output = self.all_token_ids[len(self.prompt) : keep]
         del self.all_token_ids[keep:]
         del self.keys[keep // self.hash_unit :]
+        if self.hash_lookahead:
+            self.keys_match_tokens = False
         self.output.clear()
         self.prompt += kept_output + tokens
         self.all_token_ids += tokens
@@ -89,3 +100,14 @@ class Request:
         self.keys = prefix_keys(
             self.all_token_ids, self.hash_unit, self.hash_lookahead, self.inputs
         )
+        self.keys_match_tokens = True
+
+    def copied_keys(self, num_tokens: int, inputs: HashInputs) -> list[str]:
+        """This request's keys that a prompt starting with its first
+        `num_tokens` tokens, under `inputs`, has too: the same tokens under
+        the same inputs name the same prefixes, so each key whose hashed
+        window (its unit and the lookahead after it) lies in those tokens.
+        Empty when a key may not match its tokens, or the inputs differ."""
+        if not self.keys_match_tokens or inputs != self.inputs:
+            return []
+        return self.keys[: max(0, (num_tokens - self.hash_lookahead) // self.hash_unit)]

@@ -64,9 +64,12 @@ class ModelTarget(OpDriver[Request]):
         tokens: list[int],
         skip_prefix_cache: bool = False,
         inputs: HashInputs = NO_INPUTS,
+        copied: tuple[Request, int] | None = None,
     ) -> Request:
+        # A long prompt copied from another request is mostly hashed already.
+        known = [] if copied is None else copied[0].copied_keys(copied[1], inputs)
         request = Request(
-            name, tokens, self.config.hash_unit, self.config.hash_lookahead_tokens, inputs
+            name, tokens, self.config.hash_unit, self.config.hash_lookahead_tokens, inputs, known
         )
         request.skip_reading_prefix_cache = skip_prefix_cache
         return request
