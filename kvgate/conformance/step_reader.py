@@ -31,6 +31,13 @@ from kvgate.vocabulary.ops import (
 )
 from kvgate.vocabulary.tokens import MmItem
 
+# Every op's name, in the action table's order (an unknown op's error lists them).
+_OPS = tuple(ACTIONS)
+# The keys each op's step may have, in the order its error lists them.
+_FIELDS = {
+    name: ("op", *a.required, *a.optional, *(("expect",) if a.expect_keys else ()))
+    for name, a in ACTIONS.items()
+}
 # How the validator says when a request arrived, was popped or ended.
 _VERBS = {"arrive": "arrived", "pop": "popped", "release": "released"}
 _ENDED_BY = {"finish": "finished", "abort": "aborted"}
@@ -40,14 +47,11 @@ class StepReader(FieldReader):
     """Reads a manager-level trace's steps, one at a time, in order."""
 
     def step(self, index: int, raw: object) -> Step:
-        raw, op = self.op_of(index, raw, tuple(ACTIONS), "op")
+        raw, op = self.op_of(index, raw, _OPS, "op")
         action = ACTIONS[op]
         if op == "check":
             return self.check_step(index, raw)
-        fields = ("op", *action.required, *action.optional)
-        self.unknown_keys(
-            index, "", raw, fields + (("expect",) if action.expect_keys else ()), f"field of {op}"
-        )
+        self.unknown_keys(index, "", raw, _FIELDS[op], f"field of {op}")
         self.missing_keys(index, "", raw, action.required)
         values = {
             key: self.field(index, key, value)
