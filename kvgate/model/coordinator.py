@@ -79,6 +79,9 @@ class Coordinator:
                 mamba.shared_prefix_checkpoint = config.shared_prefix_checkpoint_on
                 self.managers.append(mamba)
         self.partial_hits = config.partial_hits
+        # Read on every step: derived from the (frozen) config once.
+        self.block_drop = config.block_drop
+        self.reprefillable_tokens = config.reprefillable_tokens
         self.alignment = config.hash_unit if self.partial_hits else self.scheduler_block
         lookup_groups: list[_LookupGroup] = []
         specs: dict[GroupConfig, _LookupGroup] = {}
@@ -297,7 +300,7 @@ class Coordinator:
             # tokens: a multi-module MTP drafter may prefill its last K - 1
             # again. (The hybrid coordinator subtracts them only where the
             # drop acts, which lookahead hashes of K > 1 turn off.)
-            num_computed = max(0, num_computed - self.config.reprefillable_tokens)
+            num_computed = max(0, num_computed - self.reprefillable_tokens)
         cacheable = num_computed  # aligned to the scheduler's block, without partial hits
         if not self.partial_hits:
             cacheable = num_computed // self.scheduler_block * self.scheduler_block
@@ -310,7 +313,7 @@ class Coordinator:
         if not self.config.prefix_caching:
             return  # vLLM's manager skips caching altogether
         boundaries = replay_boundaries(
-            request.num_prompt_tokens, self.scheduler_block, self.config.block_drop
+            request.num_prompt_tokens, self.scheduler_block, self.block_drop
         )
         for manager in self.managers:
             manager.cache(

@@ -177,7 +177,8 @@ class FullAttentionManager(GroupManager):
         return ids
 
     def record_new_blocks(self, blocks: Sequence[Block]) -> None:
-        self.new_block_ids.extend(b.block_id for b in blocks)
+        if blocks:
+            self.new_block_ids.extend(b.block_id for b in blocks)
 
     def find_hit(
         self, keys: Sequence[str], max_length: int, drop_eagle: bool
