@@ -443,7 +443,8 @@ def _parser(only: str | None = None) -> argparse.ArgumentParser:
             help="at level strict, compare the whole manager state every N steps and after the "
             "last; each step in between compares the blocks and requests it changed, and a "
             "difference found by the whole comparison names the steps since the last one "
-            "(1: the whole state after every step)",
+            "(1: the whole state after every step); a scheduler-level trace counts its "
+            "engine entries",
         )
     for name in COMMAND_MODULES:
         if only is None or name == only:
@@ -517,7 +518,7 @@ def run_traces(
         with logs.unit(kind) as captured:
             if trace.scheduler_level:
                 assert engine is not None
-                result = run_scheduler_trace(trace, *engine, level)
+                result = run_scheduler_trace(trace, *engine, level, whole_view_every)
             else:
                 is_model = target_name == LOCKSTEP_MODEL
                 result = run_trace(

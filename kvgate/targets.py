@@ -175,10 +175,12 @@ def run_scheduler_trace(
     model: SchedulerModelFactory,
     real: Callable[[Config, int, int], SchedulerTarget] | None,
     level: Level,
+    whole_view_every: int = WHOLE_VIEW_EVERY,
 ) -> Outcome:
     """A scheduler-level trace's verdict (`scheduler_replay`), on the real
     scheduler `real` builds in lockstep with the model, or on the model
-    alone; the error that kept it from one otherwise."""
+    alone; the error that kept it from one otherwise. `whole_view_every`:
+    how often a strict lockstep compares whole views."""
     started = time.perf_counter()
     assert trace.scheduler is not None
     target = None
@@ -201,7 +203,7 @@ def run_scheduler_trace(
                     seconds=time.perf_counter() - started,
                     config_refused=True,
                 )
-        return replay_scheduler(trace, model, target, level)
+        return replay_scheduler(trace, model, target, level, whole_view_every=whole_view_every)
     except TraceError as error:
         return TraceRunError(trace, str(error), bug=False, seconds=time.perf_counter() - started)
     except ModelBug as bug:

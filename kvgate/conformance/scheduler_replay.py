@@ -27,7 +27,15 @@ on a real scheduler (`SchedulerTarget`: vLLM's own `Scheduler` owning its
   the prefix-cache writes), the step's prefix-cache stats (when the real
   scheduler logs stats), the KV-cache events the step's update published
   (with `config.kv_events`) and the pool's usage; at level `strict` also
-  the owned manager's whole snapshot. The first difference ends the replay as a `Divergence`.
+  the owned manager's state. The first difference ends the replay as a `Divergence`.
+
+At level strict, when both sides can show a step's view (`StepView`), each
+entry compares the blocks either side changed and the requests the model's
+manager calls named, and the whole views are compared every
+`whole_view_every` entries and after the last (as the manager-level
+lockstep does, `kvgate.conformance.replay`); a difference only the whole
+view finds names the window of entries it was caught in. Otherwise the
+whole views are compared after every entry.
 
 A request the real scheduler refuses, or a config it cannot build, is the
 trace's `TraceError`; an exception inside the model is a `ModelBug`.
@@ -40,11 +48,12 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, cast
 
 from kvgate.conformance.replay import (
     HOLD_NOTE,
     RETIRE_NOTE,
+    WHOLE_VIEW_EVERY,
     Diverged,
     Divergence,
     DivergenceLevel,
@@ -69,7 +78,8 @@ from kvgate.vocabulary.scheduling import (
     SchedulerTarget,
     step_differences,
 )
-from kvgate.vocabulary.target import Capabilities, StepRefused
+from kvgate.vocabulary.snapshot import StepView
+from kvgate.vocabulary.target import Capabilities, StepRefused, StepViewing, step_viewing
 from kvgate.vocabulary.tokens import HashInputs
 
 # Builds kvgate's scheduler model: (config, spec, max_num_seqs).
@@ -97,11 +107,16 @@ def replay_scheduler(
     real: SchedulerTarget | None,
     level: Level,
     observe: EngineObserver | None = None,
+    whole_view_every: int = WHOLE_VIEW_EVERY,
 ) -> ReplayResult:
     """Replay scheduler-level `trace` (see the module's docstring); the caller
     owns `real`. Without `real` the model is the target, judged by the
     trace's expectations alone. `observe` is told what the target reported
-    at each `step` and `reset` (every key such an entry may expect)."""
+    at each `step` and `reset` (every key such an entry may expect).
+    `whole_view_every`: at level strict, the whole views are compared every
+    that many entries and after the last (1: after every entry)."""
+    if whole_view_every < 1:
+        raise ValueError(f"whole_view_every must be at least 1, not {whole_view_every}")
     assert trace.scheduler is not None, "a scheduler-level trace"
     started = time.perf_counter()
     config, notes = model_config(trace, None if real is None else real.capabilities)
@@ -111,12 +126,17 @@ def replay_scheduler(
         model = model_factory(config, trace.scheduler.spec, trace.scheduler.max_num_seqs)
     except UnsupportedConfig as error:
         raise TraceError.unsupported(trace.path, error) from None
-    run = EngineLockstep(trace.name, trace.path, trace.config, model, real, level)
+    # A replay writes no trace: the model's manager calls are run, not kept.
+    writer = getattr(model, "writer", None)
+    if writer is not None:
+        writer.keep = False
+    run = EngineLockstep(trace.name, trace.path, trace.config, model, real, level, whole_view_every)
     run.observe = observe
     failures = run.missed
     try:
         for event in trace.engine:
             run.engine_step(event)
+        run.whole_views_agree()
     except Diverged as diverged:
         failures = [*run.missed, diverged.divergence]
     return ReplayResult(
@@ -142,7 +162,11 @@ class SchedulerLockstep:
     def __init__(
         self, trace: Trace, model: SchedulerModelRun, real: SchedulerTarget, level: Level
     ) -> None:
-        self._run = EngineLockstep(trace.name, trace.path, trace.config, model, real, level)
+        # Exploration's runs are short and end anywhere: the whole views
+        # after every step.
+        self._run = EngineLockstep(
+            trace.name, trace.path, trace.config, model, real, level, whole_view_every=1
+        )
 
     def apply(self, event: EngineStep) -> Divergence | None:
         try:
@@ -156,6 +180,13 @@ class SchedulerLockstep:
 EngineObserver = Callable[[EngineStep, dict[str, Any]], None]
 
 
+class _ModelStepViews(StepViewing, Protocol):
+    """The scheduler model's side of step views: also the requests its
+    manager calls named since it was last asked."""
+
+    def take_touched_requests(self) -> set[str]: ...
+
+
 class EngineLockstep:
     """The scheduler-level lockstep, the one every caller runs: a replay
     (`replay_scheduler`), exploration (`SchedulerLockstep`) and the
@@ -164,7 +195,10 @@ class EngineLockstep:
     sessions) hands the real side the same arrivals (`add_to_real`) and
     each engine step's modelled outcome (`judge_step`), and is compared on
     everything a replay compares. `observe` is told what the target
-    reported at each `step` and `reset` (bless fills expectations from it)."""
+    reported at each `step` and `reset` (bless fills expectations from it).
+    At level strict, a caller that drives it with step views (every
+    `whole_view_every` entries the whole views) ends with
+    `whole_views_agree`."""
 
     observe: EngineObserver | None = None
 
@@ -176,6 +210,7 @@ class EngineLockstep:
         model: SchedulerModelRun,
         real: SchedulerTarget | None,
         level: Level,
+        whole_view_every: int = WHOLE_VIEW_EVERY,
     ) -> None:
         self.name = name
         self.path = path
@@ -183,6 +218,18 @@ class EngineLockstep:
         self.model = model
         self.real = real
         self.level = level
+        self.whole_view_every = whole_view_every
+        # Step views, when both sides show them (else the whole views every entry).
+        self.step_views: tuple[_ModelStepViews, StepViewing] | None = None
+        if level == "strict" and real is not None and whole_view_every > 1:
+            ours, theirs = step_viewing(model), step_viewing(real)
+            if ours is not None and theirs is not None and hasattr(ours, "take_touched_requests"):
+                self.step_views = (cast(_ModelStepViews, ours), theirs)
+        # The entries compared since the whole views last agreed: the first
+        # one's and the last one's place and name, and how many.
+        self.window_start: tuple[Step, str] | None = None
+        self.window_steps = 0
+        self.last_compared: tuple[Step, str] | None = None
         self.steps_run = 0
         self.engine_steps = 0
         self.missed: list[Divergence] = []
@@ -193,9 +240,15 @@ class EngineLockstep:
         self.evictions_compared = 0
 
     def divergence(
-        self, step: Step, level: DivergenceLevel, what: str, expected: object, actual: object
+        self,
+        step: Step,
+        level: DivergenceLevel,
+        what: str,
+        expected: object,
+        actual: object,
+        note: str = "",
     ) -> Divergence:
-        return Divergence(self.name, self.path, step, level, what, expected, actual)
+        return Divergence(self.name, self.path, step, level, what, expected, actual, note)
 
     def on_model(self, step: Step, call: Callable[[], Any]) -> Any:
         try:
@@ -499,15 +552,60 @@ class EngineLockstep:
         return observed, finished
 
     def strict(self, step: Step, where: str) -> None:
-        """At level strict, the owned manager's whole view against the model's."""
+        """At level strict, the owned manager's view against the model's:
+        what the entry touched, and the whole views when due (or the whole
+        views, without step views)."""
         if self.level != "strict" or self.real is None:
             return
-        real = self.real
+        if self.step_views is None:
+            self.compare_whole(step, where)
+            return
+        model, real = self.step_views
+        if self.window_start is None:
+            self.window_start = (step, where)
+        self.window_steps += 1
+        self.last_compared = (step, where)
+        blocks: set[int] = self.on_model(step, model.take_changed_blocks)
         # Reading vLLM's view can itself fail on what the build did (two
         # prefixes sharing one block hash): a divergence at that step.
-        observed = self.on_real(step, f"{where}: the manager's state", real.snapshot)
-        for what, expected, actual in self.model.snapshot().differences(observed):
+        blocks |= self.on_real(step, f"{where}: the manager's state", real.take_changed_blocks)
+        requests = self.on_model(step, model.take_touched_requests)
+        ours: StepView = self.on_model(step, lambda: model.step_view(blocks, requests))
+        theirs: StepView = self.on_real(
+            step, f"{where}: the manager's state", lambda: real.step_view(blocks, requests)
+        )
+        for what, expected, actual in ours.differences(theirs):
             raise Diverged(self.divergence(step, "strict", f"{where}: {what}", expected, actual))
+        if self.window_steps >= self.whole_view_every:
+            self.whole_views_agree()
+
+    def whole_views_agree(self) -> None:
+        """With step views, the whole views compared (after the last entry,
+        or when due); a difference names the window of entries since they
+        last agreed."""
+        last, start = self.last_compared, self.window_start
+        if self.step_views is None or last is None or start is None:
+            return
+        step, where = last
+        first, first_where = start
+        window = (
+            f"found by the whole-view comparison after {self.window_steps} engine entries, "
+            f"from {first_where} at {first.where()} to {where} at {step.where()} "
+            "(the views agreed before them)"
+        )
+        self.window_start, self.window_steps = None, 0
+        self.compare_whole(step, where, window)
+
+    def compare_whole(self, step: Step, where: str, note: str = "") -> None:
+        """The owned manager's whole view against the model's."""
+        real = self.real
+        assert real is not None
+        observed = self.on_real(step, f"{where}: the manager's state", real.snapshot)
+        modelled = self.on_model(step, self.model.snapshot)
+        for what, expected, actual in modelled.differences(observed):
+            raise Diverged(
+                self.divergence(step, "strict", f"{where}: {what}", expected, actual, note)
+            )
 
     def expectations(
         self,

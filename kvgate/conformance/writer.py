@@ -248,9 +248,19 @@ def recording_head(
     return _Dumper._dump(doc, default_flow_style=None, width=100) + "engine:\n"
 
 
+def engine_trace_head(
+    name: str, config: Config, settings: EngineSettings, about: str | None = None
+) -> str:
+    """A scheduler-level trace's text up to its `engine:` line, for a writer
+    that writes its entries one a line as it makes them (`recording_entry`)."""
+    doc = _engine_head(name, config, settings, about, ())
+    return _Dumper._dump(doc, default_flow_style=None, width=100) + "engine:\n"
+
+
 def recording_entry(entry: Mapping[str, Any]) -> str:
-    """One `engine` entry of a recording: one line, a flow mapping, so a
-    write cut inside it leaves a line the reader cannot parse."""
+    """One `engine` entry (of a recording, or any trace written entry by
+    entry): one line, a flow mapping, so a write cut inside it leaves a
+    line the reader cannot parse."""
     return f"  - {_flow(entry)}\n"
 
 

@@ -51,7 +51,7 @@ from kvgate.vocabulary.scheduling import (
     PrefixCacheStats,
     ScheduledStep,
 )
-from kvgate.vocabulary.snapshot import Snapshot
+from kvgate.vocabulary.snapshot import Snapshot, StepView
 from kvgate.vocabulary.target import Capabilities, StepRefused
 from kvgate.vocabulary.tokens import NO_INPUTS, HashInputs
 
@@ -617,13 +617,23 @@ class VllmScheduler:
         }
         return {name: c for name, c in counts.items() if any(c)}
 
-    def snapshot(self) -> Snapshot:
+    def _kept_aside(self) -> dict[str, Any]:
+        """Each deferred free's blocks by the request they were popped from."""
         owners = {id(blocks): name for name, blocks in self._popped}
         queued = getattr(self._scheduler, "deferred_frees", ())
         popped = {owners[id(b)]: b for _, b in queued if id(b) in owners}
         # Released lists are forgotten (their ids could be reused).
         self._popped = [(n, b) for n, b in self._popped if n in popped]
-        return self._view.snapshot(popped)
+        return popped
+
+    def snapshot(self) -> Snapshot:
+        return self._view.snapshot(self._kept_aside())
+
+    def take_changed_blocks(self) -> set[int]:
+        return self._view.take_changed_blocks()
+
+    def step_view(self, blocks: Collection[int], requests: Collection[str]) -> StepView:
+        return self._view.step_view(self._kept_aside(), blocks, requests)
 
     def close(self) -> None:
         self._outputs.clear()

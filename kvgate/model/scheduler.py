@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import copy
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import replace
 from typing import Any, Literal
 
@@ -81,7 +81,7 @@ from kvgate.vocabulary.scheduling import (
     PrefixCacheStats,
     RemoteHit,
 )
-from kvgate.vocabulary.snapshot import Snapshot
+from kvgate.vocabulary.snapshot import Snapshot, StepView
 from kvgate.vocabulary.target import Capabilities, StepRefused
 from kvgate.vocabulary.tokens import HashInputs
 
@@ -542,6 +542,18 @@ class SchedulerModel(AsyncBatches, ConnectorLoads, StreamingSessions):
 
     def snapshot(self) -> Snapshot:
         return self.oracle.snapshot()
+
+    # -- the strict view a step at a time (`StepViewing`) --------------------
+
+    def take_changed_blocks(self) -> set[int]:
+        return self.oracle.take_changed_blocks()
+
+    def take_touched_requests(self) -> set[str]:
+        """The requests the manager calls since the last call named."""
+        return self.writer.take_touched()
+
+    def step_view(self, blocks: Collection[int], requests: Collection[str]) -> StepView:
+        return self.oracle.step_view(blocks, requests)
 
     def schedule(self, decisions: StepDecisions) -> list[LiveRequest]:
         """One scheduler step's allocations, recorded in `decisions`; the

@@ -238,24 +238,43 @@ class LiveRequest:
 
 @dataclass
 class StepWriter:
-    """Runs each step on the oracle and keeps it with what the oracle saw."""
+    """Runs each step on the oracle and keeps it with what the oracle saw.
+
+    `keep` off (a replay, which writes no trace): the steps are counted,
+    not kept, so a long history holds nothing per step. Either way the
+    requests the steps named are noted until taken (`take_touched`): what
+    a strict lockstep compares after each engine step."""
 
     oracle: ModelTarget
     steps: list[Step] = field(default_factory=list)
+    keep: bool = True
+    written: int = 0
+    touched: set[str] = field(default_factory=set)
 
     def run(self, op: str, **fields: Any) -> dict[str, Any]:
-        step = Step(op, len(self.steps), **fields)
+        step = Step(op, self.written, **fields)
         result = self.oracle.apply(step)
-        # `copies` are block ids: compared with the lockstep model anyway,
-        # and only noise in a trace people read.
-        keys = [k for k in ACTIONS[op].expect_keys if k != "copies" and k in result]
-        self.steps.append(replace(step, expect={k: result[k] for k in keys}))
+        self.written += 1
+        if step.req is not None:
+            self.touched.add(step.req)
+        if self.keep:
+            # `copies` are block ids: compared with the lockstep model anyway,
+            # and only noise in a trace people read.
+            keys = [k for k in ACTIONS[op].expect_keys if k != "copies" and k in result]
+            self.steps.append(replace(step, expect={k: result[k] for k in keys}))
         return result
 
     def check(self, query: dict[str, Any]) -> dict[str, Any]:
         values = self.oracle.check_values(query)
-        self.steps.append(Step("check", len(self.steps), check=values))
+        if self.keep:
+            self.steps.append(Step("check", self.written, check=values))
+        self.written += 1
         return values
+
+    def take_touched(self) -> set[str]:
+        """The requests the steps named since the last call."""
+        touched, self.touched = self.touched, set()
+        return touched
 
 
 @dataclass

@@ -131,6 +131,7 @@ def run_on_scheduler(
     refused: TraceError | None = None
     try:
         run.run()
+        lockstep.whole_views_agree()
     except Diverged as diverged:
         divergence = replace(diverged.divergence, note=NOTE)
     except TraceError as error:
