@@ -329,9 +329,10 @@ def _parser(only: str | None = None) -> argparse.ArgumentParser:
     replay_cmd.add_argument(
         "--stream",
         action="store_true",
-        help="read each manager-level trace written one step a line entry by entry: "
-        "validated whole first, then read again as it replays, holding only what a later "
-        "step needs (for histories too long to hold; other traces are read whole)",
+        help="read each trace written one entry a line (manager-level steps or scheduler-level "
+        "engine entries) entry by entry: validated whole first, then read again as it "
+        "replays, holding only what a later entry needs (for histories too long to hold; "
+        "other traces, recordings among them, are read whole)",
     )
     options.add_target(replay_cmd, sorted(TARGETS), "vllm", TARGET_HELP)
 

@@ -133,8 +133,10 @@ def replay_scheduler(
     run = EngineLockstep(trace.name, trace.path, trace.config, model, real, level, whole_view_every)
     run.observe = observe
     failures = run.missed
+    stream = trace.stream
+    events = trace.engine if stream is None else stream.engine(run.forget)
     try:
-        for event in trace.engine:
+        for event in events:
             run.engine_step(event)
         run.whole_views_agree()
     except Diverged as diverged:
@@ -238,6 +240,14 @@ class EngineLockstep:
         self.cached_tokens: dict[str, int] = {}
         # Residency metrics' eviction events compared (`kv_cache_metrics`).
         self.evictions_compared = 0
+
+    def forget(self, names: list[str]) -> None:
+        """Both sides may drop these ended requests: no later entry names
+        them (a trace read entry by entry says when)."""
+        for side in (self.model, self.real):
+            forget = getattr(side, "forget", None)
+            if forget is not None:
+                forget(names)
 
     def divergence(
         self,

@@ -1,7 +1,8 @@
-"""A manager-level trace read entry by entry, for histories too long to hold.
+"""A trace read entry by entry, for histories too long to hold.
 
-`kvgate replay --stream` reads a trace whose `steps` are written one flow
-mapping a line (as kvgate writes every trace) twice, a line at a time:
+`kvgate replay --stream` reads a trace whose `steps` (or, at the Scheduler
+level, whose `engine` entries) are written one flow mapping a line (as
+kvgate writes every trace) twice, a line at a time:
 
 1. The first pass validates every step, as the whole-file reader does, so a
    bad step is refused by file, step and field before anything runs, and
@@ -11,8 +12,8 @@ mapping a line (as kvgate writes every trace) twice, a line at a time:
    it (`forget`): nothing is held that a later step does not need.
 
 Peak memory then follows the pool and the requests alive at once, not the
-history's length. A trace in any other form is read whole, as without
-`--stream`.
+history's length. A trace in any other form (a recording, with its end
+line) is read whole, as without `--stream`.
 """
 
 from __future__ import annotations
@@ -28,8 +29,11 @@ from kvgate.conformance.macros import expand
 from kvgate.conformance.strict_yaml import load_document, load_flow_entry
 from kvgate.conformance.trace import Trace, TraceError, _Reader, load_trace, read_each
 from kvgate.vocabulary.ops import Step
+from kvgate.vocabulary.scheduling import EngineStep
 
-_BODY = "steps:\n"
+# The line a trace's body starts after: a manager-level trace's, a
+# scheduler-level one's.
+_BODIES = ("steps:\n", "engine:\n")
 _ENTRY = "  - {"
 # Every bare word of an entry: a request is named by one (as `req`, a
 # prompt's source, a `check` key), so the last line holding its name is the
@@ -52,42 +56,65 @@ class StepStream:
     def primitives(self, forget: Forget | None = None) -> Iterator[Step]:
         """The steps as the replayer runs them; before each step, `forget`
         is told the requests no step from it on names."""
+        for reader, index, raw in self._read(forget):
+            yield from expand(reader.step(index, raw))
+
+    def engine(self, forget: Forget | None = None) -> Iterator[EngineStep]:
+        """A scheduler-level trace's engine entries as the replayer runs
+        them (a run of `steps: N` as N); before each entry, `forget` is told
+        the requests no entry from it on names."""
+        for reader, index, raw in self._read(forget):
+            yield from reader.engine_step(index, raw)
+
+    def _read(self, forget: Forget | None) -> Iterator[tuple[_Reader, int, object]]:
         reader = _Reader(self.path, self.limits)
         ended_at: dict[int, list[str]] = {}
         for name, index in self.last_use.items():
             ended_at.setdefault(index, []).append(name)
+        head, body = _head(self.path, self.limits)
+        reader.config = head.config
+        if head.scheduler is not None:
+            reader.engine_settings(_settings_doc(head))
+        reader.entries({body: [None]}, body)
         with self.path.open(encoding="utf-8") as file:
             file.seek(self.body_offset)
-            head = _head(self.path, self.limits)
-            reader.config = head.config
-            reader.entries({"steps": [None]}, "steps")
-            for index, raw in enumerate(_entries(file, self.path)):
-                if index and forget is not None and index - 1 in ended_at:
-                    forget(ended_at.pop(index - 1))
-                yield from expand(reader.step(index, raw))
+            for index, raw in enumerate(_entries(file, self.path, body)):
+                # Told before every entry (with no names, too): a side that
+                # keeps a request another still needs drops it once it can.
+                if index and forget is not None:
+                    forget(ended_at.pop(index - 1, []))
+                yield reader, index, raw
 
 
-def _head(path: Path, limits: Limits) -> Trace:
-    """The trace's head (everything before `steps:`) as a trace of one step
-    (never run): its name, about, tags and config, validated."""
+def _settings_doc(head: Trace) -> dict[str, int]:
+    assert head.scheduler is not None
+    return {"spec": head.scheduler.spec, "max_num_seqs": head.scheduler.max_num_seqs}
+
+
+def _head(path: Path, limits: Limits) -> tuple[Trace, str]:
+    """The trace's head (everything before its body's line) as a trace of
+    one step (never run): its name, about, tags, config and scheduler
+    settings, validated; and the body's key (`steps` or `engine`)."""
     with path.open(encoding="utf-8") as file:
         lines = []
+        body = _BODIES[0]
         for line in file:
-            if line == _BODY:
+            if line in _BODIES:
+                body = line
                 break
             lines.append(line)
-    text = "".join(lines) + "steps:\n  - {op: step}\n"
-    return _Reader(path, limits).trace(load_document(text, path, limits))
+    text = "".join(lines) + body + "  - {op: step}\n"
+    return _Reader(path, limits).trace(load_document(text, path, limits)), body[:-2]
 
 
-def _entries(file: TextIO, path: Path) -> Iterator[object]:
+def _entries(file: TextIO, path: Path, body: str) -> Iterator[object]:
     for index, line in enumerate(file):
         if not line.startswith(_ENTRY):
             raise TraceError(
                 path,
                 index,
-                "steps",
-                "a streamed trace has one step a line, `  - {...}`, to its end",
+                body,
+                "a streamed trace has one entry a line, `  - {...}`, to its end",
             )
         try:
             yield load_flow_entry(line[4:])
@@ -96,9 +123,10 @@ def _entries(file: TextIO, path: Path) -> Iterator[object]:
 
 
 def stream_trace(path: str | Path, limits: Limits = DEFAULT_LIMITS) -> Trace:
-    """The trace in `path`, validated entry by entry, its steps left in the
-    file (`Trace.stream`); a trace in another form (not one step a line, a
-    scheduler-level trace, a refusal trace) is read whole (`load_trace`)."""
+    """The trace in `path`, validated entry by entry, its steps (or engine
+    entries) left in the file (`Trace.stream`); a trace in another form (not
+    one entry a line, a recording, a refusal trace) is read whole
+    (`load_trace`)."""
     path = Path(path)
     try:
         check_file(path, limits)
@@ -107,26 +135,34 @@ def stream_trace(path: str | Path, limits: Limits = DEFAULT_LIMITS) -> Trace:
     offset = _body_offset(path)
     if offset is None:
         return load_trace(path, limits)
-    head = _head(path, limits)
-    if head.scheduler_level or head.expect_refused is not None:
+    head, body = _head(path, limits)
+    if head.expect_refused is not None:
         return load_trace(path, limits)
     last_use: dict[str, int] = {}
     reader = _Reader(path, limits)
     reader.config = head.config
-    reader.entries({"steps": [None]}, "steps")
+    if head.scheduler is not None:
+        reader.engine_settings(_settings_doc(head))
+    reader.entries({body: [None]}, body)
     count = 0
     with path.open(encoding="utf-8") as file:
         file.seek(offset)
-        for index, raw in enumerate(_entries(file, path)):
-            reader.step(index, raw)
+        for index, raw in enumerate(_entries(file, path, body)):
+            if head.scheduler_level:
+                for _ in reader.engine_step(index, raw):
+                    pass
+            else:
+                reader.step(index, raw)
             count += 1
             if count > limits.steps:
-                raise TraceError(path, None, "steps", over("steps", count, limits))
+                raise TraceError(path, None, body, over("steps", count, limits))
             for word in _WORD.findall(str(raw)):
                 last_use[word] = index
     if not count:
-        raise TraceError(path, None, "steps", "must be a non-empty list, got an empty one")
+        raise TraceError(path, None, body, "must be a non-empty list, got an empty one")
     stream = StepStream(path, offset, limits, last_use)
+    if head.scheduler_level:
+        return replace(head, engine=(), stream=stream)
     return replace(head, steps=(), primitives=(), stream=stream)
 
 
@@ -136,12 +172,13 @@ def _body_offset(path: Path) -> int | None:
     offset = 0
     body: int | None = None
     entry = _ENTRY.encode()
+    lines = tuple(b.encode() for b in _BODIES)
     with path.open("rb") as file:
         for line in file:
             if body is not None and not line.startswith(entry):
                 return None
             offset += len(line)
-            if body is None and line == _BODY.encode():
+            if body is None and line in lines:
                 body = offset
     return body
 

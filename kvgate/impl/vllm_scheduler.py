@@ -230,6 +230,8 @@ class VllmScheduler:
         # check reads the turn it follows).
         self._requests: dict[str, Any] = {}
         self._follows: dict[str, str] = {}
+        # Requests no later entry names, kept while another request needs them.
+        self._forgettable: set[str] = set()
         # Streaming-input sessions: their tokens are rewritten at each chunk
         # (and their hashes recomputed at a lookup), which the view follows.
         self._sessions: set[str] = set()
@@ -616,6 +618,29 @@ class VllmScheduler:
             if not request.is_finished()
         }
         return {name: c for name, c in counts.items() if any(c)}
+
+    def forget(self, names: list[str]) -> None:
+        """Drop what is kept of each ended request of `names` (no later
+        entry names it): the request, and its hashes in the view's index."""
+        self._forgettable.update(names)
+        if not self._forgettable:
+            return
+        # A batch in flight may still carry an aborted request's output; a
+        # request not yet admitted reads the one it follows at its lookup.
+        needed = {str(r) for output in self._outputs for r in output.num_scheduled_tokens}
+        needed |= {f for r, f in self._follows.items() if r not in self._admitted}
+        for name in list(self._forgettable):
+            request = self._requests.get(name)
+            if request is not None and (not request.is_finished() or name in needed):
+                continue
+            self._forgettable.discard(name)
+            if request is None:
+                continue
+            del self._requests[name]
+            self._follows.pop(name, None)
+            self._sessions.discard(name)
+            self._admitted.discard(name)
+            self._view.forget(name)
 
     def _kept_aside(self) -> dict[str, Any]:
         """Each deferred free's blocks by the request they were popped from."""

@@ -137,6 +137,8 @@ class SchedulerModel(AsyncBatches, ConnectorLoads, StreamingSessions):
         self._ended_since_schedule = False
         self._output_processed = False  # the last engine step processed a batch's output
         self.writer = StepWriter(ModelTarget(config))
+        # Requests no later entry names, kept while a live request needs them.
+        self._forgettable: set[str] = set()
         self.waiting: deque[LiveRequest] = deque()
         self.running: list[LiveRequest] = []
         # With a KV connector: waiting requests that hold blocks (an async
@@ -542,6 +544,21 @@ class SchedulerModel(AsyncBatches, ConnectorLoads, StreamingSessions):
 
     def snapshot(self) -> Snapshot:
         return self.oracle.snapshot()
+
+    def forget(self, names: list[str]) -> None:
+        """Drop what is kept of each ended request of `names` (no later
+        entry names it): its tokens, on the oracle. One a request not yet
+        admitted follows is kept until that request's first admission has
+        checked it (and dropped at a later call)."""
+        self._forgettable.update(names)
+        if not self._forgettable:
+            return
+        lives = (*self._live(), *self.aborted_loads)
+        needed = {r.name for r in lives}
+        needed |= {r.follows for r in lives if r.follows is not None and not r.ever_admitted}
+        dropped = [n for n in self._forgettable if n not in needed]
+        self._forgettable.difference_update(dropped)
+        self.oracle.forget(dropped)
 
     # -- the strict view a step at a time (`StepViewing`) --------------------
 
