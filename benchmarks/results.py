@@ -288,6 +288,11 @@ def mask_scale(text: str) -> str:
             line = re.sub(r": .*$", ": #", line)
         elif re.match(r"^\s+(full|history|pool)\s", line):
             line = re.sub(r"\S+ MB .*$", "# MB # s # MiB", line)
+        elif re.match(r"^\s+scheduler\s", line):
+            masked = "engine steps # s in the loop # steps/s # s # MiB"
+            line = re.sub(r"engine steps .*$", masked, line)
+        elif line.startswith("scheduler: "):
+            line = re.sub(r": \d+ engine steps", ": # engine steps", line)
         lines.append(line)
     return "\n".join(lines)
 
@@ -296,14 +301,21 @@ SCALE_SECTION = Section(
     "scale",
     "Replay at production scale",
     "about 20 minutes",
-    (f"{PY} benchmarks/scale.py --full-scale --scale 64 --json {SCALE_JSON} --plot {SCALE_PLOT}",),
+    (
+        f"{PY} benchmarks/scale.py --full-scale --scheduler --scale 64 --json {SCALE_JSON} "
+        f"--plot {SCALE_PLOT}",
+    ),
     render_scale,
     "The production workload's traces replayed by `kvgate replay`, each run a process of "
     "its own (its time includes importing vLLM and reading the trace; its peak memory is "
     "the process's maximum resident set): the full-scale trace on the model alone and on "
     "vLLM in lockstep with the model at levels api and strict; the workload's day repeated "
-    "into a longer history at level strict (read entry by entry); and the pool's size "
-    "from the coarsest hash unit to the finest. The numbers are also in "
+    "into a longer history at level strict (read entry by entry); the pool's size "
+    "from the coarsest hash unit to the finest; and the workload as a scheduler-level "
+    "trace served with the finest hash unit's block (its pool's size on each line), on "
+    "kvgate's scheduler model alone and on vLLM's `Scheduler` in lockstep with it at "
+    "levels api and strict, each process on one core, in engine steps a second of the "
+    "replay's loop. The numbers are also in "
     "`docs/results/scale.json`.",
     stable=mask_scale,
 )

@@ -2,7 +2,9 @@
 length and the pool's size, the model against vLLM, api against strict.
 
     python benchmarks/scale.py [--scale K] [--lengths 1,10,100] [--units 4,16,64,256]
-                               [--full-scale] [--out DIR] [--json PATH] [--plot PATH]
+                               [--full-scale] [--scheduler [--scheduler-block TOKENS]
+                               [--scheduler-sessions N] [--cpu N]]
+                               [--out DIR] [--json PATH] [--plot PATH]
 
 Every replay is `kvgate replay` in a child process of its own, so each time
 includes reading the trace and each peak memory is that process's maximum
@@ -21,6 +23,13 @@ on a loaded machine. The traces are the production workload's
   entry (`--stream`): time and peak memory against the 1x run's.
 - `pool`: the 1x day at each hash unit of `--units` (a finer unit, a larger
   pool), on the model and on vLLM at api and strict.
+- `scheduler`: with `--scheduler`, the workload at full scale as a
+  scheduler-level trace (its arrivals and engine steps), served with a
+  `--scheduler-block`-token block (64: a pool of 11,326 blocks), replayed on
+  kvgate's scheduler model alone and on vLLM's `Scheduler` in lockstep with
+  it at levels api and strict, each child process pinned to one core
+  (`--cpu`): engine steps a second in the replay's loop (the time the
+  report's line gives, without importing vLLM or building its Scheduler).
 
 Prints a table per part and the ratios; writes the numbers as JSON
 (`--json`) and a plot of time and peak memory against the history's length
@@ -60,6 +69,13 @@ class Run:
     trace_bytes: int
     seconds: float
     peak_mib: float
+    # The scheduler part: engine steps, and the replay loop's own seconds.
+    engine_steps: int = 0
+    loop_seconds: float = 0.0
+
+    @property
+    def engine_steps_per_second(self) -> float:
+        return self.engine_steps / self.loop_seconds if self.loop_seconds else 0.0
 
 
 def workload_trace(out: Path, scale: int, unit: int) -> Path:
@@ -74,6 +90,36 @@ def workload_trace(out: Path, scale: int, unit: int) -> Path:
         subprocess.run([*command, "--out", str(out)], check=True, capture_output=True, env=_env())
         found = sorted(out.glob(pattern))
     return found[0]
+
+
+def scheduler_trace(out: Path, block: int, sessions: int) -> Path:
+    """The workload at full scale as a scheduler-level trace, served with a
+    `block`-token attention and Mamba block (the hash unit), hold off,
+    upstream; generated once."""
+    from dataclasses import replace
+
+    from kvgate.workload.deployment import Deployment
+    from kvgate.workload.engine_trace import write_engine_trace
+    from kvgate.workload.plan import Workload
+    from kvgate.workload.runner import Arm
+
+    workload = Workload(sessions=sessions)
+    deployment = replace(Deployment(build="upstream"), mamba_block_size=block)
+    found = sorted(out.glob(f"workload-{sessions}x*-u{block}.upstream.hold-off.engine.yaml"))
+    if found:
+        return found[0]
+    return write_engine_trace(workload, deployment, Arm(block, False), out)
+
+
+def engine_steps_of(trace: Path) -> int:
+    """A scheduler-level trace's engine steps (a `steps: N` entry is N)."""
+    count = 0
+    with trace.open() as file:
+        for line in file:
+            if line.startswith("  - {op: step"):
+                found = re.search(r"\bsteps: (\d+)", line)
+                count += int(found.group(1)) if found else 1
+    return count
 
 
 def repeated(trace: Path, days: int, out: Path) -> Path:
@@ -109,14 +155,30 @@ def blocks_of(trace: Path) -> int:
 
 
 def replay_child(
-    trace: Path, target: str, level: str, extra: Sequence[str] = ()
-) -> tuple[float, float]:
-    """`kvgate replay` in a child process: (wall seconds, peak RSS in MiB)."""
+    trace: Path,
+    target: str,
+    level: str,
+    extra: Sequence[str] = (),
+    cpu: int | None = None,
+    quiet: bool = True,
+) -> tuple[float, float, str]:
+    """`kvgate replay` in a child process (pinned to `cpu` if given): (wall
+    seconds, peak RSS in MiB, what it printed: with `quiet`, only the verdict)."""
     command = [PY, "-m", "kvgate", "replay", "--target", target, "--level", level]
-    command += ["--require", "none", "-q", *extra, str(trace)]
+    command += ["--require", "none", *(("-q",) if quiet else ()), *extra, str(trace)]
+
+    def pin() -> None:
+        if cpu is not None:
+            os.sched_setaffinity(0, {cpu})
+
     started = time.perf_counter()
     child = subprocess.Popen(
-        command, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+        command,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        preexec_fn=pin,
     )
     assert child.stdout is not None
     output = child.stdout.read()
@@ -127,7 +189,7 @@ def replay_child(
     if code != 0:
         raise SystemExit(f"scale: {' '.join(command)} exited {code}:\n{output}")
     # ru_maxrss is in KiB on Linux.
-    return seconds, usage.ru_maxrss / 1024
+    return seconds, usage.ru_maxrss / 1024, output
 
 
 def measure(
@@ -139,7 +201,7 @@ def measure(
     unit: int,
     extra: Sequence[str] = (),
 ) -> Run:
-    seconds, peak = replay_child(trace, target, level, extra)
+    seconds, peak, _ = replay_child(trace, target, level, extra)
     run = Run(
         part,
         target,
@@ -156,6 +218,37 @@ def measure(
         f"  {part:<8} {target:<6} {level:<7} x{length:<4} unit {unit:<5} {run.blocks:>7} blocks "
         f"{run.steps:>9} steps {run.trace_bytes / 1e6:>8.1f} MB  {run.seconds:>8.2f} s "
         f"{run.peak_mib:>8.1f} MiB",
+        flush=True,
+    )
+    return run
+
+
+def measure_scheduler(trace: Path, target: str, level: str, cpu: int) -> Run:
+    """One scheduler-level replay pinned to `cpu`: its loop's engine steps a second."""
+    seconds, peak, output = replay_child(trace, target, level, cpu=cpu, quiet=False)
+    found = re.search(r"^PASS \S+ \((\d+) steps, ([\d.]+)s\)", output, re.MULTILINE)
+    if found is None:
+        raise SystemExit(f"scale: no PASS line for {trace} on {target} {level}:\n{output}")
+    engine_steps = engine_steps_of(trace)
+    run = Run(
+        "scheduler",
+        target,
+        level,
+        1,
+        int(re.sub(r".*-u(\d+)\..*", r"\1", trace.name)),
+        blocks_of(trace),
+        int(found.group(1)),
+        trace.stat().st_size,
+        round(seconds, 2),
+        round(peak, 1),
+        engine_steps,
+        float(found.group(2)),
+    )
+    print(
+        f"  {'scheduler':<9} {target:<6} {level:<7} unit {run.unit:<5} {run.blocks:>7} blocks "
+        f"{engine_steps:>7} engine steps  {run.loop_seconds:>7.2f} s in the loop "
+        f"{run.engine_steps_per_second:>7.0f} steps/s  {run.seconds:>7.2f} s "
+        f"{run.peak_mib:>7.1f} MiB",
         flush=True,
     )
     return run
@@ -190,7 +283,20 @@ def ratios(runs: Sequence[Run], lengths: Sequence[int], units: Sequence[int]) ->
         full.get(("vllm", "api")),
         full.get(("model", "api")),
     )
-    first = _find(runs, part="history", length=lengths[0])
+    sched = {(r.target, r.level): r for r in runs if r.part == "scheduler"}
+    ratio(
+        "scheduler: vllm strict / api (loop time)",
+        "loop_seconds",
+        sched.get(("vllm", "strict")),
+        sched.get(("vllm", "api")),
+    )
+    ratio(
+        "scheduler: vllm strict / model alone (loop time)",
+        "loop_seconds",
+        sched.get(("vllm", "strict")),
+        sched.get(("model", "api")),
+    )
+    first = _find(runs, part="history", length=lengths[0]) if lengths else None
     for length in lengths[1:]:
         run = _find(runs, part="history", length=length)
         name = f"history: x{length} / x{lengths[0]}"
@@ -271,11 +377,14 @@ def plot(runs: Sequence[Run], path: Path) -> bool:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scale", type=int, default=16, help="divide the workload by K")
-    parser.add_argument("--lengths", default="1,10,100", help="days of history")
+    parser.add_argument(
+        "--lengths", default="1,10,100", help="days of history (empty: no history part)"
+    )
     parser.add_argument(
         "--units",
         default="64,256,1024,4096",
-        help="the production hash units of the pool part (each divided by K, as the pool)",
+        help="the production hash units of the pool part (each divided by K, as the pool; "
+        "empty: no pool part)",
     )
     parser.add_argument(
         "--history-unit", type=int, default=1024, help="the production hash unit of the history"
@@ -284,12 +393,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--model-only", action="store_true", help="replay on the model alone (no vLLM)"
     )
+    parser.add_argument(
+        "--scheduler",
+        action="store_true",
+        help="also the scheduler-level part: the workload's engine steps, each replay on one core",
+    )
+    parser.add_argument(
+        "--scheduler-block",
+        type=int,
+        default=64,
+        help="the scheduler part's block (and hash unit) in tokens: 64 is a pool of 11,326",
+    )
+    parser.add_argument(
+        "--scheduler-sessions", type=int, default=9, help="the scheduler part's sessions"
+    )
+    parser.add_argument("--cpu", type=int, default=0, help="the core the scheduler part runs on")
     parser.add_argument("--out", type=Path, default=ROOT / "out" / "scale")
     parser.add_argument("--json", type=Path, help="write the numbers there")
     parser.add_argument("--plot", type=Path, help="write the plot there (PNG)")
     args = parser.parse_args(argv)
-    lengths = [int(n) for n in args.lengths.split(",")]
-    units = [int(u) for u in args.units.split(",")]
+    # An empty list leaves its part out.
+    lengths = [int(n) for n in args.lengths.split(",") if n]
+    units = [int(u) for u in args.units.split(",") if u]
     runs: list[Run] = []
     print(f"scale: the workload divided by {args.scale}; each replay a child process")
     kinds = (
@@ -303,8 +428,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for target, level in kinds:
             runs.append(measure("full", full, target, level, 1, 64))
     base_unit = args.history_unit
-    day = workload_trace(args.out / f"div{args.scale}", args.scale, base_unit)
     for length in lengths:
+        day = workload_trace(args.out / f"div{args.scale}", args.scale, base_unit)
         trace = repeated(day, length, args.out / f"div{args.scale}")
         # Read entry by entry; the file is as long as the history.
         streamed = ["--stream", "--limit", f"file_bytes={trace.stat().st_size}"]
@@ -313,14 +438,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         trace = workload_trace(args.out / f"div{args.scale}", args.scale, unit)
         for target, level in kinds:
             runs.append(measure("pool", trace, target, level, 1, unit))
+    if args.scheduler:
+        trace = scheduler_trace(
+            args.out / "scheduler", args.scheduler_block, args.scheduler_sessions
+        )
+        for target, level in kinds:
+            runs.append(measure_scheduler(trace, target, level, args.cpu))
     found = ratios(runs, lengths, units)
     for name, value in found.items():
         print(f"ratio {name}: {value:.2f}")
+    for run in runs:
+        if run.part == "scheduler":
+            print(
+                f"scheduler: {run.target} {run.level}: {run.engine_steps_per_second:.0f} engine "
+                f"steps a second on one core at {run.blocks} blocks"
+            )
     record = {
         "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs, "
         f"load average {os.getloadavg()[0]:.1f} at the end, Python {platform.python_version()}",
         "scale": args.scale,
-        "runs": [asdict(r) for r in runs],
+        "runs": [
+            {**asdict(r), "engine_steps_per_second": round(r.engine_steps_per_second, 1)}
+            for r in runs
+        ],
         "ratios": {k: round(v, 3) for k, v in found.items()},
     }
     if args.json:

@@ -71,7 +71,8 @@ SMOKE: dict[str, tuple[list[str], str, bool]] = {
     "results.py": (["--list"], "benchmarks   Benchmark ratios (about ", False),
     "scale.py": (
         ["--scale", "64", "--lengths", "1,2", "--units", "4096", "--history-unit", "4096"]
-        + ["--model-only", "--out", "{corpus}/scale", "--plot", "{corpus}/scale.png"],
+        + ["--model-only", "--out", "{corpus}/scale", "--plot", "{corpus}/scale.png"]
+        + ["--scheduler", "--scheduler-sessions", "1"],
         "ratio history: x2 / x1 (peak memory): ",
         False,
     ),
