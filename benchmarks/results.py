@@ -289,7 +289,7 @@ def mask_scale(text: str) -> str:
         elif re.match(r"^\s+(full|history|pool)\s", line):
             line = re.sub(r"\S+ MB .*$", "# MB # s # MiB", line)
         elif re.match(r"^\s+scheduler\s", line):
-            masked = "engine steps # s in the loop # steps/s # s # MiB"
+            masked = "engine steps loop # s, # s CPU # steps/s # s # MiB"
             line = re.sub(r"engine steps .*$", masked, line)
         elif line.startswith("scheduler: "):
             line = re.sub(r": \d+ engine steps", ": # engine steps", line)

@@ -27,9 +27,12 @@ on a loaded machine. The traces are the production workload's
   scheduler-level trace (its arrivals and engine steps), served with a
   `--scheduler-block`-token block (64: a pool of 11,326 blocks), replayed on
   kvgate's scheduler model alone and on vLLM's `Scheduler` in lockstep with
-  it at levels api and strict, each child process pinned to one core
-  (`--cpu`): engine steps a second in the replay's loop (the time the
-  report's line gives, without importing vLLM or building its Scheduler).
+  it at levels api and strict, and at strict with the whole views compared
+  after every entry (`strict-whole`: `--whole-view-every 1`), each child
+  process pinned to one core (`--cpu`) and replaying as `kvgate replay`
+  does: engine steps a second of the replay loop's CPU time (importing vLLM
+  and building its Scheduler left out; the loop's wall time is printed
+  too, which a loaded machine stretches).
 
 Prints a table per part and the ratios; writes the numbers as JSON
 (`--json`) and a plot of time and peak memory against the history's length
@@ -45,11 +48,12 @@ import platform
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -69,13 +73,17 @@ class Run:
     trace_bytes: int
     seconds: float
     peak_mib: float
-    # The scheduler part: engine steps, and the replay loop's own seconds.
+    # The scheduler part: engine steps, and the replay loop's own seconds
+    # (wall) and CPU seconds (the process's, which a loaded machine's other
+    # work does not add to).
     engine_steps: int = 0
     loop_seconds: float = 0.0
+    loop_cpu_seconds: float = 0.0
 
     @property
     def engine_steps_per_second(self) -> float:
-        return self.engine_steps / self.loop_seconds if self.loop_seconds else 0.0
+        """Engine steps a second of the loop's CPU time: on one core."""
+        return self.engine_steps / self.loop_cpu_seconds if self.loop_cpu_seconds else 0.0
 
 
 def workload_trace(out: Path, scale: int, unit: int) -> Path:
@@ -223,12 +231,70 @@ def measure(
     return run
 
 
+# The scheduler part's strict level comparing the whole views after every
+# engine entry (`--whole-view-every 1`), as it did before step views.
+WHOLE_EACH_ENTRY = "strict-whole"
+
+
+def replay_loop(trace_path: str, target: str, level: str) -> None:
+    """In a child process: `trace_path` replayed as `kvgate replay` replays a
+    scheduler-level trace (the same factories), its loop alone timed in wall
+    and CPU seconds; prints them, and the entries run, as one JSON line."""
+    from kvgate.conformance.scheduler_replay import replay_scheduler
+    from kvgate.conformance.trace import load_trace
+    from kvgate.targets import scheduler_factories
+
+    trace = load_trace(trace_path)
+    assert trace.scheduler is not None
+    model, real_factory = scheduler_factories(target, None)
+    real = None
+    if real_factory is not None:
+        # vLLM imported and a Scheduler built once, untimed, as the CLI does.
+        real_factory(trace.config, trace.scheduler.spec, trace.scheduler.max_num_seqs).close()
+        real = real_factory(trace.config, trace.scheduler.spec, trace.scheduler.max_num_seqs)
+    every = 1 if level == WHOLE_EACH_ENTRY else 1000
+    cpu = time.process_time()
+    result = replay_scheduler(
+        trace,
+        model,
+        real,
+        "strict" if level == WHOLE_EACH_ENTRY else cast(Any, level),
+        whole_view_every=every,
+    )
+    cpu = time.process_time() - cpu
+    if real is not None:
+        real.close()
+    if not result.passed:
+        raise SystemExit(f"{trace_path}: diverged: {result.divergence}")
+    print(json.dumps({"entries": result.steps_run, "seconds": result.seconds, "cpu": cpu}))
+
+
 def measure_scheduler(trace: Path, target: str, level: str, cpu: int) -> Run:
     """One scheduler-level replay pinned to `cpu`: its loop's engine steps a second."""
-    seconds, peak, output = replay_child(trace, target, level, cpu=cpu, quiet=False)
-    found = re.search(r"^PASS \S+ \((\d+) steps, ([\d.]+)s\)", output, re.MULTILINE)
-    if found is None:
-        raise SystemExit(f"scale: no PASS line for {trace} on {target} {level}:\n{output}")
+    command = [PY, str(Path(__file__)), "--replay-loop", str(trace), target, level]
+    started = time.perf_counter()
+    with tempfile.TemporaryFile(mode="w+") as errors:
+        child = subprocess.Popen(
+            command,
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=errors,
+            text=True,
+            preexec_fn=lambda: os.sched_setaffinity(0, {cpu}),
+        )
+        assert child.stdout is not None
+        output = child.stdout.read()
+        _, status, usage = os.wait4(child.pid, 0)
+        child.returncode = os.waitstatus_to_exitcode(status)
+        seconds = time.perf_counter() - started
+        if child.returncode != 0:
+            errors.seek(0)
+            raise SystemExit(
+                f"scale: {' '.join(command)} exited {child.returncode}:\n{errors.read()[-4000:]}"
+            )
+    loop = json.loads(output.strip().splitlines()[-1])
+    # ru_maxrss is in KiB on Linux.
+    peak = usage.ru_maxrss / 1024
     engine_steps = engine_steps_of(trace)
     run = Run(
         "scheduler",
@@ -237,18 +303,19 @@ def measure_scheduler(trace: Path, target: str, level: str, cpu: int) -> Run:
         1,
         int(re.sub(r".*-u(\d+)\..*", r"\1", trace.name)),
         blocks_of(trace),
-        int(found.group(1)),
+        int(loop["entries"]),
         trace.stat().st_size,
         round(seconds, 2),
         round(peak, 1),
         engine_steps,
-        float(found.group(2)),
+        round(loop["seconds"], 2),
+        round(loop["cpu"], 2),
     )
     print(
-        f"  {'scheduler':<9} {target:<6} {level:<7} unit {run.unit:<5} {run.blocks:>7} blocks "
-        f"{engine_steps:>7} engine steps  {run.loop_seconds:>7.2f} s in the loop "
-        f"{run.engine_steps_per_second:>7.0f} steps/s  {run.seconds:>7.2f} s "
-        f"{run.peak_mib:>7.1f} MiB",
+        f"  {'scheduler':<9} {target:<6} {level:<12} unit {run.unit:<5} {run.blocks:>7} blocks "
+        f"{engine_steps:>7} engine steps  loop {run.loop_seconds:>7.2f} s, "
+        f"{run.loop_cpu_seconds:>7.2f} s CPU {run.engine_steps_per_second:>7.0f} steps/s  "
+        f"{run.seconds:>7.2f} s {run.peak_mib:>7.1f} MiB",
         flush=True,
     )
     return run
@@ -285,14 +352,20 @@ def ratios(runs: Sequence[Run], lengths: Sequence[int], units: Sequence[int]) ->
     )
     sched = {(r.target, r.level): r for r in runs if r.part == "scheduler"}
     ratio(
-        "scheduler: vllm strict / api (loop time)",
-        "loop_seconds",
+        "scheduler: vllm strict / api (loop CPU time)",
+        "loop_cpu_seconds",
         sched.get(("vllm", "strict")),
         sched.get(("vllm", "api")),
     )
     ratio(
-        "scheduler: vllm strict / model alone (loop time)",
-        "loop_seconds",
+        "scheduler: vllm strict, whole views every entry / step views (loop CPU time)",
+        "loop_cpu_seconds",
+        sched.get(("vllm", WHOLE_EACH_ENTRY)),
+        sched.get(("vllm", "strict")),
+    )
+    ratio(
+        "scheduler: vllm strict / model alone (loop CPU time)",
+        "loop_cpu_seconds",
         sched.get(("vllm", "strict")),
         sched.get(("model", "api")),
     )
@@ -375,6 +448,9 @@ def plot(runs: Sequence[Run], path: Path) -> bool:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    if argv is None and sys.argv[1:2] == ["--replay-loop"]:
+        replay_loop(*sys.argv[2:5])
+        return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scale", type=int, default=16, help="divide the workload by K")
     parser.add_argument(
@@ -442,7 +518,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         trace = scheduler_trace(
             args.out / "scheduler", args.scheduler_block, args.scheduler_sessions
         )
-        for target, level in kinds:
+        scheduler_kinds = [*kinds, ("vllm", WHOLE_EACH_ENTRY)] if not args.model_only else kinds
+        for target, level in scheduler_kinds:
             runs.append(measure_scheduler(trace, target, level, args.cpu))
     found = ratios(runs, lengths, units)
     for name, value in found.items():
@@ -451,7 +528,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if run.part == "scheduler":
             print(
                 f"scheduler: {run.target} {run.level}: {run.engine_steps_per_second:.0f} engine "
-                f"steps a second on one core at {run.blocks} blocks"
+                f"steps a second of CPU time on one core at {run.blocks} blocks"
             )
     record = {
         "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs, "
