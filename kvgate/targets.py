@@ -14,8 +14,10 @@ import importlib
 import os
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import cast
 
+from kvgate.conformance.corpora import whole
 from kvgate.conformance.refusal import judge_refusal, refused_for_lacking
 from kvgate.conformance.replay import (
     WHOLE_VIEW_EVERY,
@@ -107,8 +109,30 @@ def run_trace(
 ) -> Outcome:
     """One trace's verdict, or the error that kept it from getting one;
     `excluded` gets the strict-view exclusions that hid the target's raw state;
-    `whole_view_every`: how often a strict lockstep compares whole views."""
+    `whole_view_every`: how often a strict lockstep compares whole views.
+    A trace a corpus kept as its head is read again for the run, and the
+    outcome names the head: nothing of the body outlives the run."""
     started = time.perf_counter()
+    try:
+        held = whole(trace)
+    except TraceError as error:
+        return TraceRunError(trace, str(error), bug=False)
+    outcome = _run_trace(
+        held, factory, model, level, target_is_model, excluded, whole_view_every, started
+    )
+    return replace(outcome, trace=trace)
+
+
+def _run_trace(
+    trace: Trace,
+    factory: TargetFactory,
+    model: TargetFactory | None,
+    level: Level,
+    target_is_model: bool,
+    excluded: list[str] | None,
+    whole_view_every: int,
+    started: float,
+) -> Outcome:
     if trace.expect_refused is not None:
         return refused_for_lacking(factory, trace) or judge_refusal(trace, factory, level)
     try:
@@ -180,8 +204,25 @@ def run_scheduler_trace(
     """A scheduler-level trace's verdict (`scheduler_replay`), on the real
     scheduler `real` builds in lockstep with the model, or on the model
     alone; the error that kept it from one otherwise. `whole_view_every`:
-    how often a strict lockstep compares whole views."""
+    how often a strict lockstep compares whole views. A trace a corpus kept
+    as its head is read again for the run, as by `run_trace`."""
     started = time.perf_counter()
+    try:
+        held = whole(trace)
+    except TraceError as error:
+        return TraceRunError(trace, str(error), bug=False)
+    outcome = _run_scheduler_trace(held, model, real, level, whole_view_every, started)
+    return replace(outcome, trace=trace)
+
+
+def _run_scheduler_trace(
+    trace: Trace,
+    model: SchedulerModelFactory,
+    real: Callable[[Config, int, int], SchedulerTarget] | None,
+    level: Level,
+    whole_view_every: int,
+    started: float,
+) -> Outcome:
     assert trace.scheduler is not None
     target = None
     try:

@@ -6,25 +6,40 @@ A file is read once, however many corpora hold it: naming the bundled
 folder beside the bundled corpus adds nothing. Two traces of one name, from
 any corpora, are refused (a report line or a JUnit case would not say which
 of them ran).
+
+Every trace is validated when the corpora are read, before anything runs,
+but a gate holds only a bounded amount of them at once: once the files read
+whole reach `HELD_BYTES`, each further trace is kept as its head alone (its
+name, config, tags: what selection and the report need). A manager-level
+trace written one step a line is then read as `kvgate replay --stream`
+reads it, its steps read from its file as they replay; any other trace is
+set aside and read whole again when it runs (`whole`). Peak memory follows
+the largest trace replayed, not the corpus.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from kvgate.conformance.limits import DEFAULT_LIMITS, Limits
+from kvgate.conformance.stream import stream_trace
 from kvgate.conformance.trace import (
+    ReadAgain,
     Trace,
     TraceError,
     bundled_corpus,
     check_unique_names,
-    read_traces,
+    load_trace,
+    read_each,
 )
 
 # How a run names the corpus kvgate ships.
 BUNDLED = "bundled"
+# The bytes of trace files a gate holds read whole; the bundled corpus fits
+# (about half of it), so its traces are read once.
+HELD_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -81,10 +96,14 @@ def read_corpora(
     bundled: bool = True,
     limits: Limits = DEFAULT_LIMITS,
     partial: bool = False,
+    held_bytes: int = HELD_BYTES,
 ) -> Corpora:
     """The bundled corpus (unless `bundled` is false), then each of `folders`
-    in order (`partial` applies to those; the bundled traces are complete)."""
+    in order (`partial` applies to those; the bundled traces are complete);
+    traces read whole until their files reach `held_bytes`, the rest kept as
+    their heads (see the module's docstring)."""
     corpora = Corpora()
+    room = held_bytes
     named: list[tuple[str, Path, bool]] = []
     if bundled:
         named.append((BUNDLED, bundled_corpus(), False))
@@ -95,8 +114,43 @@ def read_corpora(
             corpora.names.append(name)
         for path in fresh:
             corpora.origin[path.resolve()] = name
-        traces, invalid = read_traces(fresh, limits, cut_short)
+
+        def read(path: str | Path, cut_short: bool = cut_short) -> Trace:
+            nonlocal room
+            try:
+                size = Path(path).stat().st_size
+            except OSError:
+                size = room + 1  # the reader below says what is wrong with it
+            if size <= room:
+                room -= size
+                return load_trace(path, limits, cut_short)
+            return head_only(stream_trace(path, limits, cut_short), limits, cut_short)
+
+        traces, invalid = read_each(fresh, read)
         corpora.traces += traces
         corpora.invalid += invalid
     check_unique_names(corpora.traces)
     return corpora
+
+
+def head_only(trace: Trace, limits: Limits, partial: bool) -> Trace:
+    """`trace` without the steps it holds in memory (a streamed trace holds
+    none), read again by `whole` when it runs."""
+    if trace.stream is not None or trace.expect_refused is not None:
+        return trace
+    return replace(trace, steps=(), primitives=(), engine=(), read_again=ReadAgain(limits, partial))
+
+
+def whole(trace: Trace) -> Trace:
+    """A trace as it replays: one kept as its head (`head_only`) read again
+    from its file; any other as it is. A file changed since it was read is
+    the trace's error."""
+    again = trace.read_again
+    if again is None:
+        return trace
+    read = load_trace(trace.path, again.limits, again.partial)
+    if read.name != trace.name or read.config != trace.config or read.cut != trace.cut:
+        raise TraceError(
+            trace.path, None, "file", "changed since the corpus was read: run the gate again"
+        )
+    return read

@@ -142,6 +142,9 @@ def replay(
     """
     if whole_view_every < 1:
         raise ValueError(f"whole_view_every must be at least 1, not {whole_view_every}")
+    if trace.read_again is not None:
+        # Its steps are still in its file: replaying none would pass it.
+        raise ValueError(f"{trace.path}: read the trace whole first (corpora.whole)")
     if trace.scheduler_level:
         # Its engine steps are no manager calls: replaying none would pass it.
         raise TraceError(

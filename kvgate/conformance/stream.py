@@ -122,11 +122,11 @@ def _entries(file: TextIO, path: Path, body: str) -> Iterator[object]:
             raise TraceError(path, index, "yaml", str(error)) from None
 
 
-def stream_trace(path: str | Path, limits: Limits = DEFAULT_LIMITS) -> Trace:
+def stream_trace(path: str | Path, limits: Limits = DEFAULT_LIMITS, partial: bool = False) -> Trace:
     """The trace in `path`, validated entry by entry, its steps (or engine
     entries) left in the file (`Trace.stream`); a trace in another form (not
     one entry a line, a recording, a refusal trace) is read whole
-    (`load_trace`)."""
+    (`load_trace`, `partial` applying to it)."""
     path = Path(path)
     try:
         check_file(path, limits)
@@ -134,10 +134,10 @@ def stream_trace(path: str | Path, limits: Limits = DEFAULT_LIMITS) -> Trace:
         raise TraceError(path, None, error.field, error.message) from None
     offset = _body_offset(path)
     if offset is None:
-        return load_trace(path, limits)
+        return load_trace(path, limits, partial)
     head, body = _head(path, limits)
     if head.expect_refused is not None:
-        return load_trace(path, limits)
+        return load_trace(path, limits, partial)
     last_use: dict[str, int] = {}
     reader = _Reader(path, limits)
     reader.config = head.config

@@ -82,6 +82,14 @@ VERDICT_WORDS = ("PASS", "FAIL", "LACKS", "SKIP", "ERROR")
 
 
 @dataclass(frozen=True)
+class ReadAgain:
+    """How a trace whose body was set aside after validation is read again."""
+
+    limits: Limits
+    partial: bool
+
+
+@dataclass(frozen=True)
 class Trace:
     """A validated trace.
 
@@ -115,6 +123,10 @@ class Trace:
     # steps are read from its file as they run; `steps` and `primitives`
     # are then empty.
     stream: Any = field(default=None, compare=False)
+    # A trace of a corpus validated when the corpus was read, its body then
+    # left in its file until it runs (`corpora.read_corpora`): `steps`,
+    # `primitives` and `engine` are empty; `corpora.whole` reads them again.
+    read_again: ReadAgain | None = field(default=None, compare=False)
 
     @property
     def scheduler_level(self) -> bool:
