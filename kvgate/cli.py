@@ -86,14 +86,11 @@ from kvgate.errors import (
     printable,
 )
 from kvgate.output import QUIET, VllmLogs, vllm_logs
+from kvgate.replay_jobs import GateSettings, run_all
 from kvgate.targets import (
-    LOCKSTEP_MODEL,
     TARGETS,
     build_target,
     gate_factories,
-    run_scheduler_trace,
-    run_trace,
-    scheduler_factories,
 )
 from kvgate.vocabulary.target import Capabilities
 
@@ -184,6 +181,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 failed_elsewhere=explored_failure,
                 measured_costs=measured_costs,
                 whole_view_every=args.whole_view_every,
+                jobs=args.jobs,
             )
     except _NothingValid as nothing:
         for error in nothing.invalid:
@@ -437,6 +435,15 @@ def _parser(only: str | None = None) -> argparse.ArgumentParser:
         )
         options.add_partial(command)
         command.add_argument(
+            "--jobs",
+            type=_at_least_one,
+            default=1,
+            metavar="N",
+            help="replay N traces at once, each in a worker process (a recording is one "
+            "trace, its parts replayed in order); the verdicts and the report are those of "
+            "one at a time, in the same order",
+        )
+        command.add_argument(
             "--whole-view-every",
             type=_at_least_one,
             default=WHOLE_VIEW_EVERY,
@@ -477,6 +484,7 @@ def run_traces(
     failed_elsewhere: bool = False,
     measured_costs: Mapping[str, str] | None = None,
     whole_view_every: int = WHOLE_VIEW_EVERY,
+    jobs: int = 1,
 ) -> int:
     """Run `traces` and report each one's verdict, with every `invalid`
     trace's error listed and counted; the exit code (`errors.EXIT_CODES`).
@@ -486,11 +494,13 @@ def run_traces(
     `notes`: lines shown before the verdict (the deployment gated);
     `failed_elsewhere`: a check besides the traces failed (the exploration
     at a deployment, which its note names): the gate fails as on a divergence;
-    `measured_costs`: what lacking each capability costs at that deployment."""
+    `measured_costs`: what lacking each capability costs at that deployment;
+    `jobs`: how many traces run at once, each in a worker process
+    (`replay_jobs.py`), reported in the same order as one at a time."""
     if not traces and invalid:
         raise _NothingValid(invalid)
     logs = logs or VllmLogs()
-    factory, model = gate_factories(target_name, plugin)
+    factory, _ = gate_factories(target_name, plugin)
     probe = known_defects.start(defects, target_name) if traces else None
 
     report = TerminalReport(
@@ -510,22 +520,11 @@ def run_traces(
     for error in invalid:
         print(f"kvgate: error: {printable(str(error))}", file=sys.stderr)
         report.add_invalid(error)
-    engine = None
-    if any(trace.scheduler_level for trace in traces):
-        engine = scheduler_factories(target_name, plugin)
-    for trace in traces:
-        excluded: list[str] = []
-        kind = "refusal traces" if trace.expect_refused is not None else "traces"
-        with logs.unit(kind) as captured:
-            if trace.scheduler_level:
-                assert engine is not None
-                result = run_scheduler_trace(trace, *engine, level, whole_view_every)
-            else:
-                is_model = target_name == LOCKSTEP_MODEL
-                result = run_trace(
-                    trace, factory, model, level, is_model, excluded, whole_view_every
-                )
-        report.exclusions(trace.name, excluded)
+    settings = GateSettings(target_name, plugin, level, whole_view_every, logs.verbosity)
+    for trace, run in zip(traces, run_all(traces, settings, jobs), strict=True):
+        result = run.outcome
+        logs.merge(run.counted)
+        report.exclusions(trace.name, list(run.excluded))
         if isinstance(result, TraceRunError) and not result.config_refused:
             kind = "internal error" if result.bug else "error"
             print(f"kvgate: {kind}: {printable(result.message)}", file=sys.stderr)
@@ -533,7 +532,7 @@ def run_traces(
         if verdict(result) in (Verdict.DIVERGES, Verdict.ERROR, Verdict.BUG):
             # Only a failure's: a trace the build lacks a capability for
             # conforms as far as it goes.
-            logs.show(captured, f"trace {trace.name}")
+            logs.show(run.logs, f"trace {trace.name}")
     code = exit_code(report.results, required, len(invalid))
     if report.results and all(verdict(r) is Verdict.NOT_APPLICABLE for r in report.results):
         # Nothing was checked: each refusal is the input's error.

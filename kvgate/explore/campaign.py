@@ -25,14 +25,13 @@ import hashlib
 import importlib.util
 import json
 import math
-import multiprocessing
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from kvgate import workers
 from kvgate.conformance.replay import one_line
 from kvgate.errors import InputError
 from kvgate.explore.knobs import build, strata, stratum_name
@@ -339,23 +338,9 @@ Engine = Callable[[Sequence[Shard], str, str], Iterable[ShardResult]]
 
 
 def in_processes(jobs: int) -> Engine:
-    """Shards in a pool of `jobs` worker processes, yielded as they finish."""
-
-    def run(shards: Sequence[Shard], profile_name: str, out: str) -> Iterator[ShardResult]:
-        if jobs == 1:
-            for shard in shards:
-                yield run_shard(shard, profile_name, out)
-            return
-        with ProcessPoolExecutor(max_workers=jobs, mp_context=_worker_context()) as pool:
-            pending: set[Future[ShardResult]] = {
-                pool.submit(run_shard, shard, profile_name, out) for shard in shards
-            }
-            while pending:
-                finished, pending = wait(pending, return_when=FIRST_COMPLETED)
-                for future in finished:
-                    yield future.result()
-
-    return run
+    """Shards in a pool of `jobs` worker processes (`workers.in_processes`),
+    yielded as they finish."""
+    return _engine(workers.in_processes(jobs, WORKER_PRELOAD))
 
 
 # What every worker needs before its first shard, imported once by the
@@ -365,41 +350,18 @@ def in_processes(jobs: int) -> Engine:
 WORKER_PRELOAD = ("kvgate.explore.runner", "kvgate.explore.profiles", "kvgate.explore.campaign")
 
 
-def _worker_context() -> multiprocessing.context.BaseContext:
-    """Workers forked from a fork server that preloaded `WORKER_PRELOAD`:
-    nothing of the parent's state is inherited (as with spawn), and no
-    worker pays the imports. Spawn where the platform has no fork server."""
-    if "forkserver" not in multiprocessing.get_all_start_methods():
-        return multiprocessing.get_context("spawn")
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(list(WORKER_PRELOAD))
-    return context
-
-
 def on_ray(address: str) -> Engine:
-    """Shards as Ray tasks on the cluster at `address` (`local` or `local:N`
-    starts a local cluster of N worker CPUs). Every node needs kvgate (and
-    vLLM for vLLM cells) importable."""
-    try:
-        import ray
-    except ImportError:
-        raise InputError("--ray: Ray is not installed (pip install 'kvgate[ray]')") from None
+    """Shards as Ray tasks on the cluster at `address` (`workers.on_ray`:
+    `local` or `local:N` starts a local cluster of N worker CPUs). Every
+    node needs kvgate (and vLLM for vLLM cells) importable."""
+    return _engine(workers.on_ray(address))
 
+
+def _engine(pool: workers.Pool[ShardResult]) -> Engine:
     def run(shards: Sequence[Shard], profile_name: str, out: str) -> Iterator[ShardResult]:
-        if address == "local" or address.startswith("local:"):
-            cpus = int(address.partition(":")[2] or 2)
-            ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False)
-        else:
-            ray.init(address=address, log_to_driver=False)
-        try:
-            task = ray.remote(run_shard)
-            pending = [task.remote(shard, profile_name, out) for shard in shards]
-            while pending:
-                finished, pending = ray.wait(pending, num_returns=1)
-                for ref in finished:
-                    yield ray.get(ref)
-        finally:
-            ray.shutdown()
+        tasks = [(shard, profile_name, out) for shard in shards]
+        for _, result in pool(run_shard, tasks):
+            yield result
 
     return run
 
