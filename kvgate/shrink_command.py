@@ -10,7 +10,10 @@ that it fails only where the target and the model differ. That first
 divergence (its kind of step, level and field) is what the shrunk trace
 must keep; `conformance.shrink` then removes requests, steps, tokens and
 pool blocks while it does. Every candidate runs in this process (vLLM is
-imported once). On `--target model` there is no lockstep: the trace's own
+imported once). A manager-level trace written one step a line (as kvgate
+writes them) is not held whole: its first divergence is found by a
+streamed replay, as `kvgate replay --stream` reads it, and only the steps
+up to it are read into memory and shrunk. On `--target model` there is no lockstep: the trace's own
 expectations are what the model fails, so candidates keep them. A
 recording cut short is refused, as by `kvgate replay`, unless `--partial`
 asks to shrink the entries recorded before the cut.
@@ -36,9 +39,17 @@ from pathlib import Path
 from typing import Any
 
 from kvgate import options
-from kvgate.conformance.replay import LEVELS, Level, Outcome, ReplayResult, TraceRunError
-from kvgate.conformance.shrink import Shrinker
-from kvgate.conformance.trace import Trace, load_trace
+from kvgate.conformance.replay import (
+    LEVELS,
+    Divergence,
+    Level,
+    Outcome,
+    ReplayResult,
+    TraceRunError,
+)
+from kvgate.conformance.shrink import Shrinker, streamed_without_expectations
+from kvgate.conformance.stream import stream_trace
+from kvgate.conformance.trace import Trace
 from kvgate.errors import EXIT_KVGATE_BUG, EXIT_OK, InputError, printable
 from kvgate.output import VERBOSE, VllmLogs
 from kvgate.targets import (
@@ -91,7 +102,7 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     path: Path = args.trace
-    trace = load_trace(path, partial=args.partial)
+    trace = stream_trace(path, partial=args.partial)
     if trace.expect_refused is not None:
         raise InputError(f"{path}: a refusal trace has no steps to shrink")
     out: Path = args.out or path.with_name(f"{path.stem}.shrunk.yaml")
@@ -99,6 +110,16 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(f"{out}: the output would replace the trace being shrunk")
     logs: VllmLogs | None = getattr(args, "vllm_logs", None)
     outcome = _outcome(args.target, options.plugin_of(args), args.level)
+    keep_expectations = args.target == LOCKSTEP_MODEL
+    history = None
+    if trace.stream is not None:
+        # The first divergence found streaming; only the steps up to it read.
+        history = trace.stream.written_steps()
+        first = outcome(trace if keep_expectations else streamed_without_expectations(trace))
+        divergence = _divergence(path, first, args.target)
+        if divergence is None:
+            return EXIT_KVGATE_BUG
+        trace = trace.stream.prefix(divergence.step.index + 1)
 
     def judge(candidate: Trace) -> ReplayResult | None:
         # vLLM's log lines while candidates run are one unit of work, never shown.
@@ -107,17 +128,12 @@ def run(args: argparse.Namespace) -> int:
         return result if isinstance(result, ReplayResult) else None
 
     progress = None if args.verbosity < VERBOSE else _progress
-    shrinker = Shrinker(
-        trace, judge, keep_expectations=args.target == LOCKSTEP_MODEL, progress=progress
-    )
-    reference = shrinker.reference()
+    shrinker = Shrinker(trace, judge, keep_expectations, progress, history)
+    reference: Outcome | None = shrinker.reference()
     if reference is None:
-        return _no_verdict(shrinker.reference_trace(), outcome)
-    if reference.divergence is None:
-        aside = "" if args.target == LOCKSTEP_MODEL else " (its own expectations set aside)"
-        raise InputError(
-            f"{path}: does not diverge on --target {args.target}{aside}: nothing to shrink"
-        )
+        reference = outcome(shrinker.reference_trace())  # no verdict: why
+    if _divergence(path, reference, args.target) is None:
+        return EXIT_KVGATE_BUG
     shrunk = shrinker.shrink()
     name = f"{trace.name}.shrunk"
     about = (
@@ -146,14 +162,20 @@ def _outcome(target: str, plugin: str | None, level: Level) -> Callable[[Trace],
     return outcome
 
 
-def _no_verdict(trace: Trace, outcome: Callable[[Trace], Outcome]) -> int:
-    """The trace itself got no verdict: why, in one line."""
-    result = outcome(trace)
-    assert isinstance(result, TraceRunError)
-    if result.bug:
-        print(f"kvgate: internal error: {printable(result.message)}", file=sys.stderr)
-        return EXIT_KVGATE_BUG
-    raise InputError(result.message)
+def _divergence(path: Path, result: Outcome, target: str) -> Divergence | None:
+    """The trace's first divergence, the one the shrunk trace must keep.
+    A trace that does not diverge, or that got no verdict (why, in one
+    line), is the input's error; None when the model raised (kvgate's bug,
+    printed)."""
+    if isinstance(result, TraceRunError):
+        if result.bug:
+            print(f"kvgate: internal error: {printable(result.message)}", file=sys.stderr)
+            return None
+        raise InputError(result.message)
+    if result.divergence is None:
+        aside = "" if target == LOCKSTEP_MODEL else " (its own expectations set aside)"
+        raise InputError(f"{path}: does not diverge on --target {target}{aside}: nothing to shrink")
+    return result.divergence
 
 
 def _progress(line: str) -> None:

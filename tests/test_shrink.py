@@ -17,13 +17,14 @@ import re
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 from configs import needs_vllm
 
-from kvgate import cli
+from kvgate import cli, shrink_command
 from kvgate.conformance.replay import ReplayResult
-from kvgate.conformance.shrink import ddmin, step_count
+from kvgate.conformance.shrink import Shrinker, ddmin, step_count
 from kvgate.conformance.trace import (
     Trace,
     bundled_corpus,
@@ -244,3 +245,64 @@ def test_the_output_may_not_replace_the_trace(
     assert cli.main(["shrink", str(path), "--target", "model", "-o", str(path)]) == EXIT_INPUT
     [line] = capsys.readouterr().err.strip().splitlines()
     assert line == f"kvgate: error: {path}: the output would replace the trace being shrunk"
+
+
+# -- a long history, its divergence late -------------------------------------
+
+
+def long_history(path: Path, sessions: int, planted: int) -> int:
+    """`sessions` two-turn conversations one after the other, written one
+    step a line; the second turn of session `planted` expects a hit no
+    lookup can give (a single token). The index of that step."""
+    head = (bundled_corpus() / "dense-retention-multiturn.hold-off.yaml").read_text()
+    lines = [head.split("steps:\n")[0].replace("dense-retention-multiturn.hold-off", "long")]
+    lines.append("steps:\n")
+    at = -1
+    for k in range(sessions):
+        wrong = ", expect: {hit: 1}" if k == planted else ""
+        if k == planted:
+            at = len(lines) - 2 + 6
+        lines += [
+            f"  - {{op: arrive, req: A{k}, prompt: [{{fresh: 150}}]}}\n",
+            f"  - {{op: prefill, req: A{k}, lookahead: 3}}\n",
+            f"  - {{op: decode, req: A{k}, steps: 4, spec: 3}}\n",
+            f"  - {{op: free, req: A{k}, how: finish}}\n",
+            "  - {op: drain}\n",
+            f"  - {{op: arrive, req: B{k}, prompt: [{{all_of: A{k}}}, {{fresh: 26}}]}}\n",
+            f"  - {{op: prefill, req: B{k}, lookahead: 3{wrong}}}\n",
+            f"  - {{op: free, req: B{k}, how: finish}}\n",
+            "  - {op: drain}\n",
+        ]
+    path.write_text("".join(lines))
+    return at
+
+
+def test_a_long_history_is_shrunk_from_the_prefix_up_to_its_late_divergence(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path, out = tmp_path / "long.yaml", tmp_path / "small.yaml"
+    at = long_history(path, sessions=150, planted=140)
+    assert load_trace(path).steps[at].expect == {"hit": 1}
+    handed: list[Shrinker] = []
+
+    class Watched(Shrinker):
+        def __init__(self, trace: Trace, *args: Any) -> None:
+            super().__init__(trace, *args)
+            handed.append(self)
+
+    monkeypatch.setattr(shrink_command, "Shrinker", Watched)
+    assert cli.main(["shrink", str(path), "--target", "model", "-o", str(out), "-q"]) == EXIT_OK
+    # Found by a streamed replay: the shrinker holds the steps up to it, no more.
+    [shrinker] = handed
+    assert step_count(shrinker.original) == at + 1 < 150 * 9
+    # The requests that ended long before are dropped in a few replays.
+    assert len(shrinker.results) < 60
+    shrunk = load_trace(out)
+    assert step_count(shrunk) <= 5
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    shrunk_to = f"from {150 * 9} steps to {step_count(shrunk)}, diverges on model"
+    assert line.startswith(f"{out}: {shrunk_to}")
+    factory, _ = gate_factories("model")
+    result = run_trace(shrunk, factory, None, "strict", target_is_model=True)
+    assert isinstance(result, ReplayResult)
+    assert where_and_what(result) == ("lookup", "expect", "hit")

@@ -3,10 +3,14 @@
 `Shrinker` reduces either kind of trace, manager-level (`steps`) or
 scheduler-level (`engine`), by delta debugging (`ddmin`) in this order:
 
-1. everything after the first divergence is cut (a replay stops there),
-   and the pool shrunk (`num_blocks`): every step of every candidate
-   compares the whole pool at level `strict`, so a small pool first makes
-   the rest several times faster;
+1. everything after the first divergence is cut (a replay stops there);
+   then the requests that ended earliest are dropped, as many as still
+   diverge alike, found by bisection (a request another kept one's prompt
+   names stays): a long history's failure usually needs only its last
+   few requests, and this finds them in a few replays of ever shorter
+   prefixes; then the pool shrunk (`num_blocks`): every step of every
+   candidate compares the whole pool at level `strict`, so a small pool
+   first makes the rest several times faster;
 2. requests: a request is dropped with every step that names it, and with
    every request whose prompt or `follows` names it (their steps could not
    be valid without it);
@@ -15,7 +19,12 @@ scheduler-level (`engine`), by delta debugging (`ddmin`) in this order:
    `max_tokens` and each `decode`'s repeat count, then the pool
    (`num_blocks`), each the smallest that still diverges (by bisection).
 
-The phases repeat while one of them still removes something. A candidate
+The phases repeat while one of them still removes something. A long
+history need not be held: `kvgate shrink` finds the first divergence of a
+trace written one step a line by a streamed replay (`without_expectations`
+applies to a stream too), then hands the shrinker only the prefix up to
+it. Each candidate's verdict is remembered by its text's digest, not the
+text. A candidate
 is written with the project's writer and read back through the trace
 reader, so a candidate the format refuses (a step on a request that never
 arrived) is rejected before it runs; one the target or the model refuses
@@ -30,10 +39,11 @@ level. What a replay is and on which target it runs is the caller's
 
 from __future__ import annotations
 
+import hashlib
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from kvgate.conformance.replay import Divergence, ReplayResult
 from kvgate.conformance.trace import Trace, TraceError, parse_trace
@@ -134,6 +144,25 @@ def without_expectations(trace: Trace) -> tuple[Item, ...]:
     return tuple(replace(s, expect={}) for s in trace.steps if s.op != "check")
 
 
+@dataclass(frozen=True)
+class BareStream:
+    """A streamed trace's steps (`conformance.stream.StepStream`) as
+    `without_expectations` leaves them, read as they replay."""
+
+    stream: Any
+
+    def primitives(self, forget: Callable[[list[str]], None] | None = None) -> Iterator[Step]:
+        for step in self.stream.primitives(forget):
+            if step.op != "check":
+                yield replace(step, expect={})
+
+
+def streamed_without_expectations(trace: Trace) -> Trace:
+    """A streamed trace replayed as `without_expectations` leaves it."""
+    assert trace.stream is not None
+    return replace(trace, stream=BareStream(trace.stream))
+
+
 class Shrinker:
     """Shrinks `trace` (see the module's docstring). `keep_expectations`:
     candidates keep the trace's `expect` and `check` values (a target judged
@@ -145,8 +174,12 @@ class Shrinker:
         judge: Judge,
         keep_expectations: bool = False,
         progress: Callable[[str], None] | None = None,
+        history_steps: int | None = None,
     ) -> None:
         self.original = trace
+        # The whole history's length, when `trace` is the prefix of it up
+        # to its first divergence (the account counts from the history).
+        self.history_steps = step_count(trace) if history_steps is None else history_steps
         self.judge = judge
         self.progress = progress
         self.config = trace.config
@@ -155,7 +188,8 @@ class Shrinker:
             self.items: tuple[Item, ...] = trace.engine if trace.scheduler_level else trace.steps
         else:
             self.items = without_expectations(trace)
-        self.results: dict[str, ReplayResult | None] = {}
+        # Each candidate's verdict, by its text's digest.
+        self.results: dict[bytes, ReplayResult | None] = {}
         self.key: tuple[str, str, str] | None = None
         self.best: tuple[Trace, str, ReplayResult] | None = None
 
@@ -184,11 +218,12 @@ class Shrinker:
         """The candidate's replay (None: invalid, or no verdict); kept as the
         best so far when it fails as the original does."""
         text = self.text(config, items)
-        if text in self.results:
-            return self.results[text]
+        digest = hashlib.sha256(text.encode()).digest()
+        if digest in self.results:
+            return self.results[digest]
         candidate = self.read(text)
         result = None if candidate is None else self.judge(candidate)
-        self.results[text] = result
+        self.results[digest] = result
         if candidate is not None and result is not None and result.divergence is not None:
             if self.key is None:  # the reference: what every candidate must keep
                 self.key = failure_key(result.divergence)
@@ -215,6 +250,7 @@ class Shrinker:
         for _ in range(MAX_ROUNDS):
             before = self.best[1]
             self.cut_after_divergence()
+            self.drop_ended_requests()
             self.shrink_pool()
             self.drop_requests()
             self.cut_after_divergence()
@@ -228,7 +264,7 @@ class Shrinker:
             trace,
             text,
             result,
-            step_count(self.original),
+            self.history_steps,
             step_count(trace),
             sum(1 for r in self.results.values() if r is not None),
         )
@@ -249,6 +285,21 @@ class Shrinker:
         if end < len(self.items):
             self.passes(self.config, self.items[:end])
         self.say("after the divergence cut")
+
+    def drop_ended_requests(self) -> None:
+        """The requests that ended first dropped, as many as still diverge
+        alike (by bisection on how many), each a request a kept one's
+        prompt names kept (`_ended_first`)."""
+        items = self.items
+        order = _ended_first(items)
+        low, high = 0, len(order)  # dropping `low` passes (none: the best so far)
+        while high - low > 1:
+            middle = (low + high) // 2
+            if self.passes(self.config, _drop_ended(items, order[:middle])):
+                low = middle
+            else:
+                high = middle
+        self.say("ended requests dropped")
 
     def drop_requests(self) -> None:
         names = _requests(self.items)
@@ -321,6 +372,27 @@ def _named(item: Item) -> set[str]:
     if isinstance(item, EngineStep) and item.follows is not None:
         names.add(item.follows)
     return names
+
+
+def _ended_first(items: Sequence[Item]) -> list[str]:
+    """The requests that arrive, by the last item that names them, earliest first."""
+    last: dict[str, int] = {}
+    for index, item in enumerate(items):
+        if item.req is not None:
+            last[item.req] = index
+        for name in _named(item):
+            last[name] = index
+    return sorted(_requests(items), key=lambda name: last.get(name, 0))
+
+
+def _drop_ended(items: Sequence[Item], ended: Sequence[str]) -> list[Item]:
+    """`items` without the `ended` requests, but for those a kept request's
+    arrival names (transitively: a prompt names only earlier requests)."""
+    kept = set(_requests(items)) - set(ended)
+    for item in reversed(items):
+        if item.op == "arrive" and item.req in kept:
+            kept |= _named(item)
+    return _keep_requests(items, kept)
 
 
 def _keep_requests(items: Sequence[Item], kept: set[str]) -> list[Item]:

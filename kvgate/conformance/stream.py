@@ -27,7 +27,14 @@ from typing import TextIO
 from kvgate.conformance.limits import DEFAULT_LIMITS, LimitError, Limits, check_file, over
 from kvgate.conformance.macros import expand
 from kvgate.conformance.strict_yaml import load_document, load_flow_entry
-from kvgate.conformance.trace import Trace, TraceError, _Reader, load_trace, read_each
+from kvgate.conformance.trace import (
+    Trace,
+    TraceError,
+    _Reader,
+    load_trace,
+    parse_trace,
+    read_each,
+)
 from kvgate.vocabulary.ops import Step
 from kvgate.vocabulary.scheduling import EngineStep
 
@@ -84,6 +91,20 @@ class StepStream:
                 if index and forget is not None:
                     forget(ended_at.pop(index - 1, []))
                 yield reader, index, raw
+
+    def written_steps(self) -> int:
+        """How many steps the file holds (written, macros unexpanded)."""
+        with self.path.open("rb") as file:
+            file.seek(self.body_offset)
+            return sum(1 for _ in file)
+
+    def prefix(self, steps: int) -> Trace:
+        """The trace of the first `steps` written steps alone, read whole:
+        its head and those lines, nothing after them."""
+        with self.path.open("rb") as file:
+            head = file.read(self.body_offset)
+            lines = [line for _, line in zip(range(steps), file, strict=False)]
+        return parse_trace((head + b"".join(lines)).decode("utf-8"), self.path, self.limits)
 
 
 def _settings_doc(head: Trace) -> dict[str, int]:
