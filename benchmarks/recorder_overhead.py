@@ -1,7 +1,7 @@
 """The recorder's overhead: its own time inside vLLM's Scheduler calls, one process.
 
     python benchmarks/recorder_overhead.py [--scale K] [--sessions N] [--turns T]
-                                           [--seed S] [--rounds R]
+                                           [--seed S] [--rounds R] [--runs M]
 
 The workload (upstream build, hold off, the smallest unit) is first served
 once on vLLM's real `Scheduler` with the recorder on, untimed: that gives a
@@ -20,14 +20,23 @@ Prints, over the rounds, the recorder's time per engine step and as a share
 of the Scheduler's own time in its calls (min, median, max), and the floor.
 A share of the Scheduler's time alone is an upper bound of what recording
 adds to a served engine's step, which also runs the model.
+
+With `--runs M` the whole measurement is made M times, each in a process of
+its own (as M regenerations of the results page would make it): one line
+per run, then how far apart the runs' medians are, against each run's own
+spread between its rounds. The figure is stable when the medians differ by
+less than a run's own spread.
 """
 
 from __future__ import annotations
 
 import argparse
 import io
+import json
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -93,8 +102,80 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--turns", type=int, default=5, help="(5)")
     parser.add_argument("--seed", type=int, default=0, help="(0)")
     parser.add_argument("--rounds", type=int, default=12, help="rounds each way (12)")
+    parser.add_argument(
+        "--runs", type=int, default=1, help="whole measurements, each in its own process (1)"
+    )
+    parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.runs > 1:
+        return _runs(args)
+    figures = measure(args)
+    if args.json:
+        print(json.dumps(figures))
+        return 0
+    print(_workload_line(args, figures["steps"]))
+    print(
+        f"Scheduler's own time in its calls, a round: {spread(figures['work_seconds'], 1e3, ' ms')}"
+    )
+    print(f"recorder time per engine step: {spread(figures['per_step'], 1, ' us')}")
+    print(f"recorder time / Scheduler's own time: {spread(figures['recorded'], 100, ' %')}")
+    print(f"timing floor (recorder off): {spread(figures['floor'], 100, ' %')}")
+    return 0
 
+
+def spread(values: list[float], scale: float, unit: str) -> str:
+    low, mid, high = min(values), statistics.median(values), max(values)
+    return ", ".join(
+        f"{what} {value * scale:.1f}{unit}"
+        for what, value in (("min", low), ("median", mid), ("max", high))
+    )
+
+
+def _workload_line(args: argparse.Namespace, steps: int) -> str:
+    runs = f", in each of {args.runs} runs (a process each)" if args.runs > 1 else ""
+    return (
+        f"workload: {args.sessions} sessions x {args.turns} turns, seed {args.seed}, "
+        f"tokens / {args.scale}; {steps} engine steps; {args.rounds} rounds with the recorder "
+        f"on and off, interleaved{runs}"
+    )
+
+
+def _runs(args: argparse.Namespace) -> int:
+    """The measurement made `args.runs` times, each in a fresh process."""
+    settings = ("scale", "sessions", "turns", "seed", "rounds")
+    own = [word for name in settings for word in (f"--{name}", str(getattr(args, name)))]
+    runs = []
+    for _ in range(args.runs):
+        child = subprocess.run(
+            [sys.executable, __file__, *own, "--json"], capture_output=True, text=True
+        )
+        if child.returncode:
+            sys.stderr.write(child.stderr)
+            return child.returncode
+        runs.append(json.loads(child.stdout.strip().splitlines()[-1]))
+    print(_workload_line(args, runs[0]["steps"]))
+    for number, figures in enumerate(runs, start=1):
+        print(
+            f"run {number}: recorder time / Scheduler's own time: "
+            f"{spread(figures['recorded'], 100, ' %')}; per engine step, median "
+            f"{statistics.median(figures['per_step']):.1f} us; timing floor, median "
+            f"{statistics.median(figures['floor']) * 100:.1f} %"
+        )
+    medians = [statistics.median(f["recorded"]) * 100 for f in runs]
+    own_spreads = [(max(f["recorded"]) - min(f["recorded"])) * 100 for f in runs]
+    print(
+        f"across the {args.runs} runs: recorder time / Scheduler's own time, median of the "
+        f"medians {statistics.median(medians):.1f} %; the medians {min(medians):.1f} % to "
+        f"{max(medians):.1f} % ({max(medians) - min(medians):.1f} points apart), each run's "
+        f"own spread (max - min of its rounds) {min(own_spreads):.1f} to "
+        f"{max(own_spreads):.1f} points"
+    )
+    return 0
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """One whole measurement: the recording made, then replayed `args.rounds`
+    times each way; each round's figures."""
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     from vllm.v1.core.sched.scheduler import Scheduler
 
@@ -164,23 +245,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                     per_step.append((whole - work) / steps * 1e6)
                     work_seconds.append(work)
 
-    def spread(values: list[float], scale: float, unit: str) -> str:
-        low, mid, high = min(values), statistics.median(values), max(values)
-        return ", ".join(
-            f"{what} {value * scale:.1f}{unit}"
-            for what, value in (("min", low), ("median", mid), ("max", high))
-        )
-
-    print(
-        f"workload: {workload.sessions} sessions x {workload.turns} turns, seed {args.seed}, "
-        f"tokens / {args.scale}; {steps} engine steps; {args.rounds} rounds with the recorder "
-        "on and off, interleaved"
-    )
-    print(f"Scheduler's own time in its calls, a round: {spread(work_seconds, 1e3, ' ms')}")
-    print(f"recorder time per engine step: {spread(per_step, 1, ' us')}")
-    print(f"recorder time / Scheduler's own time: {spread(shares[True], 100, ' %')}")
-    print(f"timing floor (recorder off): {spread(shares[False], 100, ' %')}")
-    return 0
+    return {
+        "steps": steps,
+        "work_seconds": work_seconds,
+        "per_step": per_step,
+        "recorded": shares[True],
+        "floor": shares[False],
+    }
 
 
 if __name__ == "__main__":

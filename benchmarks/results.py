@@ -198,11 +198,11 @@ SECTIONS: tuple[Section, ...] = (
     Section(
         "benchmarks",
         "Benchmark ratios",
-        "about 5 minutes",
+        "about 10 minutes",
         (
             f"{PY} benchmarks/replay_speed.py --rounds 3",
             f"{PY} benchmarks/workload.py --scale 16",
-            f"{PY} benchmarks/recorder_overhead.py",
+            f"{PY} benchmarks/recorder_overhead.py --runs 3",
             f"{PY} benchmarks/gate_cost.py",
         ),
         render_whole,
@@ -211,7 +211,10 @@ SECTIONS: tuple[Section, ...] = (
         "production workload on each target alone (time and peak memory), the "
         "recorder's own time inside vLLM's Scheduler calls against the Scheduler's time in "
         "them, measured in the same calls while one recorded workload is replayed, over "
-        "many rounds (min, median, max; the floor is what the timing itself costs); and "
+        "many rounds (min, median, max; the floor is what the timing itself costs), the "
+        "whole measurement made three times, each in a process of its own as three "
+        "regenerations of this page would make it, and how far apart the three medians "
+        "are against each run's own spread; and "
         "what each bundled corpus costs a gate run (wall and CPU time, vLLM imported once).",
         stable=mask_benchmarks,
     ),
