@@ -17,7 +17,7 @@ import pytest
 
 from kvgate import cli
 from kvgate.conformance import corpora
-from kvgate.conformance.corpora import read_corpora
+from kvgate.conformance.corpora import HELD_FILE_BYTES, read_corpora
 from kvgate.conformance.trace import Trace, bundled_corpus, load_trace
 
 MANAGER = (
@@ -61,6 +61,25 @@ def test_beyond_the_bytes_it_holds_a_corpus_keeps_heads_only(tmp_path: Path) -> 
         assert (trace.stream is None) != (trace.read_again is None)
     assert sum(t.stream is not None for t in heads.traces) == 2  # one step a line
     assert [t.config for t in heads.traces] == [t.config for t in held.traces]
+
+
+def test_a_long_trace_is_never_held_whole(tmp_path: Path) -> None:
+    folder = corpus(tmp_path / "corpus")
+    source = (bundled_corpus() / "dense-retention-multiturn.hold-off.yaml").read_text()
+    head = source.split("steps:\n")[0].replace("dense-retention-multiturn.hold-off", "long")
+    steps = "".join(
+        f"  - {{op: arrive, req: R{k}, prompt: [{{fresh: 40}}]}}\n"
+        f"  - {{op: prefill, req: R{k}, lookahead: 3}}\n"
+        f"  - {{op: free, req: R{k}, how: finish}}\n"
+        "  - {op: drain}\n"
+        for k in range(1000)
+    )
+    (folder / "long.yaml").write_text(f"{head}steps:\n{steps}")
+    assert (folder / "long.yaml").stat().st_size > HELD_FILE_BYTES
+    traces = {t.name: t for t in read_corpora([folder], bundled=False).traces}
+    assert traces["long"].stream is not None and not traces["long"].steps
+    # The short ones are held whole: read once.
+    assert all(t.steps or t.engine for name, t in traces.items() if name != "long")
 
 
 def test_each_trace_is_read_when_it_runs_the_one_before_it_gone(

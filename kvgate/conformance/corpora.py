@@ -8,9 +8,10 @@ any corpora, are refused (a report line or a JUnit case would not say which
 of them ran).
 
 Every trace is validated when the corpora are read, before anything runs,
-but a gate holds only a bounded amount of them at once: once the files read
-whole reach `HELD_BYTES`, each further trace is kept as its head alone (its
-name, config, tags: what selection and the report need). A manager-level
+but a gate holds only a bounded amount of them at once: a short trace (its
+file within `HELD_FILE_BYTES`) is kept whole while the files kept total
+within `HELD_BYTES`; every other trace is kept as its head alone (its name,
+config, tags: what selection and the report need). A manager-level
 trace written one step a line is then read as `kvgate replay --stream`
 reads it, its steps read from its file as they replay; any other trace is
 set aside and read whole again when it runs (`whole`). Peak memory follows
@@ -37,9 +38,12 @@ from kvgate.conformance.trace import (
 
 # How a run names the corpus kvgate ships.
 BUNDLED = "bundled"
-# The bytes of trace files a gate holds read whole; the bundled corpus fits
-# (about half of it), so its traces are read once.
+# The bytes of trace files a gate holds read whole, and the largest file it
+# holds so: the bundled corpus fits (its files are a few kilobytes each), so
+# its traces are read once; a long trace is never held whole (in memory a
+# trace takes tens of times its file's bytes).
 HELD_BYTES = 1 << 20
+HELD_FILE_BYTES = 64 << 10
 
 
 @dataclass(frozen=True)
@@ -121,7 +125,7 @@ def read_corpora(
                 size = Path(path).stat().st_size
             except OSError:
                 size = room + 1  # the reader below says what is wrong with it
-            if size <= room:
+            if size <= min(room, HELD_FILE_BYTES):
                 room -= size
                 return load_trace(path, limits, cut_short)
             return head_only(stream_trace(path, limits, cut_short), limits, cut_short)
