@@ -137,6 +137,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     code = cast(int, handler(args))
                 logs.print_summary()
                 return code
+            if args.ray is not None and args.jobs > 1:
+                raise InputError("--ray: the traces run on the cluster's workers; leave out --jobs")
             limits = _limits(args.limit)
             deployment_lines: list[str] = []
             explored_failure = False
@@ -182,6 +184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 measured_costs=measured_costs,
                 whole_view_every=args.whole_view_every,
                 jobs=args.jobs,
+                ray=args.ray,
             )
     except _NothingValid as nothing:
         for error in nothing.invalid:
@@ -444,6 +447,13 @@ def _parser(only: str | None = None) -> argparse.ArgumentParser:
             "one at a time, in the same order",
         )
         command.add_argument(
+            "--ray",
+            metavar="ADDRESS",
+            help="replay the traces as tasks on the Ray cluster at ADDRESS instead (local:N "
+            "starts one of N CPUs here; every node needs kvgate, vLLM and the traces' files), "
+            "reported as --jobs reports them (pip install 'kvgate[ray]')",
+        )
+        command.add_argument(
             "--whole-view-every",
             type=_at_least_one,
             default=WHOLE_VIEW_EVERY,
@@ -485,6 +495,7 @@ def run_traces(
     measured_costs: Mapping[str, str] | None = None,
     whole_view_every: int = WHOLE_VIEW_EVERY,
     jobs: int = 1,
+    ray: str | None = None,
 ) -> int:
     """Run `traces` and report each one's verdict, with every `invalid`
     trace's error listed and counted; the exit code (`errors.EXIT_CODES`).
@@ -496,7 +507,8 @@ def run_traces(
     at a deployment, which its note names): the gate fails as on a divergence;
     `measured_costs`: what lacking each capability costs at that deployment;
     `jobs`: how many traces run at once, each in a worker process
-    (`replay_jobs.py`), reported in the same order as one at a time."""
+    (`replay_jobs.py`), reported in the same order as one at a time; `ray`:
+    the traces run as tasks on that Ray cluster instead."""
     if not traces and invalid:
         raise _NothingValid(invalid)
     logs = logs or VllmLogs()
@@ -521,7 +533,7 @@ def run_traces(
         print(f"kvgate: error: {printable(str(error))}", file=sys.stderr)
         report.add_invalid(error)
     settings = GateSettings(target_name, plugin, level, whole_view_every, logs.verbosity)
-    for trace, run in zip(traces, run_all(traces, settings, jobs), strict=True):
+    for trace, run in zip(traces, run_all(traces, settings, jobs, ray), strict=True):
         result = run.outcome
         logs.merge(run.counted)
         report.exclusions(trace.name, list(run.excluded))

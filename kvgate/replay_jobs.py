@@ -8,7 +8,8 @@ last part (as `conformance/trace.read_corpus` and the gate read it).
 
 Each trace runs as the gate runs it in one process (`run_one`: the targets'
 factories built once per process, vLLM's log lines captured for the trace),
-in worker processes from the pool kvgate has (`workers.py`). The outcomes
+in worker processes from the pool kvgate has (`workers.py`), or as Ray
+tasks on a cluster whose nodes all read the traces' files (`--ray`). The outcomes
 come back with their captured lines and are reported in the traces' order:
 the report and the exit code are those of `--jobs 1`, which runs every
 trace in this process.
@@ -118,8 +119,11 @@ def _factories(settings: GateSettings, scheduler: bool) -> Any:
     return found
 
 
-def run_all(traces: Sequence[Trace], settings: GateSettings, jobs: int) -> Iterator[TraceRun]:
-    """Each trace's run, in the traces' order, `jobs` at a time."""
-    pool = workers.in_processes(jobs, PRELOAD)
-    tasks = [(trace, settings, jobs > 1) for trace in traces]
+def run_all(
+    traces: Sequence[Trace], settings: GateSettings, jobs: int, ray: str | None = None
+) -> Iterator[TraceRun]:
+    """Each trace's run, in the traces' order, `jobs` at a time, or as Ray
+    tasks on the cluster at `ray` (every node reads the traces' files)."""
+    pool = workers.on_ray(ray) if ray is not None else workers.in_processes(jobs, PRELOAD)
+    tasks = [(trace, settings, ray is not None or jobs > 1) for trace in traces]
     yield from workers.in_order(pool(run_one, tasks))

@@ -4,6 +4,7 @@ one `--jobs 1` prints; the pool itself, shared with exploration campaigns."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 from pathlib import Path
@@ -71,6 +72,8 @@ def test_replay_on_two_jobs_reports_what_one_job_reports(
 def test_a_bad_job_count_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["gate", "--target", "model", "--jobs", "0"]) == 2
     assert "--jobs: must be at least 1, not 0" in capsys.readouterr().err
+    assert cli.main(["gate", "--target", "model", "--jobs", "2", "--ray", "local"]) == 2
+    assert "--ray: the traces run on the cluster's workers" in capsys.readouterr().err
 
 
 def test_the_pool_runs_tasks_in_other_processes_and_puts_results_in_order() -> None:
@@ -80,3 +83,12 @@ def test_the_pool_runs_tasks_in_other_processes_and_puts_results_in_order() -> N
     # One job: in this process, nothing pickled.
     assert dict(workers.in_processes(1)(os.getpid, [()])) == {0: os.getpid()}
     assert list(workers.in_order(iter([(2, "c"), (0, "a"), (1, "b")]))) == ["a", "b", "c"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="Ray is not installed")
+def test_the_gate_on_a_local_ray_cluster_reports_what_one_job_reports(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = corpus(tmp_path / "corpus")
+    gate = ["gate", "--target", "model", "--no-bundled", "--corpus", str(folder)]
+    assert run([*gate, "--ray", "local:2"], capsys)[:2] == run(gate, capsys)[:2]
