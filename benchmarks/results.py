@@ -219,6 +219,19 @@ SECTIONS: tuple[Section, ...] = (
         stable=mask_benchmarks,
     ),
     Section(
+        "corpus-memory",
+        "A gate's memory over a corpus of long traces",
+        "about a minute",
+        (f"{PY} benchmarks/corpus_memory.py",),
+        render_whole,
+        "The gate's peak resident memory (each run a process of its own, on kvgate's model) "
+        "over a corpus holding one long manager-level trace and over one holding several "
+        "copies of it, for a trace written one step a line (read as it replays) and for one "
+        "in another form (read whole when it runs, after every trace was checked): the "
+        "ratio near 1 says the gate holds one trace at a time, not the corpus.",
+        stable=mask_seconds,
+    ),
+    Section(
         "served-overhead",
         "Recorder overhead on a served engine",
         "seconds (it prints the record; measuring it again takes about 10 minutes)",

@@ -52,6 +52,7 @@ SMOKE: dict[str, tuple[list[str], str, bool]] = {
         "scheduler-level / manager-level: ",
         True,
     ),
+    "corpus_memory.py": (["--sessions", "20", "--copies", "2"], "one step a line ", False),
     "recorder_overhead.py": (
         ["--scale", "64", "--sessions", "1", "--turns", "2", "--rounds", "1"],
         "recorder time / Scheduler's own time: ",
