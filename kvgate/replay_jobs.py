@@ -62,8 +62,7 @@ class TraceRun:
     counted: dict[str, Counter[str]] = field(default_factory=dict)
 
 
-# This process's factories, by kind and settings (a worker builds them for
-# its first trace and keeps them).
+# A worker's factories, by kind and settings (built for its first trace).
 _FACTORIES: dict[tuple[str, str, str | None], Any] = {}
 
 
@@ -75,12 +74,12 @@ def run_one(trace: Trace, settings: GateSettings, worker: bool = False) -> Trace
     kind = "refusal traces" if trace.expect_refused is not None else "traces"
     with logs.unit(kind) as captured:
         if trace.scheduler_level:
-            model, real = _factories(settings, scheduler=True)
+            model, real = _factories(settings, True, worker)
             outcome = run_scheduler_trace(
                 trace, model, real, settings.level, settings.whole_view_every
             )
         else:
-            factory, lockstep = _factories(settings, scheduler=False)
+            factory, lockstep = _factories(settings, False, worker)
             outcome = run_trace(
                 trace,
                 factory,
@@ -109,14 +108,16 @@ def _worker_logs(settings: GateSettings) -> VllmLogs:
     return logs
 
 
-def _factories(settings: GateSettings, scheduler: bool) -> Any:
+def _factories(settings: GateSettings, scheduler: bool, worker: bool) -> Any:
+    """The targets' factories: a worker's kept for its later traces; in this
+    process looked up for each trace (the registry may have changed)."""
+    make = scheduler_factories if scheduler else gate_factories
+    if not worker:
+        return make(settings.target, settings.plugin)
     key = ("scheduler" if scheduler else "manager", settings.target, settings.plugin)
-    found = _FACTORIES.get(key)
-    if found is None:
-        make = scheduler_factories if scheduler else gate_factories
-        found = make(settings.target, settings.plugin)
-        _FACTORIES[key] = found
-    return found
+    if key not in _FACTORIES:
+        _FACTORIES[key] = make(settings.target, settings.plugin)
+    return _FACTORIES[key]
 
 
 def run_all(
