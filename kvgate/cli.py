@@ -4,6 +4,7 @@
     kvgate gate [--target vllm|model] [--corpus DIR ...] [--no-bundled] [--level strict|api]
     (both) [--junit-xml PATH] [--overlay | --plugin MODULE|entry-points]
            [--require hold|retention|none ...] [--limit NAME=N ...] [-q | -v | -vv]
+           [--jobs N | --ray ADDRESS]
 
 The options every command shares (target, overlay, level, hold, seed,
 profile, budget, output directory, verbosity) are spelled once, in
