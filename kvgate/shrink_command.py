@@ -129,6 +129,7 @@ def run(args: argparse.Namespace) -> int:
 
     progress = None if args.verbosity < VERBOSE else _progress
     shrinker = Shrinker(trace, judge, keep_expectations, progress, history)
+    trace = shrinker.original  # its head: the shrinker holds the steps it still needs
     reference: Outcome | None = shrinker.reference()
     if reference is None:
         reference = outcome(shrinker.reference_trace())  # no verdict: why

@@ -176,7 +176,9 @@ class Shrinker:
         progress: Callable[[str], None] | None = None,
         history_steps: int | None = None,
     ) -> None:
-        self.original = trace
+        # Its head alone (name, about, tags, path): the steps a candidate
+        # needs are `items`, so a long trace's are let go once it is cut.
+        self.original = replace(trace, steps=(), primitives=(), engine=())
         # The whole history's length, when `trace` is the prefix of it up
         # to its first divergence (the account counts from the history).
         self.history_steps = step_count(trace) if history_steps is None else history_steps
@@ -223,7 +225,8 @@ class Shrinker:
             return self.results[digest]
         candidate = self.read(text)
         result = None if candidate is None else self.judge(candidate)
-        self.results[digest] = result
+        # Remembered without the candidate's steps (the best one is kept below).
+        self.results[digest] = None if result is None else replace(result, trace=self.original)
         if candidate is not None and result is not None and result.divergence is not None:
             if self.key is None:  # the reference: what every candidate must keep
                 self.key = failure_key(result.divergence)
