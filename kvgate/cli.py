@@ -39,7 +39,7 @@ from typing import Any, NoReturn, cast
 
 import kvgate
 from kvgate import known_defects, options
-from kvgate.conformance.corpora import CorpusCount, read_corpora
+from kvgate.conformance.corpora import CorpusCount, read_corpora, read_held
 from kvgate.conformance.limits import DEFAULT_LIMITS, Limits
 from kvgate.conformance.replay import (
     LEVELS,
@@ -62,7 +62,6 @@ from kvgate.conformance.stream import read_streamed
 from kvgate.conformance.trace import (
     Trace,
     TraceError,
-    read_traces,
 )
 from kvgate.conformance.verdict import (
     CAPABILITY_NAMES,
@@ -148,7 +147,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.command == "replay" and args.stream:
                 traces, invalid = read_streamed(args.traces, limits)
             elif args.command == "replay":
-                traces, invalid = read_traces(args.traces, limits, args.partial)
+                traces, invalid = read_held(args.traces, limits, args.partial)
             else:
                 if args.deployment is not None:
                     # Only here: resolving a serve command line needs vLLM.

@@ -17,7 +17,7 @@ import pytest
 
 from kvgate import cli
 from kvgate.conformance import corpora
-from kvgate.conformance.corpora import HELD_FILE_BYTES, read_corpora
+from kvgate.conformance.corpora import HELD_FILE_BYTES, read_corpora, read_held
 from kvgate.conformance.trace import Trace, bundled_corpus, load_trace
 
 MANAGER = (
@@ -80,6 +80,12 @@ def test_a_long_trace_is_never_held_whole(tmp_path: Path) -> None:
     assert traces["long"].stream is not None and not traces["long"].steps
     # The short ones are held whole: read once.
     assert all(t.steps or t.engine for name, t in traces.items() if name != "long")
+    # `kvgate replay` given the files reads them alike.
+    held, invalid = read_held(sorted(folder.iterdir()))
+    assert not invalid
+    assert [(t.name, t.stream is None, bool(t.steps or t.engine)) for t in held] == [
+        (t.name, t.stream is None, bool(t.steps or t.engine)) for t in traces.values()
+    ]
 
 
 def test_each_trace_is_read_when_it_runs_the_one_before_it_gone(

@@ -20,6 +20,7 @@ the largest trace replayed, not the corpus.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -34,6 +35,7 @@ from kvgate.conformance.trace import (
     check_unique_names,
     load_trace,
     read_each,
+    read_traces,
 )
 
 # How a run names the corpus kvgate ships.
@@ -107,7 +109,7 @@ def read_corpora(
     traces read whole until their files reach `held_bytes`, the rest kept as
     their heads (see the module's docstring)."""
     corpora = Corpora()
-    room = held_bytes
+    holding = _Holding(limits, held_bytes)
     named: list[tuple[str, Path, bool]] = []
     if bundled:
         named.append((BUNDLED, bundled_corpus(), False))
@@ -118,23 +120,46 @@ def read_corpora(
             corpora.names.append(name)
         for path in fresh:
             corpora.origin[path.resolve()] = name
-
-        def read(path: str | Path, cut_short: bool = cut_short) -> Trace:
-            nonlocal room
-            try:
-                size = Path(path).stat().st_size
-            except OSError:
-                size = room + 1  # the reader below says what is wrong with it
-            if size <= min(room, HELD_FILE_BYTES):
-                room -= size
-                return load_trace(path, limits, cut_short)
-            return head_only(stream_trace(path, limits, cut_short), limits, cut_short)
-
-        traces, invalid = read_each(fresh, read)
+        traces, invalid = read_each(fresh, functools.partial(holding.read, partial=cut_short))
         corpora.traces += traces
         corpora.invalid += invalid
     check_unique_names(corpora.traces)
     return corpora
+
+
+def read_held(
+    paths: Sequence[str | Path],
+    limits: Limits = DEFAULT_LIMITS,
+    partial: bool = False,
+    held_bytes: int = HELD_BYTES,
+) -> tuple[list[Trace], list[TraceError]]:
+    """`trace.read_traces` as a gate reads its corpora: every trace
+    validated, short ones held whole, the others kept as their heads
+    (`kvgate replay` given many traces). A single trace is read whole, once:
+    nothing else is held beside it."""
+    if len(paths) == 1:
+        return read_traces(paths, limits, partial)
+    holding = _Holding(limits, held_bytes)
+    return read_each(paths, lambda path: holding.read(path, partial))
+
+
+class _Holding:
+    """What a run still holds room for: short traces read whole while the
+    files held stay within `held_bytes`; every other one kept as its head."""
+
+    def __init__(self, limits: Limits, held_bytes: int) -> None:
+        self.limits = limits
+        self.room = held_bytes
+
+    def read(self, path: str | Path, partial: bool) -> Trace:
+        try:
+            size = Path(path).stat().st_size
+        except OSError:
+            size = self.room + 1  # the reader below says what is wrong with it
+        if size <= min(self.room, HELD_FILE_BYTES):
+            self.room -= size
+            return load_trace(path, self.limits, partial)
+        return head_only(stream_trace(path, self.limits, partial), self.limits, partial)
 
 
 def head_only(trace: Trace, limits: Limits, partial: bool) -> Trace:
