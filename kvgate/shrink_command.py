@@ -49,7 +49,7 @@ from kvgate.conformance.replay import (
 )
 from kvgate.conformance.shrink import Shrinker, streamed_without_expectations
 from kvgate.conformance.stream import stream_trace
-from kvgate.conformance.trace import Trace
+from kvgate.conformance.trace import Trace, load_trace
 from kvgate.errors import EXIT_KVGATE_BUG, EXIT_OK, InputError, printable
 from kvgate.output import VERBOSE, VllmLogs
 from kvgate.targets import (
@@ -103,6 +103,9 @@ def register(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     path: Path = args.trace
     trace = stream_trace(path, partial=args.partial)
+    if trace.scheduler_level and trace.stream is not None:
+        # A scheduler-level history is shrunk from the whole trace.
+        trace = load_trace(path, partial=args.partial)
     if trace.expect_refused is not None:
         raise InputError(f"{path}: a refusal trace has no steps to shrink")
     out: Path = args.out or path.with_name(f"{path.stem}.shrunk.yaml")
