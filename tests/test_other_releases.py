@@ -1,5 +1,6 @@
-"""What differs between vLLM releases at the Scheduler level: the two
-Scheduler-level differences of vLLM 0.32.0, named exactly; what kvgate
+"""What differs between vLLM releases at the Scheduler level: the three
+Scheduler-level differences of vLLM 0.32.0, named exactly, and a recording
+of one replayed on another release, whose report names both releases; what kvgate
 gives the Scheduler of a release that needs Triton to build its engine
 config and has only the v2 model runner (vLLM 0.34.0), probed on the
 installed build's objects; and, where `scripts/vllm-matrix.sh` has made a
@@ -60,6 +61,66 @@ def test_priority_self_preemption_explains_only_its_divergence() -> None:
     assert "0.32.0 bug" in known.verdict
     assert explain(at(8, [("H", 1)], [("L", 1)])) is None  # another schedule
     assert explain(at(7, [("H", 1)], [])) is None  # another step
+
+
+def test_rekeyed_hit_explains_only_its_divergence() -> None:
+    def at(index: int, actual: object) -> Divergence:
+        return _divergence(
+            "sched-first-turns-resume-from-one-cached-prefix",
+            index,
+            "expect",
+            "scheduled",
+            [("W", 1), ("S1", 10), ("S2", 20)],
+            actual,
+        )
+
+    known = explain(at(5, [("W", 1), ("S1", 10)]))
+    assert known is not None and known.name == "rekeyed-hit-holds-back-siblings"
+    assert "0.32.0 bug" in known.verdict
+    assert explain(at(5, [("W", 1)])) is None  # another schedule
+    assert explain(at(6, [("W", 1), ("S1", 10)])) is None  # another step
+
+
+def _recording(tmp_path: Path, release: str) -> Path:
+    """The bundled trace whose two first turns vLLM 0.32.0 admits a step
+    apart, as a recording by `release` holding what vLLM 0.32.0 did up to
+    that step: S1 admitted alone, S2 held back."""
+    text = (CORPUS_DIR / "sched-first-turns-resume-from-one-cached-prefix.yaml").read_text()
+    head, _, entries = text.partition("engine:\n")
+    lines = entries.splitlines()[:5] + [
+        "  - {op: step, expect: {scheduled: [[W, 1], [S1, 10]], finished: [W]}}"
+    ]
+    path = tmp_path / f"rec-by-{release}.yaml"
+    path.write_text(
+        head.replace("name: sched-", "name: rec-")
+        + f"recording: {{vllm: {release}, part: 1, device: cpu}}\nengine:\n"
+        + "\n".join(lines)
+        + f"\nend: {{entries: {len(lines)}}}\n"
+    )
+    return path
+
+
+@needs_vllm
+@pytest.mark.parametrize("target", ["vllm", "model"])
+def test_a_recording_replayed_on_another_release_names_both_where_they_differ(
+    tmp_path: Path, target: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A 0.32.0 recording fails on 0.33.0 (and on the model of it) where the
+    releases differ, and the report says that both agree there and that the
+    recording's release did otherwise; a recording that names the release
+    it is replayed on gets no such line."""
+    from kvgate import cli
+
+    assert cli.main(["replay", str(_recording(tmp_path, "0.32.0")), "--target", target]) == 1
+    out = capsys.readouterr().out
+    assert "first divergence at step 5 (step), level expect" in out
+    on = "kvgate's model of vLLM 0.33.0" if target == "model" else "vLLM 0.33.0, with which"
+    assert f"  releases: recorded by vLLM 0.32.0, replayed on {on}" in out
+    assert "the expected value is what vLLM 0.32.0 did" in out
+    assert cli.main(["replay", str(_recording(tmp_path, "0.33.0")), "--target", target]) == 1
+    out = capsys.readouterr().out
+    assert "first divergence at step 5 (step), level expect" in out
+    assert "releases:" not in out
 
 
 @needs_vllm
@@ -137,13 +198,14 @@ def _gate(release: str, *names: str) -> str:
     return done.stdout
 
 
-def test_vllm_0_32_0_fails_its_two_scheduler_differences_by_name() -> None:
+def test_vllm_0_32_0_fails_its_three_scheduler_differences_by_name() -> None:
     """And runs the traces for the v2 model runner, which its engine config
     refuses without Triton."""
     out = _gate(
         "0.32.0",
         "sched-mtp-accepted-drafts",
         "sched-priority-preempts-lowest-running",
+        "sched-first-turns-resume-from-one-cached-prefix",
         "sched-model-runner-v2-preempt-and-resume",
     )
     assert "PASS sched-model-runner-v2-preempt-and-resume " in out
@@ -151,7 +213,9 @@ def test_vllm_0_32_0_fails_its_two_scheduler_differences_by_name() -> None:
     assert "FAIL sched-priority-preempts-lowest-running " in out
     assert "known:    difference accepted-drafts-keyed-late:" in out
     assert "known:    difference priority-self-preemption-ends-scan:" in out
-    assert out.rstrip().endswith("1 passed, 2 failed")
+    assert "FAIL sched-first-turns-resume-from-one-cached-prefix " in out
+    assert "known:    difference rekeyed-hit-holds-back-siblings:" in out
+    assert out.rstrip().endswith("1 passed, 3 failed")
 
 
 def test_vllm_0_34_0_runs_the_scheduler_level_traces() -> None:

@@ -80,6 +80,24 @@ KNOWN: tuple[KnownDifference, ...] = (
         "output), fixed in 0.33.0, whose Scheduler goes on scanning after such a "
         "self-preemption under the priority policy only",
     ),
+    KnownDifference(
+        name="rekeyed-hit-holds-back-siblings",
+        trace="sched-first-turns-resume-from-one-cached-prefix",
+        step=5,
+        level="expect",
+        what="scheduled",
+        expected=[("W", 1), ("S1", 10), ("S2", 20)],
+        actual=[("W", 1), ("S1", 10)],
+        explanation="in Mamba cache mode align, a request admitted with a prefix-cache hit "
+        "that ends at its prompt's last whole block keys that block's Mamba state again; "
+        "vLLM 0.32.0 then counts the block as cached in this step even though an earlier "
+        "step keyed it, so a request waiting in the same step whose hit ends on that block "
+        "is refused its allocation as if the pool were full, which also ends the step's "
+        "scan of the waiting queue; vLLM 0.33.0 leaves a block already keyed at that "
+        "position alone and admits both",
+        verdict="a 0.32.0 bug (a step's delay for requests resuming from a shared cached "
+        "prefix, such as a system prompt, no wrong output), fixed in 0.33.0",
+    ),
 )
 
 

@@ -296,12 +296,41 @@ def divergence_lines(result: ReplayResult) -> list[str]:
         f"  actual:   {actual}",
     ]
     lines += [f"  note:     {note}" for note in (d.note, *result.notes) if note]
+    lines += release_lines(result)
     known = explain(d)
     if known is not None:
         lines.append(f"  known:    difference {known.name}: {known.explanation}; {known.verdict}")
     lines += [f"  also:     {divergence_summary(later)}" for later in result.also]
     lines.append(f"  trace:    {d.path}")
     return lines
+
+
+def release_lines(result: ReplayResult) -> list[str]:
+    """For a recording replayed on another vLLM release than the one it
+    recorded: both releases, and whether they alone differ at the divergence
+    (the recording's expectation unmet, while the build and the model agree
+    with each other at that step)."""
+    d = result.divergence
+    recorded, replaying = result.trace.recorded_by, result.capabilities.release
+    if d is None or not recorded or not replaying or recorded == replaying:
+        return []
+    on_model = not result.capabilities.implementation.startswith("vllm")
+    target = f"kvgate's model of vLLM {replaying}" if on_model else f"vLLM {replaying}"
+    lockstep = [x for x in result.also if x.step.index == d.step.index and x.level != "expect"]
+    if d.level != "expect" or lockstep:
+        return [f"  releases: recorded by vLLM {recorded}, replayed on {target}"]
+    known = "the known differences between releases: docs/how-to/gate-another-release.md"
+    if on_model:
+        return [
+            f"  releases: recorded by vLLM {recorded}, replayed on {target}: the expected "
+            f"value is what vLLM {recorded} did, and the model does otherwise at this step, "
+            f"as it does wherever vLLM {recorded} and {replaying} differ ({known})"
+        ]
+    return [
+        f"  releases: recorded by vLLM {recorded}, replayed on {target}, with which the "
+        f"model agrees at this step: the expected value is what vLLM {recorded} did, so the "
+        f"two releases differ here ({known})"
+    ]
 
 
 def divergence_summary(d: Divergence) -> str:

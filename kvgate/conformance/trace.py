@@ -119,6 +119,9 @@ class Trace:
     # A recording: the device its engine ran on (`recording.device`); empty
     # when the recording does not say, or for a trace written by hand.
     device: str = ""
+    # A recording: the vLLM release whose Scheduler it recorded
+    # (`recording.vllm`); empty for a trace written by hand.
+    recorded_by: str = ""
     # A trace read entry by entry (`conformance.stream.StepStream`): its
     # steps are read from its file as they run; `steps` and `primitives`
     # are then empty.
@@ -542,7 +545,7 @@ class _Reader(ConfigReader, StepReader, EngineReader):
         settings = self.engine_settings(doc.get("scheduler", {}))
         raw_steps = self.entries(doc, "engine")
         engine = tuple(e for i, raw in enumerate(raw_steps) for e in self.engine_step(i, raw))
-        device = self.recording(doc, len(raw_steps))
+        device, recorded_by = self.recording(doc, len(raw_steps))
         return Trace(
             name=name,
             about=about,
@@ -554,16 +557,18 @@ class _Reader(ConfigReader, StepReader, EngineReader):
             engine=engine,
             scheduler=settings,
             device=device,
+            recorded_by=recorded_by,
         )
 
-    def recording(self, doc: Mapping[Any, Any], entries: int) -> str:
-        """A recording's `recording` header and its `end` line; the device it names."""
+    def recording(self, doc: Mapping[Any, Any], entries: int) -> tuple[str, str]:
+        """A recording's `recording` header and its `end` line; the device
+        and the vLLM release it names."""
         if "recording" not in doc:
             if "end" in doc:
                 raise self.error(
                     None, "end", "only a recording (with `recording:`) has an end line"
                 )
-            return ""
+            return "", ""
         raw = doc["recording"]
         if not isinstance(raw, dict):
             raise self.error(None, "recording", f"must be a mapping, got {got(raw)}")
@@ -586,8 +591,9 @@ class _Reader(ConfigReader, StepReader, EngineReader):
             raise self.error(
                 None, "recording.device", f"must be a device name like cpu, got {got(device)}"
             )
+        release = str(raw.get("vllm", ""))
         if self.partial:
-            return str(device)
+            return str(device), release
         end = doc.get("end")
         if end is None:
             raise self.error(
@@ -605,7 +611,7 @@ class _Reader(ConfigReader, StepReader, EngineReader):
                 "end.entries",
                 f"says {got(end.get('entries'))} entries, the file holds {entries}",
             )
-        return str(device)
+        return str(device), release
 
     def tags(self, raw: object) -> tuple[str, ...]:
         if not isinstance(raw, list):

@@ -218,6 +218,7 @@ class VllmScheduler:
             hold=hold,
             hold_source=hold_source(managers, plugin, plugin_module) if hold else "",
             retain_retired=retains_retired(api, managers),
+            release=api.version,
         )
         self.streaming_input = takes_streaming_input(api, scheduler)
         # The engine's pauses (`pause_generation`) set the Scheduler's state.

@@ -78,6 +78,7 @@ class VllmTarget(OpDriver[Any]):
             hold=hold,
             hold_source=hold_source(self.managers, plugin, plugin_module) if hold else "",
             retain_retired=retains_retired(api, self.managers),
+            release=api.version,
         )
 
     # ---------------------------------------------------------------- extras

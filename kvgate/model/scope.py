@@ -29,6 +29,9 @@ from kvgate.vocabulary.config import (
     RefusedByVllm,
 )
 
+# The vLLM release whose behaviour the model follows.
+MODELLED_VLLM = "0.33.0"
+
 # The fields whose values vLLM 0.33.0 fixes as a closed set: the field, its
 # values, what the refusal calls them.
 _CLOSED_CHOICES: tuple[tuple[str, tuple[str, ...], str], ...] = (

@@ -9,6 +9,7 @@ from kvgate.driver.op_driver import OpDriver
 from kvgate.model.manager import KVCacheManager
 from kvgate.model.pool import HashKey
 from kvgate.model.request import Request
+from kvgate.model.scope import MODELLED_VLLM
 from kvgate.model.split import chunk_tokens
 from kvgate.vocabulary.config import Config
 from kvgate.vocabulary.events import KvEvent
@@ -54,6 +55,7 @@ class ModelTarget(OpDriver[Request]):
             hold=hold,
             hold_source="kvgate model" if hold else "",
             retain_retired=config.retain_retired,
+            release=MODELLED_VLLM,
         )
 
     # -- requests -------------------------------------------------------------

@@ -24,6 +24,9 @@ class Capabilities:
     hold: bool  # the partial-tail checkpoint hold (trace field `retain_checkpoint`)
     hold_source: str = ""  # which hold implementation ran, when `hold`
     retain_retired: bool = False  # the fork's retention of retired states (`retain_retired`)
+    # The vLLM release whose behaviour this is: the installed vLLM's version,
+    # or the release the model follows; empty when none is built.
+    release: str = ""
 
 
 class StepRefused(Exception):
