@@ -53,8 +53,25 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<assistant>{% endif %}"
 )
 MODEL_NAME = "tiny-qwen3-next"
-# Seconds between two sessions' starts.
-STAGGER = float(os.environ.get("SERVED_E2E_STAGGER", "1.0"))
+# The block size the engine is started with (see `Server`): the attention
+# block, the Mamba block and the prefix cache's hash unit.
+BLOCK_SIZE = int(os.environ.get("SERVED_E2E_BLOCK_SIZE", "384"))
+# The shared system prompt's words: with its role's token before it and the
+# next role's after, it fills two whole blocks, so the sessions resume from
+# the Mamba state cached at its end and differ right after it.
+SYSTEM_WORDS = 2 * BLOCK_SIZE - 2
+# A session's first message: long enough that its prompt ends at least one
+# whole block past the system prompt. A request whose prefix-cache hit ends
+# at its prompt's last whole block keys that block's Mamba state again;
+# vLLM 0.32.0 then counts the shared block as cached in that step and holds
+# back every other request resuming from it until the next step, where
+# 0.33.0 (and kvgate's model) admit them together. With the hit ending a
+# block or more before the prompt's last whole block, both releases admit
+# the sessions' first requests alike, however their arrivals fall into steps.
+# (The other requests resuming from the system prompt with less than a block
+# of their own, the warm-up, the disconnects and the stop strings, each wait
+# alone: each is sent once the requests before it run or have ended.)
+FIRST_MESSAGE_WORDS = BLOCK_SIZE
 SEED = 7
 
 
@@ -181,7 +198,7 @@ class Server:
             # engine too: vLLM's CPU platform would otherwise split prefills at
             # its default block size of 128, apart from the Scheduler's.
             "--block-size",
-            os.environ.get("SERVED_E2E_BLOCK_SIZE", "384"),
+            str(BLOCK_SIZE),
             # Time for the engine process to shut its Scheduler down on
             # SIGTERM (which ends each recording's file with its end line);
             # vLLM's default, 0, kills it at once.
@@ -337,7 +354,7 @@ def session(load: Load, rng: random.Random, system: str, number: int, turns: int
     for turn in range(turns):
         if turn:
             load.follow_up("chat" if use_chat else "completion", shares)
-        user = words(rng, rng.randint(20, 120))
+        user = words(rng, rng.randint(20, 120) + (FIRST_MESSAGE_WORDS if not turn else 0))
         # Long enough replies that sessions decode side by side (the pool
         # pressure that preempts for certain comes after, in `pressure`).
         max_tokens = rng.randint(40, 160)
@@ -436,14 +453,10 @@ def serve(
         print(f"server ready after {summary['startup_seconds']}s", flush=True)
         load = Load(server.base)
         rng = random.Random(SEED)
-        # With its role's token before it and the next role's after, the
-        # shared system prompt ends at the second 384-token block's end: the
-        # sessions share two whole blocks and differ right after them.
-        system = words(rng, 766)
+        system = words(rng, SYSTEM_WORDS)
         started = time.monotonic()
         # The shared system prompt computed once before the sessions start,
-        # so no session waits on another's prefill of it (vLLM 0.32.0's
-        # Scheduler holds such a request back a step, 0.33.0's admits it).
+        # so that each session's first request resumes from its cached state.
         warm = [{"role": "system", "content": system}, {"role": "user", "content": "w1"}]
         load.guarded("warm", functools.partial(load.chat, warm, 4))
         threads = [
@@ -451,13 +464,10 @@ def serve(
             for i in range(sessions)
         ]
         side = [threading.Thread(target=disconnects, args=(load, random.Random(SEED - 1), system))]
-        # Each session's first request resumes from the shared system
-        # prompt's Mamba state: they start apart, one at a time, since two
-        # such requests in one step are admitted differently by vLLM 0.32.0
-        # (one a step) and 0.33.0 (both); later turns run side by side.
+        # All at once: the sessions' first requests wait side by side, each
+        # resuming from the shared system prompt (see FIRST_MESSAGE_WORDS).
         for thread in threads:
             thread.start()
-            time.sleep(STAGGER)
         if kill:
             # Killed mid-load: while the sessions' requests run.
             time.sleep(float(os.environ.get("SERVED_E2E_KILL_AFTER", "5")))
@@ -694,8 +704,8 @@ def served_table(measured: dict[str, Any]) -> str:
             f"{sent.get('chat-stream', 0)} streamed chat, "
             f"{sent.get('chat-stream-disconnect', 0)} streamed then disconnected, "
             f"{sent.get('completion', 0)} completions; "
-            f"{measured['sessions']} sessions of {measured['turns']} turns, started a "
-            "second apart, side by side"
+            f"{measured['sessions']} sessions of {measured['turns']} turns, started "
+            "together, side by side"
             + (
                 f"; then {measured['pressure_requests']} completions side by side that "
                 "outgrow the pool)"
