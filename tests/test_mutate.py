@@ -363,8 +363,8 @@ def test_the_stage_table_counts_each_stage_and_names_the_first_catch() -> None:
         NAMES[4]: ["2", "1", "1"],
     }
     assert lines[7].split()[-1] == "1"  # caught by no stage
-    assert f"  {FAULTS[3].name:<38} none" in lines
-    assert f"  {FAULTS[2].name:<38} {NAMES[4]}" in lines
+    assert f"  {FAULTS[3].name:<38} {FAULTS[3].area:<12} none" in lines
+    assert f"  {FAULTS[2].name:<38} {FAULTS[2].area:<12} {NAMES[4]}" in lines
     # A scheduler-level trace that passes unmutated and diverges with the
     # fault catches it, after the manager-level corpus and before the rest.
     passes, diverges = _outcome("s"), _outcome("s", False)
@@ -393,8 +393,9 @@ def test_the_stage_table_counts_each_stage_and_names_the_first_catch() -> None:
     caught_early = _with(with_found, traces=(_outcome("a", False),))
     both = judge(FAULTS[6], caught_early, "", counting, 1.0)
     assert both.first_stage == NAMES[0]
-    assert f"  {FAULTS[6].name:<38} {NAMES[0]} (also: {NAMES[3]})" in stage_table(
-        Campaign(baseline, [both])
+    assert (
+        f"  {FAULTS[6].name:<38} {FAULTS[6].area:<12} {NAMES[0]} (also: {NAMES[3]})"
+        in stage_table(Campaign(baseline, [both]))
     )
     assert uncounted.said.get(NAMES[3]) is None and uncounted.verdict == "missed"
 
@@ -474,8 +475,8 @@ def test_a_stage_added_as_one_class_runs_and_shows_in_the_per_stage_table(
     assert "caught by the toy sum only: toy-sum-subtracts" in lines
     [row] = [line.split() for line in lines if line.startswith("  toy sum check ")]
     assert row[-3:] == ["2", "1", "1"]  # ran on, caught, caught first
-    assert f"  {'toy-sum-subtracts':<38} toy sum check" in lines
-    assert f"  {'toy-sum-same':<38} none" in lines
+    assert f"  {'toy-sum-subtracts':<38} {'toy':<12} toy sum check" in lines
+    assert f"  {'toy-sum-same':<38} {'toy':<12} none" in lines
     assert [r.said for r in campaign.results] == [{"toy sum check": True}, {"toy sum check": False}]
     # Beside the five stages: the table gains its row, after theirs.
     stages = (*STAGES, ToySum())

@@ -307,7 +307,7 @@ def summary_lines(campaign: Campaign) -> list[str]:
 
 def stage_table(campaign: Campaign) -> list[str]:
     """How many faults each stage ran on and caught, how many it was the
-    first to catch, and each fault's first catching stage. A later stage
+    first to catch, and each fault's area and first catching stage. A later stage
     runs only on what the earlier ones missed (unless --explore-every-fault),
     so 'caught' counts what it saw."""
     judged = [r for r in campaign.results if r.verdict in ("caught", "missed")]
@@ -322,13 +322,19 @@ def stage_table(campaign: Campaign) -> list[str]:
         lines.append(f"  {stage:<{width - 2}} {ran:>7} {caught:>7} {first:>7}")
     missed = sum(not r.first_stage for r in judged)
     lines.append(f"  {'caught by no stage':<{width - 2}} {'':>7} {'':>7} {missed:>7}")
-    lines.append("first stage to catch each fault (and the later stages that caught it too):")
+    lines.append(
+        "first stage to catch each fault, by the fault's area "
+        "(and the later stages that caught it too):"
+    )
     for result in judged:
         also = [
             stage for stage, said in result.said.items() if said and stage != result.first_stage
         ]
         more = f" (also: {', '.join(also)})" if also else ""
-        lines.append(f"  {result.fault.name:<38} {result.first_stage or 'none'}{more}")
+        lines.append(
+            f"  {result.fault.name:<38} {result.fault.area:<12} "
+            f"{result.first_stage or 'none'}{more}"
+        )
     return lines
 
 
