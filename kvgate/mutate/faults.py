@@ -11,8 +11,10 @@ Areas: the block pool (free queue, hash map, ref counts), the Mamba align
 paths (speculative blocks, state retirement, copy-on-write, same-step
 deferral), the shared single-type manager (free and pop paths, admission
 counts), the coordinator and `KVCacheManager` (fan-out, drain, admission,
-lookup), and what a deployment reads besides scheduling (prefix-cache
-reset, KV-cache events, the hit stats).
+lookup), what a deployment reads besides scheduling (prefix-cache
+reset, KV-cache events, the hit stats), the Scheduler's own code, and what
+async scheduling with EAGLE/MTP drafts adds (`in flight`, `draft hits`,
+`draft frees`, `align split`).
 """
 
 from __future__ import annotations
