@@ -337,7 +337,27 @@ SCALE_SECTION = Section(
 )
 
 
-SECTIONS = (*SECTIONS, SCALE_SECTION)
+# The faults of async scheduling with drafts, beside vLLM's own tests.
+DRAFT_AREAS = ("in flight", "draft frees", "draft hits", "align split")
+DRAFT_FAULTS_SECTION = Section(
+    "draft-faults",
+    "Faults of async scheduling with drafts: the gate beside vLLM's own tests",
+    "about an hour (vLLM's own tests run once per fault)",
+    (
+        f"{PY} -m kvgate mutate --target vllm --suite both --timeout 3600 --areas "
+        + " ".join(f'"{area}"' for area in DRAFT_AREAS),
+    ),
+    render_whole,
+    "The fault classes of an engine under async scheduling with drafts (outputs in "
+    "flight, rejected drafts taken back, draft-aware prefix hits, the align-mode chunk "
+    "split with the drafter's block drop), each fault run against the gate and, in a "
+    "pytest session of its own, against vLLM's own manager and Scheduler tests "
+    "(its async scheduler tests among them): a row per fault with what caught it in each "
+    "column.",
+    stable=mask_campaign,
+)
+
+SECTIONS = (*SECTIONS, SCALE_SECTION, DRAFT_FAULTS_SECTION)
 
 
 def machine() -> str:

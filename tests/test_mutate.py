@@ -803,3 +803,23 @@ def test_a_bad_exploration_seed_exits_2(capsys: pytest.CaptureFixture[str]) -> N
     assert err.splitlines()[1].startswith("kvgate: error: --seed")
     assert cli.main(["mutate", "--seed", "-1"]) == 2
     assert capsys.readouterr().err.startswith("kvgate: error: --seed")
+
+
+def test_areas_select_the_faults_of_those_areas(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--areas` runs the faults of the areas named, in table order; with
+    `--faults` also the named ones."""
+    from kvgate import cli
+    from kvgate.mutate.faults import FAULTS
+
+    def listed(*argv: str) -> list[str]:
+        assert cli.main(["mutate", *argv, "--list"]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        return [line.split()[0] for line in lines if " [" in line and not line.startswith(" ")]
+
+    drafts = [f.name for f in FAULTS if f.area in ("draft frees", "draft hits")]
+    assert len(drafts) >= 2
+    assert listed("--areas", "draft frees", "draft hits") == drafts
+    extra = next(f.name for f in FAULTS if f.area == "block pool")
+    assert listed("--areas", "draft hits", "--faults", extra) == [
+        f.name for f in FAULTS if f.name == extra or f.area == "draft hits"
+    ]

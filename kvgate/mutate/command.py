@@ -36,7 +36,7 @@ from kvgate.conformance.replay import LEVELS
 from kvgate.conformance.trace import bundled_corpus
 from kvgate.errors import InputError
 from kvgate.mutate.campaign import Baseline, Campaign, FaultResult, run_campaign
-from kvgate.mutate.faults import BY_NAME, Fault, select
+from kvgate.mutate.faults import AREAS, BY_NAME, FAULTS, Fault, select
 from kvgate.mutate.own_suite import (
     SELECTION_ROOT,
     Suite,
@@ -78,6 +78,13 @@ def register(subparsers: Any) -> None:
         metavar="NAME",
         type=options.name_argument(list(BY_NAME), "--faults"),
         help="default: every fault (--list names them)",
+    )
+    cmd.add_argument(
+        "--areas",
+        nargs="+",
+        metavar="AREA",
+        choices=AREAS,
+        help="the faults of these areas (with --faults: and the named ones)",
     )
     cmd.add_argument("--suite", default="gate", choices=SUITES)
     cmd.add_argument("--corpus", type=Path, metavar="DIR", help="default: the bundled corpus")
@@ -139,6 +146,10 @@ def handle(args: argparse.Namespace) -> int:
         faults = select(args.faults)
     except KeyError as error:
         raise InputError(f"--faults: {error.args[0]}") from None
+    if args.areas:
+        # With --faults too: the named faults and those of the areas.
+        named = set(args.faults or ())
+        faults = [f for f in FAULTS if f.name in named or f.area in args.areas]
     if args.list:
         write_fault_list(sys.stdout, faults)
         return 0

@@ -131,6 +131,8 @@ def load_faults() -> tuple[Fault, ...]:
 
 FAULTS: tuple[Fault, ...] = load_faults()
 BY_NAME: dict[str, Fault] = {f.name: f for f in FAULTS}
+# The areas, in the table's order of first appearance.
+AREAS: tuple[str, ...] = tuple(dict.fromkeys(f.area for f in FAULTS))
 
 
 def select(names: Iterable[str] | None) -> list[Fault]:
