@@ -18,13 +18,12 @@ import pytest
 from configs import needs_vllm
 
 from kvgate.conformance.trace import Trace, bundled_corpus
-from kvgate.mutate.faults import BY_NAME, FAULTS
+from kvgate.mutate.faults import BY_NAME, DRAFT_AREAS, FAULTS
 from kvgate.mutate.inject import NotApplicable, at_site, injected
 from kvgate.mutate.stages import TraceOutcome
 
-CLASSES = ("in flight", "draft hits", "draft frees", "align split")
-# Each fault of those classes and a bundled scheduler-level trace that
-# catches it: a deployment's scenario, not one written for the fault.
+# Each fault of the classes (`DRAFT_AREAS`) and a bundled scheduler-level
+# trace that catches it: a deployment's scenario, not one written for the fault.
 CAUGHT_BY = {
     "async-preempt-keeps-placeholders": "sched-mtp-async-preempted-with-output-in-flight",
     "async-free-on-optimistic-count": "sched-async-abort-frees-after-batch",
@@ -37,9 +36,9 @@ CAUGHT_BY = {
 
 
 def test_every_fault_of_the_draft_classes_names_the_trace_that_catches_it() -> None:
-    in_classes = {f.name for f in FAULTS if f.area in CLASSES}
+    in_classes = {f.name for f in FAULTS if f.area in DRAFT_AREAS}
     assert in_classes == set(CAUGHT_BY)
-    assert {BY_NAME[name].area for name in CAUGHT_BY} == set(CLASSES)
+    assert {BY_NAME[name].area for name in CAUGHT_BY} == set(DRAFT_AREAS)
 
 
 @functools.cache

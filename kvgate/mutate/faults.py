@@ -133,6 +133,9 @@ FAULTS: tuple[Fault, ...] = load_faults()
 BY_NAME: dict[str, Fault] = {f.name: f for f in FAULTS}
 # The areas, in the table's order of first appearance.
 AREAS: tuple[str, ...] = tuple(dict.fromkeys(f.area for f in FAULTS))
+# The areas of the faults async scheduling with EAGLE/MTP drafts adds: the
+# classes of defect that configuration brings.
+DRAFT_AREAS = ("in flight", "draft hits", "draft frees", "align split")
 
 
 def select(names: Iterable[str] | None) -> list[Fault]:
