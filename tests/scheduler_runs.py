@@ -2,8 +2,7 @@
 text, or the trace read from it, edited or not), a replay on kvgate's
 scheduler model alone or on vLLM's real `Scheduler` in lockstep with it
 (with the recorder on, too), where a replay first failed, the error a bad
-trace reads as, and vLLM's `Scheduler` wrapped to plant a drift (among them, faults in
-the AsyncScheduler's output accounting)."""
+trace reads as, and vLLM's `Scheduler` wrapped to plant a drift."""
 
 from __future__ import annotations
 
@@ -98,57 +97,3 @@ class Wrapped:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.real, name)
-
-
-class NoPlaceholderForAPrompt(Wrapped):
-    """vLLM's AsyncScheduler counting no output placeholder for the batch
-    that completes a prompt (as if its sampled token were already in)."""
-
-    def __init__(self, real: Any) -> None:
-        super().__init__(real)
-        scheduler = real.scheduler
-        after = scheduler._update_after_schedule
-
-        def drifted(output: Any) -> None:
-            completing = {
-                r
-                for r, n in output.num_scheduled_tokens.items()
-                if scheduler.requests[r].num_output_placeholders == 0
-            }
-            after(output)
-            for r in completing:
-                request = scheduler.requests[r]
-                if request.num_output_placeholders:
-                    request.num_output_placeholders -= 1
-
-        scheduler._update_after_schedule = drifted
-
-
-class RejectedDraftsKept(Wrapped):
-    """vLLM's AsyncScheduler that does not take rejected drafts back from a
-    request's output placeholders (`placeholders`) or its computed tokens
-    (`computed`) when a batch's output is processed."""
-
-    def __init__(self, real: Any, counter: str) -> None:
-        super().__init__(real)
-        scheduler = real.scheduler
-        update = scheduler.update_from_output
-
-        def drifted(output: Any, runner: Any) -> Any:
-            rejected = {
-                r: len(drafts) - (len(runner.sampled_token_ids[runner.req_id_to_index[r]]) - 1)
-                for r, drafts in output.scheduled_spec_decode_tokens.items()
-                if r in scheduler.requests and drafts
-            }
-            result = update(output, runner)
-            for r, n in rejected.items():
-                request = scheduler.requests.get(r)
-                if request is None or request.is_finished() or n <= 0:
-                    continue
-                if counter == "placeholders":
-                    request.num_output_placeholders += n
-                else:
-                    request.num_computed_tokens += n
-            return result
-
-        scheduler.update_from_output = drifted

@@ -11,8 +11,6 @@ from typing import Any
 
 from configs import needs_vllm
 from scheduler_runs import (
-    NoPlaceholderForAPrompt,
-    RejectedDraftsKept,
     Wrapped,
     first_failure,
     run_vllm,
@@ -25,6 +23,8 @@ from kvgate.conformance.trace import (
     parse_trace,
 )
 from kvgate.model.scheduler import SchedulerModel
+from kvgate.mutate.faults import BY_NAME
+from kvgate.mutate.inject import injected
 from kvgate.vocabulary.scheduling import DeferredFree, EngineStep
 
 TRACE = trace_of("sched-async-abort-frees-after-batch")
@@ -80,7 +80,8 @@ def test_a_request_decodes_past_its_output_in_flight() -> None:
     result = run_vllm(DECODES_IN_FLIGHT)
     assert result.steps_run == len(DECODES_IN_FLIGHT.engine)
     assert all(d.level == "expect" for d in (result.divergence, *result.also) if d)
-    result = run_vllm(DECODES_IN_FLIGHT, NoPlaceholderForAPrompt)
+    with injected(BY_NAME["async-no-placeholder-for-prompt"]):
+        result = run_vllm(DECODES_IN_FLIGHT)
     [diverged] = [d for d in (result.divergence, *result.also) if d and d.level != "expect"]
     assert diverged.level == "strict" and "output accounting" in diverged.what
     assert (diverged.expected, diverged.actual) == ({"B": (1, 8, 0)}, {"B": (0, 8, 0)})
@@ -234,10 +235,12 @@ def test_rejected_drafts_kept_in_flight_diverge_at_their_update() -> None:
     placeholders in the per-request output accounting at that very step,
     the computed tokens in what the next step schedules."""
     assert run_vllm(BLOCK_BOUNDARY).passed
-    kept = run_vllm(BLOCK_BOUNDARY, functools.partial(RejectedDraftsKept, counter="placeholders"))
+    with injected(BY_NAME["async-rejected-kept-as-placeholders"]):
+        kept = run_vllm(BLOCK_BOUNDARY)
     diverged = lockstep_divergence(kept)
     assert diverged.level == "strict" and "output accounting" in diverged.what
-    computed = run_vllm(BLOCK_BOUNDARY, functools.partial(RejectedDraftsKept, counter="computed"))
+    with injected(BY_NAME["rejected-drafts-kept-as-computed"]):
+        computed = run_vllm(BLOCK_BOUNDARY)
     # Computed tokens kept show in the next batch: one token, not 1 + 3.
     later = lockstep_divergence(computed)
     assert later.step.index == diverged.step.index + 1

@@ -4,35 +4,30 @@ model and vLLM 0.33.0's real `Scheduler`, in strict lockstep.
 The ci profile is clean on stock vLLM and reaches a list of behaviours, and
 finds from scratch a Scheduler fault of the campaign's applied in this
 process (the trace it saves replays as a divergence on vLLM with the fault,
-and conforms without it), and each fault planted in the AsyncScheduler's
-output accounting under async scheduling with drafts.
+and conforms without it), and a fault of the campaign's of each class async
+scheduling with drafts brings.
 """
 
 from __future__ import annotations
 
-import functools
+import os
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import pytest
 from configs import EXAMPLE_CONFIG, needs_vllm
 from hypothesis import Phase
-from scheduler_runs import NoPlaceholderForAPrompt, RejectedDraftsKept
 
 from kvgate import cli
 from kvgate.conformance.trace import load_trace
 from kvgate.conformance.writer import save_engine_trace
-from kvgate.explore import scheduler_machine
 from kvgate.explore.mode import SchedulerMode, SchedulerStats
 from kvgate.explore.profiles import profile
 from kvgate.explore.scheduler_runner import SchedulerOutcome, explore_scheduler
-from kvgate.mutate.faults import BY_NAME
+from kvgate.mutate.faults import BY_NAME, DRAFT_AREAS, FAULTS
 from kvgate.mutate.inject import injected
-from kvgate.targets import scheduler_factories
-from kvgate.vocabulary.config import Config, GroupConfig
+from kvgate.vocabulary.config import GroupConfig
 from kvgate.vocabulary.ops import Segment
 from kvgate.vocabulary.scheduling import EngineSettings, EngineStep
 
@@ -191,50 +186,46 @@ def test_scheduler_ci_profile_finds_a_planted_scheduler_fault(
     assert cli.main(["replay", str(outcome.saved), "--target", "vllm"]) == 0
 
 
-# Faults planted in vLLM's AsyncScheduler (tests/scheduler_runs.py): no
-# output placeholder for the batch completing a prompt, rejected drafts kept
-# in the placeholders or in the computed tokens at their batch's update.
-ASYNC_FAULTS: dict[str, Callable[[Any], Any]] = {
-    "no placeholder for a prompt": NoPlaceholderForAPrompt,
-    "rejected drafts kept as placeholders": functools.partial(
-        RejectedDraftsKept, counter="placeholders"
-    ),
-    "rejected drafts kept as computed": functools.partial(RejectedDraftsKept, counter="computed"),
-}
+# One fault of each class async scheduling with drafts brings (the fault
+# table's `DRAFT_AREAS`) in the default run; the classes' other faults with
+# KVGATE_EXPLORE_EVERY_FAULT=1 (each is found in seconds too, the preemption
+# one after about a hundred examples).
+FIRST_OF_EACH_CLASS = (
+    "async-no-placeholder-for-prompt",
+    "rejected-drafts-kept-as-computed",
+    "eagle-cache-margin-on-every-group",
+    "sched-split-tail-without-eagle-drop",
+)
+every_fault = pytest.mark.skipif(
+    not os.environ.get("KVGATE_EXPLORE_EVERY_FAULT"), reason="set KVGATE_EXPLORE_EVERY_FAULT=1"
+)
+DRAFT_FAULTS = [
+    pytest.param(f.name, marks=() if f.name in FIRST_OF_EACH_CLASS else every_fault)
+    for f in FAULTS
+    if f.area in DRAFT_AREAS
+]
+
+
+def test_the_default_run_plants_one_fault_of_each_draft_class() -> None:
+    assert sorted(BY_NAME[name].area for name in FIRST_OF_EACH_CLASS) == sorted(DRAFT_AREAS)
 
 
 @needs_vllm
-@pytest.mark.parametrize("fault", ASYNC_FAULTS)
-def test_scheduler_ci_profile_finds_a_planted_async_fault(
-    fault: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The ci profile, on vLLM with the fault planted in every
-    AsyncScheduler it builds (the Scheduler of an engine with async
-    scheduling), finds it from scratch: a divergence in the per-request
-    output accounting or in what a step schedules. Without shrinking (the
-    first failing history is enough to show it is found)."""
-    plant = ASYNC_FAULTS[fault]
-
-    def planted(target: str, plugin: str | None) -> Any:
-        model_factory, real_factory = scheduler_factories(target, plugin)
-        assert real_factory is not None
-
-        def real(config: Config, *rest: Any) -> Any:
-            built = real_factory(config, *rest)
-            return plant(built) if config.async_scheduling else built
-
-        return model_factory, real
-
-    monkeypatch.setattr(scheduler_machine, "scheduler_factories", planted)
+@pytest.mark.parametrize("name", DRAFT_FAULTS)
+def test_scheduler_ci_profile_finds_a_fault_of_async_scheduling_with_drafts(name: str) -> None:
+    """The ci profile, on vLLM with the campaign's fault in effect in this
+    process, finds it from scratch: a divergence in the per-request output
+    accounting, in what a step schedules or in what the manager caches.
+    Without shrinking (the first failing history is enough to show it is
+    found)."""
     settings = profile("ci", "scheduler", phases=(Phase.explicit, Phase.generate))
-    outcome = explore_scheduler(SchedulerMode(), settings)
-    assert outcome.failure is not None, fault
+    with injected(BY_NAME[name]):
+        outcome = explore_scheduler(SchedulerMode(), settings)
+    assert outcome.failure is not None, name
     assert outcome.failure.kind == "divergence", str(outcome.failure)
-    # Found in the async engines with drafts, the only ones the fault shows in.
-    assert outcome.failure.config.async_scheduling
     print(
-        f"{fault}: found at example {outcome.stats.examples + outcome.stats.discarded}, "
-        f"{outcome.seconds:.1f} s"
+        f"{name} ({BY_NAME[name].area}): found at example "
+        f"{outcome.stats.examples + outcome.stats.discarded}, {outcome.seconds:.1f} s"
     )
 
 
