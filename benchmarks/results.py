@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
+from kvgate.mutate.faults import DRAFT_AREAS
+
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "results.md"
 PY = sys.executable
@@ -338,7 +340,6 @@ SCALE_SECTION = Section(
 
 
 # The faults of async scheduling with drafts, beside vLLM's own tests.
-DRAFT_AREAS = ("in flight", "draft frees", "draft hits", "align split")
 DRAFT_FAULTS_SECTION = Section(
     "draft-faults",
     "Faults of async scheduling with drafts: the gate beside vLLM's own tests",

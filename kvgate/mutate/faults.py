@@ -135,7 +135,7 @@ BY_NAME: dict[str, Fault] = {f.name: f for f in FAULTS}
 AREAS: tuple[str, ...] = tuple(dict.fromkeys(f.area for f in FAULTS))
 # The areas of the faults async scheduling with EAGLE/MTP drafts adds: the
 # classes of defect that configuration brings.
-DRAFT_AREAS = ("in flight", "draft hits", "draft frees", "align split")
+DRAFT_AREAS = ("in flight", "draft frees", "draft hits", "align split")
 
 
 def select(names: Iterable[str] | None) -> list[Fault]:
