@@ -132,16 +132,11 @@ def load_flow_entry(text: str) -> object:
     line, or by the strict YAML loader; `ValueError` naming what does not
     parse."""
     line = text.rstrip("\n")
-    if _PLAIN_LINE.fullmatch(line) and not _NOT_JSON.search(line):
-        parts = _WORD.split(line)
-        if _YAML_WORDS.isdisjoint(parts[1::2]):
-            quoted = '"'.join(parts)
-            for word in _JSON_WORDS:
-                quoted = quoted.replace(f'"{word}"', word)
-            try:
-                return json.loads(quoted, object_pairs_hook=_unique_keys)
-            except (_NotFlow, ValueError, RecursionError):
-                pass
+    if _PLAIN_LINE.fullmatch(line):
+        try:
+            return _json_line(line)
+        except (_NotFlow, ValueError, RecursionError):
+            pass
     try:
         return load_flow_line(line)
     except yaml.MarkedYAMLError as error:
@@ -230,22 +225,17 @@ def load_flow_body(text: str, limits: Limits) -> dict[str, Any] | None:
     lines = _FLOW_LINES.match(text, body_start)
     if lines is None:
         return None
-    body = text[body_start : lines.end()]
-    if _NOT_JSON.search(body):
-        return None
-    # Nesting as the YAML loader counts it: the document, the list, the line's.
-    deepest = max(line.count("{") + line.count("[") for line in body.splitlines())
-    if deepest + 2 > limits.nesting:
-        return None
-    # Around words and words in turn: quoted by joining on a quote.
-    parts = _WORD.split(body.replace("\n  - ", ",")[4:])
-    if not _YAML_WORDS.isdisjoint(parts[1::2]):
-        return None
-    quoted = '"'.join(parts)
-    for word in _JSON_WORDS:
-        quoted = quoted.replace(f'"{word}"', word)
+    # A long body repeats a few hundred distinct lines (every decode of a
+    # request, every step and drain): each is read once, and the equal lines
+    # share what it read (nothing read from a document is changed after).
+    body = text[body_start : lines.end()].splitlines()
+    read: dict[str, object] = dict.fromkeys(body)
     try:
-        entries = json.loads("[" + quoted + "]", object_pairs_hook=_unique_keys)
+        for line in read:
+            # Nesting as the YAML loader counts it: the document, the list, the line's.
+            if line.count("{") + line.count("[") + 2 > limits.nesting:
+                return None
+            read[line] = _json_line(line[4:])
         head = _yaml_mapping(text[: start + 1])
         tail = _yaml_mapping(text[lines.end() :]) if text[lines.end() :].strip() else {}
     except (_NotFlow, ValueError, yaml.YAMLError, RecursionError):
@@ -254,7 +244,23 @@ def load_flow_body(text: str, limits: Limits) -> dict[str, Any] | None:
         return None
     if any(k in head or k in tail for k in _BODY_KEYS):
         return None
-    return {**head, key: entries, **tail}
+    return {**head, key: list(map(read.__getitem__, body)), **tail}
+
+
+def _json_line(line: str) -> object:
+    """One flow mapping of bare words, integers and flow punctuation, read
+    as JSON once its words are quoted; `_NotFlow` when YAML could read any
+    of it otherwise (`ValueError` when it is no JSON either)."""
+    if _NOT_JSON.search(line):
+        raise _NotFlow
+    # Around words and words in turn: quoted by joining on a quote.
+    parts = _WORD.split(line)
+    if not _YAML_WORDS.isdisjoint(parts[1::2]):
+        raise _NotFlow
+    quoted = '"'.join(parts)
+    for word in _JSON_WORDS:
+        quoted = quoted.replace(f'"{word}"', word)
+    return json.loads(quoted, object_pairs_hook=_unique_keys)
 
 
 _JSON_WORDS = ("true", "false", "null")
