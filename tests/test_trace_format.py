@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import textwrap
+from dataclasses import FrozenInstanceError, fields
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from kvgate.cli import main
 from kvgate.conformance.macros import prefill_lookup, prefill_round
 from kvgate.conformance.trace import TraceError, bundled_corpus, load_corpus, parse_trace
 from kvgate.conformance.writer import dump_trace
+from kvgate.vocabulary.ops import Step
 
 CONFIG = EXAMPLE_TRACE_CONFIG
 
@@ -109,6 +111,14 @@ MALFORMED: list[tuple[str, str, str]] = [
         "step 2: req",
     ),
     ("release without pop", trace_text(ARRIVE + "- {op: release, req: A}\n"), "step 1: req"),
+    (
+        "a line repeated after its request ended",
+        trace_text(
+            ARRIVE + "- {op: lookup, req: A}\n- {op: free, req: A, how: finish}\n"
+            "- {op: lookup, req: A}\n"
+        ),
+        "step 3: req",
+    ),
     (
         "all_of an unknown request",
         trace_text(ARRIVE + "- {op: arrive, req: B, prompt: [{all_of: Z}]}\n"),
@@ -298,6 +308,21 @@ def test_decode_expands_statically() -> None:
     assert all(s.index == 1 for s in decode)
     assert decode[3].req == "A" and decode[3].spec == 3
     assert decode[3].where() == "step 1 (decode: decode1 #4)"
+
+
+def test_read_steps_are_the_steps_the_constructor_builds() -> None:
+    """The reader builds each step setting only the fields it has (repeated
+    lines read once): equal to the step the constructor builds from the
+    same fields, every field readable, and as frozen."""
+    text = (bundled_corpus() / "shared-prefix-concurrent.yaml").read_text()
+    trace = parse_trace(text + "  - {op: step}\n  - {op: step}\n")
+    assert trace.steps[-1].index == trace.steps[-2].index + 1
+    for step in trace.steps:
+        values = {f.name: getattr(step, f.name) for f in fields(Step)}
+        assert Step(**values) == step
+        assert repr(Step(**values)) == repr(step)
+        with pytest.raises(FrozenInstanceError):
+            step.op = "free"  # type: ignore[misc]
 
 
 def test_prefill_is_kept_whole_and_expanded_by_rounds() -> None:

@@ -28,6 +28,7 @@ from kvgate.vocabulary.ops import (
     Step,
     next_phase,
     out_of_phase,
+    read_step,
 )
 from kvgate.vocabulary.tokens import MmItem
 
@@ -38,6 +39,17 @@ _FIELDS = {
     name: ("op", *a.required, *a.optional, *(("expect",) if a.expect_keys else ()))
     for name, a in ACTIONS.items()
 }
+# The same as sets, and each op's required keys, for the common case (every key known).
+_ALLOWED = {name: frozenset(keys) for name, keys in _FIELDS.items()}
+_REQUIRED = {name: frozenset(a.required) for name, a in ACTIONS.items()}
+# The ops whose fields read nothing of the trace so far (a prompt reads the
+# requests before it and the token budget): a line of one of them that
+# repeats an earlier line reads the same, so its fields are checked once.
+_SELF_CONTAINED = frozenset(
+    name for name, keys in _FIELDS.items() if all(FIELD_TYPES.get(k) != "prompt" for k in keys)
+)
+# A line read: its object (kept alive, so that its identity names it), its op, fields, expect.
+_Read = tuple[object, Action, dict[str, Any], dict[str, Any]]
 # How the validator says when a request arrived, was popped or ended.
 _VERBS = {"arrive": "arrived", "pop": "popped", "release": "released"}
 _ENDED_BY = {"finish": "finished", "abort": "aborted"}
@@ -46,22 +58,61 @@ _ENDED_BY = {"finish": "finished", "abort": "aborted"}
 class StepReader(FieldReader):
     """Reads a manager-level trace's steps, one at a time, in order."""
 
-    def step(self, index: int, raw: object) -> Step:
-        raw, op = self.op_of(index, raw, _OPS, "op")
-        action = ACTIONS[op]
-        if op == "check":
-            return self.check_step(index, raw)
-        self.unknown_keys(index, "", raw, _FIELDS[op], f"field of {op}")
-        self.missing_keys(index, "", raw, action.required)
+    def steps(self, raw_steps: list[Any]) -> tuple[Step, ...]:
+        """Every step of a document, in order. A long trace repeats a few
+        hundred distinct lines, which its loader reads into shared objects
+        (`strict_yaml.load_flow_body`): each is checked once, and each step
+        of it only for what depends on the steps before it (its request's
+        life, the budget)."""
+        read: dict[int, _Read] = {}
+        return tuple(self.step(i, raw, read) for i, raw in enumerate(raw_steps))
+
+    def step(
+        self,
+        index: int,
+        raw: object,
+        read: dict[int, _Read] | None = None,
+    ) -> Step:
+        """Step `index`; `read`, if given, keeps the fields of each line read
+        so far (by the identity of its object, which it keeps alive)."""
+        known = None if read is None else read.get(id(raw))
+        if known is not None:
+            _, action, values, expect = known
+        else:
+            raw, op = self.op_of(index, raw, _OPS, "op")
+            if op == "check":
+                return self.check_step(index, raw)
+            action = ACTIONS[op]
+            values, expect = self.step_fields(index, action, raw)
+            if read is not None and op in _SELF_CONTAINED:
+                read[id(raw)] = (raw, action, values, expect)
+        op = action.name
+        self.track_request(index, action, values)
+        self.count(index, op, values)
+        if values.get("mm"):
+            self.mm_inside_prompt(index, values["req"], values["mm"])
+        return read_step(op, index, values, dict(expect))
+
+    def step_fields(
+        self, index: int, action: Action, raw: dict[Any, Any]
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """A step's fields and its `expect`, checked as far as they do not
+        depend on the steps before it."""
+        op = action.name
+        if not raw.keys() <= _ALLOWED[op]:
+            self.unknown_keys(index, "", raw, _FIELDS[op], f"field of {op}")
+        if not _REQUIRED[op] <= raw.keys():
+            self.missing_keys(index, "", raw, action.required)
         values = {
             key: self.field(index, key, value)
             for key, value in raw.items()
-            if key not in ("op", "expect")
+            if key != "op" and key != "expect"
         }
         assert self.config is not None
-        for key in CONNECTOR_FIELDS:
-            if key in values and not self.config.kv_connector:
-                raise self.error(index, key, "needs config.kv_connector: true")
+        if not self.config.kv_connector:
+            for key in CONNECTOR_FIELDS:
+                if key in values:
+                    raise self.error(index, key, "needs config.kv_connector: true")
         if values.get("load_failed"):
             self.load_failure(index, op, values)
         if values.get("invalid_blocks"):
@@ -73,12 +124,7 @@ class StepReader(FieldReader):
                 f"{values['accepted']} drafts accepted of the {values.get('spec', 0)} the step "
                 "proposes (spec)",
             )
-        expect = self.expect(index, action, raw.get("expect", {}))
-        self.track_request(index, action, values)
-        self.count(index, op, values)
-        if values.get("mm"):
-            self.mm_inside_prompt(index, values["req"], values["mm"])
-        return Step(op, index, **values, expect=expect)
+        return values, self.expect(index, action, raw.get("expect", {}))
 
     def load_failure(self, index: int, op: str, values: Mapping[str, Any]) -> None:
         """A failed load is written where its policy puts it: under

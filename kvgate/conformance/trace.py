@@ -483,7 +483,7 @@ class _Reader(ConfigReader, StepReader, EngineReader):
         if refused is not None:
             return Trace(name, about, self.config, (), (), self.path, refused, tags)
         raw_steps = self.entries(doc, "steps")
-        steps = tuple(self.step(i, raw) for i, raw in enumerate(raw_steps))
+        steps = self.steps(raw_steps)
         return Trace(
             name=name,
             about=about,
