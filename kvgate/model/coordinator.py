@@ -82,6 +82,13 @@ class Coordinator:
         # Read on every step: derived from the (frozen) config once.
         self.block_drop = config.block_drop
         self.reprefillable_tokens = config.reprefillable_tokens
+        self.caching = config.prefix_caching
+        self.retention_interval = config.retention_interval
+        self.single_group = len(config.groups) == 1
+        self.mambas = [m for m in self.managers if isinstance(m, MambaManager)]
+        # Full attention keeps every block until the request ends: only the
+        # Mamba groups free skipped blocks.
+        self.releasing: list[GroupManagerT] = list(self.mambas)
         self.alignment = config.hash_unit if self.partial_hits else self.scheduler_block
         lookup_groups: list[_LookupGroup] = []
         specs: dict[GroupConfig, _LookupGroup] = {}
@@ -107,10 +114,6 @@ class Coordinator:
                 self.managers[group_id].use_eagle = lookup.use_eagle
         # Attention first: its left-to-right scan bounds the others.
         self.lookup_groups = sorted(lookup_groups, key=lambda g: not g.is_attention)
-
-    @property
-    def mambas(self) -> list[MambaManager]:
-        return [m for m in self.managers if isinstance(m, MambaManager)]
 
     # -- lookup -------------------------------------------------------------
 
@@ -236,7 +239,7 @@ class Coordinator:
         if total_computed is None:
             total_computed = num_local_computed
         total = 0
-        if self.config.retention_interval != 0:
+        if self.retention_interval != 0:
             prefill_end = 0
         for manager, hit in zip(self.managers, hit_blocks, strict=True):
             if isinstance(manager, MambaManager):
@@ -245,9 +248,9 @@ class Coordinator:
                     num_tokens if manager.counts_draft_slots else num_tokens_main,
                     hit,
                     num_local_computed,
-                    query_start=total_computed,
-                    prefill_end=prefill_end,
-                    record=not admission,
+                    total_computed,
+                    prefill_end,
+                    not admission,  # the per-step count records this step's checkpoint
                 )
                 if admission:
                     total += self.holds.admission_extra(
@@ -291,11 +294,14 @@ class Coordinator:
             manager.allocate(request_id, num_tokens, num_tokens_main)
 
     def remove_skipped(self, request_id: str, num_processed: int) -> None:
-        for manager in self.managers:
+        for manager in self.releasing:
             manager.remove_skipped(request_id, num_processed)
 
-    def cacheable_tokens(self, num_computed: int, manager: GroupManagerT) -> int:
-        if len(self.managers) == 1:
+    def cache(self, request: Request, num_computed: int) -> None:
+        if not self.caching:
+            return  # vLLM's manager skips caching altogether
+        boundaries = replay_boundaries(len(request.prompt), self.scheduler_block, self.block_drop)
+        if self.single_group:
             # A single group (vLLM's unitary coordinator) keys only finalized
             # tokens: a multi-module MTP drafter may prefill its last K - 1
             # again. (The hybrid coordinator subtracts them only where the
@@ -304,24 +310,12 @@ class Coordinator:
         cacheable = num_computed  # aligned to the scheduler's block, without partial hits
         if not self.partial_hits:
             cacheable = num_computed // self.scheduler_block * self.scheduler_block
-        if manager.use_eagle and cacheable > 0:
-            # Eagle matches one block past the aligned boundary, then drops it.
-            return min(num_computed, cacheable + manager.block_size)
-        return cacheable
-
-    def cache(self, request: Request, num_computed: int) -> None:
-        if not self.config.prefix_caching:
-            return  # vLLM's manager skips caching altogether
-        boundaries = replay_boundaries(
-            request.num_prompt_tokens, self.scheduler_block, self.block_drop
-        )
         for manager in self.managers:
-            manager.cache(
-                request,
-                self.cacheable_tokens(num_computed, manager),
-                self.config.retention_interval,
-                boundaries,
-            )
+            num_tokens = cacheable
+            if manager.use_eagle and cacheable > 0:
+                # Eagle matches one block past the aligned boundary, then drops it.
+                num_tokens = min(num_computed, cacheable + manager.block_size)
+            manager.cache(request, num_tokens, self.retention_interval, boundaries)
 
     # -- ending a request ---------------------------------------------------
 

@@ -240,7 +240,8 @@ class FullAttentionManager(GroupManager):
             blocks = self.pool.get_new_blocks(missing)
             table.extend(blocks)
             new.extend(blocks)
-        self.record_new_blocks(new)
+        if new:
+            self.record_new_blocks(new)
         return new
 
     def remove_skipped(self, request_id: str, num_processed: int) -> None:
@@ -261,7 +262,8 @@ class FullAttentionManager(GroupManager):
     def _cache_prompt_tail(self, request: Request, num_tokens: int) -> None:
         """Key the prompt's last hash boundary when it ends inside a block."""
         unit = self.pool.hash_unit
-        limit = request.num_prompt_tokens if self.use_eagle else request.num_prompt_tokens - 1
+        num_prompt = len(request.prompt)
+        limit = num_prompt if self.use_eagle else num_prompt - 1
         boundary = min(limit // unit, len(request.keys)) * unit
         if boundary == 0 or boundary > num_tokens or boundary % self.block_size == 0:
             return

@@ -193,8 +193,8 @@ class MambaManager(GroupManager):
         # Draft tokens need no Mamba slots: only the main model's tokens count.
         required = cdiv(num_tokens_main, self.block_size) + self.speculative_blocks
         num_new = required - len(hit_blocks) - len(self.table(request_id))
-        partial = (
-            self.has_partial_hit(hit_blocks, num_local_computed) or request_id in self.partial_hits
+        partial = request_id in self.partial_hits or (
+            len(hit_blocks) > 0 and self.has_partial_hit(hit_blocks, num_local_computed)
         )
         if partial:
             num_new = max(num_new, 0) + 1
@@ -341,13 +341,24 @@ class MambaManager(GroupManager):
     ) -> HashKey | None:
         rid = request.request_id
         before = self.num_cached.get(rid, 0)
+        unit = self.pool.hash_unit
+        if (
+            num_tokens % unit
+            and rid not in self.checkpoints
+            and before >= min(num_tokens, len(request.keys) * unit) // self.block_size
+            and rid in self.tables
+        ):
+            # Most decodes: no block filled, no hash boundary reached, no
+            # checkpoint this step (what `cache_full` and
+            # `_cache_prompt_tail` would find, found without them).
+            return None
         self.cache_full(request, num_tokens, retention, boundaries)
         after = self.num_cached.get(rid, 0)
         tail_key = self._cache_prompt_tail(request, num_tokens, retention)
         if tail_key is not None:
             self.cached_this_step.add(tail_key)
         table = self.tables[rid]
-        for block in table[before:after]:
+        for block in table[before:after] if after > before else ():
             if not block.is_null and block.hash is not None:
                 self.cached_this_step.add(block.hash)
                 assert block.hash_tokens is not None

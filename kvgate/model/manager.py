@@ -247,30 +247,28 @@ class KVCacheManager:
         num_need_slot = min(num_tokens_main + num_lookahead_tokens, max_len)
         hit_blocks = new_computed_blocks or self._no_hit()
         prefill_end = self._prefill_end(request)
-
-        def fits(
-            num_tokens: int, num_tokens_main: int, admission: bool, computed: int, reserved: int = 0
-        ) -> bool:
-            needed = coordinator.blocks_needed(
-                rid,
-                num_tokens,
-                hit_blocks,
-                num_local,
-                num_tokens_main,
-                admission,
-                prefill_end,
-                total_computed=computed,
-            )
-            return needed <= self.block_pool.num_free() - reserved
-
         # The admission gate: the whole sequence's count, admission cap on.
-        num_full = min(request.num_tokens, max_len)
-        if full_sequence_must_fit and not fits(num_full, num_full, True, total_computed):
-            return False
+        if full_sequence_must_fit:
+            num_full = min(request.num_tokens, max_len)
+            needed = coordinator.blocks_needed(
+                rid, num_full, hit_blocks, num_local, num_full, True, prefill_end, total_computed
+            )
+            if needed > self.block_pool.num_free():
+                return False
         # States behind the processed prefix (the computed one less what a
         # batch in flight computes) are freed even if this fails.
         coordinator.remove_skipped(rid, max(0, total_computed - request.num_in_flight_tokens))
-        if not fits(num_need_slot, num_tokens_main, False, num_local + external, reserved_blocks):
+        needed = coordinator.blocks_needed(
+            rid,
+            num_need_slot,
+            hit_blocks,
+            num_local,
+            num_tokens_main,
+            False,
+            prefill_end,
+            num_local + external,
+        )
+        if needed > self.block_pool.num_free() - reserved_blocks:
             return False
         if external > 0 and not self._external_admission_fits(
             request,
@@ -404,8 +402,8 @@ class KVCacheManager:
     def _prefill_end(request: Request, num_tokens: int | None = None) -> int:
         # The scheduler's: a resumed request replays its output as prefill
         # (`num_tokens`: the request's tokens as the scan has them).
-        tokens = request.num_tokens if num_tokens is None else num_tokens
-        return max(request.num_prompt_tokens, tokens - 1)
+        tokens = len(request.all_token_ids) if num_tokens is None else num_tokens
+        return max(len(request.prompt), tokens - 1)
 
     def _no_hit(self) -> HitBlocks:
-        return tuple([] for _ in self.coordinator.managers)
+        return tuple([[] for _ in self.coordinator.managers])

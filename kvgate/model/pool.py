@@ -48,11 +48,11 @@ class FreeQueue:
         self._prev: dict[int, int] = {}
         self._next[self._HEAD] = self._TAIL
         self._prev[self._TAIL] = self._HEAD
-        self._size = 0
+        self.size = 0  # ids queued
         self.append_all(block_ids)
 
     def __len__(self) -> int:
-        return self._size
+        return self.size
 
     def __contains__(self, block_id: int) -> bool:
         return block_id in self._prev and block_id >= 0
@@ -87,13 +87,13 @@ class FreeQueue:
         self._prev[block_id] = anchor
         self._next[block_id] = following
         self._prev[following] = block_id
-        self._size += 1
+        self.size += 1
 
     def remove(self, block_id: int) -> None:
         before, after = self._prev.pop(block_id), self._next.pop(block_id)
         self._next[before] = after
         self._prev[after] = before
-        self._size -= 1
+        self.size -= 1
 
     def pop_head(self) -> int:
         head = self._next[self._HEAD]
@@ -149,7 +149,7 @@ class BlockPool:
     # -- queries ---------------------------------------------------------
 
     def num_free(self) -> int:
-        return len(self.free_queue)
+        return self.free_queue.size
 
     def cached_block(self, prefix_key: str, group_ids: Sequence[int]) -> list[Block] | None:
         """The first block cached under `prefix_key` in each group, or None."""
@@ -350,7 +350,9 @@ class BlockPool:
         unit = self.hash_unit
         n = num_tokens // unit
         key = (group_id, keys[n - 1])
-        already = block.hash == key or block.block_id in self.cached.get(key, {})
+        already = block.hash == key or block.block_id in self.cached.get(key, ())
+        if already and not replace_existing:
+            return key  # keyed there already (a decode's re-cache, every step): nothing changes
         if replace_existing or (
             not already
             and block.hash is not None

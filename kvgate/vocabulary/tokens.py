@@ -131,8 +131,11 @@ def extend_prefix_keys(
     digest chains over the one before, so the work is linear in the number
     of tokens.
     """
+    first = len(keys) * unit
+    if first + unit + lookahead > len(tokens):
+        return  # no unit completed since the last key (a decode's usual step)
     parent = keys[-1].encode() if keys else b""
-    for start in range(len(keys) * unit, len(tokens) - unit - lookahead + 1, unit):
+    for start in range(first, len(tokens) - unit - lookahead + 1, unit):
         chunk = array("q", tokens[start : start + unit + lookahead]).tobytes()
         if inputs:
             extra = inputs.extra_keys(start, start + unit + lookahead)
