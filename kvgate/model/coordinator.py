@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 from kvgate.model.groups import FullAttentionManager, cdiv
 from kvgate.model.hold import Holds
@@ -32,6 +33,7 @@ class _LookupGroup:
     use_eagle: bool
 
 
+@lru_cache(maxsize=4096)  # read at every re-cache of every request
 def replay_boundaries(num_prompt: int, scheduler_block: int, eagle: bool) -> tuple[int, ...]:
     """Where a later request replaying this prompt can resume: a resend stops
     one token short; with eagle, a sibling stops one block below the last

@@ -234,7 +234,7 @@ class FullAttentionManager(GroupManager):
             copy = self.pool.get_new_blocks(1)[0]
             self.apply_cow(request_id, index, source, copy)
             new.append(copy)
-        table = self.table(request_id)
+        table = self.tables.setdefault(request_id, [])
         missing = cdiv(num_tokens, self.block_size) - len(table)
         if missing > 0:
             blocks = self.pool.get_new_blocks(missing)

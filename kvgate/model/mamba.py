@@ -192,7 +192,7 @@ class MambaManager(GroupManager):
             return self.pool.num_blocks + 1
         # Draft tokens need no Mamba slots: only the main model's tokens count.
         required = cdiv(num_tokens_main, self.block_size) + self.speculative_blocks
-        num_new = required - len(hit_blocks) - len(self.table(request_id))
+        num_new = required - len(hit_blocks) - len(self.tables.setdefault(request_id, []))
         partial = request_id in self.partial_hits or (
             len(hit_blocks) > 0 and self.has_partial_hit(hit_blocks, num_local_computed)
         )
@@ -220,10 +220,10 @@ class MambaManager(GroupManager):
             if request_id not in self.allocated:
                 cap += self.speculative_blocks
             num_new = min(num_new, cap)
-        return num_new + num_evictable(hit_blocks)
+        return num_new + num_evictable(hit_blocks) if hit_blocks else num_new
 
     def allocate(self, request_id: str, num_tokens: int, num_tokens_main: int) -> list[Block]:
-        table = self.table(request_id)
+        table = self.tables.setdefault(request_id, [])
         required = cdiv(num_tokens_main, self.block_size) + self.speculative_blocks
         partial = self.partial_hits.get(request_id)
         checkpoint = int(request_id in self.checkpoints)
@@ -285,7 +285,7 @@ class MambaManager(GroupManager):
     def remove_skipped(self, request_id: str, num_processed: int) -> None:
         """Free states no longer needed: all below the latest, and the block
         the previous step copied from."""
-        table = self.table(request_id)
+        table = self.tables.setdefault(request_id, [])
         if num_processed - 1 > 0:
             last = min((num_processed - 1) // self.block_size, len(table))
             first = self.num_retired.get(request_id, 0)
