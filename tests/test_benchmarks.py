@@ -22,6 +22,11 @@ HAS_VLLM = importlib.util.find_spec("vllm") is not None
 # bundled corpus's traces, a refusal trace among them.
 SMOKE: dict[str, tuple[list[str], str, bool]] = {
     "replay_speed.py": (["--rounds", "1", "--corpus", "{corpus}"], "model/vllm ", True),
+    "model_alone.py": (
+        ["--rounds", "1", "--trace", "{corpus}/kv-events-full-report.yaml"],
+        "vLLM api / model: ",
+        True,
+    ),
     "explore_campaign_scaling.py": (
         ["--cells", "1", "--shards", "1", "--examples", "2", "--no-ray", "--busy-seconds", "0.05"],
         "x ",  # the rate against one job
