@@ -3,7 +3,8 @@ level api, each a `kvgate replay` of its own (reading and start-up
 included), in one run.
 
 The trace is the one `benchmarks/scale.py --full-scale` replays (the
-workload at unit 64, hold off, upstream build), generated once into
+workload at unit 64, served with a 64-token block: 11,326 blocks; hold off,
+upstream build), generated once into
 `--out`. Each round runs the model, then vLLM (which runs the model in
 lockstep too), for each checkout given (default: this one), so every
 checkout sees the same machine state. CPU seconds (user + sys of the child)
@@ -23,24 +24,13 @@ import sys
 import time
 from pathlib import Path
 
+# The full-scale trace is scale.py's, beside this script.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from scale import workload_trace  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
 TARGETS = ("model", "vllm")
-
-
-def full_scale_trace(out: Path) -> Path:
-    """The full-scale workload trace, written once into `out` (as
-    `benchmarks/scale.py --full-scale` writes it)."""
-    out.mkdir(parents=True, exist_ok=True)
-    pattern = "workload-*-u64.upstream.hold-off.yaml"
-    found = sorted(out.glob(pattern))
-    if not found:
-        command = [PY, "-m", "kvgate", "workload", "--target", "model", "--units", "64"]
-        command += ["--hold", "off", "--build", "upstream", "--scale", "1", "-q", "--out", str(out)]
-        env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", PYTHONPATH=str(ROOT))
-        subprocess.run(command, check=True, capture_output=True, env=env)
-        found = sorted(out.glob(pattern))
-    return found[0]
 
 
 def replay_seconds(checkout: Path, target: str, trace: Path) -> tuple[float, float]:
@@ -80,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     checkouts = [c.resolve() for c in args.checkout or [ROOT]]
-    trace = args.trace.resolve() if args.trace else full_scale_trace(args.out)
+    trace = args.trace.resolve() if args.trace else workload_trace(args.out, 1, 64)
     print(f"trace: {trace} ({trace.stat().st_size / 2**20:.1f} MiB)")
     best: dict[tuple[Path, str], tuple[float, float]] = {}
     for round_no in range(args.rounds):

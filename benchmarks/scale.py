@@ -88,16 +88,24 @@ class Run:
 
 def workload_trace(out: Path, scale: int, unit: int) -> Path:
     """The workload's trace at the production `unit` divided by `scale`
-    (hold off, upstream), generated once."""
+    (hold off, upstream), served with a `unit`-token attention and Mamba
+    block, as the scheduler part is: a finer unit is a larger pool (unit 64
+    at full scale: 11,326 blocks); generated once."""
+    from dataclasses import replace
+
+    from kvgate.workload.deployment import Deployment
+    from kvgate.workload.plan import Workload
+    from kvgate.workload.progress import Progress
+    from kvgate.workload.runner import Arm, write_traces
+
     out.mkdir(parents=True, exist_ok=True)
-    pattern = f"workload-*-u{unit // scale}.upstream.hold-off.yaml"
-    found = sorted(out.glob(pattern))
-    if not found:
-        command = [PY, "-m", "kvgate", "workload", "--target", "model", "--units", str(unit)]
-        command += ["--hold", "off", "--build", "upstream", "--scale", str(scale), "-q"]
-        subprocess.run([*command, "--out", str(out)], check=True, capture_output=True, env=_env())
-        found = sorted(out.glob(pattern))
-    return found[0]
+    found = sorted(out.glob(f"workload-*-u{unit // scale}.upstream.hold-off.yaml"))
+    if found:
+        return found[0]
+    deployment = replace(Deployment(build="upstream"), mamba_block_size=unit).scaled(scale)
+    arm = Arm(unit // scale, False)
+    [path] = write_traces(Workload(), deployment, [arm], out, Progress(quiet=True))
+    return path
 
 
 def scheduler_trace(out: Path, block: int, sessions: int) -> Path:
