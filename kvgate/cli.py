@@ -30,15 +30,14 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.metadata
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, NoReturn, cast
+from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 import kvgate
-from kvgate import known_defects, options
+from kvgate import options
 from kvgate.conformance.corpora import CorpusCount, read_corpora, read_held
 from kvgate.conformance.limits import DEFAULT_LIMITS, Limits
 from kvgate.conformance.replay import (
@@ -94,6 +93,9 @@ from kvgate.targets import (
 )
 from kvgate.vocabulary.target import Capabilities
 
+if TYPE_CHECKING:
+    from kvgate.known_defects import Policy
+
 # Further commands, by name, each a module with `register(subparsers)` that
 # adds its parser and sets `handler(args) -> exit code` on it. A handler
 # raises TraceError or InputError for bad input (exit 2, one line). Only the
@@ -115,6 +117,25 @@ OPTIONAL_PACKAGES: dict[str, str] = {"hypothesis": "explore", "z3": "prove"}
 
 
 TARGET_HELP = "model: kvgate's model alone; vllm: the installed vLLM, the model in lockstep"
+
+
+class _VersionAction(argparse._VersionAction):
+    """`--version`: argparse's, with the line built only when asked for
+    (reading the installed vLLM's metadata would cost every command's
+    start-up)."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: str | Sequence[Any] | None,
+        option_string: str | None = None,
+    ) -> None:
+        self.version = (
+            f"kvgate {kvgate.__version__} "
+            f"(checked on vLLM {', '.join(kvgate.CHECKED_VLLM)}; installed: {_installed_vllm()})"
+        )
+        super().__call__(parser, namespace, values, option_string)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -178,7 +199,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 invalid=invalid,
                 logs=logs,
                 corpora=counts,
-                defects=known_defects.policy_of(args),
+                defects=_defects_policy(args),
                 notes=deployment_lines,
                 failed_elsewhere=explored_failure,
                 measured_costs=measured_costs,
@@ -268,8 +289,22 @@ def _required(values: Sequence[str] | None) -> tuple[str, ...]:
         raise InputError(f"--require: {error}") from None
 
 
+def _defects_policy(args: argparse.Namespace) -> Policy:
+    """The known defects' policy of a command that has `--known-defects`
+    (the gate); any other command probes nothing, and leaves the module
+    unimported."""
+    if not hasattr(args, "known_defects"):
+        return "skip"
+    from kvgate import known_defects
+
+    return known_defects.policy_of(args)
+
+
 def _installed_vllm() -> str:
-    """The installed vLLM's version, from its metadata (vLLM is not imported)."""
+    """The installed vLLM's version, from its metadata (vLLM is not imported;
+    the metadata reader only when the version is asked for)."""
+    import importlib.metadata
+
     try:
         return f"vLLM {importlib.metadata.version('vllm')}"
     except importlib.metadata.PackageNotFoundError:
@@ -312,12 +347,7 @@ def _parser(only: str | None = None) -> argparse.ArgumentParser:
         epilog=exit_code_table(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument(
-        "--version",
-        action="version",
-        version=f"kvgate {kvgate.__version__} "
-        f"(checked on vLLM {', '.join(kvgate.CHECKED_VLLM)}; installed: {_installed_vllm()})",
-    )
+    parser.add_argument("--version", action=_VersionAction)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     replay_cmd = commands.add_parser(
@@ -387,11 +417,16 @@ def _parser(only: str | None = None) -> argparse.ArgumentParser:
         action="store_true",
         help="print the selected traces (and every invalid one) and exit without running them",
     )
-    gate_cmd.add_argument(
-        "--known-defects",
-        choices=known_defects.POLICIES,
-        help=known_defects.POLICY_HELP,
-    )
+    if only != "replay":
+        # Only the gate probes the known defects: a replay's parser leaves
+        # their module unimported.
+        from kvgate import known_defects
+
+        gate_cmd.add_argument(
+            "--known-defects",
+            choices=known_defects.POLICIES,
+            help=known_defects.POLICY_HELP,
+        )
     gate_cmd.add_argument(
         "--deployment-traces",
         type=Path,
@@ -489,7 +524,7 @@ def run_traces(
     invalid: Sequence[TraceError] = (),
     logs: VllmLogs | None = None,
     corpora: Callable[[Sequence[Trace]], list[CorpusCount]] | None = None,
-    defects: known_defects.Policy = "skip",
+    defects: Policy = "skip",
     notes: Sequence[str] = (),
     failed_elsewhere: bool = False,
     measured_costs: Mapping[str, str] | None = None,
@@ -513,7 +548,11 @@ def run_traces(
         raise _NothingValid(invalid)
     logs = logs or VllmLogs()
     factory, _ = gate_factories(target_name, plugin)
-    probe = known_defects.start(defects, target_name) if traces else None
+    probe = None
+    if traces and defects != "skip":
+        from kvgate import known_defects
+
+        probe = known_defects.start(defects, target_name)
 
     report = TerminalReport(
         sys.stdout,
@@ -554,6 +593,8 @@ def run_traces(
     logged = logs.summary() if logs.verbosity > QUIET else None
     notes = [*notes, logged] if logged else list(notes)
     if probe is not None:
+        from kvgate import known_defects
+
         probes = probe.finish()
         notes = [*known_defects.lines(probes, defects), *notes]
         if known_defects.fails(probes, defects):

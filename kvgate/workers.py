@@ -15,12 +15,13 @@ where the platform has no fork server.
 
 from __future__ import annotations
 
-import multiprocessing
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvgate.errors import InputError
+
+if TYPE_CHECKING:
+    import multiprocessing.context
 
 R = TypeVar("R")
 
@@ -36,6 +37,10 @@ def in_processes(jobs: int, preload: Sequence[str] = ()) -> Pool[Any]:
             for index, arguments in enumerate(tasks):
                 yield index, call(*arguments)
             return
+        # Imported only here: one job (every `kvgate replay` and gate run
+        # without --jobs) starts no worker and pays no import of the pool.
+        from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+
         workers = min(jobs, len(tasks))
         with ProcessPoolExecutor(max_workers=workers, mp_context=_context(preload)) as pool:
             pending: dict[Future[R], int] = {
@@ -50,6 +55,8 @@ def in_processes(jobs: int, preload: Sequence[str] = ()) -> Pool[Any]:
 
 
 def _context(preload: Sequence[str]) -> multiprocessing.context.BaseContext:
+    import multiprocessing
+
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("spawn")
     context = multiprocessing.get_context("forkserver")

@@ -18,10 +18,9 @@ trace can print a line of its own (a forged `PASS`) or break the XML.
 
 from __future__ import annotations
 
-import xml.etree.ElementTree as ET
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from kvgate.conformance.differences import explain
 from kvgate.conformance.replay import Divergence, Outcome, ReplayResult, TraceRunError
@@ -39,6 +38,9 @@ from kvgate.conformance.verdict import (
 from kvgate.errors import printable
 from kvgate.vocabulary.snapshot import EXCLUSIONS
 from kvgate.vocabulary.target import Capabilities
+
+if TYPE_CHECKING:
+    import xml.etree.ElementTree as ET
 
 # How much of one value a terminal line shows.
 WIDTH = 100
@@ -413,6 +415,9 @@ def write_junit(
     failed = causes.count(Verdict.DIVERGES) + sum(fails_requirement(r, required) for r in results)
     skipped = causes.count(Verdict.NOT_APPLICABLE) + causes.count(Verdict.LACKS)
     errors = causes.count(Verdict.ERROR) + causes.count(Verdict.BUG) + len(unloaded)
+    # Imported only here: a run without --junit-xml writes no XML.
+    import xml.etree.ElementTree as ET
+
     root = ET.Element("testsuites")
     suite_element = ET.SubElement(
         root,
@@ -476,4 +481,6 @@ def write_junit(
 def _element(parent: ET.Element, tag: str, **attributes: str) -> ET.Element:
     """A child element whose attribute values are escaped to printable text:
     XML 1.0 cannot hold most control characters at all, escaped or not."""
-    return ET.SubElement(parent, tag, {k: printable(v) for k, v in attributes.items()})
+    child = parent.makeelement(tag, {k: printable(v) for k, v in attributes.items()})
+    parent.append(child)
+    return child
