@@ -171,6 +171,13 @@ class FullAttentionManager(GroupManager):
         # Blocks allocated since the scheduler last drained them: the worker
         # zeroes them before use (a model with Mamba layers needs it).
         self.new_block_ids: list[int] = []
+        # Each request's prompt tail as last found settled (keyed, or never
+        # to be): the pool's dropped keys and the request's rewrites then.
+        self.prompt_tail_settled: dict[str, tuple[int, int]] = {}
+
+    def pop_blocks(self, request_id: str) -> list[Block]:
+        self.prompt_tail_settled.pop(request_id, None)
+        return super().pop_blocks(request_id)
 
     def take_new_block_ids(self) -> list[int]:
         ids, self.new_block_ids = self.new_block_ids, []
@@ -231,6 +238,7 @@ class FullAttentionManager(GroupManager):
         new: list[Block] = []
         if request_id in self.partial_hits:
             index, source = self.partial_hits.pop(request_id)
+            self.prompt_tail_settled.pop(request_id, None)  # the table's block changes
             copy = self.pool.get_new_blocks(1)[0]
             self.apply_cow(request_id, index, source, copy)
             new.append(copy)
@@ -260,14 +268,32 @@ class FullAttentionManager(GroupManager):
         return None
 
     def _cache_prompt_tail(self, request: Request, num_tokens: int) -> None:
-        """Key the prompt's last hash boundary when it ends inside a block."""
+        """Key the prompt's last hash boundary when it ends inside a block.
+
+        Every decode re-caches: once the boundary is the prompt's last (its
+        key derived) and found keyed, or found inside no block, nothing
+        changes until a block loses a key or the request's keys are
+        rewritten, so until then this returns at once."""
+        rid = request.request_id
+        settled = (self.pool.keys_dropped, request.keys_rewritten)
+        if self.prompt_tail_settled.get(rid) == settled:
+            return
         unit = self.pool.hash_unit
         num_prompt = len(request.prompt)
         limit = num_prompt if self.use_eagle else num_prompt - 1
-        boundary = min(limit // unit, len(request.keys)) * unit
-        if boundary == 0 or boundary > num_tokens or boundary % self.block_size == 0:
+        last = limit // unit
+        final = len(request.keys) >= last
+        boundary = min(last, len(request.keys)) * unit
+        if boundary == 0 or boundary % self.block_size == 0:
+            if final:
+                self.prompt_tail_settled[rid] = settled
             return
-        table = self.tables[request.request_id]
+        if boundary > num_tokens:
+            return
+        table = self.tables[rid]
         index = boundary // self.block_size
         if index < len(table):
             self.pool.cache_partial_block(request, table[index], boundary, self.group_id)
+            if final:
+                # Read again: keying may have replaced a shorter key.
+                self.prompt_tail_settled[rid] = (self.pool.keys_dropped, request.keys_rewritten)

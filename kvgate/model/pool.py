@@ -141,6 +141,9 @@ class BlockPool:
         # Ids of blocks whose ref or keys changed since `take_changed`, so a
         # snapshot of a large pool only re-reads those.
         self.changed: set[int] = set(range(num_blocks))
+        # Times any block lost a key (an eviction, a key replaced, a reset):
+        # a keying found done stays done while this count stands.
+        self.keys_dropped = 0
 
     def take_changed(self) -> set[int]:
         changed, self.changed = self.changed, set()
@@ -222,6 +225,7 @@ class BlockPool:
             return False
         self.cached.clear()
         self.secondary.clear()
+        self.keys_dropped += 1
         for block in self.blocks:
             block.hash = None
             block.hash_tokens = None
@@ -263,6 +267,8 @@ class BlockPool:
         """Remove every key pointing at `block`; return the ones removed."""
         keys = [block.hash] if block.hash is not None else []
         keys.extend(self.secondary.pop(block.block_id, ()))
+        if keys:
+            self.keys_dropped += 1
         removed = []
         for key in keys:
             entry = self.cached.get(key)

@@ -36,6 +36,10 @@ class Request:
         # session's chunk kept a key whose lookahead tokens it replaced,
         # until `rehash`.
         self.keys_match_tokens = True
+        # Times the prompt or the keys changed other than by keys appended
+        # (cut, derived again, a session's chunk): a prompt tail found keyed
+        # stays keyed while this count and the pool's dropped keys stand.
+        self.keys_rewritten = 0
         self.num_computed_tokens = 0
         # Its tokens a batch still in flight computes (async scheduling): the
         # release of skipped blocks counts only the processed ones.
@@ -72,6 +76,7 @@ class Request:
         del self.output[kept:]
         complete = max(0, (len(self.all_token_ids) - self.hash_lookahead) // self.hash_unit)
         del self.keys[complete:]
+        self.keys_rewritten += 1
 
     def continue_session(self, tokens: list[int]) -> None:
         """A streaming-input session's next input chunk, as vLLM's Scheduler
@@ -83,6 +88,7 @@ class Request:
         kept_output = self.all_token_ids[len(self.prompt) : keep]
         del self.all_token_ids[keep:]
         del self.keys[keep // self.hash_unit :]
+        self.keys_rewritten += 1
         if self.hash_lookahead:
             self.keys_match_tokens = False
         self.output.clear()
@@ -101,6 +107,7 @@ class Request:
             self.all_token_ids, self.hash_unit, self.hash_lookahead, self.inputs
         )
         self.keys_match_tokens = True
+        self.keys_rewritten += 1
 
     def copied_keys(self, num_tokens: int, inputs: HashInputs) -> list[str]:
         """This request's keys that a prompt starting with its first
