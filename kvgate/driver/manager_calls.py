@@ -92,8 +92,10 @@ class ManagerCalls(ABC, Generic[R]):
         inputs: HashInputs = NO_INPUTS,
         copied: tuple[R, int] | None = None,
     ) -> R:
-        """A request; `skip_prefix_cache`: it never reads the prefix cache (vLLM's
-        `skip_reading_prefix_cache`, set by prompt logprobs or pooling);
+        """A request; `tokens`: its prompt, a fresh list the request may keep
+        (the driver uses it no more); `skip_prefix_cache`: it never reads the
+        prefix cache (vLLM's `skip_reading_prefix_cache`, set by prompt
+        logprobs or pooling);
         `inputs`: its salt, adapter and multimodal items (its block hashes
         cover them); `copied`: the request whose first tokens the prompt
         starts with, and how many (a prompt copying another's), which a

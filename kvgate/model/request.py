@@ -16,13 +16,17 @@ class Request:
         hash_lookahead: int = 0,
         inputs: HashInputs = NO_INPUTS,
         known_keys: Sequence[str] = (),
+        *,
+        owned: bool = False,
     ) -> None:
         """`known_keys`: the keys of a prefix of `prompt` already derived
-        under the same `inputs` (see `copied_keys`); only the rest is hashed."""
+        under the same `inputs` (see `copied_keys`); only the rest is hashed.
+        `owned`: `prompt` is a fresh list the caller hands over, kept as is
+        (a long prompt is not copied again); otherwise it is copied."""
         self.request_id = request_id
         # Salt, adapter, multimodal items: they enter every key as in vLLM.
         self.inputs = inputs
-        self.prompt = list(prompt)
+        self.prompt = prompt if owned else list(prompt)
         self.output: list[int] = []
         self.all_token_ids = list(prompt)
         self.hash_unit = hash_unit

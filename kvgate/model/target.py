@@ -71,7 +71,13 @@ class ModelTarget(OpDriver[Request]):
         # A long prompt copied from another request is mostly hashed already.
         known = [] if copied is None else copied[0].copied_keys(copied[1], inputs)
         request = Request(
-            name, tokens, self.config.hash_unit, self.config.hash_lookahead_tokens, inputs, known
+            name,
+            tokens,
+            self.config.hash_unit,
+            self.config.hash_lookahead_tokens,
+            inputs,
+            known,
+            owned=True,
         )
         request.skip_reading_prefix_cache = skip_prefix_cache
         return request
