@@ -112,20 +112,30 @@ def _settings_doc(head: Trace) -> dict[str, int]:
     return {"spec": head.scheduler.spec, "max_num_seqs": head.scheduler.max_num_seqs}
 
 
+def _head_lines(path: Path) -> tuple[list[str], str]:
+    """The lines before the trace's body, and the body's line."""
+    with path.open(encoding="utf-8") as file:
+        lines: list[str] = []
+        for line in file:
+            if line in _BODIES:
+                return lines, line
+            lines.append(line)
+    return lines, _BODIES[0]
+
+
 def _head(path: Path, limits: Limits) -> tuple[Trace, str]:
     """The trace's head (everything before its body's line) as a trace of
     one step (never run): its name, about, tags, config and scheduler
     settings, validated; and the body's key (`steps` or `engine`)."""
-    with path.open(encoding="utf-8") as file:
-        lines = []
-        body = _BODIES[0]
-        for line in file:
-            if line in _BODIES:
-                body = line
-                break
-            lines.append(line)
+    lines, body = _head_lines(path)
     text = "".join(lines) + body + "  - {op: step}\n"
     return _Reader(path, limits).trace(load_document(text, path, limits)), body[:-2]
+
+
+def _is_recording(path: Path) -> bool:
+    """A recording's head says so (`recording:`); it is read whole, which
+    checks its end line (or, with `partial`, where it was cut)."""
+    return any(line.startswith("recording:") for line in _head_lines(path)[0])
 
 
 def _entries(file: TextIO, path: Path, body: str) -> Iterator[object]:
@@ -154,7 +164,7 @@ def stream_trace(path: str | Path, limits: Limits = DEFAULT_LIMITS, partial: boo
     except LimitError as error:
         raise TraceError(path, None, error.field, error.message) from None
     offset = _body_offset(path)
-    if offset is None:
+    if offset is None or _is_recording(path):
         return load_trace(path, limits, partial)
     head, body = _head(path, limits)
     if head.expect_refused is not None:
