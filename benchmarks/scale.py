@@ -9,7 +9,8 @@ length and the pool's size, the model against vLLM, api against strict.
 Every replay is `kvgate replay` in a child process of its own, so each time
 includes reading the trace and each peak memory is that process's maximum
 resident set (`os.wait4`'s `ru_maxrss`); the runs of one measurement follow
-one another in one run of this script, so its ratios compare like with like
+one another in one run of this script, and the ratios compare the children's
+CPU time (wall time is printed beside it), so they compare like with like
 on a loaded machine. The traces are the production workload's
 (`kvgate workload`, hold off, vLLM 0.33.0's own behaviour):
 
@@ -73,6 +74,9 @@ class Run:
     trace_bytes: int
     seconds: float
     peak_mib: float
+    # The child's CPU seconds (user + sys): what the ratios compare, as a
+    # loaded machine's other work stretches wall time, not CPU time.
+    cpu_seconds: float = 0.0
     # The scheduler part: engine steps, and the replay loop's own seconds
     # (wall) and CPU seconds (the process's, which a loaded machine's other
     # work does not add to).
@@ -177,9 +181,10 @@ def replay_child(
     extra: Sequence[str] = (),
     cpu: int | None = None,
     quiet: bool = True,
-) -> tuple[float, float, str]:
+) -> tuple[float, float, str, float]:
     """`kvgate replay` in a child process (pinned to `cpu` if given): (wall
-    seconds, peak RSS in MiB, what it printed: with `quiet`, only the verdict)."""
+    seconds, peak RSS in MiB, what it printed: with `quiet`, only the verdict,
+    CPU seconds)."""
     command = [PY, "-m", "kvgate", "replay", "--target", target, "--level", level]
     command += ["--require", "none", *(("-q",) if quiet else ()), *extra, str(trace)]
 
@@ -205,7 +210,7 @@ def replay_child(
     if code != 0:
         raise SystemExit(f"scale: {' '.join(command)} exited {code}:\n{output}")
     # ru_maxrss is in KiB on Linux.
-    return seconds, usage.ru_maxrss / 1024, output
+    return seconds, usage.ru_maxrss / 1024, output, usage.ru_utime + usage.ru_stime
 
 
 def measure(
@@ -217,7 +222,7 @@ def measure(
     unit: int,
     extra: Sequence[str] = (),
 ) -> Run:
-    seconds, peak, _ = replay_child(trace, target, level, extra)
+    seconds, peak, _, cpu = replay_child(trace, target, level, extra)
     run = Run(
         part,
         target,
@@ -229,11 +234,12 @@ def measure(
         trace.stat().st_size,
         round(seconds, 2),
         round(peak, 1),
+        round(cpu, 2),
     )
     print(
         f"  {part:<8} {target:<6} {level:<7} x{length:<4} unit {unit:<5} {run.blocks:>7} blocks "
         f"{run.steps:>9} steps {run.trace_bytes / 1e6:>8.1f} MB  {run.seconds:>8.2f} s "
-        f"{run.peak_mib:>8.1f} MiB",
+        f"{run.cpu_seconds:>7.2f} s CPU {run.peak_mib:>8.1f} MiB",
         flush=True,
     )
     return run
@@ -347,14 +353,14 @@ def ratios(runs: Sequence[Run], lengths: Sequence[int], units: Sequence[int]) ->
 
     full = {(r.target, r.level): r for r in runs if r.part == "full"}
     ratio(
-        "full: vllm strict / api (time)",
-        "seconds",
+        "full: vllm strict / api (CPU time)",
+        "cpu_seconds",
         full.get(("vllm", "strict")),
         full.get(("vllm", "api")),
     )
     ratio(
-        "full: vllm api / model api (time)",
-        "seconds",
+        "full: vllm api / model api (CPU time)",
+        "cpu_seconds",
         full.get(("vllm", "api")),
         full.get(("model", "api")),
     )
@@ -382,21 +388,21 @@ def ratios(runs: Sequence[Run], lengths: Sequence[int], units: Sequence[int]) ->
         run = _find(runs, part="history", length=length)
         name = f"history: x{length} / x{lengths[0]}"
         ratio(f"{name} (peak memory)", "peak_mib", run, first)
-        ratio(f"{name} (time)", "seconds", run, first)
+        ratio(f"{name} (CPU time)", "cpu_seconds", run, first)
     for unit in units:
         pool = {(r.target, r.level): r for r in runs if r.part == "pool" and r.unit == unit}
         if not pool:
             continue
         blocks = next(iter(pool.values())).blocks
         ratio(
-            f"pool {blocks}: vllm strict / api (time)",
-            "seconds",
+            f"pool {blocks}: vllm strict / api (CPU time)",
+            "cpu_seconds",
             pool.get(("vllm", "strict")),
             pool.get(("vllm", "api")),
         )
         ratio(
-            f"pool {blocks}: vllm api / model api (time)",
-            "seconds",
+            f"pool {blocks}: vllm api / model api (CPU time)",
+            "cpu_seconds",
             pool.get(("vllm", "api")),
             pool.get(("model", "api")),
         )
