@@ -321,9 +321,10 @@ def measure_scheduler(trace: Path, target: str, level: str, cpu: int) -> Run:
         trace.stat().st_size,
         round(seconds, 2),
         round(peak, 1),
-        engine_steps,
-        round(loop["seconds"], 2),
-        round(loop["cpu"], 2),
+        cpu_seconds=round(usage.ru_utime + usage.ru_stime, 2),
+        engine_steps=engine_steps,
+        loop_seconds=round(loop["seconds"], 2),
+        loop_cpu_seconds=round(loop["cpu"], 2),
     )
     print(
         f"  {'scheduler':<9} {target:<6} {level:<12} unit {run.unit:<5} {run.blocks:>7} blocks "
