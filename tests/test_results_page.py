@@ -28,7 +28,7 @@ from test_docs import load_results_module
 
 from kvgate.conformance.trace import bundled_corpus, bundled_scheduler_corpus, read_corpus
 from kvgate.explore.coverage import SCHEDULER_FILE, core_dir, kv_paths
-from kvgate.mutate.faults import FAULTS
+from kvgate.mutate.faults import DRAFT_AREAS, FAULTS
 
 ROOT = Path(__file__).resolve().parent.parent
 REGENERATE = "regenerate it with: python benchmarks/results.py {}"
@@ -89,6 +89,20 @@ def test_the_campaign_sections_run_today_s_faults_on_today_s_corpora(
     assert re.search(rf"real Scheduler: \d+ of {scheduler} pass\b", text), (
         f"{name}: Scheduler-level corpus; {hint}"
     )
+
+
+def test_the_draft_faults_section_runs_today_s_faults_of_those_areas(
+    results: ModuleType, page: dict[str, str]
+) -> None:
+    """The faults of async scheduling with drafts, each with a row in both
+    columns (the gate and vLLM's own tests), as the fault table has them."""
+    text = printed(results, page, "draft-faults")
+    hint = REGENERATE.format("draft-faults")
+    names = {f.name for f in FAULTS if f.area in DRAFT_AREAS}
+    assert f"kvgate mutate: {len(names)} faults," in text, hint
+    side_by_side = text.split("kvgate gate    vLLM's own tests", 1)[1].splitlines()[1:]
+    rows = {line.split()[0] for line in side_by_side[: len(names)]}
+    assert rows == names, hint
 
 
 def test_the_coverage_section_counts_today_s_kv_paths(
