@@ -112,7 +112,7 @@ class _Script:
         """The drafts to accept in the batch the next step schedules, by
         the requests that decode with drafts in it."""
         accept: dict[str, int] = {}
-        for name, drafts in self.run.next_batch_drafts().items():
+        for name, drafts in self.run.preview_next_step().drafts.items():
             if name in self.rejecting:
                 continue
             decode = self.decodes.get(name, 0)

@@ -64,7 +64,13 @@ from kvgate.model.scheduler_state import Batch, LiveRequest, SchedulerStuck
 from kvgate.targets import scheduler_factories
 from kvgate.vocabulary.config import Config, UnsupportedConfig
 from kvgate.vocabulary.ops import Segment
-from kvgate.vocabulary.scheduling import EngineSettings, EngineStep, RemoteHit, SchedulerTarget
+from kvgate.vocabulary.scheduling import (
+    EngineSettings,
+    EngineStep,
+    NextStep,
+    RemoteHit,
+    SchedulerTarget,
+)
 from kvgate.vocabulary.tokens import MmItem
 
 
@@ -413,14 +419,16 @@ class SchedulerMachine(RuleBasedStateMachine):
         for live in self.open_sessions(True):
             self.send_chunk(live, resume)
         running = [r.name for r in self.model.running]
+        drafting = self.settings.spec > 0
+        # Only an engine with drafts or batches in flight needs the preview.
+        previewing = drafting or self.config.async_scheduling
+        preview = self.preview() if previewing else NextStep({}, set())
         if self.config.async_scheduling:
             # A stop applies to the output the step processes: only a request
             # sampling in that batch can meet one.
-            sampling = self.samples_processed()
-            running = [name for name in running if name in sampling]
+            running = [name for name in running if name in preview.samples]
         stopped = (running[stop],) if stop < len(running) and stop < MAX_SEQS else ()
         decodes = 0
-        drafting = self.settings.spec > 0
         acceptance: AcceptanceDraw | None = data.draw(ACCEPTANCES) if drafting else None
         for position in range(steps):
             self.stats.engine_steps += 1
@@ -432,8 +440,9 @@ class SchedulerMachine(RuleBasedStateMachine):
                     self.stats.ops["step:stop:async"] += 1
             accept: dict[str, int] = {}
             if acceptance is not None:
-                drafts = self.drafts_scheduled()
-                for name, count in drafts.items():
+                if position:
+                    preview = self.preview()
+                for name, count in preview.drafts.items():
                     accepted = min(acceptance.accepted(count, decodes), self.room(name))
                     decodes += 1
                     if accepted:
@@ -466,24 +475,14 @@ class SchedulerMachine(RuleBasedStateMachine):
             return 0
         return max(0, live.max_tokens - len(live.request.output) - 1)
 
-    def drafts_scheduled(self) -> dict[str, int]:
-        """Under async scheduling, the drafts each request decodes with in
-        the batch the next engine step schedules, as the scheduler model
-        schedules it."""
+    def preview(self) -> NextStep:
+        """What the next engine step will do, as the scheduler model runs it."""
         assert self.model is not None
         try:
-            return self.model.next_batch_drafts()
+            return self.model.preview_next_step()
         except Exception:
-            return {}  # the real step meets it (a refusal, a model bug) and says so
-
-    def samples_processed(self) -> set[str]:
-        """Under async scheduling, the requests sampling in the batch whose
-        output the next engine step processes, as the scheduler model runs it."""
-        assert self.model is not None
-        try:
-            return self.model.next_step_samples()
-        except Exception:
-            return set()  # the real step meets it (a refusal, a model bug) and says so
+            # The real step meets it (a refusal, a model bug) and says so.
+            return NextStep({}, set())
 
     def outputs_in_flight(self) -> dict[str, tuple[int, int]]:
         """Each live request's preemptions and output placeholders (an output

@@ -78,6 +78,7 @@ from kvgate.vocabulary.scheduling import (
     COW_RETENTION,
     Arrival,
     DeferredFree,
+    NextStep,
     PrefixCacheStats,
     RemoteHit,
 )
@@ -233,39 +234,31 @@ class SchedulerModel(AsyncBatches, ConnectorLoads, StreamingSessions):
         self._order_waiting()
         return live
 
-    def next_batch_drafts(self) -> dict[str, int]:
-        """The drafts each request decodes with in the batch the next engine
-        step schedules, found by taking that step on a copy: a step's
-        `accept` must name exactly those decodes, which preemption and the
-        token budget decide. Raises what the step would raise."""
+    def preview_next_step(self) -> NextStep:
+        """What the next engine step will do, found by taking it on a copy
+        (preemption, the token budget and the batch queue decide it): the
+        drafts each request decodes with in the batch it schedules (a
+        step's `accept` must name exactly those decodes) and, under async
+        scheduling, the requests sampling in the batch whose output it
+        processes (only those can meet a stop condition in it). Raises
+        what the step would raise."""
         probe = copy.deepcopy(self)
-        scheduled = probe.batches_scheduled
+        scheduled, processed = probe.batches_scheduled, probe.batches_processed
         decisions = probe.step()
         if self.async_scheduling:
-            return probe.decode_drafts() if probe.batches_scheduled != scheduled else {}
+            drafts = probe.decode_drafts() if probe.batches_scheduled != scheduled else {}
+            # A batch the step processes at once (none in flight before) ran nothing.
+            output = probe.batches_processed != processed and bool(self.in_flight)
+            return NextStep(drafts, set(self.in_flight[0].samples) if output else set())
         # A decode computes its sampled token and its drafts; a prefill
         # (admitted or resumed in this step) has none.
         decoding = {live.name for live in self.running if live.decoding}
-        return {
+        drafts = {
             name: tokens - 1
             for name, tokens in decisions.scheduled
             if name in decoding and tokens > 1
         }
-
-    def next_step_samples(self) -> set[str]:
-        """Under async scheduling, the requests sampling in the batch whose
-        output the next engine step processes (none when it processes
-        none): only those can meet a stop condition in that step. Found by
-        taking the step on a copy, as the batch queue decides whether the
-        step processes an output. Raises what the step would raise."""
-        if not self.in_flight:
-            # The step schedules first: a batch it processes at once ran nothing.
-            return set()
-        probe = copy.deepcopy(self)
-        probe.step()
-        if probe.batches_processed == self.batches_processed:
-            return set()
-        return set(self.in_flight[0].samples)
+        return NextStep(drafts, set())
 
     def step(self, aborted: tuple[str, ...] = ()) -> StepDecisions:
         """One engine step: `schedule`, the worker's load reports, `step` and

@@ -301,6 +301,14 @@ class EngineOutcome(ScheduledStep):
     failed: list[str] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class NextStep:
+    """What the next engine step will do (`SchedulerModelRun.preview_next_step`)."""
+
+    drafts: dict[str, int]  # request -> drafts it decodes with in the batch scheduled
+    samples: set[str]  # async: the requests sampling in the batch whose output is processed
+
+
 class SchedulerModelRun(Protocol):
     """What a scheduler-level replay needs of kvgate's scheduler model."""
 
@@ -379,10 +387,12 @@ class SchedulerModelRun(Protocol):
         scheduling; 0 otherwise)."""
         ...
 
-    def next_batch_drafts(self) -> dict[str, int]:
-        """Under async scheduling, the drafts each request decodes with in
-        the batch the next step schedules (empty otherwise): the requests an
-        `accept` on that step may name, and how many drafts at most."""
+    def preview_next_step(self) -> NextStep:
+        """What the next engine step will do: the drafts each request
+        decodes with in the batch it schedules (the requests an `accept` on
+        that step may name, and how many drafts at most) and, under async
+        scheduling, the requests sampling in the batch whose output it
+        processes (those a `stop` on that step may name)."""
         ...
 
     def deferred_frees(self) -> list[DeferredFree]:
