@@ -14,6 +14,7 @@ from functools import lru_cache
 
 from kvgate.model.groups import FullAttentionManager, cdiv
 from kvgate.model.hold import Holds
+from kvgate.model.idle import NO_LIMIT, IdleWindow
 from kvgate.model.mamba import MambaManager, MambaNoneManager
 from kvgate.model.pool import Block, BlockPool
 from kvgate.model.request import Request
@@ -92,6 +93,13 @@ class Coordinator:
         # Mamba groups free skipped blocks.
         self.releasing: list[GroupManagerT] = list(self.mambas)
         self.alignment = config.hash_unit if self.partial_hits else self.scheduler_block
+        # Running requests' idle windows (see `idle.py`), and whether a
+        # prompt tail's keying can change with the pool's dropped keys.
+        self.idle_windows: dict[str, IdleWindow] = {}
+        self.tails_follow_dropped_keys = any(
+            isinstance(m, FullAttentionManager) and m.block_size != config.hash_unit
+            for m in self.managers
+        )
         lookup_groups: list[_LookupGroup] = []
         specs: dict[GroupConfig, _LookupGroup] = {}
         # Only the drafter's groups drop (its attention layers' groups; all
@@ -241,8 +249,7 @@ class Coordinator:
         if total_computed is None:
             total_computed = num_local_computed
         total = 0
-        if self.retention_interval != 0:
-            prefill_end = 0
+        prefill_end = self._checkpoint_prefill_end(prefill_end)
         for manager, hit in zip(self.managers, hit_blocks, strict=True):
             if isinstance(manager, MambaManager):
                 total += manager.blocks_needed(
@@ -270,6 +277,11 @@ class Coordinator:
                 total += manager.blocks_needed(request_id, num_tokens, hit, num_local_computed)
         return total
 
+    def _checkpoint_prefill_end(self, prefill_end: int) -> int:
+        # Only sparse retention (interval 0) keeps prefill checkpoints to the
+        # chunk reaching the prefill's end; otherwise any chunk may take one.
+        return 0 if self.retention_interval != 0 else prefill_end
+
     def add_hit_blocks(
         self,
         request_id: str,
@@ -283,6 +295,7 @@ class Coordinator:
         group is in `skip_zeroing` (an async load writes them)."""
         if any(request_id in m.num_cached for m in self.managers):
             return  # a running request takes no new hit
+        self.idle_windows.pop(request_id, None)
         for manager, hit in zip(self.managers, hit_blocks, strict=True):
             manager.add_hit_blocks(request_id, hit, num_local, num_external)
         if num_external > 0:
@@ -292,6 +305,7 @@ class Coordinator:
                 )
 
     def allocate(self, request_id: str, num_tokens: int, num_tokens_main: int) -> None:
+        self.idle_windows.pop(request_id, None)
         for manager in self.managers:
             manager.allocate(request_id, num_tokens, num_tokens_main)
 
@@ -299,10 +313,9 @@ class Coordinator:
         for manager in self.releasing:
             manager.remove_skipped(request_id, num_processed)
 
-    def cache(self, request: Request, num_computed: int) -> None:
-        if not self.caching:
-            return  # vLLM's manager skips caching altogether
-        boundaries = replay_boundaries(len(request.prompt), self.scheduler_block, self.block_drop)
+    def cache_targets(self, request: Request, num_computed: int) -> list[int]:
+        """How far each group keys the request when `num_computed` of its
+        tokens are computed."""
         if self.single_group:
             # A single group (vLLM's unitary coordinator) keys only finalized
             # tokens: a multi-module MTP drafter may prefill its last K - 1
@@ -312,16 +325,111 @@ class Coordinator:
         cacheable = num_computed  # aligned to the scheduler's block, without partial hits
         if not self.partial_hits:
             cacheable = num_computed // self.scheduler_block * self.scheduler_block
+        targets = []
         for manager in self.managers:
             num_tokens = cacheable
             if manager.use_eagle and cacheable > 0:
                 # Eagle matches one block past the aligned boundary, then drops it.
                 num_tokens = min(num_computed, cacheable + manager.block_size)
+            targets.append(num_tokens)
+        return targets
+
+    def cache(self, request: Request, num_computed: int) -> None:
+        if not self.caching:
+            return  # vLLM's manager skips caching altogether
+        window = self.idle_windows.get(request.request_id)
+        if window is not None and window.covers_keying(
+            num_computed, request.keys_rewritten, self.pool.keys_dropped
+        ):
+            return
+        boundaries: tuple[int, ...] | None = None
+        for manager, num_tokens in zip(
+            self.managers, self.cache_targets(request, num_computed), strict=True
+        ):
+            if manager.nothing_to_key(request, num_tokens):
+                continue
+            if boundaries is None:
+                self.idle_windows.pop(request.request_id, None)
+                boundaries = replay_boundaries(
+                    len(request.prompt), self.scheduler_block, self.block_drop
+                )
             manager.cache(request, num_tokens, self.retention_interval, boundaries)
+
+    def step_is_idle(
+        self,
+        request: Request,
+        num_processed: int,
+        num_slots: int,
+        num_tokens_main: int,
+        query_start: int,
+        prefill_end: int,
+        num_keyed: int,
+    ) -> bool:
+        """Whether a step of the running request that adopts no hit changes
+        nothing: no group adds, frees or keys a block (most decodes). The
+        counts are `allocate_slots`'s: `remove_skipped`'s, `blocks_needed`'s
+        and `cache`'s. Within the request's idle window this is a few
+        comparisons; otherwise the groups check in full, and an idle step
+        opens a new window."""
+        rid = request.request_id
+        window = self.idle_windows.get(rid)
+        if window is not None:
+            if window.covers(
+                num_processed,
+                num_slots,
+                num_tokens_main,
+                num_keyed,
+                request.keys_rewritten,
+                self.pool.keys_dropped,
+            ):
+                return True
+            del self.idle_windows[rid]
+        prefill_end = self._checkpoint_prefill_end(prefill_end)
+        for manager in self.managers:
+            if not manager.idle_step(
+                request, num_processed, num_slots, num_tokens_main, query_start, prefill_end
+            ):
+                return False
+        targets = (
+            self.cache_targets(request, num_keyed)
+            if self.caching
+            else [NO_LIMIT] * len(self.managers)  # nothing is ever keyed
+        )
+        if self.caching and not all(
+            manager.nothing_to_key(request, num_tokens)
+            for manager, num_tokens in zip(self.managers, targets, strict=True)
+        ):
+            return False
+        self._open_idle_window(request, num_keyed, targets)
+        return True
+
+    def _open_idle_window(self, request: Request, num_keyed: int, targets: list[int]) -> None:
+        """The window an idle step opens, if every group can bound it. A
+        group keys no further than the request's computed tokens, so a
+        bound on its keying target bounds `num_keyed` too."""
+        limits = []
+        for manager, num_target in zip(self.managers, targets, strict=True):
+            found = manager.idle_limits(request, num_target)
+            if found is None:
+                return
+            limits.append(found)
+        max_processed, max_slots, max_main, max_keyed = (
+            min(column) for column in zip(*limits, strict=True)
+        )
+        self.idle_windows[request.request_id] = IdleWindow(
+            max_processed,
+            max_slots,
+            max_main,
+            num_keyed,
+            max_keyed if self.caching else NO_LIMIT,
+            request.keys_rewritten,
+            self.pool.keys_dropped if self.tails_follow_dropped_keys else None,
+        )
 
     # -- ending a request ---------------------------------------------------
 
     def free(self, request_id: str) -> None:
+        self.idle_windows.pop(request_id, None)
         for manager in self.managers:
             manager.free(request_id)
         # Holds go last, so the held state is the last of the request's
@@ -334,6 +442,7 @@ class Coordinator:
         Holds come first: the caller frees in reverse order, so they are
         released last, as on every other free path.
         """
+        self.idle_windows.pop(request_id, None)
         blocks = self.holds.release(request_id)
         for manager in self.managers:
             blocks.extend(manager.pop_blocks(request_id))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kvgate.model.idle import NO_LIMIT
 from kvgate.model.pool import Block, BlockPool, HashKey
 from kvgate.model.request import Request
 
@@ -47,6 +48,33 @@ class GroupManager:
 
     def skipped_tokens(self, num_computed: int) -> int:
         return 0
+
+    def idle_step(
+        self,
+        request: Request,
+        num_processed: int,
+        num_slots: int,
+        num_tokens_main: int,
+        query_start: int,
+        prefill_end: int,
+    ) -> bool:
+        """Whether a step of the running request that adopts no hit, to
+        these counts (those of `blocks_needed` and `allocate`), adds no block
+        here and frees none (keying is `nothing_to_key`'s). False unless the
+        kind can tell: the step then runs in full."""
+        return False
+
+    def nothing_to_key(self, request: Request, num_tokens: int) -> bool:
+        """Whether keying the request up to `num_tokens` would change nothing
+        here. False unless the kind can tell: the keying then runs."""
+        return False
+
+    def idle_limits(self, request: Request, num_target: int) -> tuple[int, int, int, int] | None:
+        """After an idle step keying to `num_target`: how far the processed,
+        slot, main-model and keying counts may grow (inclusive) with steps
+        staying idle here, while the request's tables stand (see `idle.py`).
+        None: no such bound is known; each step is then checked in full."""
+        return None
 
     def add_hit_blocks(
         self,
@@ -255,6 +283,45 @@ class FullAttentionManager(GroupManager):
     def remove_skipped(self, request_id: str, num_processed: int) -> None:
         return None  # full attention keeps every block until the request ends
 
+    def idle_step(
+        self,
+        request: Request,
+        num_processed: int,
+        num_slots: int,
+        num_tokens_main: int,
+        query_start: int,
+        prefill_end: int,
+    ) -> bool:
+        rid = request.request_id
+        table = self.tables.get(rid)
+        return (
+            table is not None
+            and rid not in self.partial_hits
+            and cdiv(num_slots, self.block_size) <= len(table)
+        )
+
+    def idle_limits(self, request: Request, num_target: int) -> tuple[int, int, int, int] | None:
+        rid = request.request_id
+        size = self.block_size
+        max_keyed = (self.num_cached.get(rid, 0) + 1) * size - 1
+        return NO_LIMIT, len(self.tables[rid]) * size, NO_LIMIT, max_keyed
+
+    def nothing_to_key(self, request: Request, num_tokens: int) -> bool:
+        # No block newly filled, and the prompt's tail settled (or none, the
+        # block being the hash unit): `cache` would return at once.
+        rid = request.request_id
+        num_full = min(num_tokens, len(request.keys) * self.pool.hash_unit) // self.block_size
+        if self.num_cached.get(rid, 0) < num_full:
+            return False
+        return self.block_size == self.pool.hash_unit or self.prompt_tail_settled.get(
+            rid
+        ) == self._tail_inputs(request)
+
+    def _tail_inputs(self, request: Request) -> tuple[int, int]:
+        """What a settled prompt tail can change with: the pool's dropped
+        keys and the request's rewritten ones."""
+        return self.pool.keys_dropped, request.keys_rewritten
+
     def cache(
         self,
         request: Request,
@@ -275,7 +342,7 @@ class FullAttentionManager(GroupManager):
         changes until a block loses a key or the request's keys are
         rewritten, so until then this returns at once."""
         rid = request.request_id
-        settled = (self.pool.keys_dropped, request.keys_rewritten)
+        settled = self._tail_inputs(request)
         if self.prompt_tail_settled.get(rid) == settled:
             return
         unit = self.pool.hash_unit
@@ -296,4 +363,4 @@ class FullAttentionManager(GroupManager):
             self.pool.cache_partial_block(request, table[index], boundary, self.group_id)
             if final:
                 # Read again: keying may have replaced a shorter key.
-                self.prompt_tail_settled[rid] = (self.pool.keys_dropped, request.keys_rewritten)
+                self.prompt_tail_settled[rid] = self._tail_inputs(request)

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 from kvgate.model.groups import GroupManager, cdiv, num_evictable
 from kvgate.model.hold import Holds
+from kvgate.model.idle import NO_LIMIT
 from kvgate.model.pool import Block, BlockPool, HashKey
 from kvgate.model.request import Request
 
@@ -176,6 +177,100 @@ class MambaManager(GroupManager):
             )
         )
 
+    def step_checkpoint(
+        self, request_id: str, num_tokens_main: int, query_start: int, prefill_end: int
+    ) -> int:
+        """Where this step exports a prefill checkpoint (0: none)."""
+        if not self.has_prefill_checkpoints:
+            return 0
+        position = checkpoint_position(
+            num_tokens_main, self.alignment, self.drop_eagle_checkpoint, self.hash_lookahead
+        )
+        if not self.needs_internal_checkpoint(
+            request_id, query_start, num_tokens_main, position, prefill_end
+        ):
+            return 0
+        return position
+
+    def idle_step(
+        self,
+        request: Request,
+        num_processed: int,
+        num_slots: int,
+        num_tokens_main: int,
+        query_start: int,
+        prefill_end: int,
+    ) -> bool:
+        rid = request.request_id
+        if rid not in self.allocated or rid in self.partial_hits or rid in self.checkpoints:
+            return False
+        table = self.tables[rid]
+        size = self.block_size
+        # `remove_skipped` frees nothing: no state newly below the latest,
+        # and the block the previous step copied from already released.
+        if num_processed > 1 and self.num_retired.get(rid, 0) < min(
+            (num_processed - 1) // size, len(table)
+        ):
+            return False
+        previous = self.last_state_index.get(rid)
+        if (
+            previous is not None
+            and previous < cdiv(num_processed, size) - 1
+            and not table[previous].is_null
+        ):
+            return False
+        # Neither the count nor the allocation adds a block, and no
+        # prefill checkpoint is taken.
+        counted = num_slots if self.counts_draft_slots else num_tokens_main
+        if cdiv(max(counted, num_tokens_main), size) + self.speculative_blocks > len(table):
+            return False
+        return self.step_checkpoint(rid, counted, query_start, prefill_end) == 0
+
+    def idle_limits(self, request: Request, num_target: int) -> tuple[int, int, int, int] | None:
+        if self.has_prefill_checkpoints or num_target <= request.num_prompt_tokens:
+            return None  # a checkpoint or the prompt's tail may come at any count
+        rid = request.request_id
+        table = self.tables[rid]
+        size = self.block_size
+        # Nothing newly below the latest state, nor past the block copied from.
+        max_processed = (self.num_retired.get(rid, 0) + 1) * size
+        previous = self.last_state_index.get(rid)
+        if previous is not None and not table[previous].is_null:
+            max_processed = min(max_processed, (previous + 1) * size)
+        max_counted = (len(table) - self.speculative_blocks) * size
+        max_slots = max_counted if self.counts_draft_slots else NO_LIMIT
+        max_keyed = (self.num_cached.get(rid, 0) + 1) * size - 1
+        return max_processed, max_slots, max_counted, max_keyed
+
+    def nothing_to_key(self, request: Request, num_tokens: int) -> bool:
+        # Most decodes: no block filled, no checkpoint this step and no
+        # prompt tail or junction reached (what `cache_full` and
+        # `_cache_prompt_tail` would find, found without them).
+        rid = request.request_id
+        if rid not in self.tables or rid in self.checkpoints:
+            return False
+        num_full = min(num_tokens, len(request.keys) * self.pool.hash_unit) // self.block_size
+        if self.num_cached.get(rid, 0) < num_full:
+            return False
+        return not self._prompt_tail_due(request, num_tokens)
+
+    def _prompt_tail_due(self, request: Request, num_tokens: int) -> bool:
+        """Whether keying to `num_tokens` reaches the prompt's partial-tail
+        boundary (or, with the knob, the shared-prefix junction)."""
+        unit = self.pool.hash_unit
+        if num_tokens <= 0 or num_tokens % unit or num_tokens > request.num_prompt_tokens:
+            return False  # both lie on the hash grid, within the prompt
+        tail = checkpoint_position(
+            request.num_prompt_tokens, unit, self.drop_eagle_checkpoint, self.hash_lookahead
+        )
+        junction = request.shared_prefix_boundary
+        at_junction = (
+            self.shared_prefix_checkpoint
+            and num_tokens == junction
+            and request.num_computed_tokens < num_tokens
+        )
+        return num_tokens == tail or at_junction
+
     def blocks_needed(
         self,
         request_id: str,
@@ -198,15 +293,7 @@ class MambaManager(GroupManager):
         )
         if partial:
             num_new = max(num_new, 0) + 1
-        position = 0
-        if self.has_prefill_checkpoints:
-            position = checkpoint_position(
-                num_tokens_main, self.alignment, self.drop_eagle_checkpoint, self.hash_lookahead
-            )
-            if not self.needs_internal_checkpoint(
-                request_id, query_start, num_tokens_main, position, prefill_end
-            ):
-                position = 0
+        position = self.step_checkpoint(request_id, num_tokens_main, query_start, prefill_end)
         if record:
             # The per-step count decides this step's checkpoint; allocation
             # and keying read it.
@@ -339,19 +426,10 @@ class MambaManager(GroupManager):
         retention: int | None,
         boundaries: Sequence[int],
     ) -> HashKey | None:
+        if self.nothing_to_key(request, num_tokens):
+            return None
         rid = request.request_id
         before = self.num_cached.get(rid, 0)
-        unit = self.pool.hash_unit
-        if (
-            num_tokens % unit
-            and rid not in self.checkpoints
-            and before >= min(num_tokens, len(request.keys) * unit) // self.block_size
-            and rid in self.tables
-        ):
-            # Most decodes: no block filled, no hash boundary reached, no
-            # checkpoint this step (what `cache_full` and
-            # `_cache_prompt_tail` would find, found without them).
-            return None
         self.cache_full(request, num_tokens, retention, boundaries)
         after = self.num_cached.get(rid, 0)
         tail_key = self._cache_prompt_tail(request, num_tokens, retention)
@@ -403,19 +481,7 @@ class MambaManager(GroupManager):
         checkpoint = self.checkpoints.get(request.request_id)
         if checkpoint is not None:
             return self._cache_checkpoint(request, *checkpoint, retention)
-        unit = self.pool.hash_unit
-        if num_tokens <= 0 or num_tokens % unit:
-            return None
-        tail = checkpoint_position(
-            request.num_prompt_tokens, unit, self.drop_eagle_checkpoint, self.hash_lookahead
-        )
-        junction = request.shared_prefix_boundary
-        at_junction = (
-            self.shared_prefix_checkpoint
-            and num_tokens == junction
-            and request.num_computed_tokens < num_tokens <= request.num_prompt_tokens
-        )
-        if num_tokens != tail and not at_junction:
+        if not self._prompt_tail_due(request, num_tokens):
             return None
         index = cdiv(num_tokens, self.block_size) - 1
         table = self.tables[request.request_id]
@@ -470,6 +536,10 @@ class MambaNoneManager(MambaManager):
 
     # The admission and step counts take the draft slots too.
     counts_draft_slots = True
+
+    # Its counts and frees are its own: every step runs in full.
+    idle_step = GroupManager.idle_step
+    idle_limits = GroupManager.idle_limits
 
     def blocks_needed(
         self,

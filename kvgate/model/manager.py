@@ -245,8 +245,30 @@ class KVCacheManager:
         total_computed = min(num_local + external, max_len)
         num_tokens_main = total_computed + num_new_tokens
         num_need_slot = min(num_tokens_main + num_lookahead_tokens, max_len)
-        hit_blocks = new_computed_blocks or self._no_hit()
         prefill_end = self._prefill_end(request)
+        num_processed = max(0, total_computed - request.num_in_flight_tokens)
+        num_keyed = min(total_computed + num_new_tokens, request.num_tokens)
+        if (
+            new_computed_blocks is None
+            and num_new_computed_tokens == 0
+            and external == 0
+            and not full_sequence_must_fit
+            and not delay_cache_blocks
+            and reserved_blocks == 0
+            and coordinator.step_is_idle(
+                request,
+                num_processed,
+                num_need_slot,
+                num_tokens_main,
+                num_local + external,
+                prefill_end,
+                num_keyed,
+            )
+        ):
+            # Most decodes: the full path below would add, free and key
+            # nothing, and with nothing reserved the count fits.
+            return True
+        hit_blocks = new_computed_blocks or self._no_hit()
         # The admission gate: the whole sequence's count, admission cap on.
         if full_sequence_must_fit:
             num_full = min(request.num_tokens, max_len)
@@ -257,7 +279,7 @@ class KVCacheManager:
                 return False
         # States behind the processed prefix (the computed one less what a
         # batch in flight computes) are freed even if this fails.
-        coordinator.remove_skipped(rid, max(0, total_computed - request.num_in_flight_tokens))
+        coordinator.remove_skipped(rid, num_processed)
         needed = coordinator.blocks_needed(
             rid,
             num_need_slot,
@@ -287,7 +309,7 @@ class KVCacheManager:
         if delay_cache_blocks:
             return True  # keyed once the load completes (`cache_blocks`)
         # Draft tokens are never keyed: cache only up to the request's tokens.
-        coordinator.cache(request, min(total_computed + num_new_tokens, request.num_tokens))
+        coordinator.cache(request, num_keyed)
         return True
 
     def _external_admission_fits(
