@@ -4,12 +4,18 @@ included), in one run.
 
 The trace is the one `benchmarks/scale.py --full-scale` replays (the
 workload at unit 64, served with a 64-token block: 11,326 blocks; hold off,
-upstream build), generated once into
-`--out`. Each round runs the model, then vLLM (which runs the model in
-lockstep too), for each checkout given (default: this one), so every
-checkout sees the same machine state. CPU seconds (user + sys of the child)
-are the stable measure on a shared machine; wall seconds are printed beside
-them. The best round of each, and the ratio vLLM api / model.
+upstream build), generated once into `--out`. Each round runs the model,
+then vLLM (which runs the model in lockstep too), for each checkout given
+(default: this one), so every checkout sees the same machine state. CPU
+seconds (user + sys of the child) are the stable measure on a shared
+machine; wall seconds are printed beside them. The best round of each, and
+the ratio vLLM api / model.
+
+Each checkout's kvgate is byte-compiled first, as pip compiles a package it
+installs (vLLM's modules were, at its install): both targets then run from
+compiled code, as an installed kvgate does. Without it, on a machine that
+sets PYTHONDONTWRITEBYTECODE, every replay would compile the checkout's
+modules again, and the model's time would count that.
 
     python benchmarks/model_alone.py [--rounds 3] [--out DIR] [--checkout DIR ...]
                                      [--trace PATH]
@@ -26,7 +32,7 @@ from pathlib import Path
 
 # The full-scale trace is scale.py's, beside this script.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from scale import workload_trace  # noqa: E402
+from scale import compile_checkout, workload_trace  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -72,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     checkouts = [c.resolve() for c in args.checkout or [ROOT]]
     trace = args.trace.resolve() if args.trace else workload_trace(args.out, 1, 64)
     print(f"trace: {trace} ({trace.stat().st_size / 2**20:.1f} MiB)")
+    for checkout in checkouts:
+        compile_checkout(checkout)
     best: dict[tuple[Path, str], tuple[float, float]] = {}
     for round_no in range(args.rounds):
         for checkout in checkouts:

@@ -8,11 +8,12 @@ length and the pool's size, the model against vLLM, api against strict.
 
 Every replay is `kvgate replay` in a child process of its own, so each time
 includes reading the trace and each peak memory is that process's maximum
-resident set (`os.wait4`'s `ru_maxrss`); the runs of one measurement follow
-one another in one run of this script, and the ratios compare the children's
-CPU time (wall time is printed beside it), so they compare like with like
-on a loaded machine. The traces are the production workload's
-(`kvgate workload`, hold off, vLLM 0.33.0's own behaviour):
+resident set (`os.wait4`'s `ru_maxrss`); kvgate's modules are byte-compiled
+first, as an installed kvgate's are (`compile_checkout`); the runs of one
+measurement follow one another in one run of this script, and the ratios
+compare the children's CPU time (wall time is printed beside it), so they
+compare like with like on a loaded machine. The traces are the production
+workload's (`kvgate workload`, hold off, vLLM 0.33.0's own behaviour):
 
 - `full`: with `--full-scale`, the workload at full scale (unit 64, 11,326
   blocks), replayed on the model alone and on vLLM in lockstep with the
@@ -340,6 +341,14 @@ def _env() -> dict[str, str]:
     return dict(os.environ, VLLM_TARGET_DEVICE="cpu", PYTHONPATH=str(ROOT))
 
 
+def compile_checkout(checkout: Path) -> None:
+    """Byte-compile `checkout`'s kvgate, as pip does for a regular install
+    (and `scripts/setup.sh` for the editable one): vLLM's installed modules
+    are compiled, and where PYTHONDONTWRITEBYTECODE is set a checkout's
+    would be compiled again by every child, a cost no installed kvgate pays."""
+    subprocess.run([PY, "-m", "compileall", "-q", str(checkout / "kvgate")], check=True)
+
+
 def _find(runs: Sequence[Run], **match: Any) -> Run | None:
     return next((r for r in runs if all(getattr(r, k) == v for k, v in match.items())), None)
 
@@ -507,6 +516,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     lengths = [int(n) for n in args.lengths.split(",") if n]
     units = [int(u) for u in args.units.split(",") if u]
     runs: list[Run] = []
+    compile_checkout(ROOT)
     print(f"scale: the workload divided by {args.scale}; each replay a child process")
     kinds = (
         [("model", "api")]

