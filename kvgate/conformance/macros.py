@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Generator
 from itertools import count
+from operator import attrgetter
 
 from kvgate.vocabulary.ops import Step
 
@@ -34,6 +35,17 @@ def expand(step: Step) -> tuple[Step, ...]:
             Step("drain", step.index, 3 * k + 3, "decode"),
         ]
     return tuple(expanded)
+
+
+def expand_all(steps: tuple[Step, ...]) -> tuple[Step, ...]:
+    """Every step's primitives (`expand`), in order: `steps` itself when
+    none is a `decode` (a long trace's usual case, then no copy is made)."""
+    if "decode" not in map(_OP, steps):
+        return steps
+    return tuple(p for s in steps for p in expand(s))
+
+
+_OP = attrgetter("op")
 
 
 def prefill_steps(prefill: Step) -> Generator[Step, bool | None, None]:

@@ -25,10 +25,12 @@ from kvgate.vocabulary.ops import (
     FIELD_TYPES,
     FREE_HOW,
     Action,
+    Phase,
     Step,
     next_phase,
     out_of_phase,
     read_step,
+    step_state,
 )
 from kvgate.vocabulary.tokens import MmItem
 
@@ -48,11 +50,62 @@ _REQUIRED = {name: frozenset(a.required) for name, a in ACTIONS.items()}
 _SELF_CONTAINED = frozenset(
     name for name, keys in _FIELDS.items() if all(FIELD_TYPES.get(k) != "prompt" for k in keys)
 )
-# A line read: its object (kept alive, so that its identity names it), its op, fields, expect.
-_Read = tuple[object, Action, dict[str, Any], dict[str, Any]]
 # How the validator says when a request arrived, was popped or ended.
 _VERBS = {"arrive": "arrived", "pop": "popped", "release": "released"}
 _ENDED_BY = {"finish": "finished", "abort": "aborted"}
+# A request not yet arrived: its phase, and since when.
+_ABSENT: tuple[Phase, str] = ("absent", "")
+
+
+class _Line:
+    """A step's line read and checked, with what each step it stands for
+    needs from it: its op, fields and `expect`, the request whose life it
+    moves and how, what it charges to the budget, what its steps share
+    (`state`). A line of a self-contained op that repeats an earlier one
+    shares it."""
+
+    __slots__ = (
+        "raw",
+        "action",
+        "values",
+        "expect",
+        "req",
+        "how",
+        "after",
+        "arrive",
+        "charge",
+        "decodes",
+        "accepted",
+        "mm",
+        "state",
+    )
+
+    def __init__(
+        self, raw: object, action: Action, values: dict[str, Any], expect: dict[str, Any]
+    ) -> None:
+        op = action.name
+        self.raw = raw  # kept alive, so that its identity names it
+        self.action = action
+        self.values = values
+        self.expect = expect
+        # The request whose life the step moves (None: it names none), and
+        # its phase after the step from each phase the step is valid in.
+        req = values.get("req")
+        self.req: str | None = req if isinstance(req, str) and action.valid_in else None
+        how = values.get("how")
+        self.how: str | None = how if isinstance(how, str) else None
+        self.after: dict[Phase, Phase] = {
+            phase: next_phase(op, phase, self.how) for phase in action.valid_in
+        }
+        # What it charges to the budget: a prompt, primitive steps (a
+        # `decode` is 3 a repeat), decodes and the drafts they accept.
+        self.arrive = op == "arrive"
+        repeats = values["steps"] if op == "decode" else 1
+        self.charge: int = 3 * repeats if op == "decode" else 1
+        self.decodes: int = repeats if op in ("decode", "decode1") else 0
+        self.accepted: int = values.get("accepted", 0)
+        self.mm: tuple[MmItem, ...] = values.get("mm", ())
+        self.state = step_state(op, values)
 
 
 class StepReader(FieldReader):
@@ -64,34 +117,33 @@ class StepReader(FieldReader):
         (`strict_yaml.load_flow_body`): each is checked once, and each step
         of it only for what depends on the steps before it (its request's
         life, the budget)."""
-        read: dict[int, _Read] = {}
-        return tuple(self.step(i, raw, read) for i, raw in enumerate(raw_steps))
+        read: dict[int, _Line] = {}
+        step = self.step
+        return tuple([step(i, raw, read) for i, raw in enumerate(raw_steps)])
 
     def step(
         self,
         index: int,
         raw: object,
-        read: dict[int, _Read] | None = None,
+        read: dict[int, _Line] | None = None,
     ) -> Step:
-        """Step `index`; `read`, if given, keeps the fields of each line read
-        so far (by the identity of its object, which it keeps alive)."""
-        known = None if read is None else read.get(id(raw))
-        if known is not None:
-            _, action, values, expect = known
-        else:
+        """Step `index`; `read`, if given, keeps each line read so far (by
+        the identity of its object, which it keeps alive)."""
+        line = None if read is None else read.get(id(raw))
+        if line is None:
             raw, op = self.op_of(index, raw, _OPS, "op")
             if op == "check":
                 return self.check_step(index, raw)
             action = ACTIONS[op]
-            values, expect = self.step_fields(index, action, raw)
+            line = _Line(raw, action, *self.step_fields(index, action, raw))
             if read is not None and op in _SELF_CONTAINED:
-                read[id(raw)] = (raw, action, values, expect)
-        op = action.name
-        self.track_request(index, action, values)
-        self.count(index, op, values)
-        if values.get("mm"):
-            self.mm_inside_prompt(index, values["req"], values["mm"])
-        return read_step(op, index, values, dict(expect))
+                read[id(raw)] = line
+        if line.req is not None:
+            self.track_request(index, line)
+        self.count(index, line)
+        if line.mm:
+            self.mm_inside_prompt(index, line.values["req"], line.mm)
+        return read_step(line.state, index, line.expect.copy())
 
     def step_fields(
         self, index: int, action: Action, raw: dict[Any, Any]
@@ -212,15 +264,15 @@ class StepReader(FieldReader):
                     f"(at most {most:,} tokens)",
                 )
 
-    def count(self, index: int, op: str, values: Mapping[str, Any]) -> None:
+    def count(self, index: int, line: _Line) -> None:
         """Charge the step to the trace's budget (before `decode` is expanded)."""
+        budget = self.budget
         try:
-            if op == "arrive":
-                self.budget.arrive(values["req"], values["prompt"])
-            repeats = values["steps"] if op == "decode" else 1
-            self.budget.add_steps(3 * repeats if op == "decode" else 1, "steps")
-            if op in ("decode", "decode1"):
-                self.budget.decoded(values["req"], repeats, values.get("accepted", 0))
+            if line.arrive:
+                budget.arrive(line.values["req"], line.values["prompt"])
+            budget.add_steps(line.charge, "steps")
+            if line.decodes:
+                budget.decoded(line.values["req"], line.decodes, line.accepted)
         except LimitError as error:
             raise self.error(index, error.field, error.message) from None
 
@@ -418,17 +470,18 @@ class StepReader(FieldReader):
             holds[req] = dict(by_group)
         return holds
 
-    def track_request(self, index: int, action: Action, values: Mapping[str, object]) -> None:
+    def track_request(self, index: int, line: _Line) -> None:
         """Enforce a request's life as the action table declares it."""
-        req = values.get("req")
-        if not isinstance(req, str) or not action.valid_in:
-            return
-        phase, since = self.requests.get(req, ("absent", ""))
-        if phase not in action.valid_in:
-            raise self.error(index, "req", out_of_phase(action.name, req, phase, since))
-        how = values.get("how")
-        after = next_phase(action.name, phase, how if isinstance(how, str) else None)
+        req = line.req
+        assert req is not None
+        phase, since = self.requests.get(req, _ABSENT)
+        after = line.after.get(phase)
+        op = line.action.name
+        if after is None:
+            raise self.error(index, "req", out_of_phase(op, req, phase, since))
+        if after == phase:
+            return  # the same life since the same step (no op leaves `absent` as it is)
         if after in ("popped", "ended") or phase == "absent":
-            verb = _ENDED_BY.get(str(how), "") if action.name == "free" else _VERBS[action.name]
+            verb = _ENDED_BY.get(str(line.how), "") if op == "free" else _VERBS[op]
             since = f"{verb} at step {index}"
         self.requests[req] = (after, since)

@@ -165,8 +165,8 @@ def load_flow_line(text: str) -> object:
 
 _BODY_KEYS = ("steps", "engine")
 _PLAIN_LINE = re.compile(r"\{[\[\]{}:, A-Za-z0-9_-]*\}")
-# Lines of the body: `  - {...}` of bare words, integers and punctuation.
-_FLOW_LINES = re.compile(r"(?:  - \{[\[\]{}:, A-Za-z0-9_-]*\}\n)+")
+# A line of the body: `  - {...}` of bare words, integers and punctuation.
+_FLOW_LINE = re.compile(r"  - \{[\[\]{}:, A-Za-z0-9_-]*\}")
 # A bare word, captured: splitting on it alternates between the text around
 # words and the words.
 _WORD = re.compile(r"([A-Za-z_][A-Za-z0-9_-]*)")
@@ -222,14 +222,26 @@ def load_flow_body(text: str, limits: Limits) -> dict[str, Any] | None:
     else:
         return None
     body_start = start + len(marker)
-    lines = _FLOW_LINES.match(text, body_start)
-    if lines is None:
+    # The body: the lines from there up to the first that is not a flow
+    # line (the text after the last newline is no line). A long body
+    # repeats a few hundred distinct lines (every decode of a request,
+    # every step and drain): each is matched and read once, and the equal
+    # lines share what it read (nothing read from a document is changed
+    # after). In first-seen order, the first distinct line that is not a
+    # flow line is where the body ends.
+    pieces = text[body_start:].split("\n")
+    del pieces[-1]
+    end = len(pieces)
+    read: dict[str, object] = {}
+    for line in dict.fromkeys(pieces):
+        if not _FLOW_LINE.fullmatch(line):
+            end = pieces.index(line)
+            break
+        read[line] = None
+    if end == 0:
         return None
-    # A long body repeats a few hundred distinct lines (every decode of a
-    # request, every step and drain): each is read once, and the equal lines
-    # share what it read (nothing read from a document is changed after).
-    body = text[body_start : lines.end()].splitlines()
-    read: dict[str, object] = dict.fromkeys(body)
+    body = pieces[:end] if end < len(pieces) else pieces
+    body_end = body_start + sum(map(len, body)) + len(body)
     try:
         for line in read:
             # Nesting as the YAML loader counts it: the document, the list, the line's.
@@ -237,7 +249,7 @@ def load_flow_body(text: str, limits: Limits) -> dict[str, Any] | None:
                 return None
             read[line] = _json_line(line[4:])
         head = _yaml_mapping(text[: start + 1])
-        tail = _yaml_mapping(text[lines.end() :]) if text[lines.end() :].strip() else {}
+        tail = _yaml_mapping(text[body_end:]) if text[body_end:].strip() else {}
     except (_NotFlow, ValueError, yaml.YAMLError, RecursionError):
         return None
     if head is None or tail is None or head.keys() & tail.keys():

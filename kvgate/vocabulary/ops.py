@@ -370,27 +370,34 @@ class Step:
         return f"step {self.index} ({self.origin}: {self.op} #{self.part})"
 
 
-def read_step(op: str, index: int, values: Mapping[str, Any], expect: dict[str, Any]) -> Step:
+def step_state(op: str, values: Mapping[str, Any]) -> dict[str, Any]:
+    """What the steps `read_step` builds from one line of a trace share: its
+    op and `values` (read and checked fields of `Step`), and a place for
+    each field a step has of its own (`index`, `expect`, `check`)."""
+    assert not values.keys() & _PER_STEP, "a field made per step is not a line's value"
+    return {**values, "op": op, "index": -1, "expect": None, "check": None}
+
+
+def read_step(state: dict[str, Any], index: int, expect: dict[str, Any]) -> Step:
     """The step `Step(op, index, **values, expect=expect)` builds, for a
-    trace's reader, at a fraction of the cost: a step sets only the few
-    fields it has (`values`, read and checked fields of `Step`), the others
-    read the class's defaults, and it is as frozen as any step. (The frozen
+    trace's reader, at a fraction of the cost (`state` is `step_state(op,
+    values)`): a step sets only the few fields it has, the others read the
+    class's defaults, and it is as frozen as any step. (The frozen
     constructor sets each of some thirty fields through `object.__setattr__`;
     a long trace's steps took a quarter of its reading to build that way.)"""
     step: Step = object.__new__(Step)
-    state = step.__dict__
-    state.update(values)
-    state["op"], state["index"], state["expect"] = op, index, expect
-    for name, factory in _STEP_FACTORIES:
-        if name not in state:
-            state[name] = factory()
+    own = state.copy()
+    own["index"] = index
+    own["expect"] = expect
+    own["check"] = {}
+    object.__setattr__(step, "__dict__", own)
     return step
 
 
-# The fields whose default is made per step (no class default to fall back on).
-_STEP_FACTORIES: tuple[tuple[str, Any], ...] = tuple(
-    (f.name, f.default_factory) for f in fields(Step) if f.default_factory is not MISSING
-)
+# The fields whose default is made per step (no class default to fall back
+# on): `read_step` makes each of them.
+_PER_STEP = frozenset(f.name for f in fields(Step) if f.default_factory is not MISSING)
+assert {"expect", "check"} == _PER_STEP, "read_step makes each field made per step"
 
 # Where a refusal trace's verdict is reached: its config, before any step.
 CONFIG_STEP = Step("config", index=-1)
