@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -224,6 +223,8 @@ def check_output_dir(path: Path, flag: str) -> None:
         ancestor = ancestor.parent
     if not ancestor.is_dir():
         raise InputError(f"{flag}: cannot create {path}: {ancestor} is not a directory")
+    import tempfile  # here: only a command given an output path pays for it
+
     try:
         # A real attempt (permissions alone do not say, for root or /proc).
         os.rmdir(tempfile.mkdtemp(prefix=".kvgate-write-test", dir=ancestor))

@@ -24,10 +24,16 @@ under these inputs", and two requests share it iff vLLM's hashes agree.
 
 from __future__ import annotations
 
-import hashlib
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+try:
+    # hashlib's own blake2b (hashlib takes it from here), without hashlib
+    # loading OpenSSL for every other hash at start-up.
+    from _blake2 import blake2b
+except ImportError:  # an interpreter without CPython's module
+    from hashlib import blake2b
 
 FIRST_FRESH_TOKEN = 1000
 
@@ -113,7 +119,7 @@ NO_INPUTS = HashInputs()
 def lora_adapter_id(name: str) -> int:
     """The int id a LoRA adapter named `name` gets (vLLM's `lora_int_id`,
     which KV-cache events carry): stable per name, in every target, >= 1."""
-    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=4).digest(), "big") + 1
+    return int.from_bytes(blake2b(name.encode(), digest_size=4).digest(), "big") + 1
 
 
 def extend_prefix_keys(
@@ -142,7 +148,7 @@ def extend_prefix_keys(
             if extra:
                 # After the fixed-width chunk, so no token run can spell it.
                 chunk += repr(extra).encode()
-        digest = hashlib.blake2b(parent + chunk, digest_size=8).hexdigest()
+        digest = blake2b(parent + chunk, digest_size=8).hexdigest()
         key = f"{start + unit}:{digest}"
         keys.append(key)
         parent = key.encode()
