@@ -223,12 +223,9 @@ class FullAttentionManager(GroupManager):
         unit, size, alignment = self.pool.hash_unit, self.block_size, self.alignment
         fine = alignment < size and size % alignment == 0
         scale = size // unit
-        hit: list[Block] = []
-        for i in range(min(max_length // size, len(keys) // scale)):
-            found = self.pool.cached_block(keys[(i + 1) * scale - 1], [self.group_id])
-            if not found:
-                break
-            hit.append(found[0])
+        # Each whole block's key: the last unit's of the block.
+        num_whole = min(max_length // size, len(keys) // scale)
+        hit = self.pool.cached_prefix(keys[scale - 1 : num_whole * scale : scale], self.group_id)
         hit_length = len(hit) * size
         if fine:
             units_per_block = size // alignment

@@ -164,6 +164,18 @@ class BlockPool:
             found.append(next(iter(entry.values())))
         return found
 
+    def cached_prefix(self, keys: Iterable[str], group_id: int) -> list[Block]:
+        """The first block cached under each of `keys` in `group_id`, in
+        order, up to the first key with none (a left-to-right hit scan)."""
+        found = []
+        cached = self.cached
+        for key in keys:
+            entry = cached.get((group_id, key))
+            if not entry:
+                break
+            found.append(next(iter(entry.values())))
+        return found
+
     def keys_of(self, block: Block) -> list[HashKey]:
         primary = [block.hash] if block.hash is not None else []
         return primary + sorted(self.secondary.get(block.block_id, ()))

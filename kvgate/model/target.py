@@ -201,12 +201,9 @@ class ModelTarget(OpDriver[Request]):
         # Only blocks with a key (with lookahead hashes, the prompt's last
         # block may have none yet).
         usable = min(request.num_prompt_tokens, keyed * unit)
-        cached = 0
-        while (cached + size) <= usable and self.pool.cached_block(
-            request.keys[(cached + size) // self.config.hash_unit - 1], [attention.group_id]
-        ):
-            cached += size
-        return cached
+        scale = size // unit
+        block_keys = request.keys[scale - 1 : usable // size * scale : scale]
+        return len(self.pool.cached_prefix(block_keys, attention.group_id)) * size
 
     def _drain_changed(self) -> None:
         changed = self.pool.take_changed()
