@@ -50,6 +50,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Protocol, cast
 
+from kvgate.conformance.collector import few_young_collections
 from kvgate.conformance.replay import (
     HOLD_NOTE,
     RETIRE_NOTE,
@@ -136,9 +137,10 @@ def replay_scheduler(
     stream = trace.stream
     events = trace.engine if stream is None else stream.engine(run.forget)
     try:
-        for event in events:
-            run.engine_step(event)
-        run.whole_views_agree()
+        with few_young_collections():
+            for event in events:
+                run.engine_step(event)
+            run.whole_views_agree()
     except Diverged as diverged:
         failures = [*run.missed, diverged.divergence]
     return ReplayResult(

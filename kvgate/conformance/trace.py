@@ -18,16 +18,15 @@ the target's chunk split.
 
 from __future__ import annotations
 
-import gc
 import re
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from kvgate.conformance.collector import no_cycle_collection
 from kvgate.conformance.config_reader import LISTED_CONFIG_KEYS, ConfigReader
 from kvgate.conformance.engine_reader import EngineReader
 from kvgate.conformance.field_reader import got, is_count
@@ -241,27 +240,6 @@ def _with_earlier_parts(path: Path, text: str, limits: Limits) -> tuple[str, int
     return head + "engine:\n" + entries + body, len(earlier) + 1
 
 
-@contextmanager
-def _no_cycle_collection() -> Iterator[None]:
-    """Reading builds a trace's many objects, all kept and none in a cycle:
-    the cyclic garbage collector, run every few hundred of them, would scan
-    them again and again for nothing (a quarter of a long trace's reading).
-    Once read, they are moved to the oldest generation at once (frozen, then
-    unfrozen: CPython's one way to move them), which only a full collection
-    scans, instead of each being scanned twice more on its way there, by a
-    young collection and a middle one. Nothing frozen by others is touched."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            if not gc.get_freeze_count():
-                gc.freeze()
-                gc.unfreeze()
-            gc.enable()
-
-
 def parse_trace(
     text: str,
     path: str | Path = "<string>",
@@ -278,7 +256,7 @@ def parse_trace(
     instead, and `Trace.cut` says what cut it."""
     path = Path(path)
     try:
-        with _no_cycle_collection():
+        with no_cycle_collection():
             return _Reader(path, limits).trace(load_document(text, path, limits))
     except TraceError as error:
         if not _is_recording(text):
