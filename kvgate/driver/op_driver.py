@@ -95,7 +95,7 @@ class OpDriver(ManagerCalls[R]):
         copied: tuple[R, int] | None = None
         for segment in segments:
             if segment.kind == "fresh":
-                tokens += self.fresh.take(segment.count)
+                tokens.extend(self.fresh.ids(segment.count))
             elif segment.kind == "tokens":
                 tokens += segment.token_ids
             else:

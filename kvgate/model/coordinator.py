@@ -355,6 +355,32 @@ class Coordinator:
                 )
             manager.cache(request, num_tokens, self.retention_interval, boundaries)
 
+    def in_idle_window(
+        self,
+        request: Request,
+        num_processed: int,
+        num_slots: int,
+        num_tokens_main: int,
+        num_keyed: int,
+    ) -> bool:
+        """Whether the request's idle window (see `idle.py`) covers a step
+        to these counts (`allocate_slots`'s); a window it no longer covers
+        is dropped."""
+        window = self.idle_windows.get(request.request_id)
+        if window is None:
+            return False
+        if window.covers(
+            num_processed,
+            num_slots,
+            num_tokens_main,
+            num_keyed,
+            request.keys_rewritten,
+            self.pool.keys_dropped,
+        ):
+            return True
+        del self.idle_windows[request.request_id]
+        return False
+
     def step_is_idle(
         self,
         request: Request,
@@ -366,24 +392,11 @@ class Coordinator:
         num_keyed: int,
     ) -> bool:
         """Whether a step of the running request that adopts no hit changes
-        nothing: no group adds, frees or keys a block (most decodes). The
-        counts are `allocate_slots`'s: `remove_skipped`'s, `blocks_needed`'s
-        and `cache`'s. Within the request's idle window this is a few
-        comparisons; otherwise the groups check in full, and an idle step
-        opens a new window."""
-        rid = request.request_id
-        window = self.idle_windows.get(rid)
-        if window is not None:
-            if window.covers(
-                num_processed,
-                num_slots,
-                num_tokens_main,
-                num_keyed,
-                request.keys_rewritten,
-                self.pool.keys_dropped,
-            ):
-                return True
-            del self.idle_windows[rid]
+        nothing: no group adds, frees or keys a block (most decodes), each
+        group checking in full. The counts are `allocate_slots`'s:
+        `remove_skipped`'s, `blocks_needed`'s and `cache`'s. An idle step
+        opens a window (`in_idle_window`) later steps are checked against
+        first."""
         prefill_end = self._checkpoint_prefill_end(prefill_end)
         for manager in self.managers:
             if not manager.idle_step(

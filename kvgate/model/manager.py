@@ -245,29 +245,35 @@ class KVCacheManager:
         total_computed = min(num_local + external, max_len)
         num_tokens_main = total_computed + num_new_tokens
         num_need_slot = min(num_tokens_main + num_lookahead_tokens, max_len)
-        prefill_end = self._prefill_end(request)
         num_processed = max(0, total_computed - request.num_in_flight_tokens)
         num_keyed = min(total_computed + num_new_tokens, request.num_tokens)
-        if (
+        # A step of a running request adopting no hit, with nothing reserved.
+        plain_step = (
             new_computed_blocks is None
             and num_new_computed_tokens == 0
             and external == 0
             and not full_sequence_must_fit
             and not delay_cache_blocks
             and reserved_blocks == 0
-            and coordinator.step_is_idle(
+        )
+        if plain_step and (
+            coordinator.in_idle_window(
+                request, num_processed, num_need_slot, num_tokens_main, num_keyed
+            )
+            or coordinator.step_is_idle(
                 request,
                 num_processed,
                 num_need_slot,
                 num_tokens_main,
                 num_local + external,
-                prefill_end,
+                self._prefill_end(request),
                 num_keyed,
             )
         ):
             # Most decodes: the full path below would add, free and key
             # nothing, and with nothing reserved the count fits.
             return True
+        prefill_end = self._prefill_end(request)
         hit_blocks = new_computed_blocks or self._no_hit()
         # The admission gate: the whole sequence's count, admission cap on.
         if full_sequence_must_fit:

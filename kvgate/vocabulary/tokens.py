@@ -45,9 +45,13 @@ class FreshTokens:
         self._next = start
 
     def take(self, n: int) -> list[int]:
+        return list(self.ids(n))
+
+    def ids(self, n: int) -> range:
+        """`take`, as a range: a long prompt's ids are not built twice."""
         first = self._next
         self._next += n
-        return list(range(first, first + n))
+        return range(first, first + n)
 
 
 @dataclass(frozen=True)
