@@ -320,14 +320,16 @@ SCALE_SECTION = Section(
     "Replay at production scale",
     "about 20 minutes",
     (
-        f"{PY} benchmarks/scale.py --full-scale --scheduler --scale 64 --json {SCALE_JSON} "
+        f"{PY} benchmarks/scale.py --full-scale --full-runs 3 --scheduler --scale 64 "
+        f"--json {SCALE_JSON} "
         f"--plot {SCALE_PLOT}",
     ),
     render_scale,
     "The production workload's traces replayed by `kvgate replay`, each run a process of "
     "its own (its time includes importing vLLM and reading the trace; its peak memory is "
     "the process's maximum resident set): the full-scale trace on the model alone and on "
-    "vLLM in lockstep with the model at levels api and strict; the workload's day repeated "
+    "vLLM in lockstep with the model at levels api and strict (three runs of each, the "
+    "fastest in CPU time counted); the workload's day repeated "
     "into a longer history at level strict (read entry by entry); the pool's size "
     "from the coarsest hash unit to the finest; and the workload as a scheduler-level "
     "trace served with the finest hash unit's block (its pool's size on each line), on "
