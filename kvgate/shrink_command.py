@@ -10,10 +10,12 @@ that it fails only where the target and the model differ. That first
 divergence (its kind of step, level and field) is what the shrunk trace
 must keep; `conformance.shrink` then removes requests, steps, tokens and
 pool blocks while it does. Every candidate runs in this process (vLLM is
-imported once). A manager-level trace written one step a line (as kvgate
-writes them) is not held whole: its first divergence is found by a
-streamed replay, as `kvgate replay --stream` reads it, and only the steps
-up to it are read into memory and shrunk. On `--target model` there is no lockstep: the trace's own
+imported once). A trace written one entry a line (as kvgate writes them:
+manager steps, or the engine entries of a generated Scheduler-level
+history) is not held whole: its first divergence is found by a streamed
+replay, as `kvgate replay --stream` reads it, and only the entries up to
+it are read into memory and shrunk; the account still counts the whole
+history's steps. On `--target model` there is no lockstep: the trace's own
 expectations are what the model fails, so candidates keep them. A
 recording cut short is refused, as by `kvgate replay`, unless `--partial`
 asks to shrink the entries recorded before the cut.
@@ -49,7 +51,7 @@ from kvgate.conformance.replay import (
 )
 from kvgate.conformance.shrink import Shrinker, streamed_without_expectations
 from kvgate.conformance.stream import stream_trace
-from kvgate.conformance.trace import Trace, load_trace
+from kvgate.conformance.trace import Trace
 from kvgate.errors import EXIT_KVGATE_BUG, EXIT_OK, InputError, printable
 from kvgate.output import VERBOSE, VllmLogs
 from kvgate.targets import (
@@ -103,9 +105,6 @@ def register(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     path: Path = args.trace
     trace = stream_trace(path, partial=args.partial)
-    if trace.scheduler_level and trace.stream is not None:
-        # A scheduler-level history is shrunk from the whole trace.
-        trace = load_trace(path, partial=args.partial)
     if trace.expect_refused is not None:
         raise InputError(f"{path}: a refusal trace has no steps to shrink")
     out: Path = args.out or path.with_name(f"{path.stem}.shrunk.yaml")
@@ -116,8 +115,11 @@ def run(args: argparse.Namespace) -> int:
     keep_expectations = args.target == LOCKSTEP_MODEL
     history = None
     if trace.stream is not None:
-        # The first divergence found streaming; only the steps up to it read.
-        history = trace.stream.written_steps()
+        # The first divergence found streaming; only the entries up to it
+        # read. A divergence's step is numbered by the written entry (an
+        # engine step of a run of `steps: N` by the run's line), so the
+        # prefix ends with the line it was seen in.
+        history = trace.stream.length
         first = outcome(trace if keep_expectations else streamed_without_expectations(trace))
         divergence = _divergence(path, first, args.target)
         if divergence is None:

@@ -1,6 +1,8 @@
 """`kvgate shrink`: a long trace that diverges under one of the fault
 campaign's faults shrinks to a small one that diverges at the same field,
-for both kinds of trace; delta debugging itself; bad input.
+for both kinds of trace; a long history of either kind whose divergence
+comes late is shrunk from the prefix up to it alone, as it would be from
+the whole trace; delta debugging itself; bad input.
 
 The default run shrinks a generated trace of each kind of several hundred
 steps on small pools (a few seconds each once vLLM is imported);
@@ -21,10 +23,12 @@ from typing import Any
 
 import pytest
 from configs import needs_vllm
+from scheduler_runs import Wrapped, run_vllm
 
 from kvgate import cli, shrink_command
 from kvgate.conformance.replay import ReplayResult
 from kvgate.conformance.shrink import Shrinker, ddmin, step_count
+from kvgate.conformance.stream import stream_trace
 from kvgate.conformance.trace import (
     Trace,
     bundled_corpus,
@@ -39,8 +43,10 @@ from kvgate.targets import gate_factories, run_scheduler_trace, run_trace, sched
 from kvgate.vocabulary.ops import Segment
 from kvgate.vocabulary.scheduling import EngineSettings, EngineStep
 from kvgate.workload.deployment import Deployment
+from kvgate.workload.engine_trace import write_engine_trace
 from kvgate.workload.generator import generate
 from kvgate.workload.plan import Workload, make_plan
+from kvgate.workload.runner import Arm
 
 LONG = os.environ.get("KVGATE_SHRINK_LONG") == "1"
 # One fault of vLLM's block manager, one of its Scheduler (kvgate/mutate/faults.yaml).
@@ -306,3 +312,150 @@ def test_a_long_history_is_shrunk_from_the_prefix_up_to_its_late_divergence(
     result = run_trace(shrunk, factory, None, "strict", target_is_model=True)
     assert isinstance(result, ReplayResult)
     assert where_and_what(result) == ("lookup", "expect", "hit")
+
+
+# -- a long Scheduler-level history, its divergence late ----------------------
+
+# The request whose cached tokens the drifted Scheduler below misreports: the
+# second turn of a session on the ninth of ten days.
+LATE = "d8-s01t02"
+
+
+@pytest.fixture(scope="module")
+def engine_history(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The production workload at the Scheduler level, every token count
+    divided by 64, its day played ten times: 840 engine steps on 180 lines,
+    runs of idle steps written `steps: N`."""
+    deployment = Deployment(build="upstream").scaled(64)
+    out = tmp_path_factory.mktemp("history")
+    return write_engine_trace(Workload(sessions=3, turns=3), deployment, Arm(64, False), out, 10)
+
+
+class _LateCachedTokens(Wrapped):
+    """vLLM's Scheduler, reporting one late request's cached tokens one block
+    high at its first output."""
+
+    def take_prefill_stats(self) -> dict[str, tuple[int, int]]:
+        stats: dict[str, tuple[int, int]] = self.real.take_prefill_stats()
+        return {r: (c + 64 if r == LATE else c, w) for r, (c, w) in stats.items()}
+
+
+def drifted_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`kvgate shrink --target vllm` runs on `_LateCachedTokens`."""
+
+    def drifted(target: str, plugin: str | None) -> Any:
+        model, build = scheduler_factories(target, plugin)
+        assert build is not None
+        return model, lambda *settings: _LateCachedTokens(build(*settings))
+
+    monkeypatch.setattr(shrink_command, "scheduler_factories", drifted)
+
+
+def shrunk_whole_and_streamed(
+    path: Path,
+    line: int,
+    target: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> tuple[Trace, Path, str]:
+    """`path`, diverging on `target` at written entry `line`, shrunk from the
+    whole trace read whole, then streamed: both shrunk alike (the same
+    steps, the same account). On vLLM, every line after that entry's is made
+    unreadable once the trace is validated: nothing reads them (on the
+    model a missed expectation does not end the replay, which reads on).
+    The prefix the streamed shrinker was handed, the streamed result and
+    its line."""
+    lines = path.read_text().splitlines(keepends=True)
+    cut = lines.index("engine:\n") + 1 + line + 1
+    assert cut + 10 < len(lines)  # late, but well before the end
+    out_whole = tmp_path / "from-whole.yaml"
+    with monkeypatch.context() as whole_read:
+        whole_read.setattr(shrink_command, "stream_trace", lambda path, partial: load_trace(path))
+        argv = ["shrink", str(path), "--target", target, "-o", str(out_whole), "-q"]
+        assert cli.main(argv) == EXIT_OK
+    from_whole = capsys.readouterr().out.strip().splitlines()[-1]
+
+    spoiled, out = tmp_path / "spoiled.yaml", tmp_path / "from-prefix.yaml"
+    spoiled.write_text("".join(lines))
+
+    def validated_then_spoiled(trace_path: Path, partial: bool) -> Trace:
+        trace = stream_trace(trace_path, partial=partial)
+        if target == "vllm":
+            rest = ["  - {op: step, steps: spoiled}\n"] * (len(lines) - cut)
+            trace_path.write_text("".join(lines[:cut] + rest))
+        return trace
+
+    handed: list[Trace] = []
+
+    class Watched(Shrinker):
+        def __init__(self, trace: Trace, *args: Any) -> None:
+            super().__init__(trace, *args)
+            handed.append(trace)
+
+    with monkeypatch.context() as streamed:
+        streamed.setattr(shrink_command, "stream_trace", validated_then_spoiled)
+        streamed.setattr(shrink_command, "Shrinker", Watched)
+        argv = ["shrink", str(spoiled), "--target", target, "-o", str(out), "-q"]
+        assert cli.main(argv) == EXIT_OK
+    from_prefix = capsys.readouterr().out.strip().splitlines()[-1]
+    assert ("steps: spoiled" in spoiled.read_text()) == (target == "vllm")
+    assert out.read_text() == out_whole.read_text()
+    assert from_prefix.removeprefix(f"{out}: ") == from_whole.removeprefix(f"{out_whole}: ")
+    [prefix] = handed
+    return prefix, out, from_prefix
+
+
+@needs_vllm
+def test_a_long_scheduler_level_history_is_shrunk_from_the_prefix_up_to_its_late_divergence(
+    engine_history: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    whole = load_trace(engine_history)
+    planted = run_vllm(whole, _LateCachedTokens)
+    assert planted.divergence is not None and "prefill stats" in planted.divergence.what
+    line = planted.divergence.step.index  # the written entry it was seen in
+    drifted_vllm(monkeypatch)
+    prefix, out, account = shrunk_whole_and_streamed(
+        engine_history, line, "vllm", tmp_path, monkeypatch, capsys
+    )
+    # The shrinker held the written entries up to the divergence's, no more:
+    # that entry a run of `steps: N` the divergence came in the middle of.
+    assert prefix.engine[-1].index == line
+    assert planted.steps_run < len(prefix.engine) < len(whole.engine)
+    # The account counts the whole history's engine steps.
+    assert account.startswith(f"{out}: from {len(whole.engine)} steps to ")
+    shrunk = load_trace(out)
+    assert step_count(shrunk) <= 10
+    assert where_and_what(run_vllm(shrunk, _LateCachedTokens)) == where_and_what(planted)
+
+
+def test_on_the_model_a_late_wrong_expectation_is_shrunk_from_the_prefix(
+    engine_history: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # The first run of idle steps after the late request arrives, its first
+    # step expecting that nothing is scheduled.
+    lines = engine_history.read_text().splitlines(keepends=True)
+    body = lines.index("engine:\n") + 1
+    arrival = next(i for i, text in enumerate(lines) if f"req: {LATE}," in text)
+    at = next(i for i in range(arrival, len(lines)) if "op: step, steps: " in lines[i])
+    runs = int(re.sub(r"\D", "", lines[at]))
+    lines[at : at + 1] = [
+        "  - {op: step, expect: {scheduled: []}}\n",
+        f"  - {{op: step, steps: {runs - 1}}}\n",
+    ]
+    path = tmp_path / "wrong.yaml"
+    path.write_text("".join(lines))
+    prefix, out, account = shrunk_whole_and_streamed(
+        path, at - body, "model", tmp_path, monkeypatch, capsys
+    )
+    assert prefix.engine[-1].index == at - body
+    assert account.startswith(f"{out}: from {len(load_trace(path).engine)} steps to ")
+    result = run_scheduler_trace(load_trace(out), *scheduler_factories("model", None), "strict")
+    assert isinstance(result, ReplayResult)
+    assert where_and_what(result) == ("step", "expect", "scheduled")

@@ -21,13 +21,14 @@ scheduler-level (`engine`), by delta debugging (`ddmin`) in this order:
 
 The phases repeat while one of them still removes something. A long
 history need not be held: `kvgate shrink` finds the first divergence of a
-trace written one step a line by a streamed replay (`without_expectations`
-applies to a stream too), then hands the shrinker only the prefix up to
-it. Each candidate's verdict is remembered by its text's digest, not the
-text. A candidate
-is written with the project's writer and read back through the trace
-reader, so a candidate the format refuses (a step on a request that never
-arrived) is rejected before it runs; one the target or the model refuses
+trace written one entry a line (manager steps or engine entries) by a
+streamed replay (`without_expectations` applies to a stream too,
+`BareStream`), then hands the shrinker only the prefix up to it, and the
+whole history's length for its account (`history_steps`). Each
+candidate's verdict is remembered by its text's digest, not the text. A
+candidate is written with the project's writer and read back through the
+trace reader, so a candidate the format refuses (a step on a request that
+never arrived) is rejected before it runs; one the target or the model refuses
 while it runs gets no verdict and is rejected too. Nothing rejected is
 ever reported.
 
@@ -146,8 +147,9 @@ def without_expectations(trace: Trace) -> tuple[Item, ...]:
 
 @dataclass(frozen=True)
 class BareStream:
-    """A streamed trace's steps (`conformance.stream.StepStream`) as
-    `without_expectations` leaves them, read as they replay."""
+    """A streamed trace's steps or engine entries
+    (`conformance.stream.StepStream`) as `without_expectations` leaves them,
+    read as they replay."""
 
     stream: Any
 
@@ -155,6 +157,10 @@ class BareStream:
         for step in self.stream.primitives(forget):
             if step.op != "check":
                 yield replace(step, expect={})
+
+    def engine(self, forget: Callable[[list[str]], None] | None = None) -> Iterator[EngineStep]:
+        for entry in self.stream.engine(forget):
+            yield replace(entry, expect={})
 
 
 def streamed_without_expectations(trace: Trace) -> Trace:

@@ -13,7 +13,9 @@ kvgate writes every trace) twice, a line at a time:
 
 Peak memory then follows the pool and the requests alive at once, not the
 history's length. A trace in any other form (a recording, with its end
-line) is read whole, as without `--stream`.
+line) is read whole, as without `--stream`. `kvgate shrink` replays a
+stream to its first divergence, then reads whole only the entries up to
+it (`StepStream.prefix`).
 """
 
 from __future__ import annotations
@@ -53,12 +55,16 @@ Forget = Callable[[list[str]], None]
 @dataclass(frozen=True)
 class StepStream:
     """A validated trace's primitive steps, read again from its file as they
-    run. `last_use`: each word's last step index (request names among them)."""
+    run. `last_use`: each word's last step index (request names among them).
+    `length`: the history's length as a whole trace's is counted
+    (`shrink.step_count`): its written steps, or at the Scheduler level its
+    engine steps (a run of `steps: N` as N)."""
 
     path: Path
     body_offset: int
     limits: Limits
     last_use: dict[str, int]
+    length: int
 
     def primitives(self, forget: Forget | None = None) -> Iterator[Step]:
         """The steps as the replayer runs them; before each step, `forget`
@@ -92,15 +98,10 @@ class StepStream:
                     forget(ended_at.pop(index - 1, []))
                 yield reader, index, raw
 
-    def written_steps(self) -> int:
-        """How many steps the file holds (written, macros unexpanded)."""
-        with self.path.open("rb") as file:
-            file.seek(self.body_offset)
-            return sum(1 for _ in file)
-
     def prefix(self, steps: int) -> Trace:
-        """The trace of the first `steps` written steps alone, read whole:
-        its head and those lines, nothing after them."""
+        """The trace of the first `steps` written steps (or engine entries, a
+        run of `steps: N` one of them) alone, read whole: its head and those
+        lines, nothing after them."""
         with self.path.open("rb") as file:
             head = file.read(self.body_offset)
             lines = [line for _, line in zip(range(steps), file, strict=False)]
@@ -175,15 +176,15 @@ def stream_trace(path: str | Path, limits: Limits = DEFAULT_LIMITS, partial: boo
     if head.scheduler is not None:
         reader.engine_settings(_settings_doc(head))
     reader.entries({body: [None]}, body)
-    count = 0
+    count = length = 0
     with path.open(encoding="utf-8") as file:
         file.seek(offset)
         for index, raw in enumerate(_entries(file, path, body)):
             if head.scheduler_level:
-                for _ in reader.engine_step(index, raw):
-                    pass
+                length += len(reader.engine_step(index, raw))
             else:
                 reader.step(index, raw)
+                length += 1
             count += 1
             if count > limits.steps:
                 raise TraceError(path, None, body, over("steps", count, limits))
@@ -191,7 +192,7 @@ def stream_trace(path: str | Path, limits: Limits = DEFAULT_LIMITS, partial: boo
                 last_use[word] = index
     if not count:
         raise TraceError(path, None, body, "must be a non-empty list, got an empty one")
-    stream = StepStream(path, offset, limits, last_use)
+    stream = StepStream(path, offset, limits, last_use, length)
     if head.scheduler_level:
         return replace(head, engine=(), stream=stream)
     return replace(head, steps=(), primitives=(), stream=stream)
