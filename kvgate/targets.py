@@ -33,7 +33,7 @@ from kvgate.conformance.scheduler_replay import SchedulerModelFactory, replay_sc
 from kvgate.conformance.trace import Trace, TraceError
 from kvgate.errors import InputError
 from kvgate.vocabulary.config import Config, UnsupportedConfig
-from kvgate.vocabulary.scheduling import SchedulerTarget
+from kvgate.vocabulary.scheduling import EngineStep, SchedulerTarget
 from kvgate.vocabulary.target import Target
 
 # Where each target lives, as "module:factory", imported only when chosen.
@@ -184,14 +184,25 @@ def scheduler_factories(
 
 def _lacking(target: SchedulerTarget, trace: Trace) -> tuple[int, str, str] | None:
     """What of `trace` the real scheduler cannot run (the trace is then not
-    applicable to it), as (step, field, why); None when it runs all of it."""
-    if trace.has_pauses and not target.pause_states:
-        first = next(e.index for e in trace.engine if e.op == "pause")
-        return first, "mode", "this vLLM's Scheduler has no pause states"
-    if trace.has_sessions and not target.streaming_input:
-        first = next(e.index for e in trace.engine if e.resumable)
-        return first, "resumable", "this vLLM's Scheduler takes no streaming-input sessions"
+    applicable to it), as (step, field, why); None when it runs all of it.
+    A streamed trace's entries are read for it only from a build that
+    lacks something."""
+    if not target.pause_states:
+        first = _first(trace, lambda e: e.op == "pause")
+        if first is not None:
+            return first, "mode", "this vLLM's Scheduler has no pause states"
+    if not target.streaming_input:
+        first = _first(trace, lambda e: e.resumable)
+        if first is not None:
+            return first, "resumable", "this vLLM's Scheduler takes no streaming-input sessions"
     return None
+
+
+def _first(trace: Trace, which: Callable[[EngineStep], bool]) -> int | None:
+    """The index of `trace`'s first engine entry that is `which`, read from
+    its file when the trace is streamed; None when there is none."""
+    entries = trace.engine if trace.stream is None else trace.stream.engine()
+    return next((e.index for e in entries if which(e)), None)
 
 
 def run_scheduler_trace(

@@ -15,10 +15,12 @@ from scheduler_runs import Wrapped, recorded, run_vllm, text_of, trace_of
 from kvgate import cli, targets
 from kvgate.conformance.replay import TraceRunError
 from kvgate.conformance.scheduler_replay import replay_scheduler
+from kvgate.conformance.stream import stream_trace
 from kvgate.conformance.trace import (
     TraceError,
     load_trace,
 )
+from kvgate.conformance.writer import dump_engine_trace
 from kvgate.model.scheduler import SchedulerModel
 
 KEEP = "sched-pause-keep-reset-resume"
@@ -72,8 +74,9 @@ def test_a_scheduler_that_ignores_the_pause_diverges_in_the_next_step(name: str)
 
 
 @needs_vllm
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
 def test_a_scheduler_without_pause_states_finds_the_trace_not_applicable(
-    monkeypatch: pytest.MonkeyPatch,
+    streamed: bool, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     from kvgate.impl import vllm_scheduler
 
@@ -85,9 +88,17 @@ def test_a_scheduler_without_pause_states_finds_the_trace_not_applicable(
 
     monkeypatch.setattr(vllm_scheduler.VllmScheduler, "__init__", without)
     model, real = targets.scheduler_factories("vllm", None)
-    outcome = targets.run_scheduler_trace(trace_of(KEEP), model, real, "strict")
+    trace = trace_of(KEEP)
+    if streamed:  # its entries left in its file, one a line
+        path = tmp_path / f"{KEEP}.yaml"
+        assert trace.scheduler is not None
+        path.write_text(dump_engine_trace(trace.name, trace.config, trace.scheduler, trace.engine))
+        trace = stream_trace(path)
+        assert trace.stream is not None and not trace.engine
+    outcome = targets.run_scheduler_trace(trace, model, real, "strict")
     assert isinstance(outcome, TraceRunError) and outcome.config_refused, outcome
-    assert "mode: this vLLM's Scheduler has no pause states" in outcome.message
+    first = next(e.index for e in trace_of(KEEP).engine if e.op == "pause")
+    assert f"step {first}: mode: this vLLM's Scheduler has no pause states" in outcome.message
 
 
 @needs_vllm

@@ -140,11 +140,6 @@ class Trace:
         """A scheduler-level trace with a streaming-input session."""
         return any(event.resumable for event in self.engine)
 
-    @property
-    def has_pauses(self) -> bool:
-        """A scheduler-level trace that pauses the engine."""
-        return any(event.op == "pause" for event in self.engine)
-
 
 def load_trace(path: str | Path, limits: Limits = DEFAULT_LIMITS, partial: bool = False) -> Trace:
     """Read and validate the trace in file `path` (a regular file within the
