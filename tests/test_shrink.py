@@ -432,15 +432,11 @@ def test_a_long_scheduler_level_history_is_shrunk_from_the_prefix_up_to_its_late
     assert where_and_what(run_vllm(shrunk, _LateCachedTokens)) == where_and_what(planted)
 
 
-def test_on_the_model_a_late_wrong_expectation_is_shrunk_from_the_prefix(
-    engine_history: Path,
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    capsys: pytest.CaptureFixture[str],
-) -> None:
-    # The first run of idle steps after the late request arrives, its first
-    # step expecting that nothing is scheduled.
-    lines = engine_history.read_text().splitlines(keepends=True)
+def late_wrong_expectation(history: Path, path: Path) -> int:
+    """`history` written to `path` with the first run of engine steps after
+    the late request arrives split, its first step expecting that nothing
+    is scheduled (two requests run then): the index of that entry."""
+    lines = history.read_text().splitlines(keepends=True)
     body = lines.index("engine:\n") + 1
     arrival = next(i for i, text in enumerate(lines) if f"req: {LATE}," in text)
     at = next(i for i in range(arrival, len(lines)) if "op: step, steps: " in lines[i])
@@ -449,13 +445,44 @@ def test_on_the_model_a_late_wrong_expectation_is_shrunk_from_the_prefix(
         "  - {op: step, expect: {scheduled: []}}\n",
         f"  - {{op: step, steps: {runs - 1}}}\n",
     ]
-    path = tmp_path / "wrong.yaml"
     path.write_text("".join(lines))
+    return at - body
+
+
+def test_on_the_model_a_late_wrong_expectation_is_shrunk_from_the_prefix(
+    engine_history: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    path = tmp_path / "wrong.yaml"
+    line = late_wrong_expectation(engine_history, path)
     prefix, out, account = shrunk_whole_and_streamed(
-        path, at - body, "model", tmp_path, monkeypatch, capsys
+        path, line, "model", tmp_path, monkeypatch, capsys
     )
-    assert prefix.engine[-1].index == at - body
+    assert prefix.engine[-1].index == line
     assert account.startswith(f"{out}: from {len(load_trace(path).engine)} steps to ")
     result = run_scheduler_trace(load_trace(out), *scheduler_factories("model", None), "strict")
     assert isinstance(result, ReplayResult)
     assert where_and_what(result) == ("step", "expect", "scheduled")
+
+
+def test_a_scheduler_level_trace_is_cut_after_its_first_missed_expectation(
+    engine_history: Path, tmp_path: Path
+) -> None:
+    path = tmp_path / "wrong.yaml"
+    line = late_wrong_expectation(engine_history, path)
+    trace = load_trace(path)
+    model, _ = scheduler_factories("model", None)
+
+    def judge(candidate: Trace) -> ReplayResult | None:
+        result = run_scheduler_trace(candidate, model, None, "strict")
+        return result if isinstance(result, ReplayResult) else None
+
+    shrinker = Shrinker(trace, judge, keep_expectations=True)
+    reference = shrinker.reference()
+    # A missed expectation does not end the replay: it ran every entry.
+    assert reference is not None and reference.steps_run == len(trace.engine)
+    shrinker.cut_after_divergence()
+    expecting = next(i for i, entry in enumerate(trace.engine) if entry.index == line)
+    assert len(shrinker.items) == expecting + 1

@@ -3,7 +3,7 @@
 `Shrinker` reduces either kind of trace, manager-level (`steps`) or
 scheduler-level (`engine`), by delta debugging (`ddmin`) in this order:
 
-1. everything after the first divergence is cut (a replay stops there);
+1. everything after the first divergence is cut (nothing after it counts);
    then the requests that ended earliest are dropped, as many as still
    diverge alike, found by bisection (a request another kept one's prompt
    names stays): a long history's failure usually needs only its last
@@ -289,8 +289,14 @@ class Shrinker:
         assert self.best is not None
         trace, _, result = self.best
         assert result.divergence is not None
-        # Engine steps run (the diverging one last), or the diverging step's index.
-        end = result.steps_run if trace.scheduler_level else result.divergence.step.index + 1
+        at = result.divergence.step.index
+        if trace.scheduler_level:
+            # The engine steps run, the diverging one last; but a missed
+            # expectation does not end a replay, so the entries up to its
+            # line (an entry that expects is one engine step) end it then.
+            end = min(result.steps_run, sum(1 for item in self.items if item.index <= at))
+        else:
+            end = at + 1
         if end < len(self.items):
             self.passes(self.config, self.items[:end])
         self.say("after the divergence cut")
