@@ -33,6 +33,7 @@ from kvgate.conformance.trace import (
     Trace,
     TraceError,
     _Reader,
+    is_recording,
     load_trace,
     parse_trace,
     read_each,
@@ -134,9 +135,9 @@ def _head(path: Path, limits: Limits) -> tuple[Trace, str]:
 
 
 def _is_recording(path: Path) -> bool:
-    """A recording's head says so (`recording:`); it is read whole, which
-    checks its end line (or, with `partial`, where it was cut)."""
-    return any(line.startswith("recording:") for line in _head_lines(path)[0])
+    """A recording's head says so; it is read whole, which checks its end
+    line (or, with `partial`, where it was cut)."""
+    return is_recording("".join(_head_lines(path)[0]))
 
 
 def _entries(file: TextIO, path: Path, body: str) -> Iterator[object]:

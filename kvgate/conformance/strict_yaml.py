@@ -240,7 +240,7 @@ def load_flow_body(text: str, limits: Limits) -> dict[str, Any] | None:
         read[line] = None
     if end == 0:
         return None
-    body = pieces[:end] if end < len(pieces) else pieces
+    body = pieces[:end]
     body_end = body_start + sum(map(len, body)) + len(body)
     try:
         for line in read:

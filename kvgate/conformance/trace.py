@@ -147,7 +147,7 @@ def load_trace(path: str | Path, limits: Limits = DEFAULT_LIMITS, partial: bool 
     recording cut short is read up to the cut (`parse_trace`)."""
     path = Path(path)
     text = _read_text(path, limits)
-    if _is_recording(text):
+    if is_recording(text):
         text, parts = _with_earlier_parts(path, text, limits)
         if parts > 1:
             # The parts' entries are read as one document.
@@ -254,7 +254,7 @@ def parse_trace(
         with no_cycle_collection():
             return _Reader(path, limits).trace(load_document(text, path, limits))
     except TraceError as error:
-        if not _is_recording(text):
+        if not is_recording(text):
             raise
         head, lines, cut = _recording_lines(text)
         if error.field == "engine" and not lines and error.step_index is None:
@@ -288,7 +288,7 @@ def parse_trace(
         return replace(trace, cut=f"entry {at}: {error.field}: {error.message}")
 
 
-def _is_recording(text: str) -> bool:
+def is_recording(text: str) -> bool:
     """A recording's head has a top-level `recording:` mapping: a line that
     starts so (a substring search, several times faster than a multiline
     regex over a long trace's text)."""

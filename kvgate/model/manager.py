@@ -256,24 +256,24 @@ class KVCacheManager:
             and not delay_cache_blocks
             and reserved_blocks == 0
         )
-        if plain_step and (
-            coordinator.in_idle_window(
-                request, num_processed, num_need_slot, num_tokens_main, num_keyed
-            )
-            or coordinator.step_is_idle(
-                request,
-                num_processed,
-                num_need_slot,
-                num_tokens_main,
-                num_local + external,
-                self._prefill_end(request),
-                num_keyed,
-            )
+        # Most decodes: the full path below would add, free and key nothing,
+        # and with nothing reserved the count fits. Within the request's idle
+        # window that is a few comparisons; otherwise the groups check in full.
+        if plain_step and coordinator.in_idle_window(
+            request, num_processed, num_need_slot, num_tokens_main, num_keyed
         ):
-            # Most decodes: the full path below would add, free and key
-            # nothing, and with nothing reserved the count fits.
             return True
         prefill_end = self._prefill_end(request)
+        if plain_step and coordinator.step_is_idle(
+            request,
+            num_processed,
+            num_need_slot,
+            num_tokens_main,
+            num_local + external,
+            prefill_end,
+            num_keyed,
+        ):
+            return True
         hit_blocks = new_computed_blocks or self._no_hit()
         # The admission gate: the whole sequence's count, admission cap on.
         if full_sequence_must_fit:
